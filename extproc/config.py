@@ -1,0 +1,175 @@
+"""The one YAML config file: replicas, key sources, TTLs and thresholds.
+
+Every default is SPEC.md's number (they live in ``extproc.core.config``).
+A bad file raises ``ConfigError`` whose message is one line naming the
+field, e.g. ``pins.session_ttl_s: expected a number >= 0, got 'soon'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from .core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """One line that names the offending field."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    name: str  # also the Envoy cluster name
+    url: str  # base URL of the vLLM server; /metrics is scraped from it
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        u = urlsplit(self.url)
+        return u.port or (443 if u.scheme == "https" else 80)
+
+
+@dataclass(frozen=True, slots=True)
+class AppConfig:
+    replicas: tuple[ReplicaSpec, ...] = ()
+    router: RouterConfig = field(default_factory=RouterConfig)
+    source: str = "<defaults>"
+
+
+_SECTIONS = {"health": HealthConfig, "pins": PinConfig, "profile": ProfileConfig}
+# RouterConfig's own scalar fields live under "routing:".
+_ROUTING_FIELDS = {f.name for f in dataclasses.fields(RouterConfig)} - set(_SECTIONS)
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+        return _coerce(path, value, tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        raise ConfigError(f"{path}: expected a whole number >= 0, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            return float(value)
+        raise ConfigError(f"{path}: expected a number >= 0, got {value!r}")
+    if tp is str:
+        if isinstance(value, str) and value:
+            return value
+        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{path}: expected a list of non-empty strings, got {value!r}")
+        return tuple(v.lower() if "header" in path else v for v in value)
+    raise ConfigError(f"{path}: unsupported type")  # pragma: no cover - a programming error
+
+
+def _fill(section: str, cls: type, raw: Any, allowed: set[str] | None = None) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = allowed if allowed is not None else {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"{section}.{key}: unknown field (known: {', '.join(sorted(names))})")
+        out[key] = _coerce(f"{section}.{key}", value, hints[key])
+    return out
+
+
+def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"replicas: expected a list, got {type(raw).__name__}")
+    seen: set[str] = set()
+    out = []
+    for i, item in enumerate(raw):
+        where = f"replicas[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}: expected a mapping with name and url")
+        extra = set(item) - {"name", "url"}
+        if extra:
+            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: name, url)")
+        name = item.get("name")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ConfigError(f"{where}.name: expected letters, digits, '_', '.', '-' (<= 63), got {name!r}")
+        if name in seen:
+            raise ConfigError(f"{where}.name: duplicate replica name {name!r}")
+        if name.startswith("warmroute_"):
+            raise ConfigError(f"{where}.name: names starting with 'warmroute_' are reserved")
+        seen.add(name)
+        url = item.get("url")
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{where}.url: expected an http(s) URL like http://127.0.0.1:8000, got {url!r}")
+        try:
+            parts.port
+        except ValueError:
+            raise ConfigError(f"{where}.url: bad port in {url!r}") from None
+        out.append(ReplicaSpec(name, url.rstrip("/")))
+    return tuple(out)
+
+
+def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    known = {"replicas", "routing", *_SECTIONS}
+    for key in doc:
+        if key not in known:
+            raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(known))})")
+    kwargs: dict[str, Any] = {}
+    for section, cls in _SECTIONS.items():
+        kwargs[section] = cls(**_fill(section, cls, doc.get(section)))
+    kwargs.update(_fill("routing", RouterConfig, doc.get("routing"), _ROUTING_FIELDS))
+    router = RouterConfig(**kwargs)
+    if router.token_weight_unit < 1:
+        raise ConfigError("routing.token_weight_unit: expected a whole number >= 1")
+    if router.profile.chars_per_token <= 0:
+        raise ConfigError("profile.chars_per_token: expected a number > 0")
+    if router.health.scrape_interval_s <= 0:
+        raise ConfigError("health.scrape_interval_s: expected a number > 0")
+    return AppConfig(_replicas(doc.get("replicas")), router, source)
+
+
+def load_config(path: str | Path) -> AppConfig:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{p}:{where}: {problem}") from None
+    return parse_config(doc, str(p))

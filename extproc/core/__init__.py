@@ -1,0 +1,30 @@
+"""The routing core: SPEC.md as a pure, deterministic library.
+
+No I/O, no asyncio, no wall clock: every time-dependent call takes ``now``.
+Nothing in this package imports from the rest of ``extproc``.
+"""
+
+from .config import HealthConfig, PinConfig, ProfileConfig, RouterConfig
+from .pins import PREFIX, SESSION, Pin, PinTable
+from .profile import RequestProfile, build_profile, hash_key, system_prompt
+from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
+from .stats import imbalance_index
+from .router import (
+    AFFINITY,
+    FALLBACK,
+    LOAD,
+    NO_HEALTHY,
+    Decision,
+    PinEvent,
+    Reservation,
+    Router,
+)
+
+__all__ = [
+    "AFFINITY", "FALLBACK", "LOAD", "NO_HEALTHY", "PREFIX", "SESSION",
+    "LIVE", "PROBING", "EJECTED", "State", "Transition",
+    "HealthConfig", "PinConfig", "ProfileConfig", "RouterConfig",
+    "HealthMachine", "Replica", "Pin", "PinTable",
+    "RequestProfile", "build_profile", "hash_key", "system_prompt",
+    "Decision", "PinEvent", "Reservation", "Router", "imbalance_index",
+]

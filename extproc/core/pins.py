@@ -1,0 +1,93 @@
+"""Soft-sticky pins (SPEC A3): key hash -> replica, with an idle TTL and a spill counter.
+
+A pin is refreshed whenever its key is routed, so the table kept in
+refresh order is also in expiry order: expiring walks from the oldest
+end and stops at the first live pin, so its cost is proportional to what
+expires, never to the number of pins.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from .replica import Replica
+
+SESSION = "session"
+PREFIX = "prefix"
+
+
+class Pin:
+    __slots__ = ("replica", "last_used", "spills")
+
+    def __init__(self, replica: "Replica", now: float):
+        self.replica = replica
+        self.last_used = now
+        self.spills = 0
+
+
+class PinTable:
+    """Pins of one kind (session or prefix)."""
+
+    __slots__ = ("kind", "ttl_s", "_pins", "expired", "created", "deleted")
+
+    def __init__(self, kind: str, ttl_s: float):
+        self.kind = kind
+        self.ttl_s = ttl_s  # float("inf") disables expiry (simulator ablation "no pin TTL")
+        self._pins: OrderedDict[bytes, Pin] = OrderedDict()
+        self.expired = 0
+        self.created = 0
+        self.deleted = 0
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def __iter__(self) -> Iterator[tuple[bytes, Pin]]:
+        return iter(self._pins.items())
+
+    def get(self, key: bytes, now: float) -> Pin | None:
+        """The live pin of ``key``, or None. An idle pin past its TTL dies here too."""
+        pin = self._pins.get(key)
+        if pin is not None and now - pin.last_used > self.ttl_s:
+            del self._pins[key]
+            self.expired += 1
+            return None
+        return pin
+
+    def touch(self, key: bytes, pin: Pin, now: float) -> None:
+        """Restart the idle TTL of a pin that was just used."""
+        pin.last_used = now
+        self._pins.move_to_end(key)
+
+    def put(self, key: bytes, replica: "Replica", now: float) -> Pin:
+        pin = Pin(replica, now)
+        self._pins[key] = pin
+        self._pins.move_to_end(key)
+        self.created += 1
+        return pin
+
+    def delete(self, key: bytes) -> None:
+        if self._pins.pop(key, None) is not None:
+            self.deleted += 1
+
+    def expire(self, now: float) -> int:
+        """Drop every pin idle for longer than the TTL; returns how many."""
+        pins = self._pins
+        ttl = self.ttl_s
+        n = 0
+        while pins:
+            key, pin = next(iter(pins.items()))
+            if now - pin.last_used <= ttl:
+                break
+            pins.popitem(last=False)
+            n += 1
+        self.expired += n
+        return n
+
+    def count_by_replica(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for pin in self._pins.values():
+            name = pin.replica.name
+            out[name] = out.get(name, 0) + 1
+        return out

@@ -1,0 +1,199 @@
+"""The request profile: session key, prefix key and token estimate (SPEC A3, B).
+
+Keys are hashes: no prompt text or raw session id leaves this module.
+A malformed, empty, non-JSON or gigantic body never raises; it yields a
+profile without body keys plus ``body_status`` saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import orjson
+
+from .config import ProfileConfig
+
+# body_status values
+BODY_OK = "ok"
+BODY_ABSENT = "absent"  # no body was seen (GET, or the shell did not buffer it)
+BODY_EMPTY = "empty"
+BODY_NOT_JSON = "not_json"
+BODY_NOT_OBJECT = "not_object"
+BODY_TOO_LARGE = "too_large"
+
+_SYSTEM_ROLES = ("system", "developer")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProfile:
+    session_key: bytes | None = None
+    prefix_key: bytes | None = None
+    tokens: int = 0  # prompt_tokens_estimate
+    body_status: str = BODY_ABSENT
+    session_source: str | None = None  # e.g. "header:x-session-id", "body:metadata.thread_id"
+
+
+def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
+    """MD5 (A3) of kind, tenant and value, so equal values in two tenants never share a pin."""
+    h = hashlib.md5(kind.encode())
+    h.update(b"\x00")
+    if tenant:
+        h.update(tenant.encode("utf-8", "surrogatepass"))
+    h.update(b"\x00")
+    h.update(value.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def _text_of(content: Any) -> str:
+    """Text of a message content: a string, or a list of parts ({"type": "text", "text": ...} or strings)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict):
+                t = part.get("text")
+                if isinstance(t, str):
+                    parts.append(t)
+                else:
+                    # Responses API items nest content one level deeper.
+                    inner = part.get("content")
+                    if isinstance(inner, (str, list)):
+                        parts.append(_text_of(inner))
+        return "".join(parts)
+    return ""
+
+
+def _chars_of(value: Any) -> int:
+    """Characters of text the model will read inside a messages/input/prompt value."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        n = 0
+        for item in value:
+            if isinstance(item, str):
+                n += len(item)
+            elif isinstance(item, dict):
+                if "content" in item:
+                    n += len(_text_of(item["content"]))
+                t = item.get("text")
+                if isinstance(t, str):
+                    n += len(t)
+        return n
+    return 0
+
+
+def system_prompt(body: Mapping[str, Any]) -> str | None:
+    """The text that carries the shared prefix of a request.
+
+    Chat: the first ``system`` or ``developer`` message. Responses API:
+    ``instructions`` (or the first system/developer input item). Legacy
+    completions: ``prompt``. Anthropic-style ``system`` is accepted too.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES:
+                return _text_of(m.get("content"))
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        return instructions
+    inp = body.get("input")
+    if isinstance(inp, list):
+        for m in inp:
+            if isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES:
+                return _text_of(m.get("content"))
+    system = body.get("system")
+    if isinstance(system, (str, list)):
+        return _text_of(system)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[0]
+    return None
+
+
+def _body_chars(body: Mapping[str, Any]) -> int:
+    n = 0
+    for field in ("messages", "input", "prompt"):
+        if field in body:
+            n += _chars_of(body[field])
+    for field in ("instructions", "system"):
+        v = body.get(field)
+        if isinstance(v, str):
+            n += len(v)
+        elif isinstance(v, list):
+            n += len(_text_of(v))
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        # Tool schemas are read by the model too; agents send many of them.
+        try:
+            n += len(orjson.dumps(tools))
+        except TypeError:
+            pass
+    return n
+
+
+def _session_from_body(body: Mapping[str, Any], fields: tuple[str, ...]) -> tuple[str, str] | None:
+    for f in fields:
+        v = body.get(f)
+        if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v):
+            return str(v), f
+    meta = body.get("metadata")
+    if isinstance(meta, dict):
+        for f in fields:
+            v = meta.get(f)
+            if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v):
+                return str(v), "metadata." + f
+    return None
+
+
+def build_profile(
+    headers: Mapping[str, str],
+    body: bytes | None,
+    cfg: ProfileConfig,
+) -> RequestProfile:
+    """Profile of one request. ``headers`` keys must be lower-case (as HTTP/2 and Envoy give them)."""
+    tenant = headers.get(cfg.tenant_header) if cfg.tenant_header else None
+    session_key = None
+    session_source = None
+    for h in cfg.session_headers:
+        v = headers.get(h)
+        if v:
+            session_key = hash_key("session", tenant, v)
+            session_source = "header:" + h
+            break
+
+    if body is None:
+        return RequestProfile(session_key, None, 0, BODY_ABSENT, session_source)
+    size = len(body)
+    bytes_estimate = int(size / cfg.chars_per_token)
+    if size == 0:
+        return RequestProfile(session_key, None, 0, BODY_EMPTY, session_source)
+    if size > cfg.max_body_bytes:
+        return RequestProfile(session_key, None, bytes_estimate, BODY_TOO_LARGE, session_source)
+    try:
+        doc = orjson.loads(body)
+    except (orjson.JSONDecodeError, ValueError, TypeError):
+        return RequestProfile(session_key, None, bytes_estimate, BODY_NOT_JSON, session_source)
+    if not isinstance(doc, dict):
+        return RequestProfile(session_key, None, bytes_estimate, BODY_NOT_OBJECT, session_source)
+
+    if session_key is None:
+        found = _session_from_body(doc, cfg.session_body_fields)
+        if found is not None:
+            session_key = hash_key("session", tenant, found[0])
+            session_source = "body:" + found[1]
+
+    prefix_key = None
+    sp = system_prompt(doc)
+    if sp:
+        prefix_key = hash_key("prefix", tenant, sp[: cfg.prefix_chars])
+
+    tokens = int(_body_chars(doc) / cfg.chars_per_token)
+    return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source)

@@ -1,0 +1,232 @@
+"""Per-replica signals (SPEC A1) and the health state machine (SPEC A2, B).
+
+Nothing here reads a clock: every call that depends on time takes ``now``
+(seconds, any monotonic origin).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .config import HealthConfig
+
+_NEVER = float("-inf")
+
+
+class State(str, enum.Enum):
+    LIVE = "LIVE"
+    PROBING = "PROBING"
+    EJECTED = "EJECTED"
+
+
+LIVE, PROBING, EJECTED = State.LIVE, State.PROBING, State.EJECTED
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One health state change, for logs, metrics and the simulator's timeline."""
+
+    replica: str
+    old: State
+    new: State
+    reason: str
+    at: float
+    cooldown_s: float = 0.0  # set when new is EJECTED
+    streak: int = 0
+
+
+class HealthMachine:
+    """LIVE / PROBING / EJECTED, driven by scrapes and upstream outcomes only.
+
+    Recovery never uses a user's request as the probe (A2): only
+    ``on_scrape(ok=True)`` moves EJECTED towards PROBING.
+    """
+
+    __slots__ = (
+        "cfg",
+        "state",
+        "entered_at",
+        "cooldown_until",
+        "streak",
+        "good_scrapes",
+        "upstream_failures",
+        "last_scrape_ok_at",
+        "ejections",
+    )
+
+    def __init__(self, cfg: HealthConfig, now: float):
+        self.cfg = cfg
+        # B (start-up): a replica starts EJECTED without cooldown, so it must
+        # earn 2 good scrapes and the clean window before it takes pins.
+        self.state = EJECTED
+        self.entered_at = now
+        self.cooldown_until = now
+        self.streak = 0
+        self.good_scrapes = 0
+        self.upstream_failures = 0
+        self.last_scrape_ok_at = _NEVER
+        self.ejections = 0
+
+    @property
+    def cooldown_s(self) -> float:
+        """Cooldown of the current streak (0 when the streak is reset)."""
+        return self.cfg.cooldown_s(self.streak)
+
+    def _move(self, name: str, new: State, reason: str, now: float) -> Transition:
+        old = self.state
+        self.state = new
+        self.entered_at = now
+        if new is EJECTED:
+            return Transition(name, old, new, reason, now, self.cooldown_s, self.streak)
+        return Transition(name, old, new, reason, now)
+
+    def _eject(self, name: str, reason: str, now: float) -> Transition:
+        if self.state is LIVE and now - self.entered_at >= self.cfg.streak_reset_live_s:
+            self.streak = 0  # the streak resets only after 600 s of continuous LIVE
+        self.streak += 1
+        self.ejections += 1
+        self.cooldown_until = now + self.cfg.cooldown_s(self.streak)
+        self.good_scrapes = 0
+        self.upstream_failures = 0
+        return self._move(name, EJECTED, reason, now)
+
+    def on_scrape(self, name: str, ok: bool, now: float) -> Transition | None:
+        """A scrape finished at ``now``. EJECTED replicas keep being scraped: it is their only way back."""
+        if not ok:
+            self.good_scrapes = 0
+            if self.state is EJECTED:
+                return None
+            return self._eject(name, "scrape_failed", now)
+        self.last_scrape_ok_at = now
+        if self.state is EJECTED:
+            if now < self.cooldown_until:
+                # A2: the 2 good scrapes count only after the cooldown.
+                self.good_scrapes = 0
+                return None
+            self.good_scrapes += 1
+            if self.good_scrapes >= self.cfg.good_scrapes_to_probe:
+                self.good_scrapes = 0
+                return self._move(name, PROBING, "good_scrapes", now)
+            return None
+        return self.advance(name, now)
+
+    def on_upstream(self, name: str, ok: bool, now: float) -> Transition | None:
+        """Outcome of a user request as seen by Envoy (5xx, connect failure, reset = not ok)."""
+        if ok:
+            self.upstream_failures = 0
+            return None
+        if self.state is PROBING:
+            return self._eject(name, "upstream_failure", now)  # A2: any 5xx while PROBING
+        if self.state is LIVE:
+            self.upstream_failures += 1
+            if self.upstream_failures >= self.cfg.upstream_failures_to_eject:
+                return self._eject(name, "upstream_failures", now)
+        return None
+
+    def advance(self, name: str, now: float) -> Transition | None:
+        """Apply the timers: stale scrapes eject; a clean PROBING window promotes to LIVE."""
+        st = self.state
+        if st is EJECTED:
+            return None
+        stale_after = self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
+        if now - self.last_scrape_ok_at > stale_after:
+            return self._eject(name, "stale_scrape", now)
+        if st is PROBING:
+            if now - self.entered_at >= self.cfg.probing_clean_window_s:
+                return self._move(name, LIVE, "clean_window", now)
+        elif self.streak and now - self.entered_at >= self.cfg.streak_reset_live_s:
+            self.streak = 0
+        return None
+
+    def next_due(self) -> float:
+        """Earliest time at which ``advance`` may change something."""
+        st = self.state
+        if st is EJECTED:
+            return float("inf")
+        due = self.last_scrape_ok_at + self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
+        if st is PROBING:
+            due = min(due, self.entered_at + self.cfg.probing_clean_window_s)
+        elif self.streak:
+            due = min(due, self.entered_at + self.cfg.streak_reset_live_s)
+        return due
+
+
+class Replica:
+    """What the router knows of one replica: scraped load, its own in-flight work, health, drain."""
+
+    __slots__ = (
+        "name",
+        "index",
+        "health",
+        "drained",
+        "removed",
+        "scraped_running",
+        "scraped_waiting",
+        "kv_usage",
+        "scraped_at",
+        "wlc_milli",
+        "in_flight_requests",
+        "count_wlc",
+    )
+
+    def __init__(self, name: str, index: int, health: HealthMachine, count_wlc: bool = True):
+        self.name = name
+        self.index = index
+        self.health = health
+        self.drained = False
+        self.removed = False
+        self.scraped_running = 0
+        self.scraped_waiting = 0
+        self.kv_usage = 0.0
+        self.scraped_at = _NEVER
+        # Token weights are kept in thousandths as an int so that releasing
+        # every reservation brings wlc_in_flight back to exactly 0.
+        self.wlc_milli = 0
+        self.in_flight_requests = 0
+        self.count_wlc = count_wlc
+
+    @property
+    def state(self) -> State:
+        return self.health.state
+
+    @property
+    def wlc_in_flight(self) -> float:
+        """Sum of token weights of this router's unfinished requests on the replica (A1, B)."""
+        return self.wlc_milli / 1000
+
+    @property
+    def effective_running(self) -> float:
+        """A1: max(scraped_num_running, wlc_in_flight)."""
+        if not self.count_wlc:
+            return self.scraped_running
+        w = self.wlc_milli / 1000
+        r = self.scraped_running
+        return w if w > r else r
+
+    @property
+    def effective_waiting(self) -> float:
+        """A1: scraped_num_waiting + max(0, wlc_in_flight - scraped_num_running)."""
+        if not self.count_wlc:
+            return self.scraped_waiting
+        extra = self.wlc_milli / 1000 - self.scraped_running
+        return self.scraped_waiting + (extra if extra > 0 else 0)
+
+    def snapshot(self) -> dict:
+        h = self.health
+        return {
+            "name": self.name,
+            "state": h.state.value,
+            "drained": self.drained,
+            "effective_running": self.effective_running,
+            "effective_waiting": self.effective_waiting,
+            "wlc_in_flight": self.wlc_in_flight,
+            "in_flight_requests": self.in_flight_requests,
+            "scraped_running": self.scraped_running,
+            "scraped_waiting": self.scraped_waiting,
+            "kv_usage": self.kv_usage,
+            "cooldown_s": h.cooldown_s,
+            "cooldown_until": h.cooldown_until,
+            "streak": h.streak,
+            "ejections": h.ejections,
+        }

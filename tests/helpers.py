@@ -1,0 +1,54 @@
+"""Helpers shared by the core tests: build routers whose replicas are already LIVE."""
+
+from __future__ import annotations
+
+from extproc.core import LIVE, RequestProfile, Router, RouterConfig, hash_key
+
+
+def names(n: int) -> list[str]:
+    return [f"r{i}" for i in range(n)]
+
+
+def live_router(n: int = 4, cfg: RouterConfig | None = None) -> tuple[Router, float]:
+    """A router whose ``n`` replicas went through start-up (2 good scrapes + 15 s) and are LIVE."""
+    router = Router(cfg or RouterConfig(), names(n), 0.0)
+    t = 0.0
+    while True:
+        scrape_all(router, t)
+        if all(r.state is LIVE for r in router.replicas):
+            return router, t  # the time of the last scrape
+        t += 3.0
+
+
+def scrape_all(router: Router, now: float, loads: dict[str, tuple[int, int]] | None = None, ok: bool = True) -> None:
+    loads = loads or {}
+    for r in router.replicas:
+        running, waiting = loads.get(r.name, (0, 0))
+        router.on_scrape(r.name, ok, now, running=running, waiting=waiting)
+
+
+def prof(session: str | None = None, prefix: str | None = None, tokens: int = 0) -> RequestProfile:
+    return RequestProfile(
+        session_key=hash_key("session", None, session) if session else None,
+        prefix_key=hash_key("prefix", None, prefix) if prefix else None,
+        tokens=tokens,
+        body_status="ok",
+    )
+
+
+def scrape_until(router: Router, t: float, done, loads=None, failing: frozenset[str] = frozenset(), limit_s: float = 3600.0) -> float:
+    """Scrape every 3 s from ``t`` (replicas in ``failing`` fail) until ``done()``; returns the time reached."""
+    end = t + limit_s
+    while not done():
+        if t > end:
+            raise AssertionError("condition not reached within the deadline")
+        for r in router.replicas:
+            if r.name in failing:
+                router.on_scrape(r.name, False, t)
+            else:
+                running, waiting = (loads or {}).get(r.name, (0, 0))
+                router.on_scrape(r.name, True, t, running=running, waiting=waiting)
+        if done():
+            break
+        t += 3.0
+    return t

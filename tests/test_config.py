@@ -1,0 +1,83 @@
+"""The YAML config: defaults are SPEC numbers; a broken file gives one line naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from extproc.config import ConfigError, load_config, parse_config
+
+GOOD = """
+replicas:
+  - {name: r0, url: "http://127.0.0.1:8001"}
+  - {name: r1, url: "http://127.0.0.1:8002/"}
+pins: {session_ttl_s: 1800}
+profile: {session_headers: [X-Agent-Session, x-session-id]}
+routing: {token_weight_unit: 2000}
+"""
+
+
+def test_a_good_file_loads_and_keeps_spec_defaults_elsewhere(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(GOOD)
+    cfg = load_config(f)
+    assert [r.name for r in cfg.replicas] == ["r0", "r1"]
+    assert cfg.replicas[1].url == "http://127.0.0.1:8002" and cfg.replicas[1].port == 8002
+    assert cfg.router.pins.session_ttl_s == 1800 and cfg.router.pins.prefix_ttl_s == 300
+    assert cfg.router.profile.session_headers == ("x-agent-session", "x-session-id")  # lower-cased
+    assert cfg.router.token_weight_unit == 2000
+    assert cfg.router.health.scrape_interval_s == 3
+
+
+@pytest.mark.parametrize(
+    "text,field",
+    [
+        ("pins: {session_ttl_s: soon}", "pins.session_ttl_s"),
+        ("pins: {session_ttl_s: -5}", "pins.session_ttl_s"),
+        ("pins: {sesion_ttl_s: 5}", "pins.sesion_ttl_s"),
+        ("health: {scrape_interval_s: 0}", "health.scrape_interval_s"),
+        ("health: {good_scrapes_to_probe: 2.5}", "health.good_scrapes_to_probe"),
+        ("profile: {session_headers: x-session-id}", "profile.session_headers"),
+        ("routing: {wlc_enabled: yes please}", "routing.wlc_enabled"),
+        ("routing: {token_weight_unit: 0}", "routing.token_weight_unit"),
+        ("routing: {health: 1}", "routing.health"),
+        ("replicas: {r0: x}", "replicas"),
+        ("replicas: [{name: r0}]", "replicas[0].url"),
+        ("replicas: [{name: r0, url: 'ftp://x'}]", "replicas[0].url"),
+        ("replicas: [{name: r0, url: 'http://h:99999'}]", "replicas[0].url"),
+        ("replicas: [{name: 'bad name', url: 'http://h:1'}]", "replicas[0].name"),
+        ("replicas: [{name: r0, url: 'http://h:1'}, {name: r0, url: 'http://h:2'}]", "replicas[1].name"),
+        ("replicas: [{name: r0, url: 'http://h:1', weight: 2}]", "replicas[0].weight"),
+        ("bogus: 1", "bogus"),
+        ("pins: [1, 2]", "pins"),
+        ("pins: {session_ttl_s: [1", "line 1"),
+        ("- a list", "top level"),
+    ],
+)
+def test_a_broken_config_gives_one_line_naming_the_field(tmp_path, text, field):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert field in msg and "\n" not in msg
+
+
+def test_a_missing_file_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_empty_file_is_all_defaults():
+    cfg = parse_config(None)
+    assert cfg.replicas == () and cfg.router.pins.prefix_ttl_s == 300
+
+
+def test_check_config_cli_prints_one_line_and_exits_2(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("pins: {prefix_ttl_s: never}\n")
+    p = subprocess.run([sys.executable, "-m", "extproc.cli", "check-config", str(f)], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and "pins.prefix_ttl_s" in p.stderr and "Traceback" not in p.stderr

@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(VENV)/bin/warmroute demo
+	$(VENV)/bin/warmroute up
 
 test: install
 	$(PY) -m pytest -q

@@ -3,36 +3,97 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+
+
+def _config_or_exit(path: str | None):
+    from .config import AppConfig, ConfigError, load_config
+
+    if path is None:
+        return AppConfig()
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        print(f"warmroute: config error: {e}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="warmroute", description="LLM-aware routing brain for Envoy")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="replay a scripted burst of agent traffic through the routing core")
+    u = sub.add_parser("up", help="start Envoy + brain + 4 mock vLLM replicas, send agent load, show the table")
+    u.add_argument("--replicas", type=int, default=4)
+    u.add_argument("--sessions", type=int, default=12)
+    u.add_argument("--turns", type=int, default=6)
+    u.add_argument("--no-serve", action="store_true", help="stop after the load instead of serving until Ctrl-C")
+
+    d = sub.add_parser("demo-core", help="replay a scripted burst of agent traffic through the routing core alone")
     d.add_argument("--seed", type=int, default=7)
+
+    b = sub.add_parser("brain", help="run the ext_proc / access-log gRPC service (the brain)")
+    b.add_argument("--config", required=True)
+    b.add_argument("--grpc-port", type=int, default=None, help="overrides brain.grpc_port (0: the OS picks)")
+    b.add_argument("--admin-port", type=int, default=None, help="overrides brain.admin_port (loopback only)")
+    b.add_argument("--ready-file", default=None, help="write the bound ports here as JSON once serving")
+
+    m = sub.add_parser("mock-vllm", help="an OpenAI-compatible stand-in for one vLLM replica")
+    from .mock_vllm import add_arguments
+
+    add_arguments(m)
+
+    e = sub.add_parser("envoy-config", help="render the Envoy bootstrap (or the paste-in snippets) from the config")
+    e.add_argument("--config", required=True)
+    e.add_argument("--snippets", action="store_true", help="print the pieces for an existing Envoy instead")
 
     c = sub.add_parser("check-config", help="validate a config file; prints one line naming a bad field")
     c.add_argument("config")
 
     args = ap.parse_args(argv)
-    if args.cmd == "demo":
+    if args.cmd == "demo-core":
         from .demo_core import run
 
         router = run(sys.stdout, seed=args.seed)
         print(f"  open reservations at the end: {router.open_reservations}")
         return 0
     if args.cmd == "check-config":
-        from .config import ConfigError, load_config
-
-        try:
-            cfg = load_config(args.config)
-        except ConfigError as e:
-            print(f"warmroute: config error: {e}", file=sys.stderr)
-            return 2
+        cfg = _config_or_exit(args.config)
         print(f"{cfg.source}: ok, {len(cfg.replicas)} replicas")
         return 0
+    if args.cmd == "envoy-config":
+        from .envoy_config import bootstrap, dump, snippets
+
+        cfg = _config_or_exit(args.config)
+        sys.stdout.write(dump(snippets(cfg) if args.snippets else bootstrap(cfg)))
+        return 0
+    if args.cmd == "mock-vllm":
+        from .mock_vllm import serve
+
+        try:
+            asyncio.run(serve(args))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    if args.cmd == "brain":
+        import dataclasses
+
+        from .service import run_brain, setup_logging
+
+        cfg = _config_or_exit(args.config)
+        setup_logging()
+        grpc_port = cfg.brain.grpc_port if args.grpc_port is None else args.grpc_port
+        admin_port = cfg.brain.admin_port if args.admin_port is None else args.admin_port
+        cfg = dataclasses.replace(cfg, brain=dataclasses.replace(cfg.brain, grpc_port=grpc_port, admin_port=admin_port))
+        try:
+            asyncio.run(run_brain(cfg, cfg.brain.host, grpc_port, admin_port, args.ready_file))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    if args.cmd == "up":
+        from .up import up
+
+        return up(args)
     return 2  # pragma: no cover
 
 

@@ -43,9 +43,36 @@ class ReplicaSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class BrainConfig:
+    """Where the brain listens. The admin port is always bound to loopback."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int = 9100
+    admin_port: int = 9101
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyConfig:
+    """What the rendered Envoy bootstrap needs beyond the replica list."""
+
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 8080
+    admin_port: int = 9901  # Envoy's admin interface, on 127.0.0.1 only
+    max_body_bytes: int = 64 * 1024 * 1024  # Envoy's 1 MiB default answers 413 to long contexts
+    ext_proc_timeout_s: float = 1.0  # past this Envoy fails open to the least-request route
+    stream_idle_timeout_s: float = 900.0  # a stalled replica must not hang a client forever; 0 disables
+    upstream_connect_timeout_s: float = 1.0
+    access_log_flush_s: float = 0.01  # how late a reservation may be released after the request ends
+    brain_health_check_interval_s: float = 1.0
+    retries: int = 2  # on connect failure / reset before any response byte, each on another replica
+
+
+@dataclass(frozen=True, slots=True)
 class AppConfig:
     replicas: tuple[ReplicaSpec, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
+    brain: BrainConfig = field(default_factory=BrainConfig)
+    envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     source: str = "<defaults>"
 
 
@@ -139,7 +166,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
-    known = {"replicas", "routing", *_SECTIONS}
+    known = {"replicas", "routing", "brain", "envoy", *_SECTIONS}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -154,7 +181,15 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("profile.chars_per_token: expected a number > 0")
     if router.health.scrape_interval_s <= 0:
         raise ConfigError("health.scrape_interval_s: expected a number > 0")
-    return AppConfig(_replicas(doc.get("replicas")), router, source)
+    brain = BrainConfig(**_fill("brain", BrainConfig, doc.get("brain")))
+    envoy = EnvoyConfig(**_fill("envoy", EnvoyConfig, doc.get("envoy")))
+    for section, obj in (("brain", brain), ("envoy", envoy)):
+        for f in dataclasses.fields(obj):
+            if f.name.endswith("_port") and getattr(obj, f.name) > 65535:
+                raise ConfigError(f"{section}.{f.name}: expected a port number 0..65535")
+    if router.profile.max_body_bytes > envoy.max_body_bytes:
+        raise ConfigError("profile.max_body_bytes: must not exceed envoy.max_body_bytes")
+    return AppConfig(_replicas(doc.get("replicas")), router, brain, envoy, source)
 
 
 def load_config(path: str | Path) -> AppConfig:

@@ -367,6 +367,10 @@ class Router:
         self._reservations.pop(res.id, None)
         return True
 
+    def reservation(self, rid: int) -> Reservation | None:
+        """The open reservation with id ``rid`` (None once released)."""
+        return self._reservations.get(rid)
+
     @property
     def open_reservations(self) -> int:
         return len(self._reservations)

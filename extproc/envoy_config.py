@@ -1,0 +1,289 @@
+"""Render Envoy's bootstrap from the same config the brain reads, so the two never disagree.
+
+The bootstrap is assembled from pieces that also ship alone (``snippets``)
+for users who already run Envoy:
+
+- ``http_filters``: strip any client-supplied routing header, then ext_proc;
+- ``access_log``: the gRPC access-log entry that tells the brain each request's end and outcome;
+- ``routes``: the pair "route by the brain's header" / "fail open to least-request over all";
+- ``brain_cluster`` and one ``replica_cluster`` per replica.
+
+Each replica cluster has the replica itself at priority 0 and the other
+replicas at priority 1. Envoy sends everything to priority 0 (no active
+health checks mark it down); a retry after a refused connection or a reset
+before any response byte skips the priority already tried, so it lands on
+another replica. Per-replica stats stay ``cluster.<replica>.upstream_rq_total``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+import yaml
+
+from .config import AppConfig, ReplicaSpec
+
+ROUTING_HEADER = "x-warmroute-cluster"
+RESERVATION_HEADER = "x-warmroute-reservation"
+BRAIN_CLUSTER = "warmroute_brain"
+FALLBACK_CLUSTER = "warmroute_fallback"
+EXT_PROC_STAT_PREFIX = "warmroute"
+_BIG = 1_000_000  # circuit-breaker ceilings: LLM requests are long, Envoy's 1024 defaults are not for them
+
+
+def _dur(seconds: float) -> str:
+    return f"{seconds:.3f}s"
+
+
+def _address(host: str, port: int) -> dict:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _thresholds() -> dict:
+    return {
+        "thresholds": [
+            {"priority": "DEFAULT", "max_connections": _BIG, "max_pending_requests": _BIG, "max_requests": _BIG, "max_retries": _BIG},
+            {"priority": "HIGH", "max_connections": _BIG, "max_pending_requests": _BIG, "max_requests": _BIG, "max_retries": _BIG},
+        ]
+    }
+
+
+def http_filters(cfg: AppConfig) -> list[dict]:
+    """The two filters to put before the router filter, in this order."""
+    e = cfg.envoy
+    return [
+        {
+            # A client must not choose its replica (nor release someone's reservation).
+            "name": "envoy.filters.http.header_mutation",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                "mutations": {"request_mutations": [{"remove": ROUTING_HEADER}, {"remove": RESERVATION_HEADER}]},
+            },
+        },
+        {
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
+                "stat_prefix": EXT_PROC_STAT_PREFIX,
+                # Brain down or slow: the request goes on without the header, to the fallback route.
+                "failure_mode_allow": True,
+                "message_timeout": _dur(e.ext_proc_timeout_s),
+                # Envoy pipelines the body behind the headers instead of waiting for the headers' answer.
+                "send_body_without_waiting_for_header_response": True,
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SKIP",
+                    "request_body_mode": "BUFFERED",
+                    "response_body_mode": "NONE",
+                    "request_trailer_mode": "SKIP",
+                    "response_trailer_mode": "SKIP",
+                },
+            },
+        },
+    ]
+
+
+def access_log(cfg: AppConfig) -> list[dict]:
+    return [
+        {
+            "name": "envoy.access_loggers.http_grpc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                "common_config": {
+                    "log_name": "warmroute",
+                    "transport_api_version": "V3",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
+                    # each entry releases a reservation: flush at once, not once 16 KiB have piled up
+                    "buffer_flush_interval": _dur(cfg.envoy.access_log_flush_s),
+                    "buffer_size_bytes": 1,
+                },
+                "additional_request_headers_to_log": [RESERVATION_HEADER, ROUTING_HEADER],
+            },
+        }
+    ]
+
+
+def _retry_policy(cfg: AppConfig) -> dict:
+    return {
+        "retry_on": "connect-failure,reset-before-request,refused-stream",
+        "num_retries": cfg.envoy.retries,
+        "retry_priority": {
+            "name": "envoy.retry_priorities.previous_priorities",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
+                "update_frequency": 1,
+            },
+        },
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+
+
+def routes(cfg: AppConfig) -> list[dict]:
+    """The route pair; put it first in the virtual host that serves the model API."""
+    common = {
+        "timeout": "0s",  # never cut a long generation (Envoy's default is 15 s)
+        "retry_policy": _retry_policy(cfg),
+    }
+    return [
+        {
+            "name": "warmroute_brain_choice",
+            "match": {"prefix": "/", "headers": [{"name": ROUTING_HEADER, "present_match": True}]},
+            "route": {"cluster_header": ROUTING_HEADER, **common},
+        },
+        {
+            "name": "warmroute_fail_open",
+            "match": {"prefix": "/"},
+            "route": {"cluster": FALLBACK_CLUSTER, **common},
+        },
+    ]
+
+
+def brain_cluster(cfg: AppConfig) -> dict:
+    b = cfg.brain
+    hc = cfg.envoy.brain_health_check_interval_s
+    return {
+        "name": BRAIN_CLUSTER,
+        "type": "STATIC" if _is_ip(b.host) else "STRICT_DNS",
+        "connect_timeout": "0.25s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {
+                    # bodies of tens of MiB go to the brain in one message
+                    "initial_stream_window_size": 16 * 1024 * 1024,
+                    "initial_connection_window_size": 64 * 1024 * 1024,
+                }},
+            }
+        },
+        "circuit_breakers": _thresholds(),
+        "health_checks": [
+            {
+                "timeout": _dur(max(0.1, hc / 2)),
+                "interval": _dur(hc),
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": ""},
+            }
+        ],
+        "load_assignment": {
+            "cluster_name": BRAIN_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(b.host, b.grpc_port)}}]}],
+        },
+    }
+
+
+def _lb_endpoint(r: ReplicaSpec) -> dict:
+    return {"endpoint": {"address": _address(r.host, r.port), "hostname": r.name}}
+
+
+def replica_cluster(cfg: AppConfig, r: ReplicaSpec) -> dict:
+    others = [o for o in cfg.replicas if o.name != r.name]
+    endpoints: list[dict] = [{"priority": 0, "lb_endpoints": [_lb_endpoint(r)]}]
+    if others:
+        endpoints.append({"priority": 1, "lb_endpoints": [_lb_endpoint(o) for o in others]})
+    all_ip = all(_is_ip(x.host) for x in cfg.replicas)
+    return {
+        "name": r.name,
+        "type": "STATIC" if all_ip else "STRICT_DNS",
+        "connect_timeout": _dur(cfg.envoy.upstream_connect_timeout_s),
+        "lb_policy": "LEAST_REQUEST",
+        "circuit_breakers": _thresholds(),
+        "per_connection_buffer_limit_bytes": cfg.envoy.max_body_bytes,
+        "load_assignment": {"cluster_name": r.name, "endpoints": endpoints},
+    }
+
+
+def fallback_cluster(cfg: AppConfig) -> dict:
+    """Plain least-request over every replica: where requests go when the brain does not answer."""
+    all_ip = all(_is_ip(x.host) for x in cfg.replicas)
+    return {
+        "name": FALLBACK_CLUSTER,
+        "type": "STATIC" if all_ip else "STRICT_DNS",
+        "connect_timeout": _dur(cfg.envoy.upstream_connect_timeout_s),
+        "lb_policy": "LEAST_REQUEST",
+        "circuit_breakers": _thresholds(),
+        "per_connection_buffer_limit_bytes": cfg.envoy.max_body_bytes,
+        "load_assignment": {
+            "cluster_name": FALLBACK_CLUSTER,
+            "endpoints": [{"lb_endpoints": [_lb_endpoint(r) for r in cfg.replicas]}],
+        },
+    }
+
+
+def clusters(cfg: AppConfig) -> list[dict]:
+    return [brain_cluster(cfg), fallback_cluster(cfg), *(replica_cluster(cfg, r) for r in cfg.replicas)]
+
+
+def bootstrap(cfg: AppConfig) -> dict[str, Any]:
+    e = cfg.envoy
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": _dur(e.stream_idle_timeout_s),
+        "access_log": access_log(cfg),
+        "route_config": {
+            "name": "warmroute",
+            "virtual_hosts": [
+                {
+                    "name": "models",
+                    "domains": ["*"],
+                    "routes": routes(cfg),
+                    # retries replay the buffered body: allow as much as a request may carry
+                    "request_body_buffer_limit": e.max_body_bytes,
+                }
+            ],
+        },
+        "http_filters": [
+            *http_filters(cfg),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+        ],
+    }
+    return {
+        "admin": {"address": _address("127.0.0.1", e.admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "warmroute_ingress",
+                    "address": _address(e.listen_host, e.listen_port),
+                    # the ext_proc BUFFERED body and retries live within this limit (default 1 MiB -> 413)
+                    "per_connection_buffer_limit_bytes": e.max_body_bytes,
+                    "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+                }
+            ],
+            "clusters": clusters(cfg),
+        },
+    }
+
+
+def snippets(cfg: AppConfig) -> dict[str, Any]:
+    """The pieces to paste into an existing Envoy; ``replica_cluster_template`` uses the first replica."""
+    first = cfg.replicas[0] if cfg.replicas else ReplicaSpec("r0", "http://127.0.0.1:8000")
+    return {
+        "http_filters": http_filters(cfg),
+        "access_log": access_log(cfg),
+        "routes": routes(cfg),
+        "brain_cluster": brain_cluster(cfg),
+        "fallback_cluster": fallback_cluster(cfg),
+        "replica_cluster_template": replica_cluster(cfg, first),
+    }
+
+
+def dump(doc: Any) -> str:
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)

@@ -1,0 +1,378 @@
+"""The brain process: Envoy's ext_proc and access-log gRPC services around the routing core.
+
+Per request Envoy opens an ext_proc stream and sends the request headers
+and (buffered) body; the brain answers with ``x-warmroute-cluster`` naming
+the chosen replica's cluster and clears the route cache so Envoy re-routes.
+
+Envoy closes the ext_proc stream as soon as it needs nothing more (Envoy
+>= 1.37), so the stream's end is not the request's end. The end comes from
+Envoy's gRPC access-log service, which the brain also serves: each entry
+carries the reservation id the brain set, the upstream cluster and address,
+the response code and flags. That releases the reservation and feeds the
+upstream-failure rule (SPEC B) without any round trip on the response path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+from aiohttp import ClientSession, ClientTimeout, web
+from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from .config import AppConfig
+from .core import NO_HEALTHY, Router, Transition, build_profile
+
+ROUTING_HEADER = "x-warmroute-cluster"
+RESERVATION_HEADER = "x-warmroute-reservation"
+GRPC_MAX_MESSAGE = 96 * 1024 * 1024  # request bodies of 32 MiB and more arrive in one message
+
+log = logging.getLogger("warmroute")
+
+# vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc; accept both.
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+@dataclass
+class ScrapeResult:
+    ok: bool
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    error: str = ""
+
+
+def parse_vllm_metrics(text: str) -> ScrapeResult:
+    """Sum vLLM's gauges over every label set (one per engine / model)."""
+    running = waiting = 0.0
+    kv: list[float] = []
+    seen = False
+    try:
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == RUNNING:
+                    running += s.value
+                    seen = True
+                elif s.name == WAITING:
+                    waiting += s.value
+                elif s.name in KV_NAMES:
+                    kv.append(s.value)
+    except ValueError as e:
+        return ScrapeResult(False, error=f"unparsable metrics: {e}")
+    if not seen:
+        return ScrapeResult(False, error=f"no {RUNNING} in /metrics")
+    return ScrapeResult(True, int(round(running)), int(round(waiting)), max(kv) if kv else 0.0)
+
+
+def _json_log(event: str, **fields) -> None:
+    log.info(json.dumps({"event": event, **fields}, separators=(",", ":")))
+
+
+class Brain:
+    """Owns the router and the wall clock; every handler below is a thin shell around it."""
+
+    def __init__(self, cfg: AppConfig):
+        self.cfg = cfg
+        self.clock = time.monotonic
+        self.router = Router(cfg.router, [r.name for r in cfg.replicas], self.clock())
+        self.urls = {r.name: r.url for r in cfg.replicas}
+        self.by_address = {f"{r.host}:{r.port}": r.name for r in cfg.replicas}
+        self.epoch = secrets.token_hex(4)  # reservation ids from an earlier brain never match ours
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self.releases_by_log = 0
+        self.unknown_log_entries = 0
+        self.scrape_errors: dict[str, str] = {}
+        self.router.listeners.append(self._on_transition)
+
+    def _on_transition(self, t: Transition) -> None:
+        _json_log("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
+                  cooldown_s=t.cooldown_s, streak=t.streak)
+
+    # ----------------------------------------------------------- ext_proc path
+
+    def decide(self, headers: dict[str, str], body: bytes | None) -> ep.ProcessingResponse | ep.CommonResponse:
+        """Profile + select + reserve: one synchronous call (the atomic WLC reserve)."""
+        now = self.clock()
+        profile = build_profile(headers, body, self.cfg.router.profile)
+        d = self.router.select(profile, now)
+        self.decisions[(d.replica_name or "-", d.reason)] += 1
+        for e in d.events:
+            if e.action in ("rebind", "unpin"):
+                _json_log(e.action, kind=e.kind, cause=e.cause, replica=d.replica_name)
+        if d.reason == NO_HEALTHY:
+            return no_healthy_response()
+        rid = f"{self.epoch}.{d.reservation.id}"
+        return ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(
+                set_headers=[
+                    _hv(ROUTING_HEADER, d.replica.name),
+                    _hv(RESERVATION_HEADER, rid),
+                ]
+            ),
+            clear_route_cache=True,
+        )
+
+    # --------------------------------------------------------- access-log path
+
+    def on_log_entry(self, entry) -> None:
+        now = self.clock()
+        common = entry.common_properties
+        hdrs = entry.request.request_headers
+        rid = hdrs.get(RESERVATION_HEADER, "")
+        chosen = None
+        if rid:
+            epoch, _, num = rid.partition(".")
+            if epoch == self.epoch and num.isdigit():
+                res = self.router.reservation(int(num))
+                if res is not None:
+                    chosen = res.replica.name
+                    self.router.release(res, now)
+                    self.releases_by_log += 1
+        flags = common.response_flags
+        code = entry.response.response_code.value
+        via_upstream = entry.response.response_code_details == "via_upstream"
+        sock = common.upstream_remote_address.socket_address
+        served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
+        failed = (
+            flags.upstream_connection_failure
+            or flags.upstream_remote_reset
+            or flags.upstream_connection_termination
+            or (via_upstream and code >= 500)
+        )
+        if chosen and common.upstream_request_attempt_count > 1 and served_by != chosen:
+            # the chosen replica refused or reset and Envoy retried elsewhere
+            self.router.on_upstream(chosen, False, now)
+        if served_by:
+            self.router.on_upstream(served_by, not failed, now)
+        elif chosen and failed:
+            self.router.on_upstream(chosen, False, now)
+        elif not chosen and not served_by:
+            self.unknown_log_entries += 1
+
+    # ----------------------------------------------------------------- scraper
+
+    async def scrape_once(self, session: ClientSession, name: str, url: str) -> ScrapeResult:
+        try:
+            async with session.get(url + "/metrics") as resp:
+                if resp.status != 200:
+                    return ScrapeResult(False, error=f"HTTP {resp.status}")
+                text = await resp.text()
+        except asyncio.TimeoutError:
+            return ScrapeResult(False, error="timeout")
+        except Exception as e:  # connection refused, reset, DNS...: every one means "failed scrape"
+            return ScrapeResult(False, error=type(e).__name__)
+        return parse_vllm_metrics(text)
+
+    async def scrape_loop(self) -> None:
+        interval = self.cfg.router.health.scrape_interval_s
+        timeout = ClientTimeout(total=max(0.05, min(2.0, interval * 0.8)))
+        async with ClientSession(timeout=timeout) as session:
+            while True:
+                started = self.clock()
+                names = list(self.urls)
+                results = await asyncio.gather(*(self.scrape_once(session, n, self.urls[n]) for n in names))
+                now = self.clock()
+                for n, r in zip(names, results):
+                    if r.ok:
+                        self.scrape_errors.pop(n, None)
+                    else:
+                        self.scrape_errors[n] = r.error
+                    self.router.on_scrape(n, r.ok, now, r.running, r.waiting, r.kv_usage)
+                await asyncio.sleep(max(0.0, interval - (self.clock() - started)))
+
+    async def tick_loop(self) -> None:
+        while True:
+            self.router.tick(self.clock())
+            await asyncio.sleep(0.25)
+
+    # ------------------------------------------------------------------ views
+
+    def state(self) -> dict:
+        per = Counter()
+        for (name, _reason), n in self.decisions.items():
+            per[name] += n
+        reps = self.router.snapshot()
+        for r in reps:
+            r["decisions"] = per.get(r["name"], 0)
+            r["url"] = self.urls.get(r["name"])
+            r["scrape_error"] = self.scrape_errors.get(r["name"])
+            r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - self.clock())
+        return {
+            "replicas": reps,
+            "decisions_by_reason": {f"{k[0]}/{k[1]}": v for k, v in sorted(self.decisions.items())},
+            "open_reservations": self.router.open_reservations,
+            "releases_by_access_log": self.releases_by_log,
+            "safety_timeouts": self.router.safety_timeouts,
+            "session_pins": len(self.router.session_pins),
+            "prefix_pins": len(self.router.prefix_pins),
+        }
+
+
+def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+_NO_HEALTHY_BODY = json.dumps(
+    {
+        "error": {
+            "message": "no healthy vLLM replica is available; retry shortly",
+            "type": "service_unavailable",
+            "code": "no_healthy_instances",
+        }
+    }
+).encode()
+
+
+def no_healthy_response() -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+            headers=ep.HeaderMutation(set_headers=[_hv("content-type", "application/json"), _hv("retry-after", "5")]),
+            body=_NO_HEALTHY_BODY,
+            details="warmroute_no_healthy_instances",
+        )
+    )
+
+
+def _headers_of(msg: ep.HttpHeaders) -> dict[str, str]:
+    out = {}
+    for h in msg.headers.headers:
+        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, brain: Brain):
+        self.brain = brain
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> AsyncIterator[ep.ProcessingResponse]:
+        headers: dict[str, str] = {}
+        async for req in request_iterator:
+            kind = req.WhichOneof("request")
+            if kind == "request_headers":
+                headers = _headers_of(req.request_headers)
+                if req.request_headers.end_of_stream:  # no body (GET): decide on headers
+                    out = self.brain.decide(headers, None)
+                    if isinstance(out, ep.ProcessingResponse):
+                        yield out
+                        return
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=out))
+                else:
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+            elif kind == "request_body":
+                out = self.brain.decide(headers, req.request_body.body)
+                if isinstance(out, ep.ProcessingResponse):
+                    yield out
+                    return
+                yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=out))
+            elif kind == "request_trailers":
+                yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+            elif kind == "response_headers":
+                yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+            elif kind == "response_body":
+                yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+            elif kind == "response_trailers":
+                yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
+    def __init__(self, brain: Brain):
+        self.brain = brain
+
+    async def StreamAccessLogs(self, request_iterator, context) -> als_pb2.StreamAccessLogsResponse:
+        async for msg in request_iterator:
+            for entry in msg.http_logs.log_entry:
+                self.brain.on_log_entry(entry)
+        return als_pb2.StreamAccessLogsResponse()
+
+
+def admin_app(brain: Brain) -> web.Application:
+    """Loopback-only admin HTTP: never on Envoy's traffic port."""
+    app = web.Application()
+
+    async def state(_):
+        return web.json_response(brain.state())
+
+    async def healthz(_):
+        return web.Response(text="ok\n")
+
+    async def drain(request: web.Request):
+        name = request.match_info["name"]
+        on = request.path.endswith("/drain")
+        try:
+            brain.router.drain(name, on)
+        except KeyError:
+            raise web.HTTPNotFound(text=f"unknown replica {name!r}\n")
+        _json_log("drain" if on else "undrain", replica=name)
+        return web.json_response({"replica": name, "drained": on})
+
+    app.router.add_get("/state", state)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_post("/replicas/{name}/drain", drain)
+    app.router.add_post("/replicas/{name}/undrain", drain)
+    return app
+
+
+async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: int, ready_file: str | None = None) -> None:
+    brain = Brain(cfg)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(brain), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogService(brain), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{grpc_host}:{grpc_port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)
+
+    runner = web.AppRunner(admin_app(brain), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", admin_port)
+    await site.start()
+    admin = runner.addresses[0][1]
+    tasks = [asyncio.create_task(brain.scrape_loop()), asyncio.create_task(brain.tick_loop())]
+    info = {"grpc_port": port, "admin_port": admin, "pid": os.getpid()}
+    _json_log("brain_started", replicas=len(cfg.replicas), **info)
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, ready_file)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(1.0)
+        await runner.cleanup()
+
+
+def setup_logging() -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")

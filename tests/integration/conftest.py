@@ -1,0 +1,54 @@
+"""Fixtures that start real Envoy + brain + mock vLLM replicas on loopback, and stop them."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.stack import Stack, wait_for
+
+# Shortened SPEC timings so that health transitions happen within seconds in tests.
+FAST = {
+    "health": {
+        "scrape_interval_s": 0.25,
+        "probing_clean_window_s": 1.0,
+        "cooldown_base_s": 1.0,
+        "cooldown_max_s": 4.0,
+    },
+    "envoy": {"brain_health_check_interval_s": 0.5},
+}
+
+
+def quiet(stack: Stack, timeout: float = 10.0) -> None:
+    """Wait until every request has been released and the scrapes show idle replicas."""
+    wait_for(
+        lambda: (st := stack.state())["open_reservations"] == 0
+        and all(r["effective_running"] == 0 and r["wlc_in_flight"] == 0 for r in st["replicas"]),
+        timeout,
+        "an idle fleet",
+    )
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with Stack(4, config=FAST, mock_args=["--decode-step-s", "0.002", "--prefill-tokens-per-s", "2000000"]) as s:
+        s.wait_all_live(30)
+        yield s
+
+
+@pytest.fixture
+def own_stack():
+    """A stack a test may break (kill replicas or the brain)."""
+    stacks = []
+
+    def make(n=4, config=None, mock_args=None, envoy=True):
+        cfg = {k: dict(v) for k, v in FAST.items()}
+        for k, v in (config or {}).items():
+            cfg.setdefault(k, {}).update(v)
+        s = Stack(n, config=cfg, mock_args=mock_args or ["--decode-step-s", "0.002", "--prefill-tokens-per-s", "2000000"])
+        stacks.append(s)
+        s.start(envoy=envoy)
+        return s
+
+    yield make
+    for s in stacks:
+        s.stop()

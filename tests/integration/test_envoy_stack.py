@@ -1,0 +1,225 @@
+"""Real Envoy + brain + mock vLLM replicas, driven with the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+
+from extproc.envoy_config import FALLBACK_CLUSTER
+from extproc.stack import wait_for
+
+from .conftest import quiet
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "You are a coding agent for the payments repository. Follow the house style. " * 30
+
+
+def client(stack, **headers) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", default_headers=headers or None, max_retries=0, timeout=60)
+
+
+def chat(c: openai.OpenAI, system: str = SYSTEM, user: str = "fix the bug", stream: bool = False, **extra):
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    if not stream:
+        r = c.chat.completions.create(model="mock-coder-30b", messages=msgs, max_tokens=8, **extra)
+        assert r.choices[0].message.content
+        return r.system_fingerprint
+    served = None
+    pieces = []
+    for chunk in c.chat.completions.create(model="mock-coder-30b", messages=msgs, max_tokens=8, stream=True,
+                                           stream_options={"include_usage": True}, **extra):
+        served = chunk.system_fingerprint or served
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    assert pieces
+    return served
+
+
+def raw_post(stack, body: bytes, headers: dict | None = None, path: str = "/v1/chat/completions"):
+    req = urllib.request.Request(stack.url + path, data=body, method="POST",
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def decisions(stack) -> int:
+    return sum(r["decisions"] for r in stack.state()["replicas"])
+
+
+def fallback_count(stack) -> int:
+    return stack.envoy_stats().get(f"cluster.{FALLBACK_CLUSTER}.upstream_rq_total", 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_session_stickiness_by_header(stack, stream):
+    c = client(stack, **{"x-session-id": f"sticky-header-{stream}"})
+    served = []
+    for i in range(6):
+        quiet(stack)
+        served.append(chat(c, system=f"unshared prompt {i} {stream}", stream=stream))
+    assert len(set(served)) == 1, served
+    assert served[0].startswith("r")
+
+
+def test_session_stickiness_by_body_conversation_id(stack):
+    c = client(stack)
+    served = []
+    for i in range(5):
+        quiet(stack)
+        served.append(chat(c, system=f"body session {i}", extra_body={"conversation_id": "conv-42"}))
+    assert len(set(served)) == 1, served
+
+
+def test_prefix_stickiness_shared_system_prompt_without_session(stack):
+    c = client(stack)
+    served = []
+    for i in range(5):
+        quiet(stack)
+        served.append(chat(c, system=SYSTEM + " prefix-test", user=f"question {i}"))
+    assert len(set(served)) == 1, served
+
+
+def test_a_client_supplied_routing_header_is_ignored(stack):
+    quiet(stack)
+    c = client(stack, **{"x-warmroute-cluster": "r0"})
+    served = [chat(c, system=f"spoof {i}") for i in range(8)]
+    assert set(served) != {"r0"}, "the client chose its replica"
+    # a bogus value must not turn into Envoy's 'no cluster' 503 either
+    c2 = client(stack, **{"x-warmroute-cluster": "no-such-cluster", "x-warmroute-reservation": "0.1"})
+    assert chat(c2).startswith("r")
+
+
+def test_a_20_mib_body_is_routed_by_the_brain(stack):
+    before_d, before_f = decisions(stack), fallback_count(stack)
+    big = "lorem ipsum " * (20 * 1024 * 1024 // 12)
+    body = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "system", "content": SYSTEM},
+                                                                   {"role": "user", "content": big}]}).encode()
+    assert len(body) >= 20 * 1024 * 1024
+    status, headers, out = raw_post(stack, body, {"x-session-id": "big-body"})
+    assert status == 200, out[:300]
+    assert json.loads(out)["system_fingerprint"].startswith("r")
+    assert decisions(stack) == before_d + 1  # the brain decided (not the fail-open route)
+    assert fallback_count(stack) == before_f
+
+
+def test_a_malformed_json_body_is_routed_by_headers(stack):
+    before_d, before_f = decisions(stack), fallback_count(stack)
+    pins_before = stack.state()["session_pins"]
+    status, _, out = raw_post(stack, b'{"messages": [ this is not json', {"x-session-id": "malformed-1"})
+    assert status == 400  # the replica's own answer to a bad body, not a proxy error
+    assert "error" in json.loads(out)
+    assert decisions(stack) == before_d + 1 and fallback_count(stack) == before_f
+    assert stack.state()["session_pins"] == pins_before + 1  # routed (and pinned) by the header key
+
+
+def test_streaming_passes_through_chunk_by_chunk(own_stack):
+    s = own_stack(2, mock_args=["--decode-step-s", "0.05", "--prefill-tokens-per-s", "2000000"])
+    s.wait_all_live(30)
+    c = client(s)
+    t0 = time.monotonic()
+    arrivals = []
+    for chunk in c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=40, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic() - t0)
+    assert len(arrivals) == 40
+    # 40 tokens at 50 ms: a buffering proxy would deliver them all at ~2 s; streaming spreads them out
+    assert arrivals[0] < arrivals[-1] / 2, arrivals[:3]
+
+
+def test_every_reservation_is_released_after_disconnects_and_cut_streams(own_stack):
+    s = own_stack(3, mock_args=["--decode-step-s", "0.02", "--prefill-tokens-per-s", "200000"])
+    s.wait_all_live(30)
+
+    async def run():
+        async with aiohttp.ClientSession() as http:
+            async def full(i, stream):
+                body = {"model": "m", "max_tokens": 20, "stream": stream,
+                        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}" * 300}]}
+                async with http.post(s.url + "/v1/chat/completions", json=body, headers={"x-session-id": f"s{i % 7}"}) as r:
+                    assert r.status == 200
+                    await r.read()
+
+            async def cut_mid_stream(i):
+                body = {"model": "m", "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "long"}]}
+                async with http.post(s.url + "/v1/chat/completions", json=body) as r:
+                    await r.content.readline()  # first SSE line, then hang up
+                    r.close()
+
+            async def disconnect_before_response(i):
+                body = {"model": "m", "max_tokens": 200, "messages": [{"role": "user", "content": "slow " * 100}]}
+                try:
+                    async with http.post(s.url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.15)) as r:
+                        await r.read()
+                except asyncio.TimeoutError:
+                    pass
+
+            jobs = []
+            for i in range(60):
+                kind = i % 4
+                jobs.append(full(i, False) if kind == 0 else full(i, True) if kind == 1
+                            else cut_mid_stream(i) if kind == 2 else disconnect_before_response(i))
+            await asyncio.gather(*jobs)
+
+    asyncio.run(run())
+    st = wait_for(lambda: (x := s.state())["open_reservations"] == 0 and x, 20, "every reservation released")
+    assert st["releases_by_access_log"] == 60
+    assert all(r["wlc_in_flight"] == 0 for r in st["replicas"]), st["replicas"]
+    assert all(r["in_flight_requests"] == 0 for r in st["replicas"])
+    assert st["safety_timeouts"] == 0
+
+
+def test_a_killed_replica_is_retried_elsewhere_then_ejected_by_scraping_and_recovers(own_stack):
+    s = own_stack(3)
+    s.wait_all_live(30)
+    c = client(s)
+    s.kill_replica("r1")
+    # before the scrape notices, requests routed to r1 are refused and retried on another replica
+    served = [chat(c, system=f"during kill {i}") for i in range(9)]
+    assert "r1" not in served
+    wait_for(lambda: s.replica_state("r1")["state"] == "EJECTED", 10, "r1 EJECTED by scraping")
+    before = s.replica_state("r1")["decisions"]
+    served = [chat(c, system=f"after ejection {i}") for i in range(12)]
+    assert "r1" not in served
+    assert s.replica_state("r1")["decisions"] == before  # no user request reaches an EJECTED replica
+    # recovery: scrapes alone bring it back (2 good scrapes after the cooldown, then the clean window)
+    s.restart_replica("r1")
+    wait_for(lambda: s.replica_state("r1")["state"] == "PROBING", 20, "r1 PROBING")
+    wait_for(lambda: s.replica_state("r1")["state"] == "LIVE", 20, "r1 LIVE")
+    quiet(s)
+    served = {chat(c, system=f"after recovery {i}") for i in range(9)}
+    assert "r1" in served
+
+
+def test_the_brain_killed_traffic_continues_through_the_fail_open_route(own_stack):
+    s = own_stack(2)
+    s.wait_all_live(30)
+    c = client(s)
+    assert chat(c).startswith("r")
+    before = fallback_count(s)
+    s.brain.kill()
+    served = [chat(c, system=f"no brain {i}") for i in range(6)]
+    assert all(x.startswith("r") for x in served)
+    assert fallback_count(s) >= before + 6  # counted in Envoy's stats as fail-open traffic
+
+
+def test_503_with_json_and_retry_after_when_no_replica_is_known(own_stack):
+    s = own_stack(0)
+    status, headers, body = raw_post(s, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert status == 503
+    assert headers.get("retry-after") or headers.get("Retry-After")
+    err = json.loads(body)["error"]
+    assert err["code"] == "no_healthy_instances"
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(client(s))
+    assert e.value.status_code == 503

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("brain", help="run the ext_proc / access-log gRPC service (the brain)")
     b.add_argument("--config", required=True)
+    b.add_argument("--host", default=None, help="address to bind the gRPC port (default: brain.host)")
     b.add_argument("--grpc-port", type=int, default=None, help="overrides brain.grpc_port (0: the OS picks)")
     b.add_argument("--admin-port", type=int, default=None, help="overrides brain.admin_port (loopback only)")
     b.add_argument("--ready-file", default=None, help="write the bound ports here as JSON once serving")
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         admin_port = cfg.brain.admin_port if args.admin_port is None else args.admin_port
         cfg = dataclasses.replace(cfg, brain=dataclasses.replace(cfg.brain, grpc_port=grpc_port, admin_port=admin_port))
         try:
-            asyncio.run(run_brain(cfg, cfg.brain.host, grpc_port, admin_port, args.ready_file))
+            asyncio.run(run_brain(cfg, args.host or cfg.brain.host, grpc_port, admin_port, args.ready_file))
         except KeyboardInterrupt:
             pass
         return 0

@@ -272,6 +272,16 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
     }
 
 
+def ext_proc_off_for_route() -> dict:
+    """``typed_per_filter_config`` for a user's other routes, so the brain sees only model traffic."""
+    return {
+        "envoy.filters.http.ext_proc": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True,
+        }
+    }
+
+
 def snippets(cfg: AppConfig) -> dict[str, Any]:
     """The pieces to paste into an existing Envoy; ``replica_cluster_template`` uses the first replica."""
     first = cfg.replicas[0] if cfg.replicas else ReplicaSpec("r0", "http://127.0.0.1:8000")
@@ -282,8 +292,41 @@ def snippets(cfg: AppConfig) -> dict[str, Any]:
         "brain_cluster": brain_cluster(cfg),
         "fallback_cluster": fallback_cluster(cfg),
         "replica_cluster_template": replica_cluster(cfg, first),
+        "other_routes_typed_per_filter_config": ext_proc_off_for_route(),
     }
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """Snippets are pasted by hand: spell every repeated block out instead of &id001 anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump(doc: Any) -> str:
-    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
+    return yaml.dump(doc, Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+SHIPPED = {
+    # config file -> the bootstrap rendered from it (checked by tests/test_envoy_config.py)
+    "envoy/warmroute.yaml": "envoy/envoy.yaml",
+    "envoy/compose.warmroute.yaml": "envoy/compose.envoy.yaml",
+}
+SNIPPETS_FROM = "envoy/warmroute.yaml"
+SNIPPETS_DIR = "envoy/snippets"
+HEADER = "# Rendered by `warmroute envoy-config --config {src}` (make envoy-files). Do not edit: edit {src}.\n"
+
+
+def shipped_files(root) -> dict[str, str]:
+    """Every file under envoy/ that is rendered from a config, with its expected text."""
+    from pathlib import Path
+
+    from .config import load_config
+
+    root = Path(root)
+    out = {}
+    for src, dst in SHIPPED.items():
+        out[dst] = HEADER.format(src=src) + dump(bootstrap(load_config(root / src)))
+    for name, piece in snippets(load_config(root / SNIPPETS_FROM)).items():
+        out[f"{SNIPPETS_DIR}/{name}.yaml"] = HEADER.format(src=SNIPPETS_FROM) + dump(piece)
+    return out

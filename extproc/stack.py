@@ -115,6 +115,11 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "extproc.cli", *args]
 
 
+def mock_argv(name: str, port: int) -> list[str]:
+    """``warmroute`` arguments of one mock replica (compose.yaml runs the same, checked by a test)."""
+    return ["mock-vllm", "--port", str(port), "--name", name]
+
+
 @dataclasses.dataclass
 class Replica:
     name: str
@@ -160,7 +165,7 @@ class Stack:
 
     def start_replica(self, name: str, port: int = 0, extra: list[str] | None = None) -> Replica:
         extra = list(self.mock_args if extra is None else extra)
-        proc = Proc(name, _cli("mock-vllm", "--port", str(port), "--name", name, *extra), self.dir)
+        proc = Proc(name, _cli(*mock_argv(name, port), *extra), self.dir)
 
         def bound_port():
             for line in proc.log_tail(4000).splitlines():

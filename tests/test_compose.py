@@ -1,0 +1,63 @@
+"""compose.yaml cannot run here (no Docker engine): check it against what `warmroute up` runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+
+from extproc.config import load_config
+from extproc.envoy_config import SHIPPED
+from extproc.mock_vllm import add_arguments
+from extproc.stack import mock_argv
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+SERVICES = COMPOSE["services"]
+
+
+def mock_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd")
+    add_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def brain_config_path() -> Path:
+    cmd = SERVICES["brain"]["command"]
+    return ROOT / cmd[cmd.index("--config") + 1]
+
+
+def test_same_topology_as_warmroute_up_envoy_brain_and_4_mock_replicas():
+    replicas = sorted(n for n in SERVICES if n.startswith("r"))
+    assert replicas == ["r0", "r1", "r2", "r3"]
+    assert {"brain", "envoy"} <= set(SERVICES)
+
+
+def test_each_replica_runs_the_mock_exactly_as_warmroute_up_does():
+    cfg = load_config(brain_config_path())
+    by_name = {r.name: r for r in cfg.replicas}
+    for name in ("r0", "r1", "r2", "r3"):
+        cmd = SERVICES[name]["command"]
+        assert cmd[0] == "warmroute"
+        got = mock_args(cmd[1:])
+        want = mock_args(mock_argv(name, got.port))
+        assert vars(got) | {"host": want.host} == vars(want)  # only the bind address differs
+        assert got.host == "0.0.0.0"
+        url = urlsplit(by_name[name].url)
+        assert (url.hostname, url.port) == (name, got.port)  # the brain scrapes the service it runs
+
+
+def test_the_brain_reads_the_compose_config_and_envoy_runs_its_rendered_bootstrap():
+    cfg_path = brain_config_path()
+    cfg = load_config(cfg_path)
+    assert cfg.brain.host == "brain"
+    cmd = SERVICES["brain"]["command"]
+    assert cmd[:2] == ["warmroute", "brain"] and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    rendered = SHIPPED[str(cfg_path.relative_to(ROOT))]
+    mounts = SERVICES["envoy"]["volumes"]
+    assert any(m.startswith(f"./{rendered}:/etc/envoy/envoy.yaml") for m in mounts)
+    assert "/etc/envoy/envoy.yaml" in SERVICES["envoy"]["command"]
+    assert SERVICES["envoy"]["ports"] == [f"{cfg.envoy.listen_port}:{cfg.envoy.listen_port}"]

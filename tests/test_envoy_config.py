@@ -1,0 +1,107 @@
+"""The Envoy bootstrap rendered from the config: shipped files match, and each promise is in it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from extproc.config import AppConfig, load_config
+from extproc.envoy_config import (
+    BRAIN_CLUSTER,
+    FALLBACK_CLUSTER,
+    RESERVATION_HEADER,
+    ROUTING_HEADER,
+    bootstrap,
+    shipped_files,
+)
+from extproc.service import GRPC_MAX_MESSAGE
+from extproc.stack import envoy_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = load_config(ROOT / "envoy/warmroute.yaml")
+
+
+def hcm(doc):
+    return doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+@pytest.mark.parametrize("path,text", sorted(shipped_files(ROOT).items()))
+def test_shipped_envoy_files_are_rendered_from_the_shipped_config(path, text):
+    assert (ROOT / path).read_text() == text, f"{path} is stale: run `make envoy-files`"
+
+
+@pytest.mark.parametrize("path", ["envoy/envoy.yaml", "envoy/compose.envoy.yaml"])
+def test_envoy_accepts_the_shipped_bootstrap(path):
+    p = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(ROOT / path), "-l", "error"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_routes_by_the_brain_header_and_fails_open_to_least_request_over_all_replicas():
+    doc = bootstrap(CFG)
+    first, second = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
+    assert first["match"]["headers"] == [{"name": ROUTING_HEADER, "present_match": True}]
+    assert first["route"]["cluster_header"] == ROUTING_HEADER
+    assert second["route"]["cluster"] == FALLBACK_CLUSTER
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    fb = clusters[FALLBACK_CLUSTER]
+    assert fb["lb_policy"] == "LEAST_REQUEST"
+    assert len(fb["load_assignment"]["endpoints"][0]["lb_endpoints"]) == len(CFG.replicas)
+    ext = hcm(doc)["http_filters"][1]["typed_config"]
+    assert ext["failure_mode_allow"] is True
+
+
+def test_a_client_supplied_routing_header_is_stripped_before_the_brain_runs():
+    names = [f["name"] for f in hcm(bootstrap(CFG))["http_filters"]]
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    removed = [m["remove"] for m in hcm(bootstrap(CFG))["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
+    assert set(removed) == {ROUTING_HEADER, RESERVATION_HEADER}
+
+
+def test_no_route_timeout_cuts_a_long_generation():
+    for route in hcm(bootstrap(CFG))["route_config"]["virtual_hosts"][0]["routes"]:
+        assert route["route"]["timeout"] == "0s"  # Envoy's default is 15 s
+
+
+def test_bodies_of_32_mib_fit_envoy_and_the_grpc_message_limit():
+    doc = bootstrap(CFG)
+    assert doc["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] >= 32 * 2**20
+    assert hcm(doc)["route_config"]["virtual_hosts"][0]["request_body_buffer_limit"] >= 32 * 2**20
+    assert GRPC_MAX_MESSAGE > 32 * 2**20 + 2**20  # the body plus the protobuf envelope
+
+
+def test_retry_on_another_replica_after_refused_connection_or_reset_before_response():
+    doc = bootstrap(CFG)
+    rp = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["retry_policy"]
+    assert {"connect-failure", "reset-before-request"} <= set(rp["retry_on"].split(","))
+    assert rp["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    for r in CFG.replicas:
+        eps = clusters[r.name]["load_assignment"]["endpoints"]
+        assert [e["priority"] for e in eps] == [0, 1]
+        assert [x["endpoint"]["hostname"] for x in eps[0]["lb_endpoints"]] == [r.name]
+        assert r.name not in [x["endpoint"]["hostname"] for x in eps[1]["lb_endpoints"]]
+
+
+def test_admin_interface_stays_on_loopback():
+    assert bootstrap(CFG)["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_the_brain_is_health_checked_with_grpc_health_v1_and_logs_reach_it():
+    doc = bootstrap(CFG)
+    brain = next(c for c in doc["static_resources"]["clusters"] if c["name"] == BRAIN_CLUSTER)
+    assert "grpc_health_check" in brain["health_checks"][0]
+    als = hcm(doc)["access_log"][0]["typed_config"]
+    assert als["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == BRAIN_CLUSTER
+    assert RESERVATION_HEADER in als["additional_request_headers_to_log"]
+
+
+def test_hostnames_render_as_dns_clusters():
+    from extproc.config import parse_config
+
+    cfg = parse_config({"replicas": [{"name": "a", "url": "http://vllm-a:8000"}], "brain": {"host": "brain"}})
+    clusters = {c["name"]: c for c in bootstrap(cfg)["static_resources"]["clusters"]}
+    assert clusters["a"]["type"] == "STRICT_DNS" and clusters[BRAIN_CLUSTER]["type"] == "STRICT_DNS"
+    assert bootstrap(AppConfig())["static_resources"]["clusters"][0]["name"] == BRAIN_CLUSTER

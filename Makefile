@@ -27,3 +27,6 @@ clean:
 
 envoy-files: install  ## re-render envoy/*.yaml and envoy/snippets/ from the shipped configs
 	$(PY) -c "from pathlib import Path; from extproc.envoy_config import shipped_files; [Path(p).write_text(t) for p, t in shipped_files('.').items()]"
+
+bench-overhead: install  ## Envoy direct vs Envoy + brain (needs wrk: apt-get install wrk)
+	$(PY) -m extproc.bench_overhead

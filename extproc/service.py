@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from .config import AppConfig
-from .core import NO_HEALTHY, Router, Transition, build_profile
+from .core import NO_HEALTHY, Reservation, Router, Transition, build_profile
 
 ROUTING_HEADER = "x-warmroute-cluster"
 RESERVATION_HEADER = "x-warmroute-reservation"
@@ -88,9 +88,9 @@ def _json_log(event: str, **fields) -> None:
 class Brain:
     """Owns the router and the wall clock; every handler below is a thin shell around it."""
 
-    def __init__(self, cfg: AppConfig):
+    def __init__(self, cfg: AppConfig, clock=time.monotonic):
         self.cfg = cfg
-        self.clock = time.monotonic
+        self.clock = clock
         self.router = Router(cfg.router, [r.name for r in cfg.replicas], self.clock())
         self.urls = {r.name: r.url for r in cfg.replicas}
         self.by_address = {f"{r.host}:{r.port}": r.name for r in cfg.replicas}
@@ -99,6 +99,10 @@ class Brain:
         self.releases_by_log = 0
         self.unknown_log_entries = 0
         self.scrape_errors: dict[str, str] = {}
+        # Envoy's x-request-id -> reservation. The access-log entry always carries the request id,
+        # even when the client reset before Envoy applied our header (then the reservation id is
+        # missing from the entry) or when our answer came after Envoy's ext_proc timeout.
+        self.by_request_id: dict[str, Reservation] = {}
         self.router.listeners.append(self._on_transition)
 
     def _on_transition(self, t: Transition) -> None:
@@ -118,6 +122,9 @@ class Brain:
                 _json_log(e.action, kind=e.kind, cause=e.cause, replica=d.replica_name)
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
+        request_id = headers.get("x-request-id")
+        if request_id and request_id not in self.by_request_id:
+            self.by_request_id[request_id] = d.reservation
         rid = f"{self.epoch}.{d.reservation.id}"
         return ep.CommonResponse(
             header_mutation=ep.HeaderMutation(
@@ -136,15 +143,20 @@ class Brain:
         common = entry.common_properties
         hdrs = entry.request.request_headers
         rid = hdrs.get(RESERVATION_HEADER, "")
-        chosen = None
+        res = None
         if rid:
             epoch, _, num = rid.partition(".")
             if epoch == self.epoch and num.isdigit():
                 res = self.router.reservation(int(num))
-                if res is not None:
-                    chosen = res.replica.name
-                    self.router.release(res, now)
-                    self.releases_by_log += 1
+        by_id = self.by_request_id.get(entry.request.request_id)
+        if by_id is not None and (res is None or res is by_id):
+            del self.by_request_id[entry.request.request_id]
+            res = res or by_id
+        chosen = None
+        if res is not None and not res.released:
+            chosen = res.replica.name
+            self.router.release(res, now)
+            self.releases_by_log += 1
         flags = common.response_flags
         code = entry.response.response_code.value
         via_upstream = entry.response.response_code_details == "via_upstream"
@@ -198,8 +210,13 @@ class Brain:
                 await asyncio.sleep(max(0.0, interval - (self.clock() - started)))
 
     async def tick_loop(self) -> None:
+        n = 0
         while True:
             self.router.tick(self.clock())
+            n += 1
+            if n % 40 == 0:  # every ~10 s: forget request ids of reservations the safety timeout released
+                for k in [k for k, r in self.by_request_id.items() if r.released]:
+                    del self.by_request_id[k]
             await asyncio.sleep(0.25)
 
     # ------------------------------------------------------------------ views

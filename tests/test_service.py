@@ -1,0 +1,155 @@
+"""The brain's shell logic without a network: ext_proc answers, access-log entries, metric parsing."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from extproc.config import parse_config
+from extproc.core import LIVE
+from extproc.service import RESERVATION_HEADER, ROUTING_HEADER, Brain, parse_vllm_metrics
+
+CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]})
+BODY = orjson.dumps({"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]})
+
+
+@pytest.fixture
+def brain():
+    t = [1000.0]
+    b = Brain(CFG, clock=lambda: t[0])
+    for k in range(7):
+        t[0] = 1000.0 + 3 * k
+        for r in CFG.replicas:
+            b.router.on_scrape(r.name, True, t[0])
+    assert all(r.state is LIVE for r in b.router.replicas)
+    return b
+
+
+def headers_of(out: ep.CommonResponse) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in out.header_mutation.set_headers}
+
+
+def entry(request_id="", reservation="", code=200, details="via_upstream", upstream=None, attempts=1, **flags):
+    e = al.HTTPAccessLogEntry()
+    e.request.request_id = request_id
+    if reservation:
+        e.request.request_headers[RESERVATION_HEADER] = reservation
+    e.response.response_code.value = code
+    e.response.response_code_details = details
+    if upstream:
+        e.common_properties.upstream_remote_address.socket_address.address = "127.0.0.1"
+        e.common_properties.upstream_remote_address.socket_address.port_value = upstream
+    e.common_properties.upstream_request_attempt_count = attempts
+    for k, v in flags.items():
+        setattr(e.common_properties.response_flags, k, v)
+    return e
+
+
+def port_of(name: str) -> int:
+    return 8001 + int(name[1:])
+
+
+def test_decide_sets_the_routing_header_and_clears_the_route_cache(brain):
+    out = brain.decide({"x-session-id": "s", "x-request-id": "q1"}, BODY)
+    h = headers_of(out)
+    assert h[ROUTING_HEADER] in ("r0", "r1", "r2")
+    assert h[RESERVATION_HEADER].startswith(brain.epoch + ".")
+    assert out.clear_route_cache is True
+
+
+def test_the_access_log_releases_the_reservation_named_in_the_entry(brain):
+    h = headers_of(brain.decide({"x-request-id": "q1"}, BODY))
+    assert brain.router.open_reservations == 1
+    brain.on_log_entry(entry("q1", h[RESERVATION_HEADER], upstream=port_of(h[ROUTING_HEADER])))
+    assert brain.router.open_reservations == 0
+    brain.on_log_entry(entry("q1", h[RESERVATION_HEADER]))  # a duplicate entry changes nothing
+    assert brain.releases_by_log == 1
+
+
+def test_a_request_reset_before_envoy_applied_our_header_is_released_by_its_request_id(brain):
+    brain.decide({"x-request-id": "q-reset"}, BODY)
+    brain.on_log_entry(entry("q-reset", "", code=0, details="downstream_remote_disconnect", downstream_remote_reset=True))
+    assert brain.router.open_reservations == 0
+    assert not brain.by_request_id
+
+
+def test_a_reservation_id_from_an_earlier_brain_releases_nothing(brain):
+    brain.decide({"x-request-id": "q2"}, BODY)
+    brain.on_log_entry(entry("other-request", "deadbeef.1"))
+    assert brain.router.open_reservations == 1
+
+
+@pytest.mark.parametrize(
+    "kw,failed",
+    [
+        ({"code": 200}, False),
+        ({"code": 503}, True),  # 5xx from the replica
+        ({"code": 503, "details": "upstream_reset_before_response_started"}, False),  # Envoy's own, flags decide
+        ({"code": 503, "details": "x", "upstream_connection_failure": True}, True),
+        ({"code": 200, "upstream_remote_reset": True}, True),
+        ({"code": 0, "details": "x", "downstream_remote_reset": True}, False),  # the client left: not the replica's fault
+        ({"code": 400}, False),
+    ],
+)
+def test_passive_health_from_the_access_log_feeds_the_upstream_failure_rule(brain, kw, failed):
+    h = headers_of(brain.decide({"x-request-id": "q"}, BODY))
+    name = h[ROUTING_HEADER]
+    for _ in range(3):  # SPEC B: 3 consecutive failures eject
+        brain.on_log_entry(entry("", "", upstream=port_of(name), **kw))
+    assert (brain.router.replica(name).state.value == "EJECTED") is failed
+
+
+def test_a_retry_elsewhere_counts_against_the_chosen_replica(brain):
+    h = headers_of(brain.decide({"x-request-id": "q"}, BODY))
+    chosen = h[ROUTING_HEADER]
+    other = next(n for n in ("r0", "r1", "r2") if n != chosen)
+    brain.on_log_entry(entry("q", h[RESERVATION_HEADER], upstream=port_of(other), attempts=2))
+    assert brain.router.replica(chosen).health.upstream_failures == 1  # it refused or reset
+    assert brain.router.replica(other).health.upstream_failures == 0  # it answered
+    assert brain.router.open_reservations == 0
+
+
+def test_no_healthy_instances_is_an_immediate_503_with_json_and_retry_after():
+    b = Brain(parse_config({}))
+    out = b.decide({}, BODY)
+    assert isinstance(out, ep.ProcessingResponse)
+    imm = out.immediate_response
+    assert imm.status.code == 503
+    hdrs = {h.header.key: h.header.raw_value.decode() for h in imm.headers.set_headers}
+    assert hdrs["retry-after"] and hdrs["content-type"] == "application/json"
+    assert orjson.loads(imm.body)["error"]["code"] == "no_healthy_instances"
+
+
+VLLM_NEW = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+"""
+VLLM_OLD = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 4.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 2.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+"""
+
+
+@pytest.mark.parametrize(
+    "text,ok,running,waiting,kv",
+    [
+        (VLLM_NEW, True, 5, 1, 0.75),  # summed over label sets; KV shows the fullest engine
+        (VLLM_OLD, True, 4, 2, 0.25),  # the older gpu_cache_usage_perc name
+        ("# nothing here\n", False, 0, 0, 0.0),
+        ("vllm:num_requests_running{ 3", False, 0, 0, 0.0),
+    ],
+)
+def test_the_scraper_parses_vllm_metrics(text, ok, running, waiting, kv):
+    r = parse_vllm_metrics(text)
+    assert (r.ok, r.running, r.waiting, r.kv_usage) == (ok, running, waiting, kv)

@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--config", required=True)
     e.add_argument("--snippets", action="store_true", help="print the pieces for an existing Envoy instead")
 
+    sm = sub.add_parser("sim", help="virtual-time simulator: one policy, or --compare them all")
+    from .sim.cli import add_arguments as sim_arguments
+
+    sim_arguments(sm)
+
     c = sub.add_parser("check-config", help="validate a config file; prints one line naming a bad field")
     c.add_argument("config")
 
@@ -91,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
         return 0
+    if args.cmd == "sim":
+        from .sim.cli import run as sim_run
+
+        return sim_run(args)
     if args.cmd == "up":
         from .up import up
 

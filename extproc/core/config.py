@@ -37,7 +37,8 @@ class PinConfig:
     session_spills_to_rebind: int = 3  # A3: 3 spills in a row -> the session pin moves
     prefix_spills_to_delete: int = 2  # B: the second consecutive prefix spill deletes it
     force_rebind_gap: float = 3.0  # A3: effective_running(pin) - min_r >= 3 -> move at once
-    # Ablation switches for the simulator (issue 3); production leaves them on.
+    # Ablation switches for the simulator; production leaves them on. With spill_enabled off a
+    # pin holds whenever its replica is LIVE, whatever the load: the seed's removed "never rebind".
     ttl_enabled: bool = True
     spill_enabled: bool = True
 

@@ -275,7 +275,8 @@ class Router:
             if pr.removed or pr.drained or pr.health.state is not LIVE:
                 # A pin to a dead, drained or PROBING replica never blocks distribution.
                 self._move_pin(table, key, pin, best, now, events, "dead")
-            elif pr.effective_waiting == 0 and pr.effective_running <= min_r + slack:
+            elif not pcfg.spill_enabled or (pr.effective_waiting == 0 and pr.effective_running <= min_r + slack):
+                # (spill_enabled off is the seed's removed "never rebind": the pin holds whatever the load)
                 chosen = pr
                 reason = AFFINITY
                 pin.spills = 0

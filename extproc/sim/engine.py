@@ -1,0 +1,299 @@
+"""A model of one vLLM replica's engine: continuous batching over a paged KV cache.
+
+One implementation, two clocks: the simulator calls ``step`` in virtual
+time, the mock server in real time. Nothing here reads a clock.
+
+What it models, after vLLM v1's scheduler:
+- KV capacity in tokens, in blocks of 16; a sequence holds
+  ceil(context / 16) blocks.
+- Automatic prefix caching: a prompt is a chain of block hashes; full
+  blocks whose hash is cached are not recomputed. Unreferenced cached
+  blocks stay until evicted, least recently used first.
+- A waiting queue (FCFS) when ``max_num_seqs`` or KV space runs out;
+  preemption by recompute (the newest running sequence is sent back to the
+  front of the queue) when a decode step cannot get a block.
+- Chunked prefill: each step has a token budget shared by decodes (1 token
+  each) and prefill chunks.
+- Step time = base + per-sequence cost + cost of the prefill tokens
+  computed (the uncached part only) + cost of KV read by the decodes.
+
+Defaults are calibrated to the seed's replica: a ~30B coding model
+(MoE, ~3B active) on 2x RTX 3090 with TP=2, ~300K tokens of KV. See
+``EngineConfig`` for each number and where it comes from.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+BLOCK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    # 2x24 GB minus ~17 GB of FP8 weights and activations leaves ~28 GB; at ~96 KB per token
+    # (48 layers, 4 KV heads x 128 dims, fp16, K+V) that is ~300K tokens (the seed's figure).
+    kv_tokens: int = 300_000
+    max_num_seqs: int = 64  # vLLM's default is 256; 2x3090 deployments run 32-64 for long contexts
+    max_num_batched_tokens: int = 8192  # vLLM v1's default chunked-prefill budget
+    # Decode: ~70 tok/s for one stream on 2x3090 TP=2 with a 3B-active MoE (community llama-bench /
+    # vLLM reports 60-110 tok/s); the step grows with batch size and with the KV read.
+    step_base_s: float = 0.014
+    step_per_seq_s: float = 0.0002
+    kv_read_s_per_ktoken: float = 0.00004  # 1M tokens of context in a decode batch adds 40 ms per step
+    # Prefill: ~6,000 tok/s on 2x3090 for this model class (vLLM benchmark_serving reports 4-9K).
+    prefill_s_per_token: float = 1 / 6000
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_tokens // BLOCK
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A prompt as block hashes (the last, partial block included) plus its token counts."""
+
+    rid: int
+    blocks: Sequence[int]
+    prompt_tokens: int
+    max_tokens: int
+    arrival: float
+    # filled by the engine
+    computed: int = 0  # prompt tokens already in KV (cached or prefilled)
+    generated: int = 0
+    held: list = field(default_factory=list)  # block ids held
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+
+    @property
+    def context(self) -> int:
+        return self.computed + self.generated
+
+
+class Engine:
+    """Scheduler state of one replica. ``step(now)`` runs one (or several identical) decode steps."""
+
+    def __init__(self, cfg: EngineConfig | None = None):
+        self.cfg = cfg or EngineConfig()
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.free_blocks = self.cfg.num_blocks  # never used, or evicted: no hash
+        self.cached: OrderedDict[int, int] = OrderedDict()  # hash -> refcount 0, LRU first (evictable)
+        self.refs: dict[int, int] = {}  # hash -> refcount > 0 (in use, also cached)
+        self.used_blocks = 0  # blocks held by running sequences
+        # counters with vLLM's meaning
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.preemptions = 0
+        self.finished = 0
+        self.aborted = 0
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_blocks / self.cfg.num_blocks
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, req: EngineRequest) -> None:
+        self.waiting.append(req)
+
+    def abort_all(self) -> list[EngineRequest]:
+        """The replica died: every request it had is lost."""
+        out = [*self.running, *self.waiting]
+        for r in self.running:
+            self._release(r)
+        self.running.clear()
+        self.waiting.clear()
+        self.aborted += len(out)
+        return out
+
+    # ----------------------------------------------------------------- blocks
+
+    def _take_block(self) -> bool:
+        if self.free_blocks:
+            self.free_blocks -= 1
+        elif self.cached:
+            self.cached.popitem(last=False)  # evict the least recently used unreferenced block
+        else:
+            return False
+        self.used_blocks += 1
+        return True
+
+    def _available(self) -> int:
+        return self.free_blocks + len(self.cached)
+
+    def _release(self, r: EngineRequest) -> None:
+        """Give back a sequence's blocks; full prompt blocks stay cached (evictable).
+
+        ``used_blocks`` counts physical blocks: a block shared by several sequences
+        is used until the last one lets go of it.
+        """
+        for h in r.held:
+            if h is None:
+                self.free_blocks += 1
+                self.used_blocks -= 1
+            else:
+                n = self.refs[h] - 1
+                if n:
+                    self.refs[h] = n
+                else:
+                    del self.refs[h]
+                    self.cached[h] = 0
+                    self.cached.move_to_end(h)
+                    self.used_blocks -= 1
+        r.held = []
+
+    def _admit(self, r: EngineRequest) -> bool:
+        """Reserve the prompt's blocks, reusing cached ones. False if KV space is short."""
+        full = r.prompt_tokens // BLOCK
+        hit = 0
+        for h in r.blocks[:full]:
+            if h in self.refs or h in self.cached:
+                hit += 1
+            else:
+                break
+        need_new = -(-r.prompt_tokens // BLOCK) - hit
+        if need_new > self._available() - sum(1 for h in r.blocks[:hit] if h in self.cached):
+            return False
+        held = []
+        for h in r.blocks[:hit]:
+            if h in self.cached:  # an evictable cached block comes back into use
+                del self.cached[h]
+                self.refs[h] = 1
+                self.used_blocks += 1
+            else:  # already in use by another sequence: shared, no new physical block
+                self.refs[h] += 1
+            held.append(h)
+        for i in range(hit, hit + need_new):
+            self._take_block()
+            h = r.blocks[i] if i < full else None
+            if h is None or h in self.refs:
+                # partial block, or the same block being computed by another sequence: private copy
+                held.append(None)
+                continue
+            if h in self.cached:  # an orphan of an evicted chain: the new block replaces it
+                del self.cached[h]
+                self.free_blocks += 1
+            self.refs[h] = 1
+            held.append(h)
+        # vLLM always recomputes the last prompt token, so a fully cached prompt hits one block less
+        cached_tokens = min(hit * BLOCK, r.prompt_tokens - 1)
+        r.computed = cached_tokens
+        if r.preemptions == 0:
+            self.prefix_queries += r.prompt_tokens
+            self.prefix_hits += cached_tokens
+            r.cached_tokens = cached_tokens
+        r.held = held
+        return True
+
+    def _grow(self, r: EngineRequest, tokens: int) -> bool:
+        """Blocks for ``tokens`` more tokens of context beyond what is held."""
+        need = -(-(r.context + tokens) // BLOCK) - len(r.held)
+        while need > 0:
+            if not self._take_block():
+                return False
+            r.held.append(None)
+            need -= 1
+        return True
+
+    def _preempt_newest(self) -> None:
+        victim = self.running.pop()
+        self._release(victim)
+        victim.computed = 0
+        victim.generated = 0
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    # ------------------------------------------------------------------- step
+
+    def step(self, now: float, horizon: float = 0.0) -> tuple[float, list[EngineRequest], list[EngineRequest]]:
+        """Run one scheduler step starting at ``now``.
+
+        Returns (duration, requests that got their first token, requests that finished).
+        With ``horizon`` > 0, a pure-decode step is repeated as many times as
+        nothing else can change (no prefill, no admission, no finish, no new
+        block, up to ``horizon`` seconds): the simulator's fast path.
+        """
+        cfg = self.cfg
+        budget = cfg.max_num_batched_tokens
+        # decodes first (1 token each), as vLLM v1 schedules running requests first; a decode
+        # that cannot get a block preempts the newest running sequence (possibly itself)
+        decoding = [r for r in self.running if r.computed >= r.prompt_tokens]
+        for r in decoding:
+            while r in self.running and not self._grow(r, 1):
+                self._preempt_newest()
+        alive = set(map(id, self.running))
+        decoding = [r for r in decoding if id(r) in alive]
+        budget -= len(decoding)
+        prefill_tokens = 0
+        prefilling = []
+        for r in self.running:
+            if r.computed < r.prompt_tokens and budget > 0:
+                chunk = min(r.prompt_tokens - r.computed, budget)
+                prefilling.append((r, chunk))
+                budget -= chunk
+        # admit from the queue while there is room
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            r = self.waiting[0]
+            if not self._admit(r):
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            chunk = min(r.prompt_tokens - r.computed, budget)  # >= 1: the last token is always computed
+            prefilling.append((r, chunk))
+            budget -= chunk
+        for r, chunk in prefilling:
+            prefill_tokens += chunk
+
+        kv_read = sum(r.context for r in decoding)
+        n = len(decoding) + len(prefilling)
+        if n == 0:
+            return 0.0, [], []
+        dur = cfg.step_base_s + cfg.step_per_seq_s * n + cfg.prefill_s_per_token * prefill_tokens + cfg.kv_read_s_per_ktoken * kv_read / 1000
+
+        repeat = 1
+        if horizon > 0 and not prefilling and not self.waiting and decoding:
+            # every decode gets one token per step; stop before anyone finishes or needs a block
+            left = min(r.max_tokens - r.generated for r in decoding)
+            to_block = min(len(r.held) * BLOCK - r.context for r in decoding)
+            repeat = max(1, min(left - 1, to_block, int(horizon / dur)))
+        if repeat > 1:
+            dur *= repeat
+
+        first, done = [], []
+        end = now + dur
+        for r in decoding:
+            r.generated += repeat
+        for r, chunk in prefilling:
+            r.computed += chunk
+            if r.computed >= r.prompt_tokens:
+                # the step that finishes prefill also samples the first output token
+                self._grow(r, 1)
+                r.generated += 1
+                r.first_token_at = end
+                first.append(r)
+        for r in list(self.running):
+            if r.generated >= r.max_tokens:
+                r.finished_at = end
+                self.running.remove(r)
+                self._release(r)
+                self.finished += 1
+                done.append(r)
+        return dur, first, done

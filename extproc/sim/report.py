@@ -1,0 +1,70 @@
+"""Tables and plots of simulator results."""
+
+from __future__ import annotations
+
+from .simulator import SimResult
+
+COLUMNS = [
+    ("policy", "policy", "{:<26}"),
+    ("ttft_p50", "TTFT p50", "{:>9.2f}"),
+    ("ttft_p90", "p90", "{:>8.2f}"),
+    ("ttft_p99", "p99", "{:>8.1f}"),
+    ("e2e_p50", "e2e p50", "{:>8.1f}"),
+    ("e2e_p99", "p99", "{:>8.1f}"),
+    ("output_tok_s", "out tok/s", "{:>10.0f}"),
+    ("prefix_hit_rate", "prefix hit", "{:>11.1%}"),
+    ("imbalance_mean", "imbalance", "{:>10.2f}"),
+    ("imbalance_max", "worst", "{:>6.2f}"),
+    ("max_share", "max share", "{:>10.1%}"),
+    ("requests", "requests", "{:>9}"),
+    ("errors", "errors", "{:>7}"),
+]
+
+
+def table(results: list[SimResult]) -> str:
+    head = "".join(f"{label:<26}" if key == "policy" else f"{label:>{_width(fmt)}}" for key, label, fmt in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for r in results:
+        s = r.summary()
+        lines.append("".join(fmt.format(s[key]) for key, _, fmt in COLUMNS))
+    lines.append("TTFT and e2e in seconds (after a 2 min warm-up); imbalance = max share / mean share per minute, "
+                 "mean and worst minute; prefix hit = the replicas' own prefix-cache hit rate in tokens")
+    return "\n".join(lines)
+
+
+def _width(fmt: str) -> int:
+    spec = fmt.split(":")[1].rstrip("}")
+    digits = "".join(ch for ch in spec.split(".")[0] if ch.isdigit())
+    return int(digits) if digits else 8
+
+
+def share_plot(results: list[SimResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    cols = 2 if n > 1 else 1
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 2.6 * rows), sharex=True, sharey=True, squeeze=False)
+    for ax, r in zip(axes.flat, results):
+        minutes = [m for m, row in enumerate(r.share_per_minute) if sum(row)]
+        shares = [[r.share_per_minute[m][i] / sum(r.share_per_minute[m]) for m in minutes] for i in range(r.n)]
+        ax.stackplot(minutes, shares, labels=[f"r{i}" for i in range(r.n)])
+        s = r.summary()
+        ax.set_title(f"{r.policy}: TTFT p99 {s['ttft_p99']:.1f}s, hit {s['prefix_hit_rate']:.0%}, "
+                     f"imbalance {s['imbalance_mean']:.2f}", fontsize=9)
+        ax.set_ylim(0, 1)
+        ax.axhline(1 / r.n, color="white", lw=0.8, ls="--")
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    axes.flat[0].legend(loc="upper right", fontsize=7, ncol=r.n)
+    for ax in axes[-1]:
+        ax.set_xlabel("simulated minute")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("traffic share")
+    fig.suptitle("Traffic share per replica over time (same workload and seed for every policy)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

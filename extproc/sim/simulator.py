@@ -1,0 +1,293 @@
+"""``warmroute sim``: N engine models, a routing policy, a workload and faults, in virtual time.
+
+Scrapes happen every 3 s of virtual time, so between scrapes the router
+sees stale load exactly as in production. The same seed gives the same
+result. Requests sent to a dead replica fail at once (connection refused)
+and are retried once on another replica, as Envoy's retry policy does;
+requests running on a replica when it dies are lost to the client.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from ..core import RouterConfig, imbalance_index
+from .engine import Engine, EngineConfig, EngineRequest
+from .policies import Policy, Warmroute, make_policy
+from .workload import Request, Workload, WorkloadConfig
+
+# Pure-decode steps are batched up to this much virtual time: a request arriving meanwhile
+# waits at most this long to be admitted. Keeps 30 minutes of 4 replicas well under a minute.
+DECODE_HORIZON_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Replica ``replica`` is down from ``start`` for ``duration`` s; with ``every`` > 0 it repeats (a flap)."""
+
+    replica: int
+    start: float
+    duration: float
+    every: float = 0.0
+    until: float = float("inf")
+
+
+@dataclass
+class SimResult:
+    policy: str
+    requests: list[Request]
+    minutes: float
+    n: int
+    share_per_minute: list[list[int]]  # [minute][replica] dispatches
+    routable_per_minute: list[list[int]]
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    output_tokens: int
+    transitions: list = field(default_factory=list)
+    to_ejected: int = 0  # requests the policy sent to a replica its own health machine had EJECTED
+    pins_on_non_live: int = 0
+
+    def _pct(self, xs: list[float], p: float) -> float:
+        if not xs:
+            return float("nan")
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+    def summary(self, warmup_min: float = 2.0) -> dict:
+        ok = [r for r in self.requests if r.error is None and r.ttft is not None and r.arrival >= warmup_min * 60]
+        ttft = [r.ttft for r in ok]
+        e2e = [r.e2e for r in ok if r.e2e is not None]
+        idx = []
+        for m, (row, routable) in enumerate(zip(self.share_per_minute, self.routable_per_minute)):
+            if m < warmup_min or not sum(row):
+                continue
+            idx.append(imbalance_index({str(i): c for i, c in enumerate(row)}, [str(i) for i in routable]))
+        tot = [sum(row[i] for row in self.share_per_minute) for i in range(self.n)]
+        return {
+            "policy": self.policy,
+            "requests": len(self.requests),
+            "errors": sum(1 for r in self.requests if r.error),
+            "ttft_p50": self._pct(ttft, 0.5),
+            "ttft_p90": self._pct(ttft, 0.9),
+            "ttft_p99": self._pct(ttft, 0.99),
+            "e2e_p50": self._pct(e2e, 0.5),
+            "e2e_p99": self._pct(e2e, 0.99),
+            "output_tok_s": self.output_tokens / (self.minutes * 60),
+            "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+            "imbalance_mean": sum(idx) / len(idx) if idx else 1.0,
+            "imbalance_max": max(idx) if idx else 1.0,
+            "max_share": max(tot) / sum(tot) if sum(tot) else 0.0,
+            "preemptions": self.preemptions,
+            "to_ejected": self.to_ejected,
+        }
+
+
+class Simulation:
+    def __init__(
+        self,
+        policy: str | Policy = "warmroute",
+        replicas: int = 4,
+        workload: WorkloadConfig | None = None,
+        seed: int = 1,
+        faults: tuple[Fault, ...] = (),
+        engine: EngineConfig | None = None,
+        router_cfg: RouterConfig | None = None,
+        scrape_interval_s: float = 3.0,
+        bursts: tuple[tuple[float, int], ...] = (),
+    ):
+        self.n = replicas
+        self.wcfg = workload or WorkloadConfig()
+        self.seed = seed
+        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, replicas, seed, router_cfg)
+        self.engines = [Engine(engine) for _ in range(replicas)]
+        self.alive = [True] * replicas
+        self.faults = faults
+        self.scrape_interval = scrape_interval_s
+        self.bursts = bursts  # (t, k): k one-shot requests arrive at the same instant t
+        self.workload = Workload(self.wcfg, seed)
+        self._events: list = []
+        self._seq = itertools.count()
+        self._stepping = [False] * replicas
+        self._inflight: list[dict[int, tuple[Request, EngineRequest]]] = [dict() for _ in range(replicas)]
+        self.requests: list[Request] = []
+        minutes = int(self.wcfg.minutes) + 1
+        self.share = [[0] * replicas for _ in range(minutes)]
+        self.routable = [list(range(replicas)) for _ in range(minutes)]
+        self.to_ejected = 0
+        self.pins_on_non_live = 0
+        self._retired_counters = [0, 0, 0]  # prefix queries, hits, preemptions of engines replaced on revive
+
+    def _at(self, t: float, kind: str, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, args))
+
+    # ---------------------------------------------------------------- dispatch
+
+    def _dispatch(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> None:
+        i = self.policy.choose(req, now, exclude)
+        if i is None:
+            req.error = "no_healthy_instances"
+            self._finish_session_turn(req, now)
+            return
+        req.replica = i
+        self.policy.start(req, i, now)
+        if isinstance(self.policy, Warmroute):
+            rep = self.policy.router.replica(f"r{i}")
+            if rep.state.value == "EJECTED" and req.extra.get("reason") != "fallback":
+                self.to_ejected += 1
+        m = min(int(now // 60), len(self.share) - 1)
+        self.share[m][i] += 1
+        if not self.alive[i]:
+            # connection refused: Envoy retries once on another replica
+            self.policy.done(req, now)
+            self.policy.on_upstream(i, False, now)
+            if req.retries == 0:
+                req.retries = 1
+                req.replica = None
+                self._dispatch(req, now, exclude | {i})
+            else:
+                req.error = "connect_failure"
+                self._finish_session_turn(req, now)
+            return
+        er = EngineRequest(req.rid, req.blocks(), req.prompt_tokens, req.max_tokens, now)
+        self._inflight[i][req.rid] = (req, er)
+        self.engines[i].add(er)
+        if not self._stepping[i]:
+            self._step(i, now)
+
+    def _step(self, i: int, now: float) -> None:
+        eng = self.engines[i]
+        if not eng.busy or not self.alive[i]:
+            self._stepping[i] = False
+            return
+        dur, first, done = eng.step(now, DECODE_HORIZON_S)
+        if dur <= 0:
+            self._stepping[i] = False
+            return
+        self._stepping[i] = True
+        self._at(now + dur, "step_end", i, first, done)
+
+    def _step_end(self, i: int, now: float, first, done) -> None:
+        if not self.alive[i]:
+            return  # the replica died mid-step: its requests were already failed
+        for er in first:
+            item = self._inflight[i].get(er.rid)
+            if item:
+                item[0].ttft = now - item[0].arrival
+        for er in done:
+            item = self._inflight[i].pop(er.rid, None)
+            if not item:
+                continue
+            req = item[0]
+            req.e2e = now - req.arrival
+            req.cached_tokens = er.cached_tokens
+            self.policy.done(req, now)
+            self.policy.on_upstream(i, True, now)
+            self._finish_session_turn(req, now)
+        self._step(i, now)
+
+    def _finish_session_turn(self, req: Request, now: float) -> None:
+        s = req.session
+        if s is None:
+            return
+        think = self.workload.after_answer(s, req)
+        self._at(now + think, "turn", s)
+
+    # ------------------------------------------------------------------ faults
+
+    def _kill(self, i: int, now: float) -> None:
+        if not self.alive[i]:
+            return
+        self.alive[i] = False
+        self._stepping[i] = False
+        self.engines[i].abort_all()
+        for req, _er in list(self._inflight[i].values()):
+            req.error = "replica_died"
+            self.policy.done(req, now)
+            self.policy.on_upstream(i, False, now)
+            self._finish_session_turn(req, now)
+        self._inflight[i].clear()
+
+    def _revive(self, i: int, now: float) -> None:
+        self.alive[i] = True
+        old = self.engines[i]
+        self._retired_counters[0] += old.prefix_queries
+        self._retired_counters[1] += old.prefix_hits
+        self._retired_counters[2] += old.preemptions
+        self.engines[i] = Engine(old.cfg)  # a restarted vLLM has a cold cache
+
+    # --------------------------------------------------------------------- run
+
+    def run(self) -> SimResult:
+        end = self.wcfg.minutes * 60
+        for t, kind in self.workload.arrivals():
+            self._at(t, "start_session" if kind == "session" else "oneshot")
+        t = 0.0
+        while t < end:
+            self._at(t, "scrape")
+            t += self.scrape_interval
+        for bt, k in self.bursts:
+            for _ in range(k):
+                self._at(bt, "oneshot")
+        for f in self.faults:
+            t = f.start
+            while t < min(end, f.until):
+                self._at(t, "kill", f.replica)
+                self._at(t + f.duration, "revive", f.replica)
+                if f.every <= 0:
+                    break
+                t += f.every
+        while self._events:
+            now, _, kind, args = heapq.heappop(self._events)
+            if now > end:
+                break
+            if kind == "step_end":
+                self._step_end(args[0], now, args[1], args[2])
+            elif kind == "turn":
+                req = self.workload.next_turn(args[0], now)
+                if req is not None:
+                    self.requests.append(req)
+                    self._dispatch(req, now)
+            elif kind == "start_session":
+                req = self.workload.next_turn(self.workload.new_session(), now)
+                if req is not None:
+                    self.requests.append(req)
+                    self._dispatch(req, now)
+            elif kind == "oneshot":
+                req = self.workload.oneshot(now)
+                self.requests.append(req)
+                self._dispatch(req, now)
+            elif kind == "scrape":
+                self.policy.tick(now)
+                m = min(int(now // 60), len(self.share) - 1)
+                if isinstance(self.policy, Warmroute):
+                    self.routable[m] = [k for k in range(self.n) if self.policy.router.replica(f"r{k}").state.value != "EJECTED"]
+                else:
+                    self.routable[m] = [k for k in range(self.n) if self.alive[k]]
+                for i, eng in enumerate(self.engines):
+                    if self.alive[i]:
+                        self.policy.on_scrape(i, True, now, eng.num_running, eng.num_waiting, eng.kv_usage)
+                    else:
+                        self.policy.on_scrape(i, False, now)
+            elif kind == "kill":
+                self._kill(args[0], now)
+            elif kind == "revive":
+                self._revive(args[0], now)
+        transitions = list(self.policy.router.transitions) if isinstance(self.policy, Warmroute) else []
+        return SimResult(
+            policy=self.policy.name,
+            requests=self.requests,
+            minutes=self.wcfg.minutes,
+            n=self.n,
+            share_per_minute=self.share,
+            routable_per_minute=self.routable,
+            prefix_queries=self._retired_counters[0] + sum(e.prefix_queries for e in self.engines),
+            prefix_hits=self._retired_counters[1] + sum(e.prefix_hits for e in self.engines),
+            preemptions=self._retired_counters[2] + sum(e.preemptions for e in self.engines),
+            output_tokens=sum(r.max_tokens for r in self.requests if r.e2e is not None and r.error is None),
+            transitions=transitions,
+            to_ejected=self.to_ejected,
+            pins_on_non_live=getattr(self.policy, "pins_on_non_live", 0),
+        )

@@ -1,0 +1,102 @@
+"""The seed's four incidents, in the simulator with the real core: each reproduced with its rule
+switched off and prevented with it on. Thresholds come from the numbers these seeds print
+(noted per test); the simulator is deterministic for a seed."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from extproc.core import HealthConfig, RouterConfig
+from extproc.sim.policies import Warmroute
+from extproc.sim.simulator import Fault, Simulation
+from extproc.sim.workload import WorkloadConfig
+
+
+def test_incident_1_crystallization_one_shared_system_prompt_stays_balanced():
+    # 30 minutes of agent sessions that all share one system prompt (one project).
+    w = WorkloadConfig(minutes=30, sessions_per_min=1.5, projects=1)
+    seed_v1 = Simulation("warmroute_no_ttl_no_spill", seed=3, workload=w).run().summary()
+    spec = Simulation("warmroute", seed=3, workload=w).run().summary()
+    # measured: pins that live forever and never move -> max share 1.00, imbalance 4.0 (all on one of 4);
+    # with TTL + spill/rebind -> max share 0.27, imbalance 1.41 mean / 2.0 worst minute
+    assert seed_v1["max_share"] >= 0.9 and seed_v1["imbalance_mean"] >= 3.5
+    assert spec["max_share"] <= 0.35 and spec["imbalance_mean"] <= 1.6
+
+
+def test_incident_2_wlc_blind_spot_a_burst_between_scrapes_spreads():
+    # background sessions make scraped loads unequal; 8 requests arrive at one instant between scrapes
+    w = WorkloadConfig(minutes=3, sessions_per_min=6, oneshots_per_min=0)
+
+    def burst(policy):
+        r = Simulation(policy, seed=2, workload=w, bursts=((100.5, 8),)).run()
+        return Counter(q.replica for q in r.requests if q.oneshot)
+
+    on, off = burst("warmroute"), burst("warmroute_no_wlc")
+    assert sum(on.values()) == sum(off.values()) == 8
+    # measured: without the in-flight term 5 of 8 land on the replica that looked idle at the last scrape
+    assert max(off.values()) >= 5
+    assert max(on.values()) <= 3 and len(on) >= 3
+
+
+def test_incident_3_no_user_request_is_the_probe_of_a_dead_replica_recovery_by_scrapes_alone():
+    w = WorkloadConfig(minutes=12, sessions_per_min=2)
+    dead = (Fault(1, start=300, duration=120),)
+
+    def run(policy):
+        return Simulation(policy, seed=4, workload=w, faults=dead).run()
+
+    rr, wr = run("envoy_round_robin"), run("warmroute")
+    # a request "probes" the dead replica when it is sent there and has to be retried elsewhere
+    probes = lambda r: sum(1 for q in r.requests if q.retries and 303 < q.arrival < 420)  # noqa: E731
+    assert probes(rr) >= 10  # measured 23: round-robin keeps sending users into the dead replica
+    assert probes(wr) == 0 and wr.to_ejected == 0
+    lost = Counter(q.error for q in wr.requests if q.error)
+    assert set(lost) <= {"replica_died"} and lost["replica_died"] <= 5  # only what was running on it at death
+    r1 = [(t.new.value, t.reason) for t in wr.transitions if t.replica == "r1" and t.at >= 300]
+    assert r1 == [("EJECTED", "upstream_failures"), ("PROBING", "good_scrapes"), ("LIVE", "clean_window")]
+    back = [t.at for t in wr.transitions if t.replica == "r1" and t.new.value == "PROBING" and t.at >= 300][0]
+    assert 420 < back <= 420 + 2 * 3 + 0.01  # two good scrapes after it came back, no user request needed
+
+
+FLAP = (Fault(2, start=120, duration=5, every=15, until=1200), Fault(2, start=2100, duration=10))
+
+
+def test_incident_4_flap_cooldown_grows_30_60_120_240_300_and_the_streak_resets_after_600s_live():
+    r = Simulation("warmroute", seed=5, workload=WorkloadConfig(minutes=40, sessions_per_min=2), faults=FLAP).run()
+    ejections = [t for t in r.transitions if t.replica == "r2" and t.new.value == "EJECTED"]
+    cooldowns = [t.cooldown_s for t in ejections]
+    assert cooldowns[:6] == [30, 60, 120, 240, 300, 300]
+    # the flapping stopped at 20 min; LIVE again, then >= 600 s continuous LIVE before the kill at 35 min
+    assert ejections[-1].at == 2100 and ejections[-1].cooldown_s == 30
+    assert r.pins_on_non_live == 0  # no pin ever landed on the replica while it was PROBING
+
+
+def test_incident_4_flap_with_a_short_fixed_cooldown_and_no_hysteresis_loses_more_requests():
+    loose = RouterConfig(health=HealthConfig(cooldown_base_s=5, cooldown_max_s=5, good_scrapes_to_probe=1,
+                                             probing_clean_window_s=0))
+    w = WorkloadConfig(minutes=22, sessions_per_min=2)
+
+    def lost(cfg):
+        r = Simulation(Warmroute(4, 5, cfg), seed=5, workload=w, faults=FLAP[:1]).run()
+        return sum(1 for q in r.requests if q.error == "replica_died")
+
+    spec, seed_v1 = lost(RouterConfig()), lost(loose)
+    # measured: 23 requests die under the flapping replica with SPEC's rules, several times more without them
+    assert seed_v1 >= 2 * spec
+
+
+def test_the_same_seed_gives_the_same_result():
+    w = WorkloadConfig(minutes=5, sessions_per_min=3)
+    a = Simulation("warmroute", seed=9, workload=w).run().summary()
+    b = Simulation("warmroute", seed=9, workload=w).run().summary()
+    c = Simulation("warmroute", seed=10, workload=w).run().summary()
+    assert a == b and a != c
+
+
+def test_the_simulator_drives_the_real_core():
+    from extproc.core import Router
+
+    sim = Simulation("warmroute", seed=1, workload=WorkloadConfig(minutes=1))
+    assert isinstance(sim.policy.router, Router)
+    assert dataclasses.is_dataclass(sim.policy.router.cfg)

@@ -1,0 +1,25 @@
+"""`warmroute sim --compare` prints one table of every policy and writes the PNG."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from extproc.sim.policies import POLICIES
+
+
+def test_sim_compare_prints_every_policy_and_writes_a_png(tmp_path):
+    png = tmp_path / "share.png"
+    p = subprocess.run([sys.executable, "-m", "extproc.cli", "sim", "--compare", "--minutes", "4", "--png", str(png)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [line.split()[0] for line in p.stdout.splitlines() if line and line.split()[0] in POLICIES]
+    assert rows == POLICIES
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_with_a_flap_prints_the_transitions():
+    p = subprocess.run([sys.executable, "-m", "extproc.cli", "sim", "--minutes", "6", "--flap", "1:60:5:15:300",
+                        "--transitions"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "r1: PROBING -> EJECTED" in p.stdout and "cooldown 60s" in p.stdout

@@ -1,14 +1,18 @@
-"""``warmroute mock-vllm``: an OpenAI-compatible stand-in for one vLLM replica.
+"""``warmroute mock-vllm``: an OpenAI-compatible vLLM replica driven by the engine model in real time.
 
-It behaves enough like vLLM for the router to matter: at most
-``max_num_seqs`` requests run at once and the rest queue; prefill takes
-time proportional to the prompt tokens not already in its prefix cache;
-each output token takes a decode step. It exports vLLM's own metric names
-on ``/metrics``. Faults are injected by flags or ``POST /admin/fault``.
+The simulator's engine (``extproc.sim.engine``: continuous batching,
+paged KV with prefix caching, queueing, chunked prefill, preemption) runs
+here against the wall clock, optionally sped up. Prompts are real text;
+the model derives 16-token blocks from it deterministically (4 characters
+a token, chained hashes of 64-character chunks), so two prompts sharing a
+prefix share cached blocks without any tokenizer download.
 
-Prompts are real text; tokens are estimated as characters / 4 (no
-tokenizer download). The prefix cache keys 16-token blocks by a chained
-hash of the text, as vLLM's automatic prefix caching does.
+It exports vLLM's own metric names and types on ``/metrics`` and takes
+faults by flags or ``POST /admin/fault``: ``{"healthy": false}``,
+``{"fail_rate": 0.3}`` (503s), ``{"stall_s": 5}`` (slow /metrics and
+requests), ``{"die_for_s": 10}`` (stop listening, lose in-flight work,
+come back with a cold cache); ``--flap-every/--flap-down`` make it die
+and return on a timer.
 """
 
 from __future__ import annotations
@@ -20,56 +24,111 @@ import json
 import random
 import sys
 import time
-from collections import OrderedDict
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-BLOCK_CHARS = 64  # 16 tokens of 4 characters
+from .sim.engine import Engine, EngineConfig, EngineRequest
+
+CHARS_PER_TOKEN = 4
+BLOCK_CHARS = 16 * CHARS_PER_TOKEN
 
 
-class PrefixCache:
-    """LRU of block hashes; ``lookup`` returns how many leading characters are cached."""
+def text_blocks(text: str) -> list[int]:
+    """Chained hashes of the text's 64-character chunks: the prefix cache's view of a prompt."""
+    out = []
+    h = b""
+    for i in range(0, len(text), BLOCK_CHARS):
+        h = hashlib.blake2b(h + text[i : i + BLOCK_CHARS].encode("utf-8", "replace"), digest_size=8).digest()
+        out.append(int.from_bytes(h, "big"))
+    return out
 
-    def __init__(self, capacity_blocks: int):
-        self.capacity = capacity_blocks
-        self.blocks: OrderedDict[bytes, None] = OrderedDict()
 
-    def _hashes(self, text: str):
-        h = b""
-        for i in range(0, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
-            h = hashlib.blake2b(h + text[i : i + BLOCK_CHARS].encode("utf-8", "replace"), digest_size=8).digest()
-            yield h
+class _Aborted(Exception):
+    pass
 
-    def lookup_and_insert(self, text: str) -> int:
-        cached = 0
-        hit = True
-        for h in self._hashes(text):
-            if hit and h in self.blocks:
-                cached += BLOCK_CHARS
-                self.blocks.move_to_end(h)
+
+class Waiter:
+    """Token events of one request from the engine loop to its HTTP handler."""
+
+    __slots__ = ("queue", "req")
+
+    def __init__(self, req: EngineRequest):
+        self.req = req
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+
+class Driver:
+    """Runs engine steps back to back against the wall clock while there is work."""
+
+    def __init__(self, cfg: EngineConfig, speedup: float):
+        self.engine = Engine(cfg)
+        self.speedup = speedup
+        self.waiters: dict[int, Waiter] = {}
+        self._wake = asyncio.Event()
+        self._next_rid = 0
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int) -> Waiter:
+        self._next_rid += 1
+        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, time.monotonic())
+        w = Waiter(er)
+        self.waiters[er.rid] = w
+        self.engine.add(er)
+        self._wake.set()
+        return w
+
+    def abort(self, w: Waiter) -> None:
+        self.waiters.pop(w.req.rid, None)
+        self.engine.abort(w.req)
+
+    def abort_all(self) -> None:
+        self.engine.abort_all()
+        for w in self.waiters.values():
+            w.queue.put_nowait(_Aborted())
+        self.waiters.clear()
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.busy:
+                self._wake.clear()
+                await self._wake.wait()
                 continue
-            hit = False
-            self.blocks[h] = None
-            if len(self.blocks) > self.capacity:
-                self.blocks.popitem(last=False)
-        return cached
+            before = {r.rid: r.generated for r in self.engine.running}
+            dur, first, done = self.engine.step(time.monotonic())
+            if dur <= 0:
+                await asyncio.sleep(0.001)
+                continue
+            await asyncio.sleep(dur / self.speedup)
+            firsts = {r.rid for r in first}
+            for r in [*self.engine.running, *done]:
+                w = self.waiters.get(r.rid)
+                new = r.generated - before.get(r.rid, 0)
+                if w is not None and new > 0:
+                    w.queue.put_nowait((new, r.rid in firsts))
+            for r in done:
+                w = self.waiters.pop(r.rid, None)
+                if w is not None:
+                    w.queue.put_nowait(None)
 
 
 class MockReplica:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.model = args.model
-        self.sem = asyncio.Semaphore(args.max_num_seqs)
-        self.running = 0
-        self.waiting = 0
         self.healthy = True
         self.fail_rate = args.fail_rate
         self.stall_s = 0.0
         self.rng = random.Random(args.seed)
-        self.cache = PrefixCache(args.kv_blocks)
-        self.kv_tokens_in_use = 0
+        self.engine_cfg = EngineConfig(kv_tokens=args.kv_tokens, max_num_seqs=args.max_num_seqs)
+        self.driver = Driver(self.engine_cfg, args.speedup)
+        self.site: web.TCPSite | None = None
+        self.runner: web.AppRunner | None = None
+        self.port = args.port
         reg = self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
         self.lv = {"model_name": self.model, "engine": "0"}
@@ -80,18 +139,26 @@ class MockReplica:
         self.c_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens", labels, registry=reg)
         self.c_preempt = Counter("vllm:num_preemptions", "Cumulative preemptions", labels, registry=reg)
         self.c_success = Counter("vllm:request_success", "Finished requests", labels, registry=reg)
-        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "TTFT", labels, registry=reg,
-                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
-        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "E2E latency", labels, registry=reg,
-                               buckets=(0.1, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320))
-        self.c_preempt.labels(**self.lv)
-        self.c_success.labels(**self.lv)
-        self._sync_gauges()
+        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels, registry=reg,
+                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160))
+        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels, registry=reg,
+                               buckets=(0.1, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640))
+        self._engine_counters = [0, 0, 0]  # queries, hits, preemptions already exported
 
-    def _sync_gauges(self) -> None:
-        self.g_running.labels(**self.lv).set(self.running)
-        self.g_waiting.labels(**self.lv).set(self.waiting)
-        self.g_kv.labels(**self.lv).set(min(1.0, self.kv_tokens_in_use / max(1, self.args.kv_tokens)))
+    def _sync_metrics(self) -> None:
+        e = self.driver.engine
+        self.g_running.labels(**self.lv).set(e.num_running)
+        self.g_waiting.labels(**self.lv).set(e.num_waiting)
+        self.g_kv.labels(**self.lv).set(e.kv_usage)
+        q, h, p = e.prefix_queries, e.prefix_hits, e.preemptions
+        dq, dh, dp = q - self._engine_counters[0], h - self._engine_counters[1], p - self._engine_counters[2]
+        if dq > 0:
+            self.c_queries.labels(**self.lv).inc(dq)
+        if dh > 0:
+            self.c_hits.labels(**self.lv).inc(dh)
+        if dp > 0:
+            self.c_preempt.labels(**self.lv).inc(dp)
+        self._engine_counters = [q, h, p]
 
     # ------------------------------------------------------------------ http
 
@@ -100,7 +167,7 @@ class MockReplica:
             raise web.HTTPServiceUnavailable(text="engine is down")
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
-        self._sync_gauges()
+        self._sync_metrics()
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -109,17 +176,45 @@ class MockReplica:
         return web.Response(text="")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "warmroute-mock"}]})
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "owned_by": "warmroute-mock", "max_model_len": self.engine_cfg.kv_tokens}]})
 
     async def fault(self, request: web.Request) -> web.Response:
-        doc = await request.json()
+        try:
+            doc = await request.json()
+            if not isinstance(doc, dict):
+                raise ValueError
+        except ValueError:
+            return _error(400, "expected a JSON object")
         if "healthy" in doc:
             self.healthy = bool(doc["healthy"])
         if "fail_rate" in doc:
             self.fail_rate = float(doc["fail_rate"])
         if "stall_s" in doc:
             self.stall_s = float(doc["stall_s"])
+        if "die_for_s" in doc:
+            asyncio.get_running_loop().create_task(self.die_for(float(doc["die_for_s"])))
         return web.json_response({"healthy": self.healthy, "fail_rate": self.fail_rate, "stall_s": self.stall_s})
+
+    async def die_for(self, seconds: float) -> None:
+        """Stop listening (connections are refused), lose in-flight work, return with a cold cache."""
+        if self.site is None:
+            return
+        await self.site.stop()
+        self.driver.abort_all()
+        self.driver = Driver(self.engine_cfg, self.args.speedup)
+        self.driver.start()
+        self._engine_counters = [0, 0, 0]
+        print(f"mock-vllm {self.args.name}: down for {seconds:g}s", flush=True)
+        await asyncio.sleep(seconds)
+        self.site = web.TCPSite(self.runner, self.args.host, self.port, reuse_address=True)
+        await self.site.start()
+        print(f"mock-vllm {self.args.name}: back", flush=True)
+
+    async def flap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.0, self.args.flap_every - self.args.flap_down))
+            await self.die_for(self.args.flap_down)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
@@ -127,10 +222,12 @@ class MockReplica:
             doc = await request.json()
             if not isinstance(doc, dict):
                 raise ValueError
-        except (ValueError, json.JSONDecodeError):
+        except ValueError:
             return _error(400, "request body is not a JSON object")
         if not self.healthy or (self.fail_rate and self.rng.random() < self.fail_rate):
             return _error(503, "injected failure", "server_error")
+        if self.stall_s:
+            await asyncio.sleep(self.stall_s)
         if chat:
             msgs = doc.get("messages")
             if not isinstance(msgs, list):
@@ -140,61 +237,64 @@ class MockReplica:
             p = doc.get("prompt", "")
             text = p if isinstance(p, str) else "".join(x for x in p if isinstance(x, str)) if isinstance(p, list) else ""
         max_tokens = doc.get("max_completion_tokens") or doc.get("max_tokens") or self.args.default_max_tokens
-        max_tokens = max(1, min(int(max_tokens), 4096))
+        try:
+            max_tokens = max(1, min(int(max_tokens), 32_768))
+        except (TypeError, ValueError):
+            return _error(400, "max_tokens must be an integer")
+        prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
+        if not self.driver.engine.fits(prompt_tokens, max_tokens):
+            return _error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
         stream = bool(doc.get("stream"))
         include_usage = bool((doc.get("stream_options") or {}).get("include_usage"))
-        return await self._generate(request, chat, text, max_tokens, stream, include_usage)
+        return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage)
 
-    async def _generate(self, request, chat, text, max_tokens, stream, include_usage):
+    async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage):
         t0 = time.monotonic()
-        prompt_tokens = max(1, len(text) // 4)
-        speed = self.args.speedup
-        self.waiting += 1
-        try:
-            await self.sem.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-        self.kv_tokens_in_use += prompt_tokens + max_tokens
+        waiter = self.driver.submit(text_blocks(text), prompt_tokens, max_tokens)
         rid = "cmpl-" + hashlib.md5(f"{t0}{self.rng.random()}".encode()).hexdigest()[:16]
         created = int(time.time())
+        fp = self.args.name
+        resp = None
+        produced = 0
         try:
-            cached_chars = self.cache.lookup_and_insert(text)
-            cached_tokens = min(prompt_tokens, cached_chars // 4)
-            self.c_queries.labels(**self.lv).inc(prompt_tokens)
-            self.c_hits.labels(**self.lv).inc(cached_tokens)
-            prefill_s = (prompt_tokens - cached_tokens) / self.args.prefill_tokens_per_s
-            step_s = self.args.decode_step_s * (1 + 0.05 * self.running)
-            await asyncio.sleep(prefill_s / speed)
-            self.h_ttft.labels(**self.lv).observe(time.monotonic() - t0)
-            words = ["tok"] * max_tokens
-            if not stream:
-                await asyncio.sleep(step_s * (max_tokens - 1) / speed)
-                body = _final_body(chat, rid, created, self.model, " ".join(words), prompt_tokens, max_tokens, cached_tokens,
-                                   self.args.name)
-                self.h_e2e.labels(**self.lv).observe(time.monotonic() - t0)
-                self.c_success.labels(**self.lv).inc()
-                return web.json_response(body)
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            for i, w in enumerate(words):
-                if i:
-                    await asyncio.sleep(step_s / speed)
-                await resp.write(_sse(_chunk(chat, rid, created, self.model, ("" if i == 0 else " ") + w, None, self.args.name)))
-            await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length", self.args.name)))
-            if include_usage:
-                usage = _usage(prompt_tokens, max_tokens, cached_tokens)
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                await resp.write(_sse({"id": rid, "object": obj, "created": created, "model": self.model, "choices": [], "usage": usage}))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            if stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+            while True:
+                ev = await waiter.queue.get()
+                if isinstance(ev, _Aborted):
+                    raise ConnectionResetError("replica died")
+                if ev is None:
+                    break
+                n, is_first = ev
+                if is_first:
+                    self.h_ttft.labels(**self.lv).observe(time.monotonic() - t0)
+                if stream:
+                    piece = "".join(("" if produced + k == 0 else " ") + "tok" for k in range(n))
+                    await resp.write(_sse(_chunk(chat, rid, created, self.model, piece, None, fp)))
+                produced += n
+            cached = waiter.req.cached_tokens
             self.h_e2e.labels(**self.lv).observe(time.monotonic() - t0)
             self.c_success.labels(**self.lv).inc()
+            if not stream:
+                return web.json_response(_final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens),
+                                                     prompt_tokens, max_tokens, cached, fp))
+            await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length", fp)))
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                await resp.write(_sse({"id": rid, "object": obj, "created": created, "model": self.model,
+                                       "system_fingerprint": fp, "choices": [],
+                                       "usage": _usage(prompt_tokens, max_tokens, cached)}))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
             return resp
+        except ConnectionResetError:
+            # the replica died under the request: the client sees the connection cut, as with a real crash
+            if request.transport is not None:
+                request.transport.abort()
+            raise
         finally:
-            self.running -= 1
-            self.kv_tokens_in_use -= prompt_tokens + max_tokens
-            self.sem.release()
+            self.driver.abort(waiter)  # no-op once finished; frees KV when the client left early
 
 
 def _content_text(c) -> str:
@@ -238,8 +338,7 @@ def _error(status: int, message: str, typ: str = "invalid_request_error") -> web
     return web.json_response({"error": {"message": message, "type": typ, "code": status}}, status=status)
 
 
-def build_app(args: argparse.Namespace) -> web.Application:
-    rep = MockReplica(args)
+def build_app(rep: MockReplica) -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app["replica"] = rep
     app.router.add_post("/v1/chat/completions", rep.completions)
@@ -252,33 +351,36 @@ def build_app(args: argparse.Namespace) -> web.Application:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 lets the OS pick; the bound port is printed")
     ap.add_argument("--model", default="mock-coder-30b")
     ap.add_argument("--name", default="mock", help="reported as system_fingerprint, so a client can see who served it")
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--kv-tokens", type=int, default=300_000)
-    ap.add_argument("--kv-blocks", type=int, default=300_000 // 16)
-    ap.add_argument("--prefill-tokens-per-s", type=float, default=8_000.0)
-    ap.add_argument("--decode-step-s", type=float, default=0.03)
+    ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens)
+    ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--default-max-tokens", type=int, default=64)
-    ap.add_argument("--speedup", type=float, default=1.0, help="divide every simulated duration by this")
+    ap.add_argument("--speedup", type=float, default=1.0, help="divide every engine step time by this")
     ap.add_argument("--fail-rate", type=float, default=0.0, help="share of requests answered 503")
+    ap.add_argument("--flap-every", type=float, default=0.0, help="die every this many seconds (0: never)")
+    ap.add_argument("--flap-down", type=float, default=5.0, help="and stay down this long")
     ap.add_argument("--seed", type=int, default=0)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    app = build_app(args)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
-    await site.start()
-    port = runner.addresses[0][1]
-    print(f"mock-vllm listening on http://{args.host}:{port}", flush=True)
+    rep = MockReplica(args)
+    rep.driver.start()
+    rep.runner = web.AppRunner(build_app(rep), access_log=None)
+    await rep.runner.setup()
+    rep.site = web.TCPSite(rep.runner, args.host, args.port, reuse_address=True)
+    await rep.site.start()
+    rep.port = rep.runner.addresses[0][1]
+    print(f"mock-vllm listening on http://{args.host}:{rep.port}", flush=True)
+    if args.flap_every > 0:
+        asyncio.get_running_loop().create_task(rep.flap_loop())
     try:
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await rep.runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:

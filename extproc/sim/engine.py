@@ -51,7 +51,7 @@ class EngineConfig:
         return self.kv_tokens // BLOCK
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: the scheduler's lists hold the very requests
 class EngineRequest:
     """A prompt as block hashes (the last, partial block included) plus its token counts."""
 
@@ -112,6 +112,22 @@ class Engine:
 
     def add(self, req: EngineRequest) -> None:
         self.waiting.append(req)
+
+    def abort(self, req: EngineRequest) -> bool:
+        """The client went away: drop the request wherever it is (vLLM aborts it too)."""
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            return False
+        self.aborted += 1
+        return True
+
+    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request can ever run here (vLLM rejects prompts longer than the KV cache)."""
+        return -(-(prompt_tokens + max_tokens) // BLOCK) <= self.cfg.num_blocks
 
     def abort_all(self) -> list[EngineRequest]:
         """The replica died: every request it had is lost."""

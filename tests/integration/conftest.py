@@ -30,7 +30,7 @@ def quiet(stack: Stack, timeout: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def stack():
-    with Stack(4, config=FAST, mock_args=["--decode-step-s", "0.002", "--prefill-tokens-per-s", "2000000"]) as s:
+    with Stack(4, config=FAST, mock_args=["--speedup", "20"]) as s:
         s.wait_all_live(30)
         yield s
 
@@ -44,7 +44,7 @@ def own_stack():
         cfg = {k: dict(v) for k, v in FAST.items()}
         for k, v in (config or {}).items():
             cfg.setdefault(k, {}).update(v)
-        s = Stack(n, config=cfg, mock_args=mock_args or ["--decode-step-s", "0.002", "--prefill-tokens-per-s", "2000000"])
+        s = Stack(n, config=cfg, mock_args=mock_args or ["--speedup", "20"])
         stacks.append(s)
         s.start(envoy=envoy)
         return s

@@ -1,0 +1,166 @@
+"""The mock vLLM replica (engine model in real time), driven with the official openai SDK."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.stack import Stack, http_get, http_post_json, wait_for
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "You are a coding agent for the billing service. Keep diffs small. " * 80  # ~1,300 tokens
+
+
+@pytest.fixture
+def replica():
+    s = Stack(0)
+    reps = []
+
+    def start(*extra):
+        r = s.start_replica(f"m{len(reps)}", extra=list(extra))
+        reps.append(r)
+        return r
+
+    yield start
+    for r in reps:
+        r.proc.stop()
+    s.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def metrics(url: str) -> dict[str, tuple[str, list]]:
+    out = {}
+    for fam in text_string_to_metric_families(http_get(url + "/metrics").decode()):
+        out[fam.name] = (fam.type, fam.samples)
+    return out
+
+
+def value(url: str, sample_name: str) -> float:
+    for fam in text_string_to_metric_families(http_get(url + "/metrics").decode()):
+        for s in fam.samples:
+            if s.name == sample_name:
+                return s.value
+    raise KeyError(sample_name)
+
+
+def test_chat_streamed_and_not_with_usage_and_completions(replica):
+    r = replica("--speedup", "20")
+    c = client(r.url)
+    out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi " * 100}], max_tokens=12)
+    assert out.choices[0].message.content.split() == ["tok"] * 12
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == 75
+    chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text.split() == ["tok"] * 7
+    assert chunks[-1].usage.completion_tokens == 7 and not chunks[-1].choices
+    legacy = c.completions.create(model="m", prompt="def f():", max_tokens=5)
+    assert legacy.choices[0].text.split() == ["tok"] * 5
+    assert [m.id for m in c.models.list().data] == ["mock-coder-30b"]
+    assert http_get(r.url + "/health") == b""
+
+
+def test_a_shared_prefix_hits_the_prefix_cache(replica):
+    r = replica("--speedup", "20")
+    c = client(r.url)
+    first = c.chat.completions.create(model="m", messages=[{"role": "system", "content": SYSTEM},
+                                                           {"role": "user", "content": "task one"}], max_tokens=2)
+    second = c.chat.completions.create(model="m", messages=[{"role": "system", "content": SYSTEM},
+                                                            {"role": "user", "content": "another task"}], max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(SYSTEM) // 4 - 16
+    assert value(r.url, "vllm:prefix_cache_hits_total") == second.usage.prompt_tokens_details.cached_tokens
+    assert value(r.url, "vllm:prefix_cache_queries_total") == first.usage.prompt_tokens + second.usage.prompt_tokens
+
+
+def test_metrics_use_vllm_names_types_and_labels(replica):
+    r = replica()
+    m = metrics(r.url)
+    want = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:num_preemptions": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+    }
+    for name, typ in want.items():
+        assert m[name][0] == typ, name
+        for sample in m[name][1]:
+            assert sample.labels.get("model_name") == "mock-coder-30b" and sample.labels.get("engine") == "0"
+
+
+def test_requests_queue_when_the_batch_is_full(replica):
+    r = replica("--max-num-seqs", "1", "--speedup", "1")
+    c = client(r.url)
+    threads = [threading.Thread(target=lambda: c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], max_tokens=40)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: value(r.url, "vllm:num_requests_waiting") >= 1 and value(r.url, "vllm:num_requests_running") == 1,
+             10, "a queue behind the single running request")
+    for t in threads:
+        t.join(30)
+    assert value(r.url, "vllm:num_requests_waiting") == 0
+
+
+def test_fault_injection_5xx_down_and_die_and_come_back(replica):
+    r = replica("--speedup", "20")
+    c = client(r.url)
+    http_post_json(r.url + "/admin/fault", {"fail_rate": 1.0})
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert e.value.status_code == 503
+    http_post_json(r.url + "/admin/fault", {"fail_rate": 0.0, "healthy": False})
+    with pytest.raises(urllib.error.HTTPError) as e2:
+        http_get(r.url + "/metrics")
+    assert e2.value.code == 503
+    http_post_json(r.url + "/admin/fault", {"healthy": True, "die_for_s": 1.5})
+
+    def refused():
+        try:
+            http_get(r.url + "/health", timeout=0.5)
+            return False
+        except urllib.error.URLError as err:
+            return isinstance(err.reason, ConnectionRefusedError)
+
+    wait_for(refused, 5, "connections refused while dead")
+    wait_for(lambda: http_get(r.url + "/health", timeout=0.5) == b"", 10, "the replica back")
+    out = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert out.choices[0].message.content
+
+
+def test_flap_flags_make_it_die_and_return_on_a_timer(replica):
+    r = replica("--flap-every", "1.0", "--flap-down", "0.4")
+    seen = set()
+
+    def observe():
+        try:
+            http_get(r.url + "/health", timeout=0.3)
+            seen.add("up")
+        except urllib.error.URLError:
+            seen.add("down")
+        return seen == {"up", "down"}
+
+    wait_for(observe, 10, "both up and down states", every=0.05)
+
+
+def test_a_prompt_longer_than_the_kv_cache_is_refused_with_400(replica):
+    r = replica("--kv-tokens", "1000")
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 8000}], "max_tokens": 4}).encode()
+    req = urllib.request.Request(r.url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400

@@ -32,6 +32,10 @@ class Policy:
     def choose(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> int | None:
         raise NotImplementedError
 
+    def retry_target(self, req: Request, now: float, exclude: frozenset[int]) -> int | None:
+        """Where Envoy retries a request whose replica refused the connection."""
+        return self.choose(req, now, exclude)
+
     def start(self, req: Request, i: int, now: float) -> None:
         self.in_flight[i] += 1
 
@@ -141,6 +145,15 @@ class Warmroute(Policy):
             key = f"{e.action}:{e.kind}" + (f":{e.cause}" if e.cause and e.cause != "new" else "")
             req.extra.setdefault("events", []).append(key)
         return int(d.replica.name[1:])
+
+    def retry_target(self, req, now, exclude):
+        # Envoy retries without asking the brain: the replica cluster's priority 1 (the other
+        # replicas) with LEAST_REQUEST, i.e. two random choices on active requests.
+        pool = [i for i in range(self.n) if i not in exclude]
+        if not pool:
+            return None
+        a, b = self.rng.choice(pool), self.rng.choice(pool)
+        return a if self.in_flight[a] <= self.in_flight[b] else b
 
     def done(self, req, now):
         super().done(req, now)

@@ -126,7 +126,7 @@ class Simulation:
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> None:
-        i = self.policy.choose(req, now, exclude)
+        i = self.policy.retry_target(req, now, exclude) if exclude else self.policy.choose(req, now)
         if i is None:
             req.error = "no_healthy_instances"
             self._finish_session_turn(req, now)
@@ -223,7 +223,10 @@ class Simulation:
     def run(self) -> SimResult:
         end = self.wcfg.minutes * 60
         for t, kind in self.workload.arrivals():
-            self._at(t, "start_session" if kind == "session" else "oneshot")
+            if kind == "session":
+                self._at(t, "start_session", self.workload.new_session())
+            else:
+                self._at(t, "oneshot", self.workload.oneshot(t))
         t = 0.0
         while t < end:
             self._at(t, "scrape")
@@ -251,12 +254,12 @@ class Simulation:
                     self.requests.append(req)
                     self._dispatch(req, now)
             elif kind == "start_session":
-                req = self.workload.next_turn(self.workload.new_session(), now)
+                req = self.workload.next_turn(args[0], now)
                 if req is not None:
                     self.requests.append(req)
                     self._dispatch(req, now)
             elif kind == "oneshot":
-                req = self.workload.oneshot(now)
+                req = args[0] if args else self.workload.oneshot(now)
                 self.requests.append(req)
                 self._dispatch(req, now)
             elif kind == "scrape":

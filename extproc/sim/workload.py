@@ -54,6 +54,7 @@ class Session:
     turns: int
     long: bool
     context: int  # tokens after the system prompt so far (history)
+    rng: random.Random  # its own draws, so the stream does not depend on the order answers come back
     turn: int = 0
 
 
@@ -98,8 +99,8 @@ class Workload:
         self._next_rid = 0
         self._next_sid = 0
 
-    def _lognormal(self, median: float, sigma: float = 0.8) -> float:
-        return median * math.exp(self.rng.gauss(0.0, sigma))
+    def _lognormal(self, median: float, sigma: float = 0.8, rng: random.Random | None = None) -> float:
+        return median * math.exp((rng or self.rng).gauss(0.0, sigma))
 
     def _rid(self) -> int:
         self._next_rid += 1
@@ -129,26 +130,26 @@ class Workload:
         turns = max(2, min(c.turns_max, int(self._lognormal(c.turns_median, 0.7))))
         start = self.rng.randint(*c.long_start_tokens) if long else 0
         project = self.rng.choices(range(c.projects), self.project_weights)[0]
-        return Session(self._sid(), project, turns, long, start)
+        return Session(self._sid(), project, turns, long, start, random.Random(self.rng.random()))
 
     def next_turn(self, s: Session, now: float) -> Request | None:
         """The session's next request, or None when it is over (turns done or context full)."""
         c = self.cfg
         if s.turn >= s.turns:
             return None
-        user = self._lognormal(c.long_user_tokens_median if s.long else c.user_tokens_median)
+        user = self._lognormal(c.long_user_tokens_median if s.long else c.user_tokens_median, rng=s.rng)
         s.context += int(user)
         sys_t = self.system_tokens[s.project]
         if sys_t + s.context >= c.max_context:
             return None
         s.turn += 1
-        out = max(16, min(c.output_tokens_max, int(self._lognormal(c.output_tokens_median, 0.6))))
+        out = max(16, min(c.output_tokens_max, int(self._lognormal(c.output_tokens_median, 0.6, s.rng))))
         return Request(self._rid(), s.sid, s.project, sys_t + s.context, sys_t, out, now, session=s)
 
     def after_answer(self, s: Session, req: Request) -> float:
         """The answer joins the context; returns the think time before the next turn."""
         s.context += req.max_tokens
-        return self.rng.expovariate(1 / self.cfg.think_s_mean)
+        return s.rng.expovariate(1 / self.cfg.think_s_mean)
 
     def oneshot(self, now: float) -> Request:
         c = self.cfg

@@ -1,0 +1,116 @@
+"""Drive the simulator's workload over HTTP: the same request stream against a live endpoint.
+
+Each session is closed-loop, as in the simulator: its next turn starts
+after the previous answer plus the think time (divided by ``speedup``).
+Prompts are rendered as real text with ``workload.text_for``, so a prefix
+cache in the replicas sees what the engine model sees. Every request is
+streamed so TTFT is measured at the first content chunk.
+
+A request "lost" is one that was sent and never answered (connection
+dropped, timeout); an error is an answer with a status other than 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .workload import Request, Workload, WorkloadConfig, text_for
+
+
+@dataclass
+class ReplayResult:
+    requests: list[Request] = field(default_factory=list)
+    sent: int = 0
+    answered: int = 0
+    lost: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    served_by: dict[str, int] = field(default_factory=dict)
+    timeline: list[tuple[float, str]] = field(default_factory=list)  # (seconds since start, replica)
+
+
+def system_texts(n_projects: int, tokens: list[int], seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for p in range(n_projects):
+        words = " ".join(f"rule{rng.randrange(10_000)}" for _ in range(64))
+        text = f"You are a coding agent for project {p}. Follow these rules: {words}. "
+        out.append((text * (tokens[p] * 4 // len(text) + 1))[: tokens[p] * 4])
+    return out
+
+
+async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[str], model: str,
+               res: ReplayResult, t0: float, timeout: float) -> None:
+    system, user = text_for(req, texts)
+    body = {"model": model, "stream": True, "max_tokens": req.max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    headers = {} if req.oneshot else {"x-session-id": f"sess-{req.sid}"}
+    start = time.monotonic()
+    res.sent += 1
+    try:
+        async with http.post(url + "/v1/chat/completions", json=body, headers=headers,
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                await r.read()
+                req.error = str(r.status)
+                res.errors[req.error] = res.errors.get(req.error, 0) + 1
+                res.answered += 1
+                return
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                fp = chunk.get("system_fingerprint")
+                if fp and req.replica is None:
+                    req.extra["served_by"] = fp
+                    res.served_by[fp] = res.served_by.get(fp, 0) + 1
+                    res.timeline.append((start - t0, fp))
+                    req.replica = -1
+                if req.ttft is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                    req.ttft = time.monotonic() - start
+            req.e2e = time.monotonic() - start
+            res.answered += 1
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        req.error = "lost:" + type(e).__name__
+        res.lost += 1
+
+
+async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 10.0, model: str = "mock-coder-30b",
+                 timeout: float = 300.0, concurrency_limit: int = 512) -> ReplayResult:
+    """Run the workload of ``cfg`` (its minutes divided by ``speedup``) against ``url``."""
+    wl = Workload(cfg, seed)
+    texts = system_texts(cfg.projects, wl.system_tokens, seed)
+    res = ReplayResult()
+    end = cfg.minutes * 60 / speedup
+    t0 = time.monotonic()
+    conn = aiohttp.TCPConnector(limit=concurrency_limit)
+    async with aiohttp.ClientSession(connector=conn) as http:
+
+        async def session_loop(start_at: float, s) -> None:
+            await asyncio.sleep(max(0.0, start_at - (time.monotonic() - t0)))
+            while time.monotonic() - t0 < end:
+                req = wl.next_turn(s, (time.monotonic() - t0) * speedup)
+                if req is None:
+                    return
+                res.requests.append(req)
+                await _one(http, url, req, texts, model, res, t0, timeout)
+                think = wl.after_answer(s, req) / speedup
+                await asyncio.sleep(think)
+
+        async def oneshot(start_at: float, req: Request) -> None:
+            await asyncio.sleep(max(0.0, start_at - (time.monotonic() - t0)))
+            res.requests.append(req)
+            await _one(http, url, req, texts, model, res, t0, timeout)
+
+        # sessions and one-shots are drawn up front, in arrival order: every contender gets the same stream
+        jobs = []
+        for t, kind in wl.arrivals():
+            at = t / speedup
+            jobs.append(session_loop(at, wl.new_session()) if kind == "session" else oneshot(at, wl.oneshot(t)))
+        await asyncio.gather(*jobs)
+    return res

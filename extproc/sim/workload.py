@@ -33,7 +33,7 @@ class WorkloadConfig:
     projects: int = 6
     project_weights_zipf: float = 1.0  # a few projects are busier than the rest
     system_tokens: tuple[int, int] = (3_000, 8_000)
-    sessions_per_min: float = 4.0
+    sessions_per_min: float = 2.0
     turns_median: float = 40.0
     turns_max: int = 300
     user_tokens_median: float = 600.0  # tool output, diffs, user messages

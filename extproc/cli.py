@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--grpc-port", type=int, default=None, help="overrides brain.grpc_port (0: the OS picks)")
     b.add_argument("--admin-port", type=int, default=None, help="overrides brain.admin_port (loopback only)")
     b.add_argument("--ready-file", default=None, help="write the bound ports here as JSON once serving")
+    b.add_argument("--metrics-port", type=int, default=None, help="overrides brain.metrics_port (0: the OS picks)")
+    b.add_argument("--log-format", choices=["json", "text"], default="json",
+                   help="state changes, rebinds, drains and reloads as JSON lines (default) or text")
 
     m = sub.add_parser("mock-vllm", help="an OpenAI-compatible stand-in for one vLLM replica")
     from .mock_vllm import add_arguments
@@ -87,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         from .service import run_brain, setup_logging
 
         cfg = _config_or_exit(args.config)
-        setup_logging()
+        setup_logging(args.log_format)
         grpc_port = cfg.brain.grpc_port if args.grpc_port is None else args.grpc_port
         admin_port = cfg.brain.admin_port if args.admin_port is None else args.admin_port
-        cfg = dataclasses.replace(cfg, brain=dataclasses.replace(cfg.brain, grpc_port=grpc_port, admin_port=admin_port))
+        metrics_port = cfg.brain.metrics_port if args.metrics_port is None else args.metrics_port
+        cfg = dataclasses.replace(cfg, brain=dataclasses.replace(cfg.brain, grpc_port=grpc_port, admin_port=admin_port,
+                                                                 metrics_port=metrics_port))
         try:
-            asyncio.run(run_brain(cfg, args.host or cfg.brain.host, grpc_port, admin_port, args.ready_file))
+            asyncio.run(run_brain(cfg, args.host or cfg.brain.host, grpc_port, admin_port, args.ready_file, args.config))
         except KeyboardInterrupt:
             pass
         return 0

@@ -48,7 +48,9 @@ class BrainConfig:
 
     host: str = "127.0.0.1"
     grpc_port: int = 9100
-    admin_port: int = 9101
+    admin_port: int = 9101  # state-changing endpoints: always 127.0.0.1
+    metrics_host: str = "127.0.0.1"  # read-only /metrics for Prometheus; 0.0.0.0 to scrape from elsewhere
+    metrics_port: int = 9102
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,9 @@ class EnvoyConfig:
     access_log_flush_s: float = 0.01  # how late a reservation may be released after the request ends
     brain_health_check_interval_s: float = 1.0
     retries: int = 2  # on connect failure / reset before any response byte, each on another replica
+    # With a path, replica clusters live in this file (Envoy watches its directory) and the brain
+    # rewrites it on reload, so Envoy learns added and removed replicas without a restart.
+    cds_path: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

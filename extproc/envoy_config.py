@@ -226,8 +226,33 @@ def fallback_cluster(cfg: AppConfig) -> dict:
     }
 
 
+def replica_clusters(cfg: AppConfig) -> list[dict]:
+    """The clusters that follow the replica list (static, or in the CDS file)."""
+    return [fallback_cluster(cfg), *(replica_cluster(cfg, r) for r in cfg.replicas)]
+
+
 def clusters(cfg: AppConfig) -> list[dict]:
-    return [brain_cluster(cfg), fallback_cluster(cfg), *(replica_cluster(cfg, r) for r in cfg.replicas)]
+    return [brain_cluster(cfg), *replica_clusters(cfg)]
+
+
+def cds_document(cfg: AppConfig) -> dict:
+    """The file Envoy's filesystem CDS reads: every cluster but the brain's."""
+    return {"resources": [{"@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster", **c} for c in replica_clusters(cfg)]}
+
+
+def write_cds(cfg: AppConfig) -> None:
+    """Atomically replace the CDS file: Envoy reloads on a move into the watched directory."""
+    import os
+    import tempfile
+
+    path = cfg.envoy.cds_path
+    assert path, "envoy.cds_path is not set"
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cds-", suffix=".yaml", dir=directory)
+    with os.fdopen(fd, "w") as f:
+        f.write(dump(cds_document(cfg)))
+    os.replace(tmp, path)
 
 
 def bootstrap(cfg: AppConfig) -> dict[str, Any]:
@@ -255,7 +280,9 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
             {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
-    return {
+    import os
+
+    doc: dict[str, Any] = {
         "admin": {"address": _address("127.0.0.1", e.admin_port)},
         "static_resources": {
             "listeners": [
@@ -267,9 +294,19 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
                     "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
                 }
             ],
-            "clusters": clusters(cfg),
+            "clusters": clusters(cfg) if not e.cds_path else [brain_cluster(cfg)],
         },
     }
+    if e.cds_path:
+        # the route names clusters that arrive through CDS, after the route config is loaded
+        hcm["route_config"]["validate_clusters"] = False
+        path = os.path.abspath(e.cds_path)
+        doc["node"] = {"id": "warmroute-envoy", "cluster": "warmroute"}  # required with dynamic resources
+        doc["dynamic_resources"] = {"cds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": path, "watched_directory": {"path": os.path.dirname(path)}},
+        }}
+    return doc
 
 
 def ext_proc_off_for_route() -> dict:

@@ -15,10 +15,12 @@ upstream-failure rule (SPEC B) without any round trip on the response path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import time
 from collections import Counter
@@ -35,8 +37,10 @@ from envoy.type.v3 import http_status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from .config import AppConfig
-from .core import NO_HEALTHY, Reservation, Router, Transition, build_profile
+from .config import AppConfig, ConfigError, load_config
+from .core import NO_HEALTHY, Reservation, Router, Transition, build_profile, hash_key
+from .envoy_config import write_cds
+from .metrics import DecisionWindow, make_registry
 
 ROUTING_HEADER = "x-warmroute-cluster"
 RESERVATION_HEADER = "x-warmroute-reservation"
@@ -81,16 +85,24 @@ def parse_vllm_metrics(text: str) -> ScrapeResult:
     return ScrapeResult(True, int(round(running)), int(round(waiting)), max(kv) if kv else 0.0)
 
 
+LOG_JSON = True
+
+
 def _json_log(event: str, **fields) -> None:
-    log.info(json.dumps({"event": event, **fields}, separators=(",", ":")))
+    """One line per state change, rebind, drain and reload: JSON lines, or key=value text. Never prompt text."""
+    if LOG_JSON:
+        log.info(json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, separators=(",", ":")))
+    else:
+        log.info(" ".join([event, *(f"{k}={v}" for k, v in fields.items())]))
 
 
 class Brain:
     """Owns the router and the wall clock; every handler below is a thin shell around it."""
 
-    def __init__(self, cfg: AppConfig, clock=time.monotonic):
+    def __init__(self, cfg: AppConfig, clock=time.monotonic, config_path: str | None = None):
         self.cfg = cfg
         self.clock = clock
+        self.config_path = config_path
         self.router = Router(cfg.router, [r.name for r in cfg.replicas], self.clock())
         self.urls = {r.name: r.url for r in cfg.replicas}
         self.by_address = {f"{r.host}:{r.port}": r.name for r in cfg.replicas}
@@ -104,6 +116,13 @@ class Brain:
         # missing from the entry) or when our answer came after Envoy's ext_proc timeout.
         self.by_request_id: dict[str, Reservation] = {}
         self.router.listeners.append(self._on_transition)
+        # metrics: the request path bumps these plain counters; the collector reads them at scrape time
+        self.decisions_by_pin: Counter[str] = Counter()
+        self.pin_events: Counter[tuple[str, str, str]] = Counter()
+        self.scrapes: Counter[tuple[str, str]] = Counter()
+        self.window = DecisionWindow()
+        self.reloads = 0
+        self.registry, self.decision_seconds, self.scrape_seconds = make_registry(self)
 
     def _on_transition(self, t: Transition) -> None:
         _json_log("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
@@ -113,11 +132,17 @@ class Brain:
 
     def decide(self, headers: dict[str, str], body: bytes | None) -> ep.ProcessingResponse | ep.CommonResponse:
         """Profile + select + reserve: one synchronous call (the atomic WLC reserve)."""
+        t0 = time.perf_counter()
         now = self.clock()
         profile = build_profile(headers, body, self.cfg.router.profile)
         d = self.router.select(profile, now)
-        self.decisions[(d.replica_name or "-", d.reason)] += 1
+        self.decision_seconds.observe(time.perf_counter() - t0)
+        name = d.replica_name or "-"
+        self.decisions[(name, d.reason)] += 1
+        self.decisions_by_pin[d.pin_kind or "none"] += 1
+        self.window.add(name, now)
         for e in d.events:
+            self.pin_events[(e.action, e.kind, e.cause)] += 1
             if e.action in ("rebind", "unpin"):
                 _json_log(e.action, kind=e.kind, cause=e.cause, replica=d.replica_name)
         if d.reason == NO_HEALTHY:
@@ -181,6 +206,13 @@ class Brain:
     # ----------------------------------------------------------------- scraper
 
     async def scrape_once(self, session: ClientSession, name: str, url: str) -> ScrapeResult:
+        t0 = time.perf_counter()
+        r = await self._scrape(session, url)
+        self.scrape_seconds.observe(time.perf_counter() - t0)
+        self.scrapes[(name, "ok" if r.ok else "failed")] += 1
+        return r
+
+    async def _scrape(self, session: ClientSession, url: str) -> ScrapeResult:
         try:
             async with session.get(url + "/metrics") as resp:
                 if resp.status != 200:
@@ -209,6 +241,39 @@ class Brain:
                     self.router.on_scrape(n, r.ok, now, r.running, r.waiting, r.kv_usage)
                 await asyncio.sleep(max(0.0, interval - (self.clock() - started)))
 
+    # ------------------------------------------------------------------ reload
+
+    def reload(self) -> dict:
+        """Re-read the config file without dropping in-flight requests.
+
+        Added replicas join through the health machine (EJECTED, no cooldown);
+        removed ones are forgotten (their reservations still release, pins to them
+        rebind on next use); thresholds and TTLs change at once. With
+        ``envoy.cds_path`` Envoy's clusters are rewritten too.
+        """
+        if not self.config_path:
+            raise ConfigError("the brain was started without a config file")
+        new = load_config(self.config_path)  # ConfigError: the old config stays
+        new = dataclasses.replace(new, brain=self.cfg.brain)  # ports cannot change under a running server
+        now = self.clock()
+        old_names = {r.name for r in self.cfg.replicas}
+        new_names = {r.name for r in new.replicas}
+        for r in new.replicas:
+            if r.name not in old_names:
+                self.router.add_replica(r.name, now)
+        for name in old_names - new_names:
+            self.router.remove_replica(name)
+        self.router.update_config(new.router)
+        self.cfg = new
+        self.urls = {r.name: r.url for r in new.replicas}
+        self.by_address = {f"{r.host}:{r.port}": r.name for r in new.replicas}
+        if new.envoy.cds_path:
+            write_cds(new)
+        self.reloads += 1
+        info = {"added": sorted(new_names - old_names), "removed": sorted(old_names - new_names), "replicas": len(new_names)}
+        _json_log("config_reload", **info)
+        return info
+
     async def tick_loop(self) -> None:
         n = 0
         while True:
@@ -233,6 +298,11 @@ class Brain:
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - self.clock())
         return {
             "replicas": reps,
+            "recent_transitions": [
+                {"at_s_ago": round(self.clock() - t.at, 1), "replica": t.replica, "old": t.old.value, "new": t.new.value,
+                 "reason": t.reason, "cooldown_s": t.cooldown_s}
+                for t in list(self.router.transitions)[-20:]
+            ],
             "decisions_by_reason": {f"{k[0]}/{k[1]}": v for k, v in sorted(self.decisions.items())},
             "open_reservations": self.router.open_reservations,
             "releases_by_access_log": self.releases_by_log,
@@ -343,15 +413,51 @@ def admin_app(brain: Brain) -> web.Application:
         _json_log("drain" if on else "undrain", replica=name)
         return web.json_response({"replica": name, "drained": on})
 
+    async def pin(request: web.Request):
+        """Look up a session pin by the raw session id; it is hashed here, as on the request path."""
+        raw = request.match_info["session_id"]
+        tenant = request.query.get("tenant")
+        key = hash_key("session", tenant, raw)
+        now = brain.clock()
+        p = brain.router.session_pins.get(key, now)
+        if p is None:
+            raise web.HTTPNotFound(text="no live pin for that session\n")
+        return web.json_response({"replica": p.replica.name, "idle_s": round(now - p.last_used, 3), "spills": p.spills,
+                                  "ttl_s": brain.router.session_pins.ttl_s})
+
+    async def reload(_):
+        try:
+            return web.json_response(brain.reload())
+        except ConfigError as e:
+            _json_log("config_reload_failed", error=str(e))
+            return web.json_response({"error": str(e)}, status=400)
+
     app.router.add_get("/state", state)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/pins/session/{session_id}", pin)
+    app.router.add_post("/reload", reload)
     app.router.add_post("/replicas/{name}/drain", drain)
     app.router.add_post("/replicas/{name}/undrain", drain)
     return app
 
 
-async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: int, ready_file: str | None = None) -> None:
-    brain = Brain(cfg)
+def metrics_app(brain: Brain) -> web.Application:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    app = web.Application()
+
+    async def metrics(_):
+        return web.Response(body=generate_latest(brain.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: int, ready_file: str | None = None,
+                    config_path: str | None = None) -> None:
+    brain = Brain(cfg, config_path=config_path)
+    if cfg.envoy.cds_path:
+        write_cds(cfg)  # before Envoy starts: it waits for its clusters
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
@@ -373,8 +479,21 @@ async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: 
     site = web.TCPSite(runner, "127.0.0.1", admin_port)
     await site.start()
     admin = runner.addresses[0][1]
+    mrunner = web.AppRunner(metrics_app(brain), access_log=None)
+    await mrunner.setup()
+    await web.TCPSite(mrunner, cfg.brain.metrics_host, cfg.brain.metrics_port).start()
+    metrics_port = mrunner.addresses[0][1]
+    loop = asyncio.get_running_loop()
+
+    def on_hup() -> None:
+        try:
+            brain.reload()
+        except ConfigError as e:
+            _json_log("config_reload_failed", error=str(e))
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     tasks = [asyncio.create_task(brain.scrape_loop()), asyncio.create_task(brain.tick_loop())]
-    info = {"grpc_port": port, "admin_port": admin, "pid": os.getpid()}
+    info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}
     _json_log("brain_started", replicas=len(cfg.replicas), **info)
     if ready_file:
         tmp = ready_file + ".tmp"
@@ -389,7 +508,10 @@ async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: 
         await health_servicer.enter_graceful_shutdown()
         await server.stop(1.0)
         await runner.cleanup()
+        await mrunner.cleanup()
 
 
-def setup_logging() -> None:
+def setup_logging(fmt: str = "json") -> None:
+    global LOG_JSON
+    LOG_JSON = fmt == "json"
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")

@@ -190,11 +190,17 @@ class Stack:
 
     # ------------------------------------------------------------------- brain
 
+    def set_replicas(self, replicas: list[Replica]) -> Path:
+        """Rewrite the config file with this replica list (then POST /reload or SIGHUP the brain)."""
+        self.replicas = replicas
+        return self.write_config()
+
     def write_config(self) -> Path:
         doc: dict[str, Any] = {
             "replicas": [{"name": r.name, "url": r.url} for r in self.replicas],
-            "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0},
-            "envoy": {"listen_host": "127.0.0.1", "listen_port": 0, "admin_port": 0},
+            "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0, "metrics_port": 0},
+            "envoy": {"listen_host": "127.0.0.1", "listen_port": 0, "admin_port": 0,
+                      "cds_path": str(self.dir / "cds" / "clusters.yaml")},
         }
         for section, values in self.overrides.items():
             if isinstance(values, dict):
@@ -213,10 +219,13 @@ class Stack:
             ready.unlink()
         port = self.brain_ports.get("grpc_port", 0)
         admin = self.brain_ports.get("admin_port", 0)
+        mport = self.brain_ports.get("metrics_port", 0)
         self.brain = Proc("brain", _cli("brain", "--config", str(cfg_path), "--grpc-port", str(port),
-                                        "--admin-port", str(admin), "--ready-file", str(ready)), self.dir)
+                                        "--admin-port", str(admin), "--metrics-port", str(mport),
+                                        "--ready-file", str(ready)), self.dir)
         info = wait_for(lambda: json.loads(ready.read_text()) if ready.exists() else None, 30, "the brain", self.brain)
-        self.brain_ports = {"grpc_port": info["grpc_port"], "admin_port": info["admin_port"]}
+        self.brain_ports = {"grpc_port": info["grpc_port"], "admin_port": info["admin_port"],
+                            "metrics_port": info["metrics_port"]}
         return self.brain
 
     # ------------------------------------------------------------------- envoy
@@ -264,6 +273,10 @@ class Stack:
     @property
     def brain_admin(self) -> str:
         return f"http://127.0.0.1:{self.brain_ports['admin_port']}"
+
+    @property
+    def brain_metrics(self) -> str:
+        return f"http://127.0.0.1:{self.brain_ports['metrics_port']}/metrics"
 
     def brain_healthy_in_envoy(self) -> bool:
         doc = json.loads(http_get(self.envoy_admin + "/clusters?format=json"))

@@ -109,6 +109,16 @@ class Router:
         for i, rep in enumerate(self._replicas):
             rep.index = i
 
+    def update_config(self, cfg: RouterConfig) -> None:
+        """New thresholds and TTLs take effect at once; pins, reservations and health states are kept."""
+        self.cfg = cfg
+        self.session_pins.ttl_s = cfg.pins.session_ttl_s if cfg.pins.ttl_enabled else float("inf")
+        self.prefix_pins.ttl_s = cfg.pins.prefix_ttl_s if cfg.pins.ttl_enabled else float("inf")
+        for r in self._replicas:
+            r.health.cfg = cfg.health
+            r.count_wlc = cfg.wlc_enabled
+        self._next_due = min((r.health.next_due() for r in self._replicas), default=float("inf"))
+
     def drain(self, name: str, drained: bool = True) -> None:
         """Operator drain: no new traffic and no pins; in-flight requests finish; scraping goes on."""
         self._by_name[name].drained = drained

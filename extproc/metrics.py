@@ -1,0 +1,147 @@
+"""The brain's Prometheus metrics.
+
+The request path only bumps plain dict counters (and one histogram); every
+gauge and counter below is read from the router and those dicts when
+Prometheus scrapes, so exporting costs the request path next to nothing
+(``make bench-core`` prints the ratio).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import TYPE_CHECKING, Iterable
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .core import State, imbalance_index
+
+if TYPE_CHECKING:
+    from .service import Brain
+
+IMBALANCE_WINDOW_S = 300.0  # SPEC A5: the imbalance alert looks at 5 minutes
+_BUCKET_S = 10.0
+
+
+class DecisionWindow:
+    """Decisions per replica over the last 5 minutes, in 10 s buckets (for the imbalance index)."""
+
+    def __init__(self, window_s: float = IMBALANCE_WINDOW_S):
+        self.n = int(window_s / _BUCKET_S)
+        self.buckets: deque[tuple[int, Counter]] = deque()
+
+    def add(self, replica: str, now: float) -> None:
+        b = int(now // _BUCKET_S)
+        if not self.buckets or self.buckets[-1][0] != b:
+            self.buckets.append((b, Counter()))
+            while self.buckets and self.buckets[0][0] <= b - self.n:
+                self.buckets.popleft()
+        self.buckets[-1][1][replica] += 1
+
+    def counts(self, now: float) -> Counter:
+        b = int(now // _BUCKET_S)
+        out: Counter = Counter()
+        for k, c in self.buckets:
+            if k > b - self.n:
+                out.update(c)
+        return out
+
+
+class BrainCollector(Collector):
+    def __init__(self, brain: "Brain"):
+        self.brain = brain
+
+    def collect(self) -> Iterable[Metric]:
+        b = self.brain
+        r = b.router
+        now = b.clock()
+        reps = r.replicas
+
+        c = CounterMetricFamily("warmroute_decisions", "Routing decisions by replica and reason", labels=["replica", "reason"])
+        for (name, reason), n in sorted(b.decisions.items()):
+            c.add_metric([name, reason], n)
+        yield c
+        c = CounterMetricFamily("warmroute_decision_pins", "Decisions by the pin kind that was resolved (none: no pin)", labels=["kind"])
+        for kind, n in sorted(b.decisions_by_pin.items()):
+            c.add_metric([kind], n)
+        yield c
+        fams = {
+            "spill": CounterMetricFamily("warmroute_spills", "Pins that could not be used (the request went least-loaded)", labels=["kind"]),
+            "rebind": CounterMetricFamily("warmroute_rebinds", "Pins moved to another replica, by cause", labels=["kind", "cause"]),
+            "unpin": CounterMetricFamily("warmroute_unpins", "Pins deleted, by cause", labels=["kind", "cause"]),
+            "pin": CounterMetricFamily("warmroute_pins_created", "Pins created", labels=["kind"]),
+        }
+        for (action, kind, cause), n in sorted(b.pin_events.items()):
+            fam = fams[action]
+            fam.add_metric([kind] if action in ("spill", "pin") else [kind, cause], n)
+        yield from fams.values()
+
+        g = GaugeMetricFamily("warmroute_pins", "Live pins", labels=["kind"])
+        e = CounterMetricFamily("warmroute_pin_expirations", "Pins that died of idleness (TTL)", labels=["kind"])
+        for t in (r.session_pins, r.prefix_pins):
+            g.add_metric([t.kind], len(t))
+            e.add_metric([t.kind], t.expired)
+        yield g
+        yield e
+
+        state = GaugeMetricFamily("warmroute_replica_state", "1 for the replica's current health state", labels=["replica", "state"])
+        drained = GaugeMetricFamily("warmroute_replica_drained", "1 if an operator drained the replica", labels=["replica"])
+        ejections = CounterMetricFamily("warmroute_ejections", "Ejections of the replica", labels=["replica"])
+        cooldown = GaugeMetricFamily("warmroute_cooldown_seconds", "Ejection cooldown of the replica's current streak", labels=["replica"])
+        remaining = GaugeMetricFamily("warmroute_cooldown_remaining_seconds", "Seconds left of the current cooldown", labels=["replica"])
+        er = GaugeMetricFamily("warmroute_effective_running", "max(scraped running, wlc_in_flight)", labels=["replica"])
+        ew = GaugeMetricFamily("warmroute_effective_waiting", "scraped waiting + in-flight not yet seen by a scrape", labels=["replica"])
+        wlc = GaugeMetricFamily("warmroute_wlc_in_flight", "Token-weighted in-flight work of this router", labels=["replica"])
+        inflight = GaugeMetricFamily("warmroute_in_flight_requests", "Requests of this router in flight", labels=["replica"])
+        sr = GaugeMetricFamily("warmroute_scraped_running", "vllm:num_requests_running at the last good scrape", labels=["replica"])
+        sw = GaugeMetricFamily("warmroute_scraped_waiting", "vllm:num_requests_waiting at the last good scrape", labels=["replica"])
+        kv = GaugeMetricFamily("warmroute_scraped_kv_usage", "KV cache usage (0-1) at the last good scrape", labels=["replica"])
+        for rep in reps:
+            h = rep.health
+            for s in State:
+                state.add_metric([rep.name, s.value], 1.0 if h.state is s else 0.0)
+            drained.add_metric([rep.name], 1.0 if rep.drained else 0.0)
+            ejections.add_metric([rep.name], h.ejections)
+            cooldown.add_metric([rep.name], h.cooldown_s)
+            remaining.add_metric([rep.name], max(0.0, h.cooldown_until - now) if h.state is State.EJECTED else 0.0)
+            er.add_metric([rep.name], rep.effective_running)
+            ew.add_metric([rep.name], rep.effective_waiting)
+            wlc.add_metric([rep.name], rep.wlc_in_flight)
+            inflight.add_metric([rep.name], rep.in_flight_requests)
+            sr.add_metric([rep.name], rep.scraped_running)
+            sw.add_metric([rep.name], rep.scraped_waiting)
+            kv.add_metric([rep.name], rep.kv_usage)
+        yield from (state, drained, ejections, cooldown, remaining, er, ew, wlc, inflight, sr, sw, kv)
+        yield GaugeMetricFamily("warmroute_cooldown_max_seconds", "The cooldown ceiling (SPEC A2: 300 s)",
+                                value=r.cfg.health.cooldown_max_s)
+
+        sc = CounterMetricFamily("warmroute_scrapes", "Scrapes of the replicas' /metrics by result", labels=["replica", "result"])
+        for (name, result), n in sorted(b.scrapes.items()):
+            sc.add_metric([name, result], n)
+        yield sc
+        yield CounterMetricFamily("warmroute_reservation_safety_timeouts",
+                                  "Reservations released by the safety timeout (their end was never seen)", value=r.safety_timeouts)
+        yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released", value=r.open_reservations)
+        yield CounterMetricFamily("warmroute_access_log_releases", "Reservations released by Envoy's access log",
+                                  value=b.releases_by_log)
+        routable = [x.name for x in reps if x.health.state is not State.EJECTED and not x.drained]
+        yield GaugeMetricFamily("warmroute_imbalance_index",
+                                "max(share)/mean(share) of decisions over 5 min across routable replicas (SPEC B)",
+                                value=imbalance_index(b.window.counts(now), routable))
+        yield GaugeMetricFamily("warmroute_replicas_known", "Replicas in the config", value=len(reps))
+        yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
+
+
+def make_registry(brain: "Brain") -> tuple[CollectorRegistry, Histogram, Histogram]:
+    reg = CollectorRegistry()
+    reg.register(BrainCollector(brain))
+    decision = Histogram("warmroute_decision_duration_seconds", "Profile + select + reserve, per request",
+                         buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 5e-2, 0.25), registry=reg)
+    scrape = Histogram("warmroute_scrape_duration_seconds", "Duration of one scrape of a replica's /metrics",
+                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=reg)
+    return reg, decision, scrape
+
+
+__all__ = ["BrainCollector", "DecisionWindow", "make_registry", "time"]

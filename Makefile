@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench-core bench-overhead envoy-files clean
+.PHONY: install system-deps demo test bench-core bench-overhead envoy-files clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,10 +13,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# promtool and the Prometheus server (Debian's prometheus package) are used by the alert tests.
+system-deps:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+	  { echo "installing Debian's prometheus package (promtool + server) for the alert tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+
 demo: install
 	$(VENV)/bin/warmroute up
 
-test: install
+test: install system-deps
 	$(PY) -m pytest -q
 
 bench-core: install

@@ -201,6 +201,11 @@ class MockReplica:
         if self.site is None:
             return
         await self.site.stop()
+        # a crashed process takes its established (keep-alive) connections with it
+        for conn in list(getattr(self.runner.server, "connections", [])):
+            conn.force_close()
+            if conn.transport is not None:
+                conn.transport.abort()
         self.driver.abort_all()
         self.driver = Driver(self.engine_cfg, self.args.speedup)
         self.driver.start()

@@ -123,6 +123,7 @@ class Brain:
         self.window = DecisionWindow()
         self.reloads = 0
         self.registry, self.decision_seconds, self.scrape_seconds = make_registry(self)
+        self._zero_series()
 
     def _on_transition(self, t: Transition) -> None:
         _json_log("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
@@ -241,6 +242,22 @@ class Brain:
                     self.router.on_scrape(n, r.ok, now, r.running, r.waiting, r.kv_usage)
                 await asyncio.sleep(max(0.0, interval - (self.clock() - started)))
 
+    def _zero_series(self) -> None:
+        """Export every counter series from the start: rate() and alerts see 0, not an absent series."""
+        for r in self.cfg.replicas:
+            for reason in ("affinity", "load", "fallback"):
+                self.decisions[(r.name, reason)] += 0
+            for result in ("ok", "failed"):
+                self.scrapes[(r.name, result)] += 0
+        for kind in ("session", "prefix"):
+            self.decisions_by_pin[kind] += 0
+            self.pin_events[("spill", kind, "")] += 0
+            self.pin_events[("pin", kind, "new")] += 0
+            for cause in ("spills", "force", "dead"):
+                self.pin_events[("rebind", kind, cause)] += 0
+                self.pin_events[("unpin", kind, cause)] += 0
+        self.decisions_by_pin["none"] += 0
+
     # ------------------------------------------------------------------ reload
 
     def reload(self) -> dict:
@@ -269,6 +286,7 @@ class Brain:
         self.by_address = {f"{r.host}:{r.port}": r.name for r in new.replicas}
         if new.envoy.cds_path:
             write_cds(new)
+        self._zero_series()
         self.reloads += 1
         info = {"added": sorted(new_names - old_names), "removed": sorted(old_names - new_names), "replicas": len(new_names)}
         _json_log("config_reload", **info)

@@ -56,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 
     sim_arguments(sm)
 
+    tp = sub.add_parser("top", help="live terminal view of the brain and Envoy")
+    from .top import add_arguments as top_arguments
+
+    top_arguments(tp)
+
     c = sub.add_parser("check-config", help="validate a config file; prints one line naming a bad field")
     c.add_argument("config")
 
@@ -101,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
         return 0
+    if args.cmd == "top":
+        from .top import run as top_run
+
+        return top_run(args)
     if args.cmd == "sim":
         from .sim.cli import run as sim_run
 

@@ -15,39 +15,13 @@ import signal
 import sys
 import time
 
-from .envoy_config import EXT_PROC_STAT_PREFIX, FALLBACK_CLUSTER
 from .loadgen import agent_load
 from .stack import Stack, StackError
+from .top import snapshot, text_table
 
 
 def table(stack: Stack) -> str:
-    st = stack.state()
-    stats = stack.envoy_stats()
-    names = [r["name"] for r in st["replicas"]]
-    envoy_counts = {n: stats.get(f"cluster.{n}.upstream_rq_total", 0) for n in names}
-    decided = {r["name"]: r["decisions"] for r in st["replicas"]}
-    tot_d = sum(decided.values()) or 1
-    tot_e = sum(envoy_counts.values()) or 1
-    lines = [
-        f"{'replica':<8}{'state':<9}{'cooldown':>9}{'eff_run':>8}{'eff_wait':>9}{'in_flight':>10}"
-        f"{'sess_pins':>10}{'pfx_pins':>9}{'brain share':>13}{'envoy share':>13}"
-    ]
-    for r in st["replicas"]:
-        n = r["name"]
-        state = r["state"] + ("*" if r["drained"] else "")
-        lines.append(
-            f"{n:<8}{state:<9}{r['cooldown_remaining_s']:>8.0f}s{r['effective_running']:>8.1f}{r['effective_waiting']:>9.1f}"
-            f"{r['wlc_in_flight']:>10.1f}{r['session_pins']:>10}{r['prefix_pins']:>9}"
-            f"{decided[n] / tot_d:>12.0%} {envoy_counts[n] / tot_e:>12.0%}"
-        )
-    fail_open = stats.get(f"cluster.{FALLBACK_CLUSTER}.upstream_rq_total", 0)
-    allowed = sum(v for k, v in stats.items() if k.endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
-    lines.append(
-        f"decisions {sum(decided.values())} (by reason: {st['decisions_by_reason']}); "
-        f"Envoy upstream requests {sum(envoy_counts.values())}; fail-open requests {fail_open} "
-        f"(ext_proc failure_mode_allowed {allowed}); open reservations {st['open_reservations']}"
-    )
-    return "\n".join(lines)
+    return text_table(snapshot(stack.brain_admin, stack.envoy_admin))
 
 
 def up(args: argparse.Namespace) -> int:
@@ -85,6 +59,8 @@ def up(args: argparse.Namespace) -> int:
         if args.no_serve:
             return 0
         print(f"\nserving on {stack.url}  (OpenAI-compatible: POST /v1/chat/completions). Ctrl-C stops everything.")
+        print(f"live view: warmroute top --brain-admin {stack.brain_admin} --envoy-admin {stack.envoy_admin}")
+        print(f"Prometheus metrics: {stack.brain_metrics} and {stack.envoy_admin}/stats/prometheus")
         while not stop:
             time.sleep(10)
             for r in stack.replicas:

@@ -153,3 +153,22 @@ vllm:gpu_cache_usage_perc{model_name="m"} 0.25
 def test_the_scraper_parses_vllm_metrics(text, ok, running, waiting, kv):
     r = parse_vllm_metrics(text)
     assert (r.ok, r.running, r.waiting, r.kv_usage) == (ok, running, waiting, kv)
+
+
+def test_structured_logs_one_json_line_per_state_change_and_rebind_never_prompt_text(brain, caplog):
+    import json as _json
+    import logging
+
+    secret = "TOP-SECRET-PROMPT"
+    body = orjson.dumps({"messages": [{"role": "system", "content": secret}, {"role": "user", "content": secret}]})
+    with caplog.at_level(logging.INFO, logger="warmroute"):
+        h = headers_of(brain.decide({"x-session-id": "user-42"}, body))
+        brain.router.on_scrape(h[ROUTING_HEADER], False, 2000.0)  # LIVE -> EJECTED
+        brain.decide({"x-session-id": "user-42"}, body)  # the pin to the dead replica rebinds
+    lines = [_json.loads(r.getMessage()) for r in caplog.records]
+    events = [x["event"] for x in lines]
+    assert "state_change" in events and "rebind" in events
+    change = next(x for x in lines if x["event"] == "state_change")
+    assert (change["old"], change["new"], change["reason"]) == ("LIVE", "EJECTED", "scrape_failed")
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert secret not in text and "user-42" not in text  # keys are hashes; prompts never leave the profile

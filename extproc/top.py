@@ -1,0 +1,159 @@
+"""``warmroute top``: a live terminal view of the brain and the data plane.
+
+Per replica: health state, cooldown, effective load, in-flight weight,
+pins, and traffic share both as the brain decided it and as Envoy's admin
+stats count it (``cluster.<replica>.upstream_rq_total``); totals; the last
+state changes. ``warmroute up`` prints the same table as text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from .envoy_config import EXT_PROC_STAT_PREFIX, FALLBACK_CLUSTER
+
+
+@dataclass
+class Row:
+    name: str
+    state: str
+    drained: bool
+    cooldown_left: float
+    effective_running: float
+    effective_waiting: float
+    wlc_in_flight: float
+    session_pins: int
+    prefix_pins: int
+    brain_share: float
+    envoy_share: float
+    scrape_error: str | None
+
+
+@dataclass
+class Snapshot:
+    rows: list[Row]
+    decisions: int
+    envoy_requests: int
+    fail_open: int
+    failure_mode_allowed: int
+    open_reservations: int
+    by_reason: dict[str, int]
+    transitions: list[dict] = field(default_factory=list)
+
+
+def _get_json(url: str, timeout: float = 2.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def snapshot(brain_admin: str, envoy_admin: str | None) -> Snapshot:
+    st = _get_json(brain_admin + "/state")
+    stats: dict[str, int] = {}
+    if envoy_admin:
+        try:
+            stats = {s["name"]: s["value"] for s in _get_json(envoy_admin + "/stats?format=json")["stats"] if "value" in s}
+        except OSError:
+            stats = {}
+    names = [r["name"] for r in st["replicas"]]
+    envoy = {n: stats.get(f"cluster.{n}.upstream_rq_total", 0) for n in names}
+    tot_d = sum(r["decisions"] for r in st["replicas"]) or 0
+    tot_e = sum(envoy.values())
+    rows = [
+        Row(r["name"], r["state"], r["drained"], r["cooldown_remaining_s"], r["effective_running"], r["effective_waiting"],
+            r["wlc_in_flight"], r["session_pins"], r["prefix_pins"], r["decisions"] / tot_d if tot_d else 0.0,
+            envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"))
+        for r in st["replicas"]
+    ]
+    allowed = sum(v for k, v in stats.items() if k.endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
+    return Snapshot(rows, tot_d, tot_e, stats.get(f"cluster.{FALLBACK_CLUSTER}.upstream_rq_total", 0), allowed,
+                    st["open_reservations"], st["decisions_by_reason"], st.get("recent_transitions", []))
+
+
+HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share", "envoy share")
+
+
+def _cells(r: Row) -> list[str]:
+    return [r.name, r.state + ("*" if r.drained else ""), f"{r.cooldown_left:.0f}s", f"{r.effective_running:.1f}",
+            f"{r.effective_waiting:.1f}", f"{r.wlc_in_flight:.1f}", str(r.session_pins), str(r.prefix_pins),
+            f"{r.brain_share:.0%}", f"{r.envoy_share:.0%}"]
+
+
+def _totals(s: Snapshot) -> str:
+    return (f"decisions {s.decisions}; Envoy upstream requests {s.envoy_requests}; fail-open requests {s.fail_open} "
+            f"(ext_proc failure_mode_allowed {s.failure_mode_allowed}); open reservations {s.open_reservations}")
+
+
+def text_table(s: Snapshot) -> str:
+    widths = [8, 9, 9, 8, 9, 10, 10, 9, 12, 12]
+    out = ["".join(h.rjust(w) if i > 1 else h.ljust(w) for i, (h, w) in enumerate(zip(HEAD, widths)))]
+    for r in s.rows:
+        out.append("".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(_cells(r), widths))))
+    out.append(_totals(s) + ("  (* drained)" if any(r.drained for r in s.rows) else ""))
+    return "\n".join(out)
+
+
+_COLOR = {"LIVE": "green", "PROBING": "yellow", "EJECTED": "red"}
+
+
+def rich_view(s: Snapshot, title: str):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=title, expand=False)
+    for i, h in enumerate(HEAD):
+        t.add_column(h, justify="left" if i < 2 else "right")
+    for r in s.rows:
+        cells = _cells(r)
+        cells[1] = f"[{_COLOR.get(r.state, 'white')}]{cells[1]}[/]"
+        t.add_row(*cells)
+    changes = Table(title="last state changes", expand=False, show_edge=False)
+    for h in ("ago", "replica", "change", "reason", "cooldown"):
+        changes.add_column(h)
+    for tr in reversed(s.transitions[-8:]):
+        changes.add_row(f"{tr['at_s_ago']:.0f}s", tr["replica"], f"{tr['old']} -> {tr['new']}", tr["reason"],
+                        f"{tr['cooldown_s']:.0f}s" if tr["new"] == "EJECTED" else "")
+    return Group(t, Text(_totals(s)), changes)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", help="read the brain's and Envoy's admin ports from this config file")
+    ap.add_argument("--brain-admin", help="e.g. http://127.0.0.1:9101 (default: from --config)")
+    ap.add_argument("--envoy-admin", help="e.g. http://127.0.0.1:9901 (default: from --config)")
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    brain, envoy = args.brain_admin, args.envoy_admin
+    if args.config:
+        from .config import load_config
+
+        cfg = load_config(args.config)
+        brain = brain or f"http://127.0.0.1:{cfg.brain.admin_port}"
+        envoy = envoy or f"http://127.0.0.1:{cfg.envoy.admin_port}"
+    brain = brain or "http://127.0.0.1:9101"
+    console = Console()
+    title = f"warmroute top  (brain {brain}, Envoy {envoy or '-'})"
+    if args.once:
+        console.print(rich_view(snapshot(brain, envoy), title))
+        return 0
+    try:
+        with Live(rich_view(snapshot(brain, envoy), title), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(args.interval)
+                try:
+                    live.update(rich_view(snapshot(brain, envoy), title))
+                except OSError as e:
+                    from rich.text import Text
+
+                    live.update(Text(f"cannot reach the brain at {brain}: {e}", style="red"))
+    except KeyboardInterrupt:
+        return 0

@@ -180,11 +180,8 @@ class MockReplica:
             {"id": self.model, "object": "model", "owned_by": "warmroute-mock", "max_model_len": self.engine_cfg.kv_tokens}]})
 
     async def fault(self, request: web.Request) -> web.Response:
-        try:
-            doc = await request.json()
-            if not isinstance(doc, dict):
-                raise ValueError
-        except ValueError:
+        doc = await _json_object(request)
+        if doc is None:
             return _error(400, "expected a JSON object")
         if "healthy" in doc:
             self.healthy = bool(doc["healthy"])
@@ -223,11 +220,8 @@ class MockReplica:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
-        try:
-            doc = await request.json()
-            if not isinstance(doc, dict):
-                raise ValueError
-        except ValueError:
+        doc = await _json_object(request)
+        if doc is None:
             return _error(400, "request body is not a JSON object")
         if not self.healthy or (self.fail_rate and self.rng.random() < self.fail_rate):
             return _error(503, "injected failure", "server_error")
@@ -300,6 +294,14 @@ class MockReplica:
             raise
         finally:
             self.driver.abort(waiter)  # no-op once finished; frees KV when the client left early
+
+
+async def _json_object(request: web.Request) -> dict | None:
+    try:
+        doc = await request.json()
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def _content_text(c) -> str:

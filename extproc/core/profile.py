@@ -140,16 +140,13 @@ def _body_chars(body: Mapping[str, Any]) -> int:
 
 
 def _session_from_body(body: Mapping[str, Any], fields: tuple[str, ...]) -> tuple[str, str] | None:
-    for f in fields:
-        v = body.get(f)
-        if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v):
-            return str(v), f
+    """The first configured field with a usable id, at the top level, then inside ``metadata``."""
     meta = body.get("metadata")
-    if isinstance(meta, dict):
+    for where, prefix in ((body, ""), (meta if isinstance(meta, dict) else {}, "metadata.")):
         for f in fields:
-            v = meta.get(f)
+            v = where.get(f)
             if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v):
-                return str(v), "metadata." + f
+                return str(v), prefix + f
     return None
 
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install system-deps demo test bench-core bench-overhead envoy-files clean
+.PHONY: install system-deps demo test bench bench-quick bench-core bench-overhead envoy-files clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ clean:
 
 envoy-files: install  ## re-render envoy/*.yaml and envoy/snippets/ from the shipped configs
 	$(PY) -c "from pathlib import Path; from extproc.envoy_config import shipped_files; [Path(p).write_text(t) for p, t in shipped_files('.').items()]"
+
+bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (<= 10 min); results in docs/
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m extproc.bench_live
+
+bench-quick: install  ## the plain workload only (<= 2 min)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m extproc.bench_live --quick --out /tmp/warmroute-bench-quick
 
 bench-overhead: install  ## Envoy direct vs Envoy + brain (needs wrk: apt-get install wrk)
 	$(PY) -m extproc.bench_overhead

@@ -179,6 +179,31 @@ class MockReplica:
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "owned_by": "warmroute-mock", "max_model_len": self.engine_cfg.kv_tokens}]})
 
+    # ---- what other routers ask of a replica (vllm-router, sglang-router) --------------------
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model, "served_model_name": self.model, "tp_size": 2, "dp_size": 1,
+                                  "max_total_num_tokens": self.engine_cfg.kv_tokens, "page_size": 16, "version": "mock"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model, "tokenizer_path": self.model, "is_generation": True,
+                                  "model_type": "mock"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        doc = await _json_object(request)
+        if doc is None:
+            return _error(400, "expected a JSON object")
+        text = _prompt_text(doc)
+        ids = text_token_ids(text)
+        return web.json_response({"count": len(ids), "max_model_len": self.engine_cfg.kv_tokens, "tokens": ids})
+
+    async def render(self, request: web.Request) -> web.Response:
+        doc = await _json_object(request)
+        if doc is None:
+            return _error(400, "expected a JSON object")
+        text = _prompt_text(doc)
+        return web.json_response({"prompt": text, "prompt_token_ids": text_token_ids(text)})
+
     async def fault(self, request: web.Request) -> web.Response:
         doc = await _json_object(request)
         if doc is None:
@@ -227,14 +252,9 @@ class MockReplica:
             return _error(503, "injected failure", "server_error")
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
-        if chat:
-            msgs = doc.get("messages")
-            if not isinstance(msgs, list):
-                return _error(400, "messages must be a list")
-            text = "".join(_content_text(m.get("content")) for m in msgs if isinstance(m, dict))
-        else:
-            p = doc.get("prompt", "")
-            text = p if isinstance(p, str) else "".join(x for x in p if isinstance(x, str)) if isinstance(p, list) else ""
+        if chat and not isinstance(doc.get("messages"), list):
+            return _error(400, "messages must be a list")
+        text = _prompt_text(doc)
         max_tokens = doc.get("max_completion_tokens") or doc.get("max_tokens") or self.args.default_max_tokens
         try:
             max_tokens = max(1, min(int(max_tokens), 32_768))
@@ -296,6 +316,22 @@ class MockReplica:
             self.driver.abort(waiter)  # no-op once finished; frees KV when the client left early
 
 
+def text_token_ids(text: str) -> list[int]:
+    """Deterministic token ids, 4 characters a token: equal prefixes give equal ids."""
+    return [int.from_bytes(hashlib.blake2b(text[i : i + 4].encode("utf-8", "replace"), digest_size=2).digest(), "big")
+            for i in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def _prompt_text(doc: dict) -> str:
+    msgs = doc.get("messages")
+    if isinstance(msgs, list):
+        return "".join(_content_text(m.get("content")) for m in msgs if isinstance(m, dict))
+    p = doc.get("prompt", doc.get("text", ""))
+    if isinstance(p, str):
+        return p
+    return "".join(x for x in p if isinstance(x, str)) if isinstance(p, list) else ""
+
+
 async def _json_object(request: web.Request) -> dict | None:
     try:
         doc = await request.json()
@@ -354,6 +390,18 @@ def build_app(rep: MockReplica) -> web.Application:
     app.router.add_get("/health", rep.health)
     app.router.add_get("/metrics", rep.metrics)
     app.router.add_post("/admin/fault", rep.fault)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, rep.server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, rep.model_info)
+    app.router.add_post("/tokenize", rep.tokenize)
+    app.router.add_post("/v1/chat/completions/render", rep.render)
+
+    async def unknown(request: web.Request) -> web.Response:
+        print(f"mock-vllm {rep.args.name}: no route for {request.method} {request.path}", flush=True)
+        return _error(404, f"no route for {request.path}")
+
+    app.router.add_route("*", "/{tail:.*}", unknown)
     return app
 
 

@@ -1,0 +1,395 @@
+"""``make bench``: warmroute against what users would deploy instead, on one workload, in one run.
+
+For each contender a fresh fleet of mock vLLM replicas (same seed and
+engine parameters) is started, the contender is pointed at it, and the
+simulator's agent workload is replayed over HTTP (closed-loop sessions,
+shared system prompts, long contexts). The mocks and the workload run
+``speedup`` times faster than real time; warmroute's own time constants
+(scrape interval, clean window, cooldowns, TTLs) are divided by the same
+factor so that they keep their proportion to the traffic. Latencies are
+reported in the workload's time (measured x speedup).
+
+Contenders: Envoy ROUND_ROBIN, LEAST_REQUEST and RING_HASH on the session
+header (with active /health checks, as one would deploy them), Envoy +
+warmroute, vllm-router (cache_aware, consistent_hash, power_of_two) and
+sglang-router (cache_aware) from PyPI (``pip install '.[bench]'``).
+Scenarios: the plain workload, a replica that dies and returns mid-run, a
+flapping replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .core import imbalance_index
+from .envoy_config import dump
+from .sim.http_replay import ReplayResult, replay
+from .sim.workload import WorkloadConfig
+from .stack import Proc, Stack, envoy_binary, http_get, wait_for
+
+ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH"}
+ROUTERS = {
+    "vllm_router_cache_aware": ("vllm-router", "cache_aware"),
+    "vllm_router_consistent_hash": ("vllm-router", "consistent_hash"),
+    "vllm_router_power_of_two": ("vllm-router", "power_of_two"),
+    "sglang_router_cache_aware": ("sglang-router", "cache_aware"),
+}
+CONTENDERS = [*ENVOY_POLICIES, "warmroute", *ROUTERS]
+SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str | None:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else shutil.which(name)
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float) -> dict:
+    """A plain Envoy a user would write: one cluster over the replicas, retries, health checks."""
+    hc = max(0.1, 3.0 / speedup)
+    cluster = {
+        "name": "fleet", "type": "STATIC", "connect_timeout": "1s", "lb_policy": policy,
+        "per_connection_buffer_limit_bytes": 64 * 2**20,
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                                             "max_requests": 100000, "max_retries": 100000}]},
+        "health_checks": [{"timeout": f"{hc:.3f}s", "interval": f"{hc:.3f}s", "unhealthy_threshold": 1, "healthy_threshold": 2,
+                           "http_health_check": {"path": "/health"}}],
+        "load_assignment": {"cluster_name": "fleet", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in ports]}]},
+    }
+    route: dict = {"cluster": "fleet", "timeout": "0s", "retry_policy": {
+        "retry_on": "connect-failure,reset-before-request,refused-stream", "num_retries": 2,
+        "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}]}}
+    if policy == "RING_HASH":
+        route["hash_policy"] = [{"header": {"header_name": "x-session-id"}}]
+    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+           "stat_prefix": "ingress", "stream_idle_timeout": "0s",
+           "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+           "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+    return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+            "static_resources": {
+                "listeners": [{"name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                               "per_connection_buffer_limit_bytes": 64 * 2**20,
+                               "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                               "typed_config": hcm}]}]}],
+                "clusters": [cluster]}}
+
+
+def scaled_warmroute_config(speedup: float) -> dict:
+    """SPEC's time constants divided by the speed-up, so they keep their proportion to the traffic."""
+    k = 1.0 / speedup
+    return {
+        "health": {"scrape_interval_s": 3.0 * k, "probing_clean_window_s": 15.0 * k, "cooldown_base_s": 30.0 * k,
+                   "cooldown_max_s": 300.0 * k, "streak_reset_live_s": 600.0 * k},
+        "pins": {"session_ttl_s": 3600.0 * k, "prefix_ttl_s": 300.0 * k},
+        "routing": {"reservation_timeout_s": 3600.0 * k},
+        "envoy": {"brain_health_check_interval_s": max(0.2, k)},
+    }
+
+
+@dataclass
+class Running:
+    url: str
+    stack: Stack
+    procs: list = field(default_factory=list)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+        self.stack.stop()
+
+
+def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Running:
+    if contender == "warmroute":
+        s = Stack(n, config=scaled_warmroute_config(speedup), mock_args=mock_args)
+        s.start()
+        s.wait_all_live(60)
+        return Running(s.url, s)
+    s = Stack(0, mock_args=mock_args)
+    try:
+        reps = [s.start_replica(f"r{i}") for i in range(n)]
+        s.replicas = reps
+        port = free_port()
+        if contender in ENVOY_POLICIES:
+            path = s.dir / "envoy.yaml"
+            path.write_text(dump(envoy_builtin(ENVOY_POLICIES[contender], [r.port for r in reps], port, speedup)))
+            proc = Proc("envoy", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "error"], s.dir)
+        else:
+            binary, policy = ROUTERS[contender]
+            exe = _bin(binary)
+            if exe is None:
+                raise FileNotFoundError(f"{binary} is not installed (pip install '.[bench]')")
+            argv = [exe, *(["launch"] if binary == "sglang-router" else []), "--host", "127.0.0.1", "--port", str(port),
+                    "--worker-urls", *[r.url for r in reps], "--policy", policy]
+            proc = Proc(contender, argv, s.dir)
+        run = Running(f"http://127.0.0.1:{port}", s, [proc])
+
+        def ready():
+            body = json.dumps({"model": "mock-coder-30b", "max_tokens": 1, "messages": [{"role": "user", "content": "warm"}]}).encode()
+            req = urllib.request.Request(run.url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status == 200
+
+        wait_for(ready, 60, f"{contender} to answer", proc, every=0.2)
+        return run
+    except BaseException:
+        s.stop()
+        raise
+
+
+# ---------------------------------------------------------------------------- measurement
+
+
+def mock_counters(urls: list[str]) -> tuple[float, float]:
+    q = h = 0.0
+    for u in urls:
+        try:
+            text = http_get(u + "/metrics", timeout=2).decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("vllm:prefix_cache_queries_total"):
+                q += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_hits_total"):
+                h += float(line.rsplit(" ", 1)[1])
+    return q, h
+
+
+def faults(scenario: str, replicas, speedup: float, duration: float, stop: threading.Event) -> threading.Thread | None:
+    def die(rep, seconds):
+        try:
+            req = urllib.request.Request(rep.url + "/admin/fault", data=json.dumps({"die_for_s": seconds}).encode(), method="POST")
+            urllib.request.urlopen(req, timeout=2).read()
+        except OSError:
+            pass
+
+    if scenario == "replica_dies_and_returns":
+        def run():
+            if not stop.wait(duration / 3):
+                die(replicas[1], 120.0 / speedup)  # down for 2 minutes of workload time
+    elif scenario == "flapping_replica":
+        def run():
+            if stop.wait(duration / 6):
+                return
+            while not stop.is_set():
+                die(replicas[2], 5.0 / speedup)  # down 5 s of every 20 s
+                stop.wait(20.0 / speedup)
+    else:
+        return None
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+@dataclass
+class Row:
+    contender: str
+    scenario: str
+    ttft_p50: float = float("nan")
+    ttft_p99: float = float("nan")
+    e2e_p50: float = float("nan")
+    e2e_p99: float = float("nan")
+    out_tok_s: float = 0.0
+    prefix_hit: float = 0.0
+    imbalance: float = float("nan")
+    sent: int = 0
+    errors: int = 0
+    lost: int = 0
+    note: str = ""
+    ttfts: list[float] = field(default_factory=list)
+    share: list[list[float]] = field(default_factory=list)
+
+
+def measure(contender: str, scenario: str, args) -> Row:
+    w = WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min, projects=args.projects,
+                       oneshots_per_min=args.oneshots_per_min)
+    mock_args = ["--speedup", str(args.speedup)]
+    try:
+        run = start(contender, args.replicas, mock_args, args.speedup)
+    except (FileNotFoundError, Exception) as e:  # a contender that cannot start is a row that says why
+        return Row(contender, scenario, note=f"did not start: {e}"[:160])
+    urls = [r.url for r in run.stack.replicas]
+    stop = threading.Event()
+    try:
+        q0, h0 = mock_counters(urls)
+        duration = args.minutes * 60 / args.speedup
+        f = faults(scenario, run.stack.replicas, args.speedup, duration, stop)
+        res: ReplayResult = asyncio.run(replay(run.url, w, seed=args.seed, speedup=args.speedup, timeout=max(60.0, duration)))
+        stop.set()
+        if f:
+            f.join(5)
+        q1, h1 = mock_counters(urls)
+    finally:
+        stop.set()
+        run.stop()
+    ok = [r for r in res.requests if r.error is None and r.ttft is not None]
+    s = args.speedup
+    row = Row(contender, scenario)
+    row.ttfts = sorted(r.ttft * s for r in ok)
+    row.ttft_p50, row.ttft_p99 = pct(row.ttfts, 0.5), pct(row.ttfts, 0.99)
+    e2e = [r.e2e * s for r in ok if r.e2e is not None]
+    row.e2e_p50, row.e2e_p99 = pct(e2e, 0.5), pct(e2e, 0.99)
+    row.out_tok_s = sum(r.max_tokens for r in ok) / (args.minutes * 60)
+    row.prefix_hit = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+    row.sent, row.lost = res.sent, res.lost
+    row.errors = sum(res.errors.values())
+    minutes = int(args.minutes) + 1
+    per_min: list[Counter] = [Counter() for _ in range(minutes)]
+    for t, rep in res.timeline:
+        per_min[min(minutes - 1, int(t * s // 60))][rep] += 1
+    names = [f"r{i}" for i in range(args.replicas)]
+    idx = [imbalance_index(c, names) for c in per_min[1:] if sum(c.values())]
+    row.imbalance = statistics.mean(idx) if idx else float("nan")
+    row.share = [[c[n] / sum(c.values()) if sum(c.values()) else 0.0 for n in names] for c in per_min]
+    return row
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| contender | scenario | TTFT p50 s | TTFT p99 s | e2e p50 s | e2e p99 s | out tok/s | prefix hit | imbalance | sent | errors | lost |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        if r.note:
+            lines.append(f"| {r.contender} | {r.scenario} | {r.note} |||||||||| ")
+            continue
+        lines.append(f"| {r.contender} | {r.scenario} | {r.ttft_p50:.2f} | {r.ttft_p99:.1f} | {r.e2e_p50:.1f} | {r.e2e_p99:.1f} | "
+                     f"{r.out_tok_s:.0f} | {r.prefix_hit:.1%} | {r.imbalance:.2f} | {r.sent} | {r.errors} | {r.lost} |")
+    return "\n".join(lines)
+
+
+def plots(rows: list[Row], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    main = [r for r in rows if r.scenario == "workload" and r.ttfts]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in main:
+        ys = [(i + 1) / len(r.ttfts) for i in range(len(r.ttfts))]
+        ax.plot(r.ttfts, ys, label=r.contender, lw=2.2 if r.contender == "warmroute" else 1.2)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT, seconds of workload time (log)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("TTFT CDF per contender (same workload, fresh replicas each)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p = out / "bench-ttft-cdf.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    files.append(p.name)
+
+    n = len(main)
+    cols = 2
+    rws = -(-n // cols)
+    fig, axes = plt.subplots(rws, cols, figsize=(12, 2.4 * rws), sharex=True, sharey=True, squeeze=False)
+    for ax, r in zip(axes.flat, main):
+        used = [(m, row) for m, row in enumerate(r.share) if sum(row) > 0]  # the last bucket may be empty
+        if used:
+            mins = [m for m, _ in used]
+            ax.stackplot(mins, list(zip(*[row for _, row in used])), labels=[f"r{i}" for i in range(len(used[0][1]))])
+        ax.set_title(f"{r.contender}: imbalance {r.imbalance:.2f}", fontsize=9)
+        ax.set_ylim(0, 1)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7, ncol=4, loc="upper right")
+    fig.suptitle("Traffic share per replica over workload minutes", fontsize=11)
+    fig.tight_layout()
+    p = out / "bench-share.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    files.append(p.name)
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a short run of the plain workload only (<= 2 min)")
+    ap.add_argument("--minutes", type=float, default=None, help="workload minutes per run (workload time)")
+    ap.add_argument("--speedup", type=float, default=None)
+    ap.add_argument("--replicas", type=int, default=4)
+    # more sessions per minute than the simulator's default: a short run must reach a busy fleet
+    ap.add_argument("--sessions-per-min", type=float, default=6.0)
+    ap.add_argument("--oneshots-per-min", type=float, default=6.0)
+    ap.add_argument("--projects", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    ap.add_argument("--scenarios", nargs="+", default=None, choices=SCENARIOS)
+    ap.add_argument("--out", default="docs", help="where bench-results.md and the PNGs go")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.minutes = args.minutes or 3.0
+        args.speedup = args.speedup or 20.0
+        args.scenarios = args.scenarios or ["workload"]
+    else:
+        args.minutes = args.minutes or 6.0
+        args.speedup = args.speedup or 20.0
+        args.scenarios = args.scenarios or SCENARIOS
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    rows = []
+    for scenario in args.scenarios:
+        for c in args.contenders:
+            t = time.monotonic()
+            r = measure(c, scenario, args)
+            rows.append(r)
+            print(f"{c:<28} {scenario:<26} {time.monotonic() - t:5.1f}s  "
+                  + (r.note or f"TTFT p50 {r.ttft_p50:.2f}s p99 {r.ttft_p99:.1f}s, hit {r.prefix_hit:.0%}, "
+                               f"imbalance {r.imbalance:.2f}, errors {r.errors}, lost {r.lost}"), flush=True)
+    wall = time.monotonic() - t0
+    md = table(rows)
+    files = plots(rows, out)
+    cpu = os.cpu_count()
+    header = (f"# warmroute benchmark\n\nCommand: `make bench{'-quick' if args.quick else ''}` "
+              f"(`python -m extproc.bench_live {' '.join(argv or sys.argv[1:])}`)\n\n"
+              f"Machine: {cpu} cores, loopback only. Each contender got a fresh fleet of {args.replicas} mock vLLM replicas "
+              f"(engine model, same seed), the same workload ({args.minutes:g} workload minutes, {args.sessions_per_min:g} agent "
+              f"sessions/min over {args.projects} projects, {args.oneshots_per_min:g} one-shots/min, seed {args.seed}) run "
+              f"{args.speedup:g}x faster than real time; times below are workload time. Wall time {wall:.0f} s.\n\n")
+    (out / "bench-rows.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows]))  # to redraw plots
+    (out / "bench-results.md").write_text(header + md + "\n\n" + "\n".join(f"![{f}]({f})" for f in files) + "\n")
+    print("\n" + md)
+    print(f"\nwrote {out / 'bench-results.md'} and {', '.join(files)} in {wall:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""The live benchmark's harness measures a contender end to end (a short run, not the benchmark)."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import pytest
+
+from extproc.bench_live import measure, table
+
+pytestmark = pytest.mark.integration
+
+ARGS = Namespace(minutes=1.5, speedup=20.0, replicas=3, sessions_per_min=8.0, oneshots_per_min=8.0, projects=2, seed=3)
+
+
+@pytest.mark.parametrize("contender,scenario", [("warmroute", "workload"), ("envoy_least_request", "replica_dies_and_returns")])
+def test_the_harness_measures_a_contender(contender, scenario):
+    row = measure(contender, scenario, ARGS)
+    assert not row.note, row.note
+    assert row.sent >= 10
+    assert 0 < row.ttft_p50 <= row.ttft_p99
+    assert 0.0 < row.prefix_hit <= 1.0  # read from the replicas' own /metrics
+    assert row.imbalance >= 1.0
+    assert row.errors + row.lost < row.sent
+    assert f"| {contender} | {scenario} |" in table([row])
+
+
+def test_a_router_that_is_not_installed_is_a_row_that_says_so(monkeypatch):
+    import extproc.bench_live as b
+
+    monkeypatch.setattr(b, "_bin", lambda name: None)
+    row = measure("vllm_router_cache_aware", "workload", ARGS)
+    assert "not installed" in row.note

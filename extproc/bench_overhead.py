@@ -28,8 +28,9 @@ import aiohttp
 import yaml
 
 from .config import load_config
-from .envoy_config import bootstrap, dump
-from .stack import Proc, _cli, envoy_binary, http_get, wait_for
+from .envoy_config import bootstrap
+from .stack import EnvoyProc as Envoy
+from .stack import Proc, _cli, http_get, wait_for
 
 METRICS = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\",engine=\"0\"} 0\n" \
           "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 0\n"
@@ -70,25 +71,6 @@ def direct_front(ports: list[int]) -> dict:
     routes = [{"match": {"prefix": "/"}, "route": {"cluster": "fleet", "timeout": "0s"}}]
     return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
             "static_resources": {"listeners": [_listener("direct", routes, [])], "clusters": [cluster]}}
-
-
-class Envoy:
-    def __init__(self, name: str, doc: dict, workdir: Path):
-        self.path = workdir / f"{name}.yaml"
-        self.path.write_text(dump(doc))
-        self.admin_file = workdir / f"{name}.admin"
-        self.proc = Proc(name, [envoy_binary(), "-c", str(self.path), "--admin-address-path", str(self.admin_file),
-                                "--use-dynamic-base-id", "--concurrency", "1", "-l", "error"], workdir)
-        self.admin = wait_for(lambda: self.admin_file.exists() and self.admin_file.read_text().strip(), 30, f"{name} admin", self.proc)
-        self.ports = wait_for(self._ports, 30, f"{name} listeners", self.proc)
-
-    def _ports(self):
-        doc = json.loads(http_get(f"http://{self.admin}/listeners?format=json"))
-        ports = [ls["local_address"]["socket_address"].get("port_value") for ls in doc.get("listener_statuses", [])]
-        return ports if ports and all(ports) else None
-
-    def stop(self):
-        self.proc.stop()
 
 
 def body_of(size: int, i: int) -> bytes:
@@ -228,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbrain: {sum(r['decisions'] for r in st['replicas'])} decisions, open reservations drained to 0")
     finally:
         for p in reversed(procs):
-            (p.stop if hasattr(p, "stop") else p.proc.stop)()
+            p.stop()
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

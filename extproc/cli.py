@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
 
     u = sub.add_parser("up", help="start Envoy + brain + 4 mock vLLM replicas, send agent load, show the table")
     u.add_argument("--replicas", type=int, default=4)
-    u.add_argument("--sessions", type=int, default=12)
-    u.add_argument("--turns", type=int, default=6)
+    u.add_argument("--minutes", type=float, default=2.0, help="workload minutes of demo load (about 30 s of wall time)")
+    u.add_argument("--sessions-per-min", type=float, default=6.0)
     u.add_argument("--no-serve", action="store_true", help="stop after the load instead of serving until Ctrl-C")
 
     d = sub.add_parser("demo-core", help="replay a scripted burst of agent traffic through the routing core alone")

@@ -8,7 +8,6 @@ Prometheus scrapes, so exporting costs the request path next to nothing
 
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Iterable
 
@@ -144,4 +143,4 @@ def make_registry(brain: "Brain") -> tuple[CollectorRegistry, Histogram, Histogr
     return reg, decision, scrape
 
 
-__all__ = ["BrainCollector", "DecisionWindow", "make_registry", "time"]
+__all__ = ["BrainCollector", "DecisionWindow", "make_registry"]

@@ -70,6 +70,33 @@ def http_post_json(url: str, doc: dict, timeout: float = 5.0) -> bytes:
         return r.read()
 
 
+class EnvoyProc:
+    """An Envoy on a bootstrap document, with the admin and listener ports it bound (port 0 allowed)."""
+
+    def __init__(self, name: str, doc: dict, workdir: Path, log_level: str = "error"):
+        path = workdir / f"{name}.yaml"
+        path.write_text(dump(doc))
+        admin_file = workdir / f"{name}.admin"
+        self.proc = Proc(name, [envoy_binary(), "-c", str(path), "--admin-address-path", str(admin_file),
+                                "--use-dynamic-base-id", "--concurrency", "1", "-l", log_level, "--drain-time-s", "1"],
+                         workdir)
+        addr = wait_for(lambda: admin_file.exists() and admin_file.read_text().strip(), 30, f"{name}'s admin address", self.proc)
+        self.admin_port = int(addr.rsplit(":", 1)[1])
+        self.ports: list[int] = wait_for(self._listener_ports, 30, f"{name}'s listeners", self.proc)
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def _listener_ports(self) -> list[int] | None:
+        doc = json.loads(http_get(self.admin + "/listeners?format=json"))
+        ports = [ls["local_address"]["socket_address"].get("port_value") for ls in doc.get("listener_statuses", [])]
+        return ports if ports and all(ports) else None
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
 class Proc:
     def __init__(self, name: str, argv: list[str], workdir: Path):
         self.name = name
@@ -237,28 +264,10 @@ class Stack:
 
     def start_envoy(self, bootstrap_doc: dict | None = None) -> Proc:
         """Envoy with the rendered bootstrap, or with ``bootstrap_doc`` (e.g. a foreign one with our snippets)."""
-        path = self.dir / "envoy.yaml"
-        path.write_text(dump(bootstrap_doc if bootstrap_doc is not None else bootstrap(self.live_config())))
-        admin_file = self.dir / "envoy.admin"
-        self.envoy = Proc("envoy", [envoy_binary(), "-c", str(path), "--admin-address-path", str(admin_file),
-                                    "--use-dynamic-base-id", "--concurrency", "1", "-l", self.envoy_log_level,
-                                    "--drain-time-s", "1"], self.dir)
-
-        def admin_port():
-            t = admin_file.read_text().strip() if admin_file.exists() else ""
-            return int(t.rsplit(":", 1)[1]) if t else None
-
-        self.envoy_admin_port = wait_for(admin_port, 30, "Envoy's admin address", self.envoy)
-
-        def listener_port():
-            doc = json.loads(http_get(self.envoy_admin + "/listeners?format=json"))
-            for ls in doc.get("listener_statuses", []):
-                p = ls["local_address"]["socket_address"].get("port_value")
-                if p:
-                    return p
-            return None
-
-        self.envoy_port = wait_for(listener_port, 30, "Envoy's listener", self.envoy)
+        e = EnvoyProc("envoy", bootstrap_doc if bootstrap_doc is not None else bootstrap(self.live_config()), self.dir,
+                      self.envoy_log_level)
+        self.envoy = e.proc
+        self.envoy_admin_port, self.envoy_port = e.admin_port, e.ports[0]
         wait_for(lambda: self.brain_healthy_in_envoy(), 30, "Envoy to see the brain healthy", self.envoy)
         return self.envoy
 

@@ -15,9 +15,14 @@ import signal
 import sys
 import time
 
-from .loadgen import agent_load
-from .stack import Stack, StackError
+from .sim.http_replay import replay
+from .sim.workload import WorkloadConfig
+from .stack import Stack, StackError, wait_for
 from .top import snapshot, text_table
+
+# The demo's load: the simulator's agent workload, short, in real time (replicas run unsped).
+# Think times are divided by DEMO_SPEEDUP so that it lasts about half a minute.
+DEMO_SPEEDUP = 4.0
 
 
 def table(stack: Stack) -> str:
@@ -25,8 +30,6 @@ def table(stack: Stack) -> str:
 
 
 def up(args: argparse.Namespace) -> int:
-    stop = False
-
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
@@ -49,19 +52,25 @@ def up(args: argparse.Namespace) -> int:
             if time.monotonic() - t0 > 90:
                 raise StackError("replicas did not become LIVE within 90 s")
             time.sleep(0.5)
-        print(f"\nsending agent load: {args.sessions} sessions x {args.turns} turns (streamed) through Envoy ...", flush=True)
-        res = asyncio.run(agent_load(stack.url, sessions=args.sessions, turns=args.turns))
-        lat = sorted(res.latencies)
-        p50 = lat[len(lat) // 2] if lat else float("nan")
-        print(f"done: {res.ok}/{res.sent} ok, errors {res.errors or 'none'}, p50 latency {p50 * 1000:.0f} ms\n")
-        time.sleep(0.2)  # let the last access-log entries arrive before the table
+        w = WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min, oneshots_per_min=6.0,
+                           projects=3, long_share=0.0, turns_median=6.0)
+        print(f"\nsending agent load through Envoy: {args.minutes:g} workload minutes of coding-agent sessions "
+              f"({args.sessions_per_min:g}/min over 3 projects, shared system prompts), think time /{DEMO_SPEEDUP:g} ...",
+              flush=True)
+        res = asyncio.run(replay(stack.url, w, seed=1, speedup=DEMO_SPEEDUP))
+        e2e = sorted(r.e2e for r in res.requests if r.e2e is not None and r.error is None)
+        p50 = e2e[len(e2e) // 2] if e2e else float("nan")
+        ok = res.answered - sum(res.errors.values())
+        print(f"done: {ok}/{res.sent} ok, errors {res.errors or 'none'}, lost {res.lost}, p50 latency {p50 * 1000:.0f} ms\n")
+        # the last access-log entries release their reservations just after the responses end
+        wait_for(lambda: stack.state()["open_reservations"] == 0, 10, "the last releases")
         print(table(stack))
         if args.no_serve:
             return 0
         print(f"\nserving on {stack.url}  (OpenAI-compatible: POST /v1/chat/completions). Ctrl-C stops everything.")
         print(f"live view: warmroute top --brain-admin {stack.brain_admin} --envoy-admin {stack.envoy_admin}")
         print(f"Prometheus metrics: {stack.brain_metrics} and {stack.envoy_admin}/stats/prometheus")
-        while not stop:
+        while True:
             time.sleep(10)
             for r in stack.replicas:
                 if not r.proc.alive():

@@ -16,7 +16,6 @@ from extproc.core import (
     PROBING,
     HealthConfig,
     HealthMachine,
-    PinConfig,
     PinTable,
     Replica,
     Router,

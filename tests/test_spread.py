@@ -15,7 +15,10 @@ from .helpers import live_router, prof
     key=st.sampled_from(["none", "shared_prefix", "distinct_sessions"]),
     tokens=st.sampled_from([0, 800, 4000, 30_000]),
 )
-def test_a_burst_between_two_scrapes_spreads_over_the_replicas(n, k, key, tokens):
+def test_a_burst_between_two_scrapes_spreads_evenly_over_equally_loaded_replicas(n, k, key, tokens):
+    # With equal stale loads round-robin ties alone would spread plain requests; what this adds is that
+    # pins (a shared prefix) do not pile the burst up. The WLC term itself is proved by the unequal-load
+    # property below and by the switched-off comparison.
     router, t = live_router(n)
     for i in range(k):
         p = {

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import random
 
-from ..core import HealthConfig, PinConfig, RequestProfile, Router, RouterConfig, hash_key
+from ..core import RequestProfile, Router, RouterConfig, hash_key
 from .workload import Request
 
 
@@ -196,5 +196,4 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
     return {"envoy_round_robin": RoundRobin, "envoy_least_request": LeastRequest, "envoy_ring_hash": RingHash}[name](n, seed)
 
 
-__all__ = ["Policy", "RoundRobin", "LeastRequest", "RingHash", "Warmroute", "ablation", "make_policy", "POLICIES",
-           "HealthConfig", "PinConfig"]
+__all__ = ["Policy", "RoundRobin", "LeastRequest", "RingHash", "Warmroute", "ablation", "make_policy", "POLICIES"]

@@ -9,7 +9,6 @@ import re
 import shutil
 import socket
 import threading
-import time
 import urllib.request
 from pathlib import Path
 

@@ -5,21 +5,26 @@ with ``direct_response`` after buffering the body (a static vLLM
 ``/metrics`` and a small completion), so the numbers are the proxy path's
 and not a Python mock's. "Direct" is Envoy with a least-request route and
 the same listener limits; "warmroute" is the rendered bootstrap with the
-brain (ext_proc + access log). Printed: added latency p50/p99 at a fixed
-100 req/s with 2 KB bodies, maximum req/s (wrk), and added latency with
-1 KB, 1 MB and 16 MB bodies.
+brain (ext_proc + access log), reached over TCP loopback and over the
+brain's Unix socket. A third front has the same bootstrap in front of a
+do-nothing grpcio server: what the gRPC round trip costs before the brain
+does anything. Printed: added latency p50/p99 at a fixed 100 req/s with
+2 KB bodies, maximum req/s (wrk), and added latency with 1 KB, 1 MB and
+16 MB bodies.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -140,13 +145,55 @@ def wrk_rps(url: str, seconds: int, connections: int, workdir: Path) -> float | 
     return float(m.group(1)) if m else None
 
 
+async def serve_floor(port_file: str) -> None:
+    """A do-nothing ext_proc server on the brain's library (grpcio asyncio): every answer names replica r0.
+
+    Measured beside the brain, under the same Envoy config, it shows which part of the added latency
+    is the gRPC round trip itself and which part is the brain's own work.
+    """
+    import grpc
+    from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from .envoy_config import METADATA_NAMESPACE
+
+    answer = ep.ProcessingResponse()
+    answer.request_body.response.header_mutation.SetInParent()
+    answer.request_body.response.clear_route_cache = True
+    answer.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields["cluster"].string_value = "r0"
+
+    class Floor(ep_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator, context):
+            await context.read()
+            await context.write(answer)
+
+    class Logs(als_pb2_grpc.AccessLogServiceServicer):
+        async def StreamAccessLogs(self, request_iterator, context):
+            async for _ in request_iterator:
+                pass
+            return als_pb2.StreamAccessLogsResponse()
+
+    server = grpc.aio.server()
+    ep_grpc.add_ExternalProcessorServicer_to_server(Floor(), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(Logs(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    Path(port_file).write_text(str(port))
+    await server.wait_for_termination()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Envoy direct vs Envoy + warmroute brain")
+    ap.add_argument("--serve-floor", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ap.add_argument("--rate-requests", type=int, default=1500, help="requests at the fixed 100 req/s")
     ap.add_argument("--wrk-seconds", type=int, default=8)
     ap.add_argument("--wrk-connections", type=int, default=32)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    if args.serve_floor:
+        asyncio.run(serve_floor(args.serve_floor))
+        return 0
     if args.quick:
         args.rate_requests, args.wrk_seconds = 400, 4
 
@@ -156,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         fleet = Envoy("fleet", fake_fleet(4), work)
         procs.append(fleet)
         cfg_doc = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(fleet.ports)],
-                   "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0},
+                   "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0, "metrics_port": 0,
+                             "grpc_socket": str(work / "brain.sock")},
                    "envoy": {"listen_host": "127.0.0.1", "listen_port": 0, "admin_port": 0}}
         (work / "warmroute.yaml").write_text(yaml.safe_dump(cfg_doc))
         ready = work / "brain.ready.json"
@@ -164,47 +212,54 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(brain)
         info = wait_for(lambda: ready.exists() and json.loads(ready.read_text()), 30, "brain", brain)
         cfg = load_config(work / "warmroute.yaml")
-        import dataclasses
-
-        cfg = dataclasses.replace(cfg, brain=dataclasses.replace(cfg.brain, grpc_port=info["grpc_port"]))
-        front = Envoy("warmroute", bootstrap(cfg), work)
-        direct = Envoy("direct", direct_front(fleet.ports), work)
-        procs += [front, direct]
+        cfg_unix = dataclasses.replace(cfg, brain=dataclasses.replace(cfg.brain, grpc_port=info["grpc_port"]))
+        cfg_tcp = dataclasses.replace(cfg_unix, brain=dataclasses.replace(cfg_unix.brain, grpc_socket=None))
+        floor_file = work / "floor.port"
+        floor = Proc("floor", [sys.executable, "-m", "extproc.bench_overhead", "--serve-floor", str(floor_file)], work)
+        procs.append(floor)
+        floor_port = int(wait_for(lambda: floor_file.exists() and floor_file.read_text(), 30, "the do-nothing server", floor))
+        cfg_floor = dataclasses.replace(cfg_tcp, brain=dataclasses.replace(cfg_tcp.brain, grpc_port=floor_port))
+        # one brain, two Envoys in front of it: one reaches it over TCP loopback, one over its Unix socket
+        fronts = {"direct": Envoy("direct", direct_front(fleet.ports), work),
+                  "do-nothing, TCP": Envoy("floor", bootstrap(cfg_floor), work),
+                  "brain over TCP": Envoy("warmroute-tcp", bootstrap(cfg_tcp), work),
+                  "brain over unix": Envoy("warmroute-unix", bootstrap(cfg_unix), work)}
+        procs += list(fronts.values())
         state_url = f"http://127.0.0.1:{info['admin_port']}/state"
         wait_for(lambda: all(r["state"] == "LIVE" for r in json.loads(http_get(state_url))["replicas"]), 60, "replicas LIVE")
-        urls = {"direct": f"http://127.0.0.1:{direct.ports[0]}/v1/chat/completions",
-                "warmroute": f"http://127.0.0.1:{front.ports[0]}/v1/chat/completions"}
+        urls = {name: f"http://127.0.0.1:{e.ports[0]}/v1/chat/completions" for name, e in fronts.items()}
+        names = list(urls)
 
-        print(f"machine: {os.cpu_count()} cores; Envoy --concurrency 1 for both fronts; brain: 1 Python process")
-        print(f"\nfixed 100 req/s, 2 KB bodies, {args.rate_requests} requests each (open loop)")
-        res = {}
-        for name in ("direct", "warmroute", "direct", "warmroute"):  # interleaved: drift hits both
-            lat = asyncio.run(fixed_rate(urls[name], 100.0, args.rate_requests // 2, 2048))
-            res.setdefault(name, []).extend(lat)
+        print(f"machine: {os.cpu_count()} cores; Envoy --concurrency 1 for every front; brain: 1 Python process")
+        print(f"\nfixed 100 req/s, 2 KB bodies, {args.rate_requests} requests per front (open loop)")
+        res: dict[str, list[float]] = {}
+        for _ in range(2):  # interleaved: drift hits every front
+            for name in names:
+                res.setdefault(name, []).extend(asyncio.run(fixed_rate(urls[name], 100.0, args.rate_requests // 2, 2048)))
         d50, d99 = pct(res["direct"], 0.5), pct(res["direct"], 0.99)
-        w50, w99 = pct(res["warmroute"], 0.5), pct(res["warmroute"], 0.99)
-        print(f"{'':<12}{'p50 ms':>10}{'p99 ms':>10}")
-        print(f"{'direct':<12}{d50 * 1e3:>10.2f}{d99 * 1e3:>10.2f}")
-        print(f"{'warmroute':<12}{w50 * 1e3:>10.2f}{w99 * 1e3:>10.2f}")
-        print(f"{'added':<12}{(w50 - d50) * 1e3:>10.2f}{(w99 - d99) * 1e3:>10.2f}   (targets: p50 <= 0.6, p99 <= 2.0)")
+        print(f"{'':<17}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>11}{'added p99':>11}")
+        for name in names:
+            p50, p99 = pct(res[name], 0.5), pct(res[name], 0.99)
+            added = f"{(p50 - d50) * 1e3:>11.2f}{(p99 - d99) * 1e3:>11.2f}" if name != "direct" else ""
+            print(f"{name:<17}{p50 * 1e3:>8.2f}{p99 * 1e3:>8.2f}{added}")
+        print("targets: added p50 <= 0.6 ms, p99 <= 2.0 ms")
 
         print(f"\nmaximum req/s (wrk, 1 thread, {args.wrk_connections} connections, {args.wrk_seconds} s, 2 KB bodies)")
-        rd = wrk_rps(urls["direct"], args.wrk_seconds, args.wrk_connections, work)
-        rw = wrk_rps(urls["warmroute"], args.wrk_seconds, args.wrk_connections, work)
-        if rd is None or rw is None:
+        rps = {name: wrk_rps(urls[name], args.wrk_seconds, args.wrk_connections, work) for name in names}
+        if None in rps.values():
             print("  wrk not found: apt-get install wrk")
         else:
-            print(f"direct {rd:,.0f}   warmroute {rw:,.0f}   ratio {rw / rd:.2f}   (target: warmroute >= 2,000)")
+            print("   ".join(f"{name} {v:,.0f}" for name, v in rps.items()) + "   (target: >= 2,000 through the brain)")
 
         print("\nadded latency by body size (sequential, median of n)")
-        print(f"{'body':<8}{'n':>5}{'direct ms':>12}{'warmroute ms':>14}{'added ms':>10}")
+        short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix"}
+        print(f"{'body':<8}{'n':>5}{'direct ms':>11}" + "".join(f"{'+' + short[n]:>14}" for n in names[1:]))
         for label, size, n in (("1 KB", 1024, 200), ("1 MB", 2**20, 30), ("16 MB", 16 * 2**20, 6)):
             if args.quick:
                 n = max(3, n // 4)
-            dl = asyncio.run(sequential(urls["direct"], n, size))
-            wl = asyncio.run(sequential(urls["warmroute"], n, size))
-            dm, wm = statistics.median(dl), statistics.median(wl)
-            print(f"{label:<8}{n:>5}{dm * 1e3:>12.2f}{wm * 1e3:>14.2f}{(wm - dm) * 1e3:>10.2f}")
+            med = {name: statistics.median(asyncio.run(sequential(urls[name], n, size))) for name in names}
+            print(f"{label:<8}{n:>5}{med['direct'] * 1e3:>11.2f}"
+                  + "".join(f"{(med[name] - med['direct']) * 1e3:>14.2f}" for name in names[1:]))
         st = json.loads(http_get(state_url))
         wait_for(lambda: json.loads(http_get(state_url))["open_reservations"] == 0, 10, "releases")
         print(f"\nbrain: {sum(r['decisions'] for r in st['replicas'])} decisions, open reservations drained to 0")

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "brain":
         import dataclasses
 
+        from .config import ConfigError
         from .service import run_brain, setup_logging
 
         cfg = _config_or_exit(args.config)
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(run_brain(cfg, args.host or cfg.brain.host, grpc_port, admin_port, args.ready_file, args.config))
         except KeyboardInterrupt:
             pass
+        except ConfigError as e:
+            print(f"warmroute: config error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.cmd == "top":
         from .top import run as top_run

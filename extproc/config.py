@@ -51,6 +51,9 @@ class BrainConfig:
     admin_port: int = 9101  # state-changing endpoints: always 127.0.0.1
     metrics_host: str = "127.0.0.1"  # read-only /metrics for Prometheus; 0.0.0.0 to scrape from elsewhere
     metrics_port: int = 9102
+    # With Envoy on the same host: serve gRPC on this Unix socket too, and have Envoy use it.
+    # It cuts about 0.1 ms per request against TCP loopback (make bench-overhead prints both).
+    grpc_socket: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +195,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         for f in dataclasses.fields(obj):
             if f.name.endswith("_port") and getattr(obj, f.name) > 65535:
                 raise ConfigError(f"{section}.{f.name}: expected a port number 0..65535")
+    if brain.grpc_socket is not None and not 0 < len(brain.grpc_socket.encode()) <= 100:
+        raise ConfigError("brain.grpc_socket: expected a path of 1..100 bytes (Unix sockets allow 107)")
     if router.profile.max_body_bytes > envoy.max_body_bytes:
         raise ConfigError("profile.max_body_bytes: must not exceed envoy.max_body_bytes")
     return AppConfig(_replicas(doc.get("replicas")), router, brain, envoy, source)

@@ -3,7 +3,12 @@
 The bootstrap is assembled from pieces that also ship alone (``snippets``)
 for users who already run Envoy:
 
-- ``http_filters``: strip any client-supplied routing header, then ext_proc;
+- ``http_filters``: strip any client-supplied routing header; ext_proc, which
+  sends the brain one message per request (the buffered body, with the few
+  request headers the brain reads as attributes); a buffer filter that holds
+  the request headers back from the router until the brain has answered; a
+  header mutation that turns the brain's answer (dynamic metadata) into the
+  routing header, so the route is chosen from it;
 - ``access_log``: the gRPC access-log entry that tells the brain each request's end and outcome;
 - ``routes``: the pair "route by the brain's header" / "fail open to least-request over all";
 - ``brain_cluster`` and one ``replica_cluster`` per replica.
@@ -18,6 +23,7 @@ another replica. Per-replica stats stay ``cluster.<replica>.upstream_rq_total``.
 from __future__ import annotations
 
 import ipaddress
+import os
 from typing import Any
 
 import yaml
@@ -29,6 +35,10 @@ RESERVATION_HEADER = "x-warmroute-reservation"
 BRAIN_CLUSTER = "warmroute_brain"
 FALLBACK_CLUSTER = "warmroute_fallback"
 EXT_PROC_STAT_PREFIX = "warmroute"
+METADATA_NAMESPACE = "warmroute"  # the brain's answer: {cluster, reservation} in this dynamic-metadata namespace
+HOLD_FILTER = "warmroute.hold_for_brain"
+ROUTE_FROM_BRAIN_FILTER = "warmroute.route_from_brain"
+REQUEST_ID_HEADER = "x-request-id"
 _BIG = 1_000_000  # circuit-breaker ceilings: LLM requests are long, Envoy's 1024 defaults are not for them
 
 
@@ -57,8 +67,29 @@ def _thresholds() -> dict:
     }
 
 
+def brain_headers(cfg: AppConfig) -> list[str]:
+    """The request headers the brain reads: session keys, tenant, and the id that backs up release."""
+    p = cfg.router.profile
+    names = [*p.session_headers, *([p.tenant_header] if p.tenant_header else []), REQUEST_ID_HEADER]
+    return list(dict.fromkeys(h.lower() for h in names))
+
+
+def header_attribute(name: str) -> str:
+    """The CEL expression ext_proc evaluates to send one request header along with the body."""
+    return f"request.headers['{name}']"
+
+
 def http_filters(cfg: AppConfig) -> list[dict]:
-    """The two filters to put before the router filter, in this order."""
+    """The four filters to put before the router filter, in this order.
+
+    One ext_proc message per request instead of two (headers, then body)
+    halves the brain's gRPC work. The price is that ext_proc cannot mutate
+    headers it did not send, so the brain answers with dynamic metadata and
+    ``route_from_brain`` copies it into the routing header; ``hold_for_brain``
+    keeps the router from choosing a route before that answer exists.
+    Requests without a body (GET /v1/models, probes) never reach the brain:
+    they carry no session or prompt, and take the fail-open route.
+    """
     e = cfg.envoy
     return [
         {
@@ -75,19 +106,42 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
                 "stat_prefix": EXT_PROC_STAT_PREFIX,
-                # Brain down or slow: the request goes on without the header, to the fallback route.
+                # Brain down or slow: the request goes on without an answer, to the fallback route.
                 "failure_mode_allow": True,
                 "message_timeout": _dur(e.ext_proc_timeout_s),
-                # Envoy pipelines the body behind the headers instead of waiting for the headers' answer.
-                "send_body_without_waiting_for_header_response": True,
                 "processing_mode": {
-                    "request_header_mode": "SEND",
+                    "request_header_mode": "SKIP",
                     "response_header_mode": "SKIP",
                     "request_body_mode": "BUFFERED",
                     "response_body_mode": "NONE",
                     "request_trailer_mode": "SKIP",
                     "response_trailer_mode": "SKIP",
                 },
+                "request_attributes": [header_attribute(h) for h in brain_headers(cfg)],
+                "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+            },
+        },
+        {
+            # Holds the request headers until the whole body has passed ext_proc: without it the router
+            # picks a route as soon as the headers arrive, before the brain has said anything.
+            "name": HOLD_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                "max_request_bytes": e.max_body_bytes,
+            },
+        },
+        {
+            # Runs after the brain's answer; the mutation happens before this filter looks up its route
+            # config, so the route is computed with the header in place (ext_proc cleared the cache).
+            # No answer (brain down, no body): no metadata, empty value, no header, fail-open route.
+            "name": ROUTE_FROM_BRAIN_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                "mutations": {"request_mutations": [
+                    {"append": {"header": {"key": header, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{field})%"},
+                                "append_action": "ADD_IF_ABSENT", "keep_empty_value": False}}
+                    for header, field in ((ROUTING_HEADER, "cluster"), (RESERVATION_HEADER, "reservation"))
+                ]},
             },
         },
     ]
@@ -157,9 +211,13 @@ def routes(cfg: AppConfig) -> list[dict]:
 def brain_cluster(cfg: AppConfig) -> dict:
     b = cfg.brain
     hc = cfg.envoy.brain_health_check_interval_s
+    if b.grpc_socket:
+        address = {"pipe": {"path": os.path.abspath(b.grpc_socket)}}
+    else:
+        address = _address(b.host, b.grpc_port)
     return {
         "name": BRAIN_CLUSTER,
-        "type": "STATIC" if _is_ip(b.host) else "STRICT_DNS",
+        "type": "STATIC" if b.grpc_socket or _is_ip(b.host) else "STRICT_DNS",
         "connect_timeout": "0.25s",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -183,7 +241,7 @@ def brain_cluster(cfg: AppConfig) -> dict:
         ],
         "load_assignment": {
             "cluster_name": BRAIN_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(b.host, b.grpc_port)}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
         },
     }
 
@@ -242,7 +300,6 @@ def cds_document(cfg: AppConfig) -> dict:
 
 def write_cds(cfg: AppConfig) -> None:
     """Atomically replace the CDS file: Envoy reloads on a move into the watched directory."""
-    import os
     import tempfile
 
     path = cfg.envoy.cds_path
@@ -280,8 +337,6 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
             {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
-    import os
-
     doc: dict[str, Any] = {
         "admin": {"address": _address("127.0.0.1", e.admin_port)},
         "static_resources": {
@@ -310,12 +365,17 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
 
 
 def ext_proc_off_for_route() -> dict:
-    """``typed_per_filter_config`` for a user's other routes, so the brain sees only model traffic."""
+    """``typed_per_filter_config`` for a user's other routes, so the brain sees only model traffic
+    and their bodies are not held back."""
     return {
         "envoy.filters.http.ext_proc": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
             "disabled": True,
-        }
+        },
+        HOLD_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
+            "disabled": True,
+        },
     }
 
 

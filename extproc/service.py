@@ -1,8 +1,12 @@
 """The brain process: Envoy's ext_proc and access-log gRPC services around the routing core.
 
-Per request Envoy opens an ext_proc stream and sends the request headers
-and (buffered) body; the brain answers with ``x-warmroute-cluster`` naming
-the chosen replica's cluster and clears the route cache so Envoy re-routes.
+Per request Envoy opens an ext_proc stream and sends one message: the
+buffered body, with the request headers the brain reads as attributes. The
+brain answers with the chosen replica's cluster and a reservation id as
+dynamic metadata (which Envoy's next filter copies into
+``x-warmroute-cluster``) and as header mutations (which Envoy applies when
+its config sends the headers too), and clears the route cache so Envoy
+re-routes.
 
 Envoy closes the ext_proc stream as soon as it needs nothing more (Envoy
 >= 1.37), so the stream's end is not the request's end. The end comes from
@@ -21,6 +25,8 @@ import logging
 import os
 import secrets
 import signal
+import socket
+import stat
 import sys
 import time
 from collections import Counter
@@ -39,11 +45,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .config import AppConfig, ConfigError, load_config
 from .core import NO_HEALTHY, Reservation, Router, Transition, build_profile, hash_key
-from .envoy_config import write_cds
+from .envoy_config import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER, write_cds
 from .metrics import DecisionWindow, make_registry
 
-ROUTING_HEADER = "x-warmroute-cluster"
-RESERVATION_HEADER = "x-warmroute-reservation"
 GRPC_MAX_MESSAGE = 96 * 1024 * 1024  # request bodies of 32 MiB and more arrive in one message
 
 log = logging.getLogger("warmroute")
@@ -131,8 +135,11 @@ class Brain:
 
     # ----------------------------------------------------------- ext_proc path
 
-    def decide(self, headers: dict[str, str], body: bytes | None) -> ep.ProcessingResponse | ep.CommonResponse:
-        """Profile + select + reserve: one synchronous call (the atomic WLC reserve)."""
+    def decide(self, headers: dict[str, str], body: bytes | None, phase: str = "request_body") -> ep.ProcessingResponse:
+        """Profile + select + reserve: one synchronous call (the atomic WLC reserve).
+
+        ``phase`` is the ext_proc message being answered (``request_body`` or ``request_headers``).
+        """
         t0 = time.perf_counter()
         now = self.clock()
         profile = build_profile(headers, body, self.cfg.router.profile)
@@ -152,15 +159,16 @@ class Brain:
         if request_id and request_id not in self.by_request_id:
             self.by_request_id[request_id] = d.reservation
         rid = f"{self.epoch}.{d.reservation.id}"
-        return ep.CommonResponse(
-            header_mutation=ep.HeaderMutation(
-                set_headers=[
-                    _hv(ROUTING_HEADER, d.replica.name),
-                    _hv(RESERVATION_HEADER, rid),
-                ]
-            ),
-            clear_route_cache=True,
-        )
+        out = ep.ProcessingResponse()
+        common = getattr(out, phase).response
+        # Applied only where Envoy sent the headers; in the one-message config it is the dynamic metadata
+        # that routes, but a header mutation must be present for Envoy to honour clear_route_cache.
+        common.header_mutation.set_headers.extend([_hv(ROUTING_HEADER, d.replica.name), _hv(RESERVATION_HEADER, rid)])
+        common.clear_route_cache = True
+        answer = out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        answer["cluster"].string_value = d.replica.name
+        answer["reservation"].string_value = rid
+        return out
 
     # --------------------------------------------------------- access-log path
 
@@ -366,38 +374,58 @@ def _headers_of(msg: ep.HttpHeaders) -> dict[str, str]:
     return out
 
 
+_ATTR_PREFIX, _ATTR_SUFFIX = "request.headers['", "']"
+
+
+def _headers_from_attributes(req: ep.ProcessingRequest) -> dict[str, str]:
+    """Headers Envoy sent as ``request.headers['name']`` attributes (absent headers are absent keys)."""
+    out = {}
+    for attrs in req.attributes.values():
+        for key, value in attrs.fields.items():
+            if key.startswith(_ATTR_PREFIX) and key.endswith(_ATTR_SUFFIX) and value.HasField("string_value"):
+                out[key[len(_ATTR_PREFIX):-len(_ATTR_SUFFIX)].lower()] = value.string_value
+    return out
+
+
+_PASS = {
+    "request_headers": ep.ProcessingResponse(request_headers=ep.HeadersResponse()),
+    "request_trailers": ep.ProcessingResponse(request_trailers=ep.TrailersResponse()),
+    "response_headers": ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
+    "response_body": ep.ProcessingResponse(response_body=ep.BodyResponse()),
+    "response_trailers": ep.ProcessingResponse(response_trailers=ep.TrailersResponse()),
+}
+
+
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    """Decides on the first message that can be decided on, then ends the stream.
+
+    With the shipped config that is the only message: the body, headers as attributes. A config
+    that sends headers too (``request_header_mode: SEND``) also works: the headers are kept for the
+    body, or decided on at once when no body follows. Ending the stream tells Envoy that the brain
+    wants nothing more of this request.
+    """
+
     def __init__(self, brain: Brain):
         self.brain = brain
 
-    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> AsyncIterator[ep.ProcessingResponse]:
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
         headers: dict[str, str] = {}
-        async for req in request_iterator:
+        while True:
+            req = await context.read()
+            if req is grpc.aio.EOF:
+                return
             kind = req.WhichOneof("request")
+            if req.attributes:
+                headers.update(_headers_from_attributes(req))
+            if kind == "request_body":
+                await context.write(self.brain.decide(headers, req.request_body.body))
+                return
             if kind == "request_headers":
-                headers = _headers_of(req.request_headers)
-                if req.request_headers.end_of_stream:  # no body (GET): decide on headers
-                    out = self.brain.decide(headers, None)
-                    if isinstance(out, ep.ProcessingResponse):
-                        yield out
-                        return
-                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=out))
-                else:
-                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-            elif kind == "request_body":
-                out = self.brain.decide(headers, req.request_body.body)
-                if isinstance(out, ep.ProcessingResponse):
-                    yield out
+                headers.update(_headers_of(req.request_headers))
+                if req.request_headers.end_of_stream:  # no body follows: decide on headers
+                    await context.write(self.brain.decide(headers, None, "request_headers"))
                     return
-                yield ep.ProcessingResponse(request_body=ep.BodyResponse(response=out))
-            elif kind == "request_trailers":
-                yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-            elif kind == "response_headers":
-                yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-            elif kind == "response_body":
-                yield ep.ProcessingResponse(response_body=ep.BodyResponse())
-            elif kind == "response_trailers":
-                yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+            await context.write(_PASS[kind])
 
 
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
@@ -471,6 +499,25 @@ def metrics_app(brain: Brain) -> web.Application:
     return app
 
 
+def _claim_socket_path(path: str) -> str:
+    """A socket file left by a brain that died is removed; one that a live process answers on is not."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ConfigError(f"brain.grpc_socket: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)
+        else:
+            raise ConfigError(f"brain.grpc_socket: another process serves on {path}")
+        finally:
+            probe.close()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
 async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: int, ready_file: str | None = None,
                     config_path: str | None = None) -> None:
     brain = Brain(cfg, config_path=config_path)
@@ -488,6 +535,8 @@ async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{grpc_host}:{grpc_port}")
+    if cfg.brain.grpc_socket:
+        server.add_insecure_port("unix:" + _claim_socket_path(cfg.brain.grpc_socket))
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)
@@ -527,6 +576,8 @@ async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: 
         await server.stop(1.0)
         await runner.cleanup()
         await mrunner.cleanup()
+        if cfg.brain.grpc_socket and os.path.exists(cfg.brain.grpc_socket):
+            os.unlink(cfg.brain.grpc_socket)
 
 
 def setup_logging(fmt: str = "json") -> None:

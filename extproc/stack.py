@@ -225,7 +225,9 @@ class Stack:
     def write_config(self) -> Path:
         doc: dict[str, Any] = {
             "replicas": [{"name": r.name, "url": r.url} for r in self.replicas],
-            "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0, "metrics_port": 0},
+            "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0, "metrics_port": 0,
+                      # Envoy and the brain share this host; a long workdir path cannot name a socket
+                      "grpc_socket": sock if len(sock := str(self.dir.resolve() / "brain.sock")) <= 100 else None},
             "envoy": {"listen_host": "127.0.0.1", "listen_port": 0, "admin_port": 0,
                       "cds_path": str(self.dir / "cds" / "clusters.yaml")},
         }

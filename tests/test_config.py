@@ -50,6 +50,8 @@ def test_a_good_file_loads_and_keeps_spec_defaults_elsewhere(tmp_path):
         ("replicas: [{name: 'bad name', url: 'http://h:1'}]", "replicas[0].name"),
         ("replicas: [{name: r0, url: 'http://h:1'}, {name: r0, url: 'http://h:2'}]", "replicas[1].name"),
         ("replicas: [{name: r0, url: 'http://h:1', weight: 2}]", "replicas[0].weight"),
+        ("brain: {grpc_socket: ''}", "brain.grpc_socket"),
+        (f"brain: {{grpc_socket: /tmp/{'d' * 120}/brain.sock}}", "brain.grpc_socket"),
         ("bogus: 1", "bogus"),
         ("pins: [1, 2]", "pins"),
         ("pins: {session_ttl_s: [1", "line 1"),

@@ -11,7 +11,10 @@ from extproc.config import AppConfig, load_config
 from extproc.envoy_config import (
     BRAIN_CLUSTER,
     FALLBACK_CLUSTER,
+    HOLD_FILTER,
+    METADATA_NAMESPACE,
     RESERVATION_HEADER,
+    ROUTE_FROM_BRAIN_FILTER,
     ROUTING_HEADER,
     bootstrap,
     shipped_files,
@@ -55,9 +58,27 @@ def test_routes_by_the_brain_header_and_fails_open_to_least_request_over_all_rep
 
 def test_a_client_supplied_routing_header_is_stripped_before_the_brain_runs():
     names = [f["name"] for f in hcm(bootstrap(CFG))["http_filters"]]
-    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", HOLD_FILTER,
+                     ROUTE_FROM_BRAIN_FILTER, "envoy.filters.http.router"]
     removed = [m["remove"] for m in hcm(bootstrap(CFG))["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
     assert set(removed) == {ROUTING_HEADER, RESERVATION_HEADER}
+
+
+def test_one_message_per_request_carries_the_body_and_the_headers_the_brain_reads():
+    filters = {f["name"]: f["typed_config"] for f in hcm(bootstrap(CFG))["http_filters"]}
+    ext = filters["envoy.filters.http.ext_proc"]
+    assert ext["processing_mode"]["request_header_mode"] == "SKIP"
+    assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
+    attrs = set(ext["request_attributes"])
+    for h in (*CFG.router.profile.session_headers, CFG.router.profile.tenant_header, "x-request-id"):
+        assert f"request.headers['{h}']" in attrs
+    assert ext["metadata_options"]["receiving_namespaces"]["untyped"] == [METADATA_NAMESPACE]
+    # the router must not see the headers before the brain has answered
+    assert filters[HOLD_FILTER]["max_request_bytes"] >= 32 * 2**20
+    copied = {m["append"]["header"]["key"]: m["append"]["header"]["value"]
+              for m in filters[ROUTE_FROM_BRAIN_FILTER]["mutations"]["request_mutations"]}
+    assert copied == {ROUTING_HEADER: f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:cluster)%",
+                      RESERVATION_HEADER: f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:reservation)%"}
 
 
 def test_no_route_timeout_cuts_a_long_generation():

@@ -9,7 +9,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.config import parse_config
 from extproc.core import LIVE
-from extproc.service import RESERVATION_HEADER, ROUTING_HEADER, Brain, parse_vllm_metrics
+from extproc.envoy_config import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER
+from extproc.config import ConfigError
+from extproc.service import Brain, _claim_socket_path, _headers_from_attributes, parse_vllm_metrics
 
 CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]})
 BODY = orjson.dumps({"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]})
@@ -27,8 +29,10 @@ def brain():
     return b
 
 
-def headers_of(out: ep.CommonResponse) -> dict[str, str]:
-    return {h.header.key: h.header.raw_value.decode() for h in out.header_mutation.set_headers}
+def headers_of(out: ep.ProcessingResponse) -> dict[str, str]:
+    """The routing and reservation headers Envoy ends up with (from the metadata, as route_from_brain copies it)."""
+    answer = out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+    return {ROUTING_HEADER: answer["cluster"].string_value, RESERVATION_HEADER: answer["reservation"].string_value}
 
 
 def entry(request_id="", reservation="", code=200, details="via_upstream", upstream=None, attempts=1, **flags):
@@ -51,12 +55,30 @@ def port_of(name: str) -> int:
     return 8001 + int(name[1:])
 
 
-def test_decide_sets_the_routing_header_and_clears_the_route_cache(brain):
+def test_decide_answers_with_metadata_and_headers_and_clears_the_route_cache(brain):
     out = brain.decide({"x-session-id": "s", "x-request-id": "q1"}, BODY)
     h = headers_of(out)
     assert h[ROUTING_HEADER] in ("r0", "r1", "r2")
     assert h[RESERVATION_HEADER].startswith(brain.epoch + ".")
-    assert out.clear_route_cache is True
+    common = out.request_body.response
+    assert common.clear_route_cache is True
+    # the same answer as header mutations, for configs that send the headers message
+    assert {m.header.key: m.header.raw_value.decode() for m in common.header_mutation.set_headers} == h
+
+
+def test_a_bodyless_request_is_answered_in_the_headers_phase(brain):
+    out = brain.decide({"x-session-id": "s"}, None, "request_headers")
+    assert out.WhichOneof("response") == "request_headers"
+    assert headers_of(out)[ROUTING_HEADER] in ("r0", "r1", "r2")
+
+
+def test_headers_sent_as_attributes_are_read_by_name():
+    req = ep.ProcessingRequest()
+    attrs = req.attributes["envoy.filters.http.ext_proc"].fields
+    attrs["request.headers['x-session-id']"].string_value = "s-1"
+    attrs["request.headers['X-Warmroute-Tenant']"].string_value = "acme"
+    attrs["request.path"].string_value = "/v1/chat/completions"  # not a header
+    assert _headers_from_attributes(req) == {"x-session-id": "s-1", "x-warmroute-tenant": "acme"}
 
 
 def test_the_access_log_releases_the_reservation_named_in_the_entry(brain):
@@ -172,3 +194,20 @@ def test_structured_logs_one_json_line_per_state_change_and_rebind_never_prompt_
     assert (change["old"], change["new"], change["reason"]) == ("LIVE", "EJECTED", "scrape_failed")
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert secret not in text and "user-42" not in text  # keys are hashes; prompts never leave the profile
+
+
+def test_a_stale_socket_file_is_reclaimed_but_a_live_one_or_a_plain_file_is_not(tmp_path):
+    import socket
+
+    path = str(tmp_path / "brain.sock")
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(path)
+    live.listen(1)
+    with pytest.raises(ConfigError, match="another process serves"):
+        _claim_socket_path(path)
+    live.close()  # the file stays, nobody listens: what a killed brain leaves
+    assert _claim_socket_path(path) == path
+    assert not (tmp_path / "brain.sock").exists()
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(ConfigError, match="not a socket"):
+        _claim_socket_path(str(tmp_path / "plain"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -220,6 +221,16 @@ def test_the_brain_killed_traffic_continues_through_the_fail_open_route(own_stac
     stats = s.envoy_stats()
     assert stats.get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) + \
         stats.get("cluster.warmroute_brain.upstream_cx_connect_fail", 0) >= 1
+
+    # A new brain takes over the dead one's Unix socket, and Envoy routes through it again.
+    assert os.path.exists(s.cfg.brain.grpc_socket)  # SIGKILL leaves the socket file behind
+    s.start_brain()
+    wait_for(s.brain_healthy_in_envoy, 30, "Envoy to see the new brain healthy")
+    s.wait_all_live(30)
+    before = fallback_count(s)
+    assert chat(c, system="brain is back").startswith("r")
+    assert fallback_count(s) == before
+    assert sum(r["decisions"] for r in s.state()["replicas"]) == 1
 
 
 def test_503_with_json_and_retry_after_when_no_replica_is_known(own_stack):

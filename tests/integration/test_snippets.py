@@ -69,8 +69,9 @@ def post(url: str, body: dict, headers: dict) -> dict:
 def test_snippets_merged_into_a_foreign_bootstrap_route_through_the_brain(own_stack):
     from extproc.envoy_config import replica_cluster
 
-    s = own_stack(3, envoy=False)
+    s = own_stack(3, envoy=False, config={"brain": {"grpc_socket": None}})  # the stack's Unix socket elsewhere
     cfg = s.live_config()
+    assert "socket_address" in snippets(cfg)["brain_cluster"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     pieces = snippets(cfg)
     # the template is one replica's cluster; the user repeats it per replica
     assert pieces["replica_cluster_template"] == replica_cluster(cfg, cfg.replicas[0])

@@ -174,7 +174,9 @@ async def serve_floor(port_file: str) -> None:
                 pass
             return als_pb2.StreamAccessLogsResponse()
 
-    server = grpc.aio.server()
+    from .service import GRPC_SERVER_OPTIONS
+
+    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     ep_grpc.add_ExternalProcessorServicer_to_server(Floor(), server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(Logs(), server)
     port = server.add_insecure_port("127.0.0.1:0")

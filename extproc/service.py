@@ -49,6 +49,11 @@ from .envoy_config import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER
 from .metrics import DecisionWindow, make_registry
 
 GRPC_MAX_MESSAGE = 96 * 1024 * 1024  # request bodies of 32 MiB and more arrive in one message
+GRPC_SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+    ("grpc.so_reuseport", 0),  # a second brain on the same port must fail, not share the traffic
+]
 
 log = logging.getLogger("warmroute")
 
@@ -523,13 +528,7 @@ async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: 
     brain = Brain(cfg, config_path=config_path)
     if cfg.envoy.cds_path:
         write_cds(cfg)  # before Envoy starts: it waits for its clusters
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
-            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
-            ("grpc.so_reuseport", 0),
-        ]
-    )
+    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(brain), server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogService(brain), server)
     health_servicer = health.aio.HealthServicer()

@@ -116,6 +116,15 @@ def test_a_32_mib_body_is_routed_by_the_brain(stack):
     assert fallback_count(stack) == before_f
 
 
+def test_a_request_without_a_body_takes_the_fail_open_route_without_asking_the_brain(stack):
+    before_d, before_f = decisions(stack), fallback_count(stack)
+    with urllib.request.urlopen(stack.url + "/v1/models", timeout=10) as r:
+        assert json.loads(r.read())["object"] == "list"
+    assert fallback_count(stack) == before_f + 1
+    assert decisions(stack) == before_d
+    assert stack.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) == 0  # not a failure
+
+
 def test_a_malformed_json_body_is_routed_by_headers(stack):
     before_d, before_f = decisions(stack), fallback_count(stack)
     pins_before = stack.state()["session_pins"]

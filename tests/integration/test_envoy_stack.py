@@ -252,3 +252,22 @@ def test_503_with_json_and_retry_after_when_no_replica_is_known(own_stack):
     with pytest.raises(openai.APIStatusError) as e:
         chat(client(s))
     assert e.value.status_code == 503
+
+
+def test_a_config_that_also_sends_the_headers_message_routes_by_the_brain(own_stack):
+    """Users on the two-message ext_proc mode (request headers, then body) keep working."""
+    from extproc.envoy_config import bootstrap
+
+    s = own_stack(3, envoy=False)
+    doc = bootstrap(s.live_config())
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext["processing_mode"]["request_header_mode"] = "SEND"
+    s.start_envoy(doc)
+    s.wait_all_live(30)
+    c = client(s, **{"x-session-id": "two-messages"})
+    served = {chat(c, system=f"two messages {i}") for i in range(4)}
+    assert len(served) == 1  # sticky by the header: the brain decided each one
+    assert decisions(s) == 4 and fallback_count(s) == 0
+    assert s.envoy_stats()["http.ingress.ext_proc.warmroute.stream_msgs_sent"] == 8  # headers + body, each
+    wait_for(lambda: s.state()["open_reservations"] == 0, 10, "releases")

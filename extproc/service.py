@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -560,6 +561,10 @@ async def run_brain(cfg: AppConfig, grpc_host: str, grpc_port: int, admin_port: 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     tasks = [asyncio.create_task(brain.scrape_loop()), asyncio.create_task(brain.tick_loop())]
     info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}
+    # The ~50K objects of the imports and servers live as long as the process. Frozen, they are out of
+    # the collector's sight: a full collection no longer stalls requests ~11 ms scanning them.
+    gc.collect()
+    gc.freeze()
     _json_log("brain_started", replicas=len(cfg.replicas), **info)
     if ready_file:
         tmp = ready_file + ".tmp"

@@ -80,9 +80,14 @@ class EnvoyProc:
         self.proc = Proc(name, [envoy_binary(), "-c", str(path), "--admin-address-path", str(admin_file),
                                 "--use-dynamic-base-id", "--concurrency", "1", "-l", log_level, "--drain-time-s", "1"],
                          workdir)
-        addr = wait_for(lambda: admin_file.exists() and admin_file.read_text().strip(), 30, f"{name}'s admin address", self.proc)
-        self.admin_port = int(addr.rsplit(":", 1)[1])
-        self.ports: list[int] = wait_for(self._listener_ports, 30, f"{name}'s listeners", self.proc)
+        try:
+            addr = wait_for(lambda: admin_file.exists() and admin_file.read_text().strip(), 30, f"{name}'s admin address",
+                            self.proc)
+            self.admin_port = int(addr.rsplit(":", 1)[1])
+            self.ports: list[int] = wait_for(self._listener_ports, 30, f"{name}'s listeners", self.proc)
+        except BaseException:
+            self.proc.stop()  # an Envoy that never came up must not outlive its caller
+            raise
 
     @property
     def admin(self) -> str:
@@ -187,12 +192,15 @@ class Stack:
         self.brain_ports: dict[str, int] = {}
         self.envoy_admin_port = 0
         self.envoy_port = 0
+        # every process started, also those dropped from self.replicas (reload tests) or replaced (restarts)
+        self._started: list[Proc] = []
 
     # ---------------------------------------------------------------- replicas
 
     def start_replica(self, name: str, port: int = 0, extra: list[str] | None = None) -> Replica:
         extra = list(self.mock_args if extra is None else extra)
         proc = Proc(name, _cli(*mock_argv(name, port), *extra), self.dir)
+        self._started.append(proc)
 
         def bound_port():
             for line in proc.log_tail(4000).splitlines():
@@ -252,6 +260,7 @@ class Stack:
         self.brain = Proc("brain", _cli("brain", "--config", str(cfg_path), "--grpc-port", str(port),
                                         "--admin-port", str(admin), "--metrics-port", str(mport),
                                         "--ready-file", str(ready)), self.dir)
+        self._started.append(self.brain)
         info = wait_for(lambda: json.loads(ready.read_text()) if ready.exists() else None, 30, "the brain", self.brain)
         self.brain_ports = {"grpc_port": info["grpc_port"], "admin_port": info["admin_port"],
                             "metrics_port": info["metrics_port"]}
@@ -269,6 +278,7 @@ class Stack:
         e = EnvoyProc("envoy", bootstrap_doc if bootstrap_doc is not None else bootstrap(self.live_config()), self.dir,
                       self.envoy_log_level)
         self.envoy = e.proc
+        self._started.append(e.proc)
         self.envoy_admin_port, self.envoy_port = e.admin_port, e.ports[0]
         wait_for(lambda: self.brain_healthy_in_envoy(), 30, "Envoy to see the brain healthy", self.envoy)
         return self.envoy
@@ -327,12 +337,11 @@ class Stack:
         return self
 
     def stop(self) -> None:
-        for p in [self.envoy, self.brain, *(r.proc for r in self.replicas)]:
-            if p is not None:
-                try:
-                    p.stop()
-                except Exception:
-                    pass
+        for p in reversed(self._started):
+            try:
+                p.stop()
+            except Exception:
+                pass
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from extproc.stack import Stack, wait_for
@@ -26,6 +29,31 @@ def quiet(stack: Stack, timeout: float = 10.0) -> None:
         timeout,
         "an idle fleet",
     )
+
+
+def _live_children() -> list[str]:
+    """This test process's children that still run (zombies excluded), as 'pid name'."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if int(rest[1]) == os.getpid() and rest[0] != "Z":
+            out.append(f"{pid} {name}")
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def every_process_a_test_starts_it_stops():
+    before = set(_live_children())
+    yield
+    deadline = time.monotonic() + 10  # a stopped process may take a moment to be reaped
+    while (left := set(_live_children()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes this module started are still running: {sorted(left)}"
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .config import AppConfig, ConfigError, load_config
 from .core import NO_HEALTHY, Reservation, Router, Transition, build_profile, hash_key
-from .envoy_config import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER, write_cds
+from .envoy_config import (
+    METADATA_NAMESPACE,
+    REQUEST_ID_HEADER,
+    RESERVATION_HEADER,
+    ROUTING_HEADER,
+    brain_headers,
+    write_cds,
+)
 from .metrics import DecisionWindow, make_registry
 
 GRPC_MAX_MESSAGE = 96 * 1024 * 1024  # request bodies of 32 MiB and more arrive in one message
@@ -161,7 +168,7 @@ class Brain:
                 _json_log(e.action, kind=e.kind, cause=e.cause, replica=d.replica_name)
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
-        request_id = headers.get("x-request-id")
+        request_id = headers.get(REQUEST_ID_HEADER)
         if request_id and request_id not in self.by_request_id:
             self.by_request_id[request_id] = d.reservation
         rid = f"{self.epoch}.{d.reservation.id}"
@@ -295,6 +302,7 @@ class Brain:
         for name in old_names - new_names:
             self.router.remove_replica(name)
         self.router.update_config(new.router)
+        old_headers = brain_headers(self.cfg)
         self.cfg = new
         self.urls = {r.name: r.url for r in new.replicas}
         self.by_address = {f"{r.host}:{r.port}": r.name for r in new.replicas}
@@ -303,6 +311,10 @@ class Brain:
         self._zero_series()
         self.reloads += 1
         info = {"added": sorted(new_names - old_names), "removed": sorted(old_names - new_names), "replicas": len(new_names)}
+        if brain_headers(new) != old_headers:
+            # Envoy sends only the headers its (static) ext_proc config names: until it runs a bootstrap rendered
+            # from this file, a new session or tenant header never reaches the brain.
+            info["envoy_config_stale"] = "profile.session_headers/tenant_header changed: re-render and restart Envoy"
         _json_log("config_reload", **info)
         return info
 

@@ -231,11 +231,12 @@ class Stack:
         return self.write_config()
 
     def write_config(self) -> Path:
+        # Envoy and the brain share this host: a Unix socket, unless the workdir path is too long to name one
+        sock = str(self.dir.resolve() / "brain.sock")
         doc: dict[str, Any] = {
             "replicas": [{"name": r.name, "url": r.url} for r in self.replicas],
             "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0, "metrics_port": 0,
-                      # Envoy and the brain share this host; a long workdir path cannot name a socket
-                      "grpc_socket": sock if len(sock := str(self.dir.resolve() / "brain.sock")) <= 100 else None},
+                      "grpc_socket": sock if len(sock.encode()) <= 100 else None},
             "envoy": {"listen_host": "127.0.0.1", "listen_port": 0, "admin_port": 0,
                       "cds_path": str(self.dir / "cds" / "clusters.yaml")},
         }

@@ -211,3 +211,22 @@ def test_a_stale_socket_file_is_reclaimed_but_a_live_one_or_a_plain_file_is_not(
     (tmp_path / "plain").write_text("x")
     with pytest.raises(ConfigError, match="not a socket"):
         _claim_socket_path(str(tmp_path / "plain"))
+
+
+def test_a_reload_that_changes_the_headers_envoy_must_send_says_envoy_is_stale(tmp_path):
+    import yaml
+
+    path = tmp_path / "warmroute.yaml"
+    doc = {"replicas": [{"name": "r0", "url": "http://127.0.0.1:8001"}]}
+    path.write_text(yaml.safe_dump(doc))
+    from extproc.config import load_config
+
+    b = Brain(load_config(path), config_path=str(path))
+    doc["pins"] = {"session_ttl_s": 60}  # thresholds change at once, Envoy unaffected
+    path.write_text(yaml.safe_dump(doc))
+    assert "envoy_config_stale" not in b.reload()
+    doc["profile"] = {"session_headers": ["x-agent-session"]}
+    path.write_text(yaml.safe_dump(doc))
+    info = b.reload()
+    assert "restart Envoy" in info["envoy_config_stale"]
+    assert b.cfg.router.profile.session_headers == ("x-agent-session",)

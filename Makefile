@@ -26,7 +26,7 @@ test: install system-deps
 	$(PY) -m pytest -q
 
 bench-core: install
-	$(PY) -m extproc.bench_core
+	$(PY) -m extproc.tools.bench_core
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
@@ -36,11 +36,11 @@ envoy-files: install  ## re-render envoy/*.yaml and envoy/snippets/ from the shi
 
 bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (<= 10 min); results in docs/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.bench_live
+	$(PY) -m extproc.tools.bench_live
 
 bench-quick: install  ## the plain workload only (<= 2 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.bench_live --quick --out /tmp/warmroute-bench-quick
+	$(PY) -m extproc.tools.bench_live --quick --out /tmp/warmroute-bench-quick
 
 bench-overhead: install  ## Envoy direct vs Envoy + brain (needs wrk: apt-get install wrk)
-	$(PY) -m extproc.bench_overhead
+	$(PY) -m extproc.tools.bench_overhead

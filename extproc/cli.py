@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="state changes, rebinds, drains and reloads as JSON lines (default) or text")
 
     m = sub.add_parser("mock-vllm", help="an OpenAI-compatible stand-in for one vLLM replica")
-    from .mock_vllm import add_arguments
+    from .tools.mock_vllm import add_arguments
 
     add_arguments(m)
 
@@ -52,12 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--snippets", action="store_true", help="print the pieces for an existing Envoy instead")
 
     sm = sub.add_parser("sim", help="virtual-time simulator: one policy, or --compare them all")
-    from .sim.cli import add_arguments as sim_arguments
+    from .tools.sim.cli import add_arguments as sim_arguments
 
     sim_arguments(sm)
 
     tp = sub.add_parser("top", help="live terminal view of the brain and Envoy")
-    from .top import add_arguments as top_arguments
+    from .tools.top import add_arguments as top_arguments
 
     top_arguments(tp)
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ap.parse_args(argv)
     if args.cmd == "demo-core":
-        from .demo_core import run
+        from .tools.demo_core import run
 
         router = run(sys.stdout, seed=args.seed)
         print(f"  open reservations at the end: {router.open_reservations}")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(dump(snippets(cfg) if args.snippets else bootstrap(cfg)))
         return 0
     if args.cmd == "mock-vllm":
-        from .mock_vllm import serve
+        from .tools.mock_vllm import serve
 
         try:
             asyncio.run(serve(args))
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         import dataclasses
 
         from .config import ConfigError
-        from .service import run_brain, setup_logging
+        from .brain.brain import run_brain, setup_logging
 
         cfg = _config_or_exit(args.config)
         setup_logging(args.log_format)
@@ -111,15 +111,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.cmd == "top":
-        from .top import run as top_run
+        from .tools.top import run as top_run
 
         return top_run(args)
     if args.cmd == "sim":
-        from .sim.cli import run as sim_run
+        from .tools.sim.cli import run as sim_run
 
         return sim_run(args)
     if args.cmd == "up":
-        from .up import up
+        from .tools.up import up
 
         return up(args)
     return 2  # pragma: no cover

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from extproc.demo_core import run
+from extproc.tools.demo_core import run
 
 
 def test_core_demo_runs_and_every_reservation_is_released():

@@ -19,8 +19,8 @@ from extproc.envoy_config import (
     bootstrap,
     shipped_files,
 )
-from extproc.service import GRPC_MAX_MESSAGE
-from extproc.stack import envoy_binary
+from extproc.brain.brain import GRPC_MAX_MESSAGE
+from extproc.tools.stack import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = load_config(ROOT / "envoy/warmroute.yaml")

@@ -11,7 +11,7 @@ from extproc.config import parse_config
 from extproc.core import LIVE
 from extproc.envoy_config import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER
 from extproc.config import ConfigError
-from extproc.service import Brain, _claim_socket_path, _headers_from_attributes, parse_vllm_metrics
+from extproc.brain.brain import Brain, _claim_socket_path, _headers_from_attributes, parse_vllm_metrics
 
 CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]})
 BODY = orjson.dumps({"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from extproc.sim.policies import POLICIES
+from extproc.tools.sim.policies import POLICIES
 
 
 def test_sim_compare_prints_every_policy_and_writes_a_png(tmp_path):

@@ -6,7 +6,7 @@ from argparse import Namespace
 
 import pytest
 
-from extproc.bench_live import measure, table
+from extproc.tools.bench_live import measure, table
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def test_the_harness_measures_a_contender(contender, scenario):
 
 
 def test_a_router_that_is_not_installed_is_a_row_that_says_so(monkeypatch):
-    import extproc.bench_live as b
+    import extproc.tools.bench_live as b
 
     monkeypatch.setattr(b, "_bin", lambda name: None)
     row = measure("vllm_router_cache_aware", "workload", ARGS)

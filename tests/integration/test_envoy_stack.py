@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from extproc.envoy_config import FALLBACK_CLUSTER
-from extproc.stack import wait_for
+from extproc.tools.stack import wait_for
 
 from .conftest import quiet
 

@@ -7,9 +7,9 @@ from collections import defaultdict
 
 import pytest
 
-from extproc.sim.http_replay import replay
-from extproc.sim.workload import WorkloadConfig
-from extproc.stack import Stack
+from extproc.tools.sim.http_replay import replay
+from extproc.tools.sim.workload import WorkloadConfig
+from extproc.tools.stack import Stack
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from extproc.stack import http_get, http_post_json, wait_for
+from extproc.tools.stack import http_get, http_post_json, wait_for
 
 from .conftest import quiet
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from extproc.stack import http_post_json, wait_for
+from extproc.tools.stack import http_post_json, wait_for
 
 pytestmark = pytest.mark.integration
 

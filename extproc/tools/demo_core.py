@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
-from .core import ProfileConfig, RouterConfig, Router, Transition, build_profile
+from ..core import ProfileConfig, RouterConfig, Router, Transition, build_profile
 
 
 @dataclass

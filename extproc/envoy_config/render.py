@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from .config import AppConfig, ReplicaSpec
+from ..config import AppConfig, ReplicaSpec
 
 ROUTING_HEADER = "x-warmroute-cluster"
 RESERVATION_HEADER = "x-warmroute-reservation"
@@ -418,7 +418,7 @@ def shipped_files(root) -> dict[str, str]:
     """Every file under envoy/ that is rendered from a config, with its expected text."""
     from pathlib import Path
 
-    from .config import load_config
+    from ..config import load_config
 
     root = Path(root)
     out = {}

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import random
 
-from ..core import RequestProfile, Router, RouterConfig, hash_key
+from ...core import RequestProfile, Router, RouterConfig, hash_key
 from .workload import Request
 
 

@@ -17,7 +17,7 @@ import time
 import tracemalloc
 from collections import deque
 
-from .core import HealthConfig, PinTable, RequestProfile, Router, RouterConfig
+from ..core import HealthConfig, PinTable, RequestProfile, Router, RouterConfig
 
 
 def _key(kind: str, i: int) -> bytes:
@@ -100,8 +100,8 @@ def metrics_cost(decisions: int = 50_000) -> tuple[float, float]:
     """µs per Brain.decide (2 KB body) with the Prometheus bookkeeping, and with it replaced by no-ops."""
     import orjson
 
-    from .config import parse_config
-    from .service import Brain
+    from ..config import parse_config
+    from ..brain.brain import Brain
 
     def run(with_metrics: bool) -> float:
         t = [0.0]

@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .core import State, imbalance_index
+from ..core import State, imbalance_index
 
 if TYPE_CHECKING:
-    from .service import Brain
+    from .brain import Brain
 
 IMBALANCE_WINDOW_S = 300.0  # SPEC A5: the imbalance alert looks at 5 minutes
 _BUCKET_S = 10.0

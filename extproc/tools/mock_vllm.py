@@ -1,6 +1,6 @@
 """``warmroute mock-vllm``: an OpenAI-compatible vLLM replica driven by the engine model in real time.
 
-The simulator's engine (``extproc.sim.engine``: continuous batching,
+The simulator's engine (``extproc.tools.sim.engine``: continuous batching,
 paged KV with prefix caching, queueing, chunked prefill, preemption) runs
 here against the wall clock, optionally sped up. Prompts are real text;
 the model derives 16-token blocks from it deterministically (4 characters

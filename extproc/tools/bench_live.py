@@ -35,8 +35,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .core import imbalance_index
-from .envoy_config import dump
+from ..core import imbalance_index
+from ..envoy_config import dump
 from .sim.http_replay import ReplayResult, replay
 from .sim.workload import WorkloadConfig
 from .stack import Proc, Stack, envoy_binary, http_get, wait_for
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     files = plots(rows, out)
     cpu = os.cpu_count()
     header = (f"# warmroute benchmark\n\nCommand: `make bench{'-quick' if args.quick else ''}` "
-              f"(`python -m extproc.bench_live {' '.join(argv or sys.argv[1:])}`)\n\n"
+              f"(`python -m extproc.tools.bench_live {' '.join(argv or sys.argv[1:])}`)\n\n"
               f"Machine: {cpu} cores, loopback only. Each contender got a fresh fleet of {args.replicas} mock vLLM replicas "
               f"(engine model, same seed), the same workload ({args.minutes:g} workload minutes, {args.sessions_per_min:g} agent "
               f"sessions/min over {args.projects} projects, {args.oneshots_per_min:g} one-shots/min, seed {args.seed}) run "

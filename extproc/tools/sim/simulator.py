@@ -13,7 +13,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from ..core import RouterConfig, imbalance_index
+from ...core import RouterConfig, imbalance_index
 from .engine import Engine, EngineConfig, EngineRequest
 from .policies import Policy, Warmroute, make_policy
 from .workload import Request, Workload, WorkloadConfig

@@ -32,8 +32,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from .config import load_config
-from .envoy_config import bootstrap
+from ..config import load_config
+from ..envoy_config import bootstrap
 from .stack import EnvoyProc as Envoy
 from .stack import Proc, _cli, http_get, wait_for
 
@@ -156,7 +156,7 @@ async def serve_floor(port_file: str) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    from .envoy_config import METADATA_NAMESPACE
+    from ..envoy_config import METADATA_NAMESPACE
 
     answer = ep.ProcessingResponse()
     answer.request_body.response.header_mutation.SetInParent()
@@ -174,7 +174,7 @@ async def serve_floor(port_file: str) -> None:
                 pass
             return als_pb2.StreamAccessLogsResponse()
 
-    from .service import GRPC_SERVER_OPTIONS
+    from ..brain.brain import GRPC_SERVER_OPTIONS
 
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     ep_grpc.add_ExternalProcessorServicer_to_server(Floor(), server)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg_unix = dataclasses.replace(cfg, brain=dataclasses.replace(cfg.brain, grpc_port=info["grpc_port"]))
         cfg_tcp = dataclasses.replace(cfg_unix, brain=dataclasses.replace(cfg_unix.brain, grpc_socket=None))
         floor_file = work / "floor.port"
-        floor = Proc("floor", [sys.executable, "-m", "extproc.bench_overhead", "--serve-floor", str(floor_file)], work)
+        floor = Proc("floor", [sys.executable, "-m", "extproc.tools.bench_overhead", "--serve-floor", str(floor_file)], work)
         procs.append(floor)
         floor_port = int(wait_for(lambda: floor_file.exists() and floor_file.read_text(), 30, "the do-nothing server", floor))
         cfg_floor = dataclasses.replace(cfg_tcp, brain=dataclasses.replace(cfg_tcp.brain, grpc_port=floor_port))

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import yaml
 
-from .config import AppConfig, load_config
-from .envoy_config import bootstrap, dump
+from ..config import AppConfig, load_config
+from ..envoy_config import bootstrap, dump
 
 
 class StackError(RuntimeError):

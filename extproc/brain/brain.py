@@ -44,9 +44,9 @@ from envoy.type.v3 import http_status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from .config import AppConfig, ConfigError, load_config
-from .core import NO_HEALTHY, Reservation, Router, Transition, build_profile, hash_key
-from .envoy_config import (
+from ..config import AppConfig, ConfigError, load_config
+from ..core import NO_HEALTHY, Reservation, Router, Transition, build_profile, hash_key
+from ..envoy_config import (
     METADATA_NAMESPACE,
     REQUEST_ID_HEADER,
     RESERVATION_HEADER,

@@ -4,11 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install system-deps demo test bench bench-quick bench-core bench-overhead envoy-files clean
+.PHONY: install system-deps demo test test-unit bench bench-quick bench-core bench-overhead envoy-files clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,sim]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[demo,test,sim]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,6 +24,9 @@ demo: install
 
 test: install system-deps
 	$(PY) -m pytest -q
+
+test-unit: install  ## everything but the tests that start Envoy, brains and replicas (well under a minute)
+	$(PY) -m pytest -q -m "not integration"
 
 bench-core: install
 	$(PY) -m extproc.tools.bench_core

@@ -92,18 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "brain":
         import dataclasses
 
+        from .brain.logs import setup_logging
+        from .brain.server import run_brain
         from .config import ConfigError
-        from .brain.brain import run_brain, setup_logging
 
         cfg = _config_or_exit(args.config)
         setup_logging(args.log_format)
-        grpc_port = cfg.brain.grpc_port if args.grpc_port is None else args.grpc_port
-        admin_port = cfg.brain.admin_port if args.admin_port is None else args.admin_port
-        metrics_port = cfg.brain.metrics_port if args.metrics_port is None else args.metrics_port
-        cfg = dataclasses.replace(cfg, brain=dataclasses.replace(cfg.brain, grpc_port=grpc_port, admin_port=admin_port,
-                                                                 metrics_port=metrics_port))
+        # The CLI's overrides go into the config, and only there: everything downstream reads cfg.brain.
+        overrides = {"host": args.host, "grpc_port": args.grpc_port, "admin_port": args.admin_port,
+                     "metrics_port": args.metrics_port}
+        cfg = dataclasses.replace(cfg, brain=dataclasses.replace(
+            cfg.brain, **{k: v for k, v in overrides.items() if v is not None}))
         try:
-            asyncio.run(run_brain(cfg, args.host or cfg.brain.host, grpc_port, admin_port, args.ready_file, args.config))
+            asyncio.run(run_brain(cfg, args.ready_file, args.config))
         except KeyboardInterrupt:
             pass
         except ConfigError as e:

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from .contract import RESERVED_NAME_PREFIX
 from .core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -154,8 +155,8 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
             raise ConfigError(f"{where}.name: expected letters, digits, '_', '.', '-' (<= 63), got {name!r}")
         if name in seen:
             raise ConfigError(f"{where}.name: duplicate replica name {name!r}")
-        if name.startswith("warmroute_"):
-            raise ConfigError(f"{where}.name: names starting with 'warmroute_' are reserved")
+        if name.startswith(RESERVED_NAME_PREFIX):
+            raise ConfigError(f"{where}.name: names starting with {RESERVED_NAME_PREFIX!r} are reserved")
         seen.add(name)
         url = item.get("url")
         parts = urlsplit(url) if isinstance(url, str) else None

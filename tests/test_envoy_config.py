@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from extproc.config import AppConfig, load_config
-from extproc.envoy_config import (
+from extproc.brain.server import GRPC_MAX_MESSAGE
+from extproc.contract import (
     BRAIN_CLUSTER,
     FALLBACK_CLUSTER,
     HOLD_FILTER,
@@ -16,10 +17,8 @@ from extproc.envoy_config import (
     RESERVATION_HEADER,
     ROUTE_FROM_BRAIN_FILTER,
     ROUTING_HEADER,
-    bootstrap,
-    shipped_files,
 )
-from extproc.brain.brain import GRPC_MAX_MESSAGE
+from extproc.envoy_config import bootstrap, shipped_files
 from extproc.tools.stack import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[1]

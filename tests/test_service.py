@@ -9,9 +9,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.config import parse_config
 from extproc.core import LIVE
-from extproc.envoy_config import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER
+from extproc.contract import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER
 from extproc.config import ConfigError
-from extproc.brain.brain import Brain, _claim_socket_path, _headers_from_attributes, parse_vllm_metrics
+from extproc.brain.brain import Brain
+from extproc.brain.decide import headers_from_attributes
+from extproc.brain.scraper import parse_vllm_metrics
+from extproc.brain.server import claim_socket_path
 
 CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]})
 BODY = orjson.dumps({"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]})
@@ -78,7 +81,7 @@ def test_headers_sent_as_attributes_are_read_by_name():
     attrs["request.headers['x-session-id']"].string_value = "s-1"
     attrs["request.headers['X-Warmroute-Tenant']"].string_value = "acme"
     attrs["request.path"].string_value = "/v1/chat/completions"  # not a header
-    assert _headers_from_attributes(req) == {"x-session-id": "s-1", "x-warmroute-tenant": "acme"}
+    assert headers_from_attributes(req) == {"x-session-id": "s-1", "x-warmroute-tenant": "acme"}
 
 
 def test_the_access_log_releases_the_reservation_named_in_the_entry(brain):
@@ -87,14 +90,14 @@ def test_the_access_log_releases_the_reservation_named_in_the_entry(brain):
     brain.on_log_entry(entry("q1", h[RESERVATION_HEADER], upstream=port_of(h[ROUTING_HEADER])))
     assert brain.router.open_reservations == 0
     brain.on_log_entry(entry("q1", h[RESERVATION_HEADER]))  # a duplicate entry changes nothing
-    assert brain.releases_by_log == 1
+    assert brain.stats.releases_by_log == 1
 
 
 def test_a_request_reset_before_envoy_applied_our_header_is_released_by_its_request_id(brain):
     brain.decide({"x-request-id": "q-reset"}, BODY)
     brain.on_log_entry(entry("q-reset", "", code=0, details="downstream_remote_disconnect", downstream_remote_reset=True))
     assert brain.router.open_reservations == 0
-    assert not brain.by_request_id
+    assert not brain.ledger.by_request_id
 
 
 def test_a_reservation_id_from_an_earlier_brain_releases_nothing(brain):
@@ -204,13 +207,13 @@ def test_a_stale_socket_file_is_reclaimed_but_a_live_one_or_a_plain_file_is_not(
     live.bind(path)
     live.listen(1)
     with pytest.raises(ConfigError, match="another process serves"):
-        _claim_socket_path(path)
+        claim_socket_path(path)
     live.close()  # the file stays, nobody listens: what a killed brain leaves
-    assert _claim_socket_path(path) == path
+    assert claim_socket_path(path) == path
     assert not (tmp_path / "brain.sock").exists()
     (tmp_path / "plain").write_text("x")
     with pytest.raises(ConfigError, match="not a socket"):
-        _claim_socket_path(str(tmp_path / "plain"))
+        claim_socket_path(str(tmp_path / "plain"))
 
 
 def test_a_reload_that_changes_the_headers_envoy_must_send_says_envoy_is_stale(tmp_path):
@@ -230,3 +233,35 @@ def test_a_reload_that_changes_the_headers_envoy_must_send_says_envoy_is_stale(t
     info = b.reload()
     assert "restart Envoy" in info["envoy_config_stale"]
     assert b.cfg.router.profile.session_headers == ("x-agent-session",)
+
+
+def test_every_pin_action_has_a_metric_family_and_every_series_starts_at_zero():
+    from prometheus_client import generate_latest
+
+    from extproc.brain.metrics import PIN_ACTION_METRICS
+    from extproc.core import BodyStatus, PinAction
+
+    assert set(PIN_ACTION_METRICS) == set(PinAction)
+    text = generate_latest(Brain(CFG).registry).decode()
+    for status in BodyStatus:
+        assert f'warmroute_request_bodies_total{{status="{status}"}} 0.0' in text
+    assert 'warmroute_rebinds_total{cause="cost",kind="session"} 0.0' in text
+
+
+def test_bodies_are_counted_by_status_so_header_only_routing_is_visible(brain):
+    from prometheus_client import generate_latest
+
+    brain.decide({"x-session-id": "a"}, b"{not json")
+    brain.decide({"x-session-id": "b"}, BODY)
+    brain.decide({"x-session-id": "c"}, None, "request_headers")
+    text = generate_latest(brain.registry).decode()
+    assert 'warmroute_request_bodies_total{status="not_json"} 1.0' in text
+    assert 'warmroute_request_bodies_total{status="ok"} 1.0' in text
+    assert 'warmroute_request_bodies_total{status="absent"} 1.0' in text
+    assert brain.state()["bodies"] == {"absent": 1, "not_json": 1, "ok": 1}
+
+
+def test_an_access_log_entry_that_names_nothing_we_know_is_counted(brain):
+    brain.on_log_entry(entry(request_id="never-seen", code=404, details="route_not_found"))
+    assert brain.stats.unmatched_log_entries == 1
+    assert brain.state()["unmatched_access_log_entries"] == 1

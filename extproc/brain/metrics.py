@@ -1,61 +1,41 @@
 """The brain's Prometheus metrics.
 
-The request path only bumps plain dict counters (and one histogram); every
-gauge and counter below is read from the router and those dicts when
-Prometheus scrapes, so exporting costs the request path next to nothing
-(``make bench-core`` prints the ratio).
+The request path only bumps plain counters in ``BrainStats`` (and one histogram); every gauge
+and counter below is read from the router and those counters when Prometheus scrapes, so
+exporting costs the request path next to nothing (``make bench-core`` prints the ratio).
+Label sets come from the core's enums: a new reason, action or cause is exported as it appears.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from typing import TYPE_CHECKING, Iterable
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core import State, imbalance_index
+from ..core import PinAction, Router, State, imbalance_index
+from .stats import BrainStats
 
-if TYPE_CHECKING:
-    from .brain import Brain
-
-IMBALANCE_WINDOW_S = 300.0  # SPEC A5: the imbalance alert looks at 5 minutes
-_BUCKET_S = 10.0
-
-
-class DecisionWindow:
-    """Decisions per replica over the last 5 minutes, in 10 s buckets (for the imbalance index)."""
-
-    def __init__(self, window_s: float = IMBALANCE_WINDOW_S):
-        self.n = int(window_s / _BUCKET_S)
-        self.buckets: deque[tuple[int, Counter]] = deque()
-
-    def add(self, replica: str, now: float) -> None:
-        b = int(now // _BUCKET_S)
-        if not self.buckets or self.buckets[-1][0] != b:
-            self.buckets.append((b, Counter()))
-            while self.buckets and self.buckets[0][0] <= b - self.n:
-                self.buckets.popleft()
-        self.buckets[-1][1][replica] += 1
-
-    def counts(self, now: float) -> Counter:
-        b = int(now // _BUCKET_S)
-        out: Counter = Counter()
-        for k, c in self.buckets:
-            if k > b - self.n:
-                out.update(c)
-        return out
+# One family per pin action; spill and pin are labelled by kind only (their cause is fixed).
+PIN_ACTION_METRICS: dict[PinAction, tuple[str, str, bool]] = {
+    PinAction.SPILL: ("warmroute_spills", "Pins that could not be used (the request went elsewhere)", False),
+    PinAction.REBIND: ("warmroute_rebinds", "Pins moved to another replica, by cause", True),
+    PinAction.UNPIN: ("warmroute_unpins", "Pins deleted, by cause", True),
+    PinAction.PIN: ("warmroute_pins_created", "Pins created", False),
+}
 
 
 class BrainCollector(Collector):
-    def __init__(self, brain: "Brain"):
-        self.brain = brain
+    def __init__(self, router: Router, stats: BrainStats, clock: Callable[[], float]):
+        self.router = router
+        self.stats = stats
+        self.clock = clock
 
     def collect(self) -> Iterable[Metric]:
-        b = self.brain
-        r = b.router
-        now = b.clock()
+        b = self.stats
+        r = self.router
+        now = self.clock()
         reps = r.replicas
 
         c = CounterMetricFamily("warmroute_decisions", "Routing decisions by replica and reason", labels=["replica", "reason"])
@@ -66,17 +46,17 @@ class BrainCollector(Collector):
         for kind, n in sorted(b.decisions_by_pin.items()):
             c.add_metric([kind], n)
         yield c
-        fams = {
-            "spill": CounterMetricFamily("warmroute_spills", "Pins that could not be used (the request went least-loaded)", labels=["kind"]),
-            "rebind": CounterMetricFamily("warmroute_rebinds", "Pins moved to another replica, by cause", labels=["kind", "cause"]),
-            "unpin": CounterMetricFamily("warmroute_unpins", "Pins deleted, by cause", labels=["kind", "cause"]),
-            "pin": CounterMetricFamily("warmroute_pins_created", "Pins created", labels=["kind"]),
-        }
+        c = CounterMetricFamily("warmroute_request_bodies", "Requests by what the profile could read of the body "
+                                "(anything but ok is routed by headers only)", labels=["status"])
+        for status, n in sorted(b.bodies.items()):
+            c.add_metric([status], n)
+        yield c
+        fams = {a: (CounterMetricFamily(name, doc, labels=["kind", "cause"] if by_cause else ["kind"]), by_cause)
+                for a, (name, doc, by_cause) in PIN_ACTION_METRICS.items()}
         for (action, kind, cause), n in sorted(b.pin_events.items()):
-            fam = fams[action]
-            fam.add_metric([kind] if action in ("spill", "pin") else [kind, cause], n)
-        yield from fams.values()
-
+            fam, by_cause = fams[action]
+            fam.add_metric([kind, cause] if by_cause else [kind], n)
+        yield from (f for f, _ in fams.values())
         g = GaugeMetricFamily("warmroute_pins", "Live pins", labels=["kind"])
         e = CounterMetricFamily("warmroute_pin_expirations", "Pins that died of idleness (TTL)", labels=["kind"])
         for t in (r.session_pins, r.prefix_pins):
@@ -125,6 +105,8 @@ class BrainCollector(Collector):
         yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released", value=r.open_reservations)
         yield CounterMetricFamily("warmroute_access_log_releases", "Reservations released by Envoy's access log",
                                   value=b.releases_by_log)
+        yield CounterMetricFamily("warmroute_access_log_unmatched", "Access-log entries that named no open reservation "
+                                  "and no known replica (e.g. requests Envoy answered itself)", value=b.unmatched_log_entries)
         routable = [x.name for x in reps if x.health.state is not State.EJECTED and not x.drained]
         yield GaugeMetricFamily("warmroute_imbalance_index",
                                 "max(share)/mean(share) of decisions over 5 min across routable replicas (SPEC B)",
@@ -133,9 +115,9 @@ class BrainCollector(Collector):
         yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
 
 
-def make_registry(brain: "Brain") -> tuple[CollectorRegistry, Histogram, Histogram]:
+def make_registry(router: Router, stats: BrainStats, clock: Callable[[], float]) -> tuple[CollectorRegistry, Histogram, Histogram]:
     reg = CollectorRegistry()
-    reg.register(BrainCollector(brain))
+    reg.register(BrainCollector(router, stats, clock))
     decision = Histogram("warmroute_decision_duration_seconds", "Profile + select + reserve, per request",
                          buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 5e-2, 0.25), registry=reg)
     scrape = Histogram("warmroute_scrape_duration_seconds", "Duration of one scrape of a replica's /metrics",
@@ -143,4 +125,4 @@ def make_registry(brain: "Brain") -> tuple[CollectorRegistry, Histogram, Histogr
     return reg, decision, scrape
 
 
-__all__ = ["BrainCollector", "DecisionWindow", "make_registry"]
+__all__ = ["BrainCollector", "PIN_ACTION_METRICS", "make_registry"]

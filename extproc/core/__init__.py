@@ -5,6 +5,8 @@ Nothing in this package imports from the rest of ``extproc``.
 """
 
 from .config import HealthConfig, PinConfig, ProfileConfig, RouterConfig
+from .names import BodyStatus, Cause, PinAction, PinKind, Reason
+from .outcome import UpstreamOutcome, upstream_failed, upstream_verdicts
 from .pins import PREFIX, SESSION, Pin, PinTable
 from .profile import RequestProfile, build_profile, hash_key, system_prompt
 from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
@@ -23,6 +25,8 @@ from .router import (
 __all__ = [
     "AFFINITY", "FALLBACK", "LOAD", "NO_HEALTHY", "PREFIX", "SESSION",
     "LIVE", "PROBING", "EJECTED", "State", "Transition",
+    "BodyStatus", "Cause", "PinAction", "PinKind", "Reason",
+    "UpstreamOutcome", "upstream_failed", "upstream_verdicts",
     "HealthConfig", "PinConfig", "ProfileConfig", "RouterConfig",
     "HealthMachine", "Replica", "Pin", "PinTable",
     "RequestProfile", "build_profile", "hash_key", "system_prompt",

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterator
 
+from .names import PinKind
+
 if TYPE_CHECKING:
     from .replica import Replica
 
-SESSION = "session"
-PREFIX = "prefix"
+SESSION, PREFIX = PinKind.SESSION, PinKind.PREFIX
 
 
 class Pin:
@@ -30,15 +31,14 @@ class Pin:
 class PinTable:
     """Pins of one kind (session or prefix)."""
 
-    __slots__ = ("kind", "ttl_s", "_pins", "expired", "created", "deleted")
+    __slots__ = ("kind", "ttl_s", "_pins", "expired", "created")
 
-    def __init__(self, kind: str, ttl_s: float):
+    def __init__(self, kind: PinKind, ttl_s: float):
         self.kind = kind
         self.ttl_s = ttl_s  # float("inf") disables expiry (simulator ablation "no pin TTL")
         self._pins: OrderedDict[bytes, Pin] = OrderedDict()
         self.expired = 0
         self.created = 0
-        self.deleted = 0
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -68,8 +68,7 @@ class PinTable:
         return pin
 
     def delete(self, key: bytes) -> None:
-        if self._pins.pop(key, None) is not None:
-            self.deleted += 1
+        self._pins.pop(key, None)
 
     def expire(self, now: float) -> int:
         """Drop every pin idle for longer than the TTL; returns how many."""

@@ -14,14 +14,10 @@ from typing import Any, Mapping
 import orjson
 
 from .config import ProfileConfig
+from .names import BodyStatus
 
-# body_status values
-BODY_OK = "ok"
-BODY_ABSENT = "absent"  # no body was seen (GET, or the shell did not buffer it)
-BODY_EMPTY = "empty"
-BODY_NOT_JSON = "not_json"
-BODY_NOT_OBJECT = "not_object"
-BODY_TOO_LARGE = "too_large"
+BODY_OK, BODY_ABSENT, BODY_EMPTY = BodyStatus.OK, BodyStatus.ABSENT, BodyStatus.EMPTY
+BODY_NOT_JSON, BODY_NOT_OBJECT, BODY_TOO_LARGE = BodyStatus.NOT_JSON, BodyStatus.NOT_OBJECT, BodyStatus.TOO_LARGE
 
 _SYSTEM_ROLES = ("system", "developer")
 
@@ -31,7 +27,7 @@ class RequestProfile:
     session_key: bytes | None = None
     prefix_key: bytes | None = None
     tokens: int = 0  # prompt_tokens_estimate
-    body_status: str = BODY_ABSENT
+    body_status: BodyStatus = BODY_ABSENT
     session_source: str | None = None  # e.g. "header:x-session-id", "body:metadata.thread_id"
 
 

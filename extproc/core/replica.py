@@ -14,7 +14,7 @@ from .config import HealthConfig
 _NEVER = float("-inf")
 
 
-class State(str, enum.Enum):
+class State(enum.StrEnum):
     LIVE = "LIVE"
     PROBING = "PROBING"
     EJECTED = "EJECTED"
@@ -164,7 +164,6 @@ class Replica:
         "scraped_running",
         "scraped_waiting",
         "kv_usage",
-        "scraped_at",
         "wlc_milli",
         "in_flight_requests",
         "count_wlc",
@@ -179,7 +178,6 @@ class Replica:
         self.scraped_running = 0
         self.scraped_waiting = 0
         self.kv_usage = 0.0
-        self.scraped_at = _NEVER
         # Token weights are kept in thousandths as an int so that releasing
         # every reservation brings wlc_in_flight back to exactly 0.
         self.wlc_milli = 0

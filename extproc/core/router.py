@@ -14,14 +14,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from .config import RouterConfig
+from .names import Cause, PinAction, PinKind, Reason
 from .pins import PREFIX, SESSION, Pin, PinTable
 from .profile import RequestProfile
 from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
 
-AFFINITY = "affinity"
-LOAD = "load"
-FALLBACK = "fallback"
-NO_HEALTHY = "no_healthy_instances"
+AFFINITY, LOAD, FALLBACK, NO_HEALTHY = Reason.AFFINITY, Reason.LOAD, Reason.FALLBACK, Reason.NO_HEALTHY
 
 # Housekeeping (pin expiry, reservation safety timeout) need not be exact:
 # lookups already treat an expired pin as absent.
@@ -41,18 +39,18 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class PinEvent:
-    """``action`` is one of: pin (new), spill, rebind, unpin. ``cause`` says why."""
+    """A pin table change of one decision: ``action`` on a pin of ``kind``, and why."""
 
-    action: str
-    kind: str  # session | prefix
-    cause: str = ""  # spills | force | dead | new
+    action: PinAction
+    kind: PinKind
+    cause: Cause = Cause.NONE
 
 
 @dataclass(slots=True)
 class Decision:
     replica: Replica | None
-    reason: str  # affinity | load | fallback | no_healthy_instances
-    pin_kind: str | None = None  # the pin resolved for this request, if any
+    reason: Reason
+    pin_kind: PinKind | None = None  # the pin resolved for this request, if any
     events: list[PinEvent] = field(default_factory=list)
     reservation: Reservation | None = None
     min_r: float = 0.0
@@ -149,7 +147,6 @@ class Router:
             r.scraped_running = running
             r.scraped_waiting = waiting
             r.kv_usage = kv_usage
-            r.scraped_at = now
         t = self._emit(r.health.on_scrape(name, ok, now))
         self._next_due = min(self._next_due, r.health.next_due())
         return t
@@ -284,7 +281,7 @@ class Router:
             slack = pcfg.session_slack if pin_kind == SESSION else pcfg.prefix_slack
             if pr.removed or pr.drained or pr.health.state is not LIVE:
                 # A pin to a dead, drained or PROBING replica never blocks distribution.
-                self._move_pin(table, key, pin, best, now, events, "dead")
+                self._move_pin(table, key, pin, best, now, events, Cause.DEAD)
             elif not pcfg.spill_enabled or (pr.effective_waiting == 0 and pr.effective_running <= min_r + slack):
                 # (spill_enabled off is the seed's removed "never rebind": the pin holds whatever the load)
                 chosen = pr
@@ -297,28 +294,28 @@ class Router:
                 table.touch(key, pin, now)
                 if pcfg.spill_enabled:
                     pin.spills += 1
-                    events.append(PinEvent("spill", pin_kind))
+                    events.append(PinEvent(PinAction.SPILL, pin_kind))
                     gap = pr.effective_running - min_r
                     if pin_kind == PREFIX and pin.spills >= pcfg.prefix_spills_to_delete:
                         # A shared system prompt must not hold a hot replica.
                         table.delete(key)
-                        events.append(PinEvent("unpin", PREFIX, "spills"))
+                        events.append(PinEvent("unpin", PREFIX, Cause.SPILLS))
                     elif gap >= pcfg.force_rebind_gap:
-                        self._move_pin(table, key, pin, best, now, events, "force")
+                        self._move_pin(table, key, pin, best, now, events, Cause.FORCE)
                     elif pin_kind == SESSION and pin.spills >= pcfg.session_spills_to_rebind:
-                        self._move_pin(table, key, pin, best, now, events, "spills")
+                        self._move_pin(table, key, pin, best, now, events, Cause.SPILLS)
 
         # B: each key without a live pin is pinned to the chosen replica (never a PROBING one).
         if chosen.health.state is LIVE:
             if profile.session_key is not None and pin_kind != SESSION:
                 if self.session_pins.get(profile.session_key, now) is None:
                     self.session_pins.put(profile.session_key, chosen, now)
-                    events.append(PinEvent("pin", SESSION, "new"))
+                    events.append(PinEvent(PinAction.PIN, SESSION, Cause.NEW))
             if profile.prefix_key is not None and pin_kind != PREFIX:
                 ppin = self.prefix_pins.get(profile.prefix_key, now)
                 if ppin is None:
                     self.prefix_pins.put(profile.prefix_key, chosen, now)
-                    events.append(PinEvent("pin", PREFIX, "new"))
+                    events.append(PinEvent(PinAction.PIN, PREFIX, Cause.NEW))
                 elif ppin.replica is chosen:
                     self.prefix_pins.touch(profile.prefix_key, ppin, now)
 
@@ -332,17 +329,17 @@ class Router:
         target: Replica,
         now: float,
         events: list[PinEvent],
-        cause: str,
+        cause: Cause,
     ) -> None:
         """Rebind to ``target``; a PROBING target takes no pin, so the pin is dropped instead."""
         if target.health.state is LIVE and not target.drained:
             pin.replica = target
             pin.spills = 0
             table.touch(key, pin, now)
-            events.append(PinEvent("rebind", table.kind, cause))
+            events.append(PinEvent(PinAction.REBIND, table.kind, cause))
         else:
             table.delete(key)
-            events.append(PinEvent("unpin", table.kind, cause))
+            events.append(PinEvent(PinAction.UNPIN, table.kind, cause))
 
     def _fallback(self, profile: RequestProfile, now: float) -> Decision:
         """Step 5: nothing LIVE or PROBING -> a random known replica; nothing known -> no_healthy_instances."""

@@ -24,21 +24,29 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import tempfile
 from typing import Any
 
 import yaml
 
 from ..config import AppConfig, ReplicaSpec
+from ..contract import (
+    ACCESS_LOG_NAME,
+    ANSWER_CLUSTER,
+    ANSWER_RESERVATION,
+    BRAIN_CLUSTER,
+    EXT_PROC_FILTER,
+    EXT_PROC_STAT_PREFIX,
+    FALLBACK_CLUSTER,
+    HOLD_FILTER,
+    METADATA_NAMESPACE,
+    RESERVATION_HEADER,
+    ROUTE_FROM_BRAIN_FILTER,
+    ROUTING_HEADER,
+    header_attribute,
+)
+from ..contract import brain_headers as _brain_headers
 
-ROUTING_HEADER = "x-warmroute-cluster"
-RESERVATION_HEADER = "x-warmroute-reservation"
-BRAIN_CLUSTER = "warmroute_brain"
-FALLBACK_CLUSTER = "warmroute_fallback"
-EXT_PROC_STAT_PREFIX = "warmroute"
-METADATA_NAMESPACE = "warmroute"  # the brain's answer: {cluster, reservation} in this dynamic-metadata namespace
-HOLD_FILTER = "warmroute.hold_for_brain"
-ROUTE_FROM_BRAIN_FILTER = "warmroute.route_from_brain"
-REQUEST_ID_HEADER = "x-request-id"
 _BIG = 1_000_000  # circuit-breaker ceilings: LLM requests are long, Envoy's 1024 defaults are not for them
 
 
@@ -68,15 +76,8 @@ def _thresholds() -> dict:
 
 
 def brain_headers(cfg: AppConfig) -> list[str]:
-    """The request headers the brain reads: session keys, tenant, and the id that backs up release."""
-    p = cfg.router.profile
-    names = [*p.session_headers, *([p.tenant_header] if p.tenant_header else []), REQUEST_ID_HEADER]
-    return list(dict.fromkeys(h.lower() for h in names))
-
-
-def header_attribute(name: str) -> str:
-    """The CEL expression ext_proc evaluates to send one request header along with the body."""
-    return f"request.headers['{name}']"
+    """The request headers this config's brain reads (see ``contract.brain_headers``)."""
+    return _brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_header)
 
 
 def http_filters(cfg: AppConfig) -> list[dict]:
@@ -101,7 +102,7 @@ def http_filters(cfg: AppConfig) -> list[dict]:
             },
         },
         {
-            "name": "envoy.filters.http.ext_proc",
+            "name": EXT_PROC_FILTER,
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
@@ -140,7 +141,7 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                 "mutations": {"request_mutations": [
                     {"append": {"header": {"key": header, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{field})%"},
                                 "append_action": "ADD_IF_ABSENT", "keep_empty_value": False}}
-                    for header, field in ((ROUTING_HEADER, "cluster"), (RESERVATION_HEADER, "reservation"))
+                    for header, field in ((ROUTING_HEADER, ANSWER_CLUSTER), (RESERVATION_HEADER, ANSWER_RESERVATION))
                 ]},
             },
         },
@@ -154,7 +155,7 @@ def access_log(cfg: AppConfig) -> list[dict]:
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
                 "common_config": {
-                    "log_name": "warmroute",
+                    "log_name": ACCESS_LOG_NAME,
                     "transport_api_version": "V3",
                     "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
                     # each entry releases a reservation: flush at once, not once 16 KiB have piled up
@@ -298,18 +299,26 @@ def cds_document(cfg: AppConfig) -> dict:
     return {"resources": [{"@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster", **c} for c in replica_clusters(cfg)]}
 
 
-def write_cds(cfg: AppConfig) -> None:
-    """Atomically replace the CDS file: Envoy reloads on a move into the watched directory."""
-    import tempfile
+class CdsFile:
+    """The replica clusters Envoy reads through filesystem CDS (``envoy.cds_path``).
 
-    path = cfg.envoy.cds_path
-    assert path, "envoy.cds_path is not set"
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cds-", suffix=".yaml", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        f.write(dump(cds_document(cfg)))
-    os.replace(tmp, path)
+    ``write`` replaces the file atomically: Envoy reloads on a move into the watched directory,
+    so it learns added and removed replicas without a restart. Without a path it does nothing.
+    """
+
+    def __init__(self, path: str | None):
+        self.path = os.path.abspath(path) if path else None
+
+    def write(self, cfg: AppConfig) -> bool:
+        if not self.path:
+            return False
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".cds-", suffix=".yaml", dir=directory)
+        with os.fdopen(fd, "w") as f:
+            f.write(dump(cds_document(cfg)))
+        os.replace(tmp, self.path)
+        return True
 
 
 def bootstrap(cfg: AppConfig) -> dict[str, Any]:
@@ -368,7 +377,7 @@ def ext_proc_off_for_route() -> dict:
     """``typed_per_filter_config`` for a user's other routes, so the brain sees only model traffic
     and their bodies are not held back."""
     return {
-        "envoy.filters.http.ext_proc": {
+        EXT_PROC_FILTER: {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
             "disabled": True,
         },

@@ -116,11 +116,8 @@ def metrics_cost(decisions: int = 50_000) -> tuple[float, float]:
                 def observe(self, *_):
                     pass
 
-                def add(self, *_):
-                    pass
-
             brain.decision_seconds = _Nop()
-            brain.window = _Nop()
+            brain.stats.record_decision = lambda *_: None
         body = orjson.dumps({"messages": [{"role": "system", "content": "You are a coding agent. " * 40},
                                           {"role": "user", "content": "x" * 1000}]})
         headers = [{"x-session-id": f"s{i % 500}", "x-request-id": f"q{i}"} for i in range(decisions)]

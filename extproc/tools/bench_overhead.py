@@ -156,7 +156,7 @@ async def serve_floor(port_file: str) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    from ..envoy_config import METADATA_NAMESPACE
+    from ..contract import METADATA_NAMESPACE
 
     answer = ep.ProcessingResponse()
     answer.request_body.response.header_mutation.SetInParent()
@@ -174,7 +174,7 @@ async def serve_floor(port_file: str) -> None:
                 pass
             return als_pb2.StreamAccessLogsResponse()
 
-    from ..brain.brain import GRPC_SERVER_OPTIONS
+    from ..brain.server import GRPC_SERVER_OPTIONS
 
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     ep_grpc.add_ExternalProcessorServicer_to_server(Floor(), server)

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from ..envoy_config import EXT_PROC_STAT_PREFIX, FALLBACK_CLUSTER
+from ..contract import EXT_PROC_STAT_PREFIX, FALLBACK_CLUSTER
 
 
 @dataclass

@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 
-from extproc.envoy_config import FALLBACK_CLUSTER
+from extproc.contract import FALLBACK_CLUSTER
 from extproc.tools.stack import wait_for
 
 from .conftest import quiet

@@ -24,12 +24,13 @@ def _fault(spec: str, flap: bool) -> Fault:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--policy", default="warmroute", choices=POLICIES + ["warmroute_no_ttl_no_spill"])
     ap.add_argument("--compare", action="store_true", help="every policy on the same workload and seed")
-    ap.add_argument("--minutes", type=float, default=30.0)
+    w = WorkloadConfig()  # one place per default: the workload's own
+    ap.add_argument("--minutes", type=float, default=w.minutes)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--sessions-per-min", type=float, default=2.0)
-    ap.add_argument("--oneshots-per-min", type=float, default=6.0)
-    ap.add_argument("--projects", type=int, default=6)
+    ap.add_argument("--sessions-per-min", type=float, default=w.sessions_per_min)
+    ap.add_argument("--oneshots-per-min", type=float, default=w.oneshots_per_min)
+    ap.add_argument("--projects", type=int, default=w.projects)
     ap.add_argument("--kill", action="append", default=[], metavar="R:START:DURATION")
     ap.add_argument("--flap", action="append", default=[], metavar="R:START:DOWN:EVERY:UNTIL")
     ap.add_argument("--png", default=None, help="write traffic share over time per policy to this PNG")

@@ -13,7 +13,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from ...core import RouterConfig, imbalance_index
+from ...core import RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
 from .engine import Engine, EngineConfig, EngineRequest
 from .policies import Policy, Warmroute, make_policy
 from .workload import Request, Workload, WorkloadConfig
@@ -95,7 +95,7 @@ class Simulation:
         faults: tuple[Fault, ...] = (),
         engine: EngineConfig | None = None,
         router_cfg: RouterConfig | None = None,
-        scrape_interval_s: float = 3.0,
+        scrape_interval_s: float | None = None,
         bursts: tuple[tuple[float, int], ...] = (),
     ):
         self.n = replicas
@@ -105,7 +105,8 @@ class Simulation:
         self.engines = [Engine(engine) for _ in range(replicas)]
         self.alive = [True] * replicas
         self.faults = faults
-        self.scrape_interval = scrape_interval_s
+        # the brain's scrape cadence, unless a test asks for another
+        self.scrape_interval = scrape_interval_s or (router_cfg or RouterConfig()).health.scrape_interval_s
         self.bursts = bursts  # (t, k): k one-shot requests arrive at the same instant t
         self.workload = Workload(self.wcfg, seed)
         self._events: list = []
@@ -142,7 +143,7 @@ class Simulation:
         if not self.alive[i]:
             # connection refused: Envoy retries once on another replica
             self.policy.done(req, now)
-            self.policy.on_upstream(i, False, now)
+            self._outcome(i, None, UpstreamOutcome(connect_failure=True), now)
             if req.retries == 0:
                 req.retries = 1
                 req.replica = None
@@ -184,9 +185,14 @@ class Simulation:
             req.e2e = now - req.arrival
             req.cached_tokens = er.cached_tokens
             self.policy.done(req, now)
-            self.policy.on_upstream(i, True, now)
+            self._outcome(i, i, UpstreamOutcome(code=200, via_upstream=True), now)
             self._finish_session_turn(req, now)
         self._step(i, now)
+
+    def _outcome(self, chosen: int, served_by: int | None, o: UpstreamOutcome, now: float) -> None:
+        """Passive health from a request's end, by the same rule the brain applies to Envoy's access log."""
+        for i, ok in upstream_verdicts(chosen, served_by, 1, upstream_failed(o)):
+            self.policy.on_upstream(i, ok, now)
 
     def _finish_session_turn(self, req: Request, now: float) -> None:
         s = req.session
@@ -206,7 +212,7 @@ class Simulation:
         for req, _er in list(self._inflight[i].values()):
             req.error = "replica_died"
             self.policy.done(req, now)
-            self.policy.on_upstream(i, False, now)
+            self._outcome(i, i, UpstreamOutcome(remote_reset=True), now)
             self._finish_session_turn(req, now)
         self._inflight[i].clear()
 

@@ -1,0 +1,134 @@
+"""The ext_proc side: read the headers Envoy sent, answer with the brain's choice.
+
+Per request Envoy opens an ext_proc stream and sends one message: the buffered body, with the
+request headers the brain reads as attributes. The answer carries the chosen replica's cluster
+and a reservation id as dynamic metadata (which Envoy's next filter copies into the routing
+header) and as header mutations (which Envoy applies when its config sends the headers too),
+and clears the route cache so Envoy re-routes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Callable
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+
+from ..contract import (
+    ANSWER_CLUSTER,
+    ANSWER_RESERVATION,
+    METADATA_NAMESPACE,
+    RESERVATION_HEADER,
+    ROUTING_HEADER,
+    header_of_attribute,
+)
+
+# (headers, body or None, the ext_proc phase being answered) -> the answer
+Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]
+
+
+def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def route_answer(cluster: str, reservation: str, phase: str) -> ep.ProcessingResponse:
+    """The brain's choice for the ext_proc message ``phase`` (``request_body`` or ``request_headers``)."""
+    out = ep.ProcessingResponse()
+    common = getattr(out, phase).response
+    # Applied only where Envoy sent the headers; in the one-message config it is the dynamic metadata
+    # that routes, but a header mutation must be present for Envoy to honour clear_route_cache.
+    common.header_mutation.set_headers.extend([_hv(ROUTING_HEADER, cluster), _hv(RESERVATION_HEADER, reservation)])
+    common.clear_route_cache = True
+    answer = out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+    answer[ANSWER_CLUSTER].string_value = cluster
+    answer[ANSWER_RESERVATION].string_value = reservation
+    return out
+
+
+_NO_HEALTHY_BODY = json.dumps(
+    {
+        "error": {
+            "message": "no healthy vLLM replica is available; retry shortly",
+            "type": "service_unavailable",
+            "code": "no_healthy_instances",
+        }
+    }
+).encode()
+
+
+def no_healthy_response() -> ep.ProcessingResponse:
+    """B: an immediate 503 with an OpenAI-style error and Retry-After, never a hang."""
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+            headers=ep.HeaderMutation(set_headers=[_hv("content-type", "application/json"), _hv("retry-after", "5")]),
+            body=_NO_HEALTHY_BODY,
+            details="warmroute_no_healthy_instances",
+        )
+    )
+
+
+def headers_of(msg: ep.HttpHeaders) -> dict[str, str]:
+    out = {}
+    for h in msg.headers.headers:
+        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def headers_from_attributes(req: ep.ProcessingRequest) -> dict[str, str]:
+    """Headers Envoy sent as ``request.headers['name']`` attributes (absent headers are absent keys)."""
+    out = {}
+    for attrs in req.attributes.values():
+        for key, value in attrs.fields.items():
+            name = header_of_attribute(key)
+            if name is not None and value.HasField("string_value"):
+                out[name] = value.string_value
+    return out
+
+
+_PASS = {
+    "request_headers": ep.ProcessingResponse(request_headers=ep.HeadersResponse()),
+    "request_trailers": ep.ProcessingResponse(request_trailers=ep.TrailersResponse()),
+    "response_headers": ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
+    "response_body": ep.ProcessingResponse(response_body=ep.BodyResponse()),
+    "response_trailers": ep.ProcessingResponse(response_trailers=ep.TrailersResponse()),
+}
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    """Decides on the first message that can be decided on, then ends the stream.
+
+    With the shipped config that is the only message: the body, headers as attributes. A config
+    that sends headers too (``request_header_mode: SEND``) also works: the headers are kept for the
+    body, or decided on at once when no body follows. Ending the stream tells Envoy that the brain
+    wants nothing more of this request.
+    """
+
+    def __init__(self, decide: Decide):
+        self.decide = decide
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
+        headers: dict[str, str] = {}
+        while True:
+            req = await context.read()
+            if req is grpc.aio.EOF:
+                return
+            kind = req.WhichOneof("request")
+            if req.attributes:
+                headers.update(headers_from_attributes(req))
+            if kind == "request_body":
+                await context.write(self.decide(headers, req.request_body.body, "request_body"))
+                return
+            if kind == "request_headers":
+                headers.update(headers_of(req.request_headers))
+                if req.request_headers.end_of_stream:  # no body follows: decide on headers
+                    await context.write(self.decide(headers, None, "request_headers"))
+                    return
+            await context.write(_PASS[kind])

@@ -1,0 +1,105 @@
+"""The access-log side: each entry is the real end of a request.
+
+Envoy closes the ext_proc stream as soon as it needs nothing more (Envoy >= 1.37), so the
+stream's end is not the request's end. Envoy's gRPC access-log entry is written at the real
+end (success, error, client disconnect, reset) and carries the reservation id the brain set,
+Envoy's request id, the upstream address and the outcome. That releases the reservation and
+feeds the upstream-failure rule (SPEC B) with no round trip on the response path.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable
+
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from ..contract import RESERVATION_HEADER
+from ..core import Reservation, Router, UpstreamOutcome, upstream_failed, upstream_verdicts
+from .stats import BrainStats
+
+
+class Ledger:
+    """Reservation ids handed to Envoy, and Envoy's request ids that back them up.
+
+    The id is ``<epoch>.<number>``: ids from an earlier brain process never match ours. The
+    request id is in every access-log entry, even when the client reset before Envoy applied
+    our header (then the reservation id is missing) or our answer came after Envoy's timeout.
+    """
+
+    def __init__(self, router: Router):
+        self.router = router
+        self.epoch = secrets.token_hex(4)
+        self.by_request_id: dict[str, Reservation] = {}
+
+    def issue(self, res: Reservation, request_id: str | None) -> str:
+        if request_id and request_id not in self.by_request_id:
+            self.by_request_id[request_id] = res
+        return f"{self.epoch}.{res.id}"
+
+    def find(self, reservation_id: str, request_id: str) -> Reservation | None:
+        res = None
+        if reservation_id:
+            epoch, _, num = reservation_id.partition(".")
+            if epoch == self.epoch and num.isdigit():
+                res = self.router.reservation(int(num))
+        by_id = self.by_request_id.get(request_id)
+        if by_id is not None and (res is None or res is by_id):
+            del self.by_request_id[request_id]
+            res = res or by_id
+        return res
+
+    def forget_released(self) -> None:
+        """Drop request ids of reservations the safety timeout released (their entry never came)."""
+        for k in [k for k, r in self.by_request_id.items() if r.released]:
+            del self.by_request_id[k]
+
+
+def outcome_of(entry) -> UpstreamOutcome:
+    flags = entry.common_properties.response_flags
+    return UpstreamOutcome(
+        code=entry.response.response_code.value,
+        via_upstream=entry.response.response_code_details == "via_upstream",
+        connect_failure=flags.upstream_connection_failure,
+        remote_reset=flags.upstream_remote_reset,
+        connection_termination=flags.upstream_connection_termination,
+    )
+
+
+class Releaser:
+    """Access-log entry -> release the reservation, and count the outcome for passive health."""
+
+    def __init__(self, router: Router, ledger: Ledger, stats: BrainStats, clock: Callable[[], float]):
+        self.router = router
+        self.ledger = ledger
+        self.stats = stats
+        self.clock = clock
+        self.by_address: dict[str, str] = {}  # "host:port" -> replica name
+
+    def on_entry(self, entry) -> None:
+        now = self.clock()
+        common = entry.common_properties
+        res = self.ledger.find(entry.request.request_headers.get(RESERVATION_HEADER, ""), entry.request.request_id)
+        chosen = None
+        if res is not None and not res.released:
+            chosen = res.replica.name
+            self.router.release(res, now)
+            self.stats.releases_by_log += 1
+        sock = common.upstream_remote_address.socket_address
+        served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
+        verdicts = upstream_verdicts(chosen, served_by, common.upstream_request_attempt_count, upstream_failed(outcome_of(entry)))
+        for name, ok in verdicts:
+            self.router.on_upstream(name, ok, now)
+        if chosen is None and served_by is None:
+            self.stats.unmatched_log_entries += 1
+
+
+class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
+    def __init__(self, on_entry: Callable[[object], None]):
+        self.on_entry = on_entry
+
+    async def StreamAccessLogs(self, request_iterator, context) -> als_pb2.StreamAccessLogsResponse:
+        async for msg in request_iterator:
+            for entry in msg.http_logs.log_entry:
+                self.on_entry(entry)
+        return als_pb2.StreamAccessLogsResponse()

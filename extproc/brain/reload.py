@@ -1,0 +1,37 @@
+"""A new config file, applied to a running router without dropping in-flight requests.
+
+Added replicas join through the health machine (EJECTED, no cooldown); removed ones are
+forgotten (their reservations still release, pins to them rebind on next use); thresholds and
+TTLs change at once. Ports cannot change under a running server: the old ``brain`` section stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import AppConfig
+from ..contract import brain_headers
+from ..core import Router
+
+
+def _headers(cfg: AppConfig) -> list[str]:
+    return brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_header)
+
+
+def apply_config(router: Router, old: AppConfig, new: AppConfig, now: float) -> tuple[AppConfig, dict]:
+    """Apply ``new`` to ``router``; returns the config now in force and what changed."""
+    new = dataclasses.replace(new, brain=old.brain)
+    old_names = {r.name for r in old.replicas}
+    new_names = {r.name for r in new.replicas}
+    for r in new.replicas:
+        if r.name not in old_names:
+            router.add_replica(r.name, now)
+    for name in old_names - new_names:
+        router.remove_replica(name)
+    router.update_config(new.router)
+    info = {"added": sorted(new_names - old_names), "removed": sorted(old_names - new_names), "replicas": len(new_names)}
+    if _headers(new) != _headers(old):
+        # Envoy sends only the headers its (static) ext_proc config names: until it runs a bootstrap rendered
+        # from this file, a new session or tenant header never reaches the brain.
+        info["envoy_config_stale"] = "profile.session_headers/tenant_header changed: re-render and restart Envoy"
+    return new, info

@@ -1,0 +1,86 @@
+"""What the brain counts for its metrics, in one object the collector reads at scrape time.
+
+The request path only bumps plain counters here; nothing is formatted until Prometheus asks.
+Every series exists from the start (at 0), with label sets taken from the core's enums.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Iterable
+
+from ..core import BodyStatus, Decision, PinKind, Reason
+from ..core.names import PIN_EVENTS
+
+IMBALANCE_WINDOW_S = 300.0  # SPEC A5: the imbalance alert looks at 5 minutes
+_BUCKET_S = 10.0
+SCRAPE_RESULTS = ("ok", "failed")
+
+
+class DecisionWindow:
+    """Decisions per replica over the last 5 minutes, in 10 s buckets (for the imbalance index)."""
+
+    def __init__(self, window_s: float = IMBALANCE_WINDOW_S):
+        self.n = int(window_s / _BUCKET_S)
+        self.buckets: deque[tuple[int, Counter]] = deque()
+
+    def add(self, replica: str, now: float) -> None:
+        b = int(now // _BUCKET_S)
+        if not self.buckets or self.buckets[-1][0] != b:
+            self.buckets.append((b, Counter()))
+            while self.buckets and self.buckets[0][0] <= b - self.n:
+                self.buckets.popleft()
+        self.buckets[-1][1][replica] += 1
+
+    def counts(self, now: float) -> Counter:
+        b = int(now // _BUCKET_S)
+        out: Counter = Counter()
+        for k, c in self.buckets:
+            if k > b - self.n:
+                out.update(c)
+        return out
+
+
+class BrainStats:
+    def __init__(self, replica_names: Iterable[str] = ()):
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (replica, reason)
+        self.decisions_by_pin: Counter[str] = Counter()  # pin kind resolved, or "none"
+        self.pin_events: Counter[tuple[str, str, str]] = Counter()  # (action, kind, cause)
+        self.bodies: Counter[str] = Counter()  # body status: how much traffic is routed by headers only
+        self.scrapes: Counter[tuple[str, str]] = Counter()  # (replica, ok|failed)
+        self.window = DecisionWindow()
+        self.releases_by_log = 0
+        self.unmatched_log_entries = 0  # access-log entries that named no reservation and no replica
+        self.reloads = 0
+        self.zero_series(replica_names)
+
+    def record_decision(self, d: Decision, body_status: BodyStatus, now: float) -> None:
+        name = d.replica_name or "-"
+        self.decisions[(name, d.reason)] += 1
+        self.decisions_by_pin[d.pin_kind or "none"] += 1
+        self.bodies[body_status] += 1
+        self.window.add(name, now)
+        for e in d.events:
+            self.pin_events[(e.action, e.kind, e.cause)] += 1
+
+    def zero_series(self, replica_names: Iterable[str]) -> None:
+        """Export every series from the start: rate() and alerts see 0, not an absent series."""
+        for name in replica_names:
+            for reason in Reason:
+                if reason is not Reason.NO_HEALTHY:
+                    self.decisions[(name, reason)] += 0
+            for result in SCRAPE_RESULTS:
+                self.scrapes[(name, result)] += 0
+        for kind in PinKind:
+            self.decisions_by_pin[kind] += 0
+        self.decisions_by_pin["none"] += 0
+        for key in PIN_EVENTS:
+            self.pin_events[key] += 0
+        for status in BodyStatus:
+            self.bodies[status] += 0
+
+    def decisions_per_replica(self) -> Counter[str]:
+        per: Counter[str] = Counter()
+        for (name, _reason), n in self.decisions.items():
+            per[name] += n
+        return per

@@ -1,0 +1,44 @@
+"""The names both sides of the wire use: Envoy's rendered config and the brain import them from here.
+
+Change a name here and both sides change together; nothing else spells them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+ROUTING_HEADER = "x-warmroute-cluster"  # the replica's cluster, set from the brain's answer; the route reads it
+RESERVATION_HEADER = "x-warmroute-reservation"  # "<brain epoch>.<reservation id>", logged back to the brain
+REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: backs up release when our header never got applied
+METADATA_NAMESPACE = "warmroute"  # the brain's answer {cluster, reservation} travels as dynamic metadata here
+ANSWER_CLUSTER = "cluster"
+ANSWER_RESERVATION = "reservation"
+BRAIN_CLUSTER = "warmroute_brain"  # Envoy's cluster for the brain's gRPC services
+FALLBACK_CLUSTER = "warmroute_fallback"  # where requests go when the brain does not answer
+EXT_PROC_STAT_PREFIX = "warmroute"  # Envoy's ext_proc stats: http.<hcm>.ext_proc.warmroute.*
+HOLD_FILTER = "warmroute.hold_for_brain"
+ROUTE_FROM_BRAIN_FILTER = "warmroute.route_from_brain"
+ACCESS_LOG_NAME = "warmroute"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+RESERVED_NAME_PREFIX = "warmroute_"  # replica names may not start with it: the clusters above use it
+
+
+def brain_headers(session_headers: Iterable[str], tenant_header: str | None) -> list[str]:
+    """The request headers Envoy must send the brain: session keys, tenant, and the request id."""
+    names = [*session_headers, *([tenant_header] if tenant_header else []), REQUEST_ID_HEADER]
+    return list(dict.fromkeys(h.lower() for h in names))
+
+
+def header_attribute(name: str) -> str:
+    """The CEL expression with which ext_proc sends one request header along with the body."""
+    return f"request.headers['{name}']"
+
+
+_ATTR_PREFIX, _ATTR_SUFFIX = "request.headers['", "']"
+
+
+def header_of_attribute(key: str) -> str | None:
+    """Inverse of ``header_attribute``: the header name, or None for any other attribute."""
+    if key.startswith(_ATTR_PREFIX) and key.endswith(_ATTR_SUFFIX):
+        return key[len(_ATTR_PREFIX):-len(_ATTR_SUFFIX)].lower()
+    return None

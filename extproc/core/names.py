@@ -1,0 +1,60 @@
+"""Every word the core says about a decision, as enums: reasons, pin kinds, pin actions, causes, body status.
+
+Metrics, logs, the simulator and tests take their label sets from these, so a new member is
+exported as soon as it exists (no dict lookup that raises on an unknown string). They are
+``StrEnum``s: each compares equal to, and formats as, its SPEC word.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Reason(enum.StrEnum):
+    """Why a replica was chosen (A4)."""
+
+    AFFINITY = "affinity"  # the resolved pin was usable
+    LOAD = "load"  # least-loaded (seed) or least cost (warm)
+    FALLBACK = "fallback"  # step 5: nothing LIVE or PROBING, a random known replica
+    NO_HEALTHY = "no_healthy_instances"  # nothing known: an immediate 503
+
+
+class PinKind(enum.StrEnum):
+    SESSION = "session"
+    PREFIX = "prefix"
+
+
+class PinAction(enum.StrEnum):
+    PIN = "pin"  # a new pin (cause NEW)
+    SPILL = "spill"  # the pin could not be used; the request went elsewhere
+    REBIND = "rebind"  # the pin moved to another replica
+    UNPIN = "unpin"  # the pin was deleted
+
+
+class Cause(enum.StrEnum):
+    NONE = ""
+    NEW = "new"
+    SPILLS = "spills"  # session: 3 spills in a row; prefix: the second spill
+    FORCE = "force"  # effective_running(pin) - min_r >= force_rebind_gap
+    DEAD = "dead"  # the pin's replica is not LIVE, drained or removed
+    COST = "cost"  # warm policy: another replica is cheaper, re-prefill included (C4)
+
+
+class BodyStatus(enum.StrEnum):
+    """What the request profile could read from the body."""
+
+    OK = "ok"
+    ABSENT = "absent"  # no body was seen (GET, or the shell did not buffer it)
+    EMPTY = "empty"
+    NOT_JSON = "not_json"
+    NOT_OBJECT = "not_object"
+    TOO_LARGE = "too_large"  # larger than profile.max_body_bytes: routed by headers only
+
+
+# (action, kind, cause) triples the core can emit, for metrics that export every series from the start.
+PIN_EVENTS: tuple[tuple[PinAction, PinKind, Cause], ...] = tuple(
+    [(PinAction.PIN, k, Cause.NEW) for k in PinKind]
+    + [(PinAction.SPILL, k, Cause.NONE) for k in PinKind]
+    + [(a, k, c) for a in (PinAction.REBIND, PinAction.UNPIN) for k in PinKind
+       for c in (Cause.SPILLS, Cause.FORCE, Cause.DEAD, Cause.COST)]
+)

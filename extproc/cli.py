@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo-core", help="replay a scripted burst of agent traffic through the routing core alone")
     d.add_argument("--seed", type=int, default=7)
+    d.add_argument("--policy", default=None, help="routing.policy to run (default: the config's default)")
 
     b = sub.add_parser("brain", help="run the ext_proc / access-log gRPC service (the brain)")
     b.add_argument("--config", required=True)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "demo-core":
         from .tools.demo_core import run
 
-        router = run(sys.stdout, seed=args.seed)
+        router = run(sys.stdout, seed=args.seed, policy=args.policy)
         print(f"  open reservations at the end: {router.open_reservations}")
         return 0
     if args.cmd == "check-config":

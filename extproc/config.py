@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from .contract import RESERVED_NAME_PREFIX
-from .core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig
+from .core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
+from .core.policy import POLICIES, PRODUCTION
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -71,6 +72,8 @@ class EnvoyConfig:
     access_log_flush_s: float = 0.01  # how late a reservation may be released after the request ends
     brain_health_check_interval_s: float = 1.0
     retries: int = 2  # on connect failure / reset before any response byte, each on another replica
+    # C7: the fail-open route's ring hash lets a replica hold this % of the mean load before it passes requests on
+    fail_open_hash_balance_factor: int = 150
     # With a path, replica clusters live in this file (Envoy watches its directory) and the brain
     # rewrites it on reload, so Envoy learns added and removed replicas without a restart.
     cds_path: str | None = None
@@ -85,7 +88,7 @@ class AppConfig:
     source: str = "<defaults>"
 
 
-_SECTIONS = {"health": HealthConfig, "pins": PinConfig, "profile": ProfileConfig}
+_SECTIONS = {"health": HealthConfig, "pins": PinConfig, "profile": ProfileConfig, "warm": WarmConfig}
 # RouterConfig's own scalar fields live under "routing:".
 _ROUTING_FIELDS = {f.name for f in dataclasses.fields(RouterConfig)} - set(_SECTIONS)
 
@@ -188,6 +191,19 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("routing.token_weight_unit: expected a whole number >= 1")
     if router.profile.chars_per_token <= 0:
         raise ConfigError("profile.chars_per_token: expected a number > 0")
+    if router.policy not in POLICIES:
+        raise ConfigError(f"routing.policy: expected one of {', '.join(PRODUCTION)} (or an ablation: "
+                          f"{', '.join(p for p in POLICIES if p not in PRODUCTION)}), got {router.policy!r}")
+    if router.profile.block_chars != 64:
+        # the router, the mock and the simulator share one block function of 64-byte blocks
+        raise ConfigError("profile.block_chars: only 64 is supported (16 tokens at 4 characters a token)")
+    if not 1.0 <= router.warm.balance_factor:
+        raise ConfigError("warm.balance_factor: expected a number >= 1 (1.25-1.5 is typical)")
+    if not 0.0 < router.warm.kv_pressure <= 1.0:
+        raise ConfigError("warm.kv_pressure: expected a number in (0, 1]")
+    for f in ("prefill_tokens_per_s", "decode_s_per_token", "load_refresh_s", "cache_tokens"):
+        if getattr(router.warm, f) <= 0:
+            raise ConfigError(f"warm.{f}: expected a number > 0")
     if router.health.scrape_interval_s <= 0:
         raise ConfigError("health.scrape_interval_s: expected a number > 0")
     brain = BrainConfig(**_fill("brain", BrainConfig, doc.get("brain")))
@@ -198,6 +214,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
                 raise ConfigError(f"{section}.{f.name}: expected a port number 0..65535")
     if brain.grpc_socket is not None and not 0 < len(brain.grpc_socket.encode()) <= 100:
         raise ConfigError("brain.grpc_socket: expected a path of 1..100 bytes (Unix sockets allow 107)")
+    if envoy.fail_open_hash_balance_factor < 100:
+        raise ConfigError("envoy.fail_open_hash_balance_factor: expected a whole number >= 100 (Envoy's minimum)")
     if router.profile.max_body_bytes > envoy.max_body_bytes:
         raise ConfigError("profile.max_body_bytes: must not exceed envoy.max_body_bytes")
     return AppConfig(_replicas(doc.get("replicas")), router, brain, envoy, source)

@@ -10,8 +10,9 @@ def names(n: int) -> list[str]:
 
 
 def live_router(n: int = 4, cfg: RouterConfig | None = None) -> tuple[Router, float]:
-    """A router whose ``n`` replicas went through start-up (2 good scrapes + 15 s) and are LIVE."""
-    router = Router(cfg or RouterConfig(), names(n), 0.0)
+    """A router whose ``n`` replicas went through start-up (2 good scrapes + 15 s) and are LIVE (seed policy
+    unless ``cfg`` says otherwise: the rule tests of Parts A+B use it)."""
+    router = Router(cfg or RouterConfig(policy="seed"), names(n), 0.0)
     t = 0.0
     while True:
         scrape_all(router, t)
@@ -27,13 +28,21 @@ def scrape_all(router: Router, now: float, loads: dict[str, tuple[int, int]] | N
         router.on_scrape(r.name, ok, now, running=running, waiting=waiting)
 
 
-def prof(session: str | None = None, prefix: str | None = None, tokens: int = 0) -> RequestProfile:
+def prof(session: str | None = None, prefix: str | None = None, tokens: int = 0, blocks: list[int] = ()) -> RequestProfile:
     return RequestProfile(
         session_key=hash_key("session", None, session) if session else None,
         prefix_key=hash_key("prefix", None, prefix) if prefix else None,
         tokens=tokens,
         body_status="ok",
+        blocks=list(blocks),
     )
+
+
+def chain(system: str, session: str | None, tokens: int, system_tokens: int = 4000) -> list[int]:
+    """Block ids of a prompt of ``tokens`` (16 a block): a system prompt shared by name, then the session's own."""
+    n = tokens // 16
+    k = min(n, system_tokens // 16)
+    return [hash((system, i)) for i in range(k)] + [hash((system, session, i)) for i in range(k, n)]
 
 
 def scrape_until(router: Router, t: float, done, loads=None, failing: frozenset[str] = frozenset(), limit_s: float = 3600.0) -> float:

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from extproc.tools.demo_core import run
 
 
-def test_core_demo_runs_and_every_reservation_is_released():
+@pytest.mark.parametrize("policy,word", [("seed", "spill:"), ("warm", "cached ")])
+def test_core_demo_runs_and_every_reservation_is_released(policy, word):
     out = io.StringIO()
-    router = run(out, seed=7)
+    router = run(out, seed=7, policy=policy)
     text = out.getvalue()
+    assert f"({policy} policy)" in text
     assert router.open_reservations == 0
     assert all(r.wlc_in_flight == 0 for r in router.replicas)
     assert "r2: LIVE -> EJECTED (scrape_failed)" in text
     assert "r2: EJECTED -> PROBING (good_scrapes)" in text
-    assert "affinity" in text and "spill:" in text
+    assert "affinity" in text and word in text
     # no decision line names r2 between its ejection and its return to PROBING
     lines = text.splitlines()
     start = next(i for i, l in enumerate(lines) if "r2: LIVE -> EJECTED" in l)

@@ -41,7 +41,7 @@ def test_envoy_accepts_the_shipped_bootstrap(path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
 
 
-def test_routes_by_the_brain_header_and_fails_open_to_least_request_over_all_replicas():
+def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_all_replicas():
     doc = bootstrap(CFG)
     first, second = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
     assert first["match"]["headers"] == [{"name": ROUTING_HEADER, "present_match": True}]
@@ -49,7 +49,12 @@ def test_routes_by_the_brain_header_and_fails_open_to_least_request_over_all_rep
     assert second["route"]["cluster"] == FALLBACK_CLUSTER
     clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
     fb = clusters[FALLBACK_CLUSTER]
-    assert fb["lb_policy"] == "LEAST_REQUEST"
+    # C7: the brain down, cache locality stays: bounded-load ring hash on the session header, else the client
+    assert fb["lb_policy"] == "RING_HASH"
+    assert fb["common_lb_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 150
+    hp = second["route"]["hash_policy"]
+    assert [h["header"]["header_name"] for h in hp[:-1]] == list(CFG.router.profile.session_headers)
+    assert all(h["terminal"] for h in hp[:-1]) and hp[-1] == {"connection_properties": {"source_ip": True}}
     assert len(fb["load_assignment"]["endpoints"][0]["lb_endpoints"]) == len(CFG.replicas)
     ext = hcm(doc)["http_filters"][1]["typed_config"]
     assert ext["failure_mode_allow"] is True

@@ -5,16 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from extproc.tools.sim.policies import POLICIES
+from extproc.tools.sim.policies import COMPARE, POLICIES
 
 
-def test_sim_compare_prints_every_policy_and_writes_a_png(tmp_path):
+def test_sim_compare_prints_every_compared_policy_and_writes_a_png(tmp_path):
     png = tmp_path / "share.png"
     p = subprocess.run([sys.executable, "-m", "extproc.cli", "sim", "--compare", "--minutes", "4", "--png", str(png)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [line.split()[0] for line in p.stdout.splitlines() if line and line.split()[0] in POLICIES]
-    assert rows == POLICIES
+    assert rows == COMPARE
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

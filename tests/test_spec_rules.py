@@ -1,8 +1,14 @@
-"""One table test per numbered rule of SPEC.md. Test names use the rule's own words."""
+"""One table test per numbered rule of SPEC.md Parts A and B. Test names use the rule's own words.
+
+Parts A+B are ``routing.policy: seed`` (SPEC C8), so every router here runs it; the fleet-level rules
+(health, pool, fallback, drain, reservations) are the same under any policy, and the cost-based
+policy's own rules are in tests/test_warm.py.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -25,6 +31,7 @@ from extproc.core import (
 
 from .helpers import live_router, names, prof, scrape_all, scrape_until
 
+RouterConfig = functools.partial(RouterConfig, policy="seed")  # noqa: F811 - Parts A+B are the seed policy
 NO_STALE = RouterConfig(health=HealthConfig(stale_scrape_intervals=1e9))
 
 

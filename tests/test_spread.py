@@ -69,7 +69,7 @@ def test_with_wlc_switched_off_two_near_simultaneous_requests_land_on_the_same_r
     from extproc.core import RouterConfig
 
     for wlc, same in ((False, True), (True, False)):
-        router, t = live_router(3, RouterConfig(wlc_enabled=wlc))
+        router, t = live_router(3, RouterConfig(policy="seed" if wlc else "seed_no_wlc"))
         for r, running in zip(router.replicas, (0, 2, 2)):
             router.on_scrape(r.name, True, t, running=running, waiting=0)
         a = router.select(prof(), t)

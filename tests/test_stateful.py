@@ -17,7 +17,7 @@ from extproc.core import (
     RouterConfig,
 )
 
-from .helpers import names, prof
+from .helpers import chain, names, prof
 
 SETTINGS = settings(max_examples=80, stateful_step_count=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -110,7 +110,7 @@ class RouterRules(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.now = 0.0
-        self.router = Router(RouterConfig(seed=5), names(self.N), 0.0)
+        self.router = Router(RouterConfig(seed=5, policy="seed"), names(self.N), 0.0)
         self.open = []
 
     @initialize(warm=st.booleans())
@@ -225,3 +225,48 @@ class RouterRules(RuleBasedStateMachine):
 
 TestRouter = RouterRules.TestCase
 TestRouter.settings = SETTINGS
+
+
+class WarmRouterRules(RouterRules):
+    """The same machine on the cost-based policy: the fleet's guarantees hold whichever policy chooses."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = Router(RouterConfig(seed=5, policy="warm"), names(self.N), 0.0)
+
+    @rule(
+        session=st.none() | st.sampled_from(["a", "b", "c", "d", "e"]),
+        prefix=st.none() | st.sampled_from(["sys1", "sys2"]),
+        tokens=st.sampled_from([0, 500, 1500, 8000, 100_000]),
+    )
+    def select(self, session, prefix, tokens):
+        blocks = chain(prefix or "none", session, tokens)
+        r = self.router
+        self.now += 0.001
+        d = r.select(prof(session=session, prefix=prefix, tokens=tokens, blocks=blocks), self.now)
+        routable = [x for x in r.replicas if not x.drained and x.state in (LIVE, PROBING)]
+        if d.replica is None:
+            assert not [x for x in r.replicas if not x.drained]
+            return
+        self.open.append(d.reservation)
+        assert not d.replica.drained
+        if routable:
+            assert d.replica.state in (LIVE, PROBING)
+            assert d.reason != FALLBACK
+            assert d.predicted_ttft_s is not None and d.predicted_ttft_s >= 0
+        else:
+            assert d.reason == FALLBACK
+        if d.replica.state is PROBING and any(x.state is LIVE for x in routable):
+            assert d.replica.in_flight_requests <= r.cfg.probing_max_in_flight
+        for _, pin in r.session_pins:
+            if pin.last_used == self.now:
+                assert pin.replica.state is LIVE and not pin.replica.drained
+
+    @invariant()
+    def predicted_work_in_flight_is_never_negative(self):
+        for rep in self.router.replicas:
+            assert self.router.policy.state_of(rep).work_s >= -1e-9
+
+
+TestWarmRouter = WarmRouterRules.TestCase
+TestWarmRouter.settings = SETTINGS

@@ -12,7 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from ..config import AppConfig, ConfigError, load_config
 from ..contract import REQUEST_ID_HEADER
-from ..core import NO_HEALTHY, PinAction, Router, Transition, build_profile
+from ..core import NO_HEALTHY, ChainCache, PinAction, Router, Transition, build_profile
 from ..envoy_config import CdsFile
 from . import logs
 from .decide import no_healthy_response, route_answer
@@ -35,10 +35,14 @@ class Brain:
         self.stats = BrainStats(r.name for r in cfg.replicas)
         self.ledger = Ledger(self.router)
         self.releaser = Releaser(self.router, self.ledger, self.stats, self.clock)
-        self.scraper = Scraper(self.router, self.stats, self.clock, cfg.router.health.scrape_interval_s)
+        self.scraper = Scraper(self.router, self.stats, self.clock, cfg.router.health.scrape_interval_s,
+                               cfg.router.warm.load_refresh_s if self.router.needs_blocks else None)
         self.cds = CdsFile(cfg.envoy.cds_path)
+        self.chains = ChainCache()  # C2: a session's next turn hashes only what is new
         self._set_replicas(cfg)
-        self.registry, self.decision_seconds, self.scraper.seconds = make_registry(self.router, self.stats, self.clock)
+        m = make_registry(self.router, self.stats, self.clock)
+        self.registry, self.decision_seconds, self.scraper.seconds = m.registry, m.decision, m.scrape
+        self.predicted_ttft, self.releaser.ttft_error = m.predicted_ttft, m.ttft_error
 
     def _set_replicas(self, cfg: AppConfig) -> None:
         self.scraper.urls = {r.name: r.url for r in cfg.replicas}
@@ -56,10 +60,13 @@ class Brain:
         """Profile + select + reserve: one synchronous call (the atomic WLC reserve)."""
         t0 = time.perf_counter()
         now = self.clock()
-        profile = build_profile(headers, body, self.cfg.router.profile)
-        d = self.router.select(profile, now)
+        r = self.router
+        profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
+        d = r.select(profile, now)
         self.decision_seconds.observe(time.perf_counter() - t0)
         self.stats.record_decision(d, profile.body_status, now)
+        if d.predicted_ttft_s is not None:
+            self.predicted_ttft.observe(d.predicted_ttft_s)
         for e in d.events:
             if e.action in _LOGGED_ACTIONS:
                 logs.event(e.action, kind=e.kind, cause=e.cause, replica=d.replica_name)
@@ -80,6 +87,8 @@ class Brain:
         self._set_replicas(self.cfg)
         self.cds = CdsFile(self.cfg.envoy.cds_path)
         self.cds.write(self.cfg)
+        self.scraper.interval_s = self.cfg.router.health.scrape_interval_s
+        self.scraper.load_refresh_s = self.cfg.router.warm.load_refresh_s if self.router.needs_blocks else None
         self.stats.zero_series(r.name for r in self.cfg.replicas)
         self.stats.reloads += 1
         logs.event("config_reload", **info)

@@ -8,6 +8,7 @@ Label sets come from the core's enums: a new reason, action or cause is exported
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -23,6 +24,17 @@ PIN_ACTION_METRICS: dict[PinAction, tuple[str, str, bool]] = {
     PinAction.REBIND: ("warmroute_rebinds", "Pins moved to another replica, by cause", True),
     PinAction.UNPIN: ("warmroute_unpins", "Pins deleted, by cause", True),
     PinAction.PIN: ("warmroute_pins_created", "Pins created", False),
+}
+
+
+WARM_VIEW = {
+    "prefill_tokens_per_second": "Prefill rate learned from the replica's counters (C3)",
+    "decode_seconds_per_token": "Decode time per token learned from the replica's counters (C3)",
+    "prefix_index_blocks": "Blocks the prefix index believes the replica holds (C2)",
+    "prefix_index_capacity_blocks": "The index's bound: the replica's cache size in blocks (C2)",
+    "predicted_wait_seconds": "Prefill work ahead on the replica, as the warm policy sees it (C3)",
+    "in_flight_work_seconds": "Predicted engine seconds of this router's requests in flight (C1, C5)",
+    "active_session_tokens": "Context of the sessions active on the replica (its working set)",
 }
 
 
@@ -112,17 +124,41 @@ class BrainCollector(Collector):
                                 "max(share)/mean(share) of decisions over 5 min across routable replicas (SPEC B)",
                                 value=imbalance_index(b.window.counts(now), routable))
         yield GaugeMetricFamily("warmroute_replicas_known", "Replicas in the config", value=len(reps))
+        info = GaugeMetricFamily("warmroute_routing_policy", "1 for the routing policy in force", labels=["policy"])
+        info.add_metric([r.policy.name], 1.0)
+        yield info
+        view = getattr(r.policy, "replica_view", None)
+        if view is not None:  # the warm policy: what it believes of each replica
+            fams = {k: GaugeMetricFamily(f"warmroute_{k}", doc, labels=["replica"]) for k, doc in WARM_VIEW.items()}
+            for rep in reps:
+                for k, v in view(rep, now).items():
+                    fams[k].add_metric([rep.name], v)
+            yield from fams.values()
         yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
 
 
-def make_registry(router: Router, stats: BrainStats, clock: Callable[[], float]) -> tuple[CollectorRegistry, Histogram, Histogram]:
+@dataclass(frozen=True)
+class Instruments:
+    registry: CollectorRegistry
+    decision: Histogram
+    scrape: Histogram
+    predicted_ttft: Histogram
+    ttft_error: Histogram
+
+
+def make_registry(router: Router, stats: BrainStats, clock: Callable[[], float]) -> Instruments:
     reg = CollectorRegistry()
     reg.register(BrainCollector(router, stats, clock))
     decision = Histogram("warmroute_decision_duration_seconds", "Profile + select + reserve, per request",
                          buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 5e-2, 0.25), registry=reg)
     scrape = Histogram("warmroute_scrape_duration_seconds", "Duration of one scrape of a replica's /metrics",
                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=reg)
-    return reg, decision, scrape
+    ttft_buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+    predicted = Histogram("warmroute_predicted_ttft_seconds", "The warm policy's estimated time to first token of "
+                          "the replica it chose (C3)", buckets=ttft_buckets, registry=reg)
+    error = Histogram("warmroute_ttft_prediction_error_seconds", "|predicted - observed| time to first token, "
+                      "observed as Envoy's first upstream byte", buckets=ttft_buckets, registry=reg)
+    return Instruments(reg, decision, scrape, predicted, error)
 
 
 __all__ = ["BrainCollector", "PIN_ACTION_METRICS", "make_registry"]

@@ -75,6 +75,7 @@ class Releaser:
         self.stats = stats
         self.clock = clock
         self.by_address: dict[str, str] = {}  # "host:port" -> replica name
+        self.ttft_error = None  # a prometheus Histogram of |predicted - observed| time to first byte
 
     def on_entry(self, entry) -> None:
         now = self.clock()
@@ -83,6 +84,10 @@ class Releaser:
         chosen = None
         if res is not None and not res.released:
             chosen = res.replica.name
+            first = common.time_to_first_upstream_rx_byte
+            if res.predicted_ttft_s is not None and self.ttft_error is not None and (first.seconds or first.nanos):
+                # Envoy's first upstream byte: the replica's time to first token, plus its network and headers
+                self.ttft_error.observe(abs(first.seconds + first.nanos / 1e9 - res.predicted_ttft_s))
             self.router.release(res, now)
             self.stats.releases_by_log += 1
         sock = common.upstream_remote_address.socket_address

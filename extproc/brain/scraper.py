@@ -1,23 +1,41 @@
-"""GET every replica's /metrics on the health cadence, EJECTED ones too (their only way back, A2)."""
+"""GET every replica's /metrics: health on the 3 s cadence (EJECTED ones too, their only way back, A2),
+load in between every ``warm.load_refresh_s`` when the policy reads it (C6).
+
+The parser reads only the vLLM series the router uses, line by line (the text of a vLLM with
+histograms runs to tens of KiB; a full Prometheus parse of it at 2 Hz per replica would cost more
+than the routing). A value that is not a finite number in its sane range makes the scrape fail
+with the reason: a replica that reports nonsense is not believed, and is not routed to either.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from aiohttp import ClientSession, ClientTimeout
-from prometheus_client.parser import text_string_to_metric_families
 
-from ..core import Router
-from . import logs
+from ..core import LoadSample, Router
 from .stats import BrainStats
 
 # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc; accept both.
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+CACHE_CONFIG = "vllm:cache_config_info"
+# counter -> LoadSample field (summed over every engine / model label set)
+COUNTERS = {
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prefix_cache_hits_total": "cached_tokens",
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:request_decode_time_seconds_sum": "decode_seconds",
+    "vllm:e2e_request_latency_seconds_count": "requests_done",
+}
+MAX_REQUESTS = 100_000  # running or waiting beyond this on one replica is a broken exporter, not load
+_WANTED = frozenset((RUNNING, WAITING, CACHE_CONFIG, *KV_NAMES, *COUNTERS))
 
 
 @dataclass
@@ -27,53 +45,96 @@ class ScrapeResult:
     waiting: int = 0
     kv_usage: float = 0.0
     error: str = ""
+    sample: LoadSample | None = field(default=None, repr=False)
+
+
+def _labels(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split('",'):
+        k, _, v = part.partition('="')
+        out[k.strip()] = v.rstrip('"')
+    return out
 
 
 def parse_vllm_metrics(text: str) -> ScrapeResult:
-    """Sum vLLM's gauges over every label set (one per engine / model)."""
+    """The load signals of one replica, or a failed result saying what was wrong with the text."""
     running = waiting = 0.0
     kv: list[float] = []
+    counters: dict[str, float] = {}
+    cache_tokens = None
     seen = False
-    try:
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == RUNNING:
-                    running += s.value
-                    seen = True
-                elif s.name == WAITING:
-                    waiting += s.value
-                elif s.name in KV_NAMES:
-                    kv.append(s.value)
-    except ValueError as e:
-        return ScrapeResult(False, error=f"unparsable metrics: {e}")
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if space < 0:
+            return ScrapeResult(False, error=f"unparsable metrics line: {line[:80]!r}")
+        end = brace if 0 <= brace < space else space
+        name = line[:end]
+        if name not in _WANTED:
+            continue
+        rest = line[line.rfind("}") + 1:] if brace == end else line[end:]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            return ScrapeResult(False, error=f"unparsable value of {name}")
+        if not math.isfinite(value) or value < 0:
+            return ScrapeResult(False, error=f"{name} is {value}: not a finite number >= 0")
+        if name == RUNNING:
+            running += value
+            seen = True
+        elif name == WAITING:
+            waiting += value
+        elif name in KV_NAMES:
+            kv.append(value)
+        elif name == CACHE_CONFIG:
+            lab = _labels(line[brace + 1:line.rfind("}")])
+            try:
+                cache_tokens = int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16"))
+            except (KeyError, ValueError):
+                pass
+        else:
+            field_name = COUNTERS[name]
+            counters[field_name] = counters.get(field_name, 0.0) + value
     if not seen:
         return ScrapeResult(False, error=f"no {RUNNING} in /metrics")
-    return ScrapeResult(True, int(round(running)), int(round(waiting)), max(kv) if kv else 0.0)
+    if running > MAX_REQUESTS or waiting > MAX_REQUESTS:
+        return ScrapeResult(False, error=f"{RUNNING}/{WAITING} {running:g}/{waiting:g}: beyond {MAX_REQUESTS:,}")
+    kv_usage = max(kv) if kv else 0.0
+    if kv_usage > 1.0 + 1e-9:
+        return ScrapeResult(False, error=f"KV cache usage {kv_usage:g}: beyond 1 (100%)")
+    r, w = int(round(running)), int(round(waiting))
+    sample = LoadSample(r, w, kv_usage, cache_tokens=cache_tokens, **counters)
+    return ScrapeResult(True, r, w, kv_usage, sample=sample)
 
 
 class Scraper:
     """Feeds the router's health machines and load signals; remembers each replica's last error."""
 
-    def __init__(self, router: Router, stats: BrainStats, clock: Callable[[], float], interval_s: float):
+    def __init__(self, router: Router, stats: BrainStats, clock: Callable[[], float], interval_s: float,
+                 load_refresh_s: float | None = None):
         self.router = router
         self.stats = stats
         self.clock = clock
-        self.interval_s = interval_s
+        self.interval_s = interval_s  # health cadence (A1: 3 s)
+        self.load_refresh_s = load_refresh_s  # C6: faster load-only scrapes in between (None: none)
         self.urls: dict[str, str] = {}
         self.errors: dict[str, str] = {}
         self.seconds = None  # a prometheus Histogram, set by the brain
 
-    async def scrape_once(self, session: ClientSession, name: str, url: str) -> ScrapeResult:
+    async def scrape_once(self, session: ClientSession, name: str, url: str, timeout: float | None = None) -> ScrapeResult:
         t0 = time.perf_counter()
-        r = await self._fetch(session, url)
+        r = await self._fetch(session, url, timeout)
         if self.seconds is not None:
             self.seconds.observe(time.perf_counter() - t0)
         self.stats.scrapes[(name, "ok" if r.ok else "failed")] += 1
         return r
 
-    async def _fetch(self, session: ClientSession, url: str) -> ScrapeResult:
+    async def _fetch(self, session: ClientSession, url: str, timeout: float | None) -> ScrapeResult:
         try:
-            async with session.get(url + "/metrics") as resp:
+            kw = {"timeout": ClientTimeout(total=timeout)} if timeout else {}
+            async with session.get(url + "/metrics", **kw) as resp:
                 if resp.status != 200:
                     return ScrapeResult(False, error=f"HTTP {resp.status}")
                 text = await resp.text()
@@ -84,23 +145,38 @@ class Scraper:
         return parse_vllm_metrics(text)
 
     def apply(self, name: str, r: ScrapeResult, now: float) -> None:
+        """A health scrape: its result moves the health machine."""
         if r.ok:
             self.errors.pop(name, None)
         else:
             self.errors[name] = r.error
-        self.router.on_scrape(name, r.ok, now, r.running, r.waiting, r.kv_usage)
+        self.router.on_scrape(name, r.ok, now, r.running, r.waiting, r.kv_usage, sample=r.sample)
+
+    def apply_load(self, name: str, r: ScrapeResult, now: float) -> None:
+        """A load-only scrape: fresher signals; a failure waits for the next health scrape to count."""
+        if r.ok:
+            self.router.on_load(name, r.sample, now)
 
     async def loop(self) -> None:
-        timeout = ClientTimeout(total=max(0.05, min(2.0, self.interval_s * 0.8)))
-        async with ClientSession(timeout=timeout) as session:
+        async with ClientSession() as session:
+            next_health = self.clock()
             while True:
+                # read each round: a reload may change the cadence or the policy
+                health_timeout = max(0.05, min(2.0, self.interval_s * 0.8))
+                fast = self.load_refresh_s if self.load_refresh_s and self.load_refresh_s < self.interval_s else None
                 started = self.clock()
+                health = fast is None or started >= next_health - 1e-3
                 names = list(self.urls)
-                results = await asyncio.gather(*(self.scrape_once(session, n, self.urls[n]) for n in names))
+                timeout = health_timeout if health else max(0.05, fast * 0.8)
+                results = await asyncio.gather(*(self.scrape_once(session, n, self.urls[n], timeout) for n in names))
                 now = self.clock()
                 for n, r in zip(names, results):
-                    self.apply(n, r, now)
-                await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
+                    (self.apply if health else self.apply_load)(n, r, now)
+                if health:
+                    next_health = started + self.interval_s
+                step = self.interval_s if fast is None else fast
+                wake = min(started + step, next_health)
+                await asyncio.sleep(max(0.0, wake - self.clock()))
 
 
-__all__ = ["RUNNING", "WAITING", "KV_NAMES", "ScrapeResult", "parse_vllm_metrics", "Scraper", "logs"]
+__all__ = ["RUNNING", "WAITING", "KV_NAMES", "COUNTERS", "ScrapeResult", "parse_vllm_metrics", "Scraper"]

@@ -37,10 +37,6 @@ class PinConfig:
     session_spills_to_rebind: int = 3  # A3: 3 spills in a row -> the session pin moves
     prefix_spills_to_delete: int = 2  # B: the second consecutive prefix spill deletes it
     force_rebind_gap: float = 3.0  # A3: effective_running(pin) - min_r >= 3 -> move at once
-    # Ablation switches for the simulator; production leaves them on. With spill_enabled off a
-    # pin holds whenever its replica is LIVE, whatever the load: the seed's removed "never rebind".
-    ttl_enabled: bool = True
-    spill_enabled: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +47,33 @@ class ProfileConfig:
     prefix_chars: int = 4096  # A3: MD5 of the first 4096 characters of the system prompt
     chars_per_token: float = 4.0  # B: estimate = characters / 4
     max_body_bytes: int = 64 * 1024 * 1024  # B: larger bodies are routed by headers only
+    # Bodies up to this size are parsed as JSON for body keys; larger ones are read as bytes only (session
+    # from headers, tokens from the size, block chain from the raw text), so no request holds the event
+    # loop for a long parse (a 32 MiB parse takes over 100 ms). None: the policy's own (seed: every body up
+    # to max_body_bytes, as B says; warm: 256 KiB, since it needs no key that only a parse gives).
+    parse_max_bytes: int | None = None
+    block_chars: int = 64  # C2: ~16 tokens at 4 characters a token, vLLM's block size
+    # C2: the chain covers at most this much of the conversation: ~262K tokens, more than a long-context model
+    # holds, and what one request can hash without holding the brain's event loop for milliseconds
+    chain_max_bytes: int = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class WarmConfig:
+    """The cost-based policy (SPEC C). Rates are learned from each replica's metrics; these are used until then."""
+
+    cache_tokens: int = 300_000  # C2: a replica's prefix cache until it exports vllm:cache_config_info
+    prefill_tokens_per_s: float = 5_000.0  # C3: until learned from the replica's counters
+    decode_s_per_token: float = 0.03  # C3: until learned
+    output_tokens: float = 256.0  # C3: mean generated tokens per request, until learned
+    rate_fresh_s: float = 60.0  # C3: a replica's learned rate counts this long after its last sample
+    balance_factor: float = 1.5  # C5: in-flight work above c x the mean is priced as waiting (c 1.25-1.5)
+    hard_bound_factor: float = 2.0  # C5: a replica with more than this x the bound takes no request at all
+    load_refresh_s: float = 0.5  # C6: load signals refreshed this often (health keeps its 3 s)
+    decode_weight: float = 1.0  # C3: weight of the decode slow-down against time to first token
+    kv_pressure: float = 0.95  # C3: past this KV usage a request risks preemption
+    evict_start: float = 0.6  # C3: above this share of the cache, active sessions start evicting each other
+    active_session_s: float = 60.0  # a session that sent a turn this recently will be back: its context stays
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +81,9 @@ class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     pins: PinConfig = field(default_factory=PinConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    warm: WarmConfig = field(default_factory=WarmConfig)
+    policy: str = "warm"  # C8: which policy chooses; the benchmark decides the default (README "Routing")
     token_weight_unit: int = 1000  # B: weight = max(1, prompt_tokens_estimate / 1000)
     probing_max_in_flight: int = 1  # B: a PROBING replica holds at most 1 request while a LIVE one exists
     reservation_timeout_s: float = 3600.0  # B: safety release of reservations whose end was never seen
-    # Ablation switches for the simulator (issue 3).
-    wlc_enabled: bool = True
-    no_wait_enabled: bool = True
     seed: int = 0  # the fallback's random choice is seeded so runs replay exactly

@@ -20,12 +20,13 @@ SESSION, PREFIX = PinKind.SESSION, PinKind.PREFIX
 
 
 class Pin:
-    __slots__ = ("replica", "last_used", "spills")
+    __slots__ = ("replica", "last_used", "spills", "tokens")
 
     def __init__(self, replica: "Replica", now: float):
         self.replica = replica
         self.last_used = now
         self.spills = 0
+        self.tokens = 0  # warm policy: prompt tokens of the session's last turn there (C4 cache hint)
 
 
 class PinTable:

@@ -8,16 +8,25 @@ profile without body keys plus ``body_status`` saying why.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import orjson
 
+from .blocks import ChainCache, chain_seed
 from .config import ProfileConfig
 from .names import BodyStatus
 
 BODY_OK, BODY_ABSENT, BODY_EMPTY = BodyStatus.OK, BodyStatus.ABSENT, BodyStatus.EMPTY
 BODY_NOT_JSON, BODY_NOT_OBJECT, BODY_TOO_LARGE = BodyStatus.NOT_JSON, BodyStatus.NOT_OBJECT, BodyStatus.TOO_LARGE
+BODY_UNPARSED = BodyStatus.UNPARSED
+
+# The conversation starts at the first of these keys (searched in the first 4 KiB): request
+# parameters a client puts before it (max_tokens, temperature...) then do not break the chain.
+_CONVERSATION_KEYS = (b'"messages"', b'"input"', b'"prompt"', b'"instructions"', b'"system"', b'"tools"')
+_HEAD = 4096
+_MODEL_RE = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){0,256})"')
 
 _SYSTEM_ROLES = ("system", "developer")
 
@@ -29,6 +38,7 @@ class RequestProfile:
     tokens: int = 0  # prompt_tokens_estimate
     body_status: BodyStatus = BODY_ABSENT
     session_source: str | None = None  # e.g. "header:x-session-id", "body:metadata.thread_id"
+    blocks: list[int] = ()  # C2: chained block hashes of the conversation (only for policies that read them)
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
@@ -146,12 +156,29 @@ def _session_from_body(body: Mapping[str, Any], fields: tuple[str, ...]) -> tupl
     return None
 
 
+def _conversation_start(body: bytes) -> int:
+    head = body[:_HEAD]
+    found = [i for i in (head.find(k) for k in _CONVERSATION_KEYS) if i >= 0]
+    return min(found) if found else 0
+
+
+def _model_of(body: bytes) -> str | None:
+    m = _MODEL_RE.search(body, 0, _HEAD) or (_MODEL_RE.search(body, max(0, len(body) - _HEAD)) if len(body) > _HEAD else None)
+    return m.group(1).decode("utf-8", "replace") if m else None
+
+
 def build_profile(
     headers: Mapping[str, str],
     body: bytes | None,
     cfg: ProfileConfig,
+    chains: ChainCache | None = None,
 ) -> RequestProfile:
-    """Profile of one request. ``headers`` keys must be lower-case (as HTTP/2 and Envoy give them)."""
+    """Profile of one request. ``headers`` keys must be lower-case (as HTTP/2 and Envoy give them).
+
+    With ``chains`` (policies that read the prefix index), the profile also carries the block chain
+    of the conversation, hashed from the raw bytes: no parse is needed, and a session's next turn
+    reuses the chain of its last one.
+    """
     tenant = headers.get(cfg.tenant_header) if cfg.tenant_header else None
     session_key = None
     session_source = None
@@ -170,18 +197,28 @@ def build_profile(
         return RequestProfile(session_key, None, 0, BODY_EMPTY, session_source)
     if size > cfg.max_body_bytes:
         return RequestProfile(session_key, None, bytes_estimate, BODY_TOO_LARGE, session_source)
-    try:
-        doc = orjson.loads(body)
-    except (orjson.JSONDecodeError, ValueError, TypeError):
-        return RequestProfile(session_key, None, bytes_estimate, BODY_NOT_JSON, session_source)
-    if not isinstance(doc, dict):
-        return RequestProfile(session_key, None, bytes_estimate, BODY_NOT_OBJECT, session_source)
-
-    if session_key is None:
+    doc = None
+    status = BODY_UNPARSED
+    if size <= (cfg.parse_max_bytes if cfg.parse_max_bytes is not None else cfg.max_body_bytes):
+        try:
+            doc = orjson.loads(body)
+            status = BODY_OK if isinstance(doc, dict) else BODY_NOT_OBJECT
+        except (orjson.JSONDecodeError, ValueError, TypeError):
+            status = BODY_NOT_JSON
+    if status is BODY_OK and session_key is None:
         found = _session_from_body(doc, cfg.session_body_fields)
         if found is not None:
             session_key = hash_key("session", tenant, found[0])
             session_source = "body:" + found[1]
+
+    blocks: list[int] = []
+    start = 0
+    if chains is not None:
+        start = _conversation_start(body)
+        blocks = chains.chain(session_key, body, start, chain_seed(_model_of(body), tenant), start + cfg.chain_max_bytes)
+    if status is not BODY_OK:
+        tokens = int((size - start) / cfg.chars_per_token)
+        return RequestProfile(session_key, None, tokens, status, session_source, blocks)
 
     prefix_key = None
     sp = system_prompt(doc)
@@ -189,4 +226,4 @@ def build_profile(
         prefix_key = hash_key("prefix", tenant, sp[: cfg.prefix_chars])
 
     tokens = int(_body_chars(doc) / cfg.chars_per_token)
-    return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source)
+    return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source, blocks)

@@ -1,21 +1,25 @@
-"""The 5-step selection pipeline (SPEC A4) with the atomic WLC reserve (A1).
+"""The fleet every policy shares (DESIGN "Policies as compositions"): replicas, health machines, drain,
+the candidate pool, reservations, and select + reserve as ONE synchronous call.
 
-``Router.select`` chooses a replica and reserves its in-flight weight in
-one synchronous call with no ``await`` inside: two concurrent requests can
-never both see the same stale load. The core reads no clock: every
-time-dependent call takes ``now``.
+``Router.select`` asks the policy for a replica and reserves its in-flight weight in the same call,
+with no ``await`` inside: two concurrent requests can never both see the same stale load (A1).
+Step 1 (the pool) and step 5 (fallback) of A4 are the fleet's; the policy chooses among the pool.
+The core reads no clock: every time-dependent call takes ``now``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from .config import RouterConfig
-from .names import Cause, PinAction, PinKind, Reason
-from .pins import PREFIX, SESSION, Pin, PinTable
+from .decision import Decision, PinEvent, Reservation
+from .load import LoadSample
+from .names import Reason
+from .pins import PREFIX, SESSION, PinTable
+from .policy import Policy, make_policy
 from .profile import RequestProfile
 from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
 
@@ -24,60 +28,26 @@ AFFINITY, LOAD, FALLBACK, NO_HEALTHY = Reason.AFFINITY, Reason.LOAD, Reason.FALL
 # Housekeeping (pin expiry, reservation safety timeout) need not be exact:
 # lookups already treat an expired pin as absent.
 _HOUSEKEEPING_EVERY_S = 1.0
-
-
-@dataclass(slots=True)
-class Reservation:
-    """In-flight weight held on a replica from selection until Envoy ends the request."""
-
-    id: int
-    replica: Replica
-    weight_milli: int
-    started_at: float
-    released: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PinEvent:
-    """A pin table change of one decision: ``action`` on a pin of ``kind``, and why."""
-
-    action: PinAction
-    kind: PinKind
-    cause: Cause = Cause.NONE
-
-
-@dataclass(slots=True)
-class Decision:
-    replica: Replica | None
-    reason: Reason
-    pin_kind: PinKind | None = None  # the pin resolved for this request, if any
-    events: list[PinEvent] = field(default_factory=list)
-    reservation: Reservation | None = None
-    min_r: float = 0.0
-
-    @property
-    def replica_name(self) -> str | None:
-        return self.replica.name if self.replica is not None else None
+_NO_PINS = PinTable(PREFIX, 0.0)
 
 
 class Router:
-    """Replica table, health machines, pin tables, reservations and the pipeline."""
+    """The fleet: replica table, health machines, reservations, and the policy that chooses."""
 
-    def __init__(self, cfg: RouterConfig, replica_names: Iterable[str], now: float):
+    def __init__(self, cfg: RouterConfig, replica_names: Iterable[str], now: float, policy: Policy | None = None):
         self.cfg = cfg
+        self.policy = policy if policy is not None else make_policy(cfg.policy, cfg)
         self._replicas: list[Replica] = []
         self._by_name: dict[str, Replica] = {}
-        self.session_pins = PinTable(SESSION, cfg.pins.session_ttl_s if cfg.pins.ttl_enabled else float("inf"))
-        self.prefix_pins = PinTable(PREFIX, cfg.pins.prefix_ttl_s if cfg.pins.ttl_enabled else float("inf"))
         self._reservations: OrderedDict[int, Reservation] = OrderedDict()
         self._next_reservation_id = 1
-        self._rr = 0  # round-robin pointer over replica indices (A4 step 3 ties)
         self._random = random.Random(cfg.seed)
         self._next_due = float("inf")
         self._housekeeping_at = now + _HOUSEKEEPING_EVERY_S
         self.safety_timeouts = 0
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
+        self._set_profile_cfg()
         for name in replica_names:
             self.add_replica(name, now)
 
@@ -87,6 +57,31 @@ class Router:
     def replicas(self) -> list[Replica]:
         return list(self._replicas)
 
+    @property
+    def replicas_view(self) -> list[Replica]:
+        """The replica list itself, for policies (read only)."""
+        return self._replicas
+
+    @property
+    def needs_blocks(self) -> bool:
+        """Whether the policy reads the request's block chain (the profile computes it only then)."""
+        return self.policy.needs_blocks
+
+    def _set_profile_cfg(self) -> None:
+        """The profile settings in force: the config's, with the policy's parse limit where the config names none."""
+        p = self.cfg.profile
+        if p.parse_max_bytes is None and self.policy.parse_max_bytes is not None:
+            p = dataclasses.replace(p, parse_max_bytes=self.policy.parse_max_bytes)
+        self.profile_cfg = p
+
+    @property
+    def session_pins(self) -> PinTable:
+        return self.policy.session_pins
+
+    @property
+    def prefix_pins(self) -> PinTable:
+        return getattr(self.policy, "prefix_pins", _NO_PINS)
+
     def replica(self, name: str) -> Replica:
         return self._by_name[name]
 
@@ -94,7 +89,8 @@ class Router:
         """A new replica starts EJECTED without cooldown and joins through the health machine (B)."""
         if name in self._by_name:
             raise ValueError(f"replica {name!r} already known")
-        r = Replica(name, len(self._replicas), HealthMachine(self.cfg.health, now), self.cfg.wlc_enabled)
+        r = Replica(name, len(self._replicas), HealthMachine(self.cfg.health, now))
+        self.policy.configure(r)
         self._replicas.append(r)
         self._by_name[name] = r
         return r
@@ -106,15 +102,20 @@ class Router:
         self._replicas.remove(r)
         for i, rep in enumerate(self._replicas):
             rep.index = i
+        self.policy.forget(name)
 
     def update_config(self, cfg: RouterConfig) -> None:
-        """New thresholds and TTLs take effect at once; pins, reservations and health states are kept."""
+        """New thresholds and TTLs take effect at once; pins, reservations and health states are kept.
+
+        A new ``routing.policy`` starts with empty pins (the old policy's are dropped)."""
+        if cfg.policy != self.cfg.policy:
+            self.policy = make_policy(cfg.policy, cfg)
         self.cfg = cfg
-        self.session_pins.ttl_s = cfg.pins.session_ttl_s if cfg.pins.ttl_enabled else float("inf")
-        self.prefix_pins.ttl_s = cfg.pins.prefix_ttl_s if cfg.pins.ttl_enabled else float("inf")
+        self.policy.update_config(cfg)
+        self._set_profile_cfg()
         for r in self._replicas:
             r.health.cfg = cfg.health
-            r.count_wlc = cfg.wlc_enabled
+            self.policy.configure(r)
         self._next_due = min((r.health.next_due() for r in self._replicas), default=float("inf"))
 
     def drain(self, name: str, drained: bool = True) -> None:
@@ -126,30 +127,37 @@ class Router:
     def _emit(self, t: Transition | None) -> Transition | None:
         if t is not None:
             self.transitions.append(t)
+            if t.new is EJECTED:
+                self.policy.on_health(self._by_name[t.replica], True)
             for fn in self.listeners:
                 fn(t)
         return t
 
-    def on_scrape(
-        self,
-        name: str,
-        ok: bool,
-        now: float,
-        running: int = 0,
-        waiting: int = 0,
-        kv_usage: float = 0.0,
-    ) -> Transition | None:
-        """Feed one scrape result. EJECTED replicas are scraped too: it is their only way back (A2)."""
+    def on_scrape(self, name: str, ok: bool, now: float, running: int = 0, waiting: int = 0, kv_usage: float = 0.0,
+                  sample: LoadSample | None = None) -> Transition | None:
+        """Feed one health scrape. EJECTED replicas are scraped too: it is their only way back (A2)."""
         r = self._by_name.get(name)
         if r is None:
             return None
         if ok:
-            r.scraped_running = running
-            r.scraped_waiting = waiting
-            r.kv_usage = kv_usage
+            if sample is None:
+                sample = LoadSample(running, waiting, kv_usage)
+            self._apply_load(r, sample, now)
         t = self._emit(r.health.on_scrape(name, ok, now))
         self._next_due = min(self._next_due, r.health.next_due())
         return t
+
+    def on_load(self, name: str, sample: LoadSample, now: float) -> None:
+        """A load-only scrape between health scrapes (C6): fresher signals, no effect on health."""
+        r = self._by_name.get(name)
+        if r is not None:
+            self._apply_load(r, sample, now)
+
+    def _apply_load(self, r: Replica, s: LoadSample, now: float) -> None:
+        r.scraped_running = s.running
+        r.scraped_waiting = s.waiting
+        r.kv_usage = s.kv_usage
+        self.policy.on_load(r, s, now)
 
     def on_upstream(self, name: str, ok: bool, now: float) -> Transition | None:
         """Outcome of a user request on ``name`` (B: N consecutive failures eject a LIVE replica)."""
@@ -174,8 +182,7 @@ class Router:
         self._next_due = due
         if now >= self._housekeeping_at:
             self._housekeeping_at = now + _HOUSEKEEPING_EVERY_S
-            self.session_pins.expire(now)
-            self.prefix_pins.expire(now)
+            self.policy.expire(now)
             self._expire_reservations(now)
         return out
 
@@ -191,36 +198,9 @@ class Router:
 
     # ---------------------------------------------------------------- pipeline
 
-    def _least_loaded(self, candidates: list[Replica]) -> tuple[Replica, float]:
-        """Step 3: minimum effective_running; ties -> round-robin, LIVE before PROBING."""
-        min_r = float("inf")
-        tied: list[Replica] = []
-        for r in candidates:
-            er = r.effective_running
-            if er < min_r:
-                min_r = er
-                tied = [r]
-            elif er == min_r:
-                tied.append(r)
-        if len(tied) > 1:
-            live_tied = [r for r in tied if r.health.state is LIVE]
-            if live_tied:
-                tied = live_tied
-            n = len(self._replicas)
-            rr = self._rr
-            best = min(tied, key=lambda r: (r.index - rr) % n)
-        else:
-            best = tied[0]
-        self._rr = best.index + 1
-        return best, min_r
-
-    def _candidates(self) -> tuple[list[Replica], bool]:
-        """Steps 1-2: the pool (LIVE and PROBING, not drained), narrowed by no-wait.
-
-        Returns the candidates and whether any LIVE replica exists (pins apply only then).
-        """
+    def pool(self) -> tuple[list[Replica], list[Replica]]:
+        """Step 1: the LIVE and the PROBING replicas, drained ones left out (EJECTED gets no traffic)."""
         live: list[Replica] = []
-        no_wait: list[Replica] = []
         probing: list[Replica] = []
         for r in self._replicas:
             if r.drained:
@@ -228,118 +208,21 @@ class Router:
             st = r.health.state
             if st is LIVE:
                 live.append(r)
-                if r.effective_waiting == 0:
-                    no_wait.append(r)
             elif st is PROBING:
                 probing.append(r)
-        if not live:
-            # B: with no LIVE replica the PROBING ones are the pool: no cap, no pins.
-            return probing, False
-        if not self.cfg.no_wait_enabled:
-            return live, True
-        if no_wait:
-            return no_wait, True
-        # B: a PROBING replica is a candidate only when no LIVE one is free of a
-        # queue, and then holds at most probing_max_in_flight requests.
-        cap = self.cfg.probing_max_in_flight
-        return live + [p for p in probing if p.in_flight_requests < cap], True
+        return live, probing
 
     def select(self, profile: RequestProfile, now: float) -> Decision:
-        """Choose a replica for ``profile`` and reserve its weight (A4 steps 1-5, A1 atomic reserve)."""
+        """Choose a replica for ``profile`` and reserve its weight: one synchronous call (A1 atomic reserve)."""
         if now >= self._next_due or now >= self._housekeeping_at:
             self.tick(now)
-
-        candidates, any_live = self._candidates()
-        if not candidates:
+        d = self.policy.select(self, profile, now)
+        if d is None:
             return self._fallback(profile, now)
-
-        best, min_r = self._least_loaded(candidates)
-        if not any_live:
-            return Decision(best, LOAD, None, [], self._reserve(best, profile, now), min_r)
-
-        pcfg = self.cfg.pins
-        events: list[PinEvent] = []
-        chosen = best
-        reason = LOAD
-
-        # Step 4: the session pin is looked up before the prefix pin.
-        pin_kind = None
-        pin: Pin | None = None
-        table: PinTable | None = None
-        key = None
-        if profile.session_key is not None:
-            pin = self.session_pins.get(profile.session_key, now)
-            if pin is not None:
-                pin_kind, table, key = SESSION, self.session_pins, profile.session_key
-        if pin is None and profile.prefix_key is not None:
-            pin = self.prefix_pins.get(profile.prefix_key, now)
-            if pin is not None:
-                pin_kind, table, key = PREFIX, self.prefix_pins, profile.prefix_key
-
-        if pin is not None:
-            pr = pin.replica
-            slack = pcfg.session_slack if pin_kind == SESSION else pcfg.prefix_slack
-            if pr.removed or pr.drained or pr.health.state is not LIVE:
-                # A pin to a dead, drained or PROBING replica never blocks distribution.
-                self._move_pin(table, key, pin, best, now, events, Cause.DEAD)
-            elif not pcfg.spill_enabled or (pr.effective_waiting == 0 and pr.effective_running <= min_r + slack):
-                # (spill_enabled off is the seed's removed "never rebind": the pin holds whatever the load)
-                chosen = pr
-                reason = AFFINITY
-                pin.spills = 0
-                table.touch(key, pin, now)
-            elif pr is best:
-                table.touch(key, pin, now)  # not usable, but least-loaded chose it anyway: no spill
-            else:
-                table.touch(key, pin, now)
-                if pcfg.spill_enabled:
-                    pin.spills += 1
-                    events.append(PinEvent(PinAction.SPILL, pin_kind))
-                    gap = pr.effective_running - min_r
-                    if pin_kind == PREFIX and pin.spills >= pcfg.prefix_spills_to_delete:
-                        # A shared system prompt must not hold a hot replica.
-                        table.delete(key)
-                        events.append(PinEvent("unpin", PREFIX, Cause.SPILLS))
-                    elif gap >= pcfg.force_rebind_gap:
-                        self._move_pin(table, key, pin, best, now, events, Cause.FORCE)
-                    elif pin_kind == SESSION and pin.spills >= pcfg.session_spills_to_rebind:
-                        self._move_pin(table, key, pin, best, now, events, Cause.SPILLS)
-
-        # B: each key without a live pin is pinned to the chosen replica (never a PROBING one).
-        if chosen.health.state is LIVE:
-            if profile.session_key is not None and pin_kind != SESSION:
-                if self.session_pins.get(profile.session_key, now) is None:
-                    self.session_pins.put(profile.session_key, chosen, now)
-                    events.append(PinEvent(PinAction.PIN, SESSION, Cause.NEW))
-            if profile.prefix_key is not None and pin_kind != PREFIX:
-                ppin = self.prefix_pins.get(profile.prefix_key, now)
-                if ppin is None:
-                    self.prefix_pins.put(profile.prefix_key, chosen, now)
-                    events.append(PinEvent(PinAction.PIN, PREFIX, Cause.NEW))
-                elif ppin.replica is chosen:
-                    self.prefix_pins.touch(profile.prefix_key, ppin, now)
-
-        return Decision(chosen, reason, pin_kind, events, self._reserve(chosen, profile, now), min_r)
-
-    def _move_pin(
-        self,
-        table: PinTable,
-        key: bytes,
-        pin: Pin,
-        target: Replica,
-        now: float,
-        events: list[PinEvent],
-        cause: Cause,
-    ) -> None:
-        """Rebind to ``target``; a PROBING target takes no pin, so the pin is dropped instead."""
-        if target.health.state is LIVE and not target.drained:
-            pin.replica = target
-            pin.spills = 0
-            table.touch(key, pin, now)
-            events.append(PinEvent(PinAction.REBIND, table.kind, cause))
-        else:
-            table.delete(key)
-            events.append(PinEvent(PinAction.UNPIN, table.kind, cause))
+        d.reservation = self._reserve(d.replica, profile, now)
+        d.reservation.predicted_ttft_s = d.predicted_ttft_s
+        self.policy.on_reserved(d, profile, now)
+        return d
 
     def _fallback(self, profile: RequestProfile, now: float) -> Decision:
         """Step 5: nothing LIVE or PROBING -> a random known replica; nothing known -> no_healthy_instances."""
@@ -373,6 +256,7 @@ class Router:
         r.wlc_milli -= res.weight_milli
         r.in_flight_requests -= 1
         self._reservations.pop(res.id, None)
+        self.policy.on_release(res, now)
         return True
 
     def reservation(self, rid: int) -> Reservation | None:
@@ -399,16 +283,6 @@ class Router:
 
 
 __all__ = [
-    "AFFINITY",
-    "LOAD",
-    "FALLBACK",
-    "NO_HEALTHY",
-    "Decision",
-    "PinEvent",
-    "Reservation",
-    "Router",
-    "State",
-    "LIVE",
-    "PROBING",
-    "EJECTED",
+    "AFFINITY", "LOAD", "FALLBACK", "NO_HEALTHY", "Decision", "PinEvent", "Reservation", "Router",
+    "State", "LIVE", "PROBING", "EJECTED", "SESSION",
 ]

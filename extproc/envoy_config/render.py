@@ -204,7 +204,12 @@ def routes(cfg: AppConfig) -> list[dict]:
         {
             "name": "warmroute_fail_open",
             "match": {"prefix": "/"},
-            "route": {"cluster": FALLBACK_CLUSTER, **common},
+            # C7: without the brain, keep cache locality: ring hash on the session header (the client's
+            # address when there is none; Envoy cannot hash a body), bounded by hash_balance_factor
+            "route": {"cluster": FALLBACK_CLUSTER, **common, "hash_policy": [
+                *({"header": {"header_name": h}, "terminal": True} for h in cfg.router.profile.session_headers),
+                {"connection_properties": {"source_ip": True}},
+            ]},
         },
     ]
 
@@ -269,13 +274,16 @@ def replica_cluster(cfg: AppConfig, r: ReplicaSpec) -> dict:
 
 
 def fallback_cluster(cfg: AppConfig) -> dict:
-    """Plain least-request over every replica: where requests go when the brain does not answer."""
+    """Where requests go when the brain does not answer (SPEC C7): bounded-load ring hash over every
+    replica, on the session header or the client's address (the route's hash policy)."""
     all_ip = all(_is_ip(x.host) for x in cfg.replicas)
     return {
         "name": FALLBACK_CLUSTER,
         "type": "STATIC" if all_ip else "STRICT_DNS",
         "connect_timeout": _dur(cfg.envoy.upstream_connect_timeout_s),
-        "lb_policy": "LEAST_REQUEST",
+        "lb_policy": "RING_HASH",
+        "common_lb_config": {"consistent_hashing_lb_config": {
+            "hash_balance_factor": cfg.envoy.fail_open_hash_balance_factor}},
         "circuit_breakers": _thresholds(),
         "per_connection_buffer_limit_bytes": cfg.envoy.max_body_bytes,
         "load_assignment": {

@@ -1,10 +1,14 @@
-"""``make bench-core``: decisions per second of the routing core, and bytes per pin.
+"""``make bench-core``: decisions per second of the routing core, bytes per pin, and what the warm
+policy's whole-conversation hashing costs.
 
-A decision here is select + reserve + release, the work the brain does per
-request besides parsing. Each row also times a plain round-robin loop over
-the same replicas in the same run, so the ratio survives a noisy machine.
-Targets (issue 2): >= 50,000 decisions/s at 4 replicas, >= 20,000 at 30,
-<= 400 bytes per pin at 1M pins.
+A decision here is select + reserve + release, the work the brain does per request besides
+parsing (seed policy, issue 2's targets: >= 50,000/s at 4 replicas, >= 20,000 at 30, <= 400 bytes
+per pin at 1M pins). Each row also times a plain round-robin loop over the same replicas in the
+same run, so the ratio survives a noisy machine.
+
+The warm section (issue 10) times ``Brain.decide`` end to end (profile with its block chain,
+select, reserve, answer) on multi-turn bodies where each turn extends the last, against baselines
+measured in the same run: the seed policy on 2 KB bodies, and one ``orjson.loads`` of the body.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def _key(kind: str, i: int) -> bytes:
 
 def _live_router(n: int) -> tuple[Router, float]:
     # stale scrapes are not the point here: the benchmark feeds no scrapes while it runs
-    cfg = RouterConfig(health=HealthConfig(stale_scrape_intervals=1e12))
+    cfg = RouterConfig(policy="seed", health=HealthConfig(stale_scrape_intervals=1e12))
     router = Router(cfg, [f"r{i}" for i in range(n)], 0.0)
     t = 0.0
     for _ in range(8):
@@ -96,21 +100,118 @@ def bytes_per_pin(pins: int) -> float:
     return (after - before) / pins
 
 
-def metrics_cost(decisions: int = 50_000) -> tuple[float, float]:
-    """µs per Brain.decide (2 KB body) with the Prometheus bookkeeping, and with it replaced by no-ops."""
+def _brain(policy: str):
+    from ..brain.brain import Brain
+    from ..config import parse_config
+
+    t = [0.0]
+    brain = Brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(4)],
+                                "health": {"stale_scrape_intervals": 1e12}, "routing": {"policy": policy}}),
+                  clock=lambda: t[0])
+    for k in range(8):
+        t[0] = 3.0 * k
+        for r in brain.router.replicas:
+            brain.router.on_scrape(r.name, True, t[0])
+    return brain, t
+
+
+def _conversation(turns: int, turn_bytes: int, system_bytes: int = 4000, seed: int = 0) -> list[bytes]:
+    """Bodies of one agent conversation: each turn is the last one plus an answer and a new message."""
     import orjson
 
-    from ..config import parse_config
-    from ..brain.brain import Brain
+    rng = random.Random(seed)
+    msgs = [{"role": "system", "content": "You are a coding agent. " * (system_bytes // 24)}]
+    out = []
+    for k in range(turns):
+        msgs.append({"role": "user", "content": "".join(rng.choice("abcdefgh ") for _ in range(turn_bytes // 2))})
+        out.append(orjson.dumps({"model": "m", "messages": msgs, "stream": True}))
+        msgs.append({"role": "assistant", "content": "x" * (turn_bytes // 2)})
+    return out
+
+
+def _decide_each(brain, bodies: list[bytes], sessions: int) -> list[float]:
+    """Seconds per Brain.decide (released at once), turn by turn, for ``sessions`` interleaved conversations."""
+    took = []
+    for body in bodies:
+        for s in range(sessions):
+            h = {"x-session-id": f"s{s}", "x-request-id": f"q{len(took)}"}
+            t0 = time.perf_counter()
+            brain.decide(h, body)
+            took.append(time.perf_counter() - t0)
+            res = brain.router.reservation(brain.router._next_reservation_id - 1)
+            brain.router.release(res, 0.0)
+    return took
+
+
+def warm_costs() -> list[str]:
+    """Issue 10's speed rows, each against a baseline measured in this run."""
+    import orjson
+
+    lines = []
+    seed_brain, _ = _brain("seed")
+    small = _conversation(1, 1500)[0]  # ~2 KB
+    _decide_each(seed_brain, [small] * 200, 4)
+    seed_rate = 1 / (sum(_decide_each(seed_brain, [small] * 2000, 4)) / 8000)
+    warm_brain, _ = _brain("warm")
+    eight = [b for b in _conversation(40, 400) if len(b) <= 8192][-8:]  # turns of ~7-8 KB, each extending the last
+    _decide_each(warm_brain, eight, 50)  # warm-up: chains cached, index filled
+    took = _decide_each(warm_brain, [eight[-1]] * 40, 50)
+    warm_rate = 1 / (sum(took) / len(took))
+    ratio = warm_rate / seed_rate
+    lines.append(f"warm decide, 8 KB multi-turn bodies: {warm_rate:,.0f}/s; seed decide, 2 KB bodies: {seed_rate:,.0f}/s; "
+                 f"ratio {ratio:.2f} (target >= 0.30) {'ok' if ratio >= 0.3 else 'MISSED'}")
+
+    big = _conversation(12, 90_000)  # the last turns pass 1 MB
+    mb = [b for b in big if len(b) >= 1_000_000][:2] or big[-2:]
+    brain, _ = _brain("warm")
+    _decide_each(brain, big[: big.index(mb[0])], 1)  # the conversation so far
+    first = _decide_each(brain, [mb[0]], 1)[0]
+    nxt = min(_decide_each(brain, [mb[1]], 1) + _decide_each(brain, [mb[1]], 1))
+    loads = min(_time(lambda: orjson.loads(mb[1])) for _ in range(5))
+    lines.append(f"warm decide at {len(mb[1]) / 1e6:.1f} MB, the conversation's next turn: {nxt * 1e3:.2f} ms; one orjson.loads "
+                 f"of it: {loads * 1e3:.2f} ms; ratio {nxt / loads:.2f} (target <= 1) {'ok' if nxt <= loads else 'MISSED'}; "
+                 f"its first sight (no chain to reuse): {first * 1e3:.2f} ms")
+
+    worst = []
+    for size in (1_000, 100_000, 1_000_000, 8_000_000, 32_000_000):
+        b = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * size}]})
+        brain, _ = _brain("warm")
+        worst.append((size, max(_decide_each(brain, [b], 1) + _decide_each(brain, [b + b"  "], 1))))
+    lines.append("longest warm decide by body size (first sight): " + ", ".join(
+        f"{s / 1e6:g} MB {t * 1e3:.1f} ms" for s, t in worst) + f"; target <= 5 ms on a quiet box: "
+        f"{'ok' if max(t for _, t in worst) <= 0.005 else 'MISSED'}")
+
+    from ..core import PrefixIndex
+
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    idx = PrefixIndex(1_000_000)
+    chains = [[random.getrandbits(63) for _ in range(1000)] for _ in range(1000)]
+    mid = tracemalloc.take_snapshot()
+    for c in chains:
+        idx.insert(c)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    chain_bytes = sum(st.size_diff for st in mid.compare_to(before, "filename"))
+    index_bytes = sum(st.size_diff for st in after.compare_to(mid, "filename"))
+    lines.append(f"prefix index: {index_bytes / len(idx):.0f} bytes per indexed block beyond the chain itself "
+                 f"({chain_bytes / len(idx):.0f} for the chain's ints); bounded by each replica's cache size in blocks")
+    return lines
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def metrics_cost(decisions: int = 50_000) -> tuple[float, float]:
+    """µs per Brain.decide (2 KB body, seed policy) with the Prometheus bookkeeping, and with it replaced by no-ops."""
+    import orjson
 
     def run(with_metrics: bool) -> float:
-        t = [0.0]
-        brain = Brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(4)],
-                                    "health": {"stale_scrape_intervals": 1e12}}), clock=lambda: t[0])
-        for k in range(8):
-            t[0] = 3.0 * k
-            for r in brain.router.replicas:
-                brain.router.on_scrape(r.name, True, t[0])
+        brain, t = _brain("seed")
         if not with_metrics:
             class _Nop:
                 def observe(self, *_):
@@ -142,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     targets = {4: 50_000, 30: 20_000}
-    print(f"routing core: select + reserve + release, {args.pins:,} live session pins, {args.decisions:,} decisions")
+    print(f"routing core (seed policy): select + reserve + release, {args.pins:,} live session pins, {args.decisions:,} decisions")
     print(f"{'replicas':>8} {'decisions/s':>12} {'target':>8} {'round-robin/s':>14} {'rr/warmroute':>13}")
     for n in args.replicas:
         ours, rr = decisions_per_second(n, args.pins, args.decisions)
@@ -155,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(metrics {max(0.0, with_m - without_m) / with_m:.0%} of the decision)")
     bpp = bytes_per_pin(args.pin_memory_at)
     print(f"bytes per pin at {args.pin_memory_at:,} pins: {bpp:.0f} (target <= 400) {'ok' if bpp <= 400 else 'MISSED'}")
+    print()
+    for line in warm_costs():
+        print(line)
     return 0
 
 

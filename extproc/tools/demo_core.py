@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
-from ..core import ProfileConfig, RouterConfig, Router, Transition, build_profile
+from ..core import ChainCache, RouterConfig, Router, Transition, build_profile
 
 
 @dataclass
@@ -48,13 +48,13 @@ def _body(project: str, turn: int) -> bytes:
     )
 
 
-def run(out: TextIO, seed: int = 7, quiet: bool = False) -> Router:
+def run(out: TextIO, seed: int = 7, quiet: bool = False, policy: str | None = None) -> Router:
     rng = random.Random(seed)
-    cfg = RouterConfig(seed=seed)
-    pcfg: ProfileConfig = cfg.profile
+    cfg = RouterConfig(seed=seed, **({"policy": policy} if policy else {}))
     names = ["r0", "r1", "r2", "r3"]
     replicas = {n: ToyReplica(n) for n in names}
     router = Router(cfg, names, now=0.0)
+    chains = ChainCache() if router.needs_blocks else None
     say: Callable[[str], None] = (lambda s: None) if quiet else (lambda s: print(s, file=out))
 
     def on_transition(t: Transition) -> None:
@@ -89,7 +89,7 @@ def run(out: TextIO, seed: int = 7, quiet: bool = False) -> Router:
     at(200.0, "table")
     at(200.0, "stop")
 
-    say("warmroute core demo: 4 toy replicas, scraped every 3 s of virtual time\n")
+    say(f"warmroute core demo ({router.policy.name} policy): 4 toy replicas, scraped every 3 s of virtual time\n")
     say("  start-up: every replica starts EJECTED and must earn 2 good scrapes + a 15 s clean window")
     shown_table_at = -1.0
     while events:
@@ -134,10 +134,11 @@ def run(out: TextIO, seed: int = 7, quiet: bool = False) -> Router:
             body = _body("search", 0)
             headers = {}
             label = f"one-shot #{args[0]}"
-        prof = build_profile(headers, body, pcfg)
+        prof = build_profile(headers, body, router.profile_cfg, chains)
         d = router.select(prof, now)
         ev = " ".join(f"{e.action}:{e.kind}" + (f"({e.cause})" if e.cause and e.cause != "new" else "") for e in d.events)
-        say(f"  t={now:6.1f}s  {label:<28} -> {d.replica_name or '-':<3} {d.reason:<9} {ev}")
+        est = f" cached {d.cached_tokens:>5} ttft~{d.predicted_ttft_s:.2f}s" if d.predicted_ttft_s is not None else ""
+        say(f"  t={now:6.1f}s  {label:<28} -> {d.replica_name or '-':<3} {d.reason:<9}{est} {ev}")
         if d.replica is None:
             continue
         rep = replicas[d.replica_name]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import zlib
 import json
 import random
 import sys
@@ -29,19 +30,20 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..core.blocks import BLOCK_CHARS, block_hashes
 from .sim.engine import Engine, EngineConfig, EngineRequest
 
 CHARS_PER_TOKEN = 4
-BLOCK_CHARS = 16 * CHARS_PER_TOKEN
 
 
 def text_blocks(text: str) -> list[int]:
-    """Chained hashes of the text's 64-character chunks: the prefix cache's view of a prompt."""
-    out = []
-    h = b""
-    for i in range(0, len(text), BLOCK_CHARS):
-        h = hashlib.blake2b(h + text[i : i + BLOCK_CHARS].encode("utf-8", "replace"), digest_size=8).digest()
-        out.append(int.from_bytes(h, "big"))
+    """The prefix cache's view of a prompt: the router's own block hashes (``extproc.core.blocks``), so a
+    "cache hit" means the same thing to the mock, the router and the simulator. The last, partial block
+    gets a hash of its own (the engine never shares it)."""
+    data = text.encode("utf-8", "replace")
+    out = block_hashes(data)
+    if len(data) % BLOCK_CHARS:
+        out.append(zlib.crc32(data) << 32 | len(data))
     return out
 
 
@@ -66,6 +68,10 @@ class Driver:
         self.engine = Engine(cfg)
         self.speedup = speedup
         self.waiters: dict[int, Waiter] = {}
+        self.admitted_at: dict[int, float] = {}  # wall time a request first ran (vLLM's prefill time starts there)
+        self.prefilled: set[int] = set()
+        self.on_first = lambda er, prefill_s: None
+        self.on_done = lambda er, decode_s: None
         self._wake = asyncio.Event()
         self._next_rid = 0
         self.task: asyncio.Task | None = None
@@ -84,10 +90,14 @@ class Driver:
 
     def abort(self, w: Waiter) -> None:
         self.waiters.pop(w.req.rid, None)
+        self.admitted_at.pop(w.req.rid, None)
+        self.prefilled.discard(w.req.rid)
         self.engine.abort(w.req)
 
     def abort_all(self) -> None:
         self.engine.abort_all()
+        self.admitted_at.clear()
+        self.prefilled.clear()
         for w in self.waiters.values():
             w.queue.put_nowait(_Aborted())
         self.waiters.clear()
@@ -103,14 +113,25 @@ class Driver:
             if dur <= 0:
                 await asyncio.sleep(0.001)
                 continue
+            started = time.monotonic()
+            for r in self.engine.running:
+                self.admitted_at.setdefault(r.rid, started)
             await asyncio.sleep(dur / self.speedup)
+            ended = time.monotonic()
             firsts = {r.rid for r in first}
+            for r in first:
+                if r.rid not in self.prefilled:  # once per request, as vLLM counts it (not again after preemption)
+                    self.prefilled.add(r.rid)
+                    self.on_first(r, ended - self.admitted_at.get(r.rid, started))
+                    self.admitted_at[r.rid] = ended  # from here on, the decode phase
             for r in [*self.engine.running, *done]:
                 w = self.waiters.get(r.rid)
                 new = r.generated - before.get(r.rid, 0)
                 if w is not None and new > 0:
                     w.queue.put_nowait((new, r.rid in firsts))
             for r in done:
+                self.prefilled.discard(r.rid)
+                self.on_done(r, ended - self.admitted_at.pop(r.rid, ended))
                 w = self.waiters.pop(r.rid, None)
                 if w is not None:
                     w.queue.put_nowait(None)
@@ -124,7 +145,8 @@ class MockReplica:
         self.fail_rate = args.fail_rate
         self.stall_s = 0.0
         self.rng = random.Random(args.seed)
-        self.engine_cfg = EngineConfig(kv_tokens=args.kv_tokens, max_num_seqs=args.max_num_seqs)
+        # --speed scales prefill and decode alike (a slower GPU); --speedup only compresses time for tests
+        self.engine_cfg = EngineConfig(max_num_seqs=args.max_num_seqs).scaled(args.speed, args.kv_tokens)
         self.driver = Driver(self.engine_cfg, args.speedup)
         self.site: web.TCPSite | None = None
         self.runner: web.AppRunner | None = None
@@ -144,6 +166,28 @@ class MockReplica:
         self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels, registry=reg,
                                buckets=(0.1, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640))
         self._engine_counters = [0, 0, 0]  # queries, hits, preemptions already exported
+        # what a router learns rates from: vLLM's token counters and per-phase latency histograms
+        self.c_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=reg)
+        self.c_generation = Counter("vllm:generation_tokens", "Generation tokens processed", labels, registry=reg)
+        phase_buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+        self.h_prefill = Histogram("vllm:request_prefill_time_seconds", "Time in the prefill phase", labels,
+                                   registry=reg, buckets=phase_buckets)
+        self.h_decode = Histogram("vllm:request_decode_time_seconds", "Time in the decode phase", labels,
+                                  registry=reg, buckets=phase_buckets)
+        cfg = self.engine_cfg
+        g = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                  ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=reg)
+        g.labels(block_size="16", num_gpu_blocks=str(cfg.num_blocks), enable_prefix_caching="True").set(1)
+
+        def first(er, prefill_s):
+            self.c_prompt.labels(**self.lv).inc(er.prompt_tokens)
+            self.h_prefill.labels(**self.lv).observe(prefill_s)
+
+        def done(er, decode_s):
+            self.c_generation.labels(**self.lv).inc(er.generated)
+            self.h_decode.labels(**self.lv).observe(decode_s)
+
+        self.driver.on_first, self.driver.on_done = first, done
 
     def _sync_metrics(self) -> None:
         e = self.driver.engine
@@ -411,7 +455,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--port", type=int, default=0, help="0 lets the OS pick; the bound port is printed")
     ap.add_argument("--model", default="mock-coder-30b")
     ap.add_argument("--name", default="mock", help="reported as system_fingerprint, so a client can see who served it")
-    ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens)
+    ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens, help="KV cache size in tokens")
+    ap.add_argument("--speed", type=float, default=1.0, help="prefill and decode speed against the default engine "
+                    "(0.5: a GPU half as fast); exported cache size and rates follow")
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--default-max-tokens", type=int, default=64)
     ap.add_argument("--speedup", type=float, default=1.0, help="divide every engine step time by this")

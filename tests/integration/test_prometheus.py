@@ -39,7 +39,7 @@ def test_alerts_fire_for_a_crystallizing_fleet_and_a_flapping_replica(own_stack,
     prom_bin = shutil.which("prometheus")
     assert prom_bin, "the prometheus server is missing: apt-get install prometheus (.ci/run installs it)"
     crystallize = {  # the rule switched off in config: pins live forever and never spill
-        "pins": {"ttl_enabled": False, "spill_enabled": False},
+        "routing": {"policy": "seed_pins_forever"},
         "health": {"cooldown_max_s": 4.0},
     }
     # 5 replicas: r4 flaps (EJECTED, not routable), all traffic on one of the 4 others -> imbalance 4 > 3

@@ -1,14 +1,18 @@
-"""``warmroute sim``: run the simulator for one policy or compare them all on one workload."""
+"""``warmroute sim``: one policy, ``--compare`` the default against its peers, ``--capacity`` per policy."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import time
 
-from .policies import POLICIES
+from .policies import COMPARE, POLICIES
 from .report import share_plot, table
 from .simulator import Fault, Simulation
 from .workload import WorkloadConfig
+
+CAPACITY_TTFT_P90_S = 2.0  # the latency target a fleet owner buys hardware by
 
 
 def _fault(spec: str, flap: bool) -> Fault:
@@ -21,43 +25,130 @@ def _fault(spec: str, flap: bool) -> Fault:
     return Fault(int(r), start, dur)
 
 
+def _speeds(text: str | None) -> tuple[float, ...] | None:
+    if not text:
+        return None
+    return tuple(float(x) for x in text.split(","))
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--policy", default="warmroute", choices=POLICIES + ["warmroute_no_ttl_no_spill"])
-    ap.add_argument("--compare", action="store_true", help="every policy on the same workload and seed")
     w = WorkloadConfig()  # one place per default: the workload's own
+    ap.add_argument("--policy", default="warmroute", choices=POLICIES)
+    ap.add_argument("--compare", action="store_true", help="the default policy, the other one, every peer and the oracle")
+    ap.add_argument("--policies", default=None, help="comma-separated list instead of --compare's")
     ap.add_argument("--minutes", type=float, default=w.minutes)
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--replica-speeds", default=None, metavar="1,1,0.5,0.5",
+                    help="per replica prefill and decode speed (a mixed fleet); overrides --replicas")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", default=None, metavar="1-5", help="run every seed of a range and print the median")
+    ap.add_argument("--load", type=float, default=1.0, help="scales every arrival rate (1 = the default workload)")
     ap.add_argument("--sessions-per-min", type=float, default=w.sessions_per_min)
     ap.add_argument("--oneshots-per-min", type=float, default=w.oneshots_per_min)
     ap.add_argument("--projects", type=int, default=w.projects)
     ap.add_argument("--kill", action="append", default=[], metavar="R:START:DURATION")
     ap.add_argument("--flap", action="append", default=[], metavar="R:START:DOWN:EVERY:UNTIL")
+    ap.add_argument("--capacity", action="store_true",
+                    help=f"per policy, the highest --load with TTFT p90 <= {CAPACITY_TTFT_P90_S:g} s (median over --seeds)")
+    ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes (--capacity)")
     ap.add_argument("--png", default=None, help="write traffic share over time per policy to this PNG")
     ap.add_argument("--transitions", action="store_true", help="print every health state change (warmroute)")
 
 
+def _seeds(args) -> list[int]:
+    if not args.seeds:
+        return [args.seed]
+    a, _, b = args.seeds.partition("-")
+    return list(range(int(a), int(b or a) + 1))
+
+
+def workload(args, load: float | None = None) -> WorkloadConfig:
+    load = args.load if load is None else load
+    return WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min * load,
+                          oneshots_per_min=args.oneshots_per_min * load, projects=args.projects)
+
+
+def simulate(policy: str, args, seed: int, load: float | None = None, faults=()):
+    speeds = _speeds(args.replica_speeds)
+    n = len(speeds) if speeds else args.replicas
+    return Simulation(policy, replicas=n, workload=workload(args, load), seed=seed, faults=faults,
+                      replica_speeds=speeds).run()
+
+
+def capacity(policy: str, args, seed: int, lo: float = 0.05, hi: float = 4.0, steps: int = 7) -> float:
+    """Highest load with TTFT p90 <= the target (bisection on a log scale; 0 if even ``lo`` misses)."""
+    ok = lambda load: simulate(policy, args, seed, load).summary()["ttft_p90"] <= CAPACITY_TTFT_P90_S  # noqa: E731
+    if not ok(lo):
+        return 0.0
+    if ok(hi):
+        return hi
+    for _ in range(steps):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
 def run(args: argparse.Namespace) -> int:
-    w = WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min,
-                       oneshots_per_min=args.oneshots_per_min, projects=args.projects)
     faults = tuple([_fault(s, False) for s in args.kill] + [_fault(s, True) for s in args.flap])
-    policies = POLICIES if args.compare else [args.policy]
-    print(f"{args.minutes:g} simulated minutes, {args.replicas} replicas, {args.sessions_per_min:g} agent sessions/min "
-          f"over {args.projects} projects, {args.oneshots_per_min:g} one-shots/min, seed {args.seed}"
-          + (f", faults {faults}" if faults else ""))
-    results = []
-    for p in policies:
-        t0 = time.monotonic()
-        r = Simulation(p, replicas=args.replicas, workload=w, seed=args.seed, faults=faults).run()
-        results.append(r)
-        print(f"  {p}: {len(r.requests)} requests in {time.monotonic() - t0:.1f} s wall", flush=True)
-        if args.transitions:
-            for t in r.transitions:
-                extra = f" cooldown {t.cooldown_s:.0f}s" if t.new.value == "EJECTED" else ""
-                print(f"    t={t.at:8.1f}s {t.replica}: {t.old.value} -> {t.new.value} ({t.reason}){extra}")
-    print()
-    print(table(results))
+    policies = args.policies.split(",") if args.policies else (COMPARE if args.compare or args.capacity else [args.policy])
+    seeds = _seeds(args)
+    speeds = _speeds(args.replica_speeds)
+    fleet = f"replicas at speeds {args.replica_speeds}" if speeds else f"{args.replicas} replicas"
+    print(f"{args.minutes:g} simulated minutes, {fleet}, load {args.load:g} ({args.sessions_per_min * args.load:g} agent "
+          f"sessions/min over {args.projects} projects, {args.oneshots_per_min * args.load:g} one-shots/min), "
+          f"seed{'s' if len(seeds) > 1 else ''} {args.seeds or args.seed}" + (f", faults {faults}" if faults else ""))
+    if args.capacity:
+        print(f"capacity = highest load with TTFT p90 <= {CAPACITY_TTFT_P90_S:g} s, per seed")
+        jobs = [(p, args, s) for p in policies for s in seeds]
+        if args.jobs > 1:
+            from multiprocessing import Pool
+
+            with Pool(args.jobs) as pool:
+                caps = pool.starmap(capacity, jobs)
+        else:
+            caps = [capacity(*j) for j in jobs]
+        for k, p in enumerate(policies):
+            mine = caps[k * len(seeds):(k + 1) * len(seeds)]
+            print(f"  {p:<30} " + " ".join(f"{c:5.2f}" for c in mine) + f"   median {statistics.median(mine):.2f}")
+        return 0
+    per_seed: dict[int, list] = {}
+    for seed in seeds:
+        results = []
+        for p in policies:
+            t0 = time.monotonic()
+            r = simulate(p, args, seed, faults=faults)
+            results.append(r)
+            print(f"  seed {seed} {p}: {len(r.requests)} requests in {time.monotonic() - t0:.1f} s wall", flush=True)
+            if args.transitions:
+                for t in r.transitions:
+                    extra = f" cooldown {t.cooldown_s:.0f}s" if t.new.value == "EJECTED" else ""
+                    print(f"    t={t.at:8.1f}s {t.replica}: {t.old.value} -> {t.new.value} ({t.reason}){extra}")
+        per_seed[seed] = results
+        print()
+        print(table(results, title=f"seed {seed}"))
+    if len(seeds) > 1:
+        print()
+        print(table([_median(policies, [per_seed[s][k] for s in seeds]) for k in range(len(policies))],
+                    title=f"median over seeds {args.seeds}"))
     if args.png:
-        share_plot(results, args.png)
+        share_plot(per_seed[seeds[0]], args.png)
         print(f"\nwrote {args.png}")
     return 0
+
+
+@dataclasses.dataclass
+class _Median:
+    policy: str
+    values: dict
+
+    def summary(self) -> dict:
+        return self.values
+
+
+def _median(policies, results) -> _Median:
+    sums = [r.summary() for r in results]
+    out = {"policy": sums[0]["policy"]}
+    for k in sums[0]:
+        if k != "policy" and all(k in s for s in sums):
+            out[k] = statistics.median(s[k] for s in sums)
+    return _Median(out["policy"], out)

@@ -25,7 +25,7 @@ Defaults are calibrated to the seed's replica: a ~30B coding model
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 BLOCK = 16
@@ -50,6 +50,17 @@ class EngineConfig:
     def num_blocks(self) -> int:
         return self.kv_tokens // BLOCK
 
+    def scaled(self, speed: float = 1.0, kv_tokens: int | None = None) -> "EngineConfig":
+        """The same engine ``speed`` times as fast (prefill and decode alike), optionally with another KV size."""
+        return replace(
+            self,
+            kv_tokens=kv_tokens if kv_tokens is not None else self.kv_tokens,
+            step_base_s=self.step_base_s / speed,
+            step_per_seq_s=self.step_per_seq_s / speed,
+            kv_read_s_per_ktoken=self.kv_read_s_per_ktoken / speed,
+            prefill_s_per_token=self.prefill_s_per_token / speed,
+        )
+
 
 @dataclass(slots=True, eq=False)  # identity: the scheduler's lists hold the very requests
 class EngineRequest:
@@ -65,6 +76,7 @@ class EngineRequest:
     generated: int = 0
     held: list = field(default_factory=list)  # block ids held
     cached_tokens: int = 0
+    scheduled_at: float | None = None  # first admission: where vLLM's prefill time starts
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
@@ -91,6 +103,12 @@ class Engine:
         self.preemptions = 0
         self.finished = 0
         self.aborted = 0
+        # vLLM's counters a router may learn rates from (prompt_tokens, request_prefill_time_seconds,
+        # generation_tokens, request_decode_time_seconds, requests finished)
+        self.prompt_tokens_total = 0
+        self.prefill_seconds_total = 0.0
+        self.generation_tokens_total = 0
+        self.decode_seconds_total = 0.0
 
     # ------------------------------------------------------------------ state
 
@@ -272,6 +290,8 @@ class Engine:
                 break
             self.waiting.popleft()
             self.running.append(r)
+            if r.scheduled_at is None:
+                r.scheduled_at = now
             chunk = min(r.prompt_tokens - r.computed, budget)  # >= 1: the last token is always computed
             prefilling.append((r, chunk))
             budget -= chunk
@@ -303,6 +323,9 @@ class Engine:
                 # the step that finishes prefill also samples the first output token
                 self._grow(r, 1)
                 r.generated += 1
+                if r.first_token_at is None:
+                    self.prompt_tokens_total += r.prompt_tokens
+                    self.prefill_seconds_total += end - (r.scheduled_at if r.scheduled_at is not None else now)
                 r.first_token_at = end
                 first.append(r)
         for r in list(self.running):
@@ -311,5 +334,7 @@ class Engine:
                 self.running.remove(r)
                 self._release(r)
                 self.finished += 1
+                self.generation_tokens_total += r.generated
+                self.decode_seconds_total += end - r.first_token_at
                 done.append(r)
         return dur, first, done

@@ -1,33 +1,38 @@
-"""Routing policies to compare in the simulator.
+"""Routing policies to compare in the simulator: warmroute's (the real core) and its peers, modelled honestly.
 
-``Warmroute`` drives the real core (``extproc.core.Router``), not a copy;
-its ablations switch one rule off through the core's own config. The
-others model what a user would deploy instead: Envoy's ROUND_ROBIN,
-LEAST_REQUEST (power of two choices on in-flight requests) and RING_HASH
-on the session key. Those know nothing of replica health beyond what a
-refused connection tells them, as with Envoy's built-ins without outlier
-detection: a request to a dead replica is retried once elsewhere.
+``Warmroute`` drives the real core (``extproc.core.Router``) with a policy from the core's registry,
+the same one the config names: ``warmroute`` is the default policy, ``warmroute_<name>`` any other
+(``warmroute_seed``, ``warmroute_warm_no_guard`` ...). Peers are modelled from their own source with
+their shipped defaults (file named in each class); they know of replica health only what a refused
+connection tells them, as with Envoy's built-ins without outlier detection: a request to a dead
+replica is retried once elsewhere. ``oracle`` reads the simulated engines' true state: it is a
+reference for how close a router that only sees metrics can get, not a peer.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import hashlib
+import math
 import random
-
-from ...core import RequestProfile, Router, RouterConfig, hash_key
+from ...core import LoadSample, RequestProfile, Router, RouterConfig, hash_key
+from ...core.policy import POLICIES as CORE_POLICIES
+from .engine import BLOCK
 from .workload import Request
 
 
 class Policy:
     name = "policy"
     uses_health = False
+    load_refresh_s: float | None = None  # how often it reads replicas' load metrics (None: never)
 
     def __init__(self, n: int, seed: int):
         self.n = n
         self.rng = random.Random(seed)
         self.in_flight = [0] * n
+
+    def attach(self, sim) -> None:
+        """Called once by the simulation (the oracle reads the engines through it)."""
 
     def choose(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> int | None:
         raise NotImplementedError
@@ -43,7 +48,10 @@ class Policy:
         if req.replica is not None:
             self.in_flight[req.replica] -= 1
 
-    def on_scrape(self, i: int, ok: bool, now: float, running: int = 0, waiting: int = 0, kv: float = 0.0) -> None:
+    def on_scrape(self, i: int, ok: bool, now: float, sample: LoadSample | None = None) -> None:
+        pass
+
+    def on_load(self, i: int, sample: LoadSample, now: float) -> None:
         pass
 
     def on_upstream(self, i: int, ok: bool, now: float) -> None:
@@ -51,6 +59,16 @@ class Policy:
 
     def tick(self, now: float) -> None:
         pass
+
+    def routable(self, i: int) -> bool:
+        """Whether the policy itself would send traffic to replica i (for the imbalance index)."""
+        return True
+
+    def health_transitions(self) -> list:
+        return []
+
+    def ejected(self, i: int) -> bool:
+        return False
 
 
 class RoundRobin(Policy):
@@ -82,12 +100,23 @@ class LeastRequest(Policy):
         return a if self.in_flight[a] <= self.in_flight[b] else b
 
 
+def _session_hash(req: Request) -> int:
+    return int.from_bytes(hashlib.md5(f"s{req.sid}".encode()).digest()[:8], "big")
+
+
 class RingHash(Policy):
-    """Envoy's RING_HASH on the session header (a one-shot has its own key)."""
+    """Envoy's RING_HASH on the session header (a one-shot has its own key), 100 virtual nodes a host.
+
+    With ``hash_balance_factor`` it is Envoy's bounded-load variant (envoyproxy/envoy,
+    ``source/extensions/load_balancing_policies/common/thread_aware_lb_impl.cc``,
+    ``BoundedLoadHashingLoadBalancer``): a host may hold ``slots = max(1, ceil(ceil((active + 1) x
+    factor / 100) / n))`` active requests; a full host passes the request on by a random jump seeded
+    by the hash, else the least overloaded host takes it.
+    """
 
     name = "envoy_ring_hash"
 
-    def __init__(self, n: int, seed: int, vnodes: int = 100):
+    def __init__(self, n: int, seed: int, vnodes: int = 100, hash_balance_factor: int | None = None):
         super().__init__(n, seed)
         ring = []
         for i in range(n):
@@ -96,9 +125,11 @@ class RingHash(Policy):
         ring.sort()
         self.keys = [k for k, _ in ring]
         self.owners = [o for _, o in ring]
+        self.factor = hash_balance_factor
+        if hash_balance_factor:
+            self.name = f"envoy_ring_hash_bounded_{hash_balance_factor}"
 
-    def choose(self, req, now, exclude=frozenset()):
-        h = int.from_bytes(hashlib.md5(f"s{req.sid}".encode()).digest()[:8], "big")
+    def _ring_host(self, h: int, exclude) -> int | None:
         j = bisect.bisect(self.keys, h)
         for k in range(len(self.keys)):
             o = self.owners[(j + k) % len(self.keys)]
@@ -106,21 +137,261 @@ class RingHash(Policy):
                 return o
         return None
 
+    def _overload(self, i: int, hosts: int) -> float:
+        total_slots = -(-((sum(self.in_flight) + 1) * self.factor) // 100)
+        slots = max(1, math.ceil(total_slots / hosts))
+        return self.in_flight[i] / slots
+
+    def choose(self, req, now, exclude=frozenset()):
+        h = _session_hash(req)
+        host = self._ring_host(h, exclude)
+        if host is None or not self.factor:
+            return host
+        hosts = [i for i in range(self.n) if i not in exclude]
+        f = self._overload(host, len(hosts))
+        if f <= 1.0:
+            return host
+        rng = random.Random(h)
+        order = hosts[:]
+        rng.shuffle(order)
+        best, best_f = host, f
+        for alt in order:
+            if alt == host:
+                continue
+            fa = self._overload(alt, len(hosts))
+            if fa <= 1.0:
+                return alt
+            if fa < best_f:
+                best, best_f = alt, fa
+        return best
+
+
+class _BlockTrees:
+    """Per worker, the blocks routed there (an approximate prefix tree at 16-token granularity)."""
+
+    def __init__(self, n: int):
+        self.sets: list[dict[int, float]] = [dict() for _ in range(n)]
+
+    def match(self, i: int, blocks: list[int]) -> int:
+        s = self.sets[i]
+        k = 0
+        for b in blocks:
+            if b not in s:
+                break
+            k += 1
+        return k
+
+    def insert(self, i: int, blocks: list[int], now: float) -> None:
+        self.sets[i].update(dict.fromkeys(blocks, now))
+
+
+class SGLangCacheAware(Policy):
+    """SGLang router ``cache_aware`` (sgl-project/sglang, ``sgl-router/src/policies/cache_aware.rs``),
+    CLI defaults: cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5; eviction of
+    trees down to max_tree_size 2^26 characters (never reached here).
+
+    Imbalanced (max - min load > 64 and max > 1.5 x min, load = the router's own in-flight requests):
+    the shortest queue. Otherwise the worker whose tree matches most of the text if the match rate is
+    above 0.3, else the worker with the smallest tree. The text goes into the chosen worker's tree.
+    The tree is of characters; here of 16-token blocks, the workload's unit of text.
+    """
+
+    name = "sglang_cache_aware"
+
+    def __init__(self, n: int, seed: int, cache_threshold: float = 0.3, abs_threshold: int = 64, rel_threshold: float = 1.5):
+        super().__init__(n, seed)
+        self.trees = _BlockTrees(n)
+        self.cache_threshold = cache_threshold
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+
+    def choose(self, req, now, exclude=frozenset()):
+        pool = [i for i in range(self.n) if i not in exclude]
+        if not pool:
+            return None
+        blocks = req.blocks()
+        loads = [self.in_flight[i] for i in pool]
+        if max(loads) - min(loads) > self.abs_threshold and max(loads) > min(loads) * self.rel_threshold:
+            i = min(pool, key=lambda k: self.in_flight[k])
+        else:
+            matches = {i: self.trees.match(i, blocks) for i in pool}
+            best = max(pool, key=lambda k: matches[k])
+            if blocks and matches[best] / len(blocks) > self.cache_threshold:
+                i = best
+            else:
+                i = min(pool, key=lambda k: len(self.trees.sets[k]))
+        self.trees.insert(i, blocks, now)
+        return i
+
+
+class LlmdEndpointPicker(Policy):
+    """llm-d's default endpoint-picker scoring (kubernetes-sigs/gateway-api-inference-extension,
+    ``pkg/epp/config/loader/defaults.go``; scorers under ``pkg/epp/scheduling/framework/plugins/``):
+    prefix-cache 3, queue 2, kv-cache-utilization 2, max-score picker (ties random); metrics every 50 ms.
+
+    prefix = matched blocks / total blocks of an approximate per-pod LRU index (updated for the chosen
+    pod after scheduling, capacity from ``vllm:cache_config_info``); queue = (maxQ - q) / (maxQ - minQ),
+    1 when all are equal; kv = 1 - usage.
+    """
+
+    name = "llmd_epp"
+    load_refresh_s = 0.05
+
+    def __init__(self, n: int, seed: int, cache_tokens: int = 300_000):
+        super().__init__(n, seed)
+        from ...core import PrefixIndex
+
+        self.index = [PrefixIndex(cache_tokens // BLOCK) for _ in range(n)]
+        self.waiting = [0] * n
+        self.kv = [0.0] * n
+
+    def on_load(self, i, sample, now):
+        self.waiting[i] = sample.waiting
+        self.kv[i] = sample.kv_usage
+        if sample.cache_tokens and self.index[i].capacity != sample.cache_tokens // BLOCK:
+            self.index[i].resize(sample.cache_tokens // BLOCK)
+
+    def choose(self, req, now, exclude=frozenset()):
+        pool = [i for i in range(self.n) if i not in exclude]
+        if not pool:
+            return None
+        blocks = req.blocks()
+        qs = [self.waiting[i] for i in pool]
+        qmax, qmin = max(qs), min(qs)
+        best, best_score = [], -1.0
+        for i in pool:
+            prefix = self.index[i].match(blocks) / len(blocks) if blocks else 0.0
+            queue = 1.0 if qmax == qmin else (qmax - self.waiting[i]) / (qmax - qmin)
+            score = 3 * prefix + 2 * queue + 2 * (1 - self.kv[i])
+            if score > best_score + 1e-12:
+                best, best_score = [i], score
+            elif abs(score - best_score) <= 1e-12:
+                best.append(i)
+        i = self.rng.choice(best)
+        self.index[i].insert(blocks)
+        return i
+
+
+class DynamoKvRouter(Policy):
+    """NVIDIA Dynamo's KV router (ai-dynamo/dynamo, ``lib/llm/src/kv_router/``,
+    ``docs/architecture/kv_cache_routing.md``): ``logit = overlap_score_weight x prefill_blocks +
+    decode_blocks``, weight 1.0, temperature 0 (argmin; ties: smallest tree, then random).
+    prefill_blocks = uncached prompt blocks; decode_blocks = blocks of the requests active on the
+    worker (tracked by the router from its own routing, released when a request ends). Without KV
+    events its cache view is approximate: blocks routed to a worker, kept 120 s.
+    """
+
+    name = "dynamo_kv"
+
+    def __init__(self, n: int, seed: int, overlap_weight: float = 1.0, ttl_s: float = 120.0):
+        super().__init__(n, seed)
+        self.trees = _BlockTrees(n)
+        self.overlap_weight = overlap_weight
+        self.ttl_s = ttl_s
+        self.active_blocks = [0] * n
+        self._next_expiry = 0.0
+
+    def tick(self, now):
+        if now >= self._next_expiry:
+            self._next_expiry = now + 10.0
+            limit = now - self.ttl_s
+            for s in self.trees.sets:
+                for k in [k for k, t in s.items() if t < limit]:
+                    del s[k]
+
+    def choose(self, req, now, exclude=frozenset()):
+        pool = [i for i in range(self.n) if i not in exclude]
+        if not pool:
+            return None
+        blocks = req.blocks()
+        limit = now - self.ttl_s
+        best, best_key = [], None
+        for i in pool:
+            s = self.trees.sets[i]
+            k = 0
+            for b in blocks:
+                t = s.get(b)
+                if t is None or t < limit:
+                    break
+                k += 1
+            logit = self.overlap_weight * (len(blocks) - k) + self.active_blocks[i]
+            key = (logit, len(s))
+            if best_key is None or key < best_key:
+                best, best_key = [i], key
+            elif key == best_key:
+                best.append(i)
+        i = self.rng.choice(best)
+        self.trees.insert(i, blocks, now)
+        return i
+
+    def start(self, req, i, now):
+        super().start(req, i, now)
+        req.extra["dynamo_blocks"] = -(-req.prompt_tokens // BLOCK)
+        self.active_blocks[i] += req.extra["dynamo_blocks"]
+
+    def done(self, req, now):
+        if req.replica is not None:
+            self.active_blocks[req.replica] -= req.extra.pop("dynamo_blocks", 0)
+        super().done(req, now)
+
+
+class Oracle(Policy):
+    """Not a peer: reads each engine's true cache and queue, sends each request where its true time to
+    first token is least (greedy). Marks how close a router that only sees metrics can get."""
+
+    name = "oracle"
+
+    def attach(self, sim):
+        self.sim = sim
+
+    def choose(self, req, now, exclude=frozenset()):
+        blocks = req.blocks()
+        best, best_t = None, float("inf")
+        for i, eng in enumerate(self.sim.engines):
+            if i in exclude or not self.sim.alive[i]:
+                continue
+            hit = 0
+            full = req.prompt_tokens // BLOCK
+            for b in blocks[:full]:
+                if b in eng.refs or b in eng.cached:
+                    hit += 1
+                else:
+                    break
+            ahead = sum(r.prompt_tokens - r.computed for r in eng.running if r.computed < r.prompt_tokens)
+            ahead += sum(r.prompt_tokens for r in eng.waiting)
+            per_tok = eng.cfg.prefill_s_per_token
+            t = (ahead + req.prompt_tokens - min(hit * BLOCK, req.prompt_tokens - 1)) * per_tok
+            t += eng.cfg.step_per_seq_s * len(eng.running)
+            if t < best_t:
+                best, best_t = i, t
+        if best is None:
+            pool = [i for i in range(self.n) if i not in exclude]
+            return self.rng.choice(pool) if pool else None
+        return best
+
 
 class Warmroute(Policy):
-    """The real routing core behind the simulator's clock."""
+    """The real routing core behind the simulator's clock, with a policy from the core's registry."""
 
     name = "warmroute"
     uses_health = True
 
-    def __init__(self, n: int, seed: int, cfg: RouterConfig | None = None, name: str | None = None):
+    def __init__(self, n: int, seed: int, cfg: RouterConfig | None = None, name: str | None = None,
+                 core_policy: str | None = None):
         super().__init__(n, seed)
-        self.router = Router(dataclasses.replace(cfg or RouterConfig(), seed=seed), [f"r{i}" for i in range(n)], 0.0)
-        if name:
-            self.name = name
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg or RouterConfig(), seed=seed)
+        if core_policy is not None:
+            cfg = dataclasses.replace(cfg, policy=core_policy)
+        self.cfg = cfg
+        self.router = Router(cfg, [f"r{i}" for i in range(n)], 0.0)
+        self.name = name or "warmroute"
+        self.load_refresh_s = cfg.warm.load_refresh_s if self.router.needs_blocks else None
         self._session_keys: dict[int, bytes] = {}
         self._prefix_keys: dict[int, bytes] = {}
         self.pins_on_non_live = 0  # a pin created or moved onto a replica that is not LIVE (must stay 0)
+        self.predictions: list[tuple[float, Request]] = []  # (predicted TTFT, request) for the error report
 
     def _profile(self, req: Request) -> RequestProfile:
         sk = None
@@ -131,7 +402,8 @@ class Warmroute(Policy):
         pk = self._prefix_keys.get(req.project)
         if pk is None:
             pk = self._prefix_keys[req.project] = hash_key("prefix", None, f"project-{req.project}")
-        return RequestProfile(sk, pk, req.prompt_tokens, "ok")
+        blocks = req.blocks()[: req.prompt_tokens // BLOCK] if self.router.needs_blocks else ()
+        return RequestProfile(sk, pk, req.prompt_tokens, "ok", None, blocks)
 
     def choose(self, req, now, exclude=frozenset()):
         d = self.router.select(self._profile(req), now)
@@ -139,6 +411,8 @@ class Warmroute(Policy):
             return None
         req.extra["reservation"] = d.reservation
         req.extra["reason"] = d.reason
+        if d.predicted_ttft_s is not None:
+            req.extra["predicted_ttft"] = d.predicted_ttft_s
         if any(e.action in ("pin", "rebind") for e in d.events) and d.replica.state.value != "LIVE":
             self.pins_on_non_live += 1
         for e in d.events:
@@ -159,8 +433,11 @@ class Warmroute(Policy):
         super().done(req, now)
         self.router.release(req.extra.pop("reservation", None), now)
 
-    def on_scrape(self, i, ok, now, running=0, waiting=0, kv=0.0):
-        self.router.on_scrape(f"r{i}", ok, now, running, waiting, kv)
+    def on_scrape(self, i, ok, now, sample=None):
+        self.router.on_scrape(f"r{i}", ok, now, sample=sample)
+
+    def on_load(self, i, sample, now):
+        self.router.on_load(f"r{i}", sample, now)
 
     def on_upstream(self, i, ok, now):
         self.router.on_upstream(f"r{i}", ok, now)
@@ -168,32 +445,43 @@ class Warmroute(Policy):
     def tick(self, now):
         self.router.tick(now)
 
+    def routable(self, i):
+        return self.router.replica(f"r{i}").state.value != "EJECTED"
 
-def ablation(name: str, n: int, seed: int) -> Warmroute:
-    """warmroute with one rule switched off (the simulator's ablations)."""
-    base = RouterConfig()
-    cfgs = {
-        "warmroute_no_pin_ttl": dataclasses.replace(base, pins=dataclasses.replace(base.pins, ttl_enabled=False)),
-        "warmroute_no_spill": dataclasses.replace(base, pins=dataclasses.replace(base.pins, spill_enabled=False)),
-        "warmroute_no_wlc": dataclasses.replace(base, wlc_enabled=False),
-        "warmroute_no_no_wait": dataclasses.replace(base, no_wait_enabled=False),
-        # the seed's first version: pins lived forever and never moved
-        "warmroute_no_ttl_no_spill": dataclasses.replace(
-            base, pins=dataclasses.replace(base.pins, ttl_enabled=False, spill_enabled=False)),
-    }
-    return Warmroute(n, seed, cfgs[name], name)
+    def ejected(self, i):
+        return self.router.replica(f"r{i}").state.value == "EJECTED"
+
+    def health_transitions(self):
+        return list(self.router.transitions)
 
 
-POLICIES = ["warmroute", "envoy_round_robin", "envoy_least_request", "envoy_ring_hash",
-            "warmroute_no_pin_ttl", "warmroute_no_spill", "warmroute_no_wlc", "warmroute_no_no_wait"]
+DEFAULT = RouterConfig().policy
+PEERS = {
+    "envoy_round_robin": RoundRobin,
+    "envoy_least_request": LeastRequest,
+    "envoy_ring_hash": RingHash,
+    "envoy_ring_hash_bounded_150": lambda n, seed: RingHash(n, seed, hash_balance_factor=150),
+    "sglang_cache_aware": SGLangCacheAware,
+    "llmd_epp": LlmdEndpointPicker,
+    "dynamo_kv": DynamoKvRouter,
+}
+REFERENCE = {"oracle": Oracle}
+# `warmroute` is the default policy; `warmroute_<core policy>` any other the core's registry holds
+WARMROUTE = ["warmroute"] + [f"warmroute_{p}" for p in CORE_POLICIES]
+COMPARE = ["warmroute", f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
+POLICIES = [*WARMROUTE, *PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
     if name == "warmroute":
         return Warmroute(n, seed, router_cfg)
-    if name.startswith("warmroute_"):
-        return ablation(name, n, seed)
-    return {"envoy_round_robin": RoundRobin, "envoy_least_request": LeastRequest, "envoy_ring_hash": RingHash}[name](n, seed)
+    if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
+        return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
+    factory = PEERS.get(name) or REFERENCE.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+    return factory(n, seed)
 
 
-__all__ = ["Policy", "RoundRobin", "LeastRequest", "RingHash", "Warmroute", "ablation", "make_policy", "POLICIES"]
+__all__ = ["Policy", "RoundRobin", "LeastRequest", "RingHash", "SGLangCacheAware", "LlmdEndpointPicker",
+           "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "COMPARE", "DEFAULT"]

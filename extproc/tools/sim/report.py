@@ -5,7 +5,7 @@ from __future__ import annotations
 from .simulator import SimResult
 
 COLUMNS = [
-    ("policy", "policy", "{:<26}"),
+    ("policy", "policy", "{:<30}"),
     ("ttft_p50", "TTFT p50", "{:>9.2f}"),
     ("ttft_p90", "p90", "{:>8.2f}"),
     ("ttft_p99", "p99", "{:>8.1f}"),
@@ -18,17 +18,20 @@ COLUMNS = [
     ("max_share", "max share", "{:>10.1%}"),
     ("requests", "requests", "{:>9}"),
     ("errors", "errors", "{:>7}"),
+    ("ttft_pred_err_p50", "pred err", "{:>9.2f}"),
 ]
 
 
-def table(results: list[SimResult]) -> str:
-    head = "".join(f"{label:<26}" if key == "policy" else f"{label:>{_width(fmt)}}" for key, label, fmt in COLUMNS)
-    lines = [head, "-" * len(head)]
+def table(results: list, title: str | None = None) -> str:
+    """One row per result (anything with ``summary()``)."""
+    head = "".join(f"{label:<30}" if key == "policy" else f"{label:>{_width(fmt)}}" for key, label, fmt in COLUMNS)
+    lines = ([title] if title else []) + [head, "-" * len(head)]
     for r in results:
         s = r.summary()
-        lines.append("".join(fmt.format(s[key]) for key, _, fmt in COLUMNS))
+        lines.append("".join(fmt.format(s[key]) if key in s else f"{'-':>{_width(fmt)}}" for key, _, fmt in COLUMNS))
     lines.append("TTFT and e2e in seconds (after a 2 min warm-up); imbalance = max share / mean share per minute, "
-                 "mean and worst minute; prefix hit = the replicas' own prefix-cache hit rate in tokens")
+                 "mean and worst minute; prefix hit = the replicas' own prefix-cache hit rate in tokens; "
+                 "pred err = median |predicted - observed| TTFT of the warm policy")
     return "\n".join(lines)
 
 

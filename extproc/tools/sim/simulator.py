@@ -13,9 +13,9 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from ...core import RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
+from ...core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
 from .engine import Engine, EngineConfig, EngineRequest
-from .policies import Policy, Warmroute, make_policy
+from .policies import Policy, make_policy
 from .workload import Request, Workload, WorkloadConfig
 
 # Pure-decode steps are batched up to this much virtual time: a request arriving meanwhile
@@ -82,7 +82,11 @@ class SimResult:
             "max_share": max(tot) / sum(tot) if sum(tot) else 0.0,
             "preemptions": self.preemptions,
             "to_ejected": self.to_ejected,
-        }
+        } | self._prediction_error(ok)
+
+    def _prediction_error(self, ok: list[Request]) -> dict:
+        errs = [abs(r.extra["predicted_ttft"] - r.ttft) for r in ok if "predicted_ttft" in r.extra]
+        return {"ttft_pred_err_p50": self._pct(errs, 0.5)} if errs else {}
 
 
 class Simulation:
@@ -97,12 +101,19 @@ class Simulation:
         router_cfg: RouterConfig | None = None,
         scrape_interval_s: float | None = None,
         bursts: tuple[tuple[float, int], ...] = (),
+        replica_speeds: tuple[float, ...] | None = None,
     ):
         self.n = replicas
         self.wcfg = workload or WorkloadConfig()
         self.seed = seed
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, replicas, seed, router_cfg)
-        self.engines = [Engine(engine) for _ in range(replicas)]
+        base = engine or EngineConfig()
+        self.speeds = tuple(replica_speeds) if replica_speeds else (1.0,) * replicas
+        if len(self.speeds) != replicas:
+            raise ValueError(f"{len(self.speeds)} replica speeds for {replicas} replicas")
+        self.engine_cfgs = [base.scaled(sp) if sp != 1.0 else base for sp in self.speeds]
+        self.engines = [Engine(c) for c in self.engine_cfgs]
+        self.policy.attach(self)
         self.alive = [True] * replicas
         self.faults = faults
         # the brain's scrape cadence, unless a test asks for another
@@ -121,6 +132,13 @@ class Simulation:
         self.pins_on_non_live = 0
         self._retired_counters = [0, 0, 0]  # prefix queries, hits, preemptions of engines replaced on revive
 
+    def _sample(self, i: int) -> LoadSample:
+        """What a scrape of replica i's /metrics shows: vLLM's gauges and counters, its KV size."""
+        e = self.engines[i]
+        return LoadSample(e.num_running, e.num_waiting, e.kv_usage, e.prompt_tokens_total, e.prefix_hits,
+                          e.prefill_seconds_total, e.generation_tokens_total, e.decode_seconds_total, e.finished,
+                          e.cfg.kv_tokens)
+
     def _at(self, t: float, kind: str, *args) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, args))
 
@@ -134,10 +152,8 @@ class Simulation:
             return
         req.replica = i
         self.policy.start(req, i, now)
-        if isinstance(self.policy, Warmroute):
-            rep = self.policy.router.replica(f"r{i}")
-            if rep.state.value == "EJECTED" and req.extra.get("reason") != "fallback":
-                self.to_ejected += 1
+        if self.policy.ejected(i) and req.extra.get("reason") != "fallback":
+            self.to_ejected += 1
         m = min(int(now // 60), len(self.share) - 1)
         self.share[m][i] += 1
         if not self.alive[i]:
@@ -222,7 +238,7 @@ class Simulation:
         self._retired_counters[0] += old.prefix_queries
         self._retired_counters[1] += old.prefix_hits
         self._retired_counters[2] += old.preemptions
-        self.engines[i] = Engine(old.cfg)  # a restarted vLLM has a cold cache
+        self.engines[i] = Engine(old.cfg)  # a restarted vLLM has a cold cache (and counters from 0)
 
     # --------------------------------------------------------------------- run
 
@@ -237,6 +253,11 @@ class Simulation:
         while t < end:
             self._at(t, "scrape")
             t += self.scrape_interval
+        if self.policy.load_refresh_s:
+            t = self.policy.load_refresh_s
+            while t < end:
+                self._at(t, "load")
+                t += self.policy.load_refresh_s
         for bt, k in self.bursts:
             for _ in range(k):
                 self._at(bt, "oneshot")
@@ -271,20 +292,21 @@ class Simulation:
             elif kind == "scrape":
                 self.policy.tick(now)
                 m = min(int(now // 60), len(self.share) - 1)
-                if isinstance(self.policy, Warmroute):
-                    self.routable[m] = [k for k in range(self.n) if self.policy.router.replica(f"r{k}").state.value != "EJECTED"]
-                else:
-                    self.routable[m] = [k for k in range(self.n) if self.alive[k]]
-                for i, eng in enumerate(self.engines):
+                self.routable[m] = [k for k in range(self.n) if self.alive[k] and self.policy.routable(k)]
+                for i in range(self.n):
                     if self.alive[i]:
-                        self.policy.on_scrape(i, True, now, eng.num_running, eng.num_waiting, eng.kv_usage)
+                        self.policy.on_scrape(i, True, now, self._sample(i))
                     else:
                         self.policy.on_scrape(i, False, now)
+            elif kind == "load":
+                for i in range(self.n):
+                    if self.alive[i]:
+                        self.policy.on_load(i, self._sample(i), now)
             elif kind == "kill":
                 self._kill(args[0], now)
             elif kind == "revive":
                 self._revive(args[0], now)
-        transitions = list(self.policy.router.transitions) if isinstance(self.policy, Warmroute) else []
+        transitions = self.policy.health_transitions()
         return SimResult(
             policy=self.policy.name,
             requests=self.requests,

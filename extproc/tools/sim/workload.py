@@ -79,8 +79,15 @@ class Request:
     error: str | None = None
     retries: int = 0
     extra: dict = field(default_factory=dict)
+    _blocks: list | None = None
 
     def blocks(self) -> list[int]:
+        """The prompt's 16-token block ids (the last, partial block included); computed once."""
+        if self._blocks is None:
+            self._blocks = self._make_blocks()
+        return self._blocks
+
+    def _make_blocks(self) -> list[int]:
         n = -(-self.prompt_tokens // BLOCK)
         sys_full = self.system_tokens // BLOCK
         out = [_SYS | (self.project << 24) | k for k in range(min(n, sys_full))]

@@ -1,0 +1,59 @@
+"""What one selection returns, and the reservation it holds until Envoy ends the request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from .names import Cause, PinAction, PinKind, Reason
+
+if TYPE_CHECKING:
+    from .replica import Replica
+
+
+@dataclass(slots=True)
+class Reservation:
+    """In-flight weight held on a replica from selection until Envoy ends the request."""
+
+    id: int
+    replica: "Replica"
+    weight_milli: int
+    started_at: float
+    released: bool = False
+    work_s: float = 0.0  # the warm policy's predicted engine seconds for this request (C1)
+    predicted_ttft_s: float | None = None  # the warm policy's estimate, to compare with what Envoy saw
+
+
+@dataclass(frozen=True, slots=True)
+class PinEvent:
+    """A pin table change of one decision: ``action`` on a pin of ``kind``, and why."""
+
+    action: PinAction
+    kind: PinKind
+    cause: Cause = Cause.NONE
+
+
+@dataclass(slots=True)
+class Decision:
+    replica: "Replica | None"
+    reason: Reason
+    pin_kind: PinKind | None = None  # the pin resolved for this request, if any
+    events: list[PinEvent] = field(default_factory=list)
+    reservation: Reservation | None = None
+    min_r: float = 0.0
+    predicted_ttft_s: float | None = None  # warm policy: the estimate that chose the replica (C3)
+    cached_tokens: int = 0  # warm policy: prompt tokens the chosen replica probably holds
+    work_s: float = 0.0  # warm policy: predicted engine seconds of this request
+
+    @property
+    def replica_name(self) -> str | None:
+        return self.replica.name if self.replica is not None else None
+
+
+class FleetView(Protocol):
+    """What a policy sees of the fleet: the replicas (read only) and the candidate pool (A4 step 1)."""
+
+    replicas_view: list["Replica"]
+
+    def pool(self) -> tuple[list["Replica"], list["Replica"]]:
+        """(LIVE, PROBING) replicas, drained ones left out."""

@@ -1,0 +1,106 @@
+"""Load signals scraped from a replica, and the rates the warm policy learns from them (C3, C6).
+
+Rates come from the replica's own counters, never from a model of the engine: prefill speed is
+the uncached prompt tokens it computed per second of prefill (vLLM's ``prompt_tokens`` minus
+``prefix_cache_hits`` over ``request_prefill_time_seconds``), decode speed the seconds of decode
+per generated token (``request_decode_time_seconds`` over ``generation_tokens``). Config gives
+the values used until two scrapes with traffic between them exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_ALPHA = 0.3  # EWMA weight of a new sample: a rate follows a changed replica within a few samples
+_MIN_PREFILL_S = 5.0  # seconds of prefill behind one sample of the prefill rate
+_MIN_DECODE_TOKENS = 500  # generated tokens behind one sample of the decode rate
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """One scrape of a replica's /metrics. Counters are totals since the replica started (None: not exported)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prompt_tokens: float | None = None
+    cached_tokens: float | None = None  # vllm:prefix_cache_hits (tokens)
+    prefill_seconds: float | None = None  # sum of vllm:request_prefill_time_seconds
+    generation_tokens: float | None = None
+    decode_seconds: float | None = None  # sum of vllm:request_decode_time_seconds
+    requests_done: float | None = None  # count of vllm:e2e_request_latency_seconds
+    cache_tokens: int | None = None  # vllm:cache_config_info: num_gpu_blocks x block_size
+
+
+class Rates:
+    """Per-replica learned speeds from deltas of its counters, accumulated until they mean something.
+
+    vLLM counts prefix-cache hits when a request is scheduled and its prompt tokens when its prefill
+    ends, so one scrape interval's difference can be off by a whole request (even negative). Deltas
+    are therefore summed until ``_MIN_PREFILL_S`` seconds of prefill (or ``_MIN_DECODE_TOKENS``
+    generated tokens) are behind them, and only then folded into the EWMA; a sample outside
+    [1/8, 8] x the config's value is taken as an artefact and clipped.
+    """
+
+    __slots__ = ("prefill_tokens_per_s", "decode_s_per_token", "output_tokens", "_prev", "prefill_at", "decode_at",
+                 "_acc", "_ref")
+
+    def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float):
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.decode_s_per_token = decode_s_per_token
+        self.output_tokens = output_tokens  # mean generated tokens per request on this replica
+        self._ref = (prefill_tokens_per_s, decode_s_per_token)
+        self._prev: LoadSample | None = None
+        self._acc = [0.0, 0.0, 0.0, 0.0, 0.0]  # prefill tokens, prefill s, generated tokens, decode s, requests
+        self.prefill_at = float("-inf")  # when the last sample of each rate was taken
+        self.decode_at = float("-inf")
+
+    def update(self, s: LoadSample, now: float) -> None:
+        p = self._prev
+        self._prev = s
+        if p is None:
+            return
+        if s.prompt_tokens is not None and p.prompt_tokens is not None and s.prompt_tokens < p.prompt_tokens:
+            self._acc = [0.0] * 5  # the replica restarted: its counters began again
+            return
+        acc = self._acc
+        if None not in (s.prompt_tokens, s.cached_tokens, s.prefill_seconds, p.prompt_tokens, p.cached_tokens,
+                        p.prefill_seconds):
+            acc[0] += (s.prompt_tokens - s.cached_tokens) - (p.prompt_tokens - p.cached_tokens)
+            acc[1] += s.prefill_seconds - p.prefill_seconds
+            if acc[1] >= _MIN_PREFILL_S and acc[0] > 0:
+                ref = self._ref[0]
+                sample = min(8 * ref, max(ref / 8, acc[0] / acc[1]))
+                self.prefill_tokens_per_s += _ALPHA * (sample - self.prefill_tokens_per_s)
+                self.prefill_at = now
+                acc[0] = acc[1] = 0.0
+        if None not in (s.generation_tokens, s.decode_seconds, p.generation_tokens, p.decode_seconds):
+            acc[2] += s.generation_tokens - p.generation_tokens
+            acc[3] += s.decode_seconds - p.decode_seconds
+            if s.requests_done is not None and p.requests_done is not None:
+                acc[4] += s.requests_done - p.requests_done
+            if acc[2] >= _MIN_DECODE_TOKENS and acc[3] > 0:
+                ref = self._ref[1]
+                sample = min(8 * ref, max(ref / 8, acc[3] / acc[2]))
+                self.decode_s_per_token += _ALPHA * (sample - self.decode_s_per_token)
+                self.decode_at = now
+                if acc[4] > 0:
+                    self.output_tokens += _ALPHA * (acc[2] / acc[4] - self.output_tokens)
+                acc[2] = acc[3] = acc[4] = 0.0
+
+
+def effective_rates(rates: list[Rates], now: float, fresh_s: float) -> tuple[list[float], list[float]]:
+    """(prefill tokens/s, decode s/token) to price each replica with.
+
+    A replica's own rate counts while it is fresh (sampled within ``fresh_s``); a replica without a
+    fresh sample (new, or idle since) is assumed to do what its fresh peers do. Otherwise an idle
+    replica keeps whatever it measured under its last load forever, and a bad number never gets the
+    traffic that would correct it.
+    """
+    since = now - fresh_s
+    p = [r.prefill_tokens_per_s for r in rates if r.prefill_at >= since]
+    d = [r.decode_s_per_token for r in rates if r.decode_at >= since]
+    fp = sum(p) / len(p) if p else None
+    fd = sum(d) / len(d) if d else None
+    return ([r.prefill_tokens_per_s if r.prefill_at >= since or fp is None else fp for r in rates],
+            [r.decode_s_per_token if r.decode_at >= since or fd is None else fd for r in rates])

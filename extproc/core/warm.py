@@ -1,0 +1,357 @@
+"""The cost-based policy (SPEC C): each request goes where its estimated time to first token is least.
+
+Every quantity is in seconds of engine time (C1). Per candidate replica r:
+
+    ttft(r) = wait(r) + prefill(prompt_tokens - cached_tokens(r), r)  [+ what KV pressure adds]
+    cost(r) = ttft(r) + decode(r) + eviction(r) + load x extra_work(r) + overload(r)
+
+- ``cached_tokens``: the request's block chain matched against what was routed to r (C2, the prefix
+  index); a session pin stands in when the request has no chain (C4);
+- ``wait``: prefill work ahead on r: this router's requests still in their predicted prefill, or the
+  scraped queue (fresh every 0.5 s, C6) if that says more, since it also holds other routers' work;
+- ``prefill``: uncached tokens over r's prefill rate, learned from r's own counters (C3);
+- KV pressure (C3): if the request does not fit beside what runs and what is queued ahead, it waits for
+  KV to free and its cached blocks are likely evicted meanwhile: its ttft counts them as uncached;
+- ``decode``: the decode slow-down the request would feel on r against the fastest candidate;
+- ``eviction``: a session will be back with this context; the fuller r's working set of active
+  sessions, the likelier LRU evicts it before then, priced as the expected re-prefill (Preble);
+- ``extra_work``: prefill beyond what the best-cached candidate would need. When every replica has a
+  queue (``load`` -> 1), that work delays everybody behind it, so a move must save more than it costs
+  the fleet; with idle capacity (``load`` 0) only the request's own time counts;
+- ``overload`` (C5): in-flight work above Envoy's bounded-load share (balance_factor x the mean,
+  rounded up to whole requests) counts as waiting; beyond ``hard_bound_factor`` x that share a
+  replica takes nothing, so crystallization cannot happen.
+
+The minimum cost wins; ties go to the session's pinned replica, the least in-flight work, then round-robin. Each stage is a constructor switch, so the
+ablations are compositions (``make_policy("warm_no_guard")``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from .config import RouterConfig
+from .decision import Decision, FleetView, PinEvent
+from .load import LoadSample, Rates, effective_rates
+from .names import Cause, PinAction, Reason
+from .pins import SESSION, Pin, PinTable
+from .prefix_index import PrefixIndex
+from .profile import RequestProfile
+from .replica import LIVE, Replica
+
+_INF = float("inf")
+_DECODE_NOISE = 0.2  # decode-rate differences below 20% are the estimate's noise, not a slower replica
+_LOAD_WAIT_S = 1.0  # when the least-waiting candidate waits this long, the fleet has no idle capacity
+
+
+
+
+class WarmReplica:
+    """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
+
+    __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
+                 "pending_tokens", "active_tokens")
+
+    def __init__(self, cfg: RouterConfig, tokens_per_block: float):
+        w = cfg.warm
+        self.cache_tokens = w.cache_tokens
+        self.index = PrefixIndex(int(w.cache_tokens / tokens_per_block))
+        self.rates = Rates(w.prefill_tokens_per_s, w.decode_s_per_token, w.output_tokens)
+        self.prefill_busy_until = 0.0  # when this router's predicted prefills on the replica are done
+        self.work_s = 0.0  # predicted engine seconds of this router's requests in flight on it
+        self.uncached_ewma = 0.0  # typical uncached prompt tokens of a request here (prices the scraped queue)
+        # requests routed here still in their predicted prefill: (predicted first token, prompt tokens); their
+        # KV is not yet in the scraped usage but will be taken before a request routed now gets any
+        self.pending: deque[tuple[float, int]] = deque()
+        self.pending_tokens = 0
+        self.active_tokens = 0  # context of the sessions that used this replica within warm.active_session_s
+
+    def kv_ahead(self, now: float, kv_usage: float) -> float:
+        """Tokens of KV the requests ahead will hold: the scraped usage plus our pending prefills."""
+        p = self.pending
+        while p and p[0][0] <= now:
+            self.pending_tokens -= p.popleft()[1]
+        return kv_usage * self.cache_tokens + self.pending_tokens
+
+
+class WarmPolicy:
+    needs_blocks = True
+    parse_max_bytes = 256 * 1024  # larger bodies: headers, size and the raw block chain suffice (C2)
+
+    def __init__(self, cfg: RouterConfig, name: str = "warm", *, index: bool = True, guard: bool = True,
+                 decode: bool = True, kv_risk: bool = True, externality: bool = True):
+        self.name = name
+        self.use_index = index
+        self.use_guard = guard
+        self.use_decode = decode
+        self.use_kv_risk = kv_risk
+        self.use_externality = externality
+        self.session_pins = PinTable(SESSION, _INF)
+        self._state: dict[str, WarmReplica] = {}
+        # (time, session key, replica state, tokens) per session turn, oldest first: sessions idle for longer
+        # than warm.active_session_s leave their replica's working set (C3: a cache thrashes when the
+        # working set of its active sessions outgrows it)
+        self._active: deque[tuple[float, bytes, WarmReplica, int]] = deque()
+        self._active_of: dict[bytes, tuple[float, WarmReplica, int]] = {}
+        self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
+        self._rr = 0  # round-robin pointer for ties
+        self.trace: list | None = None  # a list: each candidate's (name, cost, ttft, cached, wait, work) is appended
+        self.update_config(cfg)
+
+    # ---------------------------------------------------------------- plumbing
+
+    def update_config(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.tokens_per_block = cfg.profile.block_chars / cfg.profile.chars_per_token
+        self.session_pins.ttl_s = cfg.pins.session_ttl_s
+
+    def configure(self, r: Replica) -> None:
+        r.count_wlc = True
+        self._state.setdefault(r.name, WarmReplica(self.cfg, self.tokens_per_block))
+
+    def state_of(self, r: Replica) -> WarmReplica:
+        st = self._state.get(r.name)
+        if st is None:
+            st = self._state[r.name] = WarmReplica(self.cfg, self.tokens_per_block)
+        return st
+
+    def forget(self, name: str) -> None:
+        self._state.pop(name, None)
+
+    def replica_view(self, r: Replica, now: float) -> dict[str, float]:
+        """What the policy believes of one replica, for metrics (keys: brain.metrics.WARM_VIEW)."""
+        st = self.state_of(r)
+        return {
+            "prefill_tokens_per_second": st.rates.prefill_tokens_per_s,
+            "decode_seconds_per_token": st.rates.decode_s_per_token,
+            "prefix_index_blocks": len(st.index),
+            "prefix_index_capacity_blocks": st.index.capacity,
+            "predicted_wait_seconds": max(0.0, st.prefill_busy_until - now),
+            "in_flight_work_seconds": st.work_s,
+            "active_session_tokens": st.active_tokens,
+        }
+
+    def pin_tables(self) -> tuple[PinTable, ...]:
+        return (self.session_pins,)
+
+    def expire(self, now: float) -> None:
+        self.session_pins.expire(now)
+
+    def on_load(self, r: Replica, s: LoadSample, now: float) -> None:
+        st = self.state_of(r)
+        st.rates.update(s, now)
+        if s.cache_tokens and s.cache_tokens != st.cache_tokens:
+            st.cache_tokens = s.cache_tokens
+            st.index.resize(int(s.cache_tokens / self.tokens_per_block))
+
+    def on_health(self, r: Replica, ejected: bool) -> None:
+        """An ejected replica may come back restarted, with a cold cache: forget what we thought it held."""
+        if ejected:
+            st = self.state_of(r)
+            st.index.clear()
+            st.prefill_busy_until = 0.0
+            st.pending.clear()
+            st.pending_tokens = 0
+
+    def on_release(self, res, now: float) -> None:
+        st = self._state.get(res.replica.name)
+        if st is not None:
+            st.work_s = max(0.0, st.work_s - res.work_s)
+
+    # ------------------------------------------------------------------ choice
+
+    def _expire_active(self, now: float) -> None:
+        limit = now - self.cfg.warm.active_session_s
+        a = self._active
+        while a and a[0][0] < limit:
+            t, key, st, tokens = a.popleft()
+            cur = self._active_of.get(key)
+            if cur is not None and cur[0] == t:
+                del self._active_of[key]
+                st.active_tokens -= tokens
+
+    def _set_active(self, key: bytes, st: WarmReplica, tokens: int, now: float) -> None:
+        old = self._active_of.get(key)
+        if old is not None:
+            old[1].active_tokens -= old[2]
+        self._active_of[key] = (now, st, tokens)
+        st.active_tokens += tokens
+        self._active.append((now, key, st, tokens))
+
+    def _pool(self, fleet: FleetView) -> list[Replica]:
+        live, probing = fleet.pool()
+        if not live:
+            return probing  # B: no LIVE replica: the PROBING ones are the pool, no cap
+        cap = self.cfg.probing_max_in_flight
+        return live + [p for p in probing if p.in_flight_requests < cap]  # A2: PROBING gets limited traffic
+
+    def _estimate(self, r: Replica, st: WarmReplica, rate: float, dec: float, profile: RequestProfile,
+                  pin: Pin | None, now: float) -> "_Estimate":
+        """Cached tokens, wait and prefill on one candidate (C2, C3, C4)."""
+        prompt = max(1, profile.tokens)
+        chain = profile.blocks if self.use_index else ()
+        matched = st.index.match(chain) if chain else 0
+        cached = min(prompt - 1, int(matched * self.tokens_per_block)) if matched else 0
+        if not chain and pin is not None and pin.replica is r:
+            cached = min(prompt - 1, pin.tokens)  # C4: the session's context lives here
+        wait = max(0.0, st.prefill_busy_until - now)
+        if r.scraped_waiting:
+            wait = max(wait, r.scraped_waiting * max(st.uncached_ewma, 1.0) / rate)
+        return _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate)
+
+    def _kv(self, e: "_Estimate", prompt: int, out_tokens: float, mine, session: bool, now: float) -> None:
+        """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
+        w = self.cfg.warm
+        st, cap = e.st, e.st.cache_tokens
+        others = st.active_tokens - (mine[2] if mine is not None and mine[1] is st else 0)
+        pressure = (others + prompt + out_tokens) / cap
+        if session and pressure > w.evict_start:
+            risk = min(1.0, (pressure - w.evict_start) / (w.kv_pressure - w.evict_start))
+            e.cost += risk * prompt / e.rate
+        over = st.kv_ahead(now, e.replica.kv_usage) + prompt + out_tokens - w.kv_pressure * cap
+        if e.cached and pressure > w.kv_pressure:
+            # the active sessions here and this one do not fit together: LRU evicts each before its next turn
+            e.ttft += e.cached / e.rate
+        elif over > 0:
+            # it does not fit beside what runs and what is queued: it waits for KV to free, and loses its cache
+            e.ttft += e.cached / e.rate + min(1.0, over / cap) * out_tokens * e.dec
+
+    def select(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
+        pool = self._pool(fleet)
+        if not pool:
+            return None
+        w = self.cfg.warm
+        prompt = max(1, profile.tokens)
+        pin = self.session_pins.get(profile.session_key, now) if profile.session_key is not None else None
+        states = [self.state_of(r) for r in pool]
+        self._expire_active(now)
+        mine = self._active_of.get(profile.session_key) if profile.session_key is not None else None
+        out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
+        prefill_rate, decode_s = effective_rates([st.rates for st in states], now, w.rate_fresh_s)
+        fastest_decode = min(decode_s)
+
+        ests = [self._estimate(r, st, rate, dec, profile, pin, now)
+                for r, st, rate, dec in zip(pool, states, prefill_rate, decode_s)]
+        for e in ests:
+            e.ttft = e.wait + e.prefill
+            if self.use_kv_risk:
+                self._kv(e, prompt, out_tokens, mine, profile.session_key is not None, now)
+            e.cost += e.ttft
+            if self.use_decode:
+                slower = e.dec - fastest_decode
+                if slower > _DECODE_NOISE * fastest_decode:
+                    e.cost += w.decode_weight * out_tokens * slower
+            e.work = e.prefill + out_tokens * e.dec
+        if self.use_externality:
+            # the re-prefill is work the fleet does instead of serving someone: counted once always, and once more
+            # as the fleet fills up (with queues everywhere it delays everybody behind it)
+            load = 1.0 + min(1.0, sum(e.wait for e in ests) / len(ests) / _LOAD_WAIT_S)
+            if load > 0:
+                least = min(e.prefill for e in ests)
+                for e in ests:
+                    e.cost += load * (e.prefill - least)
+        candidates = self._guard(ests, out_tokens, fastest_decode, prompt) if self.use_guard else ests
+        # equal costs (to the millisecond): the session's own replica (where anything of it may still be), then
+        # the least in-flight work, then round-robin, so that an idle fleet does not send every new
+        # conversation to its first replica
+        n, rr = len(fleet.replicas_view), self._rr
+        home = pin.replica if pin is not None else None
+        best = min(candidates, key=lambda e: (round(e.cost, 3), e.replica is not home, round(e.st.work_s, 3),
+                                              (e.replica.index - rr) % n))
+        self._rr = best.replica.index + 1
+        if self.trace is not None:
+            self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
+                               round(e.st.work_s, 2)) for e in ests)
+        self._chosen_prefill_s = best.prefill
+        return self._decide(best, profile, pin, prompt, now)
+
+    def _guard(self, ests: list["_Estimate"], out_tokens: float, fastest_decode: float, prompt: int) -> list["_Estimate"]:
+        """C5: Envoy's bounded-load rule in work units. With k typical requests in flight a replica may hold
+        max(1, ceil(ceil((k + 1) x c) / n)) of them; what it holds beyond counts as waiting, and beyond
+        hard_bound_factor x that it takes nothing (unless every replica is that far over)."""
+        w = self.cfg.warm
+        n = len(ests)
+        if n < 2:
+            return ests
+        total = sum(e.st.work_s for e in ests)
+        in_flight = sum(e.replica.in_flight_requests for e in ests)
+        unit = total / in_flight if in_flight and total > 0 else prompt / ests[0].rate + out_tokens * fastest_decode
+        bound = max(1, math.ceil(math.ceil((total / unit + 1) * w.balance_factor) / n)) * unit
+        kept = []
+        for e in ests:
+            over = e.st.work_s - bound
+            if over > 0:
+                e.cost += over
+                if e.st.work_s > w.hard_bound_factor * bound:
+                    continue
+            kept.append(e)
+        return kept or ests
+
+    def _decide(self, best: "_Estimate", profile: RequestProfile, pin: Pin | None, prompt: int, now: float) -> Decision:
+        """C4: the session pin records where the session's context now lives."""
+        chosen = best.replica
+        events: list[PinEvent] = []
+        reason = Reason.LOAD
+        pin_kind = None
+        if profile.session_key is not None:
+            live = chosen.health.state is LIVE and not chosen.drained
+            if pin is None:
+                if live:
+                    self.session_pins.put(profile.session_key, chosen, now).tokens = prompt
+                    events.append(PinEvent(PinAction.PIN, SESSION, Cause.NEW))
+            else:
+                pin_kind = SESSION
+                if live:  # A2: a PROBING replica never takes a pin, nor refreshes one
+                    if pin.replica is chosen:
+                        reason = Reason.AFFINITY
+                    else:
+                        # the session moves only because moving is cheaper, re-prefill included
+                        dead = pin.replica.removed or pin.replica.health.state is not LIVE
+                        pin.replica = chosen
+                        events.append(PinEvent(PinAction.REBIND, SESSION, Cause.DEAD if dead else Cause.COST))
+                    pin.tokens = prompt
+                    self.session_pins.touch(profile.session_key, pin, now)
+        return Decision(chosen, reason, pin_kind, events, None, 0.0, best.ttft, best.cached, best.work)
+
+    def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
+        st = self.state_of(d.replica)
+        uncached = max(1, profile.tokens - d.cached_tokens)
+        st.prefill_busy_until = max(now, st.prefill_busy_until) + self._chosen_prefill_s
+        st.pending.append((st.prefill_busy_until, profile.tokens))
+        st.pending_tokens += profile.tokens
+        st.uncached_ewma += 0.2 * (uncached - st.uncached_ewma)
+        st.work_s += d.work_s
+        if d.reservation is not None:
+            d.reservation.work_s = d.work_s
+        if self.use_index and profile.blocks:
+            st.index.insert(profile.blocks)
+        if profile.session_key is not None:
+            self._set_active(profile.session_key, st, profile.tokens, now)
+
+
+@dataclass(slots=True)
+class _Estimate:
+    replica: Replica
+    st: WarmReplica
+    rate: float  # prefill tokens/s
+    dec: float  # decode s/token
+    cached: int
+    wait: float
+    prefill: float
+    ttft: float = 0.0
+    cost: float = 0.0
+    work: float = 0.0
+
+
+WARM_VARIANTS = {
+    "warm": {},
+    "warm_no_externality": {"externality": False},
+    "warm_no_guard": {"guard": False},
+    "warm_no_index": {"index": False},  # session pins only: what a cost model knows without a prefix index
+    "warm_no_decode": {"decode": False},
+    "warm_no_kv_risk": {"kv_risk": False},
+}
+
+__all__ = ["WarmPolicy", "WarmReplica", "WARM_VARIANTS"]

@@ -1,0 +1,116 @@
+"""C2: the chained block hashes, the session chain cache, and the per-replica prefix index."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.core import BLOCK_CHARS, ChainCache, PrefixIndex, ProfileConfig, block_hashes, build_profile, chain_seed
+
+text = st.binary(min_size=0, max_size=6 * BLOCK_CHARS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(common=text, a=text, b=text)
+def test_two_prompts_share_block_k_exactly_when_they_share_their_first_k_plus_1_blocks(common, a, b):
+    x, y = common + a, common + b
+    hx, hy = block_hashes(x), block_hashes(y)
+    shared = 0
+    while shared < min(len(hx), len(hy)) and x[: (shared + 1) * BLOCK_CHARS] == y[: (shared + 1) * BLOCK_CHARS]:
+        shared += 1
+    assert hx[:shared] == hy[:shared]
+    if shared < min(len(hx), len(hy)):
+        assert hx[shared] != hy[shared]
+
+
+def test_the_chain_is_seeded_by_model_and_tenant():
+    data = b"x" * (4 * BLOCK_CHARS)
+    assert block_hashes(data, chain_seed("m", "t1")) != block_hashes(data, chain_seed("m", "t2"))
+    assert block_hashes(data, chain_seed("m1", None)) != block_hashes(data, chain_seed("m2", None))
+
+
+@settings(max_examples=200, deadline=None)
+@given(turns=st.lists(st.binary(min_size=0, max_size=3 * BLOCK_CHARS), min_size=1, max_size=6), start=st.integers(0, 10))
+def test_a_session_s_cached_chain_equals_a_fresh_one_and_only_new_blocks_are_hashed(turns, start):
+    cache = ChainCache()
+    seed = chain_seed("m", None)
+    body = b"h" * start
+    for t in turns:
+        body += t
+        before = cache.hashed_blocks
+        got = cache.chain(b"s", body, start, seed)
+        assert got == block_hashes(body[start:], seed)
+        assert cache.hashed_blocks - before <= len(t) // BLOCK_CHARS + 1
+
+
+def test_a_rewritten_history_is_not_reused():
+    cache = ChainCache()
+    seed = chain_seed(None, None)
+    first = b"a" * (10 * BLOCK_CHARS)
+    cache.chain(b"s", first, 0, seed)
+    rewritten = b"b" + first[1:] + b"c" * BLOCK_CHARS
+    assert cache.chain(b"s", rewritten, 0, seed) == block_hashes(rewritten, seed)
+    assert cache.reused_blocks == 0
+
+
+def test_the_chain_cache_is_bounded():
+    cache = ChainCache(max_sessions=3, max_blocks=50)
+    for i in range(10):
+        cache.chain(f"s{i}".encode(), bytes([i]) * (20 * BLOCK_CHARS), 0, (0, 1))
+    assert len(cache) <= 3 and cache._blocks <= 50
+
+
+def test_the_profile_hashes_the_conversation_from_its_first_key_so_parameters_before_it_do_not_matter():
+    cfg = ProfileConfig()
+    msgs = [{"role": "system", "content": "S" * 500}, {"role": "user", "content": "U" * 500}]
+    a = orjson.dumps({"max_tokens": 10, "model": "m", "messages": msgs})
+    b = orjson.dumps({"max_tokens": 99999, "model": "m", "messages": msgs})
+    pa = build_profile({}, a, cfg, ChainCache())
+    pb = build_profile({}, b, cfg, ChainCache())
+    assert pa.blocks and pa.blocks == pb.blocks
+    other_model = orjson.dumps({"max_tokens": 10, "model": "n", "messages": msgs})
+    assert build_profile({}, other_model, cfg, ChainCache()).blocks[0] != pa.blocks[0]
+
+
+def test_without_a_chain_cache_the_profile_computes_no_blocks():
+    body = orjson.dumps({"messages": [{"role": "user", "content": "x" * 1000}]})
+    assert not build_profile({}, body, ProfileConfig()).blocks
+
+
+def test_a_body_above_the_parse_limit_is_routed_from_headers_size_and_raw_chain():
+    cfg = ProfileConfig(parse_max_bytes=1024)
+    body = orjson.dumps({"messages": [{"role": "user", "content": "x" * 4000}], "conversation_id": "c"})
+    p = build_profile({"x-session-id": "s"}, body, cfg, ChainCache())
+    assert p.body_status == "unparsed" and p.session_key is not None and p.blocks
+    assert p.tokens == pytest_approx(len(body) // 4, 8)
+
+
+def pytest_approx(x, tol):
+    class _A:
+        def __eq__(self, other):
+            return abs(other - x) <= tol
+    return _A()
+
+
+def test_the_index_holds_what_was_routed_and_forgets_the_least_recently_used():
+    idx = PrefixIndex(capacity_blocks=100)
+    a, b, c = ([hash((n, i)) for i in range(40)] for n in "abc")
+    idx.insert(a)
+    idx.insert(b)
+    assert idx.match(a) == 40 and idx.match(b) == 40
+    assert idx.match(a[:10] + [1, 2, 3]) == 10  # a shared prefix, then a new turn
+    idx.insert(a)  # a is used again: b is now the oldest
+    idx.insert(c)
+    assert len(idx) <= 100
+    assert idx.match(a) == 40 and idx.match(c) == 40 and idx.match(b) == 0
+
+
+def test_the_index_shrinks_to_a_smaller_exported_cache_and_clears_on_restart():
+    idx = PrefixIndex(capacity_blocks=1000)
+    for n in range(10):
+        idx.insert([hash((n, i)) for i in range(50)])
+    idx.resize(120)
+    assert len(idx) <= 120
+    idx.clear()
+    assert len(idx) == 0 and idx.match([hash((9, i)) for i in range(50)]) == 0

@@ -1,0 +1,67 @@
+"""What the scraper believes of a replica's /metrics: only finite, sane numbers; everything else is a
+failed scrape that says why (a replica reporting nonsense is neither believed nor routed to)."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.brain.scraper import parse_vllm_metrics
+
+BASE = """# HELP vllm:num_requests_running Requests in model execution batches
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
+vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv}
+vllm:prompt_tokens_total{{engine="0",model_name="m"}} 120000.0
+vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} 80000.0
+vllm:request_prefill_time_seconds_sum{{engine="0",model_name="m"}} 8.0
+vllm:request_prefill_time_seconds_count{{engine="0",model_name="m"}} 20.0
+vllm:generation_tokens_total{{engine="0",model_name="m"}} 5000.0
+vllm:request_decode_time_seconds_sum{{engine="0",model_name="m"}} 100.0
+vllm:e2e_request_latency_seconds_count{{engine="0",model_name="m"}} 20.0
+vllm:cache_config_info{{block_size="16",enable_prefix_caching="True",num_gpu_blocks="18750"}} 1.0
+"""
+
+
+def text(running="2", waiting="1", kv="0.25"):
+    return BASE.format(running=running, waiting=waiting, kv=kv)
+
+
+def test_the_load_signals_and_counters_a_router_learns_from():
+    r = parse_vllm_metrics(text())
+    assert r.ok and (r.running, r.waiting, r.kv_usage) == (2, 1, 0.25)
+    s = r.sample
+    assert (s.prompt_tokens, s.cached_tokens, s.prefill_seconds) == (120000, 80000, 8.0)
+    assert (s.generation_tokens, s.decode_seconds, s.requests_done) == (5000, 100.0, 20)
+    assert s.cache_tokens == 18750 * 16
+
+
+def test_two_engines_add_up_and_kv_usage_is_the_fuller_one():
+    two = text() + text(running="3", waiting="0", kv="0.5").replace('engine="0"', 'engine="1"')
+    r = parse_vllm_metrics(two)
+    assert (r.running, r.waiting, r.kv_usage) == (5, 1, 0.5)
+    assert r.sample.prompt_tokens == 240000
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("running", "NaN", "not a finite number"),
+    ("waiting", "+Inf", "not a finite number"),
+    ("kv", "-0.5", "not a finite number >= 0"),
+    ("running", "-3", "not a finite number >= 0"),
+    ("running", "1e12", "beyond 100,000"),
+    ("kv", "3.5", "beyond 1"),
+    ("waiting", "many", "unparsable value"),
+])
+def test_a_value_out_of_its_sane_range_fails_the_scrape_with_the_reason(field, value, reason):
+    r = parse_vllm_metrics(text(**{field: value}))
+    assert not r.ok and reason in r.error
+
+
+def test_no_running_gauge_is_a_failed_scrape():
+    r = parse_vllm_metrics("# only comments\nsome_other_metric 1\n")
+    assert not r.ok and "no vllm:num_requests_running" in r.error
+
+
+def test_a_replica_without_the_counters_still_gives_load():
+    r = parse_vllm_metrics('vllm:num_requests_running{model_name="m"} 1\nvllm:num_requests_waiting 0\n')
+    assert r.ok and r.running == 1 and r.sample.prompt_tokens is None and r.sample.cache_tokens is None

@@ -86,6 +86,9 @@ class AppConfig:
     brain: BrainConfig = field(default_factory=BrainConfig)
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     source: str = "<defaults>"
+    # A reload that would leave no replica is refused unless the file says so: a config caught half-written
+    # (an empty file) must not take the fleet out.
+    allow_no_replicas: bool = False
 
 
 _SECTIONS = {"health": HealthConfig, "pins": PinConfig, "profile": ProfileConfig, "warm": WarmConfig}
@@ -178,7 +181,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
-    known = {"replicas", "routing", "brain", "envoy", *_SECTIONS}
+    known = {"replicas", "routing", "brain", "envoy", "allow_no_replicas", *_SECTIONS}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -218,7 +221,10 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("envoy.fail_open_hash_balance_factor: expected a whole number >= 100 (Envoy's minimum)")
     if router.profile.max_body_bytes > envoy.max_body_bytes:
         raise ConfigError("profile.max_body_bytes: must not exceed envoy.max_body_bytes")
-    return AppConfig(_replicas(doc.get("replicas")), router, brain, envoy, source)
+    allow = doc.get("allow_no_replicas", False)
+    if not isinstance(allow, bool):
+        raise ConfigError(f"allow_no_replicas: expected true or false, got {allow!r}")
+    return AppConfig(_replicas(doc.get("replicas")), router, brain, envoy, source, allow)
 
 
 def load_config(path: str | Path) -> AppConfig:

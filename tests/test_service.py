@@ -265,3 +265,32 @@ def test_an_access_log_entry_that_names_nothing_we_know_is_counted(brain):
     brain.on_log_entry(entry(request_id="never-seen", code=404, details="route_not_found"))
     assert brain.stats.unmatched_log_entries == 1
     assert brain.state()["unmatched_access_log_entries"] == 1
+
+
+def test_a_reload_that_would_leave_no_replica_is_refused_and_the_old_config_kept(tmp_path):
+    import yaml
+
+    from extproc.config import load_config
+
+    path = tmp_path / "warmroute.yaml"
+    path.write_text(yaml.safe_dump({"replicas": [{"name": "r0", "url": "http://127.0.0.1:8001"}]}))
+    b = Brain(load_config(path), config_path=str(path))
+    for half_written in ("", "replicas: []\n"):
+        path.write_text(half_written)
+        with pytest.raises(ConfigError, match="allow_no_replicas"):
+            b.reload()
+        assert [r.name for r in b.router.replicas] == ["r0"] and len(b.cfg.replicas) == 1
+    path.write_text("replicas: []\nallow_no_replicas: true\n")  # on purpose
+    assert b.reload()["removed"] == ["r0"] and not b.router.replicas
+
+
+def test_a_response_the_replica_cut_off_after_it_started_counts_as_an_upstream_failure(brain):
+    out = brain.decide({"x-session-id": "cut"}, BODY)
+    name = headers_of(out)[ROUTING_HEADER]
+    for k in range(3):  # 3 consecutive upstream failures eject a LIVE replica (B)
+        out = brain.decide({"x-session-id": "cut"}, BODY) if k else out
+        h = headers_of(out)
+        assert h[ROUTING_HEADER] == name  # the session stays while its replica is LIVE
+        brain.on_log_entry(entry(reservation=h[RESERVATION_HEADER], code=200, upstream=port_of(name),
+                                 details="upstream_reset_after_response_started{protocol_error}"))
+    assert brain.router.replica(name).state.value == "EJECTED"

@@ -129,7 +129,7 @@ class RouterRules(RuleBasedStateMachine):
     def select(self, session, prefix, tokens):
         r = self.router
         self.now += 0.001  # so that "touched now" means "touched by this decision"
-        d = r.select(prof(session=session, prefix=prefix, tokens=tokens), self.now)
+        d = r.select(self.profile(session, prefix, tokens), self.now)
         # state as select saw it (it may run timers first)
         routable = [x for x in r.replicas if not x.drained and x.state in (LIVE, PROBING)]
         if d.replica is None:
@@ -141,6 +141,7 @@ class RouterRules(RuleBasedStateMachine):
             # an EJECTED replica is never chosen while a LIVE or PROBING one exists
             assert d.replica.state in (LIVE, PROBING)
             assert d.reason != FALLBACK
+            self.check_choice(d)
         else:
             assert d.reason == FALLBACK
         if d.replica.state is PROBING and any(x.state is LIVE for x in routable):
@@ -150,6 +151,12 @@ class RouterRules(RuleBasedStateMachine):
             for _, pin in table:
                 if pin.last_used == self.now:
                     assert pin.replica.state is LIVE and not pin.replica.drained
+
+    def profile(self, session, prefix, tokens):
+        return prof(session=session, prefix=prefix, tokens=tokens)
+
+    def check_choice(self, d):
+        pass
 
     @precondition(lambda self: self.open)
     @rule(i=st.integers(0, 1000), twice=st.booleans())
@@ -234,33 +241,11 @@ class WarmRouterRules(RouterRules):
         super().__init__()
         self.router = Router(RouterConfig(seed=5, policy="warm"), names(self.N), 0.0)
 
-    @rule(
-        session=st.none() | st.sampled_from(["a", "b", "c", "d", "e"]),
-        prefix=st.none() | st.sampled_from(["sys1", "sys2"]),
-        tokens=st.sampled_from([0, 500, 1500, 8000, 100_000]),
-    )
-    def select(self, session, prefix, tokens):
-        blocks = chain(prefix or "none", session, tokens)
-        r = self.router
-        self.now += 0.001
-        d = r.select(prof(session=session, prefix=prefix, tokens=tokens, blocks=blocks), self.now)
-        routable = [x for x in r.replicas if not x.drained and x.state in (LIVE, PROBING)]
-        if d.replica is None:
-            assert not [x for x in r.replicas if not x.drained]
-            return
-        self.open.append(d.reservation)
-        assert not d.replica.drained
-        if routable:
-            assert d.replica.state in (LIVE, PROBING)
-            assert d.reason != FALLBACK
-            assert d.predicted_ttft_s is not None and d.predicted_ttft_s >= 0
-        else:
-            assert d.reason == FALLBACK
-        if d.replica.state is PROBING and any(x.state is LIVE for x in routable):
-            assert d.replica.in_flight_requests <= r.cfg.probing_max_in_flight
-        for _, pin in r.session_pins:
-            if pin.last_used == self.now:
-                assert pin.replica.state is LIVE and not pin.replica.drained
+    def profile(self, session, prefix, tokens):
+        return prof(session=session, prefix=prefix, tokens=tokens, blocks=chain(prefix or "none", session, tokens))
+
+    def check_choice(self, d):
+        assert d.predicted_ttft_s is not None and d.predicted_ttft_s >= 0
 
     @invariant()
     def predicted_work_in_flight_is_never_negative(self):

@@ -246,3 +246,31 @@ def test_C2_the_chain_covers_at_most_chain_max_bytes_of_the_conversation():
     body = orjson.dumps({"messages": [{"role": "user", "content": "z" * 3_000_000}]})
     p = build_profile({}, body, ProfileConfig(), ChainCache())
     assert len(p.blocks) == ProfileConfig().chain_max_bytes // 64
+
+
+def test_C3_a_rate_survives_vllm_counting_hits_at_scheduling_and_prompt_tokens_at_prefill_end():
+    from extproc.core import Rates
+
+    r = Rates(5000.0, 0.03, 256.0)
+    prompt = hits = secs = 0.0
+    t = 0.0
+    r.update(LoadSample(0, 0, 0.0, prompt, hits, secs, 0, 0, 0), t)
+    for k in range(40):  # a 100K-token request with 90K cached, prefilled at 6,000 tok/s, every other scrape
+        t += 0.5
+        if k % 2 == 0:
+            hits += 90_000  # scheduled: hits counted now...
+        else:
+            prompt += 100_000  # ...its prompt tokens when the prefill ends
+            secs += 10_000 / 6_000
+        r.update(LoadSample(0, 0, 0.0, prompt, hits, secs, 0, 0, 0), t)
+    # one interval alone would say 100,000 / 1.7 s = 60,000 tok/s (or a negative rate)
+    assert 5_000 < r.prefill_tokens_per_s < 7_000
+
+
+def test_C3_a_restarted_replica_s_counters_do_not_produce_a_rate():
+    from extproc.core import Rates
+
+    r = Rates(5000.0, 0.03, 256.0)
+    r.update(LoadSample(0, 0, 0.0, 1e6, 0, 100, 0, 0, 0), 0.0)
+    r.update(LoadSample(0, 0, 0.0, 10, 0, 0.001, 0, 0, 0), 1.0)  # back from 0
+    assert r.prefill_tokens_per_s == 5000.0

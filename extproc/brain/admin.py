@@ -47,9 +47,12 @@ def admin_app(brain: "Brain") -> web.Application:
         return web.json_response({"replica": p.replica.name, "idle_s": round(now - p.last_used, 3), "spills": p.spills,
                                   "ttl_s": brain.router.session_pins.ttl_s})
 
-    async def reload(_):
+    async def reload(request: web.Request):
         try:
-            return web.json_response(brain.reload())
+            info = brain.reload()
+            if request.can_read_body:
+                info["ignored_body"] = f"POST /reload re-reads {brain.config_path}; the request body is not a config"
+            return web.json_response(info)
         except ConfigError as e:
             logs.event("config_reload_failed", error=str(e))
             return web.json_response({"error": str(e)}, status=400)

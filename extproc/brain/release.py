@@ -57,11 +57,14 @@ class Ledger:
 
 def outcome_of(entry) -> UpstreamOutcome:
     flags = entry.common_properties.response_flags
+    details = entry.response.response_code_details
     return UpstreamOutcome(
         code=entry.response.response_code.value,
-        via_upstream=entry.response.response_code_details == "via_upstream",
+        via_upstream=details == "via_upstream",
         connect_failure=flags.upstream_connection_failure,
-        remote_reset=flags.upstream_remote_reset,
+        # a 200 whose body the replica cut off (e.g. "upstream_reset_after_response_started{protocol_error}")
+        # is a broken response, not a success
+        remote_reset=flags.upstream_remote_reset or details.startswith("upstream_reset_after_response_started"),
         connection_termination=flags.upstream_connection_termination,
     )
 

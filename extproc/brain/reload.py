@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import AppConfig
+from ..config import AppConfig, ConfigError
 from ..contract import brain_headers
 from ..core import Router
 
@@ -19,7 +19,13 @@ def _headers(cfg: AppConfig) -> list[str]:
 
 
 def apply_config(router: Router, old: AppConfig, new: AppConfig, now: float) -> tuple[AppConfig, dict]:
-    """Apply ``new`` to ``router``; returns the config now in force and what changed."""
+    """Apply ``new`` to ``router``; returns the config now in force and what changed.
+
+    Raises ``ConfigError`` (nothing applied) for a config that would leave no replica, unless it says
+    ``allow_no_replicas: true``."""
+    if old.replicas and not new.replicas and not new.allow_no_replicas:
+        raise ConfigError(f"replicas: {new.source} lists no replica; the reload is refused and the old config kept "
+                          "(set allow_no_replicas: true to empty the fleet on purpose)")
     new = dataclasses.replace(new, brain=old.brain)
     old_names = {r.name for r in old.replicas}
     new_names = {r.name for r in new.replicas}

@@ -18,6 +18,7 @@ from typing import Callable
 from aiohttp import ClientSession, ClientTimeout
 
 from ..core import LoadSample, Router
+from . import logs
 from .stats import BrainStats
 
 # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc; accept both.
@@ -121,6 +122,7 @@ class Scraper:
         self.load_refresh_s = load_refresh_s  # C6: faster load-only scrapes in between (None: none)
         self.urls: dict[str, str] = {}
         self.errors: dict[str, str] = {}
+        self.loop_errors = 0
         self.seconds = None  # a prometheus Histogram, set by the brain
 
     async def scrape_once(self, session: ClientSession, name: str, url: str, timeout: float | None = None) -> ScrapeResult:
@@ -171,7 +173,11 @@ class Scraper:
                 results = await asyncio.gather(*(self.scrape_once(session, n, self.urls[n], timeout) for n in names))
                 now = self.clock()
                 for n, r in zip(names, results):
-                    (self.apply if health else self.apply_load)(n, r, now)
+                    try:
+                        (self.apply if health else self.apply_load)(n, r, now)
+                    except Exception as e:  # one replica's bad data must not stop the scraping of all
+                        self.loop_errors += 1
+                        logs.event("loop_error", loop="scrape", replica=n, error=f"{type(e).__name__}: {e}"[:200])
                 if health:
                     next_health = started + self.interval_s
                 step = self.interval_s if fast is None else fast

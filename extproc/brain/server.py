@@ -57,11 +57,22 @@ def claim_socket_path(path: str) -> str:
 async def _tick_loop(brain: Brain) -> None:
     n = 0
     while True:
-        brain.tick()
-        n += 1
-        if n % 40 == 0:  # every ~10 s
-            brain.ledger.forget_released()
+        try:
+            brain.tick()
+            n += 1
+            if n % 40 == 0:  # every ~10 s
+                brain.ledger.forget_released()
+        except Exception as e:  # logged, and the timers go on
+            logs.event("loop_error", loop="tick", error=f"{type(e).__name__}: {e}"[:200])
         await asyncio.sleep(TICK_S)
+
+
+async def supervise(tasks: list[asyncio.Task], on_death) -> None:
+    """Return once any background task ends (they never should), after ``on_death(task)``: a brain whose
+    scraper or timers died must not go on answering SERVING with stale health (issue 11)."""
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in done:
+        await on_death(t)
 
 
 async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: str | None = None) -> None:
@@ -97,7 +108,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
             logs.event("config_reload_failed", error=str(e))
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    tasks = [asyncio.create_task(brain.scraper.loop()), asyncio.create_task(_tick_loop(brain))]
+    tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"), asyncio.create_task(_tick_loop(brain), name="tick")]
     info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}
     # The ~50K objects of the imports and servers live as long as the process. Frozen, they are out of
     # the collector's sight: a full collection no longer stalls requests ~11 ms scanning them.
@@ -109,8 +120,16 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
         with open(tmp, "w") as f:
             json.dump(info, f)
         os.replace(tmp, ready_file)
+    async def died(t: asyncio.Task) -> None:
+        exc = None if t.cancelled() else t.exception()
+        logs.event("background_task_died", task=t.get_name(), error=f"{type(exc).__name__}: {exc}"[:200] if exc else "")
+        # Envoy's health check sees NOT_SERVING and fails open; the process then exits non-zero
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.NOT_SERVING)
+
     try:
-        await asyncio.Event().wait()
+        await supervise(tasks, died)
+        raise SystemExit(1)
     finally:
         for t in tasks:
             t.cancel()

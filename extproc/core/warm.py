@@ -3,7 +3,7 @@
 Every quantity is in seconds of engine time (C1). Per candidate replica r:
 
     ttft(r) = wait(r) + prefill(prompt_tokens - cached_tokens(r), r)  [+ what KV pressure adds]
-    cost(r) = ttft(r) + decode(r) + eviction(r) + load x extra_work(r) + overload(r)
+    cost(r) = ttft(r) + decode(r) + eviction(r) + load x extra_work(r) + overload(r)   (load in [1, 2])
 
 - ``cached_tokens``: the request's block chain matched against what was routed to r (C2, the prefix
   index); a session pin stands in when the request has no chain (C4);
@@ -15,9 +15,9 @@ Every quantity is in seconds of engine time (C1). Per candidate replica r:
 - ``decode``: the decode slow-down the request would feel on r against the fastest candidate;
 - ``eviction``: a session will be back with this context; the fuller r's working set of active
   sessions, the likelier LRU evicts it before then, priced as the expected re-prefill (Preble);
-- ``extra_work``: prefill beyond what the best-cached candidate would need. When every replica has a
-  queue (``load`` -> 1), that work delays everybody behind it, so a move must save more than it costs
-  the fleet; with idle capacity (``load`` 0) only the request's own time counts;
+- ``extra_work``: prefill beyond what the best-cached candidate would need: work the fleet does instead
+  of serving someone. It counts once (``load`` 1), and up to twice as the candidates' queues grow
+  (``load`` 2), since then it delays everybody behind it: a move must save more than it costs the fleet;
 - ``overload`` (C5): in-flight work above Envoy's bounded-load share (balance_factor x the mean,
   rounded up to whole requests) counts as waiting; beyond ``hard_bound_factor`` x that share a
   replica takes nothing, so crystallization cannot happen.
@@ -43,9 +43,8 @@ from .replica import LIVE, Replica
 
 _INF = float("inf")
 _DECODE_NOISE = 0.2  # decode-rate differences below 20% are the estimate's noise, not a slower replica
-_LOAD_WAIT_S = 1.0  # when the least-waiting candidate waits this long, the fleet has no idle capacity
-
-
+_TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
+_LOAD_WAIT_S = 1.0  # when the candidates wait this long on average, the fleet has no idle capacity
 
 
 class WarmReplica:
@@ -248,18 +247,18 @@ class WarmPolicy:
             # the re-prefill is work the fleet does instead of serving someone: counted once always, and once more
             # as the fleet fills up (with queues everywhere it delays everybody behind it)
             load = 1.0 + min(1.0, sum(e.wait for e in ests) / len(ests) / _LOAD_WAIT_S)
-            if load > 0:
-                least = min(e.prefill for e in ests)
-                for e in ests:
-                    e.cost += load * (e.prefill - least)
+            least = min(e.prefill for e in ests)
+            for e in ests:
+                e.cost += load * (e.prefill - least)
         candidates = self._guard(ests, out_tokens, fastest_decode, prompt) if self.use_guard else ests
-        # equal costs (to the millisecond): the session's own replica (where anything of it may still be), then
-        # the least in-flight work, then round-robin, so that an idle fleet does not send every new
-        # conversation to its first replica
+        # costs within a decode step (or 2%) of the least are a tie, below what the estimates can tell apart:
+        # then the session's own replica (where anything of it may still be), the least in-flight work, and
+        # round-robin, so that an idle fleet does not send every new conversation to its first replica
+        least_cost = min(e.cost for e in candidates)
+        tied = [e for e in candidates if e.cost <= least_cost + max(_TIE_S, _TIE_SHARE * least_cost)]
         n, rr = len(fleet.replicas_view), self._rr
         home = pin.replica if pin is not None else None
-        best = min(candidates, key=lambda e: (round(e.cost, 3), e.replica is not home, round(e.st.work_s, 3),
-                                              (e.replica.index - rr) % n))
+        best = min(tied, key=lambda e: (e.replica is not home, round(e.st.work_s, 3), (e.replica.index - rr) % n))
         self._rr = best.replica.index + 1
         if self.trace is not None:
             self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),

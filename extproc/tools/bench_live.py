@@ -41,15 +41,18 @@ from .sim.http_replay import ReplayResult, replay
 from .sim.workload import WorkloadConfig
 from .stack import Proc, Stack, envoy_binary, http_get, wait_for
 
-ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH"}
+ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH",
+                  "envoy_ring_hash_bounded_150": "RING_HASH"}
+# warmroute contenders: the default policy, and the seed's pipeline
+WARMROUTE = {"warmroute": None, "warmroute_seed": "seed"}
 ROUTERS = {
     "vllm_router_cache_aware": ("vllm-router", "cache_aware"),
     "vllm_router_consistent_hash": ("vllm-router", "consistent_hash"),
     "vllm_router_power_of_two": ("vllm-router", "power_of_two"),
     "sglang_router_cache_aware": ("sglang-router", "cache_aware"),
 }
-CONTENDERS = [*ENVOY_POLICIES, "warmroute", *ROUTERS]
-SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica"]
+CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]
+SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica", "brain_killed"]
 
 
 def free_port() -> int:
@@ -66,7 +69,7 @@ def _bin(name: str) -> str | None:
 # --------------------------------------------------------------------------- contenders
 
 
-def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float) -> dict:
+def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float, hash_balance_factor: int | None = None) -> dict:
     """A plain Envoy a user would write: one cluster over the replicas, retries, health checks."""
     hc = max(0.1, 3.0 / speedup)
     cluster = {
@@ -85,6 +88,8 @@ def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float) ->
             "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}]}}
     if policy == "RING_HASH":
         route["hash_policy"] = [{"header": {"header_name": "x-session-id"}}]
+    if hash_balance_factor:
+        cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": hash_balance_factor}}
     hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
            "stat_prefix": "ingress", "stream_idle_timeout": "0s",
            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
@@ -99,14 +104,18 @@ def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float) ->
                 "clusters": [cluster]}}
 
 
-def scaled_warmroute_config(speedup: float) -> dict:
+def scaled_warmroute_config(speedup: float, policy: str | None = None) -> dict:
     """SPEC's time constants divided by the speed-up, so they keep their proportion to the traffic."""
     k = 1.0 / speedup
     return {
+        **({"routing": {"policy": policy, "reservation_timeout_s": 3600.0 * k}} if policy else {}),
+        "warm": {"load_refresh_s": 0.5 * k, "active_session_s": 60.0 * k, "rate_fresh_s": 60.0 * k,
+                 # a mock replica at --speedup S really prefills and decodes S times faster
+                 "prefill_tokens_per_s": 5000.0 * speedup, "decode_s_per_token": 0.03 * k},
         "health": {"scrape_interval_s": 3.0 * k, "probing_clean_window_s": 15.0 * k, "cooldown_base_s": 30.0 * k,
                    "cooldown_max_s": 300.0 * k, "streak_reset_live_s": 600.0 * k},
         "pins": {"session_ttl_s": 3600.0 * k, "prefix_ttl_s": 300.0 * k},
-        "routing": {"reservation_timeout_s": 3600.0 * k},
+        **({} if policy else {"routing": {"reservation_timeout_s": 3600.0 * k}}),
         "envoy": {"brain_health_check_interval_s": max(0.2, k)},
     }
 
@@ -124,8 +133,8 @@ class Running:
 
 
 def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Running:
-    if contender == "warmroute":
-        s = Stack(n, config=scaled_warmroute_config(speedup), mock_args=mock_args)
+    if contender in WARMROUTE:
+        s = Stack(n, config=scaled_warmroute_config(speedup, WARMROUTE[contender]), mock_args=mock_args)
         s.start()
         s.wait_all_live(60)
         return Running(s.url, s)
@@ -136,7 +145,8 @@ def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Runni
         port = free_port()
         if contender in ENVOY_POLICIES:
             path = s.dir / "envoy.yaml"
-            path.write_text(dump(envoy_builtin(ENVOY_POLICIES[contender], [r.port for r in reps], port, speedup)))
+            hbf = 150 if contender == "envoy_ring_hash_bounded_150" else None
+            path.write_text(dump(envoy_builtin(ENVOY_POLICIES[contender], [r.port for r in reps], port, speedup, hbf)))
             proc = Proc("envoy", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "error"], s.dir)
         else:
             binary, policy = ROUTERS[contender]
@@ -179,7 +189,9 @@ def mock_counters(urls: list[str]) -> tuple[float, float]:
     return q, h
 
 
-def faults(scenario: str, replicas, speedup: float, duration: float, stop: threading.Event) -> threading.Thread | None:
+def faults(scenario: str, run: "Running", speedup: float, duration: float, stop: threading.Event) -> threading.Thread | None:
+    replicas = run.stack.replicas
+
     def die(rep, seconds):
         try:
             req = urllib.request.Request(rep.url + "/admin/fault", data=json.dumps({"die_for_s": seconds}).encode(), method="POST")
@@ -191,6 +203,14 @@ def faults(scenario: str, replicas, speedup: float, duration: float, stop: threa
         def run():
             if not stop.wait(duration / 3):
                 die(replicas[1], 120.0 / speedup)  # down for 2 minutes of workload time
+    elif scenario == "brain_killed":
+        def run_():
+            # SIGKILL the brain a third in: Envoy fails open to its bounded ring hash (SPEC C7) for the rest
+            if not stop.wait(duration / 3) and run.stack.brain is not None:
+                run.stack.brain.kill()
+        t = threading.Thread(target=run_, daemon=True)
+        t.start()
+        return t
     elif scenario == "flapping_replica":
         def run():
             if stop.wait(duration / 6):
@@ -232,6 +252,8 @@ class Row:
 
 
 def measure(contender: str, scenario: str, args) -> Row:
+    if scenario == "brain_killed" and contender not in WARMROUTE:
+        return Row(contender, scenario, note="n/a: no brain to kill")
     w = WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min, projects=args.projects,
                        oneshots_per_min=args.oneshots_per_min)
     mock_args = ["--speedup", str(args.speedup)]
@@ -244,7 +266,7 @@ def measure(contender: str, scenario: str, args) -> Row:
     try:
         q0, h0 = mock_counters(urls)
         duration = args.minutes * 60 / args.speedup
-        f = faults(scenario, run.stack.replicas, args.speedup, duration, stop)
+        f = faults(scenario, run, args.speedup, duration, stop)
         res: ReplayResult = asyncio.run(replay(run.url, w, seed=args.seed, speedup=args.speedup, timeout=max(60.0, duration)))
         stop.set()
         if f:

@@ -227,6 +227,10 @@ def test_the_brain_killed_traffic_continues_through_the_fail_open_route(own_stac
     served = [chat(c, system=f"no brain {i}") for i in range(6)]
     assert all(x.startswith("r") for x in served)
     assert fallback_count(s) >= before + 6  # counted in Envoy's stats as fail-open traffic
+    # C7: the fail-open route is a ring hash on the session header, so a session keeps its replica (cache)
+    for sid in ("sess-a", "sess-b", "sess-c"):
+        cs = client(s, **{"x-session-id": sid})
+        assert len({chat(cs, system=f"{sid} turn {k}") for k in range(4)}) == 1
     stats = s.envoy_stats()
     assert stats.get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) + \
         stats.get("cluster.warmroute_brain.upstream_cx_connect_fail", 0) >= 1

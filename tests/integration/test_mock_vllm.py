@@ -164,3 +164,25 @@ def test_a_prompt_longer_than_the_kv_cache_is_refused_with_400(replica):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400
+
+
+def test_the_counters_a_router_learns_rates_from_and_a_slower_speed_shows_in_them(replica):
+    """vLLM's prompt/generation token counters, per-phase latency histograms and cache_config_info, read by
+    the brain's own parser; a replica at --speed 0.5 prefills at about half the rate of one at full speed."""
+    from extproc.brain.scraper import parse_vllm_metrics
+
+    fast, slow = replica("--speedup", "20"), replica("--speedup", "20", "--speed", "0.5", "--kv-tokens", "160000")
+    rates = {}
+    for r in (fast, slow):
+        first = parse_vllm_metrics(http_get(r.url + "/metrics").decode())
+        assert first.ok and first.sample.cache_tokens == (300_000 if r is fast else 160_000)
+        c = client(r.url)
+        for i in range(6):  # distinct long prompts: mostly uncached prefill
+            c.chat.completions.create(model="m", max_tokens=40, messages=[
+                {"role": "user", "content": f"request {i} " + "new text to prefill. " * 3000}])
+        last = parse_vllm_metrics(http_get(r.url + "/metrics").decode())
+        s = last.sample
+        assert s.prompt_tokens > 6 * 12_000 and s.prefill_seconds > 0 and s.generation_tokens >= 6 * 40
+        assert s.decode_seconds > 0 and s.requests_done == 6
+        rates[r] = (s.prompt_tokens - s.cached_tokens) / s.prefill_seconds  # what the warm policy learns
+    assert 1.5 < rates[fast] / rates[slow] < 2.6

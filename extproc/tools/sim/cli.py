@@ -112,7 +112,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {p:<30} " + " ".join(f"{c:5.2f}" for c in mine) + f"   median {statistics.median(mine):.2f}")
         return 0
     per_seed: dict[int, list] = {}
-    for seed in seeds:
+    if args.jobs > 1 and not args.transitions:
+        from multiprocessing import Pool
+
+        with Pool(args.jobs) as pool:
+            flat = pool.starmap(_summary_of, [(p, args, seed, faults) for seed in seeds for p in policies])
+        for k, seed in enumerate(seeds):
+            per_seed[seed] = flat[k * len(policies):(k + 1) * len(policies)]
+            print()
+            print(table(per_seed[seed], title=f"seed {seed}"))
+    for seed in seeds if not per_seed else []:
         results = []
         for p in policies:
             t0 = time.monotonic()
@@ -131,9 +140,17 @@ def run(args: argparse.Namespace) -> int:
         print(table([_median(policies, [per_seed[s][k] for s in seeds]) for k in range(len(policies))],
                     title=f"median over seeds {args.seeds}"))
     if args.png:
+        if not hasattr(per_seed[seeds[0]][0], "share_per_minute"):
+            per_seed[seeds[0]] = [simulate(p, args, seeds[0], faults=faults) for p in policies]
         share_plot(per_seed[seeds[0]], args.png)
         print(f"\nwrote {args.png}")
     return 0
+
+
+def _summary_of(policy: str, args, seed: int, faults) -> "_Median":
+    """A simulation's summary only (what crosses a process boundary cheaply)."""
+    s = simulate(policy, args, seed, faults=faults).summary()
+    return _Median(s["policy"], s)
 
 
 @dataclasses.dataclass

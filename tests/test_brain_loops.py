@@ -1,0 +1,75 @@
+"""The brain's background loops survive one bad round, and a dead loop takes the brain out of service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from extproc.brain.brain import Brain
+from extproc.brain.server import supervise
+from extproc.config import parse_config
+
+METRICS = 'vllm:num_requests_running{model_name="m"} 1\nvllm:num_requests_waiting{model_name="m"} 0\n'
+
+
+def test_an_exception_while_applying_one_scrape_is_logged_and_scraping_goes_on(caplog):
+    async def main():
+        async def metrics(_):
+            return web.Response(text=METRICS)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}],
+                            "health": {"scrape_interval_s": 0.05}, "routing": {"policy": "seed"}})
+        brain = Brain(cfg)
+        calls = []
+        real = brain.router.on_scrape
+
+        def flaky(name, ok, now, *a, **kw):
+            calls.append(ok)
+            if len(calls) == 1:
+                raise ValueError("a bad sample")
+            return real(name, ok, now, *a, **kw)
+
+        brain.router.on_scrape = flaky
+        task = asyncio.create_task(brain.scraper.loop())
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(calls) < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        task.cancel()
+        await runner.cleanup()
+        return brain, calls
+
+    with caplog.at_level("INFO", logger="warmroute"):
+        brain, calls = asyncio.run(main())
+    assert len(calls) >= 3 and brain.scraper.loop_errors == 1
+    assert any('"loop_error"' in r.getMessage() and "a bad sample" in r.getMessage() for r in caplog.records)
+
+
+def test_when_a_background_task_dies_the_supervisor_reports_it_at_once():
+    async def main():
+        async def forever():
+            await asyncio.Event().wait()
+
+        async def dies():
+            await asyncio.sleep(0.01)
+            raise RuntimeError("scraper broke")
+
+        tasks = [asyncio.create_task(forever(), name="tick"), asyncio.create_task(dies(), name="scraper")]
+        seen = []
+
+        async def on_death(t):
+            seen.append((t.get_name(), str(t.exception())))
+
+        await asyncio.wait_for(supervise(tasks, on_death), 5)
+        for t in tasks:
+            t.cancel()
+        return seen
+
+    assert asyncio.run(main()) == [("scraper", "scraper broke")]

@@ -64,9 +64,9 @@ class Rates:
             self._acc = [0.0] * 5  # the replica restarted: its counters began again
             return
         acc = self._acc
-        if None not in (s.prompt_tokens, s.cached_tokens, s.prefill_seconds, p.prompt_tokens, p.cached_tokens,
-                        p.prefill_seconds):
-            acc[0] += (s.prompt_tokens - s.cached_tokens) - (p.prompt_tokens - p.cached_tokens)
+        if None not in (s.prompt_tokens, s.prefill_seconds, p.prompt_tokens, p.prefill_seconds):
+            # no prefix-cache counter (prefix caching off): every prompt token was computed
+            acc[0] += (s.prompt_tokens - (s.cached_tokens or 0)) - (p.prompt_tokens - (p.cached_tokens or 0))
             acc[1] += s.prefill_seconds - p.prefill_seconds
             if acc[1] >= _MIN_PREFILL_S and acc[0] > 0:
                 ref = self._ref[0]

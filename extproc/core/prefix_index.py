@@ -5,13 +5,20 @@ router without KV events do: a chain routed to the replica is assumed cached the
 other blocks have been routed there to evict it. The bound is the replica's cache size in blocks
 (from ``vllm:cache_config_info`` when the replica exports it, else config).
 
-Every block of a routed chain gets the batch's stamp (one C-level dict update); batches are kept
-in routing order, and eviction drops the oldest batch's blocks that no later batch re-stamped.
+Each routed chain is one batch, kept in routing order; every block maps to the stamp of the batch
+that used it last, and eviction drops the oldest batch's blocks that no later batch re-stamped. A
+session's next turn usually arrives as the same chain list, extended (``ChainCache``): its batch
+moves to the newest end and only its new blocks and its head (where a shared system prompt lives,
+last used by whichever session came before) are stamped, so a turn of a 1 MB conversation costs
+the blocks it adds, not the 16K it carries.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+
+# blocks at the head of a re-routed chain that are stamped again: 32 KiB, a long shared system prompt
+_HEAD_BLOCKS = 512
 
 
 class PrefixIndex:
@@ -20,7 +27,9 @@ class PrefixIndex:
     def __init__(self, capacity_blocks: int):
         self.capacity = max(1, int(capacity_blocks))
         self._stamp_of: dict[int, int] = {}
-        self._batches: deque[tuple[int, list[int], int]] = deque()  # (stamp, chain, length used)
+        # id(chain) -> [stamp, chain, length used], oldest first. The batch holds the list, so its id
+        # stays unique while the entry exists.
+        self._batches: OrderedDict[int, list] = OrderedDict()
         self._queued = 0  # blocks referenced by the batches, re-stamped ones included
         self._next = 0
 
@@ -30,7 +39,7 @@ class PrefixIndex:
     def match(self, chain: list[int]) -> int:
         """How many blocks from the start of ``chain`` the replica probably holds.
 
-        Chains are inserted whole, so what is present is a prefix: a binary search finds its end.
+        Chains are inserted from their start, so what is present is a prefix: a binary search finds its end.
         """
         d = self._stamp_of
         if not chain or chain[0] not in d:
@@ -49,23 +58,40 @@ class PrefixIndex:
         n = len(chain) if n is None else n
         if n <= 0:
             return
-        stamp = self._next
-        self._next += 1
-        self._stamp_of.update(dict.fromkeys(chain[:n] if n < len(chain) else chain, stamp))
-        self._batches.append((stamp, chain, n))
-        self._queued += n
+        d = self._stamp_of
+        b = self._batches.get(id(chain))
+        if b is not None and b[1] is chain and n >= b[2]:
+            stamp, old = b[0], b[2]
+            # the batch's own blocks keep its stamp; the head may have been stamped by others since
+            d.update(dict.fromkeys(chain[:min(old, _HEAD_BLOCKS)], stamp))
+            if n > old:
+                d.update(dict.fromkeys(chain[old:n], stamp))
+            self._queued += n - old
+            b[2] = n
+            self._batches.move_to_end(id(chain))
+        else:
+            if b is not None:  # the same list, shorter than before: a new batch replaces the old one
+                self._drop(self._batches.pop(id(chain)))
+            stamp = self._next
+            self._next += 1
+            d.update(dict.fromkeys(chain[:n] if n < len(chain) else chain, stamp))
+            self._batches[id(chain)] = [stamp, chain, n]
+            self._queued += n
         self._evict()
 
-    def _evict(self) -> None:
+    def _drop(self, batch: list) -> None:
+        stamp, chain, n = batch
+        self._queued -= n
         d = self._stamp_of
+        get = d.get
+        for h in chain[:n]:
+            if get(h) == stamp:
+                del d[h]
+
+    def _evict(self) -> None:
         # The batch queue also holds blocks re-stamped by later batches; keep it within a few capacities.
-        while self._batches and (len(d) > self.capacity or self._queued > 4 * self.capacity):
-            stamp, chain, n = self._batches.popleft()
-            self._queued -= n
-            get = d.get
-            for h in chain[:n]:
-                if get(h) == stamp:
-                    del d[h]
+        while self._batches and (len(self._stamp_of) > self.capacity or self._queued > 4 * self.capacity):
+            self._drop(self._batches.popitem(last=False)[1])
 
     def resize(self, capacity_blocks: int) -> None:
         self.capacity = max(1, int(capacity_blocks))

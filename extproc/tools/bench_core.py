@@ -123,7 +123,7 @@ def _conversation(turns: int, turn_bytes: int, system_bytes: int = 4000, seed: i
     msgs = [{"role": "system", "content": "You are a coding agent. " * (system_bytes // 24)}]
     out = []
     for k in range(turns):
-        msgs.append({"role": "user", "content": "".join(rng.choice("abcdefgh ") for _ in range(turn_bytes // 2))})
+        msgs.append({"role": "user", "content": "".join(rng.choices("abcdefgh ", k=turn_bytes // 2))})
         out.append(orjson.dumps({"model": "m", "messages": msgs, "stream": True}))
         msgs.append({"role": "assistant", "content": "x" * (turn_bytes // 2)})
     return out
@@ -161,8 +161,8 @@ def warm_costs() -> list[str]:
     lines.append(f"warm decide, 8 KB multi-turn bodies: {warm_rate:,.0f}/s; seed decide, 2 KB bodies: {seed_rate:,.0f}/s; "
                  f"ratio {ratio:.2f} (target >= 0.30) {'ok' if ratio >= 0.3 else 'MISSED'}")
 
-    big = _conversation(12, 90_000)  # the last turns pass 1 MB
-    mb = [b for b in big if len(b) >= 1_000_000][:2] or big[-2:]
+    big = _conversation(14, 90_000)  # the last turns pass 1 MB
+    mb = [b for b in big if len(b) >= 1_000_000][:2]
     brain, _ = _brain("warm")
     _decide_each(brain, big[: big.index(mb[0])], 1)  # the conversation so far
     first = _decide_each(brain, [mb[0]], 1)[0]

@@ -188,6 +188,9 @@ class MockReplica:
             self.h_decode.labels(**self.lv).observe(decode_s)
 
         self.driver.on_first, self.driver.on_done = first, done
+        for m in (self.g_running, self.g_waiting, self.g_kv, self.c_queries, self.c_hits, self.c_preempt, self.c_success,
+                  self.h_ttft, self.h_e2e, self.c_prompt, self.c_generation, self.h_prefill, self.h_decode):
+            m.labels(**self.lv)  # every series exists from the start, at 0, as vLLM exports them
 
     def _sync_metrics(self) -> None:
         e = self.driver.engine

@@ -184,5 +184,5 @@ def test_the_counters_a_router_learns_rates_from_and_a_slower_speed_shows_in_the
         s = last.sample
         assert s.prompt_tokens > 6 * 12_000 and s.prefill_seconds > 0 and s.generation_tokens >= 6 * 40
         assert s.decode_seconds > 0 and s.requests_done == 6
-        rates[r] = (s.prompt_tokens - s.cached_tokens) / s.prefill_seconds  # what the warm policy learns
-    assert 1.5 < rates[fast] / rates[slow] < 2.6
+        rates[r.name] = (s.prompt_tokens - s.cached_tokens) / s.prefill_seconds  # what the warm policy learns
+    assert 1.5 < rates[fast.name] / rates[slow.name] < 2.6

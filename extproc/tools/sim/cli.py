@@ -7,7 +7,7 @@ import dataclasses
 import statistics
 import time
 
-from .policies import COMPARE, POLICIES
+from .policies import COMPARE, PEERS, POLICIES
 from .report import share_plot, table
 from .simulator import Fault, Simulation
 from .workload import WorkloadConfig
@@ -50,7 +50,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flap", action="append", default=[], metavar="R:START:DOWN:EVERY:UNTIL")
     ap.add_argument("--capacity", action="store_true",
                     help=f"per policy, the highest --load with TTFT p90 <= {CAPACITY_TTFT_P90_S:g} s (median over --seeds)")
-    ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes (--capacity)")
+    ap.add_argument("--versus-peers", default=None, metavar="0.25,0.5,1",
+                    help="at these loads, warmroute / warmroute_seed / oracle against the best peer on each number, "
+                         "per seed and the median (issue 10's targets)")
+    ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
     ap.add_argument("--png", default=None, help="write traffic share over time per policy to this PNG")
     ap.add_argument("--transitions", action="store_true", help="print every health state change (warmroute)")
 
@@ -97,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.minutes:g} simulated minutes, {fleet}, load {args.load:g} ({args.sessions_per_min * args.load:g} agent "
           f"sessions/min over {args.projects} projects, {args.oneshots_per_min * args.load:g} one-shots/min), "
           f"seed{'s' if len(seeds) > 1 else ''} {args.seeds or args.seed}" + (f", faults {faults}" if faults else ""))
+    if args.versus_peers:
+        return versus_peers(args, [float(x) for x in args.versus_peers.split(",")], seeds)
     if args.capacity:
         print(f"capacity = highest load with TTFT p90 <= {CAPACITY_TTFT_P90_S:g} s, per seed")
         jobs = [(p, args, s) for p in policies for s in seeds]
@@ -144,6 +149,40 @@ def run(args: argparse.Namespace) -> int:
             per_seed[seeds[0]] = [simulate(p, args, seeds[0], faults=faults) for p in policies]
         share_plot(per_seed[seeds[0]], args.png)
         print(f"\nwrote {args.png}")
+    return 0
+
+
+def _summary_at(policy: str, args, seed: int, load: float) -> dict:
+    return simulate(policy, args, seed, load).summary()
+
+
+def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
+    """Ratios to the best peer on each number separately (the best p50 and the best p99 may be two peers)."""
+    mine = ["warmroute", "warmroute_seed", "oracle"]
+    jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *PEERS]]
+    if args.jobs > 1:
+        from multiprocessing import Pool
+
+        with Pool(args.jobs) as pool:
+            flat = pool.starmap(_summary_at, jobs)
+    else:
+        flat = [_summary_at(*j) for j in jobs]
+    got = {(j[0], j[3], j[2]): r for j, r in zip(jobs, flat)}
+    print("ratios to the best peer on each number: TTFT p50, TTFT p99, prefix hits (points), output tok/s; "
+          f"peers: {', '.join(PEERS)}")
+    for L in loads:
+        print(f"L={L:g}")
+        for p in mine:
+            rows = []
+            for s in seeds:
+                m, pe = got[(p, L, s)], [got[(q, L, s)] for q in PEERS]
+                rows.append((m["ttft_p50"] / min(x["ttft_p50"] for x in pe), m["ttft_p99"] / min(x["ttft_p99"] for x in pe),
+                             100 * (m["prefix_hit_rate"] - max(x["prefix_hit_rate"] for x in pe)),
+                             m["output_tok_s"] / max(x["output_tok_s"] for x in pe), m["imbalance_mean"], m["imbalance_max"]))
+            med = [statistics.median(r[i] for r in rows) for i in range(6)]
+            print(f"  {p:<16} median p50 {med[0]:.2f} p99 {med[1]:.2f} hits {med[2]:+.1f} tok/s {med[3]:.3f} "
+                  f"imbalance {med[4]:.2f}/{med[5]:.2f} | per seed: "
+                  + " ".join(f"[{r[0]:.2f} {r[1]:.2f} {r[2]:+.1f} {r[3]:.3f}]" for r in rows))
     return 0
 
 

@@ -41,6 +41,17 @@ class Policy:
         """Where Envoy retries a request whose replica refused the connection."""
         return self.choose(req, now, exclude)
 
+    def pool(self, exclude: frozenset[int]) -> list[int]:
+        return [i for i in range(self.n) if i not in exclude]
+
+    def two_choices(self, exclude: frozenset[int]) -> int | None:
+        """Envoy's LEAST_REQUEST: two random choices, the one with fewer active requests wins."""
+        pool = self.pool(exclude)
+        if not pool:
+            return None
+        a, b = self.rng.choice(pool), self.rng.choice(pool)
+        return a if self.in_flight[a] <= self.in_flight[b] else b
+
     def start(self, req: Request, i: int, now: float) -> None:
         self.in_flight[i] += 1
 
@@ -93,11 +104,7 @@ class LeastRequest(Policy):
     name = "envoy_least_request"
 
     def choose(self, req, now, exclude=frozenset()):
-        pool = [i for i in range(self.n) if i not in exclude]
-        if not pool:
-            return None
-        a, b = self.rng.choice(pool), self.rng.choice(pool)
-        return a if self.in_flight[a] <= self.in_flight[b] else b
+        return self.two_choices(exclude)
 
 
 def _session_hash(req: Request) -> int:
@@ -147,7 +154,7 @@ class RingHash(Policy):
         host = self._ring_host(h, exclude)
         if host is None or not self.factor:
             return host
-        hosts = [i for i in range(self.n) if i not in exclude]
+        hosts = self.pool(exclude)
         f = self._overload(host, len(hosts))
         if f <= 1.0:
             return host
@@ -206,7 +213,7 @@ class SGLangCacheAware(Policy):
         self.rel_threshold = rel_threshold
 
     def choose(self, req, now, exclude=frozenset()):
-        pool = [i for i in range(self.n) if i not in exclude]
+        pool = self.pool(exclude)
         if not pool:
             return None
         blocks = req.blocks()
@@ -252,7 +259,7 @@ class LlmdEndpointPicker(Policy):
             self.index[i].resize(sample.cache_tokens // BLOCK)
 
     def choose(self, req, now, exclude=frozenset()):
-        pool = [i for i in range(self.n) if i not in exclude]
+        pool = self.pool(exclude)
         if not pool:
             return None
         blocks = req.blocks()
@@ -300,7 +307,7 @@ class DynamoKvRouter(Policy):
                     del s[k]
 
     def choose(self, req, now, exclude=frozenset()):
-        pool = [i for i in range(self.n) if i not in exclude]
+        pool = self.pool(exclude)
         if not pool:
             return None
         blocks = req.blocks()
@@ -365,7 +372,7 @@ class Oracle(Policy):
             if t < best_t:
                 best, best_t = i, t
         if best is None:
-            pool = [i for i in range(self.n) if i not in exclude]
+            pool = self.pool(exclude)
             return self.rng.choice(pool) if pool else None
         return best
 
@@ -423,11 +430,7 @@ class Warmroute(Policy):
     def retry_target(self, req, now, exclude):
         # Envoy retries without asking the brain: the replica cluster's priority 1 (the other
         # replicas) with LEAST_REQUEST, i.e. two random choices on active requests.
-        pool = [i for i in range(self.n) if i not in exclude]
-        if not pool:
-            return None
-        a, b = self.rng.choice(pool), self.rng.choice(pool)
-        return a if self.in_flight[a] <= self.in_flight[b] else b
+        return self.two_choices(exclude)
 
     def done(self, req, now):
         super().done(req, now)

@@ -114,3 +114,25 @@ def test_the_index_shrinks_to_a_smaller_exported_cache_and_clears_on_restart():
     assert len(idx) <= 120
     idx.clear()
     assert len(idx) == 0 and idx.match([hash((9, i)) for i in range(50)]) == 0
+
+
+def test_a_long_history_edited_or_shifted_anywhere_in_a_sampled_window_is_not_reused():
+    from extproc.core.blocks import _CHECK_WINDOW, _CHECK_WINDOWS
+
+    seed = chain_seed("m", None)
+    body = bytes(range(256)) * 400  # 1,600 blocks: checked by sampled windows
+    for where in (0, len(body) // 2 - (len(body) // 2) % 64, len(body) - 70):
+        cache = ChainCache()
+        cache.chain(b"s", body, 0, seed)
+        edited = bytearray(body + b"more" * 100)
+        edited[where] ^= 0xFF
+        before = cache.reused_blocks
+        got = cache.chain(b"s", bytes(edited), 0, seed)
+        assert got == block_hashes(bytes(edited), seed)
+        assert cache.reused_blocks == before
+    assert len(body) // BLOCK_CHARS > (_CHECK_WINDOWS + 2) * _CHECK_WINDOW
+    # a shift (a message inserted early) moves every later byte: caught however few windows are read
+    cache = ChainCache()
+    cache.chain(b"s", body, 0, seed)
+    shifted = body[:1000] + b"x" + body[1000:]
+    assert cache.chain(b"s", shifted, 0, seed) == block_hashes(shifted, seed)

@@ -238,14 +238,18 @@ def test_C4_a_session_whose_turns_share_no_prefix_still_keeps_its_replica_on_a_t
     assert len(spread) == 4
 
 
-def test_C2_the_chain_covers_at_most_chain_max_bytes_of_the_conversation():
+def test_C2_the_chain_covers_at_most_chain_max_bytes_and_hashes_at_most_chain_step_bytes_a_request():
     import orjson
 
     from extproc.core import ChainCache, ProfileConfig, build_profile
 
+    cfg, cache = ProfileConfig(), ChainCache()
     body = orjson.dumps({"messages": [{"role": "user", "content": "z" * 3_000_000}]})
-    p = build_profile({}, body, ProfileConfig(), ChainCache())
-    assert len(p.blocks) == ProfileConfig().chain_max_bytes // 64
+    first = list(build_profile({"x-session-id": "s"}, body, cfg, cache).blocks)  # the list grows in place later
+    assert len(first) == cfg.chain_step_bytes // 64  # a first sight: the first step only
+    second = build_profile({"x-session-id": "s"}, body, cfg, cache)
+    assert len(second.blocks) == cfg.chain_max_bytes // 64  # the next turn continues, up to the bound
+    assert build_profile({}, body, cfg, ChainCache()).blocks == first  # no session: the first step
 
 
 def test_C3_a_rate_survives_vllm_counting_hits_at_scheduling_and_prompt_tokens_at_prefill_end():

@@ -42,12 +42,46 @@ def block_hashes(data, seed: tuple[int, int] = (0, 1)) -> list[int]:
     return chain
 
 
+_CHECK_WINDOW = 16  # blocks (1 KiB) per sampled window when a reused chain is checked
+_CHECK_WINDOWS = 16
+
+
+def _verify(chain: list[int], data, start: int, seed: tuple[int, int]) -> bool:
+    """Whether ``data[start:]`` still begins with the bytes ``chain`` was computed from.
+
+    Any run of blocks can be re-checked on its own, because the chain holds the (crc, adler) state
+    at every block boundary: continue both from the state before the run and compare with the state
+    after it. Short chains are checked whole; long ones at their head, their tail and evenly spaced
+    windows between (a history that was rewritten or shifted differs in nearly all of them), so a
+    1 MB conversation's next turn costs ~50 KB of checksums instead of 1 MB.
+    """
+    n = len(chain)
+    w, k = _CHECK_WINDOW, _CHECK_WINDOWS
+    if n <= (k + 2) * w:
+        runs = [(0, n)]
+    else:
+        step = (n - 2 * w) // k
+        runs = [(0, w), (n - w, n), *((w + i * step, w + i * step + w) for i in range(k))]
+    mv = memoryview(data)
+    c32, a32 = zlib.crc32, zlib.adler32
+    for i, j in runs:
+        if i:
+            h = chain[i - 1]
+            crc, adler = h >> 32, h & 0xFFFFFFFF
+        else:
+            crc, adler = seed
+        piece = mv[start + i * BLOCK_CHARS:start + j * BLOCK_CHARS]
+        if (c32(piece, crc) << 32 | a32(piece, adler)) != chain[j - 1]:
+            return False
+    return True
+
+
 class ChainCache:
     """A session's chain from its previous turn, so a turn that extends it hashes only what is new (C2).
 
-    The previous chain is reused when the new body starts with the same bytes, checked with one
-    C call over the old prefix (its (crc, adler) must equal the chain's last hash). Bounded: the
-    least recently used sessions are forgotten beyond ``max_sessions`` or ``max_blocks`` in total.
+    The previous chain is reused when the new body still starts with the bytes it was computed from
+    (``_verify``). Bounded: the least recently used sessions are forgotten beyond ``max_sessions`` or
+    ``max_blocks`` in total.
     """
 
     def __init__(self, max_sessions: int = 4096, max_blocks: int = 2_000_000):
@@ -61,8 +95,13 @@ class ChainCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def chain(self, key: bytes | None, data, start: int, seed: tuple[int, int], end: int | None = None) -> list[int]:
-        """Hashes of the full blocks of ``data[start:end]`` seeded by ``seed``; reuses ``key``'s last chain."""
+    def chain(self, key: bytes | None, data, start: int, seed: tuple[int, int], end: int | None = None,
+              step: int | None = None) -> list[int]:
+        """Hashes of the full blocks of ``data[start:end]`` seeded by ``seed``; reuses ``key``'s last chain.
+
+        With ``step``, at most that many new bytes are hashed by this call: a long conversation seen for
+        the first time is covered over its next turns, and no one request holds the event loop for long.
+        """
         end = len(data) if end is None else min(end, len(data))
         entry = self._entries.get(key) if key is not None else None
         chain: list[int] = []
@@ -71,15 +110,14 @@ class ChainCache:
         if entry is not None:
             old_seed, old = entry
             n = len(old)
-            if old_seed == seed and n and start + n * BLOCK_CHARS <= end:
-                mv = memoryview(data)[start:start + n * BLOCK_CHARS]
-                c, a = zlib.crc32(mv, seed[0]), zlib.adler32(mv, seed[1])
-                if (c << 32 | a) == old[-1]:
-                    chain = old  # extended in place: index batches that hold it keep their own length
-                    crc, adler = c, a
-                    done = start + n * BLOCK_CHARS
-                    self.reused_blocks += n
+            if old_seed == seed and n and start + n * BLOCK_CHARS <= end and _verify(old, data, start, seed):
+                chain = old  # extended in place: index batches that hold it keep their own length
+                crc, adler = old[-1] >> 32, old[-1] & 0xFFFFFFFF
+                done = start + n * BLOCK_CHARS
+                self.reused_blocks += n
         before = len(chain)
+        if step is not None:
+            end = min(end, done + step)
         crc, adler = extend_chain(chain, data, done, end, crc, adler)
         self.hashed_blocks += len(chain) - before
         if key is not None:

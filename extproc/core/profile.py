@@ -175,9 +175,9 @@ def build_profile(
 ) -> RequestProfile:
     """Profile of one request. ``headers`` keys must be lower-case (as HTTP/2 and Envoy give them).
 
-    With ``chains`` (policies that read the prefix index), the profile also carries the block chain
-    of the conversation, hashed from the raw bytes: no parse is needed, and a session's next turn
-    reuses the chain of its last one.
+    With ``chains`` (policies that read the prefix index), the profile carries the block chain of the
+    conversation, hashed from the raw bytes (a session's next turn reuses the chain of its last one),
+    and its token estimate is the conversation's bytes over ``chars_per_token``; no prefix key is made.
     """
     tenant = headers.get(cfg.tenant_header) if cfg.tenant_header else None
     session_key = None
@@ -215,8 +215,11 @@ def build_profile(
     start = 0
     if chains is not None:
         start = _conversation_start(body)
-        blocks = chains.chain(session_key, body, start, chain_seed(_model_of(body), tenant), start + cfg.chain_max_bytes)
-    if status is not BODY_OK:
+        blocks = chains.chain(session_key, body, start, chain_seed(_model_of(body), tenant), start + cfg.chain_max_bytes,
+                              cfg.chain_step_bytes)
+    if status is not BODY_OK or chains is not None:
+        # The warm policy needs neither the prefix key nor the text-only token count: the conversation's bytes
+        # estimate its tokens the same way for every body, parsed or not (JSON adds a few percent).
         tokens = int((size - start) / cfg.chars_per_token)
         return RequestProfile(session_key, None, tokens, status, session_source, blocks)
 

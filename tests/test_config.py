@@ -40,7 +40,13 @@ def test_a_good_file_loads_and_keeps_spec_defaults_elsewhere(tmp_path):
         ("health: {scrape_interval_s: 0}", "health.scrape_interval_s"),
         ("health: {good_scrapes_to_probe: 2.5}", "health.good_scrapes_to_probe"),
         ("profile: {session_headers: x-session-id}", "profile.session_headers"),
-        ("routing: {wlc_enabled: yes please}", "routing.wlc_enabled"),
+        ("routing: {policy: fastest}", "routing.policy"),
+        ("routing: {policy: 3}", "routing.policy"),
+        ("warm: {balance_factor: 0.5}", "warm.balance_factor"),
+        ("warm: {kv_pressure: 1.5}", "warm.kv_pressure"),
+        ("warm: {prefill_tokens_per_s: 0}", "warm.prefill_tokens_per_s"),
+        ("envoy: {fail_open_hash_balance_factor: 50}", "envoy.fail_open_hash_balance_factor"),
+        ("allow_no_replicas: maybe", "allow_no_replicas"),
         ("routing: {token_weight_unit: 0}", "routing.token_weight_unit"),
         ("routing: {health: 1}", "routing.health"),
         ("replicas: {r0: x}", "replicas"),
@@ -83,3 +89,11 @@ def test_check_config_cli_prints_one_line_and_exits_2(tmp_path):
     p = subprocess.run([sys.executable, "-m", "extproc.cli", "check-config", str(f)], capture_output=True, text=True)
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "pins.prefix_ttl_s" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_default_policy_is_warm_and_seed_and_the_ablations_can_be_named():
+    from extproc.core import POLICIES
+
+    assert parse_config({}).router.policy == "warm"
+    for name in POLICIES:
+        assert parse_config({"routing": {"policy": name}}).router.policy == name

@@ -73,3 +73,50 @@ def test_when_a_background_task_dies_the_supervisor_reports_it_at_once():
         return seen
 
     assert asyncio.run(main()) == [("scraper", "scraper broke")]
+
+
+def test_C6_load_is_scraped_between_health_scrapes_and_only_health_scrapes_move_the_health_machine():
+    async def main():
+        async def metrics(_):
+            return web.Response(text=METRICS)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}],
+                            "health": {"scrape_interval_s": 0.6}, "warm": {"load_refresh_s": 0.1}})
+        brain = Brain(cfg)
+        assert brain.scraper.load_refresh_s == 0.1  # the warm policy reads load: fast scrapes are on
+        calls = {"health": 0, "load": 0}
+        on_scrape, on_load = brain.router.on_scrape, brain.router.on_load
+
+        def health(*a, **kw):
+            calls["health"] += 1
+            return on_scrape(*a, **kw)
+
+        def load(*a, **kw):
+            calls["load"] += 1
+            return on_load(*a, **kw)
+
+        brain.router.on_scrape, brain.router.on_load = health, load
+        task = asyncio.create_task(brain.scraper.loop())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while calls["health"] < 3 and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        task.cancel()
+        await runner.cleanup()
+        return calls
+
+    calls = asyncio.run(main())
+    assert calls["health"] >= 3
+    # about 5 load scrapes between two health scrapes (0.6 s / 0.1 s); a busy machine may fit fewer
+    assert calls["load"] >= calls["health"]
+
+
+def test_the_seed_policy_reads_no_load_between_health_scrapes():
+    cfg = parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}], "routing": {"policy": "seed"}})
+    assert Brain(cfg).scraper.load_refresh_s is None

@@ -312,7 +312,8 @@ class WarmPolicy:
                         events.append(PinEvent(PinAction.REBIND, SESSION, Cause.DEAD if dead else Cause.COST))
                     pin.tokens = prompt
                     self.session_pins.touch(profile.session_key, pin, now)
-        return Decision(chosen, reason, pin_kind, events, None, 0.0, best.ttft, best.cached, best.work)
+        return Decision(chosen, reason, pin_kind, events,
+                        predicted_ttft_s=best.ttft, cached_tokens=best.cached, work_s=best.work)
 
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         st = self.state_of(d.replica)

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from .contract import RESERVED_NAME_PREFIX
-from .core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
+from .core.config import TENANT_SOURCES, HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
 from .core.policy import POLICIES, PRODUCTION
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -77,6 +77,16 @@ class EnvoyConfig:
     # With a path, replica clusters live in this file (Envoy watches its directory) and the brain
     # rewrites it on reload, so Envoy learns added and removed replicas without a restart.
     cds_path: str | None = None
+    # Paths served through the listener (exact, or a prefix when the entry ends in '*'); others get a 404
+    # from Envoy: a replica's operational endpoints (/metrics, /reset_prefix_cache, /sleep, ...) stay private.
+    allowed_paths: tuple[str, ...] = (
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/*", "/v1/embeddings",
+        "/v1/models", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/score", "/v1/rerank",
+        "/rerank", "/v2/rerank", "/score", "/pooling", "/classify", "/tokenize", "/detokenize", "/health",
+    )
+    # The tenant header is stripped from what clients send unless a proxy in front of Envoy sets it (true here
+    # only when that proxy overwrites whatever the client sent).
+    trust_downstream_tenant_header: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +227,15 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
                 raise ConfigError(f"{section}.{f.name}: expected a port number 0..65535")
     if brain.grpc_socket is not None and not 0 < len(brain.grpc_socket.encode()) <= 100:
         raise ConfigError("brain.grpc_socket: expected a path of 1..100 bytes (Unix sockets allow 107)")
+    for i, path in enumerate(envoy.allowed_paths):
+        if not path.startswith("/") or "*" in path[:-1] or any(c in path for c in " ?#"):
+            raise ConfigError(f"envoy.allowed_paths[{i}]: expected a path like /v1/chat/completions (a trailing '*' "
+                              f"for a prefix), got {path!r}")
+    if router.profile.tenant_source not in TENANT_SOURCES:
+        raise ConfigError(f"profile.tenant_source: expected one of {', '.join(TENANT_SOURCES)}, got "
+                          f"{router.profile.tenant_source!r}")
+    if router.profile.tenant_source == "header" and not router.profile.tenant_header:
+        raise ConfigError("profile.tenant_header: tenant_source 'header' needs a header name")
     if envoy.fail_open_hash_balance_factor < 100:
         raise ConfigError("envoy.fail_open_hash_balance_factor: expected a whole number >= 100 (Envoy's minimum)")
     if router.profile.max_body_bytes > envoy.max_body_bytes:

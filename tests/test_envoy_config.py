@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.config import AppConfig, load_config
+from extproc.config import AppConfig, ConfigError, load_config, parse_config
 from extproc.brain.server import GRPC_MAX_MESSAGE
 from extproc.contract import (
     BRAIN_CLUSTER,
@@ -43,8 +43,14 @@ def test_envoy_accepts_the_shipped_bootstrap(path):
 
 def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_all_replicas():
     doc = bootstrap(CFG)
-    first, second = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
-    assert first["match"]["headers"] == [{"name": ROUTING_HEADER, "present_match": True}]
+    routes = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
+    first = next(r for r in routes if r["match"].get("path") == "/v1/chat/completions")
+    second = next(r for r in routes if r["match"].get("path") == "/v1/chat/completions" and "headers" not in r["match"])
+    assert routes.index(first) < routes.index(second)
+    assert first["match"]["headers"][0] == {"name": ROUTING_HEADER, "present_match": True}
+    # the brain's own cluster and the fallback are never a routing header's target
+    assert first["match"]["headers"][1] == {"name": ROUTING_HEADER, "string_match": {"prefix": "warmroute_"},
+                                            "invert_match": True}
     assert first["route"]["cluster_header"] == ROUTING_HEADER
     assert second["route"]["cluster"] == FALLBACK_CLUSTER
     clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
@@ -56,16 +62,32 @@ def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_a
     assert [h["header"]["header_name"] for h in hp[:-1]] == list(CFG.router.profile.session_headers)
     assert all(h["terminal"] for h in hp[:-1]) and hp[-1] == {"connection_properties": {"source_ip": True}}
     assert len(fb["load_assignment"]["endpoints"][0]["lb_endpoints"]) == len(CFG.replicas)
-    ext = hcm(doc)["http_filters"][1]["typed_config"]
+    ext = hcm(doc)["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
 
 
-def test_a_client_supplied_routing_header_is_stripped_before_the_brain_runs():
+def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
     names = [f["name"] for f in hcm(bootstrap(CFG))["http_filters"]]
-    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", HOLD_FILTER,
-                     ROUTE_FROM_BRAIN_FILTER, "envoy.filters.http.router"]
-    removed = [m["remove"] for m in hcm(bootstrap(CFG))["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
-    assert set(removed) == {ROUTING_HEADER, RESERVATION_HEADER}
+    assert names == ["envoy.filters.http.ext_proc", HOLD_FILTER, ROUTE_FROM_BRAIN_FILTER, "envoy.filters.http.router"]
+    (early,) = hcm(bootstrap(CFG))["early_header_mutation_extensions"]
+    removed = {m["remove"] for m in early["typed_config"]["mutations"]}
+    assert removed == {ROUTING_HEADER, RESERVATION_HEADER, "x-request-id", "x-warmroute-tenant"}
+    # a proxy in front that sets the tenant itself: its header is kept
+    trusted = parse_config({"envoy": {"trust_downstream_tenant_header": True}})
+    (early,) = hcm(bootstrap(trusted))["early_header_mutation_extensions"]
+    assert "x-warmroute-tenant" not in {m["remove"] for m in early["typed_config"]["mutations"]}
+
+
+def test_only_the_allowed_paths_are_proxied_and_the_rest_get_a_404():
+    cfg = parse_config({"envoy": {"allowed_paths": ["/v1/chat/completions", "/v1/files/*"]}})
+    routes = hcm(bootstrap(cfg))["route_config"]["virtual_hosts"][0]["routes"]
+    assert {m for r in routes if "route" in r for m in r["match"] if m != "headers"} == {"path", "prefix"}
+    assert {r["match"].get("path") or r["match"].get("prefix") for r in routes if "route" in r} == \
+        {"/v1/chat/completions", "/v1/files/"}
+    last = routes[-1]
+    assert last["match"] == {"prefix": "/"} and last["direct_response"]["status"] == 404
+    with pytest.raises(ConfigError, match=r"envoy.allowed_paths\[0\]"):
+        parse_config({"envoy": {"allowed_paths": ["v1/no-slash"]}})
 
 
 def test_one_message_per_request_carries_the_body_and_the_headers_the_brain_reads():
@@ -87,7 +109,8 @@ def test_one_message_per_request_carries_the_body_and_the_headers_the_brain_read
 
 def test_no_route_timeout_cuts_a_long_generation():
     for route in hcm(bootstrap(CFG))["route_config"]["virtual_hosts"][0]["routes"]:
-        assert route["route"]["timeout"] == "0s"  # Envoy's default is 15 s
+        if "route" in route:
+            assert route["route"]["timeout"] == "0s"  # Envoy's default is 15 s
 
 
 def test_bodies_of_32_mib_fit_envoy_and_the_grpc_message_limit():

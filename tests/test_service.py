@@ -294,3 +294,52 @@ def test_a_response_the_replica_cut_off_after_it_started_counts_as_an_upstream_f
         brain.on_log_entry(entry(reservation=h[RESERVATION_HEADER], code=200, upstream=port_of(name),
                                  details="upstream_reset_after_response_started{protocol_error}"))
     assert brain.router.replica(name).state.value == "EJECTED"
+
+
+def test_two_open_requests_with_the_same_request_id_never_release_each_other(brain):
+    """A pasted-in Envoy config may keep clients' x-request-id: a shared id backs up neither reservation."""
+    h1 = headers_of(brain.decide({"x-request-id": "dup"}, BODY))
+    h2 = headers_of(brain.decide({"x-request-id": "dup"}, BODY))
+    assert brain.router.open_reservations == 2
+    # the second request reset before Envoy applied our header: its entry names only the shared id
+    brain.on_log_entry(entry("dup", "", code=0, details="downstream_remote_disconnect", downstream_remote_reset=True))
+    assert brain.router.open_reservations == 2  # neither released: the id could be either request's
+    # each request's own entry still releases its own reservation, once
+    brain.on_log_entry(entry("dup", h1[RESERVATION_HEADER], upstream=port_of(h1[ROUTING_HEADER])))
+    brain.on_log_entry(entry("dup", h2[RESERVATION_HEADER], upstream=port_of(h2[ROUTING_HEADER])))
+    assert brain.router.open_reservations == 0 and brain.stats.releases_by_log == 2
+    brain.ledger.forget_released()
+    assert not brain.ledger.by_request_id
+
+
+@pytest.mark.parametrize("source", ["header", "credential", "none"])
+def test_the_tenant_comes_only_from_its_configured_source(source):
+    """A client naming another tenant in a header must not share that tenant's keys unless the header is
+    the trusted source (which Envoy strips from clients, tests/integration/test_envoy_stack.py)."""
+    from extproc.core.config import ProfileConfig
+    from extproc.core.profile import build_profile
+
+    cfg = ProfileConfig(tenant_source=source)
+    body = orjson.dumps({"messages": [{"role": "system", "content": "shared"}, {"role": "user", "content": "q"}]})
+
+    def key(**h):
+        return build_profile({"x-session-id": "s1", **h}, body, cfg).session_key
+
+    victim = key(**{"x-warmroute-tenant": "victim", "authorization": "Bearer victim-key"})
+    attacker = key(**{"x-warmroute-tenant": "victim", "authorization": "Bearer attacker-key"})
+    no_tenant = key()
+    if source == "header":
+        assert victim == attacker != no_tenant  # the header is trusted: Envoy must strip clients' copies
+    elif source == "credential":
+        assert victim != attacker and victim != no_tenant  # the key the client proved, not the header it sent
+        assert key(authorization="Bearer victim-key") == victim  # the header is ignored
+    else:
+        assert victim == attacker == no_tenant
+
+
+def test_a_credential_is_never_kept_or_logged_only_its_hash():
+    from extproc.core.config import ProfileConfig
+    from extproc.core.profile import tenant_of
+
+    t = tenant_of({"authorization": "Bearer sk-secret-123"}, ProfileConfig(tenant_source="credential"))
+    assert t.startswith("credential:") and "sk-secret" not in t

@@ -25,16 +25,23 @@ class Ledger:
     The id is ``<epoch>.<number>``: ids from an earlier brain process never match ours. The
     request id is in every access-log entry, even when the client reset before Envoy applied
     our header (then the reservation id is missing) or our answer came after Envoy's timeout.
+    It is Envoy's own (the shipped config drops a client's ``x-request-id`` at the edge); a
+    pasted-in config may keep clients' ids, so an id seen on two open requests backs up neither:
+    one request's end must never release another's reservation.
     """
 
     def __init__(self, router: Router):
         self.router = router
         self.epoch = secrets.token_hex(4)
-        self.by_request_id: dict[str, Reservation] = {}
+        self.by_request_id: dict[str, Reservation | int] = {}  # an int: the id is ambiguous, held by that many
 
     def issue(self, res: Reservation, request_id: str | None) -> str:
-        if request_id and request_id not in self.by_request_id:
-            self.by_request_id[request_id] = res
+        if request_id:
+            held = self.by_request_id.get(request_id)
+            if held is None:
+                self.by_request_id[request_id] = res
+            else:
+                self.by_request_id[request_id] = (held if isinstance(held, int) else 1) + 1
         return f"{self.epoch}.{res.id}"
 
     def find(self, reservation_id: str, request_id: str) -> Reservation | None:
@@ -44,15 +51,23 @@ class Ledger:
             if epoch == self.epoch and num.isdigit():
                 res = self.router.reservation(int(num))
         by_id = self.by_request_id.get(request_id)
-        if by_id is not None and (res is None or res is by_id):
+        if isinstance(by_id, int):
+            if by_id > 1:
+                self.by_request_id[request_id] = by_id - 1
+            else:
+                del self.by_request_id[request_id]
+        elif by_id is not None and (res is None or res is by_id):
             del self.by_request_id[request_id]
             res = res or by_id
         return res
 
     def forget_released(self) -> None:
-        """Drop request ids of reservations the safety timeout released (their entry never came)."""
-        for k in [k for k, r in self.by_request_id.items() if r.released]:
+        """Drop request ids of reservations released without their entry (safety timeout, Envoy gone), and
+        ambiguous ids once nothing they could name is open."""
+        for k in [k for k, r in self.by_request_id.items() if not isinstance(r, int) and r.released]:
             del self.by_request_id[k]
+        if not self.router.open_reservations:
+            self.by_request_id.clear()
 
 
 def outcome_of(entry) -> UpstreamOutcome:

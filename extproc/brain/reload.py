@@ -15,7 +15,7 @@ from ..core import Router
 
 
 def _headers(cfg: AppConfig) -> list[str]:
-    return brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_header)
+    return brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_reads())
 
 
 def apply_config(router: Router, old: AppConfig, new: AppConfig, now: float) -> tuple[AppConfig, dict]:

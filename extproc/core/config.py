@@ -39,11 +39,19 @@ class PinConfig:
     force_rebind_gap: float = 3.0  # A3: effective_running(pin) - min_r >= 3 -> move at once
 
 
+TENANT_SOURCES = ("header", "credential", "none")
+CREDENTIAL_HEADER = "authorization"  # tenant_source "credential": the API key (a hash of it) is the tenant
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileConfig:
     session_headers: tuple[str, ...] = ("x-session-id", "x-kilo-session", "x-conversation-id")  # A3
     session_body_fields: tuple[str, ...] = ("conversation_id", "thread_id")  # A3
     tenant_header: str | None = "x-warmroute-tenant"  # A3: the seed's project_id, trusted header
+    # Where the tenant comes from (README "Tenants"): "header" = tenant_header, which Envoy strips from what
+    # clients send (only the operator's own auth filter, or a trusted proxy, sets it); "credential" = a hash of
+    # the Authorization header (an API key is a tenant); "none" = one tenant.
+    tenant_source: str = "header"
     prefix_chars: int = 4096  # A3: MD5 of the first 4096 characters of the system prompt
     chars_per_token: float = 4.0  # B: estimate = characters / 4
     max_body_bytes: int = 64 * 1024 * 1024  # B: larger bodies are routed by headers only
@@ -59,6 +67,12 @@ class ProfileConfig:
     # ...of which one request hashes at most this much that is new (~3 ms): a conversation seen for the first
     # time is indexed over its next turns, and no single request holds the event loop for long
     chain_step_bytes: int = 512 * 1024
+
+    def tenant_reads(self) -> str | None:
+        """The request header the tenant is read from, if any."""
+        if self.tenant_source == "credential":
+            return CREDENTIAL_HEADER
+        return self.tenant_header if self.tenant_source == "header" else None
 
 
 @dataclass(frozen=True, slots=True)

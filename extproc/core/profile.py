@@ -167,6 +167,17 @@ def _model_of(body: bytes) -> str | None:
     return m.group(1).decode("utf-8", "replace") if m else None
 
 
+def tenant_of(headers: Mapping[str, str], cfg: ProfileConfig) -> str | None:
+    """The request's tenant (``cfg.tenant_source``); a credential is hashed at once and never kept."""
+    name = cfg.tenant_reads()
+    value = headers.get(name) if name else None
+    if not value:
+        return None
+    if cfg.tenant_source == "credential":
+        return "credential:" + hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    return value
+
+
 def build_profile(
     headers: Mapping[str, str],
     body: bytes | None,
@@ -179,7 +190,7 @@ def build_profile(
     conversation, hashed from the raw bytes (a session's next turn reuses the chain of its last one),
     and its token estimate is the conversation's bytes over ``chars_per_token``; no prefix key is made.
     """
-    tenant = headers.get(cfg.tenant_header) if cfg.tenant_header else None
+    tenant = tenant_of(headers, cfg)
     session_key = None
     session_source = None
     for h in cfg.session_headers:

@@ -3,14 +3,17 @@
 The bootstrap is assembled from pieces that also ship alone (``snippets``)
 for users who already run Envoy:
 
-- ``http_filters``: strip any client-supplied routing header; ext_proc, which
+- ``early_header_mutation``: the connection manager drops client-sent copies of the headers only
+  Envoy or the brain may set (routing, reservation, request id, tenant) before anything is routed;
+- ``http_filters``: ext_proc, which
   sends the brain one message per request (the buffered body, with the few
   request headers the brain reads as attributes); a buffer filter that holds
   the request headers back from the router until the brain has answered; a
   header mutation that turns the brain's answer (dynamic metadata) into the
   routing header, so the route is chosen from it;
 - ``access_log``: the gRPC access-log entry that tells the brain each request's end and outcome;
-- ``routes``: the pair "route by the brain's header" / "fail open to least-request over all";
+- ``routes``: "route by the brain's header" / "fail open to the bounded ring hash", both only on the
+  paths of ``envoy.allowed_paths``, and a 404 for every other path;
 - ``brain_cluster`` and one ``replica_cluster`` per replica.
 
 Each replica cluster has the replica itself at priority 0 and the other
@@ -41,6 +44,8 @@ from ..contract import (
     HOLD_FILTER,
     METADATA_NAMESPACE,
     RESERVATION_HEADER,
+    RESERVED_NAME_PREFIX,
+    REQUEST_ID_HEADER,
     ROUTE_FROM_BRAIN_FILTER,
     ROUTING_HEADER,
     header_attribute,
@@ -77,11 +82,34 @@ def _thresholds() -> dict:
 
 def brain_headers(cfg: AppConfig) -> list[str]:
     """The request headers this config's brain reads (see ``contract.brain_headers``)."""
-    return _brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_header)
+    return _brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_reads())
+
+
+def edge_headers_removed(cfg: AppConfig) -> list[str]:
+    """Request headers only Envoy or the brain may set: what a client sends under these names is dropped
+    before any route is matched or filter runs (a header filter would be too late: the route is matched
+    on the client's headers at the first filter that asks for it, and stays cached unless the brain
+    answers). The request id is Envoy's own, so a client cannot release another request's reservation."""
+    names = [ROUTING_HEADER, RESERVATION_HEADER, REQUEST_ID_HEADER]
+    p = cfg.router.profile
+    if p.tenant_source == "header" and p.tenant_header and not cfg.envoy.trust_downstream_tenant_header:
+        names.append(p.tenant_header)
+    return names
+
+
+def early_header_mutation(cfg: AppConfig) -> list[dict]:
+    """The connection manager's ``early_header_mutation_extensions`` (see ``edge_headers_removed``)."""
+    return [{
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [{"remove": h} for h in edge_headers_removed(cfg)],
+        },
+    }]
 
 
 def http_filters(cfg: AppConfig) -> list[dict]:
-    """The four filters to put before the router filter, in this order.
+    """The three filters to put before the router filter, in this order.
 
     One ext_proc message per request instead of two (headers, then body)
     halves the brain's gRPC work. The price is that ext_proc cannot mutate
@@ -93,14 +121,6 @@ def http_filters(cfg: AppConfig) -> list[dict]:
     """
     e = cfg.envoy
     return [
-        {
-            # A client must not choose its replica (nor release someone's reservation).
-            "name": "envoy.filters.http.header_mutation",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-                "mutations": {"request_mutations": [{"remove": ROUTING_HEADER}, {"remove": RESERVATION_HEADER}]},
-            },
-        },
         {
             "name": EXT_PROC_FILTER,
             "typed_config": {
@@ -189,27 +209,50 @@ def _retry_policy(cfg: AppConfig) -> dict:
     }
 
 
+def _path_matches(paths) -> list[dict]:
+    """Route matches for the allow-list: exact paths, and prefixes for entries ending in '*'. One route per
+    path (a single regex over them all is past RE2's default program-size limit)."""
+    return [{"prefix": p[:-1]} if p.endswith("*") else {"path": p} for p in paths]
+
+
+NOT_SERVED_BODY = '{"error": {"message": "this path is not served here", "type": "not_found", "code": "path_not_served"}}'
+
+
 def routes(cfg: AppConfig) -> list[dict]:
-    """The route pair; put it first in the virtual host that serves the model API."""
+    """The routes of the virtual host that serves the model API: the brain's choice, the fail-open
+    route, and a 404 for every path outside ``envoy.allowed_paths``."""
     common = {
         "timeout": "0s",  # never cut a long generation (Envoy's default is 15 s)
         "retry_policy": _retry_policy(cfg),
     }
+    paths = _path_matches(cfg.envoy.allowed_paths)
     return [
-        {
+        *({
             "name": "warmroute_brain_choice",
-            "match": {"prefix": "/", "headers": [{"name": ROUTING_HEADER, "present_match": True}]},
+            "match": {**path, "headers": [
+                {"name": ROUTING_HEADER, "present_match": True},
+                # only a replica's cluster: never the brain's own or the fallback (defence in depth: the
+                # header is the brain's answer, a client's copy is gone before routing)
+                {"name": ROUTING_HEADER, "string_match": {"prefix": RESERVED_NAME_PREFIX}, "invert_match": True},
+            ]},
             "route": {"cluster_header": ROUTING_HEADER, **common},
-        },
-        {
+        } for path in paths),
+        *({
             "name": "warmroute_fail_open",
-            "match": {"prefix": "/"},
+            "match": path,
             # C7: without the brain, keep cache locality: ring hash on the session header (the client's
             # address when there is none; Envoy cannot hash a body), bounded by hash_balance_factor
             "route": {"cluster": FALLBACK_CLUSTER, **common, "hash_policy": [
                 *({"header": {"header_name": h}, "terminal": True} for h in cfg.router.profile.session_headers),
                 {"connection_properties": {"source_ip": True}},
             ]},
+        } for path in paths),
+        {
+            "name": "warmroute_not_served",
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 404, "body": {"inline_string": NOT_SERVED_BODY}},
+            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
         },
     ]
 
@@ -336,6 +379,9 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
         "stream_idle_timeout": _dur(e.stream_idle_timeout_s),
+        "early_header_mutation_extensions": early_header_mutation(cfg),
+        # the id Envoy made for the request (a client's own is dropped at the edge), for the client's logs
+        "always_set_request_id_in_response": True,
         "access_log": access_log(cfg),
         "route_config": {
             "name": "warmroute",
@@ -400,6 +446,7 @@ def snippets(cfg: AppConfig) -> dict[str, Any]:
     """The pieces to paste into an existing Envoy; ``replica_cluster_template`` uses the first replica."""
     first = cfg.replicas[0] if cfg.replicas else ReplicaSpec("r0", "http://127.0.0.1:8000")
     return {
+        "early_header_mutation_extensions": early_header_mutation(cfg),
         "http_filters": http_filters(cfg),
         "access_log": access_log(cfg),
         "routes": routes(cfg),

@@ -101,6 +101,56 @@ def test_a_client_supplied_routing_header_is_ignored(stack):
     assert chat(c2).startswith("r")
 
 
+def cluster_rq(stack, name: str) -> int:
+    return stack.envoy_stats().get(f"cluster.{name}.upstream_rq_total", 0)
+
+
+def test_a_client_cannot_choose_its_replica_when_the_brain_is_not_asked(stack):
+    """Bodyless requests never reach the brain: a client's routing header must not route them either."""
+    before = {n: cluster_rq(stack, n) for n in ("r3", "warmroute_brain", FALLBACK_CLUSTER)}
+    for value in ["r3"] * 5 + ["warmroute_brain"] * 5:
+        req = urllib.request.Request(stack.url + "/v1/models", headers={"x-warmroute-cluster": value})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.loads(r.read())["object"] == "list"
+    assert cluster_rq(stack, "r3") == before["r3"]
+    assert cluster_rq(stack, "warmroute_brain") - before["warmroute_brain"] < 10  # only the brain's own gRPC calls
+    assert cluster_rq(stack, FALLBACK_CLUSTER) == before[FALLBACK_CLUSTER] + 10
+
+
+def test_only_the_model_api_is_proxied_and_other_paths_get_a_404(stack):
+    for method, path in [("GET", "/metrics"), ("POST", "/admin/fault"), ("POST", "/reset_prefix_cache"),
+                         ("POST", "/sleep"), ("GET", "/v1/chat/completions/../../metrics")]:
+        req = urllib.request.Request(stack.url + path, method=method, data=b"{}" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 404, path
+        assert json.loads(e.value.read())["error"]["code"] == "path_not_served"
+    with urllib.request.urlopen(stack.url + "/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_the_request_id_is_envoys_own_not_the_clients(stack):
+    quiet(stack)
+    ids = []
+    for _ in range(2):
+        status, headers, _ = raw_post(stack, json.dumps({"model": "m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "same id"}]}).encode(), {"x-request-id": "client-chosen"})
+        assert status == 200
+        ids.append({k.lower(): v for k, v in headers.items()}["x-request-id"])
+    assert "client-chosen" not in ids and ids[0] != ids[1]
+    quiet(stack)  # both reservations released by their own entries
+
+
+def test_a_client_sent_tenant_header_never_reaches_the_brain(stack):
+    """The tenant header is trusted: only the operator's auth layer may set it, Envoy drops a client's copy."""
+    c = client(stack, **{"x-session-id": "tenant-spoof", "x-warmroute-tenant": "victim"})
+    chat(c, system="spoofed tenant")
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(stack.brain_admin + "/pins/session/tenant-spoof?tenant=victim", timeout=5)
+    with urllib.request.urlopen(stack.brain_admin + "/pins/session/tenant-spoof", timeout=5) as r:
+        assert json.loads(r.read())["replica"].startswith("r")
+
+
 def test_a_32_mib_body_is_routed_by_the_brain(stack):
     before_d, before_f = decisions(stack), fallback_count(stack)
     big = "lorem ipsum " * (32 * 1024 * 1024 // 12)
@@ -227,6 +277,12 @@ def test_the_brain_killed_traffic_continues_through_the_fail_open_route(own_stac
     served = [chat(c, system=f"no brain {i}") for i in range(6)]
     assert all(x.startswith("r") for x in served)
     assert fallback_count(s) >= before + 6  # counted in Envoy's stats as fail-open traffic
+    # a client's routing header does not pick the replica while the brain is away
+    r1_before = cluster_rq(s, "r1")
+    spoof = client(s, **{"x-warmroute-cluster": "r1"})
+    for i in range(5):
+        chat(spoof, system=f"spoof without brain {i}")
+    assert cluster_rq(s, "r1") == r1_before
     # C7: the fail-open route is a ring hash on the session header, so a session keeps its replica (cache)
     for sid in ("sess-a", "sess-b", "sess-c"):
         cs = client(s, **{"x-session-id": sid})

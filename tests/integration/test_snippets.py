@@ -49,12 +49,13 @@ def foreign_bootstrap(legacy_port: int) -> dict:
 def merge(doc: dict, pieces: dict, replica_clusters: list[dict]) -> dict:
     """The README's paste-in steps, as code."""
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm.setdefault("early_header_mutation_extensions", []).extend(pieces["early_header_mutation_extensions"])
     hcm["http_filters"][:0] = pieces["http_filters"]  # before the router filter
     hcm.setdefault("access_log", []).extend(pieces["access_log"])
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     for r in routes:  # their own routes keep the brain out of their traffic
         r["typed_per_filter_config"] = pieces["other_routes_typed_per_filter_config"]
-    routes.extend(pieces["routes"])  # after their own routes
+    routes.extend(pieces["routes"])  # after their own routes (the last one answers 404 to any other path)
     doc["static_resources"]["clusters"] += [pieces["brain_cluster"], pieces["fallback_cluster"], *replica_clusters]
     return doc
 

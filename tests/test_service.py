@@ -343,3 +343,20 @@ def test_a_credential_is_never_kept_or_logged_only_its_hash():
 
     t = tenant_of({"authorization": "Bearer sk-secret-123"}, ProfileConfig(tenant_source="credential"))
     assert t.startswith("credential:") and "sk-secret" not in t
+
+
+def test_when_every_access_log_stream_closes_the_open_reservations_are_released_once(brain):
+    h1 = headers_of(brain.decide({"x-request-id": "a"}, BODY))
+    brain.decide({"x-request-id": "b"}, BODY)
+    brain.envoy.opened()
+    brain.envoy.opened()  # two Envoy workers
+    assert brain.envoy.closed() == 0 and brain.router.open_reservations == 2  # one worker's stream reset: Envoy lives
+    assert brain.envoy.closed() == 2 and brain.router.open_reservations == 0  # the last one: Envoy is gone
+    # an entry that still arrives (a new stream of the same Envoy) releases nothing a second time
+    brain.on_log_entry(entry("a", h1[RESERVATION_HEADER], upstream=port_of(h1[ROUTING_HEADER])))
+    assert brain.stats.releases_by_log == 0 and brain.stats.released_envoy_gone == 2
+    assert not brain.ledger.by_request_id
+    # reservations made after the streams closed (a new Envoy, before its first entry) are not touched
+    brain.decide({"x-request-id": "c"}, BODY)
+    brain.envoy.opened()
+    assert brain.router.open_reservations == 1

@@ -17,7 +17,7 @@ from ..envoy_config import CdsFile
 from . import logs
 from .decide import no_healthy_response, route_answer
 from .metrics import make_registry
-from .release import Ledger, Releaser
+from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
 from .scraper import Scraper
 from .stats import BrainStats
@@ -35,6 +35,7 @@ class Brain:
         self.stats = BrainStats(r.name for r in cfg.replicas)
         self.ledger = Ledger(self.router)
         self.releaser = Releaser(self.router, self.ledger, self.stats, self.clock)
+        self.envoy = EnvoyPresence(self.router, self.ledger, self.stats, self.clock)
         self.scraper = Scraper(self.router, self.stats, self.clock, cfg.router.health.scrape_interval_s,
                                cfg.router.warm.load_refresh_s if self.router.needs_blocks else None)
         self.cds = CdsFile(cfg.envoy.cds_path)
@@ -119,6 +120,8 @@ class Brain:
             "releases_by_access_log": self.stats.releases_by_log,
             "unmatched_access_log_entries": self.stats.unmatched_log_entries,
             "safety_timeouts": self.router.safety_timeouts,
+            "released_envoy_gone": self.stats.released_envoy_gone,
+            "access_log_streams": self.envoy.open_streams,
             "session_pins": len(self.router.session_pins),
             "prefix_pins": len(self.router.prefix_pins),
         }

@@ -117,6 +117,9 @@ class BrainCollector(Collector):
         yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released", value=r.open_reservations)
         yield CounterMetricFamily("warmroute_access_log_releases", "Reservations released by Envoy's access log",
                                   value=b.releases_by_log)
+        yield CounterMetricFamily("warmroute_reservations_released_envoy_gone",
+                                  "Reservations released because every access-log stream from Envoy closed (it died "
+                                  "or restarted)", value=b.released_envoy_gone)
         yield CounterMetricFamily("warmroute_access_log_unmatched", "Access-log entries that named no open reservation "
                                   "and no known replica (e.g. requests Envoy answered itself)", value=b.unmatched_log_entries)
         routable = [x.name for x in reps if x.health.state is not State.EJECTED and not x.drained]

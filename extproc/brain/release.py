@@ -117,12 +117,56 @@ class Releaser:
             self.stats.unmatched_log_entries += 1
 
 
+class EnvoyPresence:
+    """Releases the reservations of an Envoy that went away (killed, crashed, restarted).
+
+    The signal is the access-log streams: a running Envoy keeps each worker's stream open for its
+    life, and every one of them closes when its process dies. When the last open stream closes,
+    every reservation made up to that moment is released at once (their entries died with that
+    Envoy). Nothing is released twice: a late entry for one of them finds it released. The price
+    of a false alarm (all streams reset while Envoy lives) is bounded: requests then in flight
+    count as finished early. Not covered: an Envoy that dies before its first entry ever opened a
+    stream; the safety timeout (1 h) stays the backstop for that.
+    """
+
+    def __init__(self, router: Router, ledger: Ledger, stats: BrainStats, clock: Callable[[], float]):
+        self.router = router
+        self.ledger = ledger
+        self.stats = stats
+        self.clock = clock
+        self.open_streams = 0
+
+    def opened(self) -> None:
+        self.open_streams += 1
+
+    def closed(self) -> int:
+        self.open_streams -= 1
+        if self.open_streams > 0:
+            return 0
+        now = self.clock()
+        n = self.router.release_started_before(now, now)
+        self.stats.released_envoy_gone += n
+        self.ledger.forget_released()
+        return n
+
+
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
-    def __init__(self, on_entry: Callable[[object], None]):
+    def __init__(self, on_entry: Callable[[object], None], presence: EnvoyPresence | None = None,
+                 on_gone: Callable[[int], None] | None = None):
         self.on_entry = on_entry
+        self.presence = presence
+        self.on_gone = on_gone
 
     async def StreamAccessLogs(self, request_iterator, context) -> als_pb2.StreamAccessLogsResponse:
-        async for msg in request_iterator:
-            for entry in msg.http_logs.log_entry:
-                self.on_entry(entry)
+        if self.presence is not None:
+            self.presence.opened()
+        try:
+            async for msg in request_iterator:
+                for entry in msg.http_logs.log_entry:
+                    self.on_entry(entry)
+        finally:  # also when the stream is cancelled: the Envoy at the other end is gone
+            if self.presence is not None:
+                released = self.presence.closed()
+                if self.on_gone is not None and self.presence.open_streams == 0:
+                    self.on_gone(released)
         return als_pb2.StreamAccessLogsResponse()

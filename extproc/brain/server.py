@@ -81,7 +81,12 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(brain.decide), server)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogService(brain.on_log_entry), server)
+    def envoy_gone(released: int) -> None:
+        logs.event("envoy_access_log_closed", released_reservations=released,
+                   open_reservations=brain.router.open_reservations)
+
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(
+        AccessLogService(brain.on_log_entry, brain.envoy, envoy_gone), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{b.host}:{b.grpc_port}")

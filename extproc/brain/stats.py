@@ -50,6 +50,7 @@ class BrainStats:
         self.scrapes: Counter[tuple[str, str]] = Counter()  # (replica, ok|failed)
         self.window = DecisionWindow()
         self.releases_by_log = 0
+        self.released_envoy_gone = 0  # reservations of an Envoy whose access-log streams all closed
         self.unmatched_log_entries = 0  # access-log entries that named no reservation and no replica
         self.reloads = 0
         self.zero_series(replica_names)

@@ -259,6 +259,13 @@ class Router:
         self.policy.on_release(res, now)
         return True
 
+    def release_started_before(self, t: float, now: float) -> int:
+        """Release every open reservation made before ``t`` (the Envoy that carried them is gone); how many."""
+        n = 0
+        for r in [r for r in self._reservations.values() if r.started_at <= t]:
+            n += self.release(r, now)
+        return n
+
     def reservation(self, rid: int) -> Reservation | None:
         """The open reservation with id ``rid`` (None once released)."""
         return self._reservations.get(rid)

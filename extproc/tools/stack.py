@@ -77,6 +77,7 @@ class EnvoyProc:
         path = workdir / f"{name}.yaml"
         path.write_text(dump(doc))
         admin_file = workdir / f"{name}.admin"
+        admin_file.unlink(missing_ok=True)  # a restarted Envoy must not be read at its dead predecessor's port
         self.proc = Proc(name, [envoy_binary(), "-c", str(path), "--admin-address-path", str(admin_file),
                                 "--use-dynamic-base-id", "--concurrency", "1", "-l", log_level, "--drain-time-s", "1"],
                          workdir)

@@ -302,6 +302,45 @@ def test_the_brain_killed_traffic_continues_through_the_fail_open_route(own_stac
     assert sum(r["decisions"] for r in s.state()["replicas"]) == 1
 
 
+def test_reservations_of_a_killed_envoy_are_released_within_seconds_and_never_twice(own_stack):
+    import threading
+
+    s = own_stack(2, mock_args=["--speedup", "1"])
+    s.wait_all_live(30)
+    c = client(s)
+    assert chat(c).startswith("r")  # Envoy's access-log stream to the brain is open from here on
+    wait_for(lambda: s.state()["open_reservations"] == 0 and s.state()["access_log_streams"] >= 1, 10, "an open log stream")
+    before = s.state()
+
+    def long_stream(i):
+        try:
+            for _ in c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"long {i}"}],
+                                               max_tokens=2000, stream=True):
+                pass
+        except Exception:
+            pass  # Envoy dies under it
+
+    threads = [threading.Thread(target=long_stream, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: s.state()["open_reservations"] == 6, 30, "6 streams in flight")
+    s.envoy.kill()
+    wait_for(lambda: s.state()["open_reservations"] == 0, 10, "the dead Envoy's reservations released")
+    after = s.state()
+    assert after["released_envoy_gone"] - before["released_envoy_gone"] == 6
+    assert after["releases_by_access_log"] == before["releases_by_access_log"]  # their entries died with Envoy
+    for t in threads:
+        t.join(30)
+    # a new Envoy routes through the brain again; its requests release by the access log as before
+    s.start_envoy()
+    c2 = client(s, **{"x-session-id": "after-restart"})
+    assert chat(c2, system="after restart").startswith("r")
+    wait_for(lambda: s.state()["open_reservations"] == 0, 10, "release after the restart")
+    final = s.state()
+    assert final["releases_by_access_log"] == after["releases_by_access_log"] + 1
+    assert final["released_envoy_gone"] == after["released_envoy_gone"]
+
+
 def test_503_with_json_and_retry_after_when_no_replica_is_known(own_stack):
     s = own_stack(0)
     status, headers, body = raw_post(s, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode())

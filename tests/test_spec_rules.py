@@ -338,6 +338,10 @@ def test_A3_force_rebind_when_running_pin_minus_min_r_at_least_3(kind):
     table = router.session_pins if kind == "session" else router.prefix_pins
     key = p.session_key or p.prefix_key
     assert table.get(key, t).replica is d.replica
+    # the per-replica pin counts /state shows follow the move (kept, not walked)
+    assert table.count_by_replica() == {d.replica_name: 1}
+    table.delete(key)
+    assert table.count_by_replica() == {}
 
 
 def test_B_prefix_spill_second_consecutive_spill_deletes_the_prefix_pin():

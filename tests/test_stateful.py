@@ -221,6 +221,15 @@ class RouterRules(RuleBasedStateMachine):
             for _, pin in table:
                 assert pin.replica in known
 
+    @invariant()
+    def pin_counts_per_replica_match_the_pins(self):
+        """/state reads the kept counts (issue 11 #9): they must equal a walk over the table."""
+        for table in (self.router.session_pins, self.router.prefix_pins):
+            walk: dict[str, int] = {}
+            for _, pin in table:
+                walk[pin.replica.name] = walk.get(pin.replica.name, 0) + 1
+            assert table.count_by_replica() == walk
+
     def teardown(self):
         for res in self.open:
             self.router.release(res, self.now)

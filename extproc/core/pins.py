@@ -32,7 +32,7 @@ class Pin:
 class PinTable:
     """Pins of one kind (session or prefix)."""
 
-    __slots__ = ("kind", "ttl_s", "_pins", "expired", "created")
+    __slots__ = ("kind", "ttl_s", "_pins", "expired", "created", "_counts")
 
     def __init__(self, kind: PinKind, ttl_s: float):
         self.kind = kind
@@ -40,6 +40,15 @@ class PinTable:
         self._pins: OrderedDict[bytes, Pin] = OrderedDict()
         self.expired = 0
         self.created = 0
+        self._counts: dict[str, int] = {}  # pins per replica name, kept as pins come and go (admin views poll it)
+
+    def _count(self, pin: Pin, delta: int) -> None:
+        name = pin.replica.name
+        n = self._counts.get(name, 0) + delta
+        if n:
+            self._counts[name] = n
+        else:
+            del self._counts[name]
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -52,6 +61,7 @@ class PinTable:
         pin = self._pins.get(key)
         if pin is not None and now - pin.last_used > self.ttl_s:
             del self._pins[key]
+            self._count(pin, -1)
             self.expired += 1
             return None
         return pin
@@ -63,13 +73,25 @@ class PinTable:
 
     def put(self, key: bytes, replica: "Replica", now: float) -> Pin:
         pin = Pin(replica, now)
+        old = self._pins.get(key)
+        if old is not None:
+            self._count(old, -1)
         self._pins[key] = pin
         self._pins.move_to_end(key)
+        self._count(pin, 1)
         self.created += 1
         return pin
 
+    def move(self, pin: Pin, replica: "Replica") -> None:
+        """Rebind a pin in the table to another replica."""
+        self._count(pin, -1)
+        pin.replica = replica
+        self._count(pin, 1)
+
     def delete(self, key: bytes) -> None:
-        self._pins.pop(key, None)
+        pin = self._pins.pop(key, None)
+        if pin is not None:
+            self._count(pin, -1)
 
     def expire(self, now: float) -> int:
         """Drop every pin idle for longer than the TTL; returns how many."""
@@ -81,13 +103,11 @@ class PinTable:
             if now - pin.last_used <= ttl:
                 break
             pins.popitem(last=False)
+            self._count(pin, -1)
             n += 1
         self.expired += n
         return n
 
     def count_by_replica(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for pin in self._pins.values():
-            name = pin.replica.name
-            out[name] = out.get(name, 0) + 1
-        return out
+        """Pins per replica name: O(replicas), kept up to date (not a walk over the pins)."""
+        return dict(self._counts)

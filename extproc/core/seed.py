@@ -184,7 +184,7 @@ class SeedPolicy:
 def _move_pin(table: PinTable, key: bytes, pin: Pin, target: Replica, now: float, events: list, cause: Cause) -> None:
     """Rebind to ``target``; a PROBING (or drained) target takes no pin, so the pin is dropped instead."""
     if target.health.state is LIVE and not target.drained:
-        pin.replica = target
+        table.move(pin, target)
         pin.spills = 0
         table.touch(key, pin, now)
         events.append(PinEvent(PinAction.REBIND, table.kind, cause))

@@ -308,7 +308,7 @@ class WarmPolicy:
                     else:
                         # the session moves only because moving is cheaper, re-prefill included
                         dead = pin.replica.removed or pin.replica.health.state is not LIVE
-                        pin.replica = chosen
+                        self.session_pins.move(pin, chosen)
                         events.append(PinEvent(PinAction.REBIND, SESSION, Cause.DEAD if dead else Cause.COST))
                     pin.tokens = prompt
                     self.session_pins.touch(profile.session_key, pin, now)

@@ -10,6 +10,7 @@ from typing import Iterable
 ROUTING_HEADER = "x-warmroute-cluster"  # the replica's cluster, set from the brain's answer; the route reads it
 RESERVATION_HEADER = "x-warmroute-reservation"  # "<brain epoch>.<reservation id>", logged back to the brain
 REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: backs up release when our header never got applied
+CONTENT_ENCODING_HEADER = "content-encoding"  # a body Envoy did not inflate is counted, and routed by headers
 METADATA_NAMESPACE = "warmroute"  # the brain's answer {cluster, reservation} travels as dynamic metadata here
 ANSWER_CLUSTER = "cluster"
 ANSWER_RESERVATION = "reservation"
@@ -24,8 +25,8 @@ RESERVED_NAME_PREFIX = "warmroute_"  # replica names may not start with it: the 
 
 
 def brain_headers(session_headers: Iterable[str], tenant_header: str | None) -> list[str]:
-    """The request headers Envoy must send the brain: session keys, tenant, and the request id."""
-    names = [*session_headers, *([tenant_header] if tenant_header else []), REQUEST_ID_HEADER]
+    """The request headers Envoy must send the brain: session keys, tenant, request id, content encoding."""
+    names = [*session_headers, *([tenant_header] if tenant_header else []), REQUEST_ID_HEADER, CONTENT_ENCODING_HEADER]
     return list(dict.fromkeys(h.lower() for h in names))
 
 

@@ -62,13 +62,14 @@ def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_a
     assert [h["header"]["header_name"] for h in hp[:-1]] == list(CFG.router.profile.session_headers)
     assert all(h["terminal"] for h in hp[:-1]) and hp[-1] == {"connection_properties": {"source_ip": True}}
     assert len(fb["load_assignment"]["endpoints"][0]["lb_endpoints"]) == len(CFG.replicas)
-    ext = hcm(doc)["http_filters"][0]["typed_config"]
+    ext = next(f for f in hcm(doc)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
     assert ext["failure_mode_allow"] is True
 
 
 def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
     names = [f["name"] for f in hcm(bootstrap(CFG))["http_filters"]]
-    assert names == ["envoy.filters.http.ext_proc", HOLD_FILTER, ROUTE_FROM_BRAIN_FILTER, "envoy.filters.http.router"]
+    assert names == ["warmroute.inflate_gzip_requests", "envoy.filters.http.ext_proc", HOLD_FILTER, ROUTE_FROM_BRAIN_FILTER,
+                     "envoy.filters.http.router"]
     (early,) = hcm(bootstrap(CFG))["early_header_mutation_extensions"]
     removed = {m["remove"] for m in early["typed_config"]["mutations"]}
     assert removed == {ROUTING_HEADER, RESERVATION_HEADER, "x-request-id", "x-warmroute-tenant"}

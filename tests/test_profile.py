@@ -166,3 +166,14 @@ def test_no_prompt_text_in_the_profile():
     secret = "TOP-SECRET-PROMPT-TEXT"
     p = build_profile({"x-session-id": secret}, body(messages=[{"role": "system", "content": secret}]), CFG)
     assert secret.encode() not in repr(p).encode() and secret not in repr(p)
+
+
+def test_a_body_envoy_left_compressed_is_counted_and_routed_by_headers():
+    from extproc.core.config import ProfileConfig
+    from extproc.core.names import BodyStatus
+    from extproc.core.profile import build_profile
+
+    p = build_profile({"x-session-id": "s", "content-encoding": "br"}, b"\x1b\x00 opaque bytes", ProfileConfig())
+    assert p.body_status is BodyStatus.ENCODED and p.session_key is not None and p.prefix_key is None
+    p = build_profile({"content-encoding": "identity"}, b'{"messages": []}', ProfileConfig())
+    assert p.body_status is BodyStatus.OK

@@ -50,6 +50,7 @@ class BodyStatus(enum.StrEnum):
     NOT_OBJECT = "not_object"
     TOO_LARGE = "too_large"  # larger than profile.max_body_bytes: routed by headers only
     UNPARSED = "unparsed"  # larger than profile.parse_max_bytes: headers, size and raw block chain only
+    ENCODED = "encoded"  # a Content-Encoding Envoy did not undo (it inflates gzip): routed by headers and size
 
 
 # (action, kind, cause) triples the core can emit, for metrics that export every series from the start.

@@ -20,7 +20,8 @@ from .names import BodyStatus
 
 BODY_OK, BODY_ABSENT, BODY_EMPTY = BodyStatus.OK, BodyStatus.ABSENT, BodyStatus.EMPTY
 BODY_NOT_JSON, BODY_NOT_OBJECT, BODY_TOO_LARGE = BodyStatus.NOT_JSON, BodyStatus.NOT_OBJECT, BodyStatus.TOO_LARGE
-BODY_UNPARSED = BodyStatus.UNPARSED
+BODY_UNPARSED, BODY_ENCODED = BodyStatus.UNPARSED, BodyStatus.ENCODED
+CONTENT_ENCODING = "content-encoding"
 
 # The conversation starts at the first of these keys (searched in the first 4 KiB): request
 # parameters a client puts before it (max_tokens, temperature...) then do not break the chain.
@@ -208,6 +209,9 @@ def build_profile(
         return RequestProfile(session_key, None, 0, BODY_EMPTY, session_source)
     if size > cfg.max_body_bytes:
         return RequestProfile(session_key, None, bytes_estimate, BODY_TOO_LARGE, session_source)
+    if headers.get(CONTENT_ENCODING, "identity").strip().lower() not in ("", "identity"):
+        # compressed bytes carry no key, and their size understates the prompt: count it, route by headers
+        return RequestProfile(session_key, None, bytes_estimate, BODY_ENCODED, session_source)
     doc = None
     status = BODY_UNPARSED
     if size <= (cfg.parse_max_bytes if cfg.parse_max_bytes is not None else cfg.max_body_bytes):

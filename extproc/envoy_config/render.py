@@ -5,7 +5,7 @@ for users who already run Envoy:
 
 - ``early_header_mutation``: the connection manager drops client-sent copies of the headers only
   Envoy or the brain may set (routing, reservation, request id, tenant) before anything is routed;
-- ``http_filters``: ext_proc, which
+- ``http_filters``: gzip request bodies inflated; ext_proc, which
   sends the brain one message per request (the buffered body, with the few
   request headers the brain reads as attributes); a buffer filter that holds
   the request headers back from the router until the brain has answered; a
@@ -109,7 +109,7 @@ def early_header_mutation(cfg: AppConfig) -> list[dict]:
 
 
 def http_filters(cfg: AppConfig) -> list[dict]:
-    """The three filters to put before the router filter, in this order.
+    """The four filters to put before the router filter, in this order.
 
     One ext_proc message per request instead of two (headers, then body)
     halves the brain's gRPC work. The price is that ext_proc cannot mutate
@@ -121,6 +121,23 @@ def http_filters(cfg: AppConfig) -> list[dict]:
     """
     e = cfg.envoy
     return [
+        {
+            # A gzip body is inflated before the brain and the replica see it (vLLM reads no compressed body);
+            # an inflated body past the buffer limit is Envoy's 413, so a decompression bomb costs nothing.
+            "name": "warmroute.inflate_gzip_requests",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.decompressor.v3.Decompressor",
+                "decompressor_library": {"name": "gzip", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.compression.gzip.decompressor.v3.Gzip",
+                    # a repeated prompt inflates past the default 100:1 and would arrive cut off; the bound on
+                    # a bomb is the buffer limit, not the ratio (zlib's own ceiling is 1032:1)
+                    "max_inflate_ratio": 1032}},
+                "request_direction_config": {"common_config": {"enabled": {
+                    "default_value": True, "runtime_key": "warmroute.inflate_gzip_requests"}}},
+                "response_direction_config": {"common_config": {"enabled": {
+                    "default_value": False, "runtime_key": "warmroute.inflate_gzip_responses"}}},
+            },
+        },
         {
             "name": EXT_PROC_FILTER,
             "typed_config": {

@@ -151,6 +151,27 @@ def test_a_client_sent_tenant_header_never_reaches_the_brain(stack):
         assert json.loads(r.read())["replica"].startswith("r")
 
 
+def test_a_gzip_body_is_inflated_before_the_brain_and_a_bomb_is_a_413(stack):
+    import gzip
+
+    quiet(stack)
+    body = json.dumps({"model": "m", "max_tokens": 2, "conversation_id": "gzip-conv",
+                       "messages": [{"role": "user", "content": "compressed " * 20000}]}).encode()
+    before = stack.state()["bodies"]
+    status, _, out = raw_post(stack, gzip.compress(body), {"content-encoding": "gzip"})
+    assert status == 200, out[:300]  # the replica got JSON it could read
+    after = stack.state()["bodies"]
+    assert after.get("ok", 0) == before.get("ok", 0) + 1  # the brain read the inflated body...
+    urllib.request.urlopen(stack.brain_admin + "/pins/session/gzip-conv", timeout=5).close()  # ...and its key
+    # 100 MiB of zeros in ~100 KiB: inflated past the buffer limit, Envoy refuses it before anyone reads it
+    bomb = gzip.compress(b"0" * (100 * 1024 * 1024), compresslevel=9)
+    status, _, _ = raw_post(stack, bomb, {"content-encoding": "gzip"})
+    assert status == 413
+    # an encoding Envoy does not inflate is counted and routed by headers
+    status, _, _ = raw_post(stack, b"\x28\xb5\x2f\xfd opaque", {"content-encoding": "zstd", "x-session-id": "z"})
+    assert stack.state()["bodies"].get("encoded", 0) == before.get("encoded", 0) + 1
+
+
 def test_a_32_mib_body_is_routed_by_the_brain(stack):
     before_d, before_f = decisions(stack), fallback_count(stack)
     big = "lorem ipsum " * (32 * 1024 * 1024 // 12)

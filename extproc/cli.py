@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--minutes", type=float, default=2.0, help="workload minutes of demo load (about 30 s of wall time)")
     u.add_argument("--sessions-per-min", type=float, default=6.0)
     u.add_argument("--no-serve", action="store_true", help="stop after the load instead of serving until Ctrl-C")
+    u.add_argument("--port", type=int, default=0, help="Envoy's listen port on 127.0.0.1, for a stable URL (default: any free)")
 
     d = sub.add_parser("demo-core", help="replay a scripted burst of agent traffic through the routing core alone")
     d.add_argument("--seed", type=int, default=7)

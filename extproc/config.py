@@ -25,6 +25,9 @@ from .core.policy import POLICIES, PRODUCTION
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
+ENGINES = ("vllm", "sglang", "none")
+
+
 class ConfigError(ValueError):
     """One line that names the offending field."""
 
@@ -33,6 +36,9 @@ class ConfigError(ValueError):
 class ReplicaSpec:
     name: str  # also the Envoy cluster name
     url: str  # base URL of the vLLM server; /metrics is scraped from it
+    # whose /metrics to read: "vllm", "sglang", or "none" (health from /health, load from the brain's own
+    # in-flight requests: any OpenAI-compatible server; README "Engines" says what routing each one gets)
+    engine: str = "vllm"
 
     @property
     def host(self) -> str:
@@ -163,9 +169,12 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
         where = f"replicas[{i}]"
         if not isinstance(item, dict):
             raise ConfigError(f"{where}: expected a mapping with name and url")
-        extra = set(item) - {"name", "url"}
+        extra = set(item) - {"name", "url", "engine"}
         if extra:
-            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: name, url)")
+            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: name, url, engine)")
+        engine = item.get("engine", "vllm")
+        if engine not in ENGINES:
+            raise ConfigError(f"{where}.engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
         name = item.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ConfigError(f"{where}.name: expected letters, digits, '_', '.', '-' (<= 63), got {name!r}")
@@ -182,7 +191,7 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
             parts.port
         except ValueError:
             raise ConfigError(f"{where}.url: bad port in {url!r}") from None
-        out.append(ReplicaSpec(name, url.rstrip("/")))
+        out.append(ReplicaSpec(name, url.rstrip("/"), engine))
     return tuple(out)
 
 

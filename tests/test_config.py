@@ -97,3 +97,13 @@ def test_the_default_policy_is_warm_and_seed_and_the_ablations_can_be_named():
     assert parse_config({}).router.policy == "warm"
     for name in POLICIES:
         assert parse_config({"routing": {"policy": name}}).router.policy == name
+
+
+def test_each_replica_names_its_engine():
+    from extproc.config import ConfigError, parse_config
+
+    cfg = parse_config({"replicas": [{"name": "a", "url": "http://h:1"}, {"name": "b", "url": "http://h:2", "engine": "sglang"},
+                                     {"name": "c", "url": "http://h:3", "engine": "none"}]})
+    assert [r.engine for r in cfg.replicas] == ["vllm", "sglang", "none"]
+    with pytest.raises(ConfigError, match=r"^replicas\[0\]\.engine: expected one of vllm, sglang, none, got 'tgi'$"):
+        parse_config({"replicas": [{"name": "a", "url": "http://h:1", "engine": "tgi"}]})

@@ -65,3 +65,29 @@ def test_no_running_gauge_is_a_failed_scrape():
 def test_a_replica_without_the_counters_still_gives_load():
     r = parse_vllm_metrics('vllm:num_requests_running{model_name="m"} 1\nvllm:num_requests_waiting 0\n')
     assert r.ok and r.running == 1 and r.sample.prompt_tokens is None and r.sample.cache_tokens is None
+
+
+SGLANG_TEXT = """\
+# HELP sglang:num_running_reqs The number of running requests.
+sglang:num_running_reqs{model_name="m",dp="0"} 3.0
+sglang:num_queue_reqs{model_name="m",dp="0"} 2.0
+sglang:token_usage{model_name="m"} 0.42
+sglang:max_total_num_tokens{model_name="m"} 161721.0
+sglang:prompt_tokens_total{model_name="m"} 1000.0
+sglang:cached_tokens_total{model_name="m"} 600.0
+sglang:generation_tokens_total{model_name="m"} 50.0
+sglang:cache_hit_rate{model_name="m"} 0.6
+vllm:num_requests_running{model_name="m"} 99.0
+"""
+
+
+def test_an_sglang_replica_is_read_under_sglang_names():
+    from extproc.brain.scraper import SGLANG, parse_metrics
+
+    r = parse_metrics(SGLANG_TEXT, SGLANG)
+    assert r.ok and (r.running, r.waiting, r.kv_usage) == (3, 2, 0.42)
+    assert r.sample.cache_tokens == 161721 and r.sample.prompt_tokens == 1000 and r.sample.cached_tokens == 600
+    # the same text read as vLLM sees only the vLLM series (a misconfigured engine is visible, not mixed)
+    assert parse_vllm_metrics(SGLANG_TEXT).running == 99
+    bad = parse_metrics("sglang:num_running_reqs 1\nsglang:token_usage NaN\n", SGLANG)
+    assert not bad.ok and "sglang:token_usage" in bad.error

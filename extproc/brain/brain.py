@@ -47,6 +47,7 @@ class Brain:
 
     def _set_replicas(self, cfg: AppConfig) -> None:
         self.scraper.urls = {r.name: r.url for r in cfg.replicas}
+        self.scraper.engines = {r.name: r.engine for r in cfg.replicas}
         self.releaser.by_address = {f"{r.host}:{r.port}": r.name for r in cfg.replicas}
 
     @property
@@ -105,6 +106,7 @@ class Brain:
         for r in reps:
             r["decisions"] = per.get(r["name"], 0)
             r["url"] = self.scraper.urls.get(r["name"])
+            r["engine"] = self.scraper.engines.get(r["name"], "vllm")
             r["scrape_error"] = self.scraper.errors.get(r["name"])
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         return {

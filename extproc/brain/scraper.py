@@ -21,22 +21,58 @@ from ..core import LoadSample, Router
 from . import logs
 from .stats import BrainStats
 
-# vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc; accept both.
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-CACHE_CONFIG = "vllm:cache_config_info"
-# counter -> LoadSample field (summed over every engine / model label set)
-COUNTERS = {
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:prefix_cache_hits_total": "cached_tokens",
-    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
-    "vllm:generation_tokens_total": "generation_tokens",
-    "vllm:request_decode_time_seconds_sum": "decode_seconds",
-    "vllm:e2e_request_latency_seconds_count": "requests_done",
-}
+@dataclass(frozen=True, eq=False)  # hashed by identity: one wanted-name set per dialect
+class Dialect:
+    """The metric names of one engine's /metrics: the same load signals under each engine's names."""
+
+    running: str
+    waiting: str
+    kv: tuple[str, ...]  # KV-cache usage, 0..1 (several: the highest of those present)
+    counters: dict[str, str]  # counter -> LoadSample field, summed over every label set
+    cache_info: str | None = None  # an info metric whose labels give the cache size (vLLM)
+    cache_tokens: str | None = None  # a gauge whose value is the cache size in tokens (SGLang)
+
+    def wanted(self) -> frozenset[str]:
+        return frozenset((self.running, self.waiting, *self.kv, *self.counters,
+                          *(n for n in (self.cache_info, self.cache_tokens) if n)))
+
+
+VLLM = Dialect(
+    running="vllm:num_requests_running",
+    waiting="vllm:num_requests_waiting",
+    kv=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),  # renamed in vLLM 0.10; accept both
+    counters={
+        "vllm:prompt_tokens_total": "prompt_tokens",
+        "vllm:prefix_cache_hits_total": "cached_tokens",
+        "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+        "vllm:generation_tokens_total": "generation_tokens",
+        "vllm:request_decode_time_seconds_sum": "decode_seconds",
+        "vllm:e2e_request_latency_seconds_count": "requests_done",
+    },
+    cache_info="vllm:cache_config_info",
+)
+# sgl-project/sglang python/sglang/srt/metrics/collector.py (docs/references/production_metrics.md)
+SGLANG = Dialect(
+    running="sglang:num_running_reqs",
+    waiting="sglang:num_queue_reqs",
+    kv=("sglang:token_usage",),
+    counters={
+        "sglang:prompt_tokens_total": "prompt_tokens",
+        "sglang:cached_tokens_total": "cached_tokens",
+        "sglang:generation_tokens_total": "generation_tokens",
+        "sglang:e2e_request_latency_seconds_count": "requests_done",
+    },
+    cache_tokens="sglang:max_total_num_tokens",
+)
+DIALECTS = {"vllm": VLLM, "sglang": SGLANG}
+# engine "none": no load metrics; health from GET /health, load from the brain's own reservations
+HEALTH_PATH = "/health"
+
+RUNNING, WAITING, KV_NAMES, CACHE_CONFIG, COUNTERS = VLLM.running, VLLM.waiting, VLLM.kv, VLLM.cache_info, VLLM.counters
 MAX_REQUESTS = 100_000  # running or waiting beyond this on one replica is a broken exporter, not load
-_WANTED = frozenset((RUNNING, WAITING, CACHE_CONFIG, *KV_NAMES, *COUNTERS))
+
+
+_WANTED: dict[Dialect, frozenset[str]] = {}
 
 
 @dataclass
@@ -58,7 +94,12 @@ def _labels(text: str) -> dict[str, str]:
 
 
 def parse_vllm_metrics(text: str) -> ScrapeResult:
+    return parse_metrics(text, VLLM)
+
+
+def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
     """The load signals of one replica, or a failed result saying what was wrong with the text."""
+    wanted = _WANTED.get(d) or _WANTED.setdefault(d, d.wanted())
     running = waiting = 0.0
     kv: list[float] = []
     counters: dict[str, float] = {}
@@ -73,7 +114,7 @@ def parse_vllm_metrics(text: str) -> ScrapeResult:
             return ScrapeResult(False, error=f"unparsable metrics line: {line[:80]!r}")
         end = brace if 0 <= brace < space else space
         name = line[:end]
-        if name not in _WANTED:
+        if name not in wanted:
             continue
         rest = line[line.rfind("}") + 1:] if brace == end else line[end:]
         try:
@@ -82,26 +123,28 @@ def parse_vllm_metrics(text: str) -> ScrapeResult:
             return ScrapeResult(False, error=f"unparsable value of {name}")
         if not math.isfinite(value) or value < 0:
             return ScrapeResult(False, error=f"{name} is {value}: not a finite number >= 0")
-        if name == RUNNING:
+        if name == d.running:
             running += value
             seen = True
-        elif name == WAITING:
+        elif name == d.waiting:
             waiting += value
-        elif name in KV_NAMES:
+        elif name in d.kv:
             kv.append(value)
-        elif name == CACHE_CONFIG:
+        elif name == d.cache_info:
             lab = _labels(line[brace + 1:line.rfind("}")])
             try:
                 cache_tokens = int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16"))
             except (KeyError, ValueError):
                 pass
+        elif name == d.cache_tokens:
+            cache_tokens = int(value) or None
         else:
-            field_name = COUNTERS[name]
+            field_name = d.counters[name]
             counters[field_name] = counters.get(field_name, 0.0) + value
     if not seen:
-        return ScrapeResult(False, error=f"no {RUNNING} in /metrics")
+        return ScrapeResult(False, error=f"no {d.running} in /metrics")
     if running > MAX_REQUESTS or waiting > MAX_REQUESTS:
-        return ScrapeResult(False, error=f"{RUNNING}/{WAITING} {running:g}/{waiting:g}: beyond {MAX_REQUESTS:,}")
+        return ScrapeResult(False, error=f"{d.running}/{d.waiting} {running:g}/{waiting:g}: beyond {MAX_REQUESTS:,}")
     kv_usage = max(kv) if kv else 0.0
     if kv_usage > 1.0 + 1e-9:
         return ScrapeResult(False, error=f"KV cache usage {kv_usage:g}: beyond 1 (100%)")
@@ -121,37 +164,47 @@ class Scraper:
         self.interval_s = interval_s  # health cadence (A1: 3 s)
         self.load_refresh_s = load_refresh_s  # C6: faster load-only scrapes in between (None: none)
         self.urls: dict[str, str] = {}
+        self.engines: dict[str, str] = {}  # replica -> "vllm" | "sglang" | "none" (absent: vllm)
         self.errors: dict[str, str] = {}
         self.loop_errors = 0
         self.seconds = None  # a prometheus Histogram, set by the brain
 
     async def scrape_once(self, session: ClientSession, name: str, url: str, timeout: float | None = None) -> ScrapeResult:
         t0 = time.perf_counter()
-        r = await self._fetch(session, url, timeout)
+        r = await self._fetch(session, url, timeout, self.engines.get(name, "vllm"))
         if self.seconds is not None:
             self.seconds.observe(time.perf_counter() - t0)
         self.stats.scrapes[(name, "ok" if r.ok else "failed")] += 1
         return r
 
-    async def _fetch(self, session: ClientSession, url: str, timeout: float | None) -> ScrapeResult:
+    async def _fetch(self, session: ClientSession, url: str, timeout: float | None, engine: str = "vllm") -> ScrapeResult:
+        path = HEALTH_PATH if engine == "none" else "/metrics"
         try:
             kw = {"timeout": ClientTimeout(total=timeout)} if timeout else {}
-            async with session.get(url + "/metrics", **kw) as resp:
+            async with session.get(url + path, **kw) as resp:
                 if resp.status != 200:
-                    return ScrapeResult(False, error=f"HTTP {resp.status}")
+                    hint = " (no /metrics: set the replica's engine: sglang or none)" if resp.status == 404 and path == "/metrics" else ""
+                    return ScrapeResult(False, error=f"HTTP {resp.status} from {path}{hint}")
+                if engine == "none":
+                    return ScrapeResult(True)  # alive; its load is what the brain itself sent there
                 text = await resp.text()
         except asyncio.TimeoutError:
-            return ScrapeResult(False, error="timeout")
+            return ScrapeResult(False, error=f"timeout on {path}")
         except Exception as e:  # connection refused, reset, DNS...: every one means "failed scrape"
-            return ScrapeResult(False, error=type(e).__name__)
-        return parse_vllm_metrics(text)
+            return ScrapeResult(False, error=f"{type(e).__name__} on {path}")
+        return parse_metrics(text, DIALECTS[engine])
 
     def apply(self, name: str, r: ScrapeResult, now: float) -> None:
         """A health scrape: its result moves the health machine."""
+        before = self.errors.get(name)
         if r.ok:
             self.errors.pop(name, None)
+            if before is not None:
+                logs.event("scrape_recovered", replica=name, after=before)
         else:
             self.errors[name] = r.error
+            if before != r.error:  # once per change of reason, not every scrape
+                logs.event("scrape_failed", replica=name, reason=r.error)
         self.router.on_scrape(name, r.ok, now, r.running, r.waiting, r.kv_usage, sample=r.sample)
 
     def apply_load(self, name: str, r: ScrapeResult, now: float) -> None:
@@ -185,4 +238,5 @@ class Scraper:
                 await asyncio.sleep(max(0.0, wake - self.clock()))
 
 
-__all__ = ["RUNNING", "WAITING", "KV_NAMES", "COUNTERS", "ScrapeResult", "parse_vllm_metrics", "Scraper"]
+__all__ = ["RUNNING", "WAITING", "KV_NAMES", "COUNTERS", "DIALECTS", "Dialect", "ScrapeResult", "parse_metrics",
+           "parse_vllm_metrics", "Scraper"]

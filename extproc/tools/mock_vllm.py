@@ -215,7 +215,10 @@ class MockReplica:
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
         self._sync_metrics()
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        text = generate_latest(self.registry)
+        if self.args.metrics == "sglang":
+            text = _as_sglang(text.decode()).encode()
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.healthy:
@@ -420,6 +423,20 @@ def _chunk(chat, rid, created, model, piece, finish, fp) -> dict:
             "choices": [{"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}]}
 
 
+def _as_sglang(vllm_text: str) -> str:
+    """The same engine state under SGLang's metric names (what ``engine: sglang`` replicas export)."""
+    from ..brain.scraper import SGLANG, parse_vllm_metrics
+
+    x = parse_vllm_metrics(vllm_text).sample
+    lab = '{model_name="mock-coder-30b"}'
+    values = {SGLANG.running: x.running, SGLANG.waiting: x.waiting, "sglang:token_usage": x.kv_usage,
+              "sglang:prompt_tokens_total": x.prompt_tokens or 0, "sglang:cached_tokens_total": x.cached_tokens or 0,
+              "sglang:generation_tokens_total": x.generation_tokens or 0,
+              "sglang:e2e_request_latency_seconds_count": x.requests_done or 0,
+              SGLANG.cache_tokens: x.cache_tokens or 0}
+    return "".join(f"{name}{lab} {float(v)}\n" for name, v in values.items())
+
+
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -435,7 +452,8 @@ def build_app(rep: MockReplica) -> web.Application:
     app.router.add_post("/v1/completions", rep.completions)
     app.router.add_get("/v1/models", rep.models)
     app.router.add_get("/health", rep.health)
-    app.router.add_get("/metrics", rep.metrics)
+    if rep.args.metrics != "none":  # "none": a third-party OpenAI server with no engine metrics
+        app.router.add_get("/metrics", rep.metrics)
     app.router.add_post("/admin/fault", rep.fault)
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, rep.server_info)
@@ -468,6 +486,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flap-every", type=float, default=0.0, help="die every this many seconds (0: never)")
     ap.add_argument("--flap-down", type=float, default=5.0, help="and stay down this long")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--metrics", choices=("vllm", "sglang", "none"), default="vllm",
+                    help="whose /metrics names to export (none: no /metrics at all, like a foreign OpenAI server)")
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -175,14 +175,22 @@ class Stack:
         mock_args: list[str] | None = None,
         workdir: str | Path | None = None,
         envoy_log_level: str = "warn",
+        listen_port: int = 0,
+        keep_logs: bool = False,
     ):
         self.n = n_replicas
+        self.listen_port = listen_port  # 0: the OS picks (tests); a fixed one gives a stable URL (warmroute up)
+        self.engines: dict[str, str] = {}  # replica name -> its config's engine (absent: vllm)
+        self.replica_args: dict[str, list[str]] = {}  # replica name -> mock-vllm arguments beyond mock_args
         self.overrides = config or {}
         self.mock_args = mock_args or []
         self._tmp = None
         if workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="warmroute-")
-            workdir = self._tmp.name
+            if keep_logs:  # the logs outlive the stack: someone will read them after Ctrl-C
+                workdir = tempfile.mkdtemp(prefix="warmroute-")
+            else:
+                self._tmp = tempfile.TemporaryDirectory(prefix="warmroute-")
+                workdir = self._tmp.name
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.envoy_log_level = envoy_log_level
@@ -235,10 +243,11 @@ class Stack:
         # Envoy and the brain share this host: a Unix socket, unless the workdir path is too long to name one
         sock = str(self.dir.resolve() / "brain.sock")
         doc: dict[str, Any] = {
-            "replicas": [{"name": r.name, "url": r.url} for r in self.replicas],
+            "replicas": [{"name": r.name, "url": r.url, **({"engine": self.engines[r.name]} if r.name in self.engines else {})}
+                         for r in self.replicas],
             "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0, "metrics_port": 0,
                       "grpc_socket": sock if len(sock.encode()) <= 100 else None},
-            "envoy": {"listen_host": "127.0.0.1", "listen_port": 0, "admin_port": 0,
+            "envoy": {"listen_host": "127.0.0.1", "listen_port": self.listen_port, "admin_port": 0,
                       "cds_path": str(self.dir / "cds" / "clusters.yaml")},
         }
         for section, values in self.overrides.items():
@@ -328,7 +337,8 @@ class Stack:
     def start(self, envoy: bool = True) -> "Stack":
         try:
             for i in range(self.n):
-                self.replicas.append(self.start_replica(f"r{i}"))
+                name = f"r{i}"
+                self.replicas.append(self.start_replica(name, extra=[*self.mock_args, *self.replica_args.get(name, [])]))
             self.write_config()
             self.start_brain()
             if envoy:
@@ -337,6 +347,10 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def logs(self) -> dict[str, Path]:
+        """Each process's log file, by process name."""
+        return {p.name: p.log_path for p in self._started}
 
     def stop(self) -> None:
         for p in reversed(self._started):

@@ -31,6 +31,7 @@ class Row:
     brain_share: float
     envoy_share: float
     scrape_error: str | None
+    engine: str = "vllm"
 
 
 @dataclass
@@ -65,7 +66,7 @@ def snapshot(brain_admin: str, envoy_admin: str | None) -> Snapshot:
     rows = [
         Row(r["name"], r["state"], r["drained"], r["cooldown_remaining_s"], r["effective_running"], r["effective_waiting"],
             r["wlc_in_flight"], r["session_pins"], r["prefix_pins"], r["decisions"] / tot_d if tot_d else 0.0,
-            envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"))
+            envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"), r.get("engine", "vllm"))
         for r in st["replicas"]
     ]
     allowed = sum(v for k, v in stats.items() if k.endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
@@ -73,25 +74,33 @@ def snapshot(brain_admin: str, envoy_admin: str | None) -> Snapshot:
                     st["open_reservations"], st["decisions_by_reason"], st.get("recent_transitions", []))
 
 
-HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share", "envoy share")
+HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share", "envoy share",
+        "engine", "last scrape error")
 
 
 def _cells(r: Row) -> list[str]:
     return [r.name, r.state + ("*" if r.drained else ""), f"{r.cooldown_left:.0f}s", f"{r.effective_running:.1f}",
             f"{r.effective_waiting:.1f}", f"{r.wlc_in_flight:.1f}", str(r.session_pins), str(r.prefix_pins),
-            f"{r.brain_share:.0%}", f"{r.envoy_share:.0%}"]
+            f"{r.brain_share:.0%}", f"{r.envoy_share:.0%}", r.engine, (r.scrape_error or "")[:60]]
 
 
 def _totals(s: Snapshot) -> str:
-    return (f"decisions {s.decisions}; Envoy upstream requests {s.envoy_requests}; fail-open requests {s.fail_open} "
-            f"(ext_proc failure_mode_allowed {s.failure_mode_allowed}); open reservations {s.open_reservations}")
+    # the fallback route carries two kinds of request: those the brain failed to answer (fail-open) and
+    # those it is never asked about (no body: GET /v1/models, probes), which are not a failure
+    bodyless = max(0, s.fail_open - s.failure_mode_allowed)
+    return (f"decisions {s.decisions}; Envoy upstream requests {s.envoy_requests}; fail-open (brain did not answer) "
+            f"{s.failure_mode_allowed}; without a body (brain not asked) {bodyless}; open reservations {s.open_reservations}")
 
 
 def text_table(s: Snapshot) -> str:
-    widths = [8, 9, 9, 8, 9, 10, 10, 9, 12, 12]
-    out = ["".join(h.rjust(w) if i > 1 else h.ljust(w) for i, (h, w) in enumerate(zip(HEAD, widths)))]
+    widths = [8, 9, 9, 8, 9, 10, 10, 9, 12, 12, 8, 0]
+
+    def just(i, c, w):
+        return "  " + c if i == len(widths) - 1 else (c.rjust(w) if 1 < i < 10 else c.ljust(w))
+
+    out = ["".join(just(i, h, w) for i, (h, w) in enumerate(zip(HEAD, widths))).rstrip()]
     for r in s.rows:
-        out.append("".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(_cells(r), widths))))
+        out.append("".join(just(i, c, w) for i, (c, w) in enumerate(zip(_cells(r), widths))).rstrip())
     out.append(_totals(s) + ("  (* drained)" if any(r.drained for r in s.rows) else ""))
     return "\n".join(out)
 
@@ -106,7 +115,7 @@ def rich_view(s: Snapshot, title: str):
 
     t = Table(title=title, expand=False)
     for i, h in enumerate(HEAD):
-        t.add_column(h, justify="left" if i < 2 else "right")
+        t.add_column(h, justify="left" if i < 2 or i >= 10 else "right")
     for r in s.rows:
         cells = _cells(r)
         cells[1] = f"[{_COLOR.get(r.state, 'white')}]{cells[1]}[/]"

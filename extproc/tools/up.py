@@ -34,11 +34,12 @@ def up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    stack = Stack(n_replicas=args.replicas)
+    stack = Stack(n_replicas=args.replicas, listen_port=args.port, keep_logs=True)
     try:
         print(f"starting {args.replicas} mock vLLM replicas, the brain and Envoy ...", flush=True)
         stack.start()
         print(f"Envoy listens on {stack.url}  (Envoy admin {stack.envoy_admin}, brain admin {stack.brain_admin})")
+        print(f"logs (kept after exit): {stack.dir}/  " + " ".join(sorted(p.name for p in stack.logs().values())))
         print("every replica starts EJECTED and must earn 2 good scrapes + a 15 s clean window before it is LIVE")
         t0 = time.monotonic()
         last = None
@@ -70,16 +71,22 @@ def up(args: argparse.Namespace) -> int:
         print(f"\nserving on {stack.url}  (OpenAI-compatible: POST /v1/chat/completions). Ctrl-C stops everything.")
         print(f"live view: warmroute top --brain-admin {stack.brain_admin} --envoy-admin {stack.envoy_admin}")
         print(f"Prometheus metrics: {stack.brain_metrics} and {stack.envoy_admin}/stats/prometheus")
+        told: dict[str, bool] = {}
         while True:
-            time.sleep(10)
-            for r in stack.replicas:
-                if not r.proc.alive():
-                    print(f"warning: replica {r.name} exited", file=sys.stderr)
+            time.sleep(2)
+            for r in stack.replicas:  # said once per change, not at every look
+                alive = r.proc.alive()
+                if told.get(r.name, True) != alive:
+                    print(f"warning: replica {r.name} exited (log: {r.proc.log_path})" if not alive
+                          else f"replica {r.name} runs again", file=sys.stderr)
+                    told[r.name] = alive
     except KeyboardInterrupt:
         print("\nstopping ...")
+        print(f"logs kept in {stack.dir}/")
         return 0
     except StackError as e:
         print(f"warmroute up: {e}", file=sys.stderr)
+        print(f"logs kept in {stack.dir}/", file=sys.stderr)
         return 1
     finally:
         stack.stop()

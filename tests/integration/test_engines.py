@@ -1,0 +1,55 @@
+"""Replicas that are not vLLM: SGLang's metric names, and servers with no engine metrics at all (issue 11 #7)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from extproc.tools.stack import Stack, wait_for
+
+from .conftest import FAST
+
+pytestmark = pytest.mark.integration
+
+
+def post(stack, session: str, text: str) -> str:
+    body = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": text}]}).encode()
+    req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", "x-session-id": session})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["system_fingerprint"]
+
+
+def r3_failed_scrapes(s) -> float:
+    for line in urllib.request.urlopen(s.brain_metrics, timeout=5).read().decode().splitlines():
+        if line.startswith('warmroute_scrapes_total{replica="r3",result="failed"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_sglang_and_metricless_replicas_go_live_and_keep_sessions_sticky_while_a_misconfigured_one_says_why():
+    s = Stack(4, config=FAST, mock_args=["--speedup", "20"])
+    s.replica_args = {"r1": ["--metrics", "sglang"], "r2": ["--metrics", "none"], "r3": ["--metrics", "none"]}
+    s.engines = {"r1": "sglang", "r2": "none"}  # r3: a foreign server left at the default engine (vllm)
+    with s:
+        wait_for(lambda: [r["state"] for r in s.state()["replicas"]][:3] == ["LIVE"] * 3, 30, "r0-r2 LIVE")
+        r3 = s.replica_state("r3")
+        assert r3["state"] == "EJECTED" and r3["engine"] == "vllm"
+        assert "HTTP 404 from /metrics" in r3["scrape_error"] and "engine" in r3["scrape_error"]
+        # said once per change of reason, not at every scrape
+        said = '"event":"scrape_failed","replica":"r3"'
+        wait_for(lambda: said in s.brain.log_tail(200_000), 10, "the scrape failure logged")
+        failed_before = r3_failed_scrapes(s)
+        wait_for(lambda: r3_failed_scrapes(s) >= failed_before + 4, 20, "four more failed scrapes of r3")
+        served = {}
+        for sid in ("e1", "e2", "e3", "e4", "e5", "e6"):
+            served[sid] = {post(s, sid, f"{sid} turn {k}") for k in range(3)}
+        assert all(len(v) == 1 for v in served.values()), served  # sticky on every engine
+        assert {"r3"}.isdisjoint(set().union(*served.values()))
+        st = s.state()
+        assert not any(k.startswith("fallback") for k in st["decisions_by_reason"])  # decided, not random
+        sg = s.replica_state("r1")
+        assert sg["engine"] == "sglang" and sg["scrape_error"] is None
+        assert s.brain.log_tail(200_000).count(said) == 1

@@ -83,6 +83,10 @@ class EnvoyConfig:
     # With a path, replica clusters live in this file (Envoy watches its directory) and the brain
     # rewrites it on reload, so Envoy learns added and removed replicas without a restart.
     cds_path: str | None = None
+    # Bodies with a Content-Length above this reach the brain as headers only (session header, size): a body of
+    # tens of MiB costs the brain ~70 ms of gRPC copying on its event loop, and a few at once would push small
+    # requests past ext_proc_timeout_s. The prefix chain reads at most the first 1 MiB anyway.
+    brain_body_max_bytes: int = 2 * 1024 * 1024
     # Paths served through the listener (exact, or a prefix when the entry ends in '*'); others get a 404
     # from Envoy: a replica's operational endpoints (/metrics, /reset_prefix_cache, /sleep, ...) stay private.
     allowed_paths: tuple[str, ...] = (
@@ -247,6 +251,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("profile.tenant_header: tenant_source 'header' needs a header name")
     if envoy.fail_open_hash_balance_factor < 100:
         raise ConfigError("envoy.fail_open_hash_balance_factor: expected a whole number >= 100 (Envoy's minimum)")
+    if envoy.brain_body_max_bytes < 1024:
+        raise ConfigError("envoy.brain_body_max_bytes: expected a whole number >= 1024")
     if router.profile.max_body_bytes > envoy.max_body_bytes:
         raise ConfigError("profile.max_body_bytes: must not exceed envoy.max_body_bytes")
     allow = doc.get("allow_no_replicas", False)

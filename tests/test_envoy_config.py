@@ -154,3 +154,16 @@ def test_hostnames_render_as_dns_clusters():
     clusters = {c["name"]: c for c in bootstrap(cfg)["static_resources"]["clusters"]}
     assert clusters["a"]["type"] == "STRICT_DNS" and clusters[BRAIN_CLUSTER]["type"] == "STRICT_DNS"
     assert bootstrap(AppConfig())["static_resources"]["clusters"][0]["name"] == BRAIN_CLUSTER
+
+
+def test_a_body_too_big_to_copy_to_the_brain_sends_it_the_headers_only():
+    cfg = parse_config({"envoy": {"brain_body_max_bytes": 4096}})
+    routes = hcm(bootstrap(cfg))["route_config"]["virtual_hosts"][0]["routes"]
+    names = [r["name"] for r in routes]
+    # after the brain's answer, before the fail-open route
+    assert names.index("warmroute_brain_choice") < names.index("warmroute_big_body") < names.index("warmroute_fail_open")
+    big = next(r for r in routes if r["name"] == "warmroute_big_body" and r["match"].get("path") == "/v1/chat/completions")
+    assert big["match"]["headers"] == [{"name": "content-length", "range_match": {"start": 4097, "end": 2**62}}]
+    mode = big["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]["processing_mode"]
+    assert mode["request_header_mode"] == "SEND" and mode["request_body_mode"] == "NONE"
+    assert big["route"] == next(r for r in routes if r["name"] == "warmroute_fail_open")["route"]

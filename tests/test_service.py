@@ -360,3 +360,44 @@ def test_when_every_access_log_stream_closes_the_open_reservations_are_released_
     brain.decide({"x-request-id": "c"}, BODY)
     brain.envoy.opened()
     assert brain.router.open_reservations == 1
+
+
+def test_the_headers_of_a_body_too_big_to_send_are_decided_at_once_by_size():
+    import asyncio
+
+    from extproc.brain.decide import ExternalProcessor
+    from extproc.core.names import BodyStatus
+
+    b = Brain(CFG)
+    seen = []
+
+    def decide(headers, body, phase):
+        seen.append((dict(headers), body, phase))
+        return b.decide(headers, body, phase)
+
+    def headers_msg(**h):
+        req = ep.ProcessingRequest()
+        for k, v in h.items():
+            req.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+        return req
+
+    class Ctx:
+        def __init__(self, msgs):
+            self.msgs, self.out = list(msgs), []
+
+        async def read(self):
+            import grpc
+            return self.msgs.pop(0) if self.msgs else grpc.aio.EOF
+
+        async def write(self, m):
+            self.out.append(m)
+
+    big = Ctx([headers_msg(**{"content-length": str(5 * 2**20), "x-session-id": "s"})])
+    asyncio.run(ExternalProcessor(decide, 2 * 2**20).Process(None, big))
+    assert len(big.out) == 1 and big.out[0].WhichOneof("response") == "request_headers"
+    assert seen[-1][1] is None and seen[-1][2] == "request_headers"
+    assert b.stats.bodies[BodyStatus.HEADERS_ONLY] == 1
+    # a small body in the two-message mode waits for its body
+    small = Ctx([headers_msg(**{"content-length": "100"})])
+    asyncio.run(ExternalProcessor(decide, 2 * 2**20).Process(None, small))
+    assert small.out[0].WhichOneof("response") == "request_headers" and len(seen) == 1  # a pass, no decision

@@ -105,14 +105,16 @@ _PASS = {
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """Decides on the first message that can be decided on, then ends the stream.
 
-    With the shipped config that is the only message: the body, headers as attributes. A config
-    that sends headers too (``request_header_mode: SEND``) also works: the headers are kept for the
-    body, or decided on at once when no body follows. Ending the stream tells Envoy that the brain
+    With the shipped config that is the only message: the body, headers as attributes; a body above
+    ``envoy.brain_body_max_bytes`` takes the big-body route, whose message is the headers alone. A
+    config that sends headers too (``request_header_mode: SEND``) also works: the headers are kept
+    for the body, or decided on at once when no body follows. Ending the stream tells Envoy that the brain
     wants nothing more of this request.
     """
 
-    def __init__(self, decide: Decide):
+    def __init__(self, decide: Decide, big_body_bytes: int | None = None):
         self.decide = decide
+        self.big_body_bytes = big_body_bytes  # envoy.brain_body_max_bytes: such bodies are never sent
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
         headers: dict[str, str] = {}
@@ -128,7 +130,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 return
             if kind == "request_headers":
                 headers.update(headers_of(req.request_headers))
-                if req.request_headers.end_of_stream:  # no body follows: decide on headers
+                size = headers.get("content-length", "")
+                big = self.big_body_bytes is not None and size.isdigit() and int(size) > self.big_body_bytes
+                # no body follows, or one Envoy does not send (the big-body route): decide on the headers
+                if req.request_headers.end_of_stream or big:
                     await context.write(self.decide(headers, None, "request_headers"))
                     return
             await context.write(_PASS[kind])

@@ -80,7 +80,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     brain = Brain(cfg, config_path=config_path)
     brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(brain.decide), server)
+    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes), server)
     def envoy_gone(released: int) -> None:
         logs.event("envoy_access_log_closed", released_reservations=released,
                    open_reservations=brain.router.open_reservations)

@@ -50,6 +50,7 @@ class BodyStatus(enum.StrEnum):
     NOT_OBJECT = "not_object"
     TOO_LARGE = "too_large"  # larger than profile.max_body_bytes: routed by headers only
     UNPARSED = "unparsed"  # larger than profile.parse_max_bytes: headers, size and raw block chain only
+    HEADERS_ONLY = "headers_only"  # a body too big to copy to the brain: session from headers, tokens from its size
     ENCODED = "encoded"  # a Content-Encoding Envoy did not undo (it inflates gzip): routed by headers and size
 
 

@@ -202,6 +202,10 @@ def build_profile(
             break
 
     if body is None:
+        size = headers.get("content-length", "")
+        if size.isdigit() and int(size) > 0:  # Envoy sent the headers of a body too big to send (routes.big_body)
+            return RequestProfile(session_key, None, int(int(size) / cfg.chars_per_token), BodyStatus.HEADERS_ONLY,
+                                  session_source)
         return RequestProfile(session_key, None, 0, BODY_ABSENT, session_source)
     size = len(body)
     bytes_estimate = int(size / cfg.chars_per_token)

@@ -243,6 +243,12 @@ def routes(cfg: AppConfig) -> list[dict]:
         "retry_policy": _retry_policy(cfg),
     }
     paths = _path_matches(cfg.envoy.allowed_paths)
+    # C7: without the brain, keep cache locality: ring hash on the session header (the client's address when
+    # there is none; Envoy cannot hash a body), bounded by hash_balance_factor
+    fail_open = {"cluster": FALLBACK_CLUSTER, **common, "hash_policy": [
+        *({"header": {"header_name": h}, "terminal": True} for h in cfg.router.profile.session_headers),
+        {"connection_properties": {"source_ip": True}},
+    ]}
     return [
         *({
             "name": "warmroute_brain_choice",
@@ -255,14 +261,18 @@ def routes(cfg: AppConfig) -> list[dict]:
             "route": {"cluster_header": ROUTING_HEADER, **common},
         } for path in paths),
         *({
+            # Bodies too big to copy to the brain: it is asked with the headers alone (session, Content-Length),
+            # answers before the body is read, and this route is matched again with its answer in place.
+            "name": "warmroute_big_body",
+            "match": {**path, "headers": [{"name": "content-length", "range_match": {
+                "start": cfg.envoy.brain_body_max_bytes + 1, "end": 2**62}}]},
+            "route": fail_open,
+            "typed_per_filter_config": big_body_ext_proc(),
+        } for path in paths),
+        *({
             "name": "warmroute_fail_open",
             "match": path,
-            # C7: without the brain, keep cache locality: ring hash on the session header (the client's
-            # address when there is none; Envoy cannot hash a body), bounded by hash_balance_factor
-            "route": {"cluster": FALLBACK_CLUSTER, **common, "hash_policy": [
-                *({"header": {"header_name": h}, "terminal": True} for h in cfg.router.profile.session_headers),
-                {"connection_properties": {"source_ip": True}},
-            ]},
+            "route": fail_open,
         } for path in paths),
         {
             "name": "warmroute_not_served",
@@ -442,6 +452,23 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
             "path_config_source": {"path": path, "watched_directory": {"path": os.path.dirname(path)}},
         }}
     return doc
+
+
+def big_body_ext_proc() -> dict:
+    """``typed_per_filter_config`` of the big-body routes: ext_proc sends the headers, not the body."""
+    return {
+        EXT_PROC_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {"processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SKIP",
+                "request_body_mode": "NONE",
+                "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            }},
+        },
+    }
 
 
 def ext_proc_off_for_route() -> dict:

@@ -16,6 +16,9 @@ FAST = {
         "probing_clean_window_s": 1.0,
         "cooldown_base_s": 1.0,
         "cooldown_max_s": 4.0,
+        # 2 s before a missing scrape counts as failed: a busy machine delays the 0.25 s scrapes, and an
+        # ejection that only a loaded box causes would move pins a test counts on
+        "stale_scrape_intervals": 8.0,
     },
     "envoy": {"brain_health_check_interval_s": 0.5},
 }

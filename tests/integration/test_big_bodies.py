@@ -1,0 +1,61 @@
+"""Big bodies do not freeze the brain (issue 11 #5): its own stack, since it moves hundreds of MiB."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from extproc.contract import FALLBACK_CLUSTER
+
+pytestmark = pytest.mark.integration
+
+SMALL_PER_S = 50
+SMALL_SECONDS = 4.0
+BIG = 8
+
+
+def _stats(s) -> tuple[int, int, int]:
+    st = s.envoy_stats()
+    return (sum(r["decisions"] for r in s.state()["replicas"]),
+            st.get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0),
+            st.get(f"cluster.{FALLBACK_CLUSTER}.upstream_rq_total", 0))
+
+
+def test_small_requests_are_all_decided_by_the_brain_while_8_bodies_of_32_mib_arrive(own_stack):
+    s = own_stack(2)
+    s.wait_all_live(30)
+    big = json.dumps({"model": "m", "max_tokens": 2, "messages": [
+        {"role": "system", "content": "agent " * 100}, {"role": "user", "content": "lorem ipsum " * (32 * 2**20 // 12)}]}).encode()
+    assert len(big) >= 32 * 2**20
+    small = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "quick question"}]}).encode()
+    before = _stats(s)
+    headers_only = s.state()["bodies"].get("headers_only", 0)
+
+    async def run() -> tuple[list[int], list[int]]:
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            async def post(body: bytes, session: str) -> int:
+                async with http.post(s.url + "/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json", "x-session-id": session}) as r:
+                    await r.read()
+                    return r.status
+
+            bigs = [asyncio.ensure_future(post(big, f"big-{i}")) for i in range(BIG)]
+            smalls = []
+            for i in range(int(SMALL_PER_S * SMALL_SECONDS)):
+                smalls.append(asyncio.ensure_future(post(small, f"small-{i % 20}")))
+                await asyncio.sleep(1 / SMALL_PER_S)  # the arrival rate, not synchronisation
+            return list(await asyncio.gather(*bigs)), list(await asyncio.gather(*smalls))
+
+    big_status, small_status = asyncio.run(run())
+    assert small_status == [200] * len(small_status)
+    # 8M tokens fit no replica: the replica's own 400, which means the body got through Envoy and the brain
+    assert big_status == [400] * BIG
+    decided, allowed, fallback = _stats(s)
+    assert allowed == before[1] and fallback == before[2]  # nothing failed open...
+    assert decided - before[0] == BIG + len(small_status)  # ...every request, big and small, the brain decided
+    # the big ones by their headers and size: their bytes never crossed to the brain
+    assert s.state()["bodies"].get("headers_only", 0) - headers_only == BIG

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install system-deps demo test test-unit bench bench-quick bench-core bench-overhead envoy-files clean
+.PHONY: install system-deps demo test test-unit bench bench-quick bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,3 +47,12 @@ bench-quick: install  ## the plain workload only (<= 2 min)
 
 bench-overhead: install  ## Envoy direct vs Envoy + brain (needs wrk: apt-get install wrk)
 	$(PY) -m extproc.tools.bench_overhead
+
+chaos: install  ## faults injected into a live stack under load, one table (~10 min); results in docs/chaos.md
+	$(PY) -m extproc.tools.chaos
+
+fuzz: install  ## the generated-input tests with fresh randomness and ~20x the cases of make test (~10 min)
+	WARMROUTE_FUZZ_EXAMPLES=200000 WARMROUTE_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py
+
+soak: install  ## steady load with unique sessions, bounded (SOAK_MINUTES, default 20, at most 30): nothing grows past its bound
+	$(PY) -m extproc.tools.soak --minutes $${SOAK_MINUTES:-20}

@@ -40,7 +40,7 @@ def fuzz(n: int):
 
 # ------------------------------------------------------------------ bodies
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False, allow_infinity=False),
                          st.text(max_size=50))
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
                            max_leaves=30)
@@ -68,6 +68,7 @@ def _deep(depth: int) -> bytes:
 raw_bodies = st.one_of(
     chat_body.map(orjson.dumps),
     json_values.map(lambda v: json.dumps(v).encode()),
+    st.integers().map(lambda n: b'{"messages": [], "max_tokens": ' + str(n).encode() + b"}"),  # past 64 bits
     st.binary(max_size=2000),  # non-UTF-8, truncated, anything
     st.text(max_size=500).map(lambda t: t.encode("utf-8", "surrogatepass")),
     st.integers(1, 200_000).map(_deep),  # nesting far past any parser's recursion limit

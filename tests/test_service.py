@@ -192,7 +192,8 @@ def test_structured_logs_one_json_line_per_state_change_and_rebind_never_prompt_
         brain.decide({"x-session-id": "user-42"}, body)  # the pin to the dead replica rebinds
     lines = [_json.loads(r.getMessage()) for r in caplog.records]
     events = [x["event"] for x in lines]
-    assert "state_change" in events and "rebind" in events
+    assert "state_change" in events and "pin_change" in events
+    assert next(x for x in lines if x["event"] == "pin_change")["action"] == "rebind"
     change = next(x for x in lines if x["event"] == "state_change")
     assert (change["old"], change["new"], change["reason"]) == ("LIVE", "EJECTED", "scrape_failed")
     text = "\n".join(r.getMessage() for r in caplog.records)
@@ -401,3 +402,21 @@ def test_the_headers_of_a_body_too_big_to_send_are_decided_at_once_by_size():
     small = Ctx([headers_msg(**{"content-length": "100"})])
     asyncio.run(ExternalProcessor(decide, 2 * 2**20).Process(None, small))
     assert small.out[0].WhichOneof("response") == "request_headers" and len(seen) == 1  # a pass, no decision
+
+
+def test_pin_changes_are_logged_once_per_kind_per_window_then_summarised(caplog):
+    import json as _json
+    import logging
+
+    from extproc.brain.logs import Summarised
+
+    s = Summarised("pin_change", window_s=10.0)
+    with caplog.at_level(logging.INFO, logger="warmroute"):
+        for i in range(500):
+            s.add(100.0 + i * 0.01, ("unpin", "prefix", "spills", "r1"), action="unpin", replica="r1")
+        s.add(101.0, ("rebind", "session", "dead", "r2"), action="rebind", replica="r2")
+        s.flush(109.0)  # the window is still open
+        s.flush(110.5)
+    lines = [_json.loads(r.getMessage()) for r in caplog.records]
+    assert [x["event"] for x in lines] == ["pin_change", "pin_change", "pin_change_summary"]
+    assert lines[2]["not_logged_one_by_one"] == {"unpin/prefix/spills/r1": 499}

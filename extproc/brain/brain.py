@@ -40,6 +40,7 @@ class Brain:
                                cfg.router.warm.load_refresh_s if self.router.needs_blocks else None)
         self.cds = CdsFile(cfg.envoy.cds_path)
         self.chains = ChainCache()  # C2: a session's next turn hashes only what is new
+        self.pin_log = logs.Summarised("pin_change")
         self._set_replicas(cfg)
         m = make_registry(self.router, self.stats, self.clock)
         self.registry, self.decision_seconds, self.scraper.seconds = m.registry, m.decision, m.scrape
@@ -71,7 +72,8 @@ class Brain:
             self.predicted_ttft.observe(d.predicted_ttft_s)
         for e in d.events:
             if e.action in _LOGGED_ACTIONS:
-                logs.event(e.action, kind=e.kind, cause=e.cause, replica=d.replica_name)
+                self.pin_log.add(now, (e.action, e.kind, e.cause, d.replica_name), action=e.action, kind=e.kind,
+                                 cause=e.cause, replica=d.replica_name)
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
@@ -97,7 +99,9 @@ class Brain:
         return info
 
     def tick(self) -> None:
-        self.router.tick(self.clock())
+        now = self.clock()
+        self.router.tick(now)
+        self.pin_log.flush(now)
 
     def state(self) -> dict:
         per = self.stats.decisions_per_replica()
@@ -126,6 +130,9 @@ class Brain:
             "access_log_streams": self.envoy.open_streams,
             "session_pins": len(self.router.session_pins),
             "prefix_pins": len(self.router.prefix_pins),
+            "chain_cache": {"sessions": len(self.chains), "blocks": self.chains._blocks,
+                            "max_sessions": self.chains.max_sessions, "max_blocks": self.chains.max_blocks},
+            "request_ids_held": len(self.ledger.by_request_id),
         }
 
 

@@ -140,6 +140,7 @@ class Driver:
 class MockReplica:
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.metrics_fault: str | None = None  # "nan": /metrics reports NaN (POST /admin/fault {"metrics": "nan"})
         self.model = args.model
         self.healthy = True
         self.fail_rate = args.fail_rate
@@ -216,6 +217,9 @@ class MockReplica:
             await asyncio.sleep(self.stall_s)
         self._sync_metrics()
         text = generate_latest(self.registry)
+        if self.metrics_fault == "nan":  # a broken exporter: the gauge the router reads first turns NaN
+            text = b"\n".join(ln.rsplit(b" ", 1)[0] + b" NaN" if ln.startswith(b"vllm:num_requests_running{") else ln
+                               for ln in text.split(b"\n"))
         if self.args.metrics == "sglang":
             text = _as_sglang(text.decode()).encode()
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -264,6 +268,8 @@ class MockReplica:
             self.fail_rate = float(doc["fail_rate"])
         if "stall_s" in doc:
             self.stall_s = float(doc["stall_s"])
+        if "metrics" in doc:
+            self.metrics_fault = "nan" if doc["metrics"] == "nan" else None
         if "die_for_s" in doc:
             asyncio.get_running_loop().create_task(self.die_for(float(doc["die_for_s"])))
         return web.json_response({"healthy": self.healthy, "fail_rate": self.fail_rate, "stall_s": self.stall_s})

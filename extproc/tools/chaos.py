@@ -1,0 +1,298 @@
+"""``make chaos``: faults injected into a live local stack under a steady, bounded load, one table.
+
+One stack (Envoy + brain + 4 mock vLLM replicas, the shipped health timings: a replica that comes
+back earns 2 good scrapes, then a 15 s clean window) serves a steady load of agent sessions (some
+streamed) for the whole run. Each scenario injects one fault, heals it, and waits for the fleet to
+be whole again. Per scenario:
+
+- requests: sent by the load during the scenario;
+- client errors: answers that were not 200, or connections that failed (what a client sees);
+- lost: requests with no answer at all within the client's 60 s (hung, never answered);
+- open reservations after: the brain's in-flight count once the load of the scenario has ended and
+  Envoy's access log has caught up (anything left is phantom load on a replica);
+- time to recover: from the heal (or the fault, when nothing heals it) until every replica is LIVE
+  and the brain decides again.
+
+Every scenario has a fast assertion test in ``make test`` (README "Failure behaviour").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .loadgen import OpenLoop, write_report
+from .stack import Stack, http_post_json, wait_for
+
+SESSIONS = 24
+RATE = 8.0  # requests per second (light: the faults are the point, not the load)
+
+
+@dataclass
+class Result:
+    t0: float
+    status: int | None = None  # None: no answer at all
+    error: str = ""
+
+
+class Load:
+    """A steady open-loop load: chat requests from ``SESSIONS`` sessions, a third streamed (long enough that a
+    replica killed at any moment has streams in flight)."""
+
+    def __init__(self, stack: Stack, rate: float = RATE):
+        self.stack = stack
+        self.results: list[Result] = []
+        self._loop = OpenLoop(rate, self._one)
+
+    def start(self) -> "Load":
+        self._loop.start()
+        return self
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+    def since(self, t: float) -> list[Result]:
+        return [r for r in list(self.results) if r.t0 >= t]
+
+    async def _one(self, http: aiohttp.ClientSession, i: int) -> None:
+        r = Result(time.monotonic())
+        self.results.append(r)
+        stream = i % 3 == 0
+        # streams of ~1 s (400 tokens at 10x engine speed): a killed replica has some in flight
+        body = {"model": "m", "max_tokens": 400 if stream else 12, "stream": stream,
+                "messages": [{"role": "system", "content": "You are a coding agent. " * 40},
+                             {"role": "user", "content": f"turn {i} of session {i % SESSIONS}"}]}
+        try:
+            async with http.post(self.stack.url + "/v1/chat/completions", json=body,
+                                 headers={"x-session-id": f"chaos-{i % SESSIONS}"}) as resp:
+                await resp.read()
+                r.status = resp.status
+                if resp.status != 200:
+                    r.error = f"HTTP {resp.status}"
+        except asyncio.TimeoutError:
+            r.error = "lost"
+        except Exception as e:  # refused, reset: the client saw a failure
+            r.status = 0
+            r.error = type(e).__name__
+
+
+@dataclass
+class Row:
+    scenario: str
+    requests: int
+    errors: int
+    lost: int
+    open_after: int
+    recover_s: float | None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _decisions(stack: Stack) -> int:
+    return sum(r["decisions"] for r in stack.state()["replicas"])
+
+
+def whole(stack: Stack) -> bool:
+    try:
+        return all(r["state"] == "LIVE" for r in stack.state()["replicas"]) and stack.brain_healthy_in_envoy()
+    except OSError:
+        return False
+
+
+def recover_time(stack: Stack, since: float, limit: float = 120.0) -> float | None:
+    """Seconds from ``since`` until every replica is LIVE and the brain decides again (None: not within limit)."""
+    try:
+        wait_for(lambda: whole(stack), max(1.0, since + limit - time.monotonic()), "a whole fleet", every=0.2)
+        d = _decisions(stack)
+        wait_for(lambda: _decisions(stack) > d, 30, "a decision", every=0.1)
+    except Exception:
+        return None
+    return time.monotonic() - since
+
+
+def open_after(stack: Stack, load: Load) -> int:
+    """The brain's open reservations once this scenario's requests have all ended (and their log entries came)."""
+    wait_for(lambda: all(r.status is not None or r.error for r in list(load.results)), 90, "the load to drain")
+    try:
+        wait_for(lambda: stack.state()["open_reservations"] == 0, 10, "releases", every=0.1)
+    except Exception:
+        pass
+    return stack.state()["open_reservations"]
+
+
+def _replica(stack: Stack, name: str):
+    return next(r for r in stack.replicas if r.name == name)
+
+
+def _fault(stack: Stack, name: str, doc: dict) -> None:
+    http_post_json(_replica(stack, name).url + "/admin/fault", doc)
+
+
+# --------------------------------------------------------------------------- scenarios
+# Each takes the stack and the running load, injects and heals, and returns (heal time, note).
+
+def brain_kill(stack: Stack, load: Load) -> tuple[float, str]:
+    stack.brain.kill()
+    time.sleep(5)  # the fault lasts this long
+    stack.start_brain()
+    healed = time.monotonic()
+    wait_for(stack.brain_healthy_in_envoy, 30, "Envoy to see the new brain")
+    return healed, "5 s without a brain: Envoy fails open to the bounded ring hash; the new brain re-earns every replica"
+
+
+def replica_kill(stack: Stack, load: Load) -> tuple[float, str]:
+    stack.kill_replica("r1")
+    time.sleep(5)
+    stack.restart_replica("r1")
+    return time.monotonic(), "kill -9 r1 with streams in flight, back after 5 s (30 s cooldown, 15 s clean window)"
+
+
+def replica_sigstop(stack: Stack, load: Load) -> tuple[float, str]:
+    pid = _replica(stack, "r2").proc.popen.pid
+    os.killpg(pid, signal.SIGSTOP)
+    time.sleep(20)
+    os.killpg(pid, signal.SIGCONT)
+    return time.monotonic(), "SIGSTOP r2 for 20 s: its in-flight requests wait, new ones go elsewhere"
+
+
+def replica_flap(stack: Stack, load: Load) -> tuple[float, str]:
+    for _ in range(3):
+        _fault(stack, "r3", {"die_for_s": 3})
+        time.sleep(6)
+    return time.monotonic(), "r3 down 3 s in every 6 s, three times (cooldown doubles per ejection in a row)"
+
+
+def envoy_kill(stack: Stack, load: Load) -> tuple[float, str]:
+    stack.envoy.kill()
+    time.sleep(2)
+    stack.start_envoy()  # a new listener port: the load follows stack.url
+    return time.monotonic(), "kill -9 Envoy, restarted after 2 s: requests in flight and during the gap fail"
+
+
+def nan_metrics(stack: Stack, load: Load) -> tuple[float, str]:
+    _fault(stack, "r0", {"metrics": "nan"})
+    wait_for(lambda: stack.replica_state("r0")["state"] == "EJECTED", 30, "r0 ejected")
+    reason = stack.replica_state("r0")["scrape_error"]
+    time.sleep(5)
+    _fault(stack, "r0", {"metrics": "ok"})
+    return time.monotonic(), f"r0 reports NaN for 5 s: ejected ({reason}), back after"
+
+
+def spoofed_headers(stack: Stack, load: Load) -> tuple[float, str]:
+    before = stack.envoy_stats().get("cluster.r3.upstream_rq_total", 0)
+    body = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "spoof"}]}).encode()
+    reached, not_found = 0, 0
+    for i in range(40):
+        hdrs = {"content-type": "application/json", "x-warmroute-cluster": "r3" if i % 2 else "warmroute_brain",
+                "x-warmroute-tenant": "victim", "x-request-id": "same-id", "x-warmroute-reservation": "0.1"}
+        req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body, headers=hdrs, method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+        for path in ("/metrics", "/admin/fault"):
+            try:
+                urllib.request.urlopen(urllib.request.Request(stack.url + path, data=b"{}" if "admin" in path else None),
+                                       timeout=10).read()
+                reached += 1
+            except urllib.error.HTTPError as e:
+                not_found += e.code == 404
+    named = stack.envoy_stats().get("cluster.r3.upstream_rq_total", 0) - before
+    return time.monotonic(), (f"40 requests naming r3/warmroute_brain, a victim tenant, a shared request id: {named} routed "
+                              f"by the header; 80 GET /metrics, POST /admin/fault: {not_found} x 404, {reached} reached a replica")
+
+
+def big_bodies(stack: Stack, load: Load) -> tuple[float, str]:
+    before = stack.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0)
+    big = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x " * (16 * 2**20)}]}).encode()
+
+    def send(i):
+        req = urllib.request.Request(stack.url + "/v1/chat/completions", data=big, method="POST",
+                                     headers={"content-type": "application/json", "x-session-id": f"big-{i}"})
+        try:
+            urllib.request.urlopen(req, timeout=120).read()
+        except urllib.error.HTTPError:
+            pass  # the replica's 400: 8M tokens fit no KV cache
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    failed_open = stack.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) - before
+    return time.monotonic(), f"8 bodies of 32 MiB at once: {failed_open} requests failed open (brain too slow)"
+
+
+SCENARIOS = {
+    "brain_kill_restart": brain_kill,
+    "replica_kill_midstream": replica_kill,
+    "replica_sigstop_20s": replica_sigstop,
+    "replica_flapping": replica_flap,
+    "envoy_kill_restart": envoy_kill,
+    "replica_nan_metrics": nan_metrics,
+    "spoofed_headers": spoofed_headers,
+    "big_bodies_under_load": big_bodies,
+}
+
+
+def run_scenario(stack: Stack, name: str, rate: float) -> Row:
+    wait_for(lambda: whole(stack), 180, "a whole fleet before the scenario", every=0.2)
+    load = Load(stack, rate).start()
+    time.sleep(3)  # steady load before the fault
+    t0 = time.monotonic()
+    healed, note = SCENARIOS[name](stack, load)
+    recover = recover_time(stack, healed)
+    time.sleep(2)
+    load.stop()
+    res = load.since(0)
+    errors = sum(1 for r in res if r.error and r.error != "lost")
+    lost = sum(1 for r in res if r.error == "lost")
+    row = Row(name, len(res), errors, lost, open_after(stack, load), recover, note)
+    row.extra["fault_s"] = round(healed - t0, 1)
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| scenario | requests | client errors | lost | open reservations after | time to recover | what happened |",
+           "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        rec = f"{r.recover_s:.1f} s" if r.recover_s is not None else "not within 120 s"
+        out.append(f"| {r.scenario} | {r.requests} | {r.errors} | {r.lost} | {r.open_after} | {rec} | {r.note} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="warmroute chaos", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: " + ", ".join(SCENARIOS))
+    ap.add_argument("--rate", type=float, default=RATE, help="requests per second of the steady load")
+    ap.add_argument("--out", default="docs/chaos.md", help="where the table is written ('' : print only)")
+    args = ap.parse_args(argv)
+    names = [n for n in args.scenarios.split(",") if n]
+    for n in names:
+        if n not in SCENARIOS:
+            ap.error(f"unknown scenario {n!r}")
+    rows = []
+    with Stack(4, mock_args=["--speedup", "10"]) as stack:
+        print(f"stack up; waiting for every replica to earn LIVE (2 scrapes + 15 s) ...", flush=True)
+        for n in names:
+            print(f"-- {n}", flush=True)
+            row = run_scenario(stack, n, args.rate)
+            print(f"   {row.requests} requests, {row.errors} errors, {row.lost} lost, {row.open_after} open after, "
+                  f"recovered in {row.recover_s if row.recover_s is None else round(row.recover_s, 1)} s", flush=True)
+            rows.append(row)
+    write_report(args.out, "`make chaos`: faults under a steady load",
+                 f"One stack: Envoy + brain + 4 mock vLLM replicas (10x engine speed), the shipped health timings, a "
+                 f"steady load of {args.rate:g} requests/s from {SESSIONS} agent sessions (a third streamed). Columns: "
+                 "see `extproc/tools/chaos.py`.", table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -150,10 +150,17 @@ def brain_kill(stack: Stack, load: Load) -> tuple[float, str]:
 
 
 def replica_kill(stack: Stack, load: Load) -> tuple[float, str]:
-    stack.kill_replica("r1")
+    # kill the first replica seen with 2 requests in flight (the brain's count), so that some are cut mid-stream
+    def busy():
+        r = max(stack.state()["replicas"], key=lambda x: x["in_flight_requests"])
+        return r["in_flight_requests"] >= 2 and (r["name"], r["in_flight_requests"])
+
+    name, n = wait_for(busy, 60, "a replica with 2 requests in flight", every=0.02)
+    stack.kill_replica(name)
     time.sleep(5)
-    stack.restart_replica("r1")
-    return time.monotonic(), "kill -9 r1 with streams in flight, back after 5 s (30 s cooldown, 15 s clean window)"
+    stack.restart_replica(name)
+    return time.monotonic(), (f"kill -9 {name} with {n} requests in flight, back after 5 s (30 s cooldown, 15 s clean "
+                              "window); the errors are the streams it was sending")
 
 
 def replica_sigstop(stack: Stack, load: Load) -> tuple[float, str]:

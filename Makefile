@@ -25,7 +25,7 @@ demo: install
 test: install system-deps
 	$(PY) -m pytest -q
 
-test-unit: install  ## everything but the tests that start Envoy, brains and replicas (well under a minute)
+test-unit: install  ## everything but the tests that start Envoy, brains and replicas (~100 s)
 	$(PY) -m pytest -q -m "not integration"
 
 bench-core: install

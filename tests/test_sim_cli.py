@@ -23,3 +23,30 @@ def test_sim_with_a_flap_prints_the_transitions():
                         "--transitions"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "r1: PROBING -> EJECTED" in p.stdout and "cooldown 60s" in p.stdout
+
+
+def test_versus_peers_reuses_cached_peer_results_and_runs_only_the_rows_asked_for(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from extproc.tools.sim import cli
+    from extproc.tools.sim.policies import PEERS
+
+    ran = []
+    real = cli._summary_at
+
+    def counting(policy, args, seed, load):
+        ran.append(policy)
+        return real(policy, args, seed, load)
+
+    monkeypatch.setattr(cli, "_summary_at", counting)
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    argv = ["--versus-peers", "0.25", "--seed", "1", "--minutes", "4", "--mine", "warmroute",
+            "--peers-cache", str(tmp_path / "peers.pkl")]
+    cli.run(ap.parse_args(argv))
+    first = capsys.readouterr().out
+    assert sorted(ran) == sorted(["warmroute", *PEERS])
+    ran.clear()
+    cli.run(ap.parse_args(argv))
+    assert ran == ["warmroute"]  # the peers came from the cache
+    assert capsys.readouterr().out.splitlines()[-1] == first.splitlines()[-1]  # the same comparison

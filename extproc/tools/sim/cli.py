@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import pickle
 import statistics
 import time
 
@@ -53,6 +55,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--versus-peers", default=None, metavar="0.25,0.5,1",
                     help="at these loads, warmroute / warmroute_seed / oracle against the best peer on each number, "
                          "per seed and the median (issue 10's targets)")
+    ap.add_argument("--peers-cache", default=None, metavar="FILE",
+                    help="--versus-peers: keep the peers' results in FILE and reuse them (they do not change when only "
+                         "warmroute's policy does; delete FILE after changing the simulator, engine or workload)")
+    ap.add_argument("--mine", default="warmroute,warmroute_seed,oracle",
+                    help="--versus-peers: the rows compared with the peers (e.g. just warmroute while iterating)")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
     ap.add_argument("--png", default=None, help="write traffic share over time per policy to this PNG")
     ap.add_argument("--transitions", action="store_true", help="print every health state change (warmroute)")
@@ -158,8 +165,14 @@ def _summary_at(policy: str, args, seed: int, load: float) -> dict:
 
 def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
     """Ratios to the best peer on each number separately (the best p50 and the best p99 may be two peers)."""
-    mine = ["warmroute", "warmroute_seed", "oracle"]
-    jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *PEERS]]
+    mine = [p for p in args.mine.split(",") if p]
+    shape = (args.minutes, args.replicas, args.replica_speeds, args.sessions_per_min, args.oneshots_per_min, args.projects)
+    cached: dict = {}
+    if args.peers_cache and os.path.exists(args.peers_cache):
+        with open(args.peers_cache, "rb") as f:
+            cached = pickle.load(f)
+    jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *PEERS]
+            if p not in PEERS or (shape, p, L, s) not in cached]
     if args.jobs > 1:
         from multiprocessing import Pool
 
@@ -167,7 +180,12 @@ def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
             flat = pool.starmap(_summary_at, jobs)
     else:
         flat = [_summary_at(*j) for j in jobs]
-    got = {(j[0], j[3], j[2]): r for j, r in zip(jobs, flat)}
+    got = {(p, L, s): r for (shape_, p, L, s), r in cached.items() if shape_ == shape}
+    got.update({(j[0], j[3], j[2]): r for j, r in zip(jobs, flat)})
+    if args.peers_cache:
+        cached.update({(shape, p, L, s): r for (p, L, s), r in got.items() if p in PEERS})
+        with open(args.peers_cache, "wb") as f:
+            pickle.dump(cached, f)
     print("ratios to the best peer on each number: TTFT p50, TTFT p99, prefix hits (points), output tok/s; "
           f"peers: {', '.join(PEERS)}")
     for L in loads:

@@ -278,3 +278,19 @@ def test_C3_a_restarted_replica_s_counters_do_not_produce_a_rate():
     r.update(LoadSample(0, 0, 0.0, 1e6, 0, 100, 0, 0, 0), 0.0)
     r.update(LoadSample(0, 0, 0.0, 10, 0, 0.001, 0, 0, 0), 1.0)  # back from 0
     assert r.prefill_tokens_per_s == 5000.0
+
+
+def test_interference_a_big_prefill_goes_where_fewer_requests_will_queue_behind_it():
+    """warm_interference: on an idle fleet a big uncached prefill costs lambda x P^2 / 2 of others' waiting, so it
+    goes to the replica fewer requests arrive at; plain warm sees equal costs and alternates."""
+    for policy, want in (("warm_interference", 4), ("warm", 2)):
+        router, t = warm_router(2, dataclasses.replace(WARM, policy=policy))
+        busy = router.replicas[0]
+        router.policy.state_of(busy).arrivals.extend(t - 30 + k for k in range(30))  # 30 requests in the last 30 s
+        elsewhere = 0
+        for k in range(4):
+            at = t + 10 * k  # each after the last one's prefill (8 s at the default 5,000 tokens/s)
+            d = router.select(prof(tokens=40_000, blocks=chain(f"one-shot {k}", None, 40_000)), at)
+            router.release(d.reservation, at)
+            elsewhere += d.replica is not busy
+        assert elsewhere == want, (policy, elsewhere)

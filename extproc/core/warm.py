@@ -45,13 +45,14 @@ _INF = float("inf")
 _DECODE_NOISE = 0.2  # decode-rate differences below 20% are the estimate's noise, not a slower replica
 _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
 _LOAD_WAIT_S = 1.0  # when the candidates wait this long on average, the fleet has no idle capacity
+_ARRIVAL_WINDOW_S = 60.0  # the rate of requests routed to a replica is counted over this window
 
 
 class WarmReplica:
     """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens")
+                 "pending_tokens", "active_tokens", "arrivals")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float):
         w = cfg.warm
@@ -66,6 +67,7 @@ class WarmReplica:
         self.pending: deque[tuple[float, int]] = deque()
         self.pending_tokens = 0
         self.active_tokens = 0  # context of the sessions that used this replica within warm.active_session_s
+        self.arrivals: deque[float] = deque()  # when requests were routed here, over the last _ARRIVAL_WINDOW_S
 
     def kv_ahead(self, now: float, kv_usage: float) -> float:
         """Tokens of KV the requests ahead will hold: the scraped usage plus our pending prefills."""
@@ -80,13 +82,14 @@ class WarmPolicy:
     parse_max_bytes = 256 * 1024  # larger bodies: headers, size and the raw block chain suffice (C2)
 
     def __init__(self, cfg: RouterConfig, name: str = "warm", *, index: bool = True, guard: bool = True,
-                 decode: bool = True, kv_risk: bool = True, externality: bool = True):
+                 decode: bool = True, kv_risk: bool = True, externality: bool = True, interference: bool = False):
         self.name = name
         self.use_index = index
         self.use_guard = guard
         self.use_decode = decode
         self.use_kv_risk = kv_risk
         self.use_externality = externality
+        self.use_interference = interference
         self.session_pins = PinTable(SESSION, _INF)
         self._state: dict[str, WarmReplica] = {}
         # (time, session key, replica state, tokens) per session turn, oldest first: sessions idle for longer
@@ -243,6 +246,17 @@ class WarmPolicy:
                 if slower > _DECODE_NOISE * fastest_decode:
                     e.cost += w.decode_weight * out_tokens * slower
             e.work = e.prefill + out_tokens * e.dec
+        if self.use_interference:
+            # vLLM schedules running prefills before admitting new requests: whatever arrives at r during this
+            # request's prefill P waits for the rest of it, P/2 on average, at r's arrival rate: lambda x P^2 / 2
+            # of others' waiting. That holds on an idle replica; with queues everywhere the externality term
+            # below prices the extra work instead
+            idle = 1.0 - min(1.0, sum(e.wait for e in ests) / len(ests) / _LOAD_WAIT_S)
+            for e in ests:
+                a = e.st.arrivals
+                while a and a[0] < now - _ARRIVAL_WINDOW_S:
+                    a.popleft()
+                e.cost += idle * len(a) / _ARRIVAL_WINDOW_S * e.prefill * e.prefill / 2
         if self.use_externality:
             # the re-prefill is work the fleet does instead of serving someone: counted once always, and once more
             # as the fleet fills up (with queues everywhere it delays everybody behind it)
@@ -323,6 +337,11 @@ class WarmPolicy:
         st.pending_tokens += profile.tokens
         st.uncached_ewma += 0.2 * (uncached - st.uncached_ewma)
         st.work_s += d.work_s
+        if self.use_interference:
+            a = st.arrivals
+            a.append(now)
+            while a[0] < now - _ARRIVAL_WINDOW_S:  # bounded by the window
+                a.popleft()
         if d.reservation is not None:
             d.reservation.work_s = d.work_s
         if self.use_index and profile.blocks:
@@ -352,6 +371,9 @@ WARM_VARIANTS = {
     "warm_no_index": {"index": False},  # session pins only: what a cost model knows without a prefix index
     "warm_no_decode": {"decode": False},
     "warm_no_kv_risk": {"kv_risk": False},
+    # an addition under evaluation (README "Routing", issue 10): the delay a big prefill imposes on what arrives
+    # behind it; better p99 at light load (4 and 8 replicas), worse p99 in overload, so not in the default yet
+    "warm_interference": {"interference": True},
 }
 
 __all__ = ["WarmPolicy", "WarmReplica", "WARM_VARIANTS"]

@@ -61,3 +61,17 @@ def scrape_until(router: Router, t: float, done, loads=None, failing: frozenset[
             break
         t += 3.0
     return t
+
+
+def live_brain(cfg):
+    """A Brain on ``cfg`` (an AppConfig) whose replicas are all LIVE, on a clock the caller does not move."""
+    from extproc.brain.brain import Brain
+
+    t = [1000.0]
+    b = Brain(cfg, clock=lambda: t[0])
+    for k in range(7):
+        t[0] = 1000.0 + 3 * k
+        for r in cfg.replicas:
+            b.router.on_scrape(r.name, True, t[0])
+    assert all(r.state is LIVE for r in b.router.replicas)
+    return b

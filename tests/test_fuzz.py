@@ -23,10 +23,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.brain.brain import Brain
 from extproc.brain.scraper import SGLANG, VLLM, parse_metrics
 from extproc.config import ConfigError, parse_config
-from extproc.core import LIVE
+
+from .helpers import live_brain
 
 SCALE = float(os.environ.get("WARMROUTE_FUZZ_EXAMPLES", "1")) if os.environ.get("WARMROUTE_FUZZ_EXAMPLES") else None
 
@@ -85,17 +85,9 @@ headers = st.dictionaries(
     header_values, max_size=5)
 
 
-def _live_brain(policy: str) -> Brain:
-    cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)],
-                        "routing": {"policy": policy}})
-    t = [1000.0]
-    b = Brain(cfg, clock=lambda: t[0])
-    for k in range(7):
-        t[0] = 1000.0 + 3 * k
-        for r in cfg.replicas:
-            b.router.on_scrape(r.name, True, t[0])
-    assert all(r.state is LIVE for r in b.router.replicas)
-    return b
+def _live_brain(policy: str):
+    return live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)],
+                                    "routing": {"policy": policy}}))
 
 
 BRAINS = {p: _live_brain(p) for p in ("warm", "seed")}

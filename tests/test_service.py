@@ -16,20 +16,15 @@ from extproc.brain.decide import headers_from_attributes
 from extproc.brain.scraper import parse_vllm_metrics
 from extproc.brain.server import claim_socket_path
 
+from .helpers import live_brain
+
 CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]})
 BODY = orjson.dumps({"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]})
 
 
 @pytest.fixture
 def brain():
-    t = [1000.0]
-    b = Brain(CFG, clock=lambda: t[0])
-    for k in range(7):
-        t[0] = 1000.0 + 3 * k
-        for r in CFG.replicas:
-            b.router.on_scrape(r.name, True, t[0])
-    assert all(r.state is LIVE for r in b.router.replicas)
-    return b
+    return live_brain(CFG)
 
 
 def headers_of(out: ep.ProcessingResponse) -> dict[str, str]:

@@ -43,10 +43,9 @@ def test_envoy_accepts_the_shipped_bootstrap(path):
 
 def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_all_replicas():
     doc = bootstrap(CFG)
-    routes = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
-    first = next(r for r in routes if r["match"].get("path") == "/v1/chat/completions")
-    second = next(r for r in routes if r["match"].get("path") == "/v1/chat/completions" and "headers" not in r["match"])
-    assert routes.index(first) < routes.index(second)
+    routes = {r["name"]: r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]}
+    first, second = routes["warmroute_brain_choice"], routes["warmroute_fail_open"]
+    assert list(routes).index("warmroute_brain_choice") < list(routes).index("warmroute_fail_open")
     assert first["match"]["headers"][0] == {"name": ROUTING_HEADER, "present_match": True}
     # the brain's own cluster and the fallback are never a routing header's target
     assert first["match"]["headers"][1] == {"name": ROUTING_HEADER, "string_match": {"prefix": "warmroute_"},
@@ -80,13 +79,22 @@ def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
 
 
 def test_only_the_allowed_paths_are_proxied_and_the_rest_get_a_404():
+    import re as re_
+
     cfg = parse_config({"envoy": {"allowed_paths": ["/v1/chat/completions", "/v1/files/*"]}})
     routes = hcm(bootstrap(cfg))["route_config"]["virtual_hosts"][0]["routes"]
-    assert {m for r in routes if "route" in r for m in r["match"] if m != "headers"} == {"path", "prefix"}
-    assert {r["match"].get("path") or r["match"].get("prefix") for r in routes if "route" in r} == \
-        {"/v1/chat/completions", "/v1/files/"}
-    last = routes[-1]
-    assert last["match"] == {"prefix": "/"} and last["direct_response"]["status"] == 404
+    first = routes[0]
+    assert first["name"] == "warmroute_not_served" and first["direct_response"]["status"] == 404
+    matchers = first["match"]["headers"]
+    assert all(m["name"] == ":path" and m["invert_match"] for m in matchers)
+
+    def not_served(path: str) -> bool:  # Envoy ANDs the inverted matchers: outside every entry
+        return all(not re_.fullmatch(m["string_match"]["safe_regex"]["regex"], path) for m in matchers)
+
+    assert not not_served("/v1/chat/completions") and not not_served("/v1/chat/completions?x=1")
+    assert not not_served("/v1/files/abc")
+    for path in ("/metrics", "/v1/chat/completions/render", "/v1/chat/completionsX", "/admin/fault", "/v1/files"):
+        assert not_served(path), path
     with pytest.raises(ConfigError, match=r"envoy.allowed_paths\[0\]"):
         parse_config({"envoy": {"allowed_paths": ["v1/no-slash"]}})
 
@@ -123,7 +131,7 @@ def test_bodies_of_32_mib_fit_envoy_and_the_grpc_message_limit():
 
 def test_retry_on_another_replica_after_refused_connection_or_reset_before_response():
     doc = bootstrap(CFG)
-    rp = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["retry_policy"]
+    rp = next(r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"] if "route" in r)["route"]["retry_policy"]
     assert {"connect-failure", "reset-before-request"} <= set(rp["retry_on"].split(","))
     assert rp["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
     clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
@@ -162,7 +170,7 @@ def test_a_body_too_big_to_copy_to_the_brain_sends_it_the_headers_only():
     names = [r["name"] for r in routes]
     # after the brain's answer, before the fail-open route
     assert names.index("warmroute_brain_choice") < names.index("warmroute_big_body") < names.index("warmroute_fail_open")
-    big = next(r for r in routes if r["name"] == "warmroute_big_body" and r["match"].get("path") == "/v1/chat/completions")
+    big = next(r for r in routes if r["name"] == "warmroute_big_body")
     assert big["match"]["headers"] == [{"name": "content-length", "range_match": {"start": 4097, "end": 2**62}}]
     mode = big["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]["processing_mode"]
     assert mode["request_header_mode"] == "SEND" and mode["request_body_mode"] == "NONE"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -226,23 +227,26 @@ def _retry_policy(cfg: AppConfig) -> dict:
     }
 
 
-def _path_matches(paths) -> list[dict]:
-    """Route matches for the allow-list: exact paths, and prefixes for entries ending in '*'. One route per
-    path (a single regex over them all is past RE2's default program-size limit)."""
-    return [{"prefix": p[:-1]} if p.endswith("*") else {"path": p} for p in paths]
+def _not_allowed(paths) -> list[dict]:
+    """Header matchers on ``:path`` that all hold for a path outside the allow-list: one small regex per entry
+    (an exact path, with or without a query string; or a prefix for entries ending in '*'), each inverted.
+    One regex over the whole list would pass RE2's default program-size limit."""
+    def regex(p: str) -> str:
+        return "^" + re.escape(p[:-1]) + ".*$" if p.endswith("*") else "^" + re.escape(p) + "([?].*)?$"
+
+    return [{"name": ":path", "string_match": {"safe_regex": {"regex": regex(p)}}, "invert_match": True} for p in paths]
 
 
 NOT_SERVED_BODY = '{"error": {"message": "this path is not served here", "type": "not_found", "code": "path_not_served"}}'
 
 
 def routes(cfg: AppConfig) -> list[dict]:
-    """The routes of the virtual host that serves the model API: the brain's choice, the fail-open
-    route, and a 404 for every path outside ``envoy.allowed_paths``."""
+    """The routes of the virtual host that serves the model API, in order: a 404 for every path outside
+    ``envoy.allowed_paths``, the brain's choice, the big-body route, and the fail-open route."""
     common = {
         "timeout": "0s",  # never cut a long generation (Envoy's default is 15 s)
         "retry_policy": _retry_policy(cfg),
     }
-    paths = _path_matches(cfg.envoy.allowed_paths)
     # C7: without the brain, keep cache locality: ring hash on the session header (the client's address when
     # there is none; Envoy cannot hash a body), bounded by hash_balance_factor
     fail_open = {"cluster": FALLBACK_CLUSTER, **common, "hash_policy": [
@@ -250,36 +254,36 @@ def routes(cfg: AppConfig) -> list[dict]:
         {"connection_properties": {"source_ip": True}},
     ]}
     return [
-        *({
+        {
+            "name": "warmroute_not_served",
+            "match": {"prefix": "/", "headers": _not_allowed(cfg.envoy.allowed_paths)},
+            "direct_response": {"status": 404, "body": {"inline_string": NOT_SERVED_BODY}},
+            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        },
+        {
             "name": "warmroute_brain_choice",
-            "match": {**path, "headers": [
+            "match": {"prefix": "/", "headers": [
                 {"name": ROUTING_HEADER, "present_match": True},
                 # only a replica's cluster: never the brain's own or the fallback (defence in depth: the
                 # header is the brain's answer, a client's copy is gone before routing)
                 {"name": ROUTING_HEADER, "string_match": {"prefix": RESERVED_NAME_PREFIX}, "invert_match": True},
             ]},
             "route": {"cluster_header": ROUTING_HEADER, **common},
-        } for path in paths),
-        *({
+        },
+        {
             # Bodies too big to copy to the brain: it is asked with the headers alone (session, Content-Length),
-            # answers before the body is read, and this route is matched again with its answer in place.
+            # answers before the body is read, and the route is matched again with its answer in place.
             "name": "warmroute_big_body",
-            "match": {**path, "headers": [{"name": "content-length", "range_match": {
+            "match": {"prefix": "/", "headers": [{"name": "content-length", "range_match": {
                 "start": cfg.envoy.brain_body_max_bytes + 1, "end": 2**62}}]},
             "route": fail_open,
             "typed_per_filter_config": big_body_ext_proc(),
-        } for path in paths),
-        *({
-            "name": "warmroute_fail_open",
-            "match": path,
-            "route": fail_open,
-        } for path in paths),
+        },
         {
-            "name": "warmroute_not_served",
+            "name": "warmroute_fail_open",
             "match": {"prefix": "/"},
-            "direct_response": {"status": 404, "body": {"inline_string": NOT_SERVED_BODY}},
-            "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
-                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            "route": fail_open,
         },
     ]
 

@@ -85,7 +85,8 @@ class EnvoyConfig:
     cds_path: str | None = None
     # Bodies with a Content-Length above this reach the brain as headers only (session header, size): a body of
     # tens of MiB costs the brain ~70 ms of gRPC copying on its event loop, and a few at once would push small
-    # requests past ext_proc_timeout_s. The prefix chain reads at most the first 1 MiB anyway.
+    # requests past ext_proc_timeout_s. The prefix chain reads at most the first 1 MiB anyway; the seed policy loses
+    # the body's keys (A3: conversation_id, the system prompt) above it: raise it to profile.max_body_bytes to keep them.
     brain_body_max_bytes: int = 2 * 1024 * 1024
     # Paths served through the listener (exact, or a prefix when the entry ends in '*'); others get a 404
     # from Envoy: a replica's operational endpoints (/metrics, /reset_prefix_cache, /sleep, ...) stay private.

@@ -13,18 +13,22 @@ from extproc.config import parse_config
 METRICS = 'vllm:num_requests_running{model_name="m"} 1\nvllm:num_requests_waiting{model_name="m"} 0\n'
 
 
+async def metrics_server() -> tuple[web.AppRunner, int]:
+    """A replica that only serves /metrics, on a port the OS picks; the caller cleans the runner up."""
+    async def metrics(_):
+        return web.Response(text=METRICS)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
 def test_an_exception_while_applying_one_scrape_is_logged_and_scraping_goes_on(caplog):
     async def main():
-        async def metrics(_):
-            return web.Response(text=METRICS)
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        runner, port = await metrics_server()
         cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}],
                             "health": {"scrape_interval_s": 0.05}, "routing": {"policy": "seed"}})
         brain = Brain(cfg)
@@ -77,15 +81,7 @@ def test_when_a_background_task_dies_the_supervisor_reports_it_at_once():
 
 def test_C6_load_is_scraped_between_health_scrapes_and_only_health_scrapes_move_the_health_machine():
     async def main():
-        async def metrics(_):
-            return web.Response(text=METRICS)
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        runner, port = await metrics_server()
         cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}],
                             "health": {"scrape_interval_s": 0.6}, "warm": {"load_refresh_s": 0.1}})
         brain = Brain(cfg)

@@ -26,6 +26,7 @@ from ..contract import (
     ROUTING_HEADER,
     header_of_attribute,
 )
+from ..core.profile import CONTENT_LENGTH
 
 # (headers, body or None, the ext_proc phase being answered) -> the answer
 Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]
@@ -130,7 +131,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 return
             if kind == "request_headers":
                 headers.update(headers_of(req.request_headers))
-                size = headers.get("content-length", "")
+                size = headers.get(CONTENT_LENGTH, "")
                 big = self.big_body_bytes is not None and size.isdigit() and int(size) > self.big_body_bytes
                 # no body follows, or one Envoy does not send (the big-body route): decide on the headers
                 if req.request_headers.end_of_stream or big:

@@ -209,7 +209,7 @@ class Scraper:
 
     def apply_load(self, name: str, r: ScrapeResult, now: float) -> None:
         """A load-only scrape: fresher signals; a failure waits for the next health scrape to count."""
-        if r.ok:
+        if r.ok and r.sample is not None:
             self.router.on_load(name, r.sample, now)
 
     async def loop(self) -> None:
@@ -221,7 +221,8 @@ class Scraper:
                 fast = self.load_refresh_s if self.load_refresh_s and self.load_refresh_s < self.interval_s else None
                 started = self.clock()
                 health = fast is None or started >= next_health - 1e-3
-                names = list(self.urls)
+                # an engine without load metrics ("none") has nothing to refresh between health scrapes
+                names = [n for n in self.urls if health or self.engines.get(n, "vllm") != "none"]
                 timeout = health_timeout if health else max(0.05, fast * 0.8)
                 results = await asyncio.gather(*(self.scrape_once(session, n, self.urls[n], timeout) for n in names))
                 now = self.clock()

@@ -58,7 +58,8 @@ class ProfileConfig:
     # Bodies up to this size are parsed as JSON for body keys; larger ones are read as bytes only (session
     # from headers, tokens from the size, block chain from the raw text), so no request holds the event
     # loop for a long parse (a 32 MiB parse takes over 100 ms). None: the policy's own (seed: every body up
-    # to max_body_bytes, as B says; warm: 256 KiB, since it needs no key that only a parse gives).
+    # to max_body_bytes, as B says; warm: 256 KiB, since it needs no key that only a parse gives). Bodies above
+    # envoy.brain_body_max_bytes (2 MiB) never reach the brain whole: headers and size only, for either policy.
     parse_max_bytes: int | None = None
     block_chars: int = 64  # C2: ~16 tokens at 4 characters a token, vLLM's block size
     # C2: the chain covers at most this much of the conversation: ~262K tokens, more than a long-context model

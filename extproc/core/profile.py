@@ -22,6 +22,7 @@ BODY_OK, BODY_ABSENT, BODY_EMPTY = BodyStatus.OK, BodyStatus.ABSENT, BodyStatus.
 BODY_NOT_JSON, BODY_NOT_OBJECT, BODY_TOO_LARGE = BodyStatus.NOT_JSON, BodyStatus.NOT_OBJECT, BodyStatus.TOO_LARGE
 BODY_UNPARSED, BODY_ENCODED = BodyStatus.UNPARSED, BodyStatus.ENCODED
 CONTENT_ENCODING = "content-encoding"
+CONTENT_LENGTH = "content-length"  # a body too big to send reaches the brain as its headers and this size
 
 # The conversation starts at the first of these keys (searched in the first 4 KiB): request
 # parameters a client puts before it (max_tokens, temperature...) then do not break the chain.
@@ -202,7 +203,7 @@ def build_profile(
             break
 
     if body is None:
-        size = headers.get("content-length", "")
+        size = headers.get(CONTENT_LENGTH, "")
         if size.isdigit() and int(size) > 0:  # Envoy sent the headers of a body too big to send (routes.big_body)
             return RequestProfile(session_key, None, int(int(size) / cfg.chars_per_token), BodyStatus.HEADERS_ONLY,
                                   session_source)

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from ..config import AppConfig, ReplicaSpec
+from ..core.profile import CONTENT_LENGTH
 from ..contract import (
     ACCESS_LOG_NAME,
     ANSWER_CLUSTER,
@@ -275,7 +276,7 @@ def routes(cfg: AppConfig) -> list[dict]:
             # Bodies too big to copy to the brain: it is asked with the headers alone (session, Content-Length),
             # answers before the body is read, and the route is matched again with its answer in place.
             "name": "warmroute_big_body",
-            "match": {"prefix": "/", "headers": [{"name": "content-length", "range_match": {
+            "match": {"prefix": "/", "headers": [{"name": CONTENT_LENGTH, "range_match": {
                 "start": cfg.envoy.brain_body_max_bytes + 1, "end": 2**62}}]},
             "route": fail_open,
             "typed_per_filter_config": big_body_ext_proc(),

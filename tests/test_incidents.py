@@ -95,6 +95,42 @@ def test_the_same_seed_gives_the_same_result():
     assert a == b and a != c
 
 
+def test_batched_decode_steps_time_requests_as_single_steps_would(monkeypatch):
+    # the simulator repeats pure-decode steps up to a horizon for speed; a request arriving meanwhile must be
+    # admitted at the next step boundary, as vLLM does, or co-located sessions pay up to the horizon each turn
+    import extproc.tools.sim.simulator as simulator
+
+    def ttfts(horizon):
+        monkeypatch.setattr(simulator, "DECODE_HORIZON_S", horizon)
+        w = WorkloadConfig(minutes=4, sessions_per_min=3, oneshots_per_min=6)
+        return [(r.replica, r.ttft) for r in Simulation("warmroute", replicas=2, workload=w, seed=3).run().requests]
+
+    batched, single = ttfts(0.2), ttfts(0.0)
+    assert len(batched) == len(single) > 100
+    assert [r for r, _ in batched] == [r for r, _ in single]
+    # only the KV read growing by a token per step differs (measured 2.4 ms at most; up to 1.5 s without the cut)
+    assert max(abs(a - b) for (_, a), (_, b) in zip(batched, single) if a is not None and b is not None) < 0.02
+
+
+def test_no_policy_beats_the_ttft_floor_and_the_oracle_comes_close():
+    from extproc.tools.sim.simulator import ttft_floor
+
+    w = WorkloadConfig(minutes=6, sessions_per_min=1, oneshots_per_min=3)
+    p50 = {}
+    for policy in ("warmroute", "envoy_ring_hash", "oracle", "envoy_round_robin"):
+        res = Simulation(policy, replicas=4, workload=w, seed=4).run()
+        floor = ttft_floor(res.requests, res.fastest)
+        done = [r for r in res.requests if r.ttft is not None]
+        assert len(done) > 50 and all(r.ttft >= floor[r.rid] - 1e-9 for r in done)
+        s = res.summary()
+        p50[policy] = s["ttft_p50"] / s["ttft_floor_p50"]
+        if policy == "envoy_ring_hash":  # it never moves a session, so its busiest session bounds each minute
+            assert s["imbalance_mean"] >= s["imbalance_floor_mean"] > 1.0
+            assert s["imbalance_max"] >= s["imbalance_floor_max"]
+    # measured: oracle 1.02, round-robin 2.9 (it prefills the system prompt on every replica, again and again)
+    assert p50["oracle"] < 1.1 < 2 < p50["envoy_round_robin"]
+
+
 def test_the_simulator_drives_the_real_core():
     from extproc.core import Router
 

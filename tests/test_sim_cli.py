@@ -49,4 +49,20 @@ def test_versus_peers_reuses_cached_peer_results_and_runs_only_the_rows_asked_fo
     ran.clear()
     cli.run(ap.parse_args(argv))
     assert ran == ["warmroute"]  # the peers came from the cache
-    assert capsys.readouterr().out.splitlines()[-1] == first.splitlines()[-1]  # the same comparison
+    assert capsys.readouterr().out.splitlines()[-2:] == first.splitlines()[-2:]  # the same comparison
+    assert first.splitlines()[-1].lstrip().startswith("floor")
+
+
+def test_seeds_take_ranges_and_lists_and_a_bad_one_is_one_clear_line():
+    import argparse
+
+    import pytest
+
+    from extproc.tools.sim.cli import seed_list, seeds_text
+
+    assert seed_list("1-5") == [1, 2, 3, 4, 5]
+    assert seed_list("7,18") == [7, 18]
+    assert seed_list("1-3,9") == [1, 2, 3, 9]
+    assert seeds_text([1, 2, 3, 4]) == "1-4" and seeds_text([7, 18]) == "7,18"
+    with pytest.raises(argparse.ArgumentTypeError, match="seeds: '1-x'"):
+        seed_list("1-x")

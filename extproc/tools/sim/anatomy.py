@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from .cli import seed_list
 from .simulator import Simulation
 from .workload import WorkloadConfig
 
@@ -20,7 +21,7 @@ def _q(xs: list[float], p: float) -> float:
     return xs[int(p * (len(xs) - 1))] if xs else float("nan")
 
 
-def anatomy(policy: str, load: float, seeds: range, replicas: int) -> dict[str, list[float]]:
+def anatomy(policy: str, load: float, seeds: list[int], replicas: int) -> dict[str, list[float]]:
     kinds: dict[str, list[float]] = {"all": [], "first": [], "later": [], "oneshot": [], "later_uncached": []}
     defaults = WorkloadConfig()
     for seed in seeds:
@@ -46,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--policies", default=",".join(POLICIES))
     args = ap.parse_args(argv)
-    a, _, b = args.seeds.partition("-")
-    seeds = range(int(a), int(b or a) + 1)
+    seeds = seed_list(args.seeds)
     print(f"TTFT p50 by kind of request, load {args.load:g}, {args.replicas} replicas, seeds {args.seeds} (after {WARM_UP_S:g} s)")
     for p in args.policies.split(","):
         k = anatomy(p, args.load, seeds, args.replicas)

@@ -43,7 +43,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replica-speeds", default=None, metavar="1,1,0.5,0.5",
                     help="per replica prefill and decode speed (a mixed fleet); overrides --replicas")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--seeds", default=None, metavar="1-5", help="run every seed of a range and print the median")
+    ap.add_argument("--seeds", type=seed_list, default=None, metavar="1-5",
+                    help="run every seed of a range or list (1-5, 7,18) and print the median")
     ap.add_argument("--load", type=float, default=1.0, help="scales every arrival rate (1 = the default workload)")
     ap.add_argument("--sessions-per-min", type=float, default=w.sessions_per_min)
     ap.add_argument("--oneshots-per-min", type=float, default=w.oneshots_per_min)
@@ -65,11 +66,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transitions", action="store_true", help="print every health state change (warmroute)")
 
 
+def seed_list(text: str) -> list[int]:
+    """``1-5``, ``7,18`` or ``1-3,9``: the seeds in the order given."""
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        if not a.isdigit() or (b and not b.isdigit()):
+            raise argparse.ArgumentTypeError(f"seeds: {text!r} is not like 1-5, 7,18 or 1-3,9")
+        out += range(int(a), int(b or a) + 1)
+    return out
+
+
+def seeds_text(seeds: list[int]) -> str:
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ",".join(map(str, seeds))
+
+
 def _seeds(args) -> list[int]:
-    if not args.seeds:
-        return [args.seed]
-    a, _, b = args.seeds.partition("-")
-    return list(range(int(a), int(b or a) + 1))
+    return args.seeds or [args.seed]
 
 
 def workload(args, load: float | None = None) -> WorkloadConfig:
@@ -106,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     fleet = f"replicas at speeds {args.replica_speeds}" if speeds else f"{args.replicas} replicas"
     print(f"{args.minutes:g} simulated minutes, {fleet}, load {args.load:g} ({args.sessions_per_min * args.load:g} agent "
           f"sessions/min over {args.projects} projects, {args.oneshots_per_min * args.load:g} one-shots/min), "
-          f"seed{'s' if len(seeds) > 1 else ''} {args.seeds or args.seed}" + (f", faults {faults}" if faults else ""))
+          f"seed{'s' if len(seeds) > 1 else ''} {seeds_text(seeds)}" + (f", faults {faults}" if faults else ""))
     if args.versus_peers:
         return versus_peers(args, [float(x) for x in args.versus_peers.split(",")], seeds)
     if args.capacity:
@@ -150,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if len(seeds) > 1:
         print()
         print(table([_median(policies, [per_seed[s][k] for s in seeds]) for k in range(len(policies))],
-                    title=f"median over seeds {args.seeds}"))
+                    title=f"median over seeds {seeds_text(seeds)}"))
     if args.png:
         if not hasattr(per_seed[seeds[0]][0], "share_per_minute"):
             per_seed[seeds[0]] = [simulate(p, args, seeds[0], faults=faults) for p in policies]
@@ -201,6 +216,16 @@ def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
             print(f"  {p:<16} median p50 {med[0]:.2f} p99 {med[1]:.2f} hits {med[2]:+.1f} tok/s {med[3]:.3f} "
                   f"imbalance {med[4]:.2f}/{med[5]:.2f} | per seed: "
                   + " ".join(f"[{r[0]:.2f} {r[1]:.2f} {r[2]:+.1f} {r[3]:.3f}]" for r in rows))
+        # what no router can beat: each request alone on an idle replica with the best cache it could have
+        floors = [(got[(mine[0], L, s)]["ttft_floor_p50"] / min(got[(q, L, s)]["ttft_p50"] for q in PEERS),
+                   got[(mine[0], L, s)]["ttft_floor_p99"] / min(got[(q, L, s)]["ttft_p99"] for q in PEERS)) for s in seeds]
+        own = [got[(mine[0], L, s)] for s in seeds]
+        print(f"  {'floor':<16} median p50 {statistics.median(f[0] for f in floors):.2f} "
+              f"p99 {statistics.median(f[1] for f in floors):.2f} imbalance "
+              f"{statistics.median(o['imbalance_floor_mean'] for o in own):.2f}/"
+              f"{statistics.median(o['imbalance_floor_max'] for o in own):.2f} (no router below these; imbalance: none "
+              "that keeps a session on one replica within a minute) | per seed: "
+              + " ".join(f"[{a:.2f} {b:.2f}]" for a, b in floors))
     return 0
 
 

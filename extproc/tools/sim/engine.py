@@ -24,6 +24,7 @@ Defaults are calibrated to the seed's replica: a ~30B coding model
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -97,6 +98,7 @@ class Engine:
         self.cached: OrderedDict[int, int] = OrderedDict()  # hash -> refcount 0, LRU first (evictable)
         self.refs: dict[int, int] = {}  # hash -> refcount > 0 (in use, also cached)
         self.used_blocks = 0  # blocks held by running sequences
+        self._run: tuple | None = None  # the run of repeated decode steps in progress: (start, step, repeat, decoding)
         # counters with vLLM's meaning
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -150,6 +152,7 @@ class Engine:
     def abort_all(self) -> list[EngineRequest]:
         """The replica died: every request it had is lost."""
         out = [*self.running, *self.waiting]
+        self._run = None
         for r in self.running:
             self._release(r)
         self.running.clear()
@@ -257,6 +260,20 @@ class Engine:
 
     # ------------------------------------------------------------------- step
 
+    def cut_run(self, now: float) -> float | None:
+        """A request arrived during a run of repeated decode steps (``step``'s horizon): vLLM admits it at the
+        next step boundary, so the run ends there. Returns the run's new end, or None if it is not cut."""
+        run, self._run = self._run, None
+        if run is None:
+            return None
+        start, dur, repeat, decoding = run
+        done_steps = max(1, math.ceil((now - start) / dur - 1e-9))
+        if done_steps >= repeat:
+            return None
+        for r in decoding:  # no one finishes or takes a block inside a run, so taking tokens back is exact
+            r.generated -= repeat - done_steps
+        return start + done_steps * dur
+
     def step(self, now: float, horizon: float = 0.0) -> tuple[float, list[EngineRequest], list[EngineRequest]]:
         """Run one scheduler step starting at ``now``.
 
@@ -305,12 +322,14 @@ class Engine:
         dur = cfg.step_base_s + cfg.step_per_seq_s * n + cfg.prefill_s_per_token * prefill_tokens + cfg.kv_read_s_per_ktoken * kv_read / 1000
 
         repeat = 1
+        self._run = None
         if horizon > 0 and not prefilling and not self.waiting and decoding:
             # every decode gets one token per step; stop before anyone finishes or needs a block
             left = min(r.max_tokens - r.generated for r in decoding)
             to_block = min(len(r.held) * BLOCK - r.context for r in decoding)
             repeat = max(1, min(left - 1, to_block, int(horizon / dur)))
         if repeat > 1:
+            self._run = (now, dur, repeat, decoding)
             dur *= repeat
 
         first, done = [], []

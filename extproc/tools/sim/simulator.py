@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ...core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
@@ -18,8 +19,8 @@ from .engine import Engine, EngineConfig, EngineRequest
 from .policies import Policy, make_policy
 from .workload import Request, Workload, WorkloadConfig
 
-# Pure-decode steps are batched up to this much virtual time: a request arriving meanwhile
-# waits at most this long to be admitted. Keeps 30 minutes of 4 replicas well under a minute.
+# Pure-decode steps are batched up to this much virtual time (a request arriving meanwhile cuts the run at
+# the next step boundary, where vLLM would admit it). Keeps 30 minutes of 4 replicas well under a minute.
 DECODE_HORIZON_S = 0.2
 
 
@@ -49,6 +50,7 @@ class SimResult:
     transitions: list = field(default_factory=list)
     to_ejected: int = 0  # requests the policy sent to a replica its own health machine had EJECTED
     pins_on_non_live: int = 0
+    fastest: EngineConfig = field(default_factory=EngineConfig)  # the fastest replica's engine (for the floor)
 
     def _pct(self, xs: list[float], p: float) -> float:
         if not xs:
@@ -60,11 +62,19 @@ class SimResult:
         ok = [r for r in self.requests if r.error is None and r.ttft is not None and r.arrival >= warmup_min * 60]
         ttft = [r.ttft for r in ok]
         e2e = [r.e2e for r in ok if r.e2e is not None]
-        idx = []
+        floor = ttft_floor(self.requests, self.fastest)
+        idx, idx_floor = [], []
+        per_session: list[Counter] = [Counter() for _ in self.share_per_minute]
+        for r in self.requests:
+            per_session[min(int(r.arrival // 60), len(per_session) - 1)][r.sid] += 1
         for m, (row, routable) in enumerate(zip(self.share_per_minute, self.routable_per_minute)):
             if m < warmup_min or not sum(row):
                 continue
             idx.append(imbalance_index({str(i): c for i, c in enumerate(row)}, [str(i) for i in routable]))
+            # a policy that keeps a session on one replica within the minute puts its busiest session's turns on
+            # one replica: the index cannot go below that session's share times the routable replicas
+            busiest, total = max(per_session[m].values(), default=0), sum(per_session[m].values())
+            idx_floor.append(max(1.0, busiest * len(routable) / total) if total else 1.0)
         tot = [sum(row[i] for row in self.share_per_minute) for i in range(self.n)]
         return {
             "policy": self.policy,
@@ -73,12 +83,16 @@ class SimResult:
             "ttft_p50": self._pct(ttft, 0.5),
             "ttft_p90": self._pct(ttft, 0.9),
             "ttft_p99": self._pct(ttft, 0.99),
+            "ttft_floor_p50": self._pct([floor[r.rid] for r in ok], 0.5),
+            "ttft_floor_p99": self._pct([floor[r.rid] for r in ok], 0.99),
             "e2e_p50": self._pct(e2e, 0.5),
             "e2e_p99": self._pct(e2e, 0.99),
             "output_tok_s": self.output_tokens / (self.minutes * 60),
             "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
             "imbalance_mean": sum(idx) / len(idx) if idx else 1.0,
             "imbalance_max": max(idx) if idx else 1.0,
+            "imbalance_floor_mean": sum(idx_floor) / len(idx_floor) if idx_floor else 1.0,
+            "imbalance_floor_max": max(idx_floor) if idx_floor else 1.0,
             "max_share": max(tot) / sum(tot) if sum(tot) else 0.0,
             "preemptions": self.preemptions,
             "to_ejected": self.to_ejected,
@@ -87,6 +101,21 @@ class SimResult:
     def _prediction_error(self, ok: list[Request]) -> dict:
         errs = [abs(r.extra["predicted_ttft"] - r.ttft) for r in ok if "predicted_ttft" in r.extra]
         return {"ttft_pred_err_p50": self._pct(errs, 0.5)} if errs else {}
+
+
+def ttft_floor(requests: list[Request], engine: EngineConfig) -> dict[int, float]:
+    """Each request's time to first token alone on an idle replica holding the most it could hold: its session's
+    previous prompt (answers are not cached blocks), else its project's system prompt. No router beats it; the
+    percentiles of these floors say how far any router's percentiles can come down on this workload."""
+    previous: dict[int, int] = {}
+    out = {}
+    for r in sorted(requests, key=lambda x: x.arrival):
+        best = r.system_tokens if r.oneshot else previous.get(r.sid, r.system_tokens)
+        uncached = max(1, r.prompt_tokens - min(best, r.prompt_tokens - 1))
+        steps = -(-uncached // engine.max_num_batched_tokens)
+        out[r.rid] = steps * (engine.step_base_s + engine.step_per_seq_s) + uncached * engine.prefill_s_per_token
+        previous[r.sid] = r.prompt_tokens
+    return out
 
 
 class Simulation:
@@ -123,6 +152,7 @@ class Simulation:
         self._events: list = []
         self._seq = itertools.count()
         self._stepping = [False] * replicas
+        self._step_gen = [0] * replicas  # a step_end of an older generation (cut, or the replica died) is void
         self._inflight: list[dict[int, tuple[Request, EngineRequest]]] = [dict() for _ in range(replicas)]
         self.requests: list[Request] = []
         minutes = int(self.wcfg.minutes) + 1
@@ -173,6 +203,11 @@ class Simulation:
         self.engines[i].add(er)
         if not self._stepping[i]:
             self._step(i, now)
+        else:
+            end = self.engines[i].cut_run(now)
+            if end is not None:
+                self._step_gen[i] += 1
+                self._at(end, "step_end", i, [], [], self._step_gen[i])
 
     def _step(self, i: int, now: float) -> None:
         eng = self.engines[i]
@@ -184,11 +219,12 @@ class Simulation:
             self._stepping[i] = False
             return
         self._stepping[i] = True
-        self._at(now + dur, "step_end", i, first, done)
+        self._step_gen[i] += 1
+        self._at(now + dur, "step_end", i, first, done, self._step_gen[i])
 
-    def _step_end(self, i: int, now: float, first, done) -> None:
-        if not self.alive[i]:
-            return  # the replica died mid-step: its requests were already failed
+    def _step_end(self, i: int, now: float, first, done, gen: int) -> None:
+        if not self.alive[i] or gen != self._step_gen[i]:
+            return  # the replica died mid-step (its requests were already failed), or the step was cut
         for er in first:
             item = self._inflight[i].get(er.rid)
             if item:
@@ -224,6 +260,7 @@ class Simulation:
             return
         self.alive[i] = False
         self._stepping[i] = False
+        self._step_gen[i] += 1
         self.engines[i].abort_all()
         for req, _er in list(self._inflight[i].values()):
             req.error = "replica_died"
@@ -274,7 +311,7 @@ class Simulation:
             if now > end:
                 break
             if kind == "step_end":
-                self._step_end(args[0], now, args[1], args[2])
+                self._step_end(args[0], now, args[1], args[2], args[3])
             elif kind == "turn":
                 req = self.workload.next_turn(args[0], now)
                 if req is not None:
@@ -321,4 +358,5 @@ class Simulation:
             transitions=transitions,
             to_ejected=self.to_ejected,
             pins_on_non_live=getattr(self.policy, "pins_on_non_live", 0),
+            fastest=min(self.engine_cfgs, key=lambda c: c.prefill_s_per_token),
         )

@@ -371,8 +371,8 @@ WARM_VARIANTS = {
     "warm_no_index": {"index": False},  # session pins only: what a cost model knows without a prefix index
     "warm_no_decode": {"decode": False},
     "warm_no_kv_risk": {"kv_risk": False},
-    # an addition under evaluation (README "Routing", issue 10): the delay a big prefill imposes on what arrives
-    # behind it; better p99 at light load (4 and 8 replicas), worse p99 in overload, so not in the default yet
+    # an addition under evaluation (README "Against the peers", issue 10): the delay a big prefill imposes on what
+    # arrives behind it; better than warm on seeds 1-20, worse in overload on held-out seeds 21-30, so not the default
     "warm_interference": {"interference": True},
 }
 

@@ -66,3 +66,16 @@ def test_seeds_take_ranges_and_lists_and_a_bad_one_is_one_clear_line():
     assert seeds_text([1, 2, 3, 4]) == "1-4" and seeds_text([7, 18]) == "7,18"
     with pytest.raises(argparse.ArgumentTypeError, match="seeds: '1-x'"):
         seed_list("1-x")
+
+
+def test_anatomy_counts_sessions_moved_between_replicas():
+    from extproc.tools.sim.anatomy import moves
+
+    def moved(policy):
+        rows = moves(policy, load=1.0, seed=2, replicas=4, every_s=60.0, minutes=5)
+        assert sum(r[1] for r in rows) > 50
+        return sum(r[2] for r in rows), sum(r[3] for r in rows)
+
+    assert moved("envoy_ring_hash") == (0, 0)  # a session's hash never changes while every replica is up
+    n, carried = moved("envoy_round_robin")
+    assert n > 20 and carried > 0

@@ -2,6 +2,8 @@
 
 ``python -m extproc.tools.sim.anatomy --load 0.25`` shows where a policy wins or loses its median:
 e.g. whether it is the prefix placement of new sessions or the step time of their later turns.
+``--moves`` instead prints, per 2 minutes of one seed, the sessions moved to another replica, the context
+they carried and the fleet's uncached prefill: how a surge turns into a cascade of re-prefills.
 """
 
 from __future__ import annotations
@@ -40,14 +42,45 @@ def anatomy(policy: str, load: float, seeds: list[int], replicas: int) -> dict[s
     return kinds
 
 
+def moves(policy: str, load: float, seed: int, replicas: int, every_s: float = 120.0,
+          minutes: float | None = None) -> list[tuple[float, int, int, int, int]]:
+    """(minute, requests, sessions moved, their context tokens, uncached prompt tokens) per ``every_s``."""
+    defaults = WorkloadConfig()
+    w = WorkloadConfig(minutes=minutes or defaults.minutes, sessions_per_min=defaults.sessions_per_min * load,
+                       oneshots_per_min=defaults.oneshots_per_min * load)
+    last: dict[int, int] = {}
+    rows: dict[int, list[int]] = {}
+    for r in sorted(Simulation(policy, replicas=replicas, workload=w, seed=seed).run().requests, key=lambda x: x.arrival):
+        row = rows.setdefault(int(r.arrival // every_s), [0, 0, 0, 0])
+        row[0] += 1
+        if r.replica is None:
+            continue
+        if not r.oneshot and last.get(r.sid, r.replica) != r.replica:
+            row[1] += 1
+            row[2] += r.prompt_tokens
+        last[r.sid] = r.replica
+        row[3] += r.prompt_tokens - r.cached_tokens
+    return [(k * every_s / 60, *rows[k]) for k in sorted(rows)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m extproc.tools.sim.anatomy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", type=float, default=0.25)
     ap.add_argument("--seeds", default="1-10")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--moves", action="store_true", help="sessions moved between replicas over time (first seed)")
     args = ap.parse_args(argv)
     seeds = seed_list(args.seeds)
+    if args.moves:
+        print(f"per 2 minutes, load {args.load:g}, {args.replicas} replicas, seed {seeds[0]}: requests, sessions moved to "
+              "another replica than their last turn's, the context they carried, uncached prompt tokens of the fleet")
+        for p in args.policies.split(","):
+            print(p)
+            for minute, n, moved, carried, uncached in moves(p, args.load, seeds[0], args.replicas):
+                print(f"  {minute:4.0f} min  requests {n:4d}  moved {moved:3d}  carrying {carried / 1e3:6.0f}K  "
+                      f"uncached {uncached / 1e3:6.0f}K")
+        return 0
     print(f"TTFT p50 by kind of request, load {args.load:g}, {args.replicas} replicas, seeds {args.seeds} (after {WARM_UP_S:g} s)")
     for p in args.policies.split(","):
         k = anatomy(p, args.load, seeds, args.replicas)

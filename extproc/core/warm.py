@@ -372,7 +372,8 @@ WARM_VARIANTS = {
     "warm_no_decode": {"decode": False},
     "warm_no_kv_risk": {"kv_risk": False},
     # an addition under evaluation (README "Against the peers", issue 10): the delay a big prefill imposes on what
-    # arrives behind it; better than warm on seeds 1-20, worse in overload on held-out seeds 21-30, so not the default
+    # arrives behind it; level or better than warm on 30 seeds, 8 replicas and capacity, but with one system prompt
+    # for all it sends long sessions' re-prefills onto each other (it sees arrivals, not KV), so not the default
     "warm_interference": {"interference": True},
 }
 

@@ -23,11 +23,16 @@ def _q(xs: list[float], p: float) -> float:
     return xs[int(p * (len(xs) - 1))] if xs else float("nan")
 
 
+def _workload(load: float, minutes: float | None = None) -> WorkloadConfig:
+    d = WorkloadConfig()
+    return WorkloadConfig(minutes=minutes or d.minutes, sessions_per_min=d.sessions_per_min * load,
+                          oneshots_per_min=d.oneshots_per_min * load)
+
+
 def anatomy(policy: str, load: float, seeds: list[int], replicas: int) -> dict[str, list[float]]:
     kinds: dict[str, list[float]] = {"all": [], "first": [], "later": [], "oneshot": [], "later_uncached": []}
-    defaults = WorkloadConfig()
+    w = _workload(load)
     for seed in seeds:
-        w = WorkloadConfig(sessions_per_min=defaults.sessions_per_min * load, oneshots_per_min=defaults.oneshots_per_min * load)
         seen: set[int] = set()
         for r in sorted(Simulation(policy, replicas=replicas, workload=w, seed=seed).run().requests, key=lambda x: x.arrival):
             if r.ttft is None or r.arrival < WARM_UP_S:
@@ -45,9 +50,7 @@ def anatomy(policy: str, load: float, seeds: list[int], replicas: int) -> dict[s
 def moves(policy: str, load: float, seed: int, replicas: int, every_s: float = 120.0,
           minutes: float | None = None) -> list[tuple[float, int, int, int, int]]:
     """(minute, requests, sessions moved, their context tokens, uncached prompt tokens) per ``every_s``."""
-    defaults = WorkloadConfig()
-    w = WorkloadConfig(minutes=minutes or defaults.minutes, sessions_per_min=defaults.sessions_per_min * load,
-                       oneshots_per_min=defaults.oneshots_per_min * load)
+    w = _workload(load, minutes)
     last: dict[int, int] = {}
     rows: dict[int, list[int]] = {}
     for r in sorted(Simulation(policy, replicas=replicas, workload=w, seed=seed).run().requests, key=lambda x: x.arrival):

@@ -130,7 +130,7 @@ class Brain:
             "access_log_streams": self.envoy.open_streams,
             "session_pins": len(self.router.session_pins),
             "prefix_pins": len(self.router.prefix_pins),
-            "chain_cache": {"sessions": len(self.chains), "blocks": self.chains._blocks,
+            "chain_cache": {"sessions": len(self.chains), "blocks": self.chains.blocks,
                             "max_sessions": self.chains.max_sessions, "max_blocks": self.chains.max_blocks},
             "request_ids_held": len(self.ledger.by_request_id),
         }

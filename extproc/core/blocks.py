@@ -95,6 +95,11 @@ class ChainCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def blocks(self) -> int:
+        """Blocks held over every session (bounded by ``max_blocks``)."""
+        return self._blocks
+
     def chain(self, key: bytes | None, data, start: int, seed: tuple[int, int], end: int | None = None,
               step: int | None = None) -> list[int]:
         """Hashes of the full blocks of ``data[start:end]`` seeded by ``seed``; reuses ``key``'s last chain.

@@ -24,9 +24,7 @@ def _q(xs: list[float], p: float) -> float:
 
 
 def _workload(load: float, minutes: float | None = None) -> WorkloadConfig:
-    d = WorkloadConfig()
-    return WorkloadConfig(minutes=minutes or d.minutes, sessions_per_min=d.sessions_per_min * load,
-                          oneshots_per_min=d.oneshots_per_min * load)
+    return (WorkloadConfig(minutes=minutes) if minutes else WorkloadConfig()).at_load(load)
 
 
 def anatomy(policy: str, load: float, seeds: list[int], replicas: int) -> dict[str, list[float]]:

@@ -89,8 +89,8 @@ def _seeds(args) -> list[int]:
 
 def workload(args, load: float | None = None) -> WorkloadConfig:
     load = args.load if load is None else load
-    return WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min * load,
-                          oneshots_per_min=args.oneshots_per_min * load, projects=args.projects)
+    return WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min,
+                          oneshots_per_min=args.oneshots_per_min, projects=args.projects).at_load(load)
 
 
 def simulate(policy: str, args, seed: int, load: float | None = None, faults=()):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .engine import BLOCK
 
@@ -45,6 +45,10 @@ class WorkloadConfig:
     long_user_tokens_median: float = 6_000.0
     max_context: int = 256_000
     oneshots_per_min: float = 6.0
+
+    def at_load(self, load: float) -> "WorkloadConfig":
+        """The load ladder (``--load L``): every arrival rate scaled by ``load``."""
+        return replace(self, sessions_per_min=self.sessions_per_min * load, oneshots_per_min=self.oneshots_per_min * load)
 
 
 @dataclass(slots=True)

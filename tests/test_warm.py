@@ -281,9 +281,9 @@ def test_C3_a_restarted_replica_s_counters_do_not_produce_a_rate():
 
 
 def test_interference_a_big_prefill_goes_where_fewer_requests_will_queue_behind_it():
-    """warm_interference: on an idle fleet a big uncached prefill costs lambda x P^2 / 2 of others' waiting, so it
-    goes to the replica fewer requests arrive at; plain warm sees equal costs and alternates."""
-    for policy, want in (("warm_interference", 4), ("warm", 2)):
+    """On an idle fleet a big uncached prefill costs lambda x P^2 / 2 of others' waiting, so it goes to the replica
+    fewer requests arrive at; without the term the costs are equal and it alternates."""
+    for policy, want in (("warm", 4), ("warm_no_interference", 2)):
         router, t = warm_router(2, dataclasses.replace(WARM, policy=policy))
         busy = router.replicas[0]
         router.policy.state_of(busy).arrivals.extend(t - 30 + k for k in range(30))  # 30 requests in the last 30 s
@@ -294,3 +294,17 @@ def test_interference_a_big_prefill_goes_where_fewer_requests_will_queue_behind_
             router.release(d.reservation, at)
             elsewhere += d.replica is not busy
         assert elsewhere == want, (policy, elsewhere)
+
+
+def test_C3_a_long_context_does_not_go_where_it_does_not_fit_however_quiet_the_replica():
+    """Few requests arrive where a long session lives, so the interference term alone would put a second long
+    context there, and the two would evict each other on every turn (one shared system prompt: README)."""
+    cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000))
+    for policy, beside_a in (("warm", False), ("warm_no_kv_risk", True)):
+        router, t = warm_router(2, dataclasses.replace(cfg, policy=policy))
+        a = turn(router, t, session="a", tokens=200_000, system="x")
+        router.release(a.reservation, t + 40)
+        other = next(r for r in router.replicas if r is not a.replica)
+        router.policy.state_of(other).arrivals.extend(t + 11 + k for k in range(30))  # 30 requests in the last 30 s
+        b = turn(router, t + 41, session="b", tokens=130_000, system="x")
+        assert (b.replica is a.replica) is beside_a, policy

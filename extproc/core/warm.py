@@ -3,7 +3,8 @@
 Every quantity is in seconds of engine time (C1). Per candidate replica r:
 
     ttft(r) = wait(r) + prefill(prompt_tokens - cached_tokens(r), r)  [+ what KV pressure adds]
-    cost(r) = ttft(r) + decode(r) + eviction(r) + load x extra_work(r) + overload(r)   (load in [1, 2])
+    cost(r) = ttft(r) + decode(r) + eviction(r) + idle x interference(r) + load x extra_work(r) + overload(r)
+    (idle in [0, 1], load in [1, 2])
 
 - ``cached_tokens``: the request's block chain matched against what was routed to r (C2, the prefix
   index); a session pin stands in when the request has no chain (C4);
@@ -15,12 +16,18 @@ Every quantity is in seconds of engine time (C1). Per candidate replica r:
 - ``decode``: the decode slow-down the request would feel on r against the fastest candidate;
 - ``eviction``: a session will be back with this context; the fuller r's working set of active
   sessions, the likelier LRU evicts it before then, priced as the expected re-prefill (Preble);
+- ``interference``: vLLM runs a prefill to its end before it admits what arrives behind it, so a prefill of P
+  seconds makes the requests arriving at r meanwhile wait P/2 on average: arrival rate x P^2 / 2 of others'
+  waiting. Weighted by how idle the fleet is (with queues everywhere ``extra_work`` prices it instead);
 - ``extra_work``: prefill beyond what the best-cached candidate would need: work the fleet does instead
   of serving someone. It counts once (``load`` 1), and up to twice as the candidates' queues grow
   (``load`` 2), since then it delays everybody behind it: a move must save more than it costs the fleet;
 - ``overload`` (C5): in-flight work above Envoy's bounded-load share (balance_factor x the mean,
   rounded up to whole requests) counts as waiting; beyond ``hard_bound_factor`` x that share a
-  replica takes nothing, so crystallization cannot happen.
+  replica takes nothing, so crystallization cannot happen;
+- fit (C3): a replica where the request does not fit beside the active sessions' contexts is left out, unless
+  it fits on none: the replicas few requests arrive at are the ones long sessions live on, and two of those
+  contexts in one cache evict each other on every turn.
 
 The minimum cost wins; ties go to the session's pinned replica, the least in-flight work, then round-robin. Each stage is a constructor switch, so the
 ablations are compositions (``make_policy("warm_no_guard")``).
@@ -82,7 +89,7 @@ class WarmPolicy:
     parse_max_bytes = 256 * 1024  # larger bodies: headers, size and the raw block chain suffice (C2)
 
     def __init__(self, cfg: RouterConfig, name: str = "warm", *, index: bool = True, guard: bool = True,
-                 decode: bool = True, kv_risk: bool = True, externality: bool = True, interference: bool = False):
+                 decode: bool = True, kv_risk: bool = True, externality: bool = True, interference: bool = True):
         self.name = name
         self.use_index = index
         self.use_guard = guard
@@ -209,6 +216,7 @@ class WarmPolicy:
         st, cap = e.st, e.st.cache_tokens
         others = st.active_tokens - (mine[2] if mine is not None and mine[1] is st else 0)
         pressure = (others + prompt + out_tokens) / cap
+        e.fits = pressure <= w.kv_pressure
         if session and pressure > w.evict_start:
             risk = min(1.0, (pressure - w.evict_start) / (w.kv_pressure - w.evict_start))
             e.cost += risk * prompt / e.rate
@@ -265,6 +273,12 @@ class WarmPolicy:
             for e in ests:
                 e.cost += load * (e.prefill - least)
         candidates = self._guard(ests, out_tokens, fastest_decode, prompt) if self.use_guard else ests
+        if self.use_interference and self.use_kv_risk:
+            # the interference term draws big prefills to the replicas with few arrivals, which are where long
+            # sessions live: without this it sends a long context where it and theirs thrash (one shared system
+            # prompt, README "Against the peers"). The home is no exception: a context that does not fit there
+            # is lost there too
+            candidates = [e for e in candidates if e.fits] or candidates
         # costs within a decode step (or 2%) of the least are a tie, below what the estimates can tell apart:
         # then the session's own replica (where anything of it may still be), the least in-flight work, and
         # round-robin, so that an idle fleet does not send every new conversation to its first replica
@@ -359,6 +373,7 @@ class _Estimate:
     cached: int
     wait: float
     prefill: float
+    fits: bool = True  # beside the active sessions' contexts, in the replica's cache
     ttft: float = 0.0
     cost: float = 0.0
     work: float = 0.0
@@ -371,10 +386,8 @@ WARM_VARIANTS = {
     "warm_no_index": {"index": False},  # session pins only: what a cost model knows without a prefix index
     "warm_no_decode": {"decode": False},
     "warm_no_kv_risk": {"kv_risk": False},
-    # an addition under evaluation (README "Against the peers", issue 10): the delay a big prefill imposes on what
-    # arrives behind it; level or better than warm on 30 seeds, 8 replicas and capacity, but with one system prompt
-    # for all it sends long sessions' re-prefills onto each other (it sees arrivals, not KV), so not the default
-    "warm_interference": {"interference": True},
+    # the default until issue 10's second round: no interference term and no fit rule (README "Against the peers")
+    "warm_no_interference": {"interference": False},
 }
 
 __all__ = ["WarmPolicy", "WarmReplica", "WARM_VARIANTS"]

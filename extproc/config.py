@@ -228,7 +228,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("warm.balance_factor: expected a number >= 1 (1.25-1.5 is typical)")
     if not 0.0 < router.warm.kv_pressure <= 1.0:
         raise ConfigError("warm.kv_pressure: expected a number in (0, 1]")
-    for f in ("prefill_tokens_per_s", "decode_s_per_token", "load_refresh_s", "cache_tokens"):
+    for f in ("prefill_tokens_per_s", "decode_s_per_token", "load_refresh_s", "cache_tokens", "arrival_window_s",
+              "busy_wait_s"):
         if getattr(router.warm, f) <= 0:
             raise ConfigError(f"warm.{f}: expected a number > 0")
     if router.health.scrape_interval_s <= 0:

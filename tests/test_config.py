@@ -45,6 +45,8 @@ def test_a_good_file_loads_and_keeps_spec_defaults_elsewhere(tmp_path):
         ("warm: {balance_factor: 0.5}", "warm.balance_factor"),
         ("warm: {kv_pressure: 1.5}", "warm.kv_pressure"),
         ("warm: {prefill_tokens_per_s: 0}", "warm.prefill_tokens_per_s"),
+        ("warm: {busy_wait_s: 0}", "warm.busy_wait_s"),  # divides the candidates' mean wait
+        ("warm: {arrival_window_s: 0}", "warm.arrival_window_s"),
         ("envoy: {fail_open_hash_balance_factor: 50}", "envoy.fail_open_hash_balance_factor"),
         ("allow_no_replicas: maybe", "allow_no_replicas"),
         ("routing: {token_weight_unit: 0}", "routing.token_weight_unit"),

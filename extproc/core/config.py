@@ -92,6 +92,8 @@ class WarmConfig:
     kv_pressure: float = 0.95  # C3: past this KV usage a request risks preemption
     evict_start: float = 0.6  # C3: above this share of the cache, active sessions start evicting each other
     active_session_s: float = 60.0  # a session that sent a turn this recently will be back: its context stays
+    arrival_window_s: float = 60.0  # C3: a replica's arrival rate (what queues behind a prefill) is counted over this
+    busy_wait_s: float = 1.0  # C3: when the candidates wait this long on average, the fleet has no idle capacity
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,8 +51,6 @@ from .replica import LIVE, Replica
 _INF = float("inf")
 _DECODE_NOISE = 0.2  # decode-rate differences below 20% are the estimate's noise, not a slower replica
 _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
-_LOAD_WAIT_S = 1.0  # when the candidates wait this long on average, the fleet has no idle capacity
-_ARRIVAL_WINDOW_S = 60.0  # the rate of requests routed to a replica is counted over this window
 
 
 class WarmReplica:
@@ -74,7 +72,7 @@ class WarmReplica:
         self.pending: deque[tuple[float, int]] = deque()
         self.pending_tokens = 0
         self.active_tokens = 0  # context of the sessions that used this replica within warm.active_session_s
-        self.arrivals: deque[float] = deque()  # when requests were routed here, over the last _ARRIVAL_WINDOW_S
+        self.arrivals: deque[float] = deque()  # when requests were routed here, over warm.arrival_window_s
 
     def kv_ahead(self, now: float, kv_usage: float) -> float:
         """Tokens of KV the requests ahead will hold: the scraped usage plus our pending prefills."""
@@ -259,16 +257,17 @@ class WarmPolicy:
             # request's prefill P waits for the rest of it, P/2 on average, at r's arrival rate: lambda x P^2 / 2
             # of others' waiting. That holds on an idle replica; with queues everywhere the externality term
             # below prices the extra work instead
-            idle = 1.0 - min(1.0, sum(e.wait for e in ests) / len(ests) / _LOAD_WAIT_S)
+            idle = 1.0 - min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)
+            since = now - w.arrival_window_s
             for e in ests:
                 a = e.st.arrivals
-                while a and a[0] < now - _ARRIVAL_WINDOW_S:
+                while a and a[0] < since:
                     a.popleft()
-                e.cost += idle * len(a) / _ARRIVAL_WINDOW_S * e.prefill * e.prefill / 2
+                e.cost += idle * len(a) / w.arrival_window_s * e.prefill * e.prefill / 2
         if self.use_externality:
             # the re-prefill is work the fleet does instead of serving someone: counted once always, and once more
             # as the fleet fills up (with queues everywhere it delays everybody behind it)
-            load = 1.0 + min(1.0, sum(e.wait for e in ests) / len(ests) / _LOAD_WAIT_S)
+            load = 1.0 + min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)
             least = min(e.prefill for e in ests)
             for e in ests:
                 e.cost += load * (e.prefill - least)
@@ -354,7 +353,7 @@ class WarmPolicy:
         if self.use_interference:
             a = st.arrivals
             a.append(now)
-            while a[0] < now - _ARRIVAL_WINDOW_S:  # bounded by the window
+            while a[0] < now - self.cfg.warm.arrival_window_s:  # bounded by the window
                 a.popleft()
         if d.reservation is not None:
             d.reservation.work_s = d.work_s

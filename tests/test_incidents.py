@@ -145,7 +145,8 @@ def test_the_simulator_drives_the_real_core():
 def test_incident_1_on_warm_one_shared_system_prompt_never_crystallizes():
     w = WorkloadConfig(minutes=30, sessions_per_min=1.5, projects=1)
     warm = Simulation("warmroute_warm", seed=3, workload=w).run().summary()
-    # measured: max share 0.36, imbalance 1.79 mean / 2.78 worst minute (pins-forever: 1.00 and 4.0)
+    # measured: max share 0.39, imbalance 1.78 mean / 2.61 worst minute (pins-forever: 1.00 and 4.0); without the
+    # fit rule the interference term made it 0.43 (warm.py)
     assert warm["max_share"] <= 0.4
     assert warm["imbalance_mean"] <= 2.0 and warm["imbalance_max"] < 3.0
 

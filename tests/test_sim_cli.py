@@ -53,6 +53,32 @@ def test_versus_peers_reuses_cached_peer_results_and_runs_only_the_rows_asked_fo
     assert first.splitlines()[-1].lstrip().startswith("floor")
 
 
+def test_versus_peers_does_not_reuse_a_peers_cache_made_by_another_simulator(tmp_path, monkeypatch, capsys):
+    import argparse
+    import pickle
+
+    from extproc.tools.sim import cli
+    from extproc.tools.sim.policies import PEERS
+
+    ran = []
+    real = cli._summary_at
+    monkeypatch.setattr(cli, "_summary_at", lambda policy, *a: ran.append(policy) or real(policy, *a))
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    cache = tmp_path / "peers.pkl"
+    argv = ["--versus-peers", "0.25", "--seed", "1", "--minutes", "2", "--mine", "warmroute", "--peers-cache", str(cache)]
+    cli.run(ap.parse_args(argv))
+    doc = pickle.loads(cache.read_bytes())
+    assert doc["fingerprint"] == cli.simulator_fingerprint() and len(doc["runs"]) == len(PEERS)
+    for stale in ({"fingerprint": "another", "runs": doc["runs"]}, doc["runs"], b"not a pickle"):
+        cache.write_bytes(stale if isinstance(stale, bytes) else pickle.dumps(stale))
+        ran.clear()
+        cli.run(ap.parse_args(argv))
+        assert sorted(ran) == sorted(["warmroute", *PEERS])  # simulated again, not read from the stale file
+        err = capsys.readouterr().err
+        assert err.startswith(f"--peers-cache {cache}: ") and err.rstrip().endswith("again")  # one line, saying why
+
+
 def test_seeds_take_ranges_and_lists_and_a_bad_one_is_one_clear_line():
     import argparse
 

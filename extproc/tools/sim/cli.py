@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import pickle
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from .policies import COMPARE, PEERS, POLICIES
 from .report import share_plot, table
@@ -58,7 +61,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "per seed and the median (issue 10's targets)")
     ap.add_argument("--peers-cache", default=None, metavar="FILE",
                     help="--versus-peers: keep the peers' results in FILE and reuse them (they do not change when only "
-                         "warmroute's policy does; delete FILE after changing the simulator, engine or workload)")
+                         "warmroute's policy does; a FILE made by another version of the simulator, engine, workload "
+                         "or peers is not reused)")
     ap.add_argument("--mine", default="warmroute,warmroute_seed,oracle",
                     help="--versus-peers: the rows compared with the peers (e.g. just warmroute while iterating)")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
@@ -178,14 +182,39 @@ def _summary_at(policy: str, args, seed: int, load: float) -> dict:
     return simulate(policy, args, seed, load).summary()
 
 
+def simulator_fingerprint() -> str:
+    """What the peers' results depend on: the engine model, the simulator, the workload and the peers' models. A
+    peers cache made from other sources is not reused."""
+    from . import engine, policies, simulator, workload
+
+    h = hashlib.sha256()
+    for mod in (engine, simulator, workload, policies):
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _load_peers_cache(path: str, fingerprint: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            doc = pickle.load(f)
+    except FileNotFoundError:
+        return {}
+    except Exception as e:  # a truncated or foreign file is recomputed, not a crash
+        print(f"--peers-cache {path}: unreadable ({type(e).__name__}); simulating the peers again", file=sys.stderr)
+        return {}
+    if not isinstance(doc, dict) or doc.get("fingerprint") != fingerprint:
+        print(f"--peers-cache {path}: made by another version of the simulator or the peers; simulating them again",
+              file=sys.stderr)
+        return {}
+    return doc["runs"]
+
+
 def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
     """Ratios to the best peer on each number separately (the best p50 and the best p99 may be two peers)."""
     mine = [p for p in args.mine.split(",") if p]
     shape = (args.minutes, args.replicas, args.replica_speeds, args.sessions_per_min, args.oneshots_per_min, args.projects)
-    cached: dict = {}
-    if args.peers_cache and os.path.exists(args.peers_cache):
-        with open(args.peers_cache, "rb") as f:
-            cached = pickle.load(f)
+    fingerprint = simulator_fingerprint()
+    cached: dict = _load_peers_cache(args.peers_cache, fingerprint) if args.peers_cache else {}
     jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *PEERS]
             if p not in PEERS or (shape, p, L, s) not in cached]
     if args.jobs > 1:
@@ -199,8 +228,10 @@ def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
     got.update({(j[0], j[3], j[2]): r for j, r in zip(jobs, flat)})
     if args.peers_cache:
         cached.update({(shape, p, L, s): r for (p, L, s), r in got.items() if p in PEERS})
-        with open(args.peers_cache, "wb") as f:
-            pickle.dump(cached, f)
+        tmp = f"{args.peers_cache}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({"fingerprint": fingerprint, "runs": cached}, f)
+        os.replace(tmp, args.peers_cache)  # an interrupted run leaves the old cache whole
     print("ratios to the best peer on each number: TTFT p50, TTFT p99, prefix hits (points), output tok/s; "
           f"peers: {', '.join(PEERS)}")
     for L in loads:

@@ -252,12 +252,13 @@ class WarmPolicy:
                 if slower > _DECODE_NOISE * fastest_decode:
                     e.cost += w.decode_weight * out_tokens * slower
             e.work = e.prefill + out_tokens * e.dec
+        busy = min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)  # 1: queues everywhere
         if self.use_interference:
             # vLLM schedules running prefills before admitting new requests: whatever arrives at r during this
             # request's prefill P waits for the rest of it, P/2 on average, at r's arrival rate: lambda x P^2 / 2
             # of others' waiting. That holds on an idle replica; with queues everywhere the externality term
             # below prices the extra work instead
-            idle = 1.0 - min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)
+            idle = 1.0 - busy
             since = now - w.arrival_window_s
             for e in ests:
                 a = e.st.arrivals
@@ -267,7 +268,7 @@ class WarmPolicy:
         if self.use_externality:
             # the re-prefill is work the fleet does instead of serving someone: counted once always, and once more
             # as the fleet fills up (with queues everywhere it delays everybody behind it)
-            load = 1.0 + min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)
+            load = 1.0 + busy
             least = min(e.prefill for e in ests)
             for e in ests:
                 e.cost += load * (e.prefill - least)

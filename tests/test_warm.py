@@ -280,7 +280,7 @@ def test_C3_a_restarted_replica_s_counters_do_not_produce_a_rate():
     assert r.prefill_tokens_per_s == 5000.0
 
 
-def test_interference_a_big_prefill_goes_where_fewer_requests_will_queue_behind_it():
+def test_C3_interference_a_big_prefill_goes_where_fewer_requests_will_queue_behind_it():
     """On an idle fleet a big uncached prefill costs lambda x P^2 / 2 of others' waiting, so it goes to the replica
     fewer requests arrive at; without the term the costs are equal and it alternates."""
     for policy, want in (("warm", 4), ("warm_no_interference", 2)):

@@ -183,12 +183,14 @@ def _summary_at(policy: str, args, seed: int, load: float) -> dict:
 
 
 def simulator_fingerprint() -> str:
-    """What the peers' results depend on: the engine model, the simulator, the workload and the peers' models. A
-    peers cache made from other sources is not reused."""
+    """What the peers' results depend on: the engine model, the simulator, the workload, the peers' models and the
+    parts of the core they use (prefix index, key hash, outcome verdicts, imbalance index). A peers cache made from
+    other sources is not reused; the warm and seed policies are not among them, so iterating on those keeps it."""
+    from ...core import outcome, prefix_index, profile, stats
     from . import engine, policies, simulator, workload
 
     h = hashlib.sha256()
-    for mod in (engine, simulator, workload, policies):
+    for mod in (engine, simulator, workload, policies, prefix_index, profile, stats, outcome):
         h.update(Path(mod.__file__).read_bytes())
     return h.hexdigest()[:16]
 

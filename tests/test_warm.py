@@ -308,3 +308,42 @@ def test_C3_a_long_context_does_not_go_where_it_does_not_fit_however_quiet_the_r
         router.policy.state_of(other).arrivals.extend(t + 11 + k for k in range(30))  # 30 requests in the last 30 s
         b = turn(router, t + 41, session="b", tokens=130_000, system="x")
         assert (b.replica is a.replica) is beside_a, policy
+
+
+# ---- the decode term and the tie rule (issue 23: mutants of warm.py that no test caught)
+
+
+def test_C3_a_replica_whose_learned_decode_is_slower_loses_a_tie_it_would_otherwise_win():
+    router, t = warm_router(2)
+    t = feed_rates(router, "r0", t, prefill_tps=6_000, decode_s=0.04)  # decodes at half r1's speed
+    t = feed_rates(router, "r1", t, prefill_tps=6_000, decode_s=0.02)
+    # same prefill everywhere, nothing cached, nothing in flight: without the decode term this is a tie that
+    # round-robin gives to r0 (index 0); ~250 output tokens x 0.02 s is 5 s more on r0
+    d = turn(router, t, session="new", tokens=20_000, system="cold")
+    assert d.replica.name == "r1"
+
+
+def test_C3_a_decode_difference_within_the_noise_gate_is_no_difference():
+    router, t = warm_router(2)
+    t = feed_rates(router, "r0", t, prefill_tps=6_000, decode_s=0.022)  # 10% slower: the estimate's noise
+    t = feed_rates(router, "r1", t, prefill_tps=6_000, decode_s=0.02)
+    # priced, 10% would be ~0.5 s on a 3.3 s prefill, past the tie: the gate makes it a tie, round-robin's r0
+    d = turn(router, t, session="new", tokens=20_000, system="cold")
+    assert d.replica.name == "r0"
+
+
+def _cold_pair_with_wait_on_r0(wait_s):
+    router, t = warm_router(2)
+    router.policy.state_of(router.replica("r0")).prefill_busy_until = t + wait_s
+    # 20K uncached tokens at the default 5,000 tokens/s: 4 s everywhere, plus r0's predicted wait
+    return turn(router, t, session="new", tokens=20_000, system="cold")
+
+
+def test_C3_a_cost_difference_past_the_tie_thresholds_is_decided_by_cost():
+    # 0.2 s on 4 s (5%) is more than a decode step and more than 2%: the cheaper replica wins, not round-robin
+    assert _cold_pair_with_wait_on_r0(0.2).replica.name == "r1"
+
+
+def test_C3_a_cost_difference_within_the_tie_thresholds_is_a_tie():
+    # 0.04 s on 4 s (1%): below what the estimates can tell apart, so round-robin's turn (r0) takes it
+    assert _cold_pair_with_wait_on_r0(0.04).replica.name == "r0"

@@ -114,6 +114,8 @@ class Brain:
             r["scrape_error"] = self.scraper.errors.get(r["name"])
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         return {
+            "policy": self.router.cfg.policy,
+            "selects": self.router.selects,
             "replicas": reps,
             "recent_transitions": [
                 {"at_s_ago": round(now - t.at, 1), "replica": t.replica, "old": t.old.value, "new": t.new.value,

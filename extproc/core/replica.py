@@ -167,6 +167,7 @@ class Replica:
         "wlc_milli",
         "in_flight_requests",
         "count_wlc",
+        "candidate_decisions",
     )
 
     def __init__(self, name: str, index: int, health: HealthMachine, count_wlc: bool = True):
@@ -183,6 +184,9 @@ class Replica:
         self.wlc_milli = 0
         self.in_flight_requests = 0
         self.count_wlc = count_wlc
+        # decisions made while this replica could have been chosen (LIVE or PROBING, not drained): a replica
+        # that takes little traffic says from this whether it was passed over or out of the pool
+        self.candidate_decisions = 0
 
     @property
     def state(self) -> State:
@@ -227,4 +231,5 @@ class Replica:
             "cooldown_until": h.cooldown_until,
             "streak": h.streak,
             "ejections": h.ejections,
+            "candidate_decisions": self.candidate_decisions,
         }

@@ -45,6 +45,7 @@ class Router:
         self._next_due = float("inf")
         self._housekeeping_at = now + _HOUSEKEEPING_EVERY_S
         self.safety_timeouts = 0
+        self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
         self._set_profile_cfg()
@@ -216,6 +217,10 @@ class Router:
         """Choose a replica for ``profile`` and reserve its weight: one synchronous call (A1 atomic reserve)."""
         if now >= self._next_due or now >= self._housekeeping_at:
             self.tick(now)
+        self.selects += 1
+        for r in self._replicas:
+            if not r.drained and r.health.state is not EJECTED:
+                r.candidate_decisions += 1
         d = self.policy.select(self, profile, now)
         if d is None:
             return self._fallback(profile, now)

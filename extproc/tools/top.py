@@ -32,6 +32,7 @@ class Row:
     envoy_share: float
     scrape_error: str | None
     engine: str = "vllm"
+    candidate_decisions: int = 0  # decisions made while it was LIVE or PROBING and not drained
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Snapshot:
     open_reservations: int
     by_reason: dict[str, int]
     transitions: list[dict] = field(default_factory=list)
+    policy: str = "warm"
+    selects: int = 0  # decisions the router made (fallbacks included)
 
 
 def _get_json(url: str, timeout: float = 2.0) -> dict:
@@ -66,16 +69,29 @@ def snapshot(brain_admin: str, envoy_admin: str | None) -> Snapshot:
     rows = [
         Row(r["name"], r["state"], r["drained"], r["cooldown_remaining_s"], r["effective_running"], r["effective_waiting"],
             r["wlc_in_flight"], r["session_pins"], r["prefix_pins"], r["decisions"] / tot_d if tot_d else 0.0,
-            envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"), r.get("engine", "vllm"))
+            envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"), r.get("engine", "vllm"),
+            r.get("candidate_decisions", 0))
         for r in st["replicas"]
     ]
     allowed = sum(v for k, v in stats.items() if k.endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
     return Snapshot(rows, tot_d, tot_e, stats.get(f"cluster.{FALLBACK_CLUSTER}.upstream_rq_total", 0), allowed,
-                    st["open_reservations"], st["decisions_by_reason"], st.get("recent_transitions", []))
+                    st["open_reservations"], st["decisions_by_reason"], st.get("recent_transitions", []),
+                    st.get("policy", "warm"), st.get("selects", tot_d))
 
 
 HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share", "envoy share",
         "engine", "last scrape error")
+# the same columns in a narrow terminal; LEGEND says what they are
+SHORT = ("replica", "state", "cool", "run", "wait", "infl", "spin", "ppin", "brain", "envoy", "engine")
+LEGEND = ("cool: cooldown left; run/wait: effective running/waiting; infl: in-flight weight; spin/ppin: session/prefix "
+          "pins; brain/envoy: traffic share as the brain decided it / as Envoy counted it")
+LOW_SHARE = 0.05  # below this share of the decisions a replica's row gets a line saying why
+_WHY_PASSED_OVER = {
+    "warm": "the policy's cost estimate was lower elsewhere each time: sessions stay on the replica that holds their "
+            "context, and this load fit on the others",
+    "seed": "the seed pipeline chose elsewhere each time: the others held the sessions' and prefixes' pins, or were "
+            "as little loaded",
+}
 
 
 def _cells(r: Row) -> list[str]:
@@ -92,16 +108,57 @@ def _totals(s: Snapshot) -> str:
             f"{s.failure_mode_allowed}; without a body (brain not asked) {bodyless}; open reservations {s.open_reservations}")
 
 
-def text_table(s: Snapshot) -> str:
-    widths = [8, 9, 9, 8, 9, 10, 10, 9, 12, 12, 8, 0]
-
-    def just(i, c, w):
-        return "  " + c if i == len(widths) - 1 else (c.rjust(w) if 1 < i < 10 else c.ljust(w))
-
-    out = ["".join(just(i, h, w) for i, (h, w) in enumerate(zip(HEAD, widths))).rstrip()]
+def low_share_reasons(s: Snapshot) -> list[str]:
+    """One line per replica that took under LOW_SHARE of the decisions, saying why from the brain's own view."""
+    out = []
+    if not s.selects:
+        return out
     for r in s.rows:
-        out.append("".join(just(i, c, w) for i, (c, w) in enumerate(zip(_cells(r), widths))).rstrip())
-    out.append(_totals(s) + ("  (* drained)" if any(r.drained for r in s.rows) else ""))
+        if r.brain_share >= LOW_SHARE:
+            continue
+        head = f"{r.name} took {r.brain_share:.0%} of the decisions:"
+        if r.drained:
+            out.append(f"{head} it is drained (operator), so it takes no new requests")
+        elif r.candidate_decisions < s.selects:
+            out.append(f"{head} it was out of the pool (EJECTED or drained) for {s.selects - r.candidate_decisions} "
+                       f"of the {s.selects} decisions; it is {r.state} now")
+        else:
+            why = _WHY_PASSED_OVER.get(s.policy, f"the {s.policy} policy chose elsewhere each time")
+            out.append(f"{head} it could have taken all {s.selects}; {why}")
+    return out
+
+
+def _grid(header, rows, sep: str) -> list[str]:
+    widths = [max(len(c) for c in col) for col in zip(header, *rows)]
+    # names and words left, numbers right
+    left = {0, 1, len(header) - 1}
+
+    def line(cells):
+        return sep.join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header)] + [line(r) for r in rows]
+
+
+def text_table(s: Snapshot, width: int | None = None) -> str:
+    """The table as text, fitted to ``width`` columns (the terminal's by default): full headers where they fit,
+    short ones with a legend where not; scrape errors and the why of a low share as lines below."""
+    import shutil
+    import textwrap
+
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    rows = [_cells(r)[:-1] for r in s.rows]
+    out = _grid(HEAD[:-1], rows, "  ")
+    legend = False
+    if max(len(x) for x in out) > width:
+        out = _grid(SHORT, rows, " ")
+        legend = True
+    notes = [f"{r.name} last scrape error: {r.scrape_error}" for r in s.rows if r.scrape_error]
+    notes.append(_totals(s) + ("  (* drained)" if any(r.drained for r in s.rows) else ""))
+    notes += low_share_reasons(s)
+    if legend:
+        notes.append(LEGEND)
+    for n in notes:
+        out += textwrap.wrap(n, width, subsequent_indent="  ") or [""]
     return "\n".join(out)
 
 
@@ -126,7 +183,7 @@ def rich_view(s: Snapshot, title: str):
     for tr in reversed(s.transitions[-8:]):
         changes.add_row(f"{tr['at_s_ago']:.0f}s", tr["replica"], f"{tr['old']} -> {tr['new']}", tr["reason"],
                         f"{tr['cooldown_s']:.0f}s" if tr["new"] == "EJECTED" else "")
-    return Group(t, Text(_totals(s)), changes)
+    return Group(t, Text(_totals(s)), *(Text(x) for x in low_share_reasons(s)), changes)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install system-deps demo test test-unit bench bench-quick bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: install system-deps demo test test-unit docs bench bench-quick bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test: install system-deps
 
 test-unit: install  ## everything but the tests that start Envoy, brains and replicas (~100 s)
 	$(PY) -m pytest -q -m "not integration"
+
+docs: install  ## regenerate docs/configuration.md from the config dataclasses, then check every document
+	$(PY) -m extproc.tools.docs
 
 bench-core: install
 	$(PY) -m extproc.tools.bench_core

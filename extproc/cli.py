@@ -19,22 +19,51 @@ def _config_or_exit(path: str | None):
         raise SystemExit(2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="warmroute", description="LLM-aware routing brain for Envoy")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+# (name, what it does in one line, an example): `warmroute --help` lists them, `warmroute NAME --help` shows both
+COMMANDS = {
+    "up": ("start Envoy + brain + 4 mock vLLM replicas on loopback, send agent load, show the table, serve",
+           "warmroute up --replicas 4 --port 8080"),
+    "brain": ("run the brain: the ext_proc and access-log gRPC services, scraper and admin API",
+              "warmroute brain --config warmroute.yaml"),
+    "envoy-config": ("print the Envoy bootstrap for a config (or --snippets to paste into your own Envoy)",
+                     "warmroute envoy-config --config warmroute.yaml > envoy.yaml"),
+    "check-config": ("validate a config file; a bad one is one line naming the field",
+                     "warmroute check-config warmroute.yaml"),
+    "top": ("live terminal view of the brain and Envoy: states, load, pins, traffic share",
+            "warmroute top --config warmroute.yaml"),
+    "mock-vllm": ("serve an OpenAI-compatible stand-in for one vLLM replica (engine model, vLLM's /metrics)",
+                  "warmroute mock-vllm --port 8000 --speedup 10"),
+    "sim": ("virtual-time simulator: the real core against modelled peers on a simulated fleet",
+            "warmroute sim --compare --load 0.5 --seeds 1-5 --jobs 2"),
+    "demo-core": ("replay a scripted burst of agent traffic through the routing core alone, no Envoy",
+                  "warmroute demo-core --policy warm"),
+}
 
-    u = sub.add_parser("up", help="start Envoy + brain + 4 mock vLLM replicas, send agent load, show the table")
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="warmroute", description="warmroute: an LLM-aware load balancer for vLLM replicas, the routing brain "
+        "of Envoy.", epilog="example:\n  warmroute up    # the whole stack on loopback (what `make demo` runs)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name: str) -> argparse.ArgumentParser:
+        what, example = COMMANDS[name]
+        return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".",
+                              epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    u = command("up")
     u.add_argument("--replicas", type=int, default=4)
     u.add_argument("--minutes", type=float, default=2.0, help="workload minutes of demo load (about 30 s of wall time)")
     u.add_argument("--sessions-per-min", type=float, default=6.0)
     u.add_argument("--no-serve", action="store_true", help="stop after the load instead of serving until Ctrl-C")
     u.add_argument("--port", type=int, default=0, help="Envoy's listen port on 127.0.0.1, for a stable URL (default: any free)")
 
-    d = sub.add_parser("demo-core", help="replay a scripted burst of agent traffic through the routing core alone")
+    d = command("demo-core")
     d.add_argument("--seed", type=int, default=7)
     d.add_argument("--policy", default=None, help="routing.policy to run (default: the config's default)")
 
-    b = sub.add_parser("brain", help="run the ext_proc / access-log gRPC service (the brain)")
+    b = command("brain")
     b.add_argument("--config", required=True)
     b.add_argument("--host", default=None, help="address to bind the gRPC port (default: brain.host)")
     b.add_argument("--grpc-port", type=int, default=None, help="overrides brain.grpc_port (0: the OS picks)")
@@ -44,28 +73,32 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--log-format", choices=["json", "text"], default="json",
                    help="state changes, rebinds, drains and reloads as JSON lines (default) or text")
 
-    m = sub.add_parser("mock-vllm", help="an OpenAI-compatible stand-in for one vLLM replica")
+    m = command("mock-vllm")
     from .tools.mock_vllm import add_arguments
 
     add_arguments(m)
 
-    e = sub.add_parser("envoy-config", help="render the Envoy bootstrap (or the paste-in snippets) from the config")
+    e = command("envoy-config")
     e.add_argument("--config", required=True)
     e.add_argument("--snippets", action="store_true", help="print the pieces for an existing Envoy instead")
 
-    sm = sub.add_parser("sim", help="virtual-time simulator: one policy, or --compare them all")
+    sm = command("sim")
     from .tools.sim.cli import add_arguments as sim_arguments
 
     sim_arguments(sm)
 
-    tp = sub.add_parser("top", help="live terminal view of the brain and Envoy")
+    tp = command("top")
     from .tools.top import add_arguments as top_arguments
 
     top_arguments(tp)
 
-    c = sub.add_parser("check-config", help="validate a config file; prints one line naming a bad field")
+    c = command("check-config")
     c.add_argument("config")
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.cmd == "demo-core":
         from .tools.demo_core import run

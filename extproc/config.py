@@ -34,10 +34,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSpec:
-    name: str  # also the Envoy cluster name
-    url: str  # base URL of the vLLM server; /metrics is scraped from it
+    name: str  # the replica's name in logs, metrics and the admin API; also its Envoy cluster name
+    url: str  # base URL of the engine's OpenAI server; /metrics (or /health) is read from it
     # whose /metrics to read: "vllm", "sglang", or "none" (health from /health, load from the brain's own
-    # in-flight requests: any OpenAI-compatible server; README "Engines" says what routing each one gets)
+    # in-flight requests: any OpenAI-compatible server; docs/guide.md "Engines" says what routing each one gets)
     engine: str = "vllm"
 
     @property
@@ -54,11 +54,11 @@ class ReplicaSpec:
 class BrainConfig:
     """Where the brain listens. The admin port is always bound to loopback."""
 
-    host: str = "127.0.0.1"
-    grpc_port: int = 9100
+    host: str = "127.0.0.1"  # address of the gRPC port Envoy calls (ext_proc and access log)
+    grpc_port: int = 9100  # the gRPC port; 0 lets the OS pick
     admin_port: int = 9101  # state-changing endpoints: always 127.0.0.1
     metrics_host: str = "127.0.0.1"  # read-only /metrics for Prometheus; 0.0.0.0 to scrape from elsewhere
-    metrics_port: int = 9102
+    metrics_port: int = 9102  # the port of the read-only Prometheus /metrics
     # With Envoy on the same host: serve gRPC on this Unix socket too, and have Envoy use it.
     # It cuts about 0.1 ms per request against TCP loopback (make bench-overhead prints both).
     grpc_socket: str | None = None
@@ -68,15 +68,15 @@ class BrainConfig:
 class EnvoyConfig:
     """What the rendered Envoy bootstrap needs beyond the replica list."""
 
-    listen_host: str = "0.0.0.0"
-    listen_port: int = 8080
+    listen_host: str = "0.0.0.0"  # where the rendered Envoy listens for clients
+    listen_port: int = 8080  # the clients' port (the OpenAI API)
     admin_port: int = 9901  # Envoy's admin interface, on 127.0.0.1 only
     max_body_bytes: int = 64 * 1024 * 1024  # Envoy's 1 MiB default answers 413 to long contexts
-    ext_proc_timeout_s: float = 1.0  # past this Envoy fails open to the least-request route
+    ext_proc_timeout_s: float = 1.0  # past this Envoy fails open to the bounded ring-hash route
     stream_idle_timeout_s: float = 900.0  # a stalled replica must not hang a client forever; 0 disables
-    upstream_connect_timeout_s: float = 1.0
+    upstream_connect_timeout_s: float = 1.0  # a replica that does not accept within this is retried elsewhere
     access_log_flush_s: float = 0.01  # how late a reservation may be released after the request ends
-    brain_health_check_interval_s: float = 1.0
+    brain_health_check_interval_s: float = 1.0  # how often Envoy asks the brain's gRPC health
     retries: int = 2  # on connect failure / reset before any response byte, each on another replica
     # C7: the fail-open route's ring hash lets a replica hold this % of the mean load before it passes requests on
     fail_open_hash_balance_factor: int = 150

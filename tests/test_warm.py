@@ -298,7 +298,7 @@ def test_C3_interference_a_big_prefill_goes_where_fewer_requests_will_queue_behi
 
 def test_C3_a_long_context_does_not_go_where_it_does_not_fit_however_quiet_the_replica():
     """Few requests arrive where a long session lives, so the interference term alone would put a second long
-    context there, and the two would evict each other on every turn (one shared system prompt: README)."""
+    context there, and the two would evict each other on every turn (one shared system prompt: docs/routing.md)."""
     cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000))
     for policy, beside_a in (("warm", False), ("warm_no_kv_risk", True)):
         router, t = warm_router(2, dataclasses.replace(cfg, policy=policy))

@@ -164,4 +164,13 @@ def make_registry(router: Router, stats: BrainStats, clock: Callable[[], float])
     return Instruments(reg, decision, scrape, predicted, error)
 
 
-__all__ = ["BrainCollector", "PIN_ACTION_METRICS", "make_registry"]
+def metric_names() -> set[str]:
+    """Every metric family the brain exports (names as families carry them: counters without ``_total``)."""
+    from ..core import RouterConfig
+
+    router = Router(RouterConfig(policy="warm"), ["r0"], 0.0)
+    reg = make_registry(router, BrainStats(["r0"]), lambda: 0.0).registry
+    return {m.name for m in reg.collect()}
+
+
+__all__ = ["BrainCollector", "PIN_ACTION_METRICS", "make_registry", "metric_names"]

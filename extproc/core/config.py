@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class HealthConfig:
-    scrape_interval_s: float = 3.0  # A1
-    good_scrapes_to_probe: int = 2  # A2: EJECTED -> PROBING
-    probing_clean_window_s: float = 15.0  # A2: PROBING -> LIVE
-    cooldown_base_s: float = 30.0  # A2: 30 s * 2^(n-1)
-    cooldown_max_s: float = 300.0  # A2: capped at 300 s
+    scrape_interval_s: float = 3.0  # A1: every replica's /metrics (or /health) is read this often for health
+    good_scrapes_to_probe: int = 2  # A2: good scrapes in a row (after any cooldown) that take EJECTED to PROBING
+    probing_clean_window_s: float = 15.0  # A2: seconds of clean scrapes that take PROBING to LIVE
+    cooldown_base_s: float = 30.0  # A2: the n-th ejection in a row keeps a replica out for base x 2^(n-1) s
+    cooldown_max_s: float = 300.0  # A2: the ceiling of that cooldown (a replica at it flaps: an alert fires)
     streak_reset_live_s: float = 600.0  # A2: streak resets after 600 s of continuous LIVE
     stale_scrape_intervals: float = 3.0  # B: a scrape older than 3 intervals counts as failed
     upstream_failures_to_eject: int = 3  # B: N consecutive upstream failures eject a LIVE replica
@@ -32,8 +32,8 @@ class HealthConfig:
 class PinConfig:
     session_ttl_s: float = 3600.0  # A3: session pins live 60 min idle
     prefix_ttl_s: float = 300.0  # A3: prefix pins live 5 min idle
-    session_slack: int = 1  # A3
-    prefix_slack: int = 0  # A3
+    session_slack: int = 1  # A3: a session pin is used while its replica is within this many requests of the least loaded
+    prefix_slack: int = 0  # A3: the same slack for prefix (system prompt) pins
     session_spills_to_rebind: int = 3  # A3: 3 spills in a row -> the session pin moves
     prefix_spills_to_delete: int = 2  # B: the second consecutive prefix spill deletes it
     force_rebind_gap: float = 3.0  # A3: effective_running(pin) - min_r >= 3 -> move at once
@@ -45,16 +45,16 @@ CREDENTIAL_HEADER = "authorization"  # tenant_source "credential": the API key (
 
 @dataclass(frozen=True, slots=True)
 class ProfileConfig:
-    session_headers: tuple[str, ...] = ("x-session-id", "x-kilo-session", "x-conversation-id")  # A3
-    session_body_fields: tuple[str, ...] = ("conversation_id", "thread_id")  # A3
-    tenant_header: str | None = "x-warmroute-tenant"  # A3: the seed's project_id, trusted header
-    # Where the tenant comes from (README "Tenants"): "header" = tenant_header, which Envoy strips from what
+    session_headers: tuple[str, ...] = ("x-session-id", "x-kilo-session", "x-conversation-id")  # A3: request headers that name the session, first present wins
+    session_body_fields: tuple[str, ...] = ("conversation_id", "thread_id")  # A3: body fields that name the session when no header does
+    tenant_header: str | None = "x-warmroute-tenant"  # A3: the seed's project_id: a header only a trusted filter or proxy sets
+    # Where the tenant comes from (docs/guide.md "Tenants"): "header" = tenant_header, which Envoy strips from what
     # clients send (only the operator's own auth filter, or a trusted proxy, sets it); "credential" = a hash of
     # the Authorization header (an API key is a tenant); "none" = one tenant.
     tenant_source: str = "header"
     prefix_chars: int = 4096  # A3: MD5 of the first 4096 characters of the system prompt
-    chars_per_token: float = 4.0  # B: estimate = characters / 4
-    max_body_bytes: int = 64 * 1024 * 1024  # B: larger bodies are routed by headers only
+    chars_per_token: float = 4.0  # B: prompt tokens are estimated as characters / this
+    max_body_bytes: int = 64 * 1024 * 1024  # B: larger bodies are not read at all: routed by headers only
     # Bodies up to this size are parsed as JSON for body keys; larger ones are read as bytes only (session
     # from headers, tokens from the size, block chain from the raw text), so no request holds the event
     # loop for a long parse (a 32 MiB parse takes over 100 ms). None: the policy's own (seed: every body up
@@ -81,8 +81,8 @@ class WarmConfig:
     """The cost-based policy (SPEC C). Rates are learned from each replica's metrics; these are used until then."""
 
     cache_tokens: int = 300_000  # C2: a replica's prefix cache until it exports vllm:cache_config_info
-    prefill_tokens_per_s: float = 5_000.0  # C3: until learned from the replica's counters
-    decode_s_per_token: float = 0.03  # C3: until learned
+    prefill_tokens_per_s: float = 5_000.0  # C3: a replica's prefill rate until learned from its counters
+    decode_s_per_token: float = 0.03  # C3: a replica's decode time per token until learned from its counters
     output_tokens: float = 256.0  # C3: mean generated tokens per request, until learned
     rate_fresh_s: float = 60.0  # C3: a replica's learned rate counts this long after its last sample
     balance_factor: float = 1.5  # C5: in-flight work above c x the mean is priced as waiting (c 1.25-1.5)
@@ -102,7 +102,7 @@ class RouterConfig:
     pins: PinConfig = field(default_factory=PinConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     warm: WarmConfig = field(default_factory=WarmConfig)
-    policy: str = "warm"  # C8: which policy chooses; the benchmark decides the default (README "Routing")
+    policy: str = "warm"  # C8: which policy chooses: warm, seed, or an ablation (docs/routing.md)
     token_weight_unit: int = 1000  # B: weight = max(1, prompt_tokens_estimate / 1000)
     probing_max_in_flight: int = 1  # B: a PROBING replica holds at most 1 request while a LIVE one exists
     reservation_timeout_s: float = 3600.0  # B: safety release of reservations whose end was never seen

@@ -276,7 +276,7 @@ class WarmPolicy:
         if self.use_interference and self.use_kv_risk:
             # the interference term draws big prefills to the replicas with few arrivals, which are where long
             # sessions live: without this it sends a long context where it and theirs thrash (one shared system
-            # prompt, README "Against the peers"). The home is no exception: a context that does not fit there
+            # prompt, docs/routing.md). The home is no exception: a context that does not fit there
             # is lost there too
             candidates = [e for e in candidates if e.fits] or candidates
         # costs within a decode step (or 2%) of the least are a tie, below what the estimates can tell apart:
@@ -386,7 +386,7 @@ WARM_VARIANTS = {
     "warm_no_index": {"index": False},  # session pins only: what a cost model knows without a prefix index
     "warm_no_decode": {"decode": False},
     "warm_no_kv_risk": {"kv_risk": False},
-    # the default until issue 10's second round: no interference term and no fit rule (README "Against the peers")
+    # the default until issue 10's second round: no interference term and no fit rule (docs/routing.md)
     "warm_no_interference": {"interference": False},
 }
 

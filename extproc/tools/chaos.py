@@ -13,7 +13,7 @@ be whole again. Per scenario:
 - time to recover: from the heal (or the fault, when nothing heals it) until every replica is LIVE
   and the brain decides again.
 
-Every scenario has a fast assertion test in ``make test`` (README "Failure behaviour").
+Every scenario has a fast assertion test in ``make test`` (docs/failure-behaviour.md).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def foreign_bootstrap(legacy_port: int) -> dict:
 
 
 def merge(doc: dict, pieces: dict, replica_clusters: list[dict]) -> dict:
-    """The README's paste-in steps, as code."""
+    """The paste-in steps of docs/guide.md, as code."""
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm.setdefault("early_header_mutation_extensions", []).extend(pieces["early_header_mutation_extensions"])
     hcm["http_filters"][:0] = pieces["http_filters"]  # before the router filter

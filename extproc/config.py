@@ -52,16 +52,31 @@ class ReplicaSpec:
 
 @dataclass(frozen=True, slots=True)
 class BrainConfig:
-    """Where the brain listens. The admin port is always bound to loopback."""
+    """Where the brain listens, and who may talk to it (docs/guide.md "Who may reach which port").
 
-    host: str = "127.0.0.1"  # address of the gRPC port Envoy calls (ext_proc and access log)
-    grpc_port: int = 9100  # the gRPC port; 0 lets the OS pick
+    Whoever reaches the gRPC services can move routing (forge access-log entries, open and release
+    reservations), so by default there is no TCP listener: Envoy on the same host uses the Unix socket,
+    which only the brain's user (and ``grpc_socket_group``) may open. A brain on another host listens on TCP
+    with TLS, mutual TLS recommended; plain TCP beyond loopback is refused unless ``insecure`` says so.
+    """
+
+    host: str = "127.0.0.1"  # address of the gRPC TCP listener, when grpc_port is set
+    # the gRPC TCP port (ext_proc, access log, health); unset: no TCP listener at all. 0 lets the OS pick
+    grpc_port: int | None = None
     admin_port: int = 9101  # state-changing endpoints: always 127.0.0.1
     metrics_host: str = "127.0.0.1"  # read-only /metrics for Prometheus; 0.0.0.0 to scrape from elsewhere
     metrics_port: int = 9102  # the port of the read-only Prometheus /metrics
-    # With Envoy on the same host: serve gRPC on this Unix socket too, and have Envoy use it.
-    # It cuts about 0.1 ms per request against TCP loopback (make bench-overhead prints both).
-    grpc_socket: str | None = None
+    # Envoy on the same host connects here (about 0.1 ms a request less than TCP loopback). Mode 0600, or 0660
+    # with grpc_socket_group; a directory the brain creates for it is 0700 (0750 with the group). null: TCP only
+    grpc_socket: str | None = "/run/warmroute/brain.sock"
+    grpc_socket_group: str | None = None  # a group (name or number) whose members, e.g. Envoy's user, may connect
+    tls_cert_file: str | None = None  # PEM certificate of the TCP listener: with tls_key_file, gRPC over TLS
+    tls_key_file: str | None = None  # PEM private key of tls_cert_file
+    # PEM CA bundle: clients (Envoy) must present a certificate it signed (mutual TLS, recommended over a network)
+    tls_client_ca_file: str | None = None
+    # true: allow plain TCP on an address beyond loopback. Anyone who reaches the port can then eject replicas
+    # and open or release reservations: only on a network nobody else reaches
+    insecure: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +91,9 @@ class EnvoyConfig:
     stream_idle_timeout_s: float = 900.0  # a stalled replica must not hang a client forever; 0 disables
     upstream_connect_timeout_s: float = 1.0  # a replica that does not accept within this is retried elsewhere
     access_log_flush_s: float = 0.01  # how late a reservation may be released after the request ends
+    # Envoy logs every request still in flight this often (access_log_flush_interval), so a reservation no entry
+    # names for 2x this + ext_proc and connect timeouts is a lost or rogue call and is released; 0: never
+    access_log_periodic_s: float = 10.0
     brain_health_check_interval_s: float = 1.0  # how often Envoy asks the brain's gRPC health
     retries: int = 2  # on connect failure / reset before any response byte, each on another replica
     # C7: the fail-open route's ring hash lets a replica hold this % of the mean load before it passes requests on
@@ -98,6 +116,13 @@ class EnvoyConfig:
     # The tenant header is stripped from what clients send unless a proxy in front of Envoy sets it (true here
     # only when that proxy overwrites whatever the client sent).
     trust_downstream_tenant_header: bool = False
+    # The client side of the brain's TLS (brain.tls_cert_file set, Envoy reaching it over TCP): the CA that
+    # signed the brain's certificate (null: the system's bundle), and the name in it (null: brain.host)
+    brain_tls_ca_file: str | None = None
+    brain_tls_sni: str | None = None
+    # Envoy's client certificate and key, presented to a brain that asks for one (brain.tls_client_ca_file)
+    brain_tls_cert_file: str | None = None
+    brain_tls_key_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +225,32 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
     return tuple(out)
 
 
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith(_LOOPBACK) or host == "[::1]"
+
+
+def _check_brain_access(brain: BrainConfig, envoy: EnvoyConfig) -> None:
+    """Who may reach the brain's gRPC: a Unix socket on this host, or TCP with TLS beyond loopback."""
+    if brain.grpc_socket is None and brain.grpc_port is None:
+        raise ConfigError("brain.grpc_socket: no gRPC listener: set grpc_socket (Envoy on this host) or grpc_port "
+                          "(with TLS for another host)")
+    if (brain.tls_cert_file is None) != (brain.tls_key_file is None):
+        raise ConfigError("brain.tls_key_file: tls_cert_file and tls_key_file go together")
+    if brain.tls_client_ca_file is not None and brain.tls_cert_file is None:
+        raise ConfigError("brain.tls_client_ca_file: mutual TLS needs the brain's own tls_cert_file and tls_key_file")
+    if brain.grpc_port is not None and not is_loopback(brain.host) and brain.tls_cert_file is None and not brain.insecure:
+        raise ConfigError(f"brain.host: plain TCP on {brain.host} lets anyone who reaches it move routing: set "
+                          "tls_cert_file and tls_key_file (and tls_client_ca_file for mutual TLS), or insecure: true")
+    if (envoy.brain_tls_cert_file is None) != (envoy.brain_tls_key_file is None):
+        raise ConfigError("envoy.brain_tls_key_file: brain_tls_cert_file and brain_tls_key_file go together")
+    if brain.tls_client_ca_file is not None and brain.grpc_socket is None and envoy.brain_tls_cert_file is None:
+        raise ConfigError("envoy.brain_tls_cert_file: the brain asks for a client certificate (brain.tls_client_ca_file)"
+                          "; give Envoy one")
+
+
 def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     if doc is None:
         doc = {}
@@ -238,8 +289,9 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     envoy = EnvoyConfig(**_fill("envoy", EnvoyConfig, doc.get("envoy")))
     for section, obj in (("brain", brain), ("envoy", envoy)):
         for f in dataclasses.fields(obj):
-            if f.name.endswith("_port") and getattr(obj, f.name) > 65535:
+            if f.name.endswith("_port") and (getattr(obj, f.name) or 0) > 65535:
                 raise ConfigError(f"{section}.{f.name}: expected a port number 0..65535")
+    _check_brain_access(brain, envoy)
     if brain.grpc_socket is not None and not 0 < len(brain.grpc_socket.encode()) <= 100:
         raise ConfigError("brain.grpc_socket: expected a path of 1..100 bytes (Unix sockets allow 107)")
     for i, path in enumerate(envoy.allowed_paths):

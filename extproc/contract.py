@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Iterable
 
 ROUTING_HEADER = "x-warmroute-cluster"  # the replica's cluster, set from the brain's answer; the route reads it
-RESERVATION_HEADER = "x-warmroute-reservation"  # "<brain epoch>.<reservation id>", logged back to the brain
+RESERVATION_HEADER = "x-warmroute-reservation"  # "<number>.<64 random bits>", logged back to the brain
 REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: backs up release when our header never got applied
 CONTENT_ENCODING_HEADER = "content-encoding"  # a body Envoy did not inflate is counted, and routed by headers
 METADATA_NAMESPACE = "warmroute"  # the brain's answer {cluster, reservation} travels as dynamic metadata here

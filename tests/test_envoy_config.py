@@ -158,7 +158,7 @@ def test_the_brain_is_health_checked_with_grpc_health_v1_and_logs_reach_it():
 def test_hostnames_render_as_dns_clusters():
     from extproc.config import parse_config
 
-    cfg = parse_config({"replicas": [{"name": "a", "url": "http://vllm-a:8000"}], "brain": {"host": "brain"}})
+    cfg = parse_config({"replicas": [{"name": "a", "url": "http://vllm-a:8000"}], "brain": {"host": "brain", "grpc_socket": None, "grpc_port": 9100, "insecure": True}})
     clusters = {c["name"]: c for c in bootstrap(cfg)["static_resources"]["clusters"]}
     assert clusters["a"]["type"] == "STRICT_DNS" and clusters[BRAIN_CLUSTER]["type"] == "STRICT_DNS"
     assert bootstrap(AppConfig())["static_resources"]["clusters"][0]["name"] == BRAIN_CLUSTER

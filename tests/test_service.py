@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import orjson
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
@@ -57,7 +59,8 @@ def test_decide_answers_with_metadata_and_headers_and_clears_the_route_cache(bra
     out = brain.decide({"x-session-id": "s", "x-request-id": "q1"}, BODY)
     h = headers_of(out)
     assert h[ROUTING_HEADER] in ("r0", "r1", "r2")
-    assert h[RESERVATION_HEADER].startswith(brain.epoch + ".")
+    # <number>.<64 random bits>: nobody who was not handed it can name it
+    assert re.fullmatch(r"\d+\.[0-9a-f]{16}", h[RESERVATION_HEADER])
     common = out.request_body.response
     assert common.clear_route_cache is True
     # the same answer as header mutations, for configs that send the headers message

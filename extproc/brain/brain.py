@@ -51,9 +51,17 @@ class Brain:
         self.scraper.engines = {r.name: r.engine for r in cfg.replicas}
         self.releaser.by_address = {f"{r.host}:{r.port}": r.name for r in cfg.replicas}
 
-    @property
-    def epoch(self) -> str:
-        return self.ledger.epoch
+    def liveness_bound_s(self) -> float | None:
+        """How long a reservation may go unnamed by Envoy before it counts as a lost or rogue call.
+
+        Envoy logs each request in flight every ``envoy.access_log_periodic_s``, however long it runs. A
+        reservation is made once ext_proc has the body (at most ``ext_proc_timeout_s`` after Envoy asked), and
+        its first periodic entry comes within one period of the request's start; retries on other replicas
+        add their connect timeouts. Twice the period is the margin for a late flush."""
+        e = self.cfg.envoy
+        if not e.access_log_periodic_s:
+            return None
+        return 2 * e.access_log_periodic_s + e.ext_proc_timeout_s + (e.retries + 1) * e.upstream_connect_timeout_s + 1.0
 
     def _on_transition(self, t: Transition) -> None:
         logs.event("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
@@ -81,6 +89,10 @@ class Brain:
 
     def on_log_entry(self, entry) -> None:
         self.releaser.on_entry(entry)
+        if self.releaser.periodic_seen and self.router.liveness_timeout_s is None:
+            # only once Envoy shows it sends periodic entries: an Envoy configured without them (pasted
+            # snippets, a foreign gateway) must not see its long requests' reservations expire
+            self.router.liveness_timeout_s = self.liveness_bound_s()
 
     def reload(self) -> dict:
         """Re-read the config file (``reload.apply_config``); with ``envoy.cds_path`` Envoy's clusters follow."""
@@ -128,6 +140,8 @@ class Brain:
             "releases_by_access_log": self.stats.releases_by_log,
             "unmatched_access_log_entries": self.stats.unmatched_log_entries,
             "safety_timeouts": self.router.safety_timeouts,
+            "liveness_timeouts": self.router.liveness_timeouts,
+            "liveness_bound_s": self.router.liveness_timeout_s,
             "released_envoy_gone": self.stats.released_envoy_gone,
             "access_log_streams": self.envoy.open_streams,
             "session_pins": len(self.router.session_pins),

@@ -114,6 +114,9 @@ class BrainCollector(Collector):
         yield sc
         yield CounterMetricFamily("warmroute_reservation_safety_timeouts",
                                   "Reservations released by the safety timeout (their end was never seen)", value=r.safety_timeouts)
+        yield CounterMetricFamily("warmroute_reservation_liveness_timeouts",
+                                  "Reservations no access-log entry named within the liveness bound (a lost or rogue "
+                                  "ext_proc call)", value=r.liveness_timeouts)
         yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released", value=r.open_reservations)
         yield CounterMetricFamily("warmroute_access_log_releases", "Reservations released by Envoy's access log",
                                   value=b.releases_by_log)

@@ -14,6 +14,8 @@ from typing import Callable
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from envoy.data.accesslog.v3.accesslog_pb2 import AccessLogType
+
 from ..contract import RESERVATION_HEADER
 from ..core import Reservation, Router, UpstreamOutcome, upstream_failed, upstream_verdicts
 from .stats import BrainStats
@@ -22,17 +24,17 @@ from .stats import BrainStats
 class Ledger:
     """Reservation ids handed to Envoy, and Envoy's request ids that back them up.
 
-    The id is ``<epoch>.<number>``: ids from an earlier brain process never match ours. The
-    request id is in every access-log entry, even when the client reset before Envoy applied
-    our header (then the reservation id is missing) or our answer came after Envoy's timeout.
-    It is Envoy's own (the shipped config drops a client's ``x-request-id`` at the edge); a
-    pasted-in config may keep clients' ids, so an id seen on two open requests backs up neither:
-    one request's end must never release another's reservation.
+    The id is ``<number>.<64 random bits>``: nobody who has not been handed it can name it, so a call
+    that reaches the brain cannot release another request's reservation, and ids from an earlier brain
+    process never match ours. The request id is in every access-log entry, even when the client reset
+    before Envoy applied our header (then the reservation id is missing) or our answer came after
+    Envoy's timeout. It is Envoy's own (the shipped config drops a client's ``x-request-id`` at the
+    edge); a pasted-in config may keep clients' ids, so an id seen on two open requests backs up
+    neither: one request's end must never release another's reservation.
     """
 
     def __init__(self, router: Router):
         self.router = router
-        self.epoch = secrets.token_hex(4)
         self.by_request_id: dict[str, Reservation | int] = {}  # an int: the id is ambiguous, held by that many
 
     def issue(self, res: Reservation, request_id: str | None) -> str:
@@ -42,14 +44,29 @@ class Ledger:
                 self.by_request_id[request_id] = res
             else:
                 self.by_request_id[request_id] = (held if isinstance(held, int) else 1) + 1
-        return f"{self.epoch}.{res.id}"
+        res.token = f"{res.id}.{secrets.token_hex(8)}"
+        return res.token
+
+    def named(self, reservation_id: str) -> Reservation | None:
+        """The open reservation whose whole id this is (a guessed or stale one names none)."""
+        num, _, _ = reservation_id.partition(".")
+        if not num.isdigit():
+            return None
+        res = self.router.reservation(int(num))
+        if res is None or not secrets.compare_digest(res.token.encode(), reservation_id.encode()):
+            return None
+        return res
+
+    def alive(self, reservation_id: str, request_id: str) -> Reservation | None:
+        """The reservation a periodic entry names, leaving the request id's backing in place."""
+        res = self.named(reservation_id) if reservation_id else None
+        if res is None:
+            by_id = self.by_request_id.get(request_id)
+            res = by_id if isinstance(by_id, Reservation) else None
+        return res
 
     def find(self, reservation_id: str, request_id: str) -> Reservation | None:
-        res = None
-        if reservation_id:
-            epoch, _, num = reservation_id.partition(".")
-            if epoch == self.epoch and num.isdigit():
-                res = self.router.reservation(int(num))
+        res = self.named(reservation_id) if reservation_id else None
         by_id = self.by_request_id.get(request_id)
         if isinstance(by_id, int):
             if by_id > 1:
@@ -84,6 +101,11 @@ def outcome_of(entry) -> UpstreamOutcome:
     )
 
 
+# NotSet: an Envoy older than access-log types, whose every HTTP entry is the end
+END_OF_REQUEST = frozenset({AccessLogType.NotSet, AccessLogType.DownstreamEnd})
+DOWNSTREAM_PERIODIC = AccessLogType.DownstreamPeriodic
+
+
 class Releaser:
     """Access-log entry -> release the reservation, and count the outcome for passive health."""
 
@@ -94,10 +116,19 @@ class Releaser:
         self.clock = clock
         self.by_address: dict[str, str] = {}  # "host:port" -> replica name
         self.ttft_error = None  # a prometheus Histogram of |predicted - observed| time to first byte
+        self.periodic_seen = False  # Envoy sends periodic entries of requests in flight (access_log_flush_interval)
 
     def on_entry(self, entry) -> None:
         now = self.clock()
         common = entry.common_properties
+        if common.access_log_type not in END_OF_REQUEST:
+            # a periodic (or start) entry: the request is alive, nothing ended
+            if common.access_log_type == DOWNSTREAM_PERIODIC:
+                self.periodic_seen = True
+                res = self.ledger.alive(entry.request.request_headers.get(RESERVATION_HEADER, ""), entry.request.request_id)
+                if res is not None and not res.released:
+                    self.router.touch(res, now)
+            return
         res = self.ledger.find(entry.request.request_headers.get(RESERVATION_HEADER, ""), entry.request.request_id)
         chosen = None
         if res is not None and not res.released:

@@ -35,8 +35,9 @@ GRPC_SERVER_OPTIONS = [
 TICK_S = 0.25  # health timers and housekeeping; the request path ticks too when something is due
 
 
-def claim_socket_path(path: str) -> str:
-    """A socket file left by a brain that died is removed; one that a live process answers on is not."""
+def claim_socket_path(path: str, group: str | None = None) -> str:
+    """A socket file left by a brain that died is removed; one that a live process answers on is not. A
+    directory made for it is the brain's own (0700; 0750 when a group may connect)."""
     path = os.path.abspath(path)
     if os.path.exists(path):
         if not stat.S_ISSOCK(os.stat(path).st_mode):
@@ -50,8 +51,65 @@ def claim_socket_path(path: str) -> str:
             raise ConfigError(f"brain.grpc_socket: another process serves on {path}")
         finally:
             probe.close()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        try:
+            os.makedirs(directory, mode=0o750 if group else 0o700)
+        except OSError as e:
+            raise ConfigError(f"brain.grpc_socket: cannot create {directory} ({e.strerror}): set brain.grpc_socket to a "
+                              "path this user may write, where Envoy connects") from None
+        if group:
+            os.chown(directory, -1, _gid(group))
     return path
+
+
+def _gid(group: str) -> int:
+    import grp
+
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"brain.grpc_socket_group: no group {group!r} on this host") from None
+
+
+def add_listeners(server, b) -> int | None:
+    """The gRPC listeners the config asks for; the TCP port bound, if any.
+
+    The socket file is born 0600 (0660 for a group): a umask around the bind, so no other user can connect in
+    the moment between its creation and a chmod."""
+    port = None
+    if b.grpc_port is not None:
+        addr = f"{b.host}:{b.grpc_port}"
+        if b.tls_cert_file:
+            port = server.add_secure_port(addr, server_credentials(b))
+        else:
+            port = server.add_insecure_port(addr)
+    if b.grpc_socket:
+        path = claim_socket_path(b.grpc_socket, b.grpc_socket_group)
+        old = os.umask(0o117 if b.grpc_socket_group else 0o177)
+        try:
+            server.add_insecure_port("unix:" + path)
+        finally:
+            os.umask(old)
+        if b.grpc_socket_group:
+            os.chown(path, -1, _gid(b.grpc_socket_group))
+        os.chmod(path, 0o660 if b.grpc_socket_group else 0o600)
+    return port
+
+
+def _read(field: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"brain.{field}: cannot read {path} ({e.strerror})") from None
+
+
+def server_credentials(b) -> grpc.ServerCredentials:
+    """TLS for the TCP listener; with ``tls_client_ca_file``, a client certificate it signed is required."""
+    key, cert = _read("tls_key_file", b.tls_key_file), _read("tls_cert_file", b.tls_cert_file)
+    ca = _read("tls_client_ca_file", b.tls_client_ca_file) if b.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 async def _tick_loop(brain: Brain) -> None:
@@ -89,9 +147,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
         AccessLogService(brain.on_log_entry, brain.envoy, envoy_gone), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{b.host}:{b.grpc_port}")
-    if b.grpc_socket:
-        server.add_insecure_port("unix:" + claim_socket_path(b.grpc_socket))
+    port = add_listeners(server, b)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)

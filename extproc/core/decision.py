@@ -22,6 +22,8 @@ class Reservation:
     released: bool = False
     work_s: float = 0.0  # the warm policy's predicted engine seconds for this request (C1)
     predicted_ttft_s: float | None = None  # the warm policy's estimate, to compare with what Envoy saw
+    token: str = ""  # the shell's unguessable name for it (only its holder, Envoy, can name it back)
+    seen_at: float = 0.0  # when Envoy last said the request is alive (its start, or a periodic log entry)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,10 @@ class Router:
         self._next_due = float("inf")
         self._housekeeping_at = now + _HOUSEKEEPING_EVERY_S
         self.safety_timeouts = 0
+        # None: a reservation lives until its end is seen or the safety timeout. A number: it must be seen
+        # alive (Envoy's periodic access-log entries) at least this often, or it was a lost or rogue call
+        self.liveness_timeout_s: float | None = None
+        self.liveness_timeouts = 0
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
@@ -190,12 +194,20 @@ class Router:
     def _expire_reservations(self, now: float) -> None:
         limit = now - self.cfg.reservation_timeout_s
         res = self._reservations
-        while res:
-            rid, r = next(iter(res.items()))
+        old = []
+        for r in res.values():  # oldest first
             if r.started_at > limit:
                 break
+            if r.seen_at <= limit:  # a request Envoy still logs as in flight is alive, however long it runs
+                old.append(r)
+        for r in old:
             self.release(r, now)
             self.safety_timeouts += 1
+        if self.liveness_timeout_s is not None:
+            unseen = now - self.liveness_timeout_s
+            for r in [r for r in res.values() if r.seen_at < unseen]:
+                self.release(r, now)
+                self.liveness_timeouts += 1
 
     # ---------------------------------------------------------------- pipeline
 
@@ -245,7 +257,7 @@ class Router:
 
     def _reserve(self, r: Replica, profile: RequestProfile, now: float) -> Reservation:
         w = self.weight_milli(profile.tokens)
-        res = Reservation(self._next_reservation_id, r, w, now)
+        res = Reservation(self._next_reservation_id, r, w, now, seen_at=now)
         self._next_reservation_id += 1
         r.wlc_milli += w
         r.in_flight_requests += 1
@@ -263,6 +275,10 @@ class Router:
         self._reservations.pop(res.id, None)
         self.policy.on_release(res, now)
         return True
+
+    def touch(self, res: Reservation, now: float) -> None:
+        """Envoy says the request is still in flight (a periodic access-log entry)."""
+        res.seen_at = now
 
     def release_started_before(self, t: float, now: float) -> int:
         """Release every open reservation made before ``t`` (the Envoy that carried them is gone); how many."""

@@ -207,6 +207,14 @@ def access_log(cfg: AppConfig) -> list[dict]:
     ]
 
 
+def hcm_access_log_options(cfg: AppConfig) -> dict:
+    """The connection manager logs each request in flight every ``access_log_periodic_s``: the brain keeps
+    the reservations Envoy names and releases those no entry names (a lost or rogue ext_proc call)."""
+    if not cfg.envoy.access_log_periodic_s:
+        return {}
+    return {"access_log_options": {"access_log_flush_interval": _dur(cfg.envoy.access_log_periodic_s)}}
+
+
 def _retry_policy(cfg: AppConfig) -> dict:
     return {
         "retry_on": "connect-failure,reset-before-request,refused-stream",
@@ -289,14 +297,38 @@ def routes(cfg: AppConfig) -> list[dict]:
     ]
 
 
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's; Envoy verifies nothing without a CA
+
+
+def upstream_tls(sni: str, ca_file: str | None, cert_file: str | None = None, key_file: str | None = None,
+                 alpn: tuple[str, ...] = ()) -> dict:
+    """A cluster's ``transport_socket`` for TLS to ``sni``: the peer's chain checked against ``ca_file`` (the
+    system's bundle by default) and its name against ``sni``; a client certificate when one is given."""
+    ctx: dict[str, Any] = {"validation_context": {
+        "trusted_ca": {"filename": ca_file or SYSTEM_CA_BUNDLE},
+        "match_typed_subject_alt_names": [{"san_type": "IP_ADDRESS" if _is_ip(sni) else "DNS", "matcher": {"exact": sni}}],
+    }}
+    if cert_file:
+        ctx["tls_certificates"] = [{"certificate_chain": {"filename": cert_file}, "private_key": {"filename": key_file}}]
+    if alpn:
+        ctx["alpn_protocols"] = list(alpn)
+    return {"name": "envoy.transport_sockets.tls", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "sni": sni, "common_tls_context": ctx}}
+
+
 def brain_cluster(cfg: AppConfig) -> dict:
-    b = cfg.brain
-    hc = cfg.envoy.brain_health_check_interval_s
+    b, e = cfg.brain, cfg.envoy
+    hc = e.brain_health_check_interval_s
+    tls = None
     if b.grpc_socket:
         address = {"pipe": {"path": os.path.abspath(b.grpc_socket)}}
     else:
-        address = _address(b.host, b.grpc_port)
-    return {
+        address = _address(b.host, b.grpc_port or 0)
+        if b.tls_cert_file:
+            tls = upstream_tls(e.brain_tls_sni or b.host, e.brain_tls_ca_file, e.brain_tls_cert_file,
+                               e.brain_tls_key_file, alpn=("h2",))
+    cluster = {
         "name": BRAIN_CLUSTER,
         "type": "STATIC" if b.grpc_socket or _is_ip(b.host) else "STRICT_DNS",
         "connect_timeout": "0.25s",
@@ -325,6 +357,9 @@ def brain_cluster(cfg: AppConfig) -> dict:
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
         },
     }
+    if tls is not None:
+        cluster["transport_socket"] = tls
+    return cluster
 
 
 def _lb_endpoint(r: ReplicaSpec) -> dict:
@@ -415,6 +450,7 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
         # the id Envoy made for the request (a client's own is dropped at the edge), for the client's logs
         "always_set_request_id_in_response": True,
         "access_log": access_log(cfg),
+        **hcm_access_log_options(cfg),
         "route_config": {
             "name": "warmroute",
             "virtual_hosts": [
@@ -498,6 +534,7 @@ def snippets(cfg: AppConfig) -> dict[str, Any]:
         "early_header_mutation_extensions": early_header_mutation(cfg),
         "http_filters": http_filters(cfg),
         "access_log": access_log(cfg),
+        "hcm_access_log_options": hcm_access_log_options(cfg),
         "routes": routes(cfg),
         "brain_cluster": brain_cluster(cfg),
         "fallback_cluster": fallback_cluster(cfg),

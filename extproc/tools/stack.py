@@ -240,12 +240,13 @@ class Stack:
         return self.write_config()
 
     def write_config(self) -> Path:
-        # Envoy and the brain share this host: a Unix socket, unless the workdir path is too long to name one
+        # Envoy and the brain share this host: the Unix socket only (no TCP listener anyone on the host could
+        # reach), unless the workdir path is too long to name one or the caller asks for TCP
         sock = str(self.dir.resolve() / "brain.sock")
         doc: dict[str, Any] = {
             "replicas": [{"name": r.name, "url": r.url, **({"engine": self.engines[r.name]} if r.name in self.engines else {})}
                          for r in self.replicas],
-            "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0, "metrics_port": 0,
+            "brain": {"host": "127.0.0.1", "admin_port": 0, "metrics_port": 0,
                       "grpc_socket": sock if len(sock.encode()) <= 100 else None},
             "envoy": {"listen_host": "127.0.0.1", "listen_port": self.listen_port, "admin_port": 0,
                       "cds_path": str(self.dir / "cds" / "clusters.yaml")},
@@ -255,6 +256,8 @@ class Stack:
                 doc.setdefault(section, {}).update(values)
             else:
                 doc[section] = values
+        if doc["brain"].get("grpc_socket") is None:
+            doc["brain"].setdefault("grpc_port", 0)
         path = self.dir / "warmroute.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         self.cfg = load_config(path)
@@ -265,12 +268,13 @@ class Stack:
         ready = self.dir / "brain.ready.json"
         if ready.exists():
             ready.unlink()
-        port = self.brain_ports.get("grpc_port", 0)
+        port = self.brain_ports.get("grpc_port")
         admin = self.brain_ports.get("admin_port", 0)
         mport = self.brain_ports.get("metrics_port", 0)
-        self.brain = Proc("brain", _cli("brain", "--config", str(cfg_path), "--grpc-port", str(port),
-                                        "--admin-port", str(admin), "--metrics-port", str(mport),
-                                        "--ready-file", str(ready)), self.dir)
+        # a restarted brain takes the ports its predecessor had, so Envoy's config stays right
+        tcp = ["--grpc-port", str(port)] if port is not None else []
+        self.brain = Proc("brain", _cli("brain", "--config", str(cfg_path), *tcp, "--admin-port", str(admin),
+                                        "--metrics-port", str(mport), "--ready-file", str(ready)), self.dir)
         self._started.append(self.brain)
         info = wait_for(lambda: json.loads(ready.read_text()) if ready.exists() else None, 30, "the brain", self.brain)
         self.brain_ports = {"grpc_port": info["grpc_port"], "admin_port": info["admin_port"],

@@ -1,0 +1,125 @@
+"""Who may talk to the brain (issue 19, part 1): listeners, unguessable reservation ids, and reservations
+that no access-log entry ever names (a lost or rogue ext_proc call) expiring after a bound."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
+
+from extproc.brain.brain import Brain
+from extproc.config import ConfigError, parse_config
+from extproc.contract import RESERVATION_HEADER
+from extproc.core import LIVE
+
+from .test_service import BODY, entry, headers_of
+
+REPLICAS = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def live(cfg_doc=None):
+    clock = Clock()
+    b = Brain(parse_config({"replicas": REPLICAS, **(cfg_doc or {})}), clock=clock)
+    for k in range(7):
+        clock.t = 1000.0 + 3 * k
+        for r in b.cfg.replicas:
+            b.router.on_scrape(r.name, True, clock.t)
+    assert all(r.state is LIVE for r in b.router.replicas)
+    return b, clock
+
+
+def periodic(request_id="", reservation=""):
+    e = entry(request_id, reservation)
+    e.common_properties.access_log_type = al.AccessLogType.DownstreamPeriodic
+    return e
+
+
+def test_a_reservation_id_cannot_be_guessed_from_another():
+    b, _ = live()
+    ids = [headers_of(b.decide({"x-request-id": f"q{i}"}, BODY))[RESERVATION_HEADER] for i in range(3)]
+    assert b.router.open_reservations == 3
+    # the number of a neighbour with any other random part, or without one, releases nothing
+    num, _, secret = ids[1].partition(".")
+    for forged in (f"{num}.{'0' * 16}", f"{num}.{secret[:-1]}{'0' if secret[-1] != '0' else '1'}", num, f"{num}."):
+        b.on_log_entry(entry("", forged, code=503, details="via_upstream"))
+    assert b.router.open_reservations == 3
+    b.on_log_entry(entry("", ids[1]))
+    assert b.router.open_reservations == 2
+
+
+def test_periodic_entries_keep_a_long_request_s_reservation_and_release_nothing():
+    b, clock = live()
+    rid = headers_of(b.decide({"x-request-id": "long"}, BODY))[RESERVATION_HEADER]
+    for _ in range(360):  # an hour of generation, logged every 10 s
+        clock.t += 10
+        b.on_log_entry(periodic("long", rid))
+        b.tick()
+    assert b.router.open_reservations == 1
+    assert b.router.liveness_timeout_s is not None
+    b.on_log_entry(entry("long", rid))  # the end
+    assert b.router.open_reservations == 0 and b.router.liveness_timeouts == 0
+
+
+def test_a_reservation_no_entry_ever_names_expires_after_the_liveness_bound():
+    b, clock = live()
+    b.decide({"x-request-id": "rogue"}, BODY)  # an ext_proc call no request follows
+    live_rid = headers_of(b.decide({"x-request-id": "real"}, BODY))[RESERVATION_HEADER]
+    bound = b.liveness_bound_s()
+    assert bound == pytest.approx(2 * 10 + 1 + 3 * 1 + 1)
+    t0 = clock.t
+    while clock.t < t0 + bound + 2:
+        clock.t += 1
+        if int(clock.t - t0) % 10 == 0:
+            b.on_log_entry(periodic("real", live_rid))
+        b.tick()
+    assert b.router.liveness_timeouts == 1
+    assert b.router.open_reservations == 1  # the real one, seen every 10 s, is kept
+
+
+def test_without_periodic_entries_nothing_expires_before_the_safety_timeout():
+    # an Envoy configured without access_log_options (pasted snippets, a foreign gateway) never sends them:
+    # its long requests must keep their reservations
+    b, clock = live()
+    b.decide({"x-request-id": "q"}, BODY)
+    for _ in range(300):
+        clock.t += 10
+        b.tick()
+    assert b.router.open_reservations == 1 and b.router.liveness_timeout_s is None
+
+
+@pytest.mark.parametrize("brain, field", [
+    ({"grpc_socket": None}, "brain.grpc_socket: no gRPC listener"),
+    ({"host": "0.0.0.0", "grpc_port": 9100}, "brain.host: plain TCP on 0.0.0.0"),
+    ({"host": "10.1.2.3", "grpc_port": 9100, "grpc_socket": None}, "brain.host"),
+    ({"tls_cert_file": "/c.pem"}, "brain.tls_key_file"),
+    ({"tls_client_ca_file": "/ca.pem"}, "brain.tls_client_ca_file"),
+    ({"host": "0.0.0.0", "grpc_port": 9100, "grpc_socket": None, "tls_cert_file": "/c", "tls_key_file": "/k",
+      "tls_client_ca_file": "/ca"}, "envoy.brain_tls_cert_file"),
+])
+def test_a_brain_reachable_without_authentication_is_refused_naming_the_field(brain, field):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"replicas": REPLICAS, "brain": brain})
+    assert str(e.value).startswith(field)
+
+
+@pytest.mark.parametrize("brain", [
+    {},  # the default: the Unix socket only
+    {"host": "127.0.0.1", "grpc_port": 9100},  # TCP on loopback
+    {"host": "0.0.0.0", "grpc_port": 9100, "insecure": True},  # said in so many words
+    {"host": "0.0.0.0", "grpc_port": 9100, "grpc_socket": None, "tls_cert_file": "/c", "tls_key_file": "/k"},
+])
+def test_listeners_that_are_allowed(brain):
+    cfg = parse_config({"replicas": REPLICAS, "brain": brain})
+    assert cfg.brain.grpc_socket or cfg.brain.grpc_port is not None
+
+
+def test_by_default_there_is_no_tcp_listener():
+    cfg = parse_config({"replicas": REPLICAS})
+    assert cfg.brain.grpc_port is None and cfg.brain.grpc_socket

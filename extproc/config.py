@@ -64,6 +64,10 @@ class BrainConfig:
     # the gRPC TCP port (ext_proc, access log, health); unset: no TCP listener at all. 0 lets the OS pick
     grpc_port: int | None = None
     admin_port: int = 9101  # state-changing endpoints: always 127.0.0.1
+    # The brain writes a fresh random token here at start (mode 0600); POST /reload and drain / undrain need it
+    # as "Authorization: Bearer <token>", so a local user who reaches the loopback port cannot drain the fleet.
+    # null: those endpoints take any caller on loopback
+    admin_token_file: str | None = "/run/warmroute/admin.token"
     metrics_host: str = "127.0.0.1"  # read-only /metrics for Prometheus; 0.0.0.0 to scrape from elsewhere
     metrics_port: int = 9102  # the port of the read-only Prometheus /metrics
     # Envoy on the same host connects here (about 0.1 ms a request less than TCP loopback). Mode 0600, or 0660

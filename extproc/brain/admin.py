@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -15,9 +17,39 @@ if TYPE_CHECKING:
     from .brain import Brain
 
 
-def admin_app(brain: "Brain") -> web.Application:
-    """Never on Envoy's traffic port: state-changing endpoints bind 127.0.0.1 only."""
-    app = web.Application()
+def write_admin_token(path: str | None) -> str | None:
+    """A fresh token in a file only the brain's user reads (created 0600, never widened)."""
+    if not path:
+        return None
+    token = secrets.token_urlsafe(24)
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigError(f"brain.admin_token_file: cannot write {path} ({e.strerror}): set it to a path this user "
+                          "may write, or null") from None
+    return token
+
+
+def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
+    """Never on Envoy's traffic port: the endpoints bind 127.0.0.1 only, and those that change state want
+    ``token`` (when there is one) as a bearer token."""
+
+    @web.middleware
+    async def authorized(request: web.Request, handler):
+        if token is not None and request.method == "POST":
+            got = request.headers.get("Authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                return web.json_response({"error": "POST needs Authorization: Bearer <the token in "
+                                                   "brain.admin_token_file>"}, status=401)
+        return await handler(request)
+
+    app = web.Application(middlewares=[authorized])
 
     async def state(_):
         return web.json_response(brain.state())

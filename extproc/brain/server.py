@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import AppConfig, ConfigError
 from . import logs
-from .admin import admin_app, metrics_app
+from .admin import admin_app, metrics_app, write_admin_token
 from .brain import Brain
 from .decide import ExternalProcessor
 from .release import AccessLogService
@@ -152,7 +152,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)
 
-    runner = web.AppRunner(admin_app(brain), access_log=None)
+    runner = web.AppRunner(admin_app(brain, write_admin_token(b.admin_token_file)), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", b.admin_port).start()
     admin = runner.addresses[0][1]

@@ -64,8 +64,9 @@ def http_get(url: str, timeout: float = 2.0) -> bytes:
         return r.read()
 
 
-def http_post_json(url: str, doc: dict, timeout: float = 5.0) -> bytes:
-    req = urllib.request.Request(url, data=json.dumps(doc).encode(), headers={"content-type": "application/json"}, method="POST")
+def http_post_json(url: str, doc: dict, timeout: float = 5.0, token: str | None = None) -> bytes:
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url, data=json.dumps(doc).encode(), headers=headers, method="POST")
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.read()
 
@@ -247,6 +248,7 @@ class Stack:
             "replicas": [{"name": r.name, "url": r.url, **({"engine": self.engines[r.name]} if r.name in self.engines else {})}
                          for r in self.replicas],
             "brain": {"host": "127.0.0.1", "admin_port": 0, "metrics_port": 0,
+                      "admin_token_file": str(self.dir.resolve() / "admin.token"),
                       "grpc_socket": sock if len(sock.encode()) <= 100 else None},
             "envoy": {"listen_host": "127.0.0.1", "listen_port": self.listen_port, "admin_port": 0,
                       "cds_path": str(self.dir / "cds" / "clusters.yaml")},
@@ -309,6 +311,13 @@ class Stack:
     @property
     def brain_admin(self) -> str:
         return f"http://127.0.0.1:{self.brain_ports['admin_port']}"
+
+    def admin_post(self, path: str, doc: dict | None = None) -> bytes:
+        """POST to the brain's admin API with the token the brain wrote (brain.admin_token_file)."""
+        assert self.cfg is not None
+        token_file = self.cfg.brain.admin_token_file
+        token = open(token_file).read().strip() if token_file else None
+        return http_post_json(self.brain_admin + path, doc or {}, token=token)
 
     @property
     def brain_metrics(self) -> str:

@@ -161,3 +161,21 @@ def test_a_reservation_no_request_follows_expires_and_a_long_stream_keeps_its_ow
     assert n > 10
     wait_for(lambda: s.state()["open_reservations"] == 0, 10, "the stream's release")
     assert s.state()["liveness_timeouts"] == 1
+
+
+def test_the_admin_api_changes_nothing_without_the_token_only_the_brain_s_user_reads(own_stack):
+    import json
+    import urllib.error
+
+    from extproc.tools.stack import http_post_json
+
+    s = own_stack(2, envoy=False)
+    token_file = s.cfg.brain.admin_token_file
+    assert os.stat(token_file).st_mode & 0o777 == 0o600
+    for token in (None, "guess"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            http_post_json(s.brain_admin + "/replicas/r0/drain", {}, token=token)
+        assert e.value.code == 401
+    assert not any(r["drained"] for r in s.state()["replicas"])  # reading stays open
+    assert json.loads(s.admin_post("/replicas/r0/drain"))["drained"] is True
+    assert s.replica_state("r0")["drained"]

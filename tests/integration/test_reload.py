@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from extproc.tools.stack import http_get, http_post_json, wait_for
+from extproc.tools.stack import http_get, wait_for
 
 from .conftest import quiet
 
@@ -54,7 +54,7 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
     # add r2: by POST /reload
     r2 = s.start_replica("r2", extra=["--speedup", "2"])
     s.set_replicas([*s.replicas, r2])
-    info = json.loads(http_post_json(s.brain_admin + "/reload", {}))
+    info = json.loads(s.admin_post("/reload"))
     assert info["added"] == ["r2"] and info["removed"] == []
     wait_for(lambda: "r2" in envoy_clusters(s), 10, "Envoy to learn cluster r2 without a restart")
     wait_for(lambda: s.replica_state("r2")["state"] == "LIVE", 30, "r2 LIVE through the health machine")
@@ -79,8 +79,7 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
 def test_a_broken_config_on_reload_keeps_the_old_one_and_says_which_field(own_stack):
     s = own_stack(1)
     (s.dir / "warmroute.yaml").write_text("pins: {session_ttl_s: soon}\n")
-    req = urllib.request.Request(s.brain_admin + "/reload", data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=5)
+        s.admin_post("/reload")
     assert e.value.code == 400 and "pins.session_ttl_s" in json.loads(e.value.read())["error"]
     assert [r["name"] for r in s.state()["replicas"]] == ["r0"]

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from extproc.tools.stack import http_post_json, wait_for
+from extproc.tools.stack import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,7 @@ def test_top_shows_states_pins_shares_and_last_changes(own_stack):
         req = urllib.request.Request(s.url + "/v1/chat/completions", data=body,
                                      headers={"content-type": "application/json", "x-session-id": f"t{i}"})
         urllib.request.urlopen(req, timeout=30).read()
-    http_post_json(s.brain_admin + "/replicas/r1/drain", {})
+    s.admin_post("/replicas/r1/drain")
     wait_for(lambda: s.state()["open_reservations"] == 0, 10, "releases")
     p = subprocess.run([sys.executable, "-m", "extproc.cli", "top", "--once", "--brain-admin", s.brain_admin,
                         "--envoy-admin", s.envoy_admin], capture_output=True, text=True, timeout=30,

@@ -10,7 +10,13 @@ from extproc.core import UpstreamOutcome, upstream_failed, upstream_verdicts
 @pytest.mark.parametrize("outcome,failed", [
     (UpstreamOutcome(code=200, via_upstream=True), False),
     (UpstreamOutcome(code=404, via_upstream=True), False),
-    (UpstreamOutcome(code=500, via_upstream=True), True),  # 5xx from the replica
+    (UpstreamOutcome(code=503, via_upstream=True), True),  # unavailable, from the replica
+    (UpstreamOutcome(code=502, via_upstream=True), True),
+    (UpstreamOutcome(code=504, via_upstream=True), True),
+    # a 500 can be one request's content (a body nested 100,000 deep): no lever to eject a healthy replica
+    (UpstreamOutcome(code=500, via_upstream=True), False),
+    (UpstreamOutcome(code=413, via_upstream=True), False),
+    (UpstreamOutcome(code=504, timeout=True), True),  # Envoy gave up on the replica
     (UpstreamOutcome(code=503, via_upstream=False), False),  # Envoy's own 503 says nothing of a replica
     (UpstreamOutcome(code=503, connect_failure=True), True),  # connect failure
     (UpstreamOutcome(code=200, via_upstream=True, remote_reset=True), True),  # reset

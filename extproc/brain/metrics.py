@@ -117,6 +117,9 @@ class BrainCollector(Collector):
         yield CounterMetricFamily("warmroute_reservation_liveness_timeouts",
                                   "Reservations no access-log entry named within the liveness bound (a lost or rogue "
                                   "ext_proc call)", value=r.liveness_timeouts)
+        yield CounterMetricFamily("warmroute_passive_ejections_refused",
+                                  "Users' requests' failures that would have ejected more than "
+                                  "health.max_passive_ejection_percent of the fleet", value=r.passive_ejections_refused)
         yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released", value=r.open_reservations)
         yield CounterMetricFamily("warmroute_access_log_releases", "Reservations released by Envoy's access log",
                                   value=b.releases_by_log)

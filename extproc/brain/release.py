@@ -98,6 +98,11 @@ def outcome_of(entry) -> UpstreamOutcome:
         # is a broken response, not a success
         remote_reset=flags.upstream_remote_reset or details.startswith("upstream_reset_after_response_started"),
         connection_termination=flags.upstream_connection_termination,
+        timeout=flags.upstream_request_timeout,
+        # the OpenAI API answers JSON or an event stream; an HTML page with 200 is passed to the client as Envoy
+        # got it, and counted against the replica
+        wrong_content=entry.response.response_code.value == 200
+        and entry.response.response_headers.get("content-type", "").startswith("text/html"),
     )
 
 

@@ -15,8 +15,8 @@ import stat
 
 import grpc
 from aiohttp import web
-from envoy.service.accesslog.v3 import als_pb2_grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import AppConfig, ConfigError
@@ -25,6 +25,7 @@ from .admin import admin_app, metrics_app, write_admin_token
 from .brain import Brain
 from .decide import ExternalProcessor
 from .release import AccessLogService
+from .wire import add_service
 
 GRPC_MAX_MESSAGE = 96 * 1024 * 1024  # request bodies of 32 MiB and more arrive in one message
 GRPC_SERVER_OPTIONS = [
@@ -138,13 +139,17 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     brain = Brain(cfg, config_path=config_path)
     brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes), server)
+    # not the generated add_*_to_server: a header of bytes that are not UTF-8 must not make Envoy's message unreadable
+    add_service(server, "envoy.service.ext_proc.v3.ExternalProcessor", "Process",
+                ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes).Process, "stream_stream",
+                ep.ProcessingRequest, ep.ProcessingResponse)
     def envoy_gone(released: int) -> None:
         logs.event("envoy_access_log_closed", released_reservations=released,
                    open_reservations=brain.router.open_reservations)
 
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(
-        AccessLogService(brain.on_log_entry, brain.envoy, envoy_gone), server)
+    add_service(server, "envoy.service.accesslog.v3.AccessLogService", "StreamAccessLogs",
+                AccessLogService(brain.on_log_entry, brain.envoy, envoy_gone).StreamAccessLogs, "stream_unary",
+                als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_listeners(server, b)

@@ -19,6 +19,9 @@ class HealthConfig:
     streak_reset_live_s: float = 600.0  # A2: streak resets after 600 s of continuous LIVE
     stale_scrape_intervals: float = 3.0  # B: a scrape older than 3 intervals counts as failed
     upstream_failures_to_eject: int = 3  # B: N consecutive upstream failures eject a LIVE replica
+    # At most this % of the fleet (and at least one replica) may be EJECTED by users' requests' outcomes at once,
+    # as Envoy's outlier detection bounds it (max_ejection_percent); scrapes eject whatever they find dead
+    max_passive_ejection_percent: float = 25.0
 
     def cooldown_s(self, streak: int) -> float:
         """Cooldown for the ``streak``-th ejection in a row (A2): 30, 60, 120, 240, 300, 300..."""

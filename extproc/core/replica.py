@@ -53,6 +53,7 @@ class HealthMachine:
         "upstream_failures",
         "last_scrape_ok_at",
         "ejections",
+        "ejected_passively",
     )
 
     def __init__(self, cfg: HealthConfig, now: float):
@@ -67,6 +68,7 @@ class HealthMachine:
         self.upstream_failures = 0
         self.last_scrape_ok_at = _NEVER
         self.ejections = 0
+        self.ejected_passively = False  # the last ejection came from users' requests, not from scrapes
 
     @property
     def cooldown_s(self) -> float:
@@ -89,6 +91,7 @@ class HealthMachine:
         self.cooldown_until = now + self.cfg.cooldown_s(self.streak)
         self.good_scrapes = 0
         self.upstream_failures = 0
+        self.ejected_passively = reason.startswith("upstream")
         return self._move(name, EJECTED, reason, now)
 
     def on_scrape(self, name: str, ok: bool, now: float) -> Transition | None:
@@ -111,13 +114,23 @@ class HealthMachine:
             return None
         return self.advance(name, now)
 
-    def on_upstream(self, name: str, ok: bool, now: float) -> Transition | None:
-        """Outcome of a user request as seen by Envoy (5xx, connect failure, reset = not ok)."""
+    def would_eject(self, ok: bool) -> bool:
+        """Whether this outcome would eject the replica (on_upstream's rule, without applying it)."""
+        if ok:
+            return False
+        return self.state is PROBING or (
+            self.state is LIVE and self.upstream_failures + 1 >= self.cfg.upstream_failures_to_eject)
+
+    def on_upstream(self, name: str, ok: bool, now: float, may_eject: bool = True) -> Transition | None:
+        """Outcome of a user request as seen by Envoy (a failure of the replica = not ok). With ``may_eject``
+        false the failure is counted but the replica stays: the fleet's share of passive ejections is spent."""
         if ok:
             self.upstream_failures = 0
             return None
+        if not may_eject:
+            return None
         if self.state is PROBING:
-            return self._eject(name, "upstream_failure", now)  # A2: any 5xx while PROBING
+            return self._eject(name, "upstream_failure", now)  # A2: any failure while PROBING
         if self.state is LIVE:
             self.upstream_failures += 1
             if self.upstream_failures >= self.cfg.upstream_failures_to_eject:

@@ -49,6 +49,7 @@ class Router:
         # alive (Envoy's periodic access-log entries) at least this often, or it was a lost or rogue call
         self.liveness_timeout_s: float | None = None
         self.liveness_timeouts = 0
+        self.passive_ejections_refused = 0  # users' requests would have ejected more than the fleet's share
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
@@ -164,12 +165,24 @@ class Router:
         r.kv_usage = s.kv_usage
         self.policy.on_load(r, s, now)
 
+    def passive_ejection_allowed(self) -> bool:
+        """Whether users' requests may eject one more replica: Envoy's max_ejection_percent rule, at least one."""
+        n = len(self._replicas)
+        limit = max(1, int(n * self.cfg.health.max_passive_ejection_percent / 100))
+        out = sum(1 for r in self._replicas if r.health.state is EJECTED and r.health.ejected_passively)
+        return out < limit
+
     def on_upstream(self, name: str, ok: bool, now: float) -> Transition | None:
-        """Outcome of a user request on ``name`` (B: N consecutive failures eject a LIVE replica)."""
+        """Outcome of a user request on ``name`` (B: N consecutive failures eject a LIVE replica, within the
+        fleet's share of passive ejections)."""
         r = self._by_name.get(name)
         if r is None:
             return None
-        t = self._emit(r.health.on_upstream(name, ok, now))
+        may = True
+        if r.health.would_eject(ok) and not self.passive_ejection_allowed():
+            may = False
+            self.passive_ejections_refused += 1
+        t = self._emit(r.health.on_upstream(name, ok, now, may))
         self._next_due = min(self._next_due, r.health.next_due())
         return t
 

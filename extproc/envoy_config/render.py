@@ -202,6 +202,8 @@ def access_log(cfg: AppConfig) -> list[dict]:
                     "buffer_size_bytes": 1,
                 },
                 "additional_request_headers_to_log": [RESERVATION_HEADER, ROUTING_HEADER],
+                # a 200 that is an HTML page is a replica (or a proxy in front of it) gone wrong
+                "additional_response_headers_to_log": ["content-type"],
             },
         }
     ]
@@ -213,6 +215,29 @@ def hcm_access_log_options(cfg: AppConfig) -> dict:
     if not cfg.envoy.access_log_periodic_s:
         return {}
     return {"access_log_options": {"access_log_flush_interval": _dur(cfg.envoy.access_log_periodic_s)}}
+
+
+def local_reply_config() -> dict:
+    """Envoy's own replies (413, 431, 503 no healthy upstream, 504 ...) in the OpenAI error shape the rest of
+    the API uses, with the status and a machine-readable code (Envoy's response code details); the JSON
+    answers warmroute already shapes (the 404 of paths not served, the brain's no_healthy_instances) pass
+    through as they are."""
+    return {
+        "mappers": [{
+            "filter": {"extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                                 "expression": "response.code_details == 'direct_response' || "
+                                               "response.code_details.startsWith('warmroute_')"}}},
+            "body_format_override": {"text_format": "%LOCAL_REPLY_BODY%", "content_type": "application/json"},
+        }],
+        "body_format": {"json_format": {"error": {
+            "message": "%LOCAL_REPLY_BODY%",
+            "type": "envoy_local_reply",
+            "code": "%RESPONSE_CODE_DETAILS%",
+            "status": "%RESPONSE_CODE%",
+        }}},
+    }
 
 
 def _retry_policy(cfg: AppConfig) -> dict:
@@ -451,6 +476,7 @@ def bootstrap(cfg: AppConfig) -> dict[str, Any]:
         "always_set_request_id_in_response": True,
         "access_log": access_log(cfg),
         **hcm_access_log_options(cfg),
+        "local_reply_config": local_reply_config(),
         "route_config": {
             "name": "warmroute",
             "virtual_hosts": [
@@ -535,6 +561,7 @@ def snippets(cfg: AppConfig) -> dict[str, Any]:
         "http_filters": http_filters(cfg),
         "access_log": access_log(cfg),
         "hcm_access_log_options": hcm_access_log_options(cfg),
+        "local_reply_config": local_reply_config(),
         "routes": routes(cfg),
         "brain_cluster": brain_cluster(cfg),
         "fallback_cluster": fallback_cluster(cfg),

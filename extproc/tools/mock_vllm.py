@@ -144,6 +144,7 @@ class MockReplica:
         self.model = args.model
         self.healthy = True
         self.fail_rate = args.fail_rate
+        self.html = False
         self.stall_s = 0.0
         self.rng = random.Random(args.seed)
         # --speed scales prefill and decode alike (a slower GPU); --speedup only compresses time for tests
@@ -272,6 +273,8 @@ class MockReplica:
             self.metrics_fault = "nan" if doc["metrics"] == "nan" else None
         if "die_for_s" in doc:
             asyncio.get_running_loop().create_task(self.die_for(float(doc["die_for_s"])))
+        if "html" in doc:  # a misconfigured proxy or portal in front of the engine: 200 with an HTML page
+            self.html = bool(doc["html"])
         return web.json_response({"healthy": self.healthy, "fail_rate": self.fail_rate, "stall_s": self.stall_s})
 
     async def die_for(self, seconds: float) -> None:
@@ -306,6 +309,8 @@ class MockReplica:
             return _error(400, "request body is not a JSON object")
         if not self.healthy or (self.fail_rate and self.rng.random() < self.fail_rate):
             return _error(503, "injected failure", "server_error")
+        if self.html:
+            return web.Response(text="<html><body>Welcome to nginx!</body></html>", content_type="text/html")
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
         if chat and not isinstance(doc.get("messages"), list):

@@ -116,3 +116,76 @@ def test_C6_load_is_scraped_between_health_scrapes_and_only_health_scrapes_move_
 def test_the_seed_policy_reads_no_load_between_health_scrapes():
     cfg = parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}], "routing": {"policy": "seed"}})
     assert Brain(cfg).scraper.load_refresh_s is None
+
+
+def test_a_replica_whose_metrics_never_answer_delays_no_other_replica_s_scrapes():
+    async def main():
+        good_runner, good = await metrics_server()
+        asked, release = asyncio.Event(), asyncio.Event()
+
+        async def never(_):
+            asked.set()
+            await release.wait()  # past every scrape timeout; released only to shut down
+            return web.Response(text=METRICS)
+
+        app = web.Application()
+        app.router.add_get("/metrics", never)
+        slow_runner = web.AppRunner(app)
+        await slow_runner.setup()
+        await web.TCPSite(slow_runner, "127.0.0.1", 0).start()
+        slow = slow_runner.addresses[0][1]
+        # health every 3 s (its timeout 2 s), load every 0.1 s: one round of all replicas at once waited 2 s
+        cfg = parse_config({"replicas": [{"name": "good", "url": f"http://127.0.0.1:{good}"},
+                                         {"name": "slow", "url": f"http://127.0.0.1:{slow}"}],
+                            "health": {"scrape_interval_s": 3.0}, "warm": {"load_refresh_s": 0.1}})
+        brain = Brain(cfg)
+        task = asyncio.create_task(brain.scraper.loop())
+        await asyncio.wait_for(asked.wait(), 10)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while loop.time() < t0 + 1.5:  # within the slow replica's first scrape, which never ends before 2 s
+            await asyncio.sleep(0.05)
+        good_scrapes = brain.stats.scrapes[("good", "ok")]
+        task.cancel()
+        release.set()
+        await good_runner.cleanup()
+        await slow_runner.cleanup()
+        return good_scrapes
+
+    assert asyncio.run(main()) >= 5  # ~15 at 0.1 s; 1 when one round waited for every replica
+
+
+def test_a_metrics_page_past_the_size_cap_is_a_failed_scrape_read_no_further():
+    async def main():
+        sent = [0]
+
+        async def endless(request):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            line = b'vllm:num_requests_running{model_name="m"} 1\n' * 1000
+            try:
+                while True:
+                    await resp.write(line)
+                    sent[0] += len(line)
+            except (ConnectionResetError, asyncio.CancelledError):
+                pass
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/metrics", endless)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}],
+                            "health": {"max_metrics_bytes": 1024 * 1024}})
+        brain = Brain(cfg)
+        from aiohttp import ClientSession
+
+        async with ClientSession() as s:
+            r = await brain.scraper.scrape_once(s, "r0", cfg.replicas[0].url, timeout=10)
+        await runner.cleanup()
+        return r
+
+    r = asyncio.run(main())
+    assert not r.ok and "larger than 1048576 bytes" in r.error

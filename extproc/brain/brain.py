@@ -37,7 +37,8 @@ class Brain:
         self.releaser = Releaser(self.router, self.ledger, self.stats, self.clock)
         self.envoy = EnvoyPresence(self.router, self.ledger, self.stats, self.clock)
         self.scraper = Scraper(self.router, self.stats, self.clock, cfg.router.health.scrape_interval_s,
-                               cfg.router.warm.load_refresh_s if self.router.needs_blocks else None)
+                               cfg.router.warm.load_refresh_s if self.router.needs_blocks else None,
+                               cfg.router.health.max_metrics_bytes)
         self.cds = CdsFile(cfg.envoy.cds_path)
         self.chains = ChainCache()  # C2: a session's next turn hashes only what is new
         self.pin_log = logs.Summarised("pin_change")
@@ -105,6 +106,7 @@ class Brain:
         self.cds.write(self.cfg)
         self.scraper.interval_s = self.cfg.router.health.scrape_interval_s
         self.scraper.load_refresh_s = self.cfg.router.warm.load_refresh_s if self.router.needs_blocks else None
+        self.scraper.max_bytes = self.cfg.router.health.max_metrics_bytes
         self.stats.zero_series(r.name for r in self.cfg.replicas)
         self.stats.reloads += 1
         logs.event("config_reload", **info)

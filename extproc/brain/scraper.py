@@ -157,7 +157,8 @@ class Scraper:
     """Feeds the router's health machines and load signals; remembers each replica's last error."""
 
     def __init__(self, router: Router, stats: BrainStats, clock: Callable[[], float], interval_s: float,
-                 load_refresh_s: float | None = None):
+                 load_refresh_s: float | None = None, max_bytes: int = 4 * 1024 * 1024):
+        self.max_bytes = max_bytes  # health.max_metrics_bytes: a /metrics past this is a failed scrape
         self.router = router
         self.stats = stats
         self.clock = clock
@@ -187,7 +188,17 @@ class Scraper:
                     return ScrapeResult(False, error=f"HTTP {resp.status} from {path}{hint}")
                 if engine == "none":
                     return ScrapeResult(True)  # alive; its load is what the brain itself sent there
-                text = await resp.text()
+                # never more than max_bytes in memory: a /metrics that streams forever (or 50 MB of it) must not
+                # grow the brain nor be parsed twice a second
+                too_big = ScrapeResult(False, error=f"{path} larger than {self.max_bytes} bytes (health.max_metrics_bytes)")
+                if resp.content_length is not None and resp.content_length > self.max_bytes:
+                    return too_big
+                buf = bytearray()
+                async for chunk in resp.content.iter_chunked(64 * 1024):
+                    buf += chunk
+                    if len(buf) > self.max_bytes:
+                        return too_big
+                text = buf.decode("utf-8", "replace")
         except asyncio.TimeoutError:
             return ScrapeResult(False, error=f"timeout on {path}")
         except Exception as e:  # connection refused, reset, DNS...: every one means "failed scrape"
@@ -213,30 +224,45 @@ class Scraper:
             self.router.on_load(name, r.sample, now)
 
     async def loop(self) -> None:
+        """One task per replica, so that a slow or huge /metrics delays only its own replica's scrapes; the
+        set of tasks follows the replica list (a reload adds and removes replicas)."""
         async with ClientSession() as session:
-            next_health = self.clock()
-            while True:
-                # read each round: a reload may change the cadence or the policy
-                health_timeout = max(0.05, min(2.0, self.interval_s * 0.8))
-                fast = self.load_refresh_s if self.load_refresh_s and self.load_refresh_s < self.interval_s else None
-                started = self.clock()
-                health = fast is None or started >= next_health - 1e-3
-                # an engine without load metrics ("none") has nothing to refresh between health scrapes
-                names = [n for n in self.urls if health or self.engines.get(n, "vllm") != "none"]
+            tasks: dict[str, asyncio.Task] = {}
+            try:
+                while True:
+                    for name in [n for n in tasks if n not in self.urls]:
+                        tasks.pop(name).cancel()
+                    for name in self.urls:
+                        if name not in tasks or tasks[name].done():
+                            tasks[name] = asyncio.create_task(self._replica_loop(session, name), name=f"scrape-{name}")
+                    await asyncio.sleep(min(0.5, self.interval_s))
+            finally:
+                for t in tasks.values():
+                    t.cancel()
+
+    async def _replica_loop(self, session: ClientSession, name: str) -> None:
+        next_health = self.clock()
+        while name in self.urls:
+            # read each round: a reload may change the cadence, the policy or the URL
+            health_timeout = max(0.05, min(2.0, self.interval_s * 0.8))
+            fast = self.load_refresh_s if self.load_refresh_s and self.load_refresh_s < self.interval_s else None
+            started = self.clock()
+            health = fast is None or started >= next_health - 1e-3
+            # an engine without load metrics ("none") has nothing to refresh between health scrapes
+            if health or self.engines.get(name, "vllm") != "none":
                 timeout = health_timeout if health else max(0.05, fast * 0.8)
-                results = await asyncio.gather(*(self.scrape_once(session, n, self.urls[n], timeout) for n in names))
-                now = self.clock()
-                for n, r in zip(names, results):
-                    try:
-                        (self.apply if health else self.apply_load)(n, r, now)
-                    except Exception as e:  # one replica's bad data must not stop the scraping of all
-                        self.loop_errors += 1
-                        logs.event("loop_error", loop="scrape", replica=n, error=f"{type(e).__name__}: {e}"[:200])
-                if health:
-                    next_health = started + self.interval_s
-                step = self.interval_s if fast is None else fast
-                wake = min(started + step, next_health)
-                await asyncio.sleep(max(0.0, wake - self.clock()))
+                r = await self.scrape_once(session, name, self.urls[name], timeout)
+                try:
+                    if name in self.urls:
+                        (self.apply if health else self.apply_load)(name, r, self.clock())
+                except Exception as e:  # one replica's bad data must not stop its scraping
+                    self.loop_errors += 1
+                    logs.event("loop_error", loop="scrape", replica=name, error=f"{type(e).__name__}: {e}"[:200])
+            if health:
+                next_health = started + self.interval_s
+            step = self.interval_s if fast is None else fast
+            wake = min(started + step, next_health)
+            await asyncio.sleep(max(0.0, wake - self.clock()))
 
 
 __all__ = ["RUNNING", "WAITING", "KV_NAMES", "COUNTERS", "DIALECTS", "Dialect", "ScrapeResult", "parse_metrics",

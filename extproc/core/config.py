@@ -22,6 +22,8 @@ class HealthConfig:
     # At most this % of the fleet (and at least one replica) may be EJECTED by users' requests' outcomes at once,
     # as Envoy's outlier detection bounds it (max_ejection_percent); scrapes eject whatever they find dead
     max_passive_ejection_percent: float = 25.0
+    # A replica's /metrics larger than this is a failed scrape, read no further (vLLM's is tens to hundreds of KiB)
+    max_metrics_bytes: int = 4 * 1024 * 1024
 
     def cooldown_s(self, streak: int) -> float:
         """Cooldown for the ``streak``-th ejection in a row (A2): 30, 60, 120, 240, 300, 300..."""

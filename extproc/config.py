@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,36 @@ ENGINES = ("vllm", "sglang", "none")
 
 class ConfigError(ValueError):
     """One line that names the offending field."""
+
+
+MAX_CONFIG_BYTES = 1024 * 1024  # a config file is a few KiB; a bigger one is a mistake or an attack
+MAX_ALIASES = 64  # YAML aliases (*name) in one file: enough for shared blocks, far from a "billion laughs"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A value as an error message may show it: repr, cut to ``limit`` characters (a value may be huge)."""
+    if isinstance(value, (dict, list)) and len(value) > 8:
+        return f"<a {type(value).__name__} of {len(value)} items>"
+    r = repr(value) if not isinstance(value, (dict, list)) else reprlib.repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses more than MAX_ALIASES aliases: an anchor chain 9 deep expands to 10^9 values
+    wherever the document is walked (this module's checks, an error message)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                mark = self.peek_event().start_mark
+                raise ConfigError(f"line {mark.line + 1}: more than {MAX_ALIASES} YAML aliases (*name); write the "
+                                  "values out")
+        return super().compose_node(parent, index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,22 +188,22 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        raise ConfigError(f"{path}: expected true or false, got {_short(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
-        raise ConfigError(f"{path}: expected a whole number >= 0, got {value!r}")
+        raise ConfigError(f"{path}: expected a whole number >= 0, got {_short(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
             return float(value)
-        raise ConfigError(f"{path}: expected a number >= 0, got {value!r}")
+        raise ConfigError(f"{path}: expected a number >= 0, got {_short(value)}")
     if tp is str:
         if isinstance(value, str) and value:
             return value
-        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
+        raise ConfigError(f"{path}: expected a non-empty string, got {_short(value)}")
     if origin is tuple:
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{path}: expected a list of non-empty strings, got {value!r}")
+            raise ConfigError(f"{path}: expected a list of non-empty strings, got {_short(value)}")
         return tuple(v.lower() if "header" in path else v for v in value)
     raise ConfigError(f"{path}: unsupported type")  # pragma: no cover - a programming error
 
@@ -208,23 +239,23 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
             raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: name, url, engine)")
         engine = item.get("engine", "vllm")
         if engine not in ENGINES:
-            raise ConfigError(f"{where}.engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+            raise ConfigError(f"{where}.engine: expected one of {', '.join(ENGINES)}, got {_short(engine)}")
         name = item.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ConfigError(f"{where}.name: expected letters, digits, '_', '.', '-' (<= 63), got {name!r}")
+            raise ConfigError(f"{where}.name: expected letters, digits, '_', '.', '-' (<= 63), got {_short(name)}")
         if name in seen:
-            raise ConfigError(f"{where}.name: duplicate replica name {name!r}")
+            raise ConfigError(f"{where}.name: duplicate replica name {_short(name)}")
         if name.startswith(RESERVED_NAME_PREFIX):
             raise ConfigError(f"{where}.name: names starting with {RESERVED_NAME_PREFIX!r} are reserved")
         seen.add(name)
         url = item.get("url")
         parts = urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"{where}.url: expected an http(s) URL like http://127.0.0.1:8000, got {url!r}")
+            raise ConfigError(f"{where}.url: expected an http(s) URL like http://127.0.0.1:8000, got {_short(url)}")
         try:
             parts.port
         except ValueError:
-            raise ConfigError(f"{where}.url: bad port in {url!r}") from None
+            raise ConfigError(f"{where}.url: bad port in {_short(url)}") from None
         out.append(ReplicaSpec(name, url.rstrip("/"), engine))
     return tuple(out)
 
@@ -275,7 +306,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("profile.chars_per_token: expected a number > 0")
     if router.policy not in POLICIES:
         raise ConfigError(f"routing.policy: expected one of {', '.join(PRODUCTION)} (or an ablation: "
-                          f"{', '.join(p for p in POLICIES if p not in PRODUCTION)}), got {router.policy!r}")
+                          f"{', '.join(p for p in POLICIES if p not in PRODUCTION)}), got {_short(router.policy)}")
     if router.profile.block_chars != 64:
         # the router, the mock and the simulator share one block function of 64-byte blocks
         raise ConfigError("profile.block_chars: only 64 is supported (16 tokens at 4 characters a token)")
@@ -301,10 +332,10 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     for i, path in enumerate(envoy.allowed_paths):
         if not path.startswith("/") or "*" in path[:-1] or any(c in path for c in " ?#"):
             raise ConfigError(f"envoy.allowed_paths[{i}]: expected a path like /v1/chat/completions (a trailing '*' "
-                              f"for a prefix), got {path!r}")
+                              f"for a prefix), got {_short(path)}")
     if router.profile.tenant_source not in TENANT_SOURCES:
         raise ConfigError(f"profile.tenant_source: expected one of {', '.join(TENANT_SOURCES)}, got "
-                          f"{router.profile.tenant_source!r}")
+                          f"{_short(router.profile.tenant_source)}")
     if router.profile.tenant_source == "header" and not router.profile.tenant_header:
         raise ConfigError("profile.tenant_header: tenant_source 'header' needs a header name")
     if envoy.fail_open_hash_balance_factor < 100:
@@ -315,20 +346,24 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("profile.max_body_bytes: must not exceed envoy.max_body_bytes")
     allow = doc.get("allow_no_replicas", False)
     if not isinstance(allow, bool):
-        raise ConfigError(f"allow_no_replicas: expected true or false, got {allow!r}")
+        raise ConfigError(f"allow_no_replicas: expected true or false, got {_short(allow)}")
     return AppConfig(_replicas(doc.get("replicas")), router, brain, envoy, source, allow)
 
 
 def load_config(path: str | Path) -> AppConfig:
     p = Path(path)
     try:
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES} bytes; a config file is a few KiB")
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read ({e.strerror or e})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not UTF-8 text") from None
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader with an alias bound
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

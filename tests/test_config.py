@@ -109,3 +109,68 @@ def test_each_replica_names_its_engine():
     assert [r.engine for r in cfg.replicas] == ["vllm", "sglang", "none"]
     with pytest.raises(ConfigError, match=r"^replicas\[0\]\.engine: expected one of vllm, sglang, none, got 'tgi'$"):
         parse_config({"replicas": [{"name": "a", "url": "http://h:1", "engine": "tgi"}]})
+
+
+# ---- bounded config (issue 19, part 4)
+
+BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]) + "\nreplicas: *i\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_line_naming_the_line(tmp_path):
+    from extproc.config import load_config
+
+    p = tmp_path / "bomb.yaml"
+    p.write_text(BOMB)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "more than 64 YAML aliases" in msg and "line " in msg and "\n" not in msg and len(msg) < 200
+
+
+def test_a_config_file_over_the_size_bound_is_refused_unread(tmp_path):
+    from extproc.config import MAX_CONFIG_BYTES, load_config
+
+    p = tmp_path / "big.yaml"
+    p.write_text("# " + "x" * MAX_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigError, match="larger than"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("doc", [
+    {"pins": {"session_ttl_s": "x" * 100_000}},
+    {"replicas": [{"name": "r" * 100_000, "url": "http://a:1"}]},
+    {"profile": {"session_headers": [["deep"] * 10_000]}},
+    {"envoy": {"allowed_paths": ["v1" * 50_000]}},
+])
+def test_an_error_shows_a_short_excerpt_of_the_value_never_all_of_it(doc):
+    with pytest.raises(ConfigError) as e:
+        parse_config(doc)
+    assert len(str(e.value)) < 250, str(e.value)[:300]
+
+
+def test_a_reload_reads_and_parses_the_file_off_the_event_loop(tmp_path):
+    import asyncio
+    import threading
+
+    from extproc.brain.brain import Brain
+    from extproc.config import load_config
+
+    p = tmp_path / "w.yaml"
+    p.write_text("replicas: [{name: r0, url: 'http://127.0.0.1:9'}]\n")
+    brain = Brain(load_config(p), config_path=str(p))
+    seen = []
+    real = brain.read_config
+
+    def recording():
+        seen.append(threading.get_ident())
+        return real()
+
+    brain.read_config = recording
+
+    async def main():
+        await brain.reload_async()
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert seen and seen[0] != loop_thread

@@ -81,7 +81,7 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
 
     async def reload(request: web.Request):
         try:
-            info = brain.reload()
+            info = await brain.reload_async()
             if request.can_read_body:
                 info["ignored_body"] = f"POST /reload re-reads {brain.config_path}; the request body is not a config"
             return web.json_response(info)

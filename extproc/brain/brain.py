@@ -95,11 +95,23 @@ class Brain:
             # snippets, a foreign gateway) must not see its long requests' reservations expire
             self.router.liveness_timeout_s = self.liveness_bound_s()
 
-    def reload(self) -> dict:
-        """Re-read the config file (``reload.apply_config``); with ``envoy.cds_path`` Envoy's clusters follow."""
+    def read_config(self) -> AppConfig:
+        """The config file, parsed (ConfigError: the old config stays). Blocking: the shell runs it in a thread,
+        so that no file, however crafted, holds the event loop and its decisions."""
         if not self.config_path:
             raise ConfigError("the brain was started without a config file")
-        new = load_config(self.config_path)  # ConfigError: the old config stays
+        return load_config(self.config_path)
+
+    async def reload_async(self) -> dict:
+        """``reload`` with the file read and parsed off the event loop; only the apply runs on it."""
+        import asyncio
+
+        return self.reload(await asyncio.to_thread(self.read_config))
+
+    def reload(self, new: AppConfig | None = None) -> dict:
+        """Apply ``new`` (default: the config file, read now) with ``reload.apply_config``; with
+        ``envoy.cds_path`` Envoy's clusters follow."""
+        new = new if new is not None else self.read_config()
         self.cfg, info = apply_config(self.router, self.cfg, new, self.clock())
         self._set_replicas(self.cfg)
         self.cds = CdsFile(self.cfg.envoy.cds_path)

@@ -167,11 +167,14 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     metrics_port = mrunner.addresses[0][1]
     loop = asyncio.get_running_loop()
 
-    def on_hup() -> None:
+    async def hup() -> None:
         try:
-            brain.reload()
+            await brain.reload_async()
         except ConfigError as e:
             logs.event("config_reload_failed", error=str(e))
+
+    def on_hup() -> None:
+        loop.create_task(hup())
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"), asyncio.create_task(_tick_loop(brain), name="tick")]

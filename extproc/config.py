@@ -70,6 +70,19 @@ class ReplicaSpec:
     # whose /metrics to read: "vllm", "sglang", or "none" (health from /health, load from the brain's own
     # in-flight requests: any OpenAI-compatible server; docs/guide.md "Engines" says what routing each one gets)
     engine: str = "vllm"
+    # (https:// replicas; Envoy and the brain's scrapes use the same settings)
+    tls_ca_file: str | None = None  # the CA bundle that signed the replica's certificate (null: the system's)
+    tls_sni: str | None = None  # the name to ask for and check in its certificate (null: the URL's host)
+    tls_cert_file: str | None = None  # a client certificate to present, when the replica asks for one
+    tls_key_file: str | None = None  # the private key of tls_cert_file
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("https://")
+
+    @property
+    def sni(self) -> str:
+        return self.tls_sni or self.host
 
     @property
     def host(self) -> str:
@@ -234,9 +247,14 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
         where = f"replicas[{i}]"
         if not isinstance(item, dict):
             raise ConfigError(f"{where}: expected a mapping with name and url")
-        extra = set(item) - {"name", "url", "engine"}
+        known = {"name", "url", "engine", "tls_ca_file", "tls_sni", "tls_cert_file", "tls_key_file"}
+        extra = set(item) - known
         if extra:
-            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: name, url, engine)")
+            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: {', '.join(sorted(known))})")
+        tls = {k: item[k] for k in known - {"name", "url", "engine"} if item.get(k) is not None}
+        for k, v in tls.items():
+            if not isinstance(v, str) or not v:
+                raise ConfigError(f"{where}.{k}: expected a non-empty string, got {_short(v)}")
         engine = item.get("engine", "vllm")
         if engine not in ENGINES:
             raise ConfigError(f"{where}.engine: expected one of {', '.join(ENGINES)}, got {_short(engine)}")
@@ -252,11 +270,22 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
         parts = urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"{where}.url: expected an http(s) URL like http://127.0.0.1:8000, got {_short(url)}")
+        if parts.username is not None or parts.password is not None:
+            # never echo them: the URL would be shown in /state, logs and errors
+            raise ConfigError(f"{where}.url: credentials in the URL are not supported (they would be shown in "
+                              "/state and logs); give the replica's base URL")
+        if parts.path.rstrip("/") or parts.query or parts.fragment:
+            raise ConfigError(f"{where}.url: a path, query or fragment is not supported (Envoy would send traffic "
+                              f"to / while the brain scraped the path); give the server's base URL, got {_short(url)}")
+        if parts.scheme == "http" and tls:
+            raise ConfigError(f"{where}.{sorted(tls)[0]}: TLS settings need an https:// URL")
+        if ("tls_cert_file" in tls) != ("tls_key_file" in tls):
+            raise ConfigError(f"{where}.tls_key_file: tls_cert_file and tls_key_file go together")
         try:
             parts.port
         except ValueError:
             raise ConfigError(f"{where}.url: bad port in {_short(url)}") from None
-        out.append(ReplicaSpec(name, url.rstrip("/"), engine))
+        out.append(ReplicaSpec(name, url.rstrip("/"), engine, **tls))
     return tuple(out)
 
 

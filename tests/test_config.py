@@ -174,3 +174,36 @@ def test_a_reload_reads_and_parses_the_file_off_the_event_loop(tmp_path):
 
     loop_thread = asyncio.run(main())
     assert seen and seen[0] != loop_thread
+
+
+# ---- replica URLs mean what they say (issue 19, part 6)
+
+@pytest.mark.parametrize("url, said", [
+    ("http://10.0.0.5:8000/v1", "a path, query or fragment is not supported"),
+    ("http://10.0.0.5:8000/?x=1", "a path, query or fragment is not supported"),
+    ("http://admin:hunter2@10.0.0.5:8000", "credentials in the URL are not supported"),
+])
+def test_a_replica_url_that_would_not_be_honoured_is_refused(url, said):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"replicas": [{"name": "r0", "url": url}]})
+    assert said in str(e.value) and "hunter2" not in str(e.value)
+
+
+def test_tls_settings_on_a_plain_http_replica_are_refused():
+    with pytest.raises(ConfigError, match=r"replicas\[0\]\.tls_ca_file: TLS settings need an https:// URL"):
+        parse_config({"replicas": [{"name": "r0", "url": "http://a:1", "tls_ca_file": "/ca.pem"}]})
+
+
+def test_an_https_replica_gets_tls_in_envoy_with_its_own_name_and_ca():
+    from extproc.envoy_config import bootstrap
+
+    cfg = parse_config({"replicas": [{"name": "r0", "url": "http://10.0.0.1:8000"},
+                                     {"name": "r1", "url": "https://vllm-1.internal:8443", "tls_ca_file": "/etc/ca.pem"}]})
+    clusters = {c["name"]: c for c in bootstrap(cfg)["static_resources"]["clusters"]}
+    for name in ("r0", "r1", "warmroute_fallback"):
+        (match,) = clusters[name]["transport_socket_matches"]  # only r1's endpoints speak TLS
+        tls = match["transport_socket"]["typed_config"]
+        assert match["match"] == {"warmroute_replica": "r1"} and tls["sni"] == "vllm-1.internal"
+        v = tls["common_tls_context"]["validation_context"]
+        assert v["trusted_ca"]["filename"] == "/etc/ca.pem"
+        assert v["match_typed_subject_alt_names"][0]["matcher"]["exact"] == "vllm-1.internal"

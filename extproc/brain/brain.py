@@ -6,6 +6,7 @@ access log), ``scraper``, ``reload``, ``admin``, ``metrics``; ``server`` starts 
 
 from __future__ import annotations
 
+import ssl
 import time
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -19,7 +20,7 @@ from .decide import no_healthy_response, route_answer
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
-from .scraper import Scraper
+from .scraper import Scraper, tls_context
 from .stats import BrainStats
 
 _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
@@ -50,6 +51,11 @@ class Brain:
     def _set_replicas(self, cfg: AppConfig) -> None:
         self.scraper.urls = {r.name: r.url for r in cfg.replicas}
         self.scraper.engines = {r.name: r.engine for r in cfg.replicas}
+        try:
+            self.scraper.tls = {r.name: (tls_context(r.tls_ca_file, r.tls_cert_file, r.tls_key_file), r.sni)
+                                for r in cfg.replicas if r.tls}
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"replicas: cannot load a TLS file ({e})") from None
         self.releaser.by_address = {f"{r.host}:{r.port}": r.name for r in cfg.replicas}
 
     def liveness_bound_s(self) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -153,6 +154,15 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
     return ScrapeResult(True, r, w, kv_usage, sample=sample)
 
 
+def tls_context(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None) -> ssl.SSLContext:
+    """What an https:// replica's scrape checks: its chain against ``ca_file`` (the system's by default), its name,
+    and our client certificate when one is configured."""
+    ctx = ssl.create_default_context(cafile=ca_file)
+    if cert_file:
+        ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
 class Scraper:
     """Feeds the router's health machines and load signals; remembers each replica's last error."""
 
@@ -166,22 +176,26 @@ class Scraper:
         self.load_refresh_s = load_refresh_s  # C6: faster load-only scrapes in between (None: none)
         self.urls: dict[str, str] = {}
         self.engines: dict[str, str] = {}  # replica -> "vllm" | "sglang" | "none" (absent: vllm)
+        self.tls: dict[str, tuple[ssl.SSLContext, str]] = {}  # https:// replicas: (context, SNI)
         self.errors: dict[str, str] = {}
         self.loop_errors = 0
         self.seconds = None  # a prometheus Histogram, set by the brain
 
     async def scrape_once(self, session: ClientSession, name: str, url: str, timeout: float | None = None) -> ScrapeResult:
         t0 = time.perf_counter()
-        r = await self._fetch(session, url, timeout, self.engines.get(name, "vllm"))
+        r = await self._fetch(session, url, timeout, self.engines.get(name, "vllm"), self.tls.get(name))
         if self.seconds is not None:
             self.seconds.observe(time.perf_counter() - t0)
         self.stats.scrapes[(name, "ok" if r.ok else "failed")] += 1
         return r
 
-    async def _fetch(self, session: ClientSession, url: str, timeout: float | None, engine: str = "vllm") -> ScrapeResult:
+    async def _fetch(self, session: ClientSession, url: str, timeout: float | None, engine: str = "vllm",
+                     tls: "tuple[ssl.SSLContext, str] | None" = None) -> ScrapeResult:
         path = HEALTH_PATH if engine == "none" else "/metrics"
         try:
-            kw = {"timeout": ClientTimeout(total=timeout)} if timeout else {}
+            kw: dict = {"timeout": ClientTimeout(total=timeout)} if timeout else {}
+            if tls is not None:
+                kw["ssl"], kw["server_hostname"] = tls
             async with session.get(url + path, **kw) as resp:
                 if resp.status != 200:
                     hint = " (no /metrics: set the replica's engine: sglang or none)" if resp.status == 404 and path == "/metrics" else ""

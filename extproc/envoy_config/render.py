@@ -387,8 +387,23 @@ def brain_cluster(cfg: AppConfig) -> dict:
     return cluster
 
 
+TLS_MATCH_KEY = "warmroute_replica"  # endpoint metadata that picks an https:// replica's transport socket
+
+
 def _lb_endpoint(r: ReplicaSpec) -> dict:
-    return {"endpoint": {"address": _address(r.host, r.port), "hostname": r.name}}
+    ep: dict[str, Any] = {"endpoint": {"address": _address(r.host, r.port), "hostname": r.name}}
+    if r.tls:
+        ep["metadata"] = {"filter_metadata": {"envoy.transport_socket_match": {TLS_MATCH_KEY: r.name}}}
+    return ep
+
+
+def _tls_matches(replicas) -> dict:
+    """``transport_socket_matches`` for a cluster whose endpoints include https:// replicas: each such endpoint
+    gets its own TLS (its SNI, CA and client certificate); the others stay plaintext."""
+    matches = [{"name": f"tls-{r.name}", "match": {TLS_MATCH_KEY: r.name},
+                "transport_socket": upstream_tls(r.sni, r.tls_ca_file, r.tls_cert_file, r.tls_key_file)}
+               for r in replicas if r.tls]
+    return {"transport_socket_matches": matches} if matches else {}
 
 
 def replica_cluster(cfg: AppConfig, r: ReplicaSpec) -> dict:
@@ -405,6 +420,7 @@ def replica_cluster(cfg: AppConfig, r: ReplicaSpec) -> dict:
         "circuit_breakers": _thresholds(),
         "per_connection_buffer_limit_bytes": cfg.envoy.max_body_bytes,
         "load_assignment": {"cluster_name": r.name, "endpoints": endpoints},
+        **_tls_matches([r, *others]),
     }
 
 
@@ -425,6 +441,7 @@ def fallback_cluster(cfg: AppConfig) -> dict:
             "cluster_name": FALLBACK_CLUSTER,
             "endpoints": [{"lb_endpoints": [_lb_endpoint(r) for r in cfg.replicas]}],
         },
+        **_tls_matches(cfg.replicas),
     }
 
 

@@ -293,7 +293,7 @@ class MockReplica:
         self._engine_counters = [0, 0, 0]
         print(f"mock-vllm {self.args.name}: down for {seconds:g}s", flush=True)
         await asyncio.sleep(seconds)
-        self.site = web.TCPSite(self.runner, self.args.host, self.port, reuse_address=True)
+        self.site = web.TCPSite(self.runner, self.args.host, self.port, reuse_address=True, ssl_context=self.ssl)
         await self.site.start()
         print(f"mock-vllm {self.args.name}: back", flush=True)
 
@@ -497,6 +497,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flap-every", type=float, default=0.0, help="die every this many seconds (0: never)")
     ap.add_argument("--flap-down", type=float, default=5.0, help="and stay down this long")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
+    ap.add_argument("--tls-key", default=None)
     ap.add_argument("--metrics", choices=("vllm", "sglang", "none"), default="vllm",
                     help="whose /metrics names to export (none: no /metrics at all, like a foreign OpenAI server)")
 
@@ -506,10 +508,16 @@ async def serve(args: argparse.Namespace) -> None:
     rep.driver.start()
     rep.runner = web.AppRunner(build_app(rep), access_log=None)
     await rep.runner.setup()
-    rep.site = web.TCPSite(rep.runner, args.host, args.port, reuse_address=True)
+    rep.ssl = None
+    if args.tls_cert:
+        import ssl
+
+        rep.ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        rep.ssl.load_cert_chain(args.tls_cert, args.tls_key)
+    rep.site = web.TCPSite(rep.runner, args.host, args.port, reuse_address=True, ssl_context=rep.ssl)
     await rep.site.start()
     rep.port = rep.runner.addresses[0][1]
-    print(f"mock-vllm listening on http://{args.host}:{rep.port}", flush=True)
+    print(f"mock-vllm listening on {'https' if rep.ssl else 'http'}://{args.host}:{rep.port}", flush=True)
     if args.flap_every > 0:
         asyncio.get_running_loop().create_task(rep.flap_loop())
     try:

@@ -160,10 +160,11 @@ class Replica:
     proc: Proc
     port: int
     argv_extra: list[str]
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
 
 class Stack:
@@ -182,6 +183,7 @@ class Stack:
         self.n = n_replicas
         self.listen_port = listen_port  # 0: the OS picks (tests); a fixed one gives a stable URL (warmroute up)
         self.engines: dict[str, str] = {}  # replica name -> its config's engine (absent: vllm)
+        self.replica_config: dict[str, dict] = {}  # replica name -> more fields of its config entry (tls_ca_file...)
         self.replica_args: dict[str, list[str]] = {}  # replica name -> mock-vllm arguments beyond mock_args
         self.overrides = config or {}
         self.mock_args = mock_args or []
@@ -214,12 +216,12 @@ class Stack:
 
         def bound_port():
             for line in proc.log_tail(4000).splitlines():
-                if line.startswith("mock-vllm listening on http://"):
+                if line.startswith("mock-vllm listening on http"):
                     return int(line.rsplit(":", 1)[1])
             return None
 
         got = wait_for(bound_port, 20, f"{name} to listen", proc)
-        rep = Replica(name, proc, got, extra)
+        rep = Replica(name, proc, got, extra, "https" if "--tls-cert" in extra else "http")
         return rep
 
     def restart_replica(self, name: str) -> Replica:
@@ -245,8 +247,8 @@ class Stack:
         # reach), unless the workdir path is too long to name one or the caller asks for TCP
         sock = str(self.dir.resolve() / "brain.sock")
         doc: dict[str, Any] = {
-            "replicas": [{"name": r.name, "url": r.url, **({"engine": self.engines[r.name]} if r.name in self.engines else {})}
-                         for r in self.replicas],
+            "replicas": [{"name": r.name, "url": r.url, **({"engine": self.engines[r.name]} if r.name in self.engines else {}),
+                          **self.replica_config.get(r.name, {})} for r in self.replicas],
             "brain": {"host": "127.0.0.1", "admin_port": 0, "metrics_port": 0,
                       "admin_token_file": str(self.dir.resolve() / "admin.token"),
                       "grpc_socket": sock if len(sock.encode()) <= 100 else None},

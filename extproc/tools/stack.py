@@ -167,6 +167,45 @@ class Replica:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
 
+class Supervisor:
+    """Restarts a process that died, with a backoff that doubles per restart in a row (1 s ... ``max_backoff_s``)
+    and resets once it has run ``stable_s``. ``check`` is called periodically; it returns what to tell the
+    operator, if anything. Pure apart from ``alive``/``restart``, so its timing is tested with a fake clock."""
+
+    def __init__(self, name: str, alive: Callable[[], bool], exit_code: Callable[[], "int | None"],
+                 restart: Callable[[], None], clock: Callable[[], float] = time.monotonic,
+                 base_backoff_s: float = 1.0, max_backoff_s: float = 30.0, stable_s: float = 60.0):
+        self.name, self.alive, self.exit_code, self._restart, self.clock = name, alive, exit_code, restart, clock
+        self.base, self.max, self.stable_s = base_backoff_s, max_backoff_s, stable_s
+        self.restarts = 0  # in a row
+        self.total_restarts = 0
+        self.started_at = clock()
+        self.due: float | None = None  # when a restart is planned
+
+    def check(self) -> str | None:
+        now = self.clock()
+        if self.due is None:
+            if self.alive():
+                if self.restarts and now - self.started_at >= self.stable_s:
+                    self.restarts = 0
+                return None
+            wait = min(self.max, self.base * 2 ** self.restarts)
+            self.due = now + wait
+            return (f"{self.name} exited (code {self.exit_code()}); restarting in {wait:g}s "
+                    f"(restart {self.restarts + 1} in a row)")
+        if now < self.due:
+            return None
+        self.due = None
+        self.restarts += 1
+        self.total_restarts += 1
+        try:
+            self._restart()
+        except Exception as e:  # it will be seen dead again and retried after a longer wait
+            return f"{self.name} failed to restart: {e}"
+        self.started_at = self.clock()
+        return f"{self.name} restarted"
+
+
 class Stack:
     """Replicas + brain + Envoy on loopback. Use as a context manager."""
 
@@ -266,6 +305,19 @@ class Stack:
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         self.cfg = load_config(path)
         return path
+
+    def brain_supervisor(self, **kw) -> Supervisor:
+        """What ``warmroute up`` uses to keep its brain running: restarts on the same ports and socket, so that
+        Envoy, which fails open meanwhile, finds it again by itself."""
+
+        def restart() -> None:
+            old = self.brain.log_path
+            if old.exists():  # keep the dead brain's log beside the new one
+                old.replace(old.with_suffix(f".{supervisor.total_restarts}.log"))
+            self.start_brain()
+
+        supervisor = Supervisor("brain", lambda: self.brain.alive(), lambda: self.brain.popen.poll(), restart, **kw)
+        return supervisor
 
     def start_brain(self) -> Proc:
         cfg_path = self.dir / "warmroute.yaml"

@@ -72,8 +72,13 @@ def up(args: argparse.Namespace) -> int:
         print(f"live view: warmroute top --brain-admin {stack.brain_admin} --envoy-admin {stack.envoy_admin}")
         print(f"Prometheus metrics: {stack.brain_metrics} and {stack.envoy_admin}/stats/prometheus")
         told: dict[str, bool] = {}
+        brain = stack.brain_supervisor()
         while True:
-            time.sleep(2)
+            time.sleep(1)
+            said = brain.check()
+            if said:  # Envoy fails open meanwhile: clients are served by its ring hash, without the brain
+                print(f"{time.strftime('%H:%M:%S')} {said}" + (f" (log: {stack.brain.log_path})" if "exited" in said else ""),
+                      file=sys.stderr, flush=True)
             for r in stack.replicas:  # said once per change, not at every look
                 alive = r.proc.alive()
                 if told.get(r.name, True) != alive:

@@ -186,3 +186,19 @@ def test_the_counters_a_router_learns_rates_from_and_a_slower_speed_shows_in_the
         assert s.decode_seconds > 0 and s.requests_done == 6
         rates[r.name] = (s.prompt_tokens - s.cached_tokens) / s.prefill_seconds  # what the warm policy learns
     assert 1.5 < rates[fast.name] / rates[slow.name] < 2.6
+
+
+def test_the_mock_never_logs_what_a_request_carried(replica):
+    import urllib.error
+    import urllib.request
+
+    r = replica()
+    for n in (20_000, 70_000):  # within Envoy's 60 KiB of headers, and past it (refused)
+        req = urllib.request.Request(r.url + "/v1/chat/completions", data=b'{"messages": []}',
+                                     headers={"x-session-id": "SECRET-SESSION-" + "a" * n, "content-type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=10).read()
+        except urllib.error.HTTPError as e:
+            assert e.code == 400
+    wait_for(lambda: "bad request refused" in r.proc.log_tail(100_000), 10, "the refusal logged")
+    assert "SECRET-SESSION" not in r.proc.log_tail(1_000_000)

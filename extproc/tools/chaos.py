@@ -25,11 +25,13 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from ..contract import EXT_PROC_STAT_PREFIX
 from .loadgen import OpenLoop, write_report
 from .stack import Stack, http_post_json, wait_for
 
@@ -42,6 +44,7 @@ class Result:
     t0: float
     status: int | None = None  # None: no answer at all
     error: str = ""
+    t1: float | None = None  # when the answer was read whole
 
 
 class Load:
@@ -75,6 +78,7 @@ class Load:
             async with http.post(self.stack.url + "/v1/chat/completions", json=body,
                                  headers={"x-session-id": f"chaos-{i % SESSIONS}"}) as resp:
                 await resp.read()
+                r.t1 = time.monotonic()
                 r.status = resp.status
                 if resp.status != 200:
                     r.error = f"HTTP {resp.status}"
@@ -237,6 +241,180 @@ def big_bodies(stack: Stack, load: Load) -> tuple[float, str]:
     return time.monotonic(), f"8 bodies of 32 MiB at once: {failed_open} requests failed open (brain too slow)"
 
 
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmRSS:"))
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _with_config(stack: Stack, change) -> None:
+    import yaml
+
+    path = stack.dir / "warmroute.yaml"
+    doc = yaml.safe_load(path.read_text())
+    change(doc)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    stack.admin_post("/reload")
+
+
+ENDLESS_METRICS = r'''
+import asyncio, json
+from aiohttp import web
+
+async def endless(request):
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    line = b'vllm:num_requests_running{model_name="m"} 1\n' * 2000
+    try:
+        while True:
+            await resp.write(line)
+    except Exception:
+        pass
+    return resp
+
+async def main():
+    app = web.Application()
+    app.router.add_get("/metrics", endless)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    print(json.dumps({"port": runner.addresses[0][1]}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+'''
+
+
+def endless_metrics(stack: Stack, load: Load) -> tuple[float, str]:
+    import sys
+
+    from .stack import Proc
+
+    pid = stack.brain.popen.pid
+    before = _rss_mib(pid)
+    proc = Proc("endless-metrics", [sys.executable, "-c", ENDLESS_METRICS], stack.dir)
+    try:
+        port = wait_for(lambda: json.loads(proc.log_path.read_text().splitlines()[0])["port"], 20, "the endless server")
+        _with_config(stack, lambda d: d["replicas"].append({"name": "endless", "url": f"http://127.0.0.1:{port}"}))
+        time.sleep(15)  # 5 health scrapes of an endless page, each cut at health.max_metrics_bytes
+        during = _rss_mib(pid)
+        reason = stack.replica_state("endless").get("scrape_error")
+        _with_config(stack, lambda d: d.update(replicas=[r for r in d["replicas"] if r["name"] != "endless"]))
+    finally:
+        proc.stop()
+    after = _rss_mib(pid)
+    return time.monotonic(), (f"a replica whose /metrics never ends, for 15 s: refused ({reason}); brain RSS "
+                              f"{before:.0f} MiB before, {during:.0f} during, {after:.0f} after its removal")
+
+
+BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]) + "\nreplicas: *i\n"
+
+
+def alias_bomb_reload(stack: Stack, load: Load) -> tuple[float, str]:
+    """Reloads of an alias bomb and of a 0.9 MiB file, while the load runs: the brain parses them in a thread."""
+    path = stack.dir / "warmroute.yaml"
+    good = path.read_text()
+    t_before = time.monotonic()
+    time.sleep(10)
+    before = [r.t1 - r.t0 for r in load.since(t_before) if r.t1]
+    t_during = time.monotonic()
+    answers = []
+    # 0.9 MiB that parses slowly and is refused only after the parse (an unknown field at the end)
+    big = (good + "# " + "padding " * 100_000 + "\nprofile: {session_headers: [" + ", ".join(f"h{i}" for i in range(20_000))
+           + "], not_a_field: 1}\n")
+    try:
+        while time.monotonic() < t_during + 10:
+            for text in (BOMB, big):
+                path.write_text(text)
+                try:
+                    stack.admin_post("/reload")
+                    answers.append(200)
+                except urllib.error.HTTPError as e:
+                    answers.append(e.code)
+    finally:
+        path.write_text(good)
+        stack.admin_post("/reload")
+    during = [r.t1 - r.t0 for r in load.since(t_during) if r.t1 and r.t0 < t_during + 10]
+
+    def p99(xs):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+
+    return time.monotonic(), (f"{len(answers)} reloads of an alias bomb and a 0.9 MiB file in 10 s: answers "
+                              f"{sorted(set(answers))} (refused, old config kept); request p99 {p99(before):.2f} s in the 10 s "
+                              f"before, {p99(during):.2f} s during (same run)")
+
+
+def rogue_client(stack: Stack, load: Load) -> tuple[float, str]:
+    """A local user who is not the brain's: the brain's socket refuses them; the admin API wants the token."""
+    import subprocess
+
+    sock = stack.cfg.brain.grpc_socket
+    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1]); print('connected')\n"
+            "except OSError as e:\n    print(type(e).__name__)")
+    as_nobody = subprocess.run(["/usr/bin/python3", "-c", code, sock], user="nobody", group="nogroup", extra_groups=[],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    try:
+        http_post_json(stack.brain_admin + "/replicas/r1/drain", {})
+        drain = "drained r1"
+    except urllib.error.HTTPError as e:
+        drain = f"HTTP {e.code}"
+    ejected = [r["name"] for r in stack.state()["replicas"] if r["state"] != "LIVE" or r["drained"]]
+    return time.monotonic(), (f"as user nobody: connect to the brain's socket: {as_nobody}; POST drain without the admin "
+                              f"token: {drain}; replicas out of service after: {ejected or 'none'}. (With auth off, "
+                              "i.e. brain.grpc_port on a reachable address and insecure: true, a peer can forge "
+                              "access-log entries: up to health.max_passive_ejection_percent of the fleet ejected, "
+                              "its own reservations opened until the liveness bound)")
+
+
+def burst(stack: Stack, load: Load) -> tuple[float, str]:
+    """1,500 connections from wrk for 20 s: once with every process sharing the 2 cores, once with the brain on a
+    core of its own; fail-open share and each process's CPU."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("wrk"):
+        return time.monotonic(), "skipped: wrk is not installed (apt-get install wrk)"
+    script = stack.dir / "burst.lua"
+    script.write_text(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\ncounter = 0\n'
+        'request = function()\n  counter = counter + 1\n  wrk.headers["x-session-id"] = "burst-" .. (counter % 300)\n'
+        '  wrk.body = \'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "turn \' .. counter '
+        '.. \' hello"}]}\'\n  return wrk.format()\nend\n')
+    procs = {"brain": stack.brain.popen.pid, "envoy": stack.envoy.popen.pid,
+             **{r.name: r.proc.popen.pid for r in stack.replicas}}
+    key_fo = f"http.ingress.ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"
+    parts = []
+    for pinned in (False, True):
+        if pinned:  # the brain alone on CPU 1, everything else (wrk, Envoy, replicas, this load) on CPU 0
+            subprocess.run(["taskset", "-a", "-p", "-c", "1", str(procs["brain"])], capture_output=True)
+            for p in [*(p for k, p in procs.items() if k != "brain"), os.getpid()]:
+                subprocess.run(["taskset", "-a", "-p", "-c", "0", str(p)], capture_output=True)
+        st0, c0, t0 = stack.envoy_stats(), {k: _cpu_s(p) for k, p in procs.items()}, time.monotonic()
+        subprocess.run((["taskset", "-c", "0"] if pinned else []) + [
+            "wrk", "-t2", "-c1500", "-d20s", "--timeout", "30s", "-s", str(script), stack.url + "/v1/chat/completions"],
+            capture_output=True, timeout=120)
+        dt = time.monotonic() - t0
+        st1 = stack.envoy_stats()
+        fo = st1.get(key_fo, 0) - st0.get(key_fo, 0)
+        rq = st1.get("http.ingress.downstream_rq_total", 0) - st0.get("http.ingress.downstream_rq_total", 0)
+        cpu = {k: (_cpu_s(p) - c0[k]) / dt for k, p in procs.items()}
+        replicas = sum(v for k, v in cpu.items() if k not in ("brain", "envoy"))
+        parts.append(f"{'brain on its own core' if pinned else 'all on 2 shared cores'}: {rq} requests, "
+                     f"{fo} failed open ({fo / max(1, rq):.1%}); CPU (cores) brain {cpu['brain']:.2f}, Envoy "
+                     f"{cpu['envoy']:.2f}, replicas {replicas:.2f}")
+        wait_for(lambda: whole(stack), 120, "a whole fleet after the burst", every=0.5)
+    for p in [*procs.values(), os.getpid()]:
+        subprocess.run(["taskset", "-a", "-p", "-c", f"0-{os.cpu_count() - 1}", str(p)], capture_output=True)
+    return time.monotonic(), "wrk, 1,500 connections, 20 s, small chat bodies. " + "; ".join(parts)
+
+
 SCENARIOS = {
     "brain_kill_restart": brain_kill,
     "replica_kill_midstream": replica_kill,
@@ -246,6 +424,10 @@ SCENARIOS = {
     "replica_nan_metrics": nan_metrics,
     "spoofed_headers": spoofed_headers,
     "big_bodies_under_load": big_bodies,
+    "rogue_local_client": rogue_client,
+    "alias_bomb_reload": alias_bomb_reload,
+    "endless_metrics": endless_metrics,
+    "burst_1500_connections": burst,
 }
 
 

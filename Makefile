@@ -29,7 +29,7 @@ test-unit: install  ## everything but the tests that start Envoy, brains and rep
 	$(PY) -m pytest -q -m "not integration"
 
 docs: install  ## regenerate docs/configuration.md from the config dataclasses, then check every document
-	$(PY) -m extproc.tools.docs
+	$(PY) -c "import sys; from extproc.cli import build_parser; from extproc.tools.docs import main; sys.exit(main(build_parser()))"
 
 bench-core: install
 	$(PY) -m extproc.tools.bench_core

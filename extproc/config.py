@@ -164,13 +164,11 @@ class EnvoyConfig:
     # The tenant header is stripped from what clients send unless a proxy in front of Envoy sets it (true here
     # only when that proxy overwrites whatever the client sent).
     trust_downstream_tenant_header: bool = False
-    # The client side of the brain's TLS (brain.tls_cert_file set, Envoy reaching it over TCP): the CA that
-    # signed the brain's certificate (null: the system's bundle), and the name in it (null: brain.host)
-    brain_tls_ca_file: str | None = None
-    brain_tls_sni: str | None = None
-    # Envoy's client certificate and key, presented to a brain that asks for one (brain.tls_client_ca_file)
-    brain_tls_cert_file: str | None = None
-    brain_tls_key_file: str | None = None
+    # (the client side of the brain's TLS, when Envoy reaches it over TCP with brain.tls_cert_file set)
+    brain_tls_ca_file: str | None = None  # the CA that signed the brain's certificate (null: the system's bundle)
+    brain_tls_sni: str | None = None  # the name Envoy asks for and checks in the brain's certificate (null: brain.host)
+    brain_tls_cert_file: str | None = None  # Envoy's client certificate, for a brain that asks (tls_client_ca_file)
+    brain_tls_key_file: str | None = None  # the private key of brain_tls_cert_file
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,17 +13,22 @@ from extproc.config import parse_config
 METRICS = 'vllm:num_requests_running{model_name="m"} 1\nvllm:num_requests_waiting{model_name="m"} 0\n'
 
 
-async def metrics_server() -> tuple[web.AppRunner, int]:
-    """A replica that only serves /metrics, on a port the OS picks; the caller cleans the runner up."""
-    async def metrics(_):
-        return web.Response(text=METRICS)
-
+async def serve_metrics(handler) -> tuple[web.AppRunner, int]:
+    """A replica whose /metrics is ``handler``, on a port the OS picks; the caller cleans the runner up."""
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", handler)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner, runner.addresses[0][1]
+
+
+async def metrics_server() -> tuple[web.AppRunner, int]:
+    """A replica that only serves /metrics."""
+    async def metrics(_):
+        return web.Response(text=METRICS)
+
+    return await serve_metrics(metrics)
 
 
 def test_an_exception_while_applying_one_scrape_is_logged_and_scraping_goes_on(caplog):
@@ -128,12 +133,7 @@ def test_a_replica_whose_metrics_never_answer_delays_no_other_replica_s_scrapes(
             await release.wait()  # past every scrape timeout; released only to shut down
             return web.Response(text=METRICS)
 
-        app = web.Application()
-        app.router.add_get("/metrics", never)
-        slow_runner = web.AppRunner(app)
-        await slow_runner.setup()
-        await web.TCPSite(slow_runner, "127.0.0.1", 0).start()
-        slow = slow_runner.addresses[0][1]
+        slow_runner, slow = await serve_metrics(never)
         # health every 3 s (its timeout 2 s), load every 0.1 s: one round of all replicas at once waited 2 s
         cfg = parse_config({"replicas": [{"name": "good", "url": f"http://127.0.0.1:{good}"},
                                          {"name": "slow", "url": f"http://127.0.0.1:{slow}"}],
@@ -171,12 +171,7 @@ def test_a_metrics_page_past_the_size_cap_is_a_failed_scrape_read_no_further():
                 pass
             return resp
 
-        app = web.Application()
-        app.router.add_get("/metrics", endless)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        runner, port = await serve_metrics(endless)
         cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}],
                             "health": {"max_metrics_bytes": 1024 * 1024}})
         brain = Brain(cfg)

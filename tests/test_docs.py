@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_docs_name_only_what_exists_and_document_every_metric():
-    assert docs.check_docs(ROOT) == []
+    assert docs.check_docs(build_parser(), ROOT) == []
 
 
 def test_the_configuration_reference_is_regenerated_from_the_dataclasses():
@@ -55,7 +55,7 @@ def test_names_that_exist_pass():
 
 
 def test_an_exported_metric_no_document_names_is_caught():
-    problems = docs.check_docs(ROOT, metrics=docs.exported_metrics() | {"warmroute_brand_new_gauge"})
+    problems = docs.check_docs(build_parser(), ROOT, metrics=docs.exported_metrics() | {"warmroute_brand_new_gauge"})
     assert problems == ["metric warmroute_brand_new_gauge is exported by the brain but no document names it"]
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ..contract import EXT_PROC_STAT_PREFIX
+from .hostile import ENDLESS_METRICS, cpu_s, rss_mib
 from .loadgen import OpenLoop, write_report
 from .stack import Stack, http_post_json, wait_for
 
@@ -241,17 +242,6 @@ def big_bodies(stack: Stack, load: Load) -> tuple[float, str]:
     return time.monotonic(), f"8 bodies of 32 MiB at once: {failed_open} requests failed open (brain too slow)"
 
 
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmRSS:"))
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _with_config(stack: Stack, change) -> None:
     import yaml
 
@@ -262,52 +252,24 @@ def _with_config(stack: Stack, change) -> None:
     stack.admin_post("/reload")
 
 
-ENDLESS_METRICS = r'''
-import asyncio, json
-from aiohttp import web
-
-async def endless(request):
-    resp = web.StreamResponse()
-    await resp.prepare(request)
-    line = b'vllm:num_requests_running{model_name="m"} 1\n' * 2000
-    try:
-        while True:
-            await resp.write(line)
-    except Exception:
-        pass
-    return resp
-
-async def main():
-    app = web.Application()
-    app.router.add_get("/metrics", endless)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    print(json.dumps({"port": runner.addresses[0][1]}), flush=True)
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-'''
-
-
 def endless_metrics(stack: Stack, load: Load) -> tuple[float, str]:
     import sys
 
     from .stack import Proc
 
     pid = stack.brain.popen.pid
-    before = _rss_mib(pid)
+    before = rss_mib(pid)
     proc = Proc("endless-metrics", [sys.executable, "-c", ENDLESS_METRICS], stack.dir)
     try:
         port = wait_for(lambda: json.loads(proc.log_path.read_text().splitlines()[0])["port"], 20, "the endless server")
         _with_config(stack, lambda d: d["replicas"].append({"name": "endless", "url": f"http://127.0.0.1:{port}"}))
         time.sleep(15)  # 5 health scrapes of an endless page, each cut at health.max_metrics_bytes
-        during = _rss_mib(pid)
+        during = rss_mib(pid)
         reason = stack.replica_state("endless").get("scrape_error")
         _with_config(stack, lambda d: d.update(replicas=[r for r in d["replicas"] if r["name"] != "endless"]))
     finally:
         proc.stop()
-    after = _rss_mib(pid)
+    after = rss_mib(pid)
     return time.monotonic(), (f"a replica whose /metrics never ends, for 15 s: refused ({reason}); brain RSS "
                               f"{before:.0f} MiB before, {during:.0f} during, {after:.0f} after its removal")
 
@@ -396,7 +358,7 @@ def burst(stack: Stack, load: Load) -> tuple[float, str]:
             subprocess.run(["taskset", "-a", "-p", "-c", "1", str(procs["brain"])], capture_output=True)
             for p in [*(p for k, p in procs.items() if k != "brain"), os.getpid()]:
                 subprocess.run(["taskset", "-a", "-p", "-c", "0", str(p)], capture_output=True)
-        st0, c0, t0 = stack.envoy_stats(), {k: _cpu_s(p) for k, p in procs.items()}, time.monotonic()
+        st0, c0, t0 = stack.envoy_stats(), {k: cpu_s(p) for k, p in procs.items()}, time.monotonic()
         subprocess.run((["taskset", "-c", "0"] if pinned else []) + [
             "wrk", "-t2", "-c1500", "-d20s", "--timeout", "30s", "-s", str(script), stack.url + "/v1/chat/completions"],
             capture_output=True, timeout=120)
@@ -404,7 +366,7 @@ def burst(stack: Stack, load: Load) -> tuple[float, str]:
         st1 = stack.envoy_stats()
         fo = st1.get(key_fo, 0) - st0.get(key_fo, 0)
         rq = st1.get("http.ingress.downstream_rq_total", 0) - st0.get("http.ingress.downstream_rq_total", 0)
-        cpu = {k: (_cpu_s(p) - c0[k]) / dt for k, p in procs.items()}
+        cpu = {k: (cpu_s(p) - c0[k]) / dt for k, p in procs.items()}
         replicas = sum(v for k, v in cpu.items() if k not in ("brain", "envoy"))
         parts.append(f"{'brain on its own core' if pinned else 'all on 2 shared cores'}: {rq} requests, "
                      f"{fo} failed open ({fo / max(1, rq):.1%}); CPU (cores) brain {cpu['brain']:.2f}, Envoy "

@@ -235,11 +235,10 @@ def check_text(text: str, where: str, *, targets: set[str], flags: dict[str, set
     return bad
 
 
-def check_docs(root: Path = ROOT, metrics: set[str] | None = None) -> list[str]:
-    """Every problem with the documents under ``root`` (none: they match the code)."""
-    from ..cli import build_parser
-
-    targets, flags, keys = make_targets(root), _flags_of(build_parser()), config_keys()
+def check_docs(parser: argparse.ArgumentParser, root: Path = ROOT, metrics: set[str] | None = None) -> list[str]:
+    """Every problem with the documents under ``root`` (none: they match the code); ``parser`` is the
+    ``warmroute`` command's (passed in: this instrument does not import the command that imports it)."""
+    targets, flags, keys = make_targets(root), _flags_of(parser), config_keys()
     metrics = exported_metrics() if metrics is None else metrics
     bad: list[str] = []
     documented: set[str] = set()
@@ -260,19 +259,18 @@ def check_docs(root: Path = ROOT, metrics: set[str] | None = None) -> list[str]:
     return bad
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m extproc.tools.docs",
+def main(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make docs",
                                  description="write docs/configuration.md, then check every document")
     ap.add_argument("--check", action="store_true", help="only check; write nothing")
     args = ap.parse_args(argv)
     if not args.check:
         (ROOT / CONFIG_DOC).write_text(config_reference())
         print(f"wrote {CONFIG_DOC}")
-    bad = check_docs()
+    bad = check_docs(parser)
     for line in bad:
         print(line)
     return 1 if bad else 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+# run by `make docs`: python -c "from extproc.cli import build_parser; ..." (see the Makefile)

@@ -5,50 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import yaml
 
+from extproc.tools.hostile import ENDLESS_METRICS, rss_mib
 from extproc.tools.stack import Proc, Stack, http_get, wait_for
 
 pytestmark = pytest.mark.integration
-
-ENDLESS = r'''
-import asyncio, json, sys
-from aiohttp import web
-
-async def endless(request):
-    resp = web.StreamResponse()
-    await resp.prepare(request)
-    line = b'vllm:num_requests_running{model_name="m"} 1\n' * 2000
-    try:
-        while True:
-            await resp.write(line)
-    except Exception:
-        pass
-    return resp
-
-async def main():
-    app = web.Application()
-    app.router.add_get("/metrics", endless)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    print(json.dumps({"port": runner.addresses[0][1]}), flush=True)
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-'''
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
 
 def test_an_endless_metrics_page_leaves_the_brain_s_memory_near_its_baseline():
     with Stack(1, config={"health": {"scrape_interval_s": 0.25, "probing_clean_window_s": 1.0}},
@@ -56,7 +20,7 @@ def test_an_endless_metrics_page_leaves_the_brain_s_memory_near_its_baseline():
         s.wait_all_live(30)
         pid = s.brain.popen.pid
         baseline = rss_mib(pid)
-        endless = Proc("endless", [sys.executable, "-c", ENDLESS], s.dir)
+        endless = Proc("endless", [sys.executable, "-c", ENDLESS_METRICS], s.dir)
         s._started.append(endless)
         port = wait_for(lambda: json.loads(endless.log_path.read_text().splitlines()[0])["port"], 20, "the endless server")
         doc = yaml.safe_load((s.dir / "warmroute.yaml").read_text())

@@ -1,0 +1,46 @@
+"""Pieces of hostile replicas and process measurements, shared by ``make chaos`` and the tests."""
+
+from __future__ import annotations
+
+import os
+
+# A replica whose /metrics never ends: run with ``python -c``; it prints {"port": N} once it listens.
+ENDLESS_METRICS = r'''
+import asyncio, json
+from aiohttp import web
+
+async def endless(request):
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    line = b'vllm:num_requests_running{model_name="m"} 1\n' * 2000
+    try:
+        while True:
+            await resp.write(line)
+    except Exception:
+        pass
+    return resp
+
+async def main():
+    app = web.Application()
+    app.router.add_get("/metrics", endless)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    print(json.dumps({"port": runner.addresses[0][1]}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+'''
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory, MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmRSS:"))
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds a process has used (user + system), its main thread's view of the whole process."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -136,6 +136,9 @@ class EnvoyConfig:
     admin_port: int = 9901  # Envoy's admin interface, on 127.0.0.1 only
     max_body_bytes: int = 64 * 1024 * 1024  # Envoy's 1 MiB default answers 413 to long contexts
     ext_proc_timeout_s: float = 1.0  # past this Envoy fails open to the bounded ring-hash route
+    # ext_proc calls (and access-log streams) in flight to the brain at most; past it Envoy fails open at once. The
+    # brain decides ~1,000 requests a second on a core: more than this waiting would outlast ext_proc_timeout_s
+    brain_max_in_flight: int = 256
     stream_idle_timeout_s: float = 900.0  # a stalled replica must not hang a client forever; 0 disables
     upstream_connect_timeout_s: float = 1.0  # a replica that does not accept within this is retried elsewhere
     access_log_flush_s: float = 0.01  # how late a reservation may be released after the request ends

@@ -73,11 +73,11 @@ def _is_ip(host: str) -> bool:
         return False
 
 
-def _thresholds() -> dict:
+def _thresholds(max_requests: int = _BIG) -> dict:
     return {
         "thresholds": [
-            {"priority": "DEFAULT", "max_connections": _BIG, "max_pending_requests": _BIG, "max_requests": _BIG, "max_retries": _BIG},
-            {"priority": "HIGH", "max_connections": _BIG, "max_pending_requests": _BIG, "max_requests": _BIG, "max_retries": _BIG},
+            {"priority": p, "max_connections": _BIG, "max_pending_requests": _BIG, "max_requests": max_requests,
+             "max_retries": _BIG} for p in ("DEFAULT", "HIGH")
         ]
     }
 
@@ -367,7 +367,9 @@ def brain_cluster(cfg: AppConfig) -> dict:
                 }},
             }
         },
-        "circuit_breakers": _thresholds(),
+        # a burst the brain cannot decide within ext_proc_timeout_s fails open at once past this many calls in
+        # flight, instead of queueing work for requests Envoy will have given up on by the time it is done
+        "circuit_breakers": _thresholds(e.brain_max_in_flight),
         "health_checks": [
             {
                 "timeout": _dur(max(0.1, hc / 2)),

@@ -103,8 +103,9 @@ def test_any_body_is_routed_and_nothing_escapes(policy, h, body):
     answer = out.dynamic_metadata.fields["warmroute"].struct_value.fields
     assert answer["cluster"].string_value in ("r0", "r1", "r2")
     # release at once: the fleet's in-flight state stays what the next case expects
-    rid = int(answer["reservation"].string_value.rpartition(".")[2])
-    b.router.release(b.router.reservation(rid), b.clock())
+    res = b.ledger.named(answer["reservation"].string_value)
+    assert res is not None
+    b.router.release(res, b.clock())
     b.ledger.forget_released()
 
 

@@ -113,8 +113,9 @@ def test_each_replica_names_its_engine():
 
 # ---- bounded config (issue 19, part 4)
 
-BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] + [
-    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]) + "\nreplicas: *i\n"
+BOMB = ("replicas: [{name: r0, url: 'http://127.0.0.1:9'}]\npins:\n  session_ttl_s: [" + ", ".join(
+    ["&a [x, x, x, x, x, x, x, x, x]"] + [f"&{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)])
+    + "]\n")  # nine levels of nine: 9^9 values wherever the value is walked (an error message's repr)
 
 
 def test_a_yaml_alias_bomb_is_refused_in_one_line_naming_the_line(tmp_path):

@@ -274,8 +274,9 @@ def endless_metrics(stack: Stack, load: Load) -> tuple[float, str]:
                               f"{before:.0f} MiB before, {during:.0f} during, {after:.0f} after its removal")
 
 
-BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] + [
-    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]) + "\nreplicas: *i\n"
+BOMB = ("replicas: [{name: r0, url: 'http://127.0.0.1:9'}]\npins:\n  session_ttl_s: [" + ", ".join(
+    ["&a [x, x, x, x, x, x, x, x, x]"] + [f"&{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)])
+    + "]\n")  # nine levels of nine: 9^9 values wherever the value is walked (an error message's repr)
 
 
 def alias_bomb_reload(stack: Stack, load: Load) -> tuple[float, str]:

@@ -200,15 +200,26 @@ def nan_metrics(stack: Stack, load: Load) -> tuple[float, str]:
 
 
 def spoofed_headers(stack: Stack, load: Load) -> tuple[float, str]:
-    before = stack.envoy_stats().get("cluster.r3.upstream_rq_total", 0)
+    """Each session's first turn says where the brain keeps it; its next turns name another replica in the routing
+    header (or the brain's own cluster). Served by the named replica = routed by the client's header."""
     body = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "spoof"}]}).encode()
-    reached, not_found = 0, 0
-    for i in range(40):
-        hdrs = {"content-type": "application/json", "x-warmroute-cluster": "r3" if i % 2 else "warmroute_brain",
-                "x-warmroute-tenant": "victim", "x-request-id": "same-id", "x-warmroute-reservation": "0.1"}
-        req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body, headers=hdrs, method="POST")
+    names = [r.name for r in stack.replicas]
+
+    def served(headers: dict) -> str:
+        req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body, method="POST",
+                                     headers={"content-type": "application/json", **headers})
         with urllib.request.urlopen(req, timeout=30) as r:
-            r.read()
+            return json.loads(r.read())["system_fingerprint"]  # the mock names who served
+
+    by_header, reached, not_found = 0, 0, 0
+    for i in range(40):
+        session = f"spoof-{i // 5}"
+        if i % 5 == 0:  # the session's first turn: where the brain keeps it
+            home = served({"x-session-id": session})
+        named = "warmroute_brain" if i % 10 == 9 else next(n for n in names if n != home)
+        got = served({"x-session-id": session, "x-warmroute-cluster": named, "x-warmroute-tenant": "victim",
+                      "x-request-id": "same-id", "x-warmroute-reservation": "0.1"})
+        by_header += got == named
         for path in ("/metrics", "/admin/fault"):
             try:
                 urllib.request.urlopen(urllib.request.Request(stack.url + path, data=b"{}" if "admin" in path else None),
@@ -216,9 +227,9 @@ def spoofed_headers(stack: Stack, load: Load) -> tuple[float, str]:
                 reached += 1
             except urllib.error.HTTPError as e:
                 not_found += e.code == 404
-    named = stack.envoy_stats().get("cluster.r3.upstream_rq_total", 0) - before
-    return time.monotonic(), (f"40 requests naming r3/warmroute_brain, a victim tenant, a shared request id: {named} routed "
-                              f"by the header; 80 GET /metrics, POST /admin/fault: {not_found} x 404, {reached} reached a replica")
+    return time.monotonic(), (f"40 requests naming another replica than their session's (or warmroute_brain), a victim "
+                              f"tenant, a shared request id: {by_header} served by the named replica; 80 GET /metrics, "
+                              f"POST /admin/fault: {not_found} x 404, {reached} reached a replica")
 
 
 def big_bodies(stack: Stack, load: Load) -> tuple[float, str]:

@@ -53,6 +53,7 @@ def merge(doc: dict, pieces: dict, replica_clusters: list[dict]) -> dict:
     hcm["http_filters"][:0] = pieces["http_filters"]  # before the router filter
     hcm.setdefault("access_log", []).extend(pieces["access_log"])
     hcm.update(pieces["hcm_access_log_options"])
+    hcm["local_reply_config"] = pieces["local_reply_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     for r in routes:  # their own routes keep the brain out of their traffic
         r["typed_per_filter_config"] = pieces["other_routes_typed_per_filter_config"]

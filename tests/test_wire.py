@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf.message import DecodeError

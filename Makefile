@@ -25,7 +25,7 @@ demo: install
 test: install system-deps
 	$(PY) -m pytest -q
 
-test-unit: install  ## everything but the tests that start Envoy, brains and replicas (~100 s)
+test-unit: install  ## everything but the tests that start Envoy, brains and replicas (~4 min on 2 cores)
 	$(PY) -m pytest -q -m "not integration"
 
 docs: install  ## regenerate docs/configuration.md from the config dataclasses, then check every document

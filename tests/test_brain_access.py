@@ -54,7 +54,7 @@ def test_a_reservation_id_cannot_be_guessed_from_another():
     assert b.router.open_reservations == 2
 
 
-def test_periodic_entries_keep_a_long_request_s_reservation_and_release_nothing():
+def test_B_completion_periodic_entries_keep_a_long_request_s_reservation_past_the_safety_timeout():
     b, clock = live()
     rid = headers_of(b.decide({"x-request-id": "long"}, BODY))[RESERVATION_HEADER]
     for _ in range(360):  # an hour of generation, logged every 10 s
@@ -67,7 +67,7 @@ def test_periodic_entries_keep_a_long_request_s_reservation_and_release_nothing(
     assert b.router.open_reservations == 0 and b.router.liveness_timeouts == 0
 
 
-def test_a_reservation_no_entry_ever_names_expires_after_the_liveness_bound():
+def test_B_completion_a_reservation_no_entry_ever_names_expires_after_the_liveness_bound():
     b, clock = live()
     b.decide({"x-request-id": "rogue"}, BODY)  # an ext_proc call no request follows
     live_rid = headers_of(b.decide({"x-request-id": "real"}, BODY))[RESERVATION_HEADER]
@@ -83,7 +83,7 @@ def test_a_reservation_no_entry_ever_names_expires_after_the_liveness_bound():
     assert b.router.open_reservations == 1  # the real one, seen every 10 s, is kept
 
 
-def test_without_periodic_entries_nothing_expires_before_the_safety_timeout():
+def test_B_completion_without_periodic_entries_nothing_expires_before_the_safety_timeout():
     # an Envoy configured without access_log_options (pasted snippets, a foreign gateway) never sends them:
     # its long requests must keep their reservations
     b, clock = live()

@@ -22,7 +22,7 @@ from extproc.core import UpstreamOutcome, upstream_failed, upstream_verdicts
     (UpstreamOutcome(code=200, via_upstream=True, remote_reset=True), True),  # reset
     (UpstreamOutcome(connection_termination=True), True),
 ])
-def test_what_counts_as_an_upstream_failure(outcome, failed):
+def test_B_what_counts_as_an_upstream_failure_a_500_or_4xx_does_not(outcome, failed):
     assert upstream_failed(outcome) is failed
 
 

@@ -16,7 +16,7 @@ def fail(router, name, t, n=3):
         router.on_upstream(name, False, t)
 
 
-def test_users_requests_eject_at_most_the_fleet_s_share_and_scrapes_eject_the_rest():
+def test_B_upstream_failures_eject_at_most_the_fleet_s_share_and_scrapes_eject_the_rest():
     router, t = live_router(4, CFG)  # 25% of 4: one replica
     fail(router, "r0", t)
     assert router.replica("r0").state is EJECTED
@@ -29,7 +29,7 @@ def test_users_requests_eject_at_most_the_fleet_s_share_and_scrapes_eject_the_re
     assert router.replica("r1").state is EJECTED
 
 
-def test_the_share_comes_back_when_the_passively_ejected_replica_does():
+def test_B_upstream_failures_share_comes_back_when_the_passively_ejected_replica_does():
     router, t = live_router(4, CFG)
     fail(router, "r0", t)
     t = scrape_until(router, t + 3, lambda: router.replica("r0").state is LIVE)
@@ -37,7 +37,7 @@ def test_the_share_comes_back_when_the_passively_ejected_replica_does():
     assert router.replica("r1").state is EJECTED
 
 
-def test_the_share_is_a_percentage_of_the_fleet_and_at_least_one():
+def test_B_upstream_failures_share_is_a_percentage_of_the_fleet_and_at_least_one():
     cfg = dataclasses.replace(CFG, health=dataclasses.replace(CFG.health, max_passive_ejection_percent=50.0))
     router, t = live_router(8, cfg)
     for name in ("r0", "r1", "r2", "r3", "r4", "r5"):

@@ -55,4 +55,8 @@ def test_the_router_counts_the_decisions_each_replica_could_have_taken():
     for i in range(4):
         router.select(prof(session=f"s{i}", tokens=100), t)
     assert router.selects == 9
-    assert [r.candidate_decisions for r in router.replicas] == [9, 5, 5]
+    assert [router.candidate_decisions(r) for r in router.replicas] == [9, 5, 5]
+    assert [d["candidate_decisions"] for d in router.snapshot()] == [9, 5, 5]
+    router.drain("r1", False)
+    router.select(prof(session="s9", tokens=100), t)
+    assert [router.candidate_decisions(r) for r in router.replicas] == [10, 6, 5]

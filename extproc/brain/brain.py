@@ -125,6 +125,8 @@ class Brain:
         self.scraper.interval_s = self.cfg.router.health.scrape_interval_s
         self.scraper.load_refresh_s = self.cfg.router.warm.load_refresh_s if self.router.needs_blocks else None
         self.scraper.max_bytes = self.cfg.router.health.max_metrics_bytes
+        if self.router.liveness_timeout_s is not None:  # the bound follows envoy.access_log_periodic_s (0: off)
+            self.router.liveness_timeout_s = self.liveness_bound_s()
         self.stats.zero_series(r.name for r in self.cfg.replicas)
         self.stats.reloads += 1
         logs.event("config_reload", **info)

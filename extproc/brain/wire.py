@@ -31,17 +31,14 @@ def _varint(data: bytearray, i: int) -> tuple[int, int]:
         shift += 7
 
 
+# each byte of an invalid sequence (surrogateescape gives U+DC80..U+DCFF) becomes its low 7 bits: one byte for one
+_LOW7 = {0xDC00 + b: b & 0x7F for b in range(0x80, 0x100)}
+
+
 def _mend_text(data: bytearray, start: int, end: int) -> None:
-    """Make data[start:end] valid UTF-8 without changing its length."""
-    i = start
-    while i < end:
-        try:
-            bytes(data[i:end]).decode("utf-8")
-            return
-        except UnicodeDecodeError as e:
-            for k in range(i + e.start, i + e.end):
-                data[k] &= 0x7F
-            i += e.end
+    """Make data[start:end] valid UTF-8 without changing its length, in one pass."""
+    text = bytes(data[start:end]).decode("utf-8", "surrogateescape")
+    data[start:end] = text.translate(_LOW7).encode("utf-8")
 
 
 def _mend(desc: Descriptor, data: bytearray, start: int, end: int) -> None:

@@ -123,7 +123,8 @@ class HealthMachine:
 
     def on_upstream(self, name: str, ok: bool, now: float, may_eject: bool = True) -> Transition | None:
         """Outcome of a user request as seen by Envoy (a failure of the replica = not ok). With ``may_eject``
-        false the failure is counted but the replica stays: the fleet's share of passive ejections is spent."""
+        false the failure is not counted against it and the replica stays: the fleet's share of passive
+        ejections is spent (the router counts the refusal)."""
         if ok:
             self.upstream_failures = 0
             return None
@@ -180,7 +181,8 @@ class Replica:
         "wlc_milli",
         "in_flight_requests",
         "count_wlc",
-        "candidate_decisions",
+        "pool_selects",
+        "pool_since",
     )
 
     def __init__(self, name: str, index: int, health: HealthMachine, count_wlc: bool = True):
@@ -197,9 +199,11 @@ class Replica:
         self.wlc_milli = 0
         self.in_flight_requests = 0
         self.count_wlc = count_wlc
-        # decisions made while this replica could have been chosen (LIVE or PROBING, not drained): a replica
-        # that takes little traffic says from this whether it was passed over or out of the pool
-        self.candidate_decisions = 0
+        # decisions made while this replica could have been chosen (LIVE or PROBING, not drained), kept as the
+        # router's decision count when it entered the pool (None: out) plus those of its earlier stays there;
+        # a replica that takes little traffic says from this whether it was passed over or out of the pool
+        self.pool_selects = 0
+        self.pool_since: int | None = None
 
     @property
     def state(self) -> State:
@@ -244,5 +248,4 @@ class Replica:
             "cooldown_until": h.cooldown_until,
             "streak": h.streak,
             "ejections": h.ejections,
-            "candidate_decisions": self.candidate_decisions,
         }

@@ -126,13 +126,29 @@ class Router:
 
     def drain(self, name: str, drained: bool = True) -> None:
         """Operator drain: no new traffic and no pins; in-flight requests finish; scraping goes on."""
-        self._by_name[name].drained = drained
+        r = self._by_name[name]
+        r.drained = drained
+        self._sync_pool(r)
+
+    def _sync_pool(self, r: Replica) -> None:
+        """Book the replica's entry into or exit from the pool (for ``candidate_decisions``; nothing per request)."""
+        in_pool = not r.drained and not r.removed and r.health.state is not EJECTED
+        if in_pool and r.pool_since is None:
+            r.pool_since = self.selects
+        elif not in_pool and r.pool_since is not None:
+            r.pool_selects += self.selects - r.pool_since
+            r.pool_since = None
+
+    def candidate_decisions(self, r: Replica) -> int:
+        """Decisions made while ``r`` could have been chosen (LIVE or PROBING, not drained)."""
+        return r.pool_selects + (self.selects - r.pool_since if r.pool_since is not None else 0)
 
     # ------------------------------------------------------------------ inputs
 
     def _emit(self, t: Transition | None) -> Transition | None:
         if t is not None:
             self.transitions.append(t)
+            self._sync_pool(self._by_name[t.replica])
             if t.new is EJECTED:
                 self.policy.on_health(self._by_name[t.replica], True)
             for fn in self.listeners:
@@ -243,9 +259,6 @@ class Router:
         if now >= self._next_due or now >= self._housekeeping_at:
             self.tick(now)
         self.selects += 1
-        for r in self._replicas:
-            if not r.drained and r.health.state is not EJECTED:
-                r.candidate_decisions += 1
         d = self.policy.select(self, profile, now)
         if d is None:
             return self._fallback(profile, now)
@@ -317,6 +330,7 @@ class Router:
         out = []
         for r in self._replicas:
             d = r.snapshot()
+            d["candidate_decisions"] = self.candidate_decisions(r)
             d["session_pins"] = s.get(r.name, 0)
             d["prefix_pins"] = p.get(r.name, 0)
             out.append(d)

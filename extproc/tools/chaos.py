@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ..contract import EXT_PROC_STAT_PREFIX
-from .hostile import ENDLESS_METRICS, cpu_s, rss_mib
+from .hostile import ENDLESS_METRICS, connect_as, cpu_s, rss_mib
 from .loadgen import OpenLoop, write_report
 from .stack import Stack, http_post_json, wait_for
 
@@ -327,13 +327,7 @@ def alias_bomb_reload(stack: Stack, load: Load) -> tuple[float, str]:
 
 def rogue_client(stack: Stack, load: Load) -> tuple[float, str]:
     """A local user who is not the brain's: the brain's socket refuses them; the admin API wants the token."""
-    import subprocess
-
-    sock = stack.cfg.brain.grpc_socket
-    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1]); print('connected')\n"
-            "except OSError as e:\n    print(type(e).__name__)")
-    as_nobody = subprocess.run(["/usr/bin/python3", "-c", code, sock], user="nobody", group="nogroup", extra_groups=[],
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+    as_nobody = connect_as(stack.cfg.brain.grpc_socket)
     try:
         http_post_json(stack.brain_admin + "/replicas/r1/drain", {})
         drain = "drained r1"

@@ -44,3 +44,13 @@ def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def connect_as(path: str, user: str = "nobody", group: str = "nogroup") -> str:
+    """Try to connect to a Unix socket as another local user (needs root): "connected", or the error's kind."""
+    import subprocess
+
+    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1]); print('connected')\n"
+            "except OSError as e:\n    print(type(e).__name__)")
+    return subprocess.run(["/usr/bin/python3", "-c", code, path], user=user, group=group, extra_groups=[],
+                          capture_output=True, text=True, timeout=30).stdout.strip()

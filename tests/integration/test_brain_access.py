@@ -15,6 +15,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from extproc.tools.hostile import connect_as
 from extproc.tools.stack import wait_for
 
 pytestmark = pytest.mark.integration
@@ -39,13 +40,6 @@ def _listening_tcp_ports(pid: int) -> list[int]:
     return ports
 
 
-def _connect_as_nobody(path: str) -> str:
-    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1]); print('connected')\n"
-            "except OSError as e:\n    print(type(e).__name__)")
-    return subprocess.run(["/usr/bin/python3", "-c", code, path], user="nobody", group="nogroup", extra_groups=[], capture_output=True, text=True,
-                          timeout=30).stdout.strip()
-
-
 def test_by_default_the_brain_s_grpc_is_a_socket_only_its_user_may_open(own_stack):
     sock_dir = tempfile.mkdtemp(prefix="wr-sock-")
     os.chmod(sock_dir, 0o755)  # anyone may look in: the socket's own mode must be what keeps them out
@@ -57,7 +51,7 @@ def test_by_default_the_brain_s_grpc_is_a_socket_only_its_user_may_open(own_stac
         admin = {s.brain_ports["admin_port"], s.brain_ports["metrics_port"]}
         assert set(_listening_tcp_ports(s.brain.popen.pid)) <= admin
         assert os.stat(path).st_mode & 0o777 == 0o600
-        assert _connect_as_nobody(path) == "PermissionError"
+        assert connect_as(path) == "PermissionError"
         s.wait_all_live(30)
         # and Envoy, the brain's user here, routes through it
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -77,7 +71,7 @@ def test_a_socket_group_lets_its_members_in(own_stack, tmp_path):
     try:
         own_stack(1, config={"brain": {"grpc_socket": path, "grpc_socket_group": "nogroup"}}, envoy=False)
         assert os.stat(path).st_mode & 0o777 == 0o660
-        assert _connect_as_nobody(path) == "connected"  # nobody's group is nogroup
+        assert connect_as(path) == "connected"  # nobody's group is nogroup
     finally:
         for p in Path(sock_dir).iterdir():
             p.unlink()

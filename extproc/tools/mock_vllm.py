@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..core.blocks import BLOCK_CHARS, block_hashes
-from .sim.engine import Engine, EngineConfig, EngineRequest
+from .sim.engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 
 CHARS_PER_TOKEN = 4
 
@@ -55,84 +55,120 @@ class _Aborted(Exception):
 class Waiter:
     """Token events of one request from the engine loop to its HTTP handler."""
 
-    __slots__ = ("queue", "req")
+    __slots__ = ("queue", "req", "first_at")
 
     def __init__(self, req: EngineRequest):
         self.req = req
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.first_at: float | None = None  # engine time of the first token (a preempted request keeps its first)
 
 
 class Driver:
-    """Runs engine steps back to back against the wall clock while there is work."""
+    """Runs the engine in workload time, with the simulator's stepping, against the wall clock.
 
-    def __init__(self, cfg: EngineConfig, speedup: float):
+    The engine's clock is workload time: a step starts where the previous one
+    ended (or at the arrival that woke an idle engine), and a client is
+    answered when the wall clock reaches that step's end divided by
+    ``speedup``. A late event loop therefore delays the answer but never the
+    engine, so the simulator and the mock compute the same schedule, and the
+    mock's own lateness (asyncio, HTTP, a busy machine) is measured per
+    request as ``lag`` instead of silently inflating every later step.
+    Pure-decode steps are run ``horizon_s`` at a time, as the simulator does
+    (an arrival cuts the run at the next step boundary), so a 20x-compressed
+    14 ms step is not a 0.7 ms timer the event loop cannot keep.
+    """
+
+    def __init__(self, cfg: EngineConfig, speedup: float, horizon_s: float = DECODE_HORIZON_S):
         self.engine = Engine(cfg)
         self.speedup = speedup
+        self.horizon_s = horizon_s
+        self.w0 = time.monotonic()
+        self.clock = 0.0  # workload time where the next step starts
         self.waiters: dict[int, Waiter] = {}
-        self.admitted_at: dict[int, float] = {}  # wall time a request first ran (vLLM's prefill time starts there)
         self.prefilled: set[int] = set()
         self.on_first = lambda er, prefill_s: None
         self.on_done = lambda er, decode_s: None
+        self.on_lag = lambda lag_s: None  # wall seconds a first token reached its client after its due time
         self._wake = asyncio.Event()
+        self._end: float | None = None  # workload time the step (or decode run) in progress ends
         self._next_rid = 0
         self.task: asyncio.Task | None = None
+
+    def now(self) -> float:
+        return (time.monotonic() - self.w0) * self.speedup
+
+    def wall(self, t: float) -> float:
+        return self.w0 + t / self.speedup
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int) -> Waiter:
         self._next_rid += 1
-        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, time.monotonic())
+        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, self.now())
         w = Waiter(er)
         self.waiters[er.rid] = w
         self.engine.add(er)
-        self._wake.set()
+        if self._end is None:
+            self._wake.set()
+        else:
+            cut = self.engine.cut_run(er.arrival)  # vLLM admits it at the next step boundary
+            if cut is not None:
+                self._end = cut
+                self._wake.set()
         return w
 
     def abort(self, w: Waiter) -> None:
         self.waiters.pop(w.req.rid, None)
-        self.admitted_at.pop(w.req.rid, None)
         self.prefilled.discard(w.req.rid)
         self.engine.abort(w.req)
 
     def abort_all(self) -> None:
         self.engine.abort_all()
-        self.admitted_at.clear()
         self.prefilled.clear()
         for w in self.waiters.values():
             w.queue.put_nowait(_Aborted())
         self.waiters.clear()
 
     async def _run(self) -> None:
+        e = self.engine
         while True:
-            if not self.engine.busy:
+            if not e.busy:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            before = {r.rid: r.generated for r in self.engine.running}
-            dur, first, done = self.engine.step(time.monotonic())
+            if e.waiting and not e.running:  # idle until now: the step starts at the arrival
+                self.clock = max(self.clock, e.waiting[0].arrival)
+            before = {r.rid: r.generated for r in e.running}
+            dur, first, done = e.step(self.clock, self.horizon_s)
             if dur <= 0:
                 await asyncio.sleep(0.001)
                 continue
-            started = time.monotonic()
-            for r in self.engine.running:
-                self.admitted_at.setdefault(r.rid, started)
-            await asyncio.sleep(dur / self.speedup)
-            ended = time.monotonic()
-            firsts = {r.rid for r in first}
+            self._end = self.clock + dur
+            while (delay := self.wall(self._end) - time.monotonic()) > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+            self.clock, self._end = self._end, None
+            late = time.monotonic() - self.wall(self.clock)
             for r in first:
                 if r.rid not in self.prefilled:  # once per request, as vLLM counts it (not again after preemption)
                     self.prefilled.add(r.rid)
-                    self.on_first(r, ended - self.admitted_at.get(r.rid, started))
-                    self.admitted_at[r.rid] = ended  # from here on, the decode phase
-            for r in [*self.engine.running, *done]:
+                    self.on_first(r, (self.clock - r.scheduled_at) / self.speedup)
+                    self.on_lag(late)
+            firsts = {r.rid for r in first}
+            for r in [*e.running, *done]:
                 w = self.waiters.get(r.rid)
                 new = r.generated - before.get(r.rid, 0)
                 if w is not None and new > 0:
+                    if w.first_at is None:
+                        w.first_at = self.clock
                     w.queue.put_nowait((new, r.rid in firsts))
             for r in done:
                 self.prefilled.discard(r.rid)
-                self.on_done(r, ended - self.admitted_at.pop(r.rid, ended))
+                self.on_done(r, (self.clock - r.first_token_at) / self.speedup)
                 w = self.waiters.pop(r.rid, None)
                 if w is not None:
                     w.queue.put_nowait(None)
@@ -150,7 +186,7 @@ class MockReplica:
         self.rng = random.Random(args.seed)
         # --speed scales prefill and decode alike (a slower GPU); --speedup only compresses time for tests
         self.engine_cfg = EngineConfig(max_num_seqs=args.max_num_seqs).scaled(args.speed, args.kv_tokens)
-        self.driver = Driver(self.engine_cfg, args.speedup)
+        self.driver = self._driver()
         self.site: web.TCPSite | None = None
         self.runner: web.AppRunner | None = None
         self.port = args.port
@@ -190,10 +226,22 @@ class MockReplica:
             self.c_generation.labels(**self.lv).inc(er.generated)
             self.h_decode.labels(**self.lv).observe(decode_s)
 
-        self.driver.on_first, self.driver.on_done = first, done
+        # not an engine's metric: how late the mock's event loop delivered first tokens (wall seconds), so a
+        # benchmark can tell the engine's time from the mock's own overhead
+        self.h_lag = Histogram("mock:first_token_lag_seconds", "Wall time a first token reached its client after "
+                               "its due time", registry=reg,
+                               buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self._on_first, self._on_done = first, done
+        self._wire(self.driver)
         for m in (self.g_running, self.g_waiting, self.g_kv, self.c_queries, self.c_hits, self.c_preempt, self.c_success,
                   self.h_ttft, self.h_e2e, self.c_prompt, self.c_generation, self.h_prefill, self.h_decode):
             m.labels(**self.lv)  # every series exists from the start, at 0, as vLLM exports them
+
+    def _driver(self) -> "Driver":
+        return Driver(self.engine_cfg, self.args.speedup, self.args.decode_horizon_s)
+
+    def _wire(self, d: "Driver") -> None:
+        d.on_first, d.on_done, d.on_lag = self._on_first, self._on_done, self.h_lag.observe
 
     def _sync_metrics(self) -> None:
         e = self.driver.engine
@@ -289,7 +337,9 @@ class MockReplica:
             if conn.transport is not None:
                 conn.transport.abort()
         self.driver.abort_all()
-        self.driver = Driver(self.engine_cfg, self.args.speedup)
+        self.driver.task.cancel()
+        self.driver = self._driver()
+        self._wire(self.driver)
         self.driver.start()
         self._engine_counters = [0, 0, 0]
         print(f"mock-vllm {self.args.name}: down for {seconds:g}s", flush=True)
@@ -363,9 +413,13 @@ class MockReplica:
             await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length", fp)))
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
+                # beside the usage, what the engine alone took (workload seconds): a benchmark subtracts nothing, but
+                # can tell the engine's time to first token from the time the HTTP path and routers added
+                er = waiter.req
+                engine = {"ttft_s": round(waiter.first_at - er.arrival, 6), "e2e_s": round(er.finished_at - er.arrival, 6)}
                 await resp.write(_sse({"id": rid, "object": obj, "created": created, "model": self.model,
                                        "system_fingerprint": fp, "choices": [],
-                                       "usage": _usage(prompt_tokens, max_tokens, cached)}))
+                                       "usage": _usage(prompt_tokens, max_tokens, cached), "x_mock_engine": engine}))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -494,6 +548,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--default-max-tokens", type=int, default=64)
     ap.add_argument("--speedup", type=float, default=1.0, help="divide every engine step time by this")
+    ap.add_argument("--decode-horizon-s", type=float, default=DECODE_HORIZON_S,
+                    help="pure-decode steps are run and streamed this much engine time at a time (0: token by token)")
     ap.add_argument("--fail-rate", type=float, default=0.0, help="share of requests answered 503")
     ap.add_argument("--flap-every", type=float, default=0.0, help="die every this many seconds (0: never)")
     ap.add_argument("--flap-down", type=float, default=5.0, help="and stay down this long")

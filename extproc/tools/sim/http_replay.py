@@ -47,7 +47,7 @@ def system_texts(n_projects: int, tokens: list[int], seed: int) -> list[str]:
 async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[str], model: str,
                res: ReplayResult, t0: float, timeout: float) -> None:
     system, user = text_for(req, texts)
-    body = {"model": model, "stream": True, "max_tokens": req.max_tokens,
+    body = {"model": model, "stream": True, "max_tokens": req.max_tokens, "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
     headers = {} if req.oneshot else {"x-session-id": f"sess-{req.sid}"}
     start = time.monotonic()
@@ -65,6 +65,10 @@ async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 chunk = json.loads(line[6:])
+                usage = chunk.get("usage")
+                if usage:  # the last chunk: what the replica cached, and (a mock) what its engine alone took
+                    req.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    req.extra["engine"] = chunk.get("x_mock_engine")
                 fp = chunk.get("system_fingerprint")
                 if fp and req.replica is None:
                     req.extra["served_by"] = fp

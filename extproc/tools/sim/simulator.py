@@ -15,14 +15,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ...core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
-from .engine import Engine, EngineConfig, EngineRequest
+from .engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 from .policies import Policy, make_policy
 from .workload import Request, Workload, WorkloadConfig
-
-# Pure-decode steps are batched up to this much virtual time (a request arriving meanwhile cuts the run at
-# the next step boundary, where vLLM would admit it). Keeps 30 minutes of 4 replicas well under a minute.
-DECODE_HORIZON_S = 0.2
-
 
 @dataclass(frozen=True, slots=True)
 class Fault:
@@ -131,6 +126,7 @@ class Simulation:
         scrape_interval_s: float | None = None,
         bursts: tuple[tuple[float, int], ...] = (),
         replica_speeds: tuple[float, ...] | None = None,
+        trace: tuple[Request, ...] = (),
     ):
         self.n = replicas
         self.wcfg = workload or WorkloadConfig()
@@ -148,6 +144,7 @@ class Simulation:
         # the brain's scrape cadence, unless a test asks for another
         self.scrape_interval = scrape_interval_s or (router_cfg or RouterConfig()).health.scrape_interval_s
         self.bursts = bursts  # (t, k): k one-shot requests arrive at the same instant t
+        self.trace = trace  # fixed requests at their own arrival times, beside the workload (engine comparisons)
         self.workload = Workload(self.wcfg, seed)
         self._events: list = []
         self._seq = itertools.count()
@@ -295,6 +292,8 @@ class Simulation:
             while t < end:
                 self._at(t, "load")
                 t += self.policy.load_refresh_s
+        for r in self.trace:
+            self._at(r.arrival, "oneshot", r)
         for bt, k in self.bursts:
             for _ in range(k):
                 self._at(bt, "oneshot")

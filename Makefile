@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install system-deps demo test test-unit docs bench bench-quick bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (<= 
 bench-quick: install  ## the plain workload only (<= 2 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m extproc.tools.bench_live --quick --out /tmp/warmroute-bench-quick
+
+bench-agree: install  ## live vs simulated on one workload at 20x, 10x and 5x compression, ratios to ring hash (~15 min); docs/bench-agree.md
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m extproc.tools.bench_agree
 
 bench-overhead: install  ## Envoy direct vs Envoy + brain (needs wrk: apt-get install wrk)
 	$(PY) -m extproc.tools.bench_overhead

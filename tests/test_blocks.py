@@ -57,7 +57,7 @@ def test_a_rewritten_history_is_not_reused():
 def test_the_chain_cache_is_bounded():
     cache = ChainCache(max_sessions=3, max_blocks=50)
     for i in range(10):
-        cache.chain(f"s{i}".encode(), bytes([i]) * (20 * BLOCK_CHARS), 0, (0, 1))
+        cache.chain(f"s{i}".encode(), bytes([i]) * (20 * BLOCK_CHARS), 0, 0)
     assert len(cache) <= 3 and cache._blocks <= 50
 
 

@@ -68,10 +68,10 @@ class ProfileConfig:
     parse_max_bytes: int | None = None
     block_chars: int = 64  # C2: ~16 tokens at 4 characters a token, vLLM's block size
     # C2: the chain covers at most this much of the conversation: ~262K tokens, more than a long-context model
-    # holds, and what one request can hash without holding the brain's event loop for milliseconds
+    # holds, and what one request can hash in about a millisecond
     chain_max_bytes: int = 1024 * 1024
-    # ...of which one request hashes at most this much that is new (~3 ms): a conversation seen for the first
-    # time is indexed over its next turns, and no single request holds the event loop for long
+    # ...of which one request hashes at most this much that is new (~0.7 ms): a longer conversation seen for the
+    # first time is indexed over its next turns, and no single request holds the event loop for long
     chain_step_bytes: int = 512 * 1024
 
     def tenant_reads(self) -> str | None:

@@ -30,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bench_live import WARMROUTE, bench_workload, start
+from .bench_live import WARMROUTE, bench_workload, brain_decision_mean, start
 from .engine_agree import agreement, engine_trace, replay_trace, simulate_trace
 from .sim.http_replay import replay
 from .sim.measure import window_numbers
@@ -126,16 +126,6 @@ def live(contender: str, wl: WorkloadConfig, seed: int, replicas: int, speedup: 
     finally:
         run.stop()
     return res.requests, extra
-
-
-def brain_decision_mean(text: str) -> float | None:
-    total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith("warmroute_decision_duration_seconds_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("warmroute_decision_duration_seconds_count"):
-            count += float(line.rsplit(" ", 1)[1])
-    return total / count if count else None
 
 
 def mock_lag(urls: list[str]) -> tuple[float, float]:

@@ -53,6 +53,9 @@ ROUTERS = {
     "sglang_router_cache_aware": ("sglang-router", "cache_aware"),
 }
 CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]
+# make bench-quick: warmroute and the contenders that come closest to it on the plain workload
+QUICK = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_ring_hash", "envoy_least_request",
+         "sglang_router_cache_aware", "vllm_router_consistent_hash"]
 SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica", "brain_killed"]
 
 
@@ -227,6 +230,21 @@ def faults(scenario: str, run: "Running", speedup: float, duration: float, stop:
     return t
 
 
+def speedup_of(scenario: str, args) -> float:
+    return args.speedup if scenario == "workload" else args.fault_speedup
+
+
+def brain_decision_mean(text: str) -> float | None:
+    """The brain's mean decision time in seconds, from its /metrics text."""
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("warmroute_decision_duration_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("warmroute_decision_duration_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total / count if count else None
+
+
 def bench_workload(minutes: float, sessions_per_min: float = 6.0, oneshots_per_min: float = 6.0,
                    projects: int = 6) -> WorkloadConfig:
     """The benchmarks' workload (live, and simulated by ``make bench-agree``): more sessions per minute than the
@@ -239,6 +257,7 @@ def bench_workload(minutes: float, sessions_per_min: float = 6.0, oneshots_per_m
 class Row:
     contender: str
     scenario: str
+    speedup: float = 0.0
     ttft_p50: float = float("nan")
     ttft_p99: float = float("nan")
     e2e_p50: float = float("nan")
@@ -248,6 +267,7 @@ class Row:
     imbalance: float = float("nan")
     fleet_hit: float = 0.0  # the mocks' own counters, warm-up included (what the replicas' dashboards show)
     not_engine_p50: float = float("nan")  # of each TTFT, what was not the engine's: client, Envoy, brain, HTTP
+    brain_ms: float = float("nan")  # the brain's mean decision time, workload milliseconds
     sent: int = 0
     errors: int = 0
     lost: int = 0
@@ -260,30 +280,34 @@ def measure(contender: str, scenario: str, args) -> Row:
     if scenario == "brain_killed" and contender not in WARMROUTE:
         return Row(contender, scenario, note="n/a: no brain to kill")
     w = bench_workload(args.minutes, args.sessions_per_min, args.oneshots_per_min, args.projects)
-    mock_args = ["--speedup", str(args.speedup)]
+    sp = speedup_of(scenario, args)
+    mock_args = ["--speedup", str(sp)]
     try:
-        run = start(contender, args.replicas, mock_args, args.speedup)
+        run = start(contender, args.replicas, mock_args, sp)
     except Exception as e:  # a contender that cannot start is a row that says why (missing binary, no answer)
         return Row(contender, scenario, note=f"did not start: {e}"[:160])
     urls = [r.url for r in run.stack.replicas]
     stop = threading.Event()
     try:
         q0, h0 = mock_counters(urls)
-        duration = args.minutes * 60 / args.speedup
-        f = faults(scenario, run, args.speedup, duration, stop)
-        res: ReplayResult = asyncio.run(replay(run.url, w, seed=args.seed, speedup=args.speedup, timeout=max(60.0, duration)))
+        duration = args.minutes * 60 / sp
+        f = faults(scenario, run, sp, duration, stop)
+        res: ReplayResult = asyncio.run(replay(run.url, w, seed=args.seed, speedup=sp, timeout=max(60.0, duration)))
         stop.set()
         if f:
             f.join(5)
         q1, h1 = mock_counters(urls)
+        decision = None
+        if contender in WARMROUTE and run.stack.brain is not None and run.stack.brain.alive():
+            decision = brain_decision_mean(http_get(run.stack.brain_metrics).decode())
     finally:
         stop.set()
         run.stop()
-    s = args.speedup
+    s = sp
     # the simulator's rule (sim.measure): after the warm-up, tokens of requests finished inside the window
     nums = window_numbers(res.requests, args.minutes, args.warmup_min, scale=s)
     ok = [r for r in res.requests if r.error is None and r.ttft is not None and r.arrival >= args.warmup_min * 60]
-    row = Row(contender, scenario)
+    row = Row(contender, scenario, speedup=sp)
     row.ttfts = sorted(r.ttft * s for r in ok)
     row.ttft_p50, row.ttft_p99 = nums["ttft_p50"], nums["ttft_p99"]
     e2e = [r.e2e * s for r in ok if r.e2e is not None]
@@ -292,6 +316,7 @@ def measure(contender: str, scenario: str, args) -> Row:
     row.prefix_hit = nums["hits"]
     row.fleet_hit = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
     row.not_engine_p50 = nums.get("overhead_p50", float("nan"))
+    row.brain_ms = decision * 1000 * sp if decision else float("nan")
     row.sent, row.lost = res.sent, res.lost
     row.errors = sum(res.errors.values())
     minutes = int(args.minutes) + 1
@@ -309,14 +334,15 @@ def measure(contender: str, scenario: str, args) -> Row:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| contender | scenario | TTFT p50 s | TTFT p99 s | not-engine p50 s | e2e p50 s | e2e p99 s | out tok/s | prefix hit | "
-            "imbalance | sent | errors | lost |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| contender | scenario | speed-up | TTFT p50 s | TTFT p99 s | not-engine p50 s | brain ms | e2e p50 s | e2e p99 s | "
+            "out tok/s | prefix hit | imbalance | sent | errors | lost |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if r.note:
-            lines.append(f"| {r.contender} | {r.scenario} | {r.note} ||||||||||| ")
+            lines.append(f"| {r.contender} | {r.scenario} | {r.note} ||||||||||||| ")
             continue
-        lines.append(f"| {r.contender} | {r.scenario} | {r.ttft_p50:.2f} | {r.ttft_p99:.1f} | {r.not_engine_p50:.3f} | "
+        brain = f"{r.brain_ms:.1f}" if r.brain_ms == r.brain_ms else "—"
+        lines.append(f"| {r.contender} | {r.scenario} | {r.speedup:g}x | {r.ttft_p50:.2f} | {r.ttft_p99:.1f} | {r.not_engine_p50:.3f} | {brain} | "
                      f"{r.e2e_p50:.1f} | {r.e2e_p99:.1f} | "
                      f"{r.out_tok_s:.0f} | {r.prefix_hit:.1%} | {r.imbalance:.2f} | {r.sent} | {r.errors} | {r.lost} |")
     return "\n".join(lines)
@@ -371,9 +397,13 @@ def plots(rows: list[Row], out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a short run of the plain workload only (<= 2 min)")
+    ap.add_argument("--quick", action="store_true", help="the plain workload only, the strongest contenders (~6 min)")
     ap.add_argument("--minutes", type=float, default=None, help="workload minutes per run (workload time)")
-    ap.add_argument("--speedup", type=float, default=None)
+    ap.add_argument("--speedup", type=float, default=5.0,
+                    help="time compression of the plain workload: at 5x the HTTP path and the brain are a few percent "
+                         "of a TTFT, and live agrees with the simulator (make bench-agree)")
+    ap.add_argument("--fault-speedup", type=float, default=20.0,
+                    help="time compression of the fault scenarios (they count errors and lost requests)")
     ap.add_argument("--replicas", type=int, default=4)
     # more sessions per minute than the simulator's default: a short run must reach a busy fleet
     ap.add_argument("--sessions-per-min", type=float, default=6.0)
@@ -387,12 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs", help="where bench-results.md and the PNGs go")
     args = ap.parse_args(argv)
     if args.quick:
-        args.minutes = args.minutes or 3.0
-        args.speedup = args.speedup or 20.0
+        args.minutes = args.minutes or 5.0
         args.scenarios = args.scenarios or ["workload"]
+        if args.contenders == CONTENDERS:
+            args.contenders = QUICK
     else:
         args.minutes = args.minutes or 6.0
-        args.speedup = args.speedup or 20.0
         args.scenarios = args.scenarios or SCENARIOS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -415,7 +445,11 @@ def main(argv: list[str] | None = None) -> int:
               f"Machine: {cpu} cores, loopback only. Each contender got a fresh fleet of {args.replicas} mock vLLM replicas "
               f"(engine model, same seed), the same workload ({args.minutes:g} workload minutes, {args.sessions_per_min:g} agent "
               f"sessions/min over {args.projects} projects, {args.oneshots_per_min:g} one-shots/min, seed {args.seed}) run "
-              f"{args.speedup:g}x faster than real time; times below are workload time. Wall time {wall:.0f} s.\n\n")
+              f"faster than real time (the speed-up column; the plain workload at {args.speedup:g}x, the faults at "
+              f"{args.fault_speedup:g}x); times below are workload time, measured after {args.warmup_min:g} warm-up "
+              f"minutes by the simulator's rule (`sim.measure.window_numbers`). \"not-engine\" is the median part of a "
+              f"TTFT that was not the replica engine's own (client, Envoy, brain or router, HTTP), in workload time; "
+              f"\"brain\" the brain's mean decision time, in workload ms. Wall time {wall:.0f} s.\n\n")
     (out / "bench-rows.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows]))  # to redraw plots
     (out / "bench-results.md").write_text(header + md + "\n\n" + "\n".join(f"![{f}]({f})" for f in files) + "\n")
     print("\n" + md)

@@ -10,7 +10,7 @@ from extproc.tools.bench_live import measure, table
 
 pytestmark = pytest.mark.integration
 
-ARGS = Namespace(minutes=1.5, speedup=20.0, replicas=3, sessions_per_min=8.0, oneshots_per_min=8.0, projects=2, seed=3)
+ARGS = Namespace(minutes=1.5, speedup=20.0, fault_speedup=20.0, warmup_min=0.5, replicas=3, sessions_per_min=8.0, oneshots_per_min=8.0, projects=2, seed=3)
 
 
 @pytest.mark.parametrize("contender,scenario", [("warmroute", "workload"), ("envoy_least_request", "replica_dies_and_returns")])
@@ -19,7 +19,10 @@ def test_the_harness_measures_a_contender(contender, scenario):
     assert not row.note, row.note
     assert row.sent >= 10
     assert 0 < row.ttft_p50 <= row.ttft_p99
-    assert 0.0 < row.prefix_hit <= 1.0  # read from the replicas' own /metrics
+    assert 0.0 < row.prefix_hit <= 1.0  # the usage's cached tokens of the measured requests
+    assert 0.0 < row.fleet_hit <= 1.0  # read from the replicas' own /metrics
+    assert 0.0 < row.not_engine_p50 < row.ttft_p50  # the mocks say what their engine took; the rest is the path's
+    assert (row.brain_ms > 0) == (contender == "warmroute")
     assert row.imbalance >= 1.0
     assert row.errors + row.lost < row.sent
     assert f"| {contender} | {scenario} |" in table([row])

@@ -40,13 +40,13 @@ clean:
 envoy-files: install  ## re-render envoy/*.yaml and envoy/snippets/ from the shipped configs
 	$(PY) -c "from pathlib import Path; from extproc.envoy_config import shipped_files; [Path(p).write_text(t) for p, t in shipped_files('.').items()]"
 
-bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (<= 10 min); results in docs/
+bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (~25 min: plain workload at 5x, faults at 20x); results in docs/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m extproc.tools.bench_live
 
-bench-quick: install  ## the plain workload only (<= 2 min)
+bench-quick: install  ## the plain workload only, at 5x, warmroute and the five closest contenders (~7 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.tools.bench_live --quick --out /tmp/warmroute-bench-quick
+	$(PY) -m extproc.tools.bench_live --quick --seed $${SEED:-1} --out /tmp/warmroute-bench-quick
 
 bench-agree: install  ## live vs simulated on one workload at 20x, 10x and 5x compression, ratios to ring hash (~15 min); docs/bench-agree.md
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'

@@ -304,8 +304,9 @@ class Engine:
                 chunk = min(r.prompt_tokens - r.computed, budget)
                 prefilling.append((r, chunk))
                 budget -= chunk
-        # admit from the queue while there is room
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        # admit from the queue while there is room; never a request that arrives after this step starts (a mock
+        # whose engine clock is behind the wall clock catches up before it admits what came later)
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.waiting[0].arrival <= now + 1e-9:
             r = self.waiting[0]
             if not self._admit(r):
                 break

@@ -247,8 +247,10 @@ def test_C2_the_chain_covers_at_most_chain_max_bytes_and_hashes_at_most_chain_st
     body = orjson.dumps({"messages": [{"role": "user", "content": "z" * 3_000_000}]})
     first = list(build_profile({"x-session-id": "s"}, body, cfg, cache).blocks)  # the list grows in place later
     assert len(first) == cfg.chain_step_bytes // 64  # a first sight: the first step only
-    second = build_profile({"x-session-id": "s"}, body, cfg, cache)
-    assert len(second.blocks) == cfg.chain_max_bytes // 64  # the next turn continues, up to the bound
+    lengths = [len(build_profile({"x-session-id": "s"}, body, cfg, cache).blocks) for _ in range(6)]
+    step, bound = cfg.chain_step_bytes // 64, cfg.chain_max_bytes // 64
+    assert lengths[0] == 2 * step  # the next turn continues by one step...
+    assert lengths[-1] == bound and max(lengths) == bound  # ...up to the bound, and no further
     assert build_profile({}, body, cfg, ChainCache()).blocks == first  # no session: the first step
 
 

@@ -70,9 +70,9 @@ class ProfileConfig:
     # C2: the chain covers at most this much of the conversation: ~262K tokens, more than a long-context model
     # holds, and what one request can hash in about a millisecond
     chain_max_bytes: int = 1024 * 1024
-    # ...of which one request hashes at most this much that is new (~0.7 ms): a longer conversation seen for the
-    # first time is indexed over its next turns, and no single request holds the event loop for long
-    chain_step_bytes: int = 512 * 1024
+    # ...of which one request hashes and indexes at most this much that is new (~0.5 ms): a longer conversation seen
+    # for the first time is indexed over its next turns, and no single request holds the event loop for long
+    chain_step_bytes: int = 256 * 1024
 
     def tenant_reads(self) -> str | None:
         """The request header the tenant is read from, if any."""

@@ -177,7 +177,10 @@ def agree_table(results: dict, speedups: list[float], contenders: list[str]) -> 
             "|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for sp in speedups:
-        base_s, base_l = results[(sp, BASELINE, "sim")], results[(sp, BASELINE, "live")]
+        base_s, base_l = results.get((sp, BASELINE, "sim")), results.get((sp, BASELINE, "live"))
+        if base_s is None or base_l is None:
+            lines.append(f"| {sp:g}x | (the baseline did not run: no ratios) |||||||| ")
+            continue
         for c in contenders:
             s, v = results.get((sp, c, "sim")), results.get((sp, c, "live"))
             if v is None:
@@ -234,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine check at {sp:g}x: {engine_lines[sp]}", flush=True)
         for c in contenders:
             t = time.monotonic()
-            reqs, extra = live(c, wl, args.seed, args.replicas, sp)
+            try:
+                reqs, extra = live(c, wl, args.seed, args.replicas, sp)
+            except Exception as e:  # a contender that cannot start is a line that says why, not a lost run
+                notes.append(f"{sp:g}x {c}: did not run: {str(e)[:160]}")
+                print(f"{sp:4g}x {c:<28} did not run: {str(e)[:160]}", flush=True)
+                continue
             results[(sp, c, "live")] = window_numbers(reqs, args.minutes, args.warmup_min, scale=sp) | extra
             if c in sims:
                 results[(sp, c, "sim")] = window_numbers(sims[c], args.minutes, args.warmup_min)

@@ -160,8 +160,10 @@ def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Runni
             exe = _bin(binary)
             if exe is None:
                 raise FileNotFoundError(f"{binary} is not installed (pip install '.[bench]')")
+            # its metrics exporter defaults to port 29000: one left by an earlier run would stop this one from starting
             argv = [exe, *(["launch"] if binary == "sglang-router" else []), "--host", "127.0.0.1", "--port", str(port),
-                    "--worker-urls", *[r.url for r in reps], "--policy", policy]
+                    "--worker-urls", *[r.url for r in reps], "--policy", policy,
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
             proc = Proc(contender, argv, s.dir)
         run = Running(f"http://127.0.0.1:{port}", s, [proc])
 

@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             print("  wrk not found: apt-get install wrk")
         else:
             print("   ".join(f"{name} {v:,.0f}" for name, v in rps.items()) + "   (target: >= 2,000 through the brain)")
+            floor_rps = rps["do-nothing, TCP"]
+            print("through the brain against the do-nothing server in front of the same Envoy: " + ", ".join(
+                f"{name} {rps[name] / floor_rps:.2f}x" for name in ("brain over TCP", "brain over unix"))
+                + " (target: >= 0.8x)")
 
         print("\nadded latency by body size (sequential, median of n)")
         short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix"}

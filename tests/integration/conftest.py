@@ -83,3 +83,20 @@ def own_stack():
     yield make
     for s in stacks:
         s.stop()
+
+
+@pytest.fixture
+def replica():
+    """Start mock vLLM replicas alone (no brain, no Envoy): ``replica(*extra_args)``; all stopped after the test."""
+    s = Stack(0)
+    reps = []
+
+    def start(*extra):
+        r = s.start_replica(f"m{len(reps)}", extra=list(extra))
+        reps.append(r)
+        return r
+
+    yield start
+    for r in reps:
+        r.proc.stop()
+    s.stop()

@@ -12,7 +12,6 @@ from extproc.tools.bench_live import bench_workload
 from extproc.tools.engine_agree import engine_trace, replay_trace, simulate_trace
 from extproc.tools.sim.http_replay import replay
 from extproc.tools.sim.simulator import Simulation
-from extproc.tools.stack import Stack
 
 pytestmark = pytest.mark.integration
 
@@ -31,19 +30,8 @@ def within(sim: list, live: list) -> float:
 
 
 @pytest.fixture
-def mock():
-    s = Stack(0)
-    reps = []
-
-    def start(*extra):
-        r = s.start_replica(f"agree{len(reps)}", extra=["--speedup", str(SPEEDUP), *extra])
-        reps.append(r)
-        return r
-
-    yield start
-    for r in reps:
-        r.proc.stop()
-    s.stop()
+def mock(replica):
+    return lambda *extra: replica("--speedup", str(SPEEDUP), *extra)
 
 
 def test_one_trace_gives_the_same_ttft_on_the_mock_and_in_the_simulator(mock):

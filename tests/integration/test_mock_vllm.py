@@ -11,27 +11,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.tools.stack import Stack, http_get, http_post_json, wait_for
+from extproc.tools.stack import http_get, http_post_json, wait_for
 
 pytestmark = pytest.mark.integration
 
 SYSTEM = "You are a coding agent for the billing service. Keep diffs small. " * 80  # ~1,300 tokens
-
-
-@pytest.fixture
-def replica():
-    s = Stack(0)
-    reps = []
-
-    def start(*extra):
-        r = s.start_replica(f"m{len(reps)}", extra=list(extra))
-        reps.append(r)
-        return r
-
-    yield start
-    for r in reps:
-        r.proc.stop()
-    s.stop()
 
 
 def client(url: str) -> openai.OpenAI:

@@ -21,6 +21,7 @@ import argparse
 import logging
 import asyncio
 import hashlib
+import math
 import zlib
 import json
 import random
@@ -35,6 +36,7 @@ from ..core.blocks import BLOCK_CHARS, block_hashes
 from .sim.engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 
 CHARS_PER_TOKEN = 4
+MIN_EMIT_WALL_S = 0.002  # a decode run's tokens go out at most this often (wall time); at real speed, every step
 
 
 def text_blocks(text: str) -> list[int]:
@@ -130,6 +132,15 @@ class Driver:
             w.queue.put_nowait(_Aborted())
         self.waiters.clear()
 
+    async def _sleep_until(self, t: float) -> None:
+        """Until the wall clock reaches engine time ``t``, or the step in progress ends earlier (an arrival cut it)."""
+        while (delay := self.wall(min(t, self._end)) - time.monotonic()) > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
     async def _run(self) -> None:
         e = self.engine
         while True:
@@ -145,12 +156,26 @@ class Driver:
                 await asyncio.sleep(0.001)
                 continue
             self._end = self.clock + dur
-            while (delay := self.wall(self._end) - time.monotonic()) > 0:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), delay)
-                except asyncio.TimeoutError:
-                    pass
+            emitted = dict(before)
+            run = e._run  # a run of pure-decode steps: each of its requests gets one token per step
+            if run is not None:
+                start, step_s, _, decoding = run
+                # stream as vLLM does, a token per step, but not more often than the event loop can keep at high
+                # compression (the schedule is the engine's either way; only the chunking changes)
+                every = max(1, math.ceil(MIN_EMIT_WALL_S * self.speedup / step_s))
+                k = every
+                while start + k * step_s < self._end - 1e-12:
+                    await self._sleep_until(start + k * step_s)
+                    if start + k * step_s >= self._end - 1e-12:  # an arrival cut the run before this boundary
+                        break
+                    for r in decoding:
+                        w = self.waiters.get(r.rid)
+                        upto = min(r.generated, before.get(r.rid, 0) + k)
+                        if w is not None and upto > emitted.get(r.rid, 0):
+                            w.queue.put_nowait((upto - emitted.get(r.rid, 0), False))
+                            emitted[r.rid] = upto
+                    k += every
+            await self._sleep_until(self._end)
             self.clock, self._end = self._end, None
             late = time.monotonic() - self.wall(self.clock)
             for r in first:
@@ -161,7 +186,7 @@ class Driver:
             firsts = {r.rid for r in first}
             for r in [*e.running, *done]:
                 w = self.waiters.get(r.rid)
-                new = r.generated - before.get(r.rid, 0)
+                new = r.generated - emitted.get(r.rid, 0)
                 if w is not None and new > 0:
                     if w.first_at is None:
                         w.first_at = self.clock

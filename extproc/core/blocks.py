@@ -90,27 +90,35 @@ _CHECK_WINDOW = 16  # blocks (1 KiB) per sampled window when a reused chain is c
 _CHECK_WINDOWS = 16
 
 
-def _verify(chain: list[int], data, start: int, seed: int) -> bool:
-    """Whether ``data[start:]`` still begins with the bytes ``chain`` was computed from.
+def _verify(chain: list[int], data, start: int, seed: int, keep: int | None = None) -> bool:
+    """Whether ``data[start:]`` still begins with the bytes of ``chain``'s first ``keep`` blocks (default: all).
 
     Any run of blocks can be re-checked on its own, because the chain holds the state at every
     block boundary: continue from the hash before the run and compare with the hash at its end.
     Short chains are checked whole; long ones at their head, their tail and evenly spaced windows
     between (a history that was rewritten or shifted differs in nearly all of them), all windows in
     one vectorised pass, so a 1 MB conversation's next turn costs ~18 KB of hashing instead of 1 MB.
+    The windows are placed by the whole chain's length, so checking a few blocks fewer (``keep``)
+    checks the same places.
     """
     n = len(chain)
+    keep = n if keep is None else keep
     w, k = _CHECK_WINDOW, _CHECK_WINDOWS
     if n <= (k + 2) * w:
-        return int(_run(data, start, n, seed)[-1]) == chain[-1]
+        return int(_run(data, start, keep, seed)[-1]) == chain[keep - 1]
     step = (n - 2 * w) // k
-    firsts = [0, n - w, *(w + i * step for i in range(k))]
+    firsts = [0, keep - w, *(w + i * step for i in range(k))]
     rows = (np.array(firsts)[:, None] + np.arange(w)).ravel()
-    d = _digests(_words(data, start, n)[rows]).reshape(len(firsts), w)
+    d = _digests(_words(data, start, keep)[rows]).reshape(len(firsts), w)
     p, q = _powers(w)
     before = np.array([chain[i - 1] if i else seed for i in firsts], dtype=_U64)
     after = p[w - 1] * ((d * q).sum(axis=1, dtype=_U64) + before)
     return after.tolist() == [chain[i + w - 1] for i in firsts]
+
+
+# A body's last blocks may hold what follows its last message (closing brackets, parameters after the messages),
+# which the next turn rewrites: a chain whose tail no longer matches is reused without its last few blocks
+_TAIL_RETRIES = (1, 2, 4)
 
 
 class ChainCache:
@@ -152,11 +160,14 @@ class ChainCache:
         if entry is not None:
             old_seed, old = entry
             n = len(old)
-            if old_seed == seed and n and start + n * BLOCK_CHARS <= end and _verify(old, data, start, seed):
-                chain = old  # extended in place: index batches that hold it keep their own length
-                state = old[-1]
-                done = start + n * BLOCK_CHARS
-                self.reused_blocks += n
+            for keep in (n, *(n - t for t in _TAIL_RETRIES)) if old_seed == seed else ():
+                if keep > 0 and start + keep * BLOCK_CHARS <= end and _verify(old, data, start, seed, keep):
+                    # extended in place (index batches that hold it keep their own length), or a shorter copy
+                    chain = old if keep == n else old[:keep]
+                    state = chain[-1]
+                    done = start + keep * BLOCK_CHARS
+                    self.reused_blocks += keep
+                    break
         before = len(chain)
         if step is not None:
             end = min(end, done + step)

@@ -170,8 +170,8 @@ def warm_costs() -> list[str]:
     loads = min(_time(lambda: orjson.loads(mb[1])) for _ in range(5))
     lines.append(f"warm decide at {len(mb[1]) / 1e6:.1f} MB, the conversation's next turn: {nxt * 1e3:.2f} ms; one orjson.loads "
                  f"of it: {loads * 1e3:.2f} ms; ratio {nxt / loads:.2f} (target <= 1) {'ok' if nxt <= loads else 'MISSED'}; "
-                 f"its first sight (no chain to reuse): {first * 1e3:.2f} ms, ratio {first / loads:.2f} (target <= 2) "
-                 f"{'ok' if first <= 2 * loads else 'MISSED'}")
+                 f"the turn that crossed 1 MB (its chain extended from the last turn, then indexed whole): "
+                 f"{first * 1e3:.2f} ms")
 
     worst, rows = [], []
     for size in (1_000, 100_000, 1_000_000, 8_000_000, 32_000_000):
@@ -182,7 +182,8 @@ def warm_costs() -> list[str]:
         one_load = min(_time(lambda: orjson.loads(b)) for _ in range(3))
         worst.append((size, max(first_sight, next_turn)))
         rows.append(f"{size / 1e6:g} MB first sight {first_sight * 1e3:.2f} ms ({first_sight / one_load:.1f}x one orjson.loads "
-                    f"of it), next turn {next_turn * 1e3:.2f} ms")
+                    f"of it{(', target <= 2x: ' + ('ok' if first_sight <= 2 * one_load else 'MISSED')) if size == 1_000_000 else ''}), "
+                    f"next turn {next_turn * 1e3:.2f} ms")
     lines.append("warm decide by body size (the chain covers at most profile.chain_max_bytes, hashing at most "
                  "chain_step_bytes of it per request): " + "; ".join(rows))
     lines.append("longest warm decide by body size: " + ", ".join(

@@ -141,7 +141,7 @@ def test_a_long_history_edited_or_shifted_anywhere_in_a_sampled_window_is_not_re
     assert cache.chain(b"s", shifted, 0, seed) == block_hashes(shifted, seed)
 
 
-def test_a_next_turn_that_rewrites_only_the_previous_bodys_json_tail_reuses_its_chain_but_the_last_blocks():
+def test_C2_a_next_turn_that_rewrites_only_the_previous_bodys_json_tail_reuses_its_chain_but_the_last_blocks():
     import orjson
 
     from extproc.core.blocks import _verify

@@ -143,3 +143,23 @@ def test_a_request_arriving_during_a_run_of_decode_steps_is_admitted_at_the_next
     batched_first, batched_generated = _arrive_during_decode(horizon=0.2)
     assert batched_first == pytest.approx(exact_first, abs=1e-9)
     assert batched_generated == exact_generated == 400
+
+
+def test_a_request_is_not_admitted_by_a_step_that_starts_before_it_arrived():
+    """A mock whose engine clock runs behind the wall clock catches up before it admits later arrivals: no request
+    is scheduled, nor gets a first token, before it arrived."""
+    e = Engine(EngineConfig())
+    e.add(req(1, 0, 4, max_tokens=50, t=0.0))
+    e.add(req(2, 0, 4, max_tokens=5, t=1.0))  # arrives at 1.0 s, while the engine is at 0
+    t, admitted = 0.0, {}
+    while e.busy:
+        d, first, _ = e.step(t)
+        if d == 0:  # nothing has arrived yet: an idle engine waits for the next arrival, as the mock's driver does
+            t = e.waiting[0].arrival
+            continue
+        for r in e.running:
+            admitted.setdefault(r.rid, r.scheduled_at)
+        for r in first:
+            assert r.first_token_at >= r.arrival
+        t += d
+    assert admitted[1] == 0.0 and admitted[2] >= 1.0

@@ -16,10 +16,10 @@ from extproc.tools.sim.simulator import Simulation
 pytestmark = pytest.mark.integration
 
 SPEEDUP = 4.0
-# Stated tolerance, per request: 5% of the simulated TTFT plus 10 ms of wall time (x SPEEDUP in workload time) for
-# the HTTP round trip and the mock's event loop. Measured on this 2-core box: +2 ms wall median, which is the
-# engine_agree.Agreement line's "live - simulated" divided by the speed-up.
-REL, WALL_S = 0.05, 0.010
+# Stated tolerance, per request: 5% of the simulated TTFT plus 20 ms of wall time (x SPEEDUP in workload time) for
+# the HTTP round trip and the mock's event loop. Measured on this 2-core box: +2-4 ms wall median (the
+# engine_agree.Agreement line's "live - simulated" divided by the speed-up); the slack is 5x that, for a busy box.
+REL, WALL_S = 0.05, 0.020
 
 
 def within(sim: list, live: list) -> float:

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ...core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
+from .measure import pct
 from .engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 from .policies import Policy, make_policy
 from .workload import Request, Workload, WorkloadConfig
@@ -47,12 +48,6 @@ class SimResult:
     pins_on_non_live: int = 0
     fastest: EngineConfig = field(default_factory=EngineConfig)  # the fastest replica's engine (for the floor)
 
-    def _pct(self, xs: list[float], p: float) -> float:
-        if not xs:
-            return float("nan")
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(p * len(xs)))]
-
     def summary(self, warmup_min: float = 2.0) -> dict:
         ok = [r for r in self.requests if r.error is None and r.ttft is not None and r.arrival >= warmup_min * 60]
         ttft = [r.ttft for r in ok]
@@ -75,13 +70,13 @@ class SimResult:
             "policy": self.policy,
             "requests": len(self.requests),
             "errors": sum(1 for r in self.requests if r.error),
-            "ttft_p50": self._pct(ttft, 0.5),
-            "ttft_p90": self._pct(ttft, 0.9),
-            "ttft_p99": self._pct(ttft, 0.99),
-            "ttft_floor_p50": self._pct([floor[r.rid] for r in ok], 0.5),
-            "ttft_floor_p99": self._pct([floor[r.rid] for r in ok], 0.99),
-            "e2e_p50": self._pct(e2e, 0.5),
-            "e2e_p99": self._pct(e2e, 0.99),
+            "ttft_p50": pct(ttft, 0.5),
+            "ttft_p90": pct(ttft, 0.9),
+            "ttft_p99": pct(ttft, 0.99),
+            "ttft_floor_p50": pct([floor[r.rid] for r in ok], 0.5),
+            "ttft_floor_p99": pct([floor[r.rid] for r in ok], 0.99),
+            "e2e_p50": pct(e2e, 0.5),
+            "e2e_p99": pct(e2e, 0.99),
             "output_tok_s": self.output_tokens / (self.minutes * 60),
             "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
             "imbalance_mean": sum(idx) / len(idx) if idx else 1.0,
@@ -95,7 +90,7 @@ class SimResult:
 
     def _prediction_error(self, ok: list[Request]) -> dict:
         errs = [abs(r.extra["predicted_ttft"] - r.ttft) for r in ok if "predicted_ttft" in r.extra]
-        return {"ttft_pred_err_p50": self._pct(errs, 0.5)} if errs else {}
+        return {"ttft_pred_err_p50": pct(errs, 0.5)} if errs else {}
 
 
 def ttft_floor(requests: list[Request], engine: EngineConfig) -> dict[int, float]:

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = command("envoy-config")
     e.add_argument("--config", required=True)
     e.add_argument("--snippets", action="store_true", help="print the pieces for an existing Envoy instead")
+    e.add_argument("--mode", choices=("envoy", "endpoint-picker"), default=None,
+                   help="envoy: the default shape; endpoint-picker: a Gateway API Inference Extension gateway's "
+                   "shape, for a brain with brain.protocol: endpoint-picker (default: the config's brain.protocol)")
 
     sm = command("sim")
     from .tools.sim.cli import add_arguments as sim_arguments
@@ -113,8 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "envoy-config":
         from .envoy_config import bootstrap, dump, snippets
 
+        from .config import ConfigError
+
         cfg = _config_or_exit(args.config)
-        sys.stdout.write(dump(snippets(cfg) if args.snippets else bootstrap(cfg)))
+        try:
+            sys.stdout.write(dump(snippets(cfg) if args.snippets else bootstrap(cfg, args.mode)))
+        except ConfigError as e:
+            print(f"warmroute: config error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.cmd == "mock-vllm":
         from .tools.mock_vllm import serve

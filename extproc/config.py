@@ -125,6 +125,35 @@ class BrainConfig:
     # true: allow plain TCP on an address beyond loopback. Anyone who reaches the port can then eject replicas
     # and open or release reservations: only on a network nobody else reaches
     insecure: bool = False
+    # "envoy": the Envoy that `warmroute envoy-config` renders (one message per request, release by access log).
+    # "endpoint-picker": the Gateway API Inference Extension's protocol, for any gateway that speaks it
+    # (docs/kubernetes.md): the answer is x-gateway-destination-endpoint, release is read from the response
+    protocol: str = "envoy"
+    # endpoint-picker: how many more endpoints follow the pick in the answer, for the gateway's retries
+    picker_fallbacks: int = 2
+
+
+PROTOCOLS = ("envoy", "endpoint-picker")
+DISCOVERY_SOURCES = ("static", "dns", "kubernetes")
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Where the replica set comes from (docs/kubernetes.md "Discovery"). A source that fails keeps the last
+    set it gave; a replica it adds starts EJECTED and earns LIVE from its scrapes; one it drops gets nothing new."""
+
+    source: str = "static"  # static: the replicas list; dns: the records of dns_name; kubernetes: an InferencePool's pods
+    interval_s: float = 10.0  # DNS is resolved again this often; Kubernetes lists again this often besides its watch
+    port: int = 8000  # the engines' port (dns; kubernetes reads the pool's targetPorts or the slices' ports)
+    scheme: str = "http"  # http or https, for discovered replicas
+    engine: str = "vllm"  # the engine of every discovered replica (vllm, sglang, none)
+    dns_name: str | None = None  # dns: e.g. the headless Service vllm.llm.svc.cluster.local
+    dns_servers: tuple[str, ...] = ()  # dns: "ip" or "ip:port" to ask; empty: the system's resolvers
+    namespace: str = "default"  # kubernetes: where the pool (or Service) and its pods are
+    inference_pool: str | None = None  # kubernetes: an InferencePool (inference.networking.k8s.io/v1) to follow
+    service: str | None = None  # kubernetes: or a Service, whose EndpointSlices name the pods
+    # kubernetes: a kubeconfig file; null: the pod's service account (in-cluster)
+    kubeconfig: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +209,7 @@ class AppConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     brain: BrainConfig = field(default_factory=BrainConfig)
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     source: str = "<defaults>"
     # A reload that would leave no replica is refused unless the file says so: a config caught half-written
     # (an empty file) must not take the fleet out.
@@ -321,7 +351,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
-    known = {"replicas", "routing", "brain", "envoy", "allow_no_replicas", *_SECTIONS}
+    known = {"replicas", "routing", "brain", "envoy", "discovery", "allow_no_replicas", *_SECTIONS}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -377,7 +407,51 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     allow = doc.get("allow_no_replicas", False)
     if not isinstance(allow, bool):
         raise ConfigError(f"allow_no_replicas: expected true or false, got {_short(allow)}")
-    return AppConfig(_replicas(doc.get("replicas")), router, brain, envoy, source, allow)
+    if brain.protocol not in PROTOCOLS:
+        raise ConfigError(f"brain.protocol: expected one of {', '.join(PROTOCOLS)}, got {_short(brain.protocol)}")
+    discovery = _discovery(doc.get("discovery"))
+    replicas = _replicas(doc.get("replicas"))
+    if brain.protocol == "endpoint-picker" and discovery.source == "static":
+        for i, r in enumerate(replicas):
+            if not _is_ip(r.host):
+                # the gateway is told "ip:port" and matches it against its own endpoints: a name would match none
+                raise ConfigError(f"replicas[{i}].url: brain.protocol endpoint-picker answers ip:port; give the "
+                                  f"replica's IP address (or discovery: dns), got {_short(r.url)}")
+    return AppConfig(replicas, router, brain, envoy, discovery, source, allow)
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _discovery(raw: Any) -> DiscoveryConfig:
+    d = DiscoveryConfig(**_fill("discovery", DiscoveryConfig, raw))
+    if d.source not in DISCOVERY_SOURCES:
+        raise ConfigError(f"discovery.source: expected one of {', '.join(DISCOVERY_SOURCES)}, got {_short(d.source)}")
+    if d.scheme not in ("http", "https"):
+        raise ConfigError(f"discovery.scheme: expected http or https, got {_short(d.scheme)}")
+    if d.engine not in ENGINES:
+        raise ConfigError(f"discovery.engine: expected one of {', '.join(ENGINES)}, got {_short(d.engine)}")
+    if not 0 < d.port <= 65535:
+        raise ConfigError(f"discovery.port: expected a port number 1..65535, got {d.port}")
+    if d.interval_s < 0.05:
+        raise ConfigError(f"discovery.interval_s: expected a number >= 0.05, got {d.interval_s}")
+    if d.source == "dns" and not d.dns_name:
+        raise ConfigError("discovery.dns_name: source dns needs the name to resolve (e.g. a headless Service)")
+    for i, s in enumerate(d.dns_servers):
+        host, _, port = s.rpartition(":") if s.count(":") == 1 else (s, "", "")
+        if not _is_ip(host or s) or (port and not (port.isdigit() and 0 < int(port) <= 65535)):
+            raise ConfigError(f"discovery.dns_servers[{i}]: expected an IP address or ip:port, got {_short(s)}")
+    if d.source == "kubernetes" and (d.inference_pool is None) == (d.service is None):
+        raise ConfigError("discovery.inference_pool: source kubernetes follows one InferencePool or one service; "
+                          "name exactly one")
+    return d
 
 
 def load_config(path: str | Path) -> AppConfig:

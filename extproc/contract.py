@@ -43,3 +43,13 @@ def header_of_attribute(key: str) -> str | None:
     if key.startswith(_ATTR_PREFIX) and key.endswith(_ATTR_SUFFIX):
         return key[len(_ATTR_PREFIX):-len(_ATTR_SUFFIX)].lower()
     return None
+
+
+# The Gateway API Inference Extension's endpoint-picker protocol (GIE docs/proposals/004, v1)
+DESTINATION_HEADER = "x-gateway-destination-endpoint"  # "ip:port[,ip:port...]": the pick, then the retry order
+DESTINATION_NAMESPACE = "envoy.lb"  # the same value under this dynamic-metadata namespace
+DESTINATION_SERVED_KEY = "x-gateway-destination-endpoint-served"  # envoy.lb: the endpoint that answered
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the gateway's filter metadata: pick only among these
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+PICKER_BODY_CHUNK = 62_000  # the body goes back to the gateway in chunks of at most this many bytes
+PICKER_CLUSTER = "warmroute_pool"  # the rendered picker-shape Envoy's one cluster of every replica

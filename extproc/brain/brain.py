@@ -6,14 +6,17 @@ access log), ``scraper``, ``reload``, ``admin``, ``metrics``; ``server`` starts 
 
 from __future__ import annotations
 
+import dataclasses
 import ssl
 import time
+from dataclasses import dataclass
+from typing import Collection
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from ..config import AppConfig, ConfigError, load_config
 from ..contract import REQUEST_ID_HEADER
-from ..core import NO_HEALTHY, ChainCache, PinAction, Router, Transition, build_profile
+from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
 from ..envoy_config import CdsFile
 from . import logs
 from .decide import no_healthy_response, route_answer
@@ -24,6 +27,18 @@ from .scraper import Scraper, tls_context
 from .stats import BrainStats
 
 _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
+
+
+def endpoint(r) -> str:
+    """A replica as gateways name it: ``ip:port``, an IPv6 address in brackets."""
+    return f"[{r.host}]:{r.port}" if ":" in r.host else f"{r.host}:{r.port}"
+
+
+@dataclass(slots=True)
+class Pick:
+    endpoints: list[str]  # best first, then where the gateway retries; empty: nothing to pick
+    reservation: Reservation | None
+    subset_empty: bool = False  # the gateway's subset named no endpoint the brain knows
 
 
 class Brain:
@@ -42,6 +57,9 @@ class Brain:
                                cfg.router.health.max_metrics_bytes)
         self.cds = CdsFile(cfg.envoy.cds_path)
         self.chains = ChainCache()  # C2: a session's next turn hashes only what is new
+        # a static fleet is known at start; a discovered one once its source first answered (readiness)
+        self.discovered = cfg.discovery.source == "static"
+        self.discovery_error: str | None = None
         self.pin_log = logs.Summarised("pin_change")
         self._set_replicas(cfg)
         m = make_registry(self.router, self.stats, self.clock)
@@ -56,7 +74,8 @@ class Brain:
                                 for r in cfg.replicas if r.tls}
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"replicas: cannot load a TLS file ({e})") from None
-        self.releaser.by_address = {f"{r.host}:{r.port}": r.name for r in cfg.replicas}
+        self.releaser.by_address = {endpoint(r): r.name for r in cfg.replicas}
+        self.endpoint_of = {r.name: endpoint(r) for r in cfg.replicas}
 
     def liveness_bound_s(self) -> float | None:
         """How long a reservation may go unnamed by Envoy before it counts as a lost or rogue call.
@@ -74,13 +93,13 @@ class Brain:
         logs.event("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
                    cooldown_s=t.cooldown_s, streak=t.streak)
 
-    def decide(self, headers: dict[str, str], body: bytes | None, phase: str = "request_body") -> ep.ProcessingResponse:
-        """Profile + select + reserve: one synchronous call (the atomic WLC reserve)."""
+    def choose(self, headers: dict[str, str], body: bytes | None, only: Collection[str] | None = None) -> Decision:
+        """Profile + select + reserve: one synchronous call (the atomic WLC reserve). Every front decides here."""
         t0 = time.perf_counter()
         now = self.clock()
         r = self.router
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
-        d = r.select(profile, now)
+        d = r.select(profile, now, only)
         self.decision_seconds.observe(time.perf_counter() - t0)
         self.stats.record_decision(d, profile.body_status, now)
         if d.predicted_ttft_s is not None:
@@ -89,10 +108,36 @@ class Brain:
             if e.action in _LOGGED_ACTIONS:
                 self.pin_log.add(now, (e.action, e.kind, e.cause, d.replica_name), action=e.action, kind=e.kind,
                                  cause=e.cause, replica=d.replica_name)
+        return d
+
+    def decide(self, headers: dict[str, str], body: bytes | None, phase: str = "request_body") -> ep.ProcessingResponse:
+        """The rendered Envoy's front: the choice as a cluster name and a reservation id Envoy logs back."""
+        d = self.choose(headers, body)
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
         return route_answer(d.replica.name, rid, phase)
+
+    def pick(self, headers: dict[str, str], body: bytes | None, subset: list[str] | None) -> Pick:
+        """The endpoint picker's front: the choice and its fallbacks as ``ip:port``, and the reservation the
+        front itself releases when the response ends (no access log comes from a foreign gateway).
+
+        ``subset``: the gateway's hint; endpoints it names that the brain does not know are ignored, and
+        none known -> no pick (the front answers 503, as the protocol asks)."""
+        only = None
+        if subset is not None:
+            only = {self.releaser.by_address[a] for a in subset if a in self.releaser.by_address}
+            if not only:
+                return Pick([], None, subset_empty=True)
+        d = self.choose(headers, body, only)
+        if d.reason == NO_HEALTHY:
+            return Pick([], None)
+        names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]
+        return Pick([self.endpoint_of[r.name] for r in names], d.reservation)
+
+    def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
+        """A picked request ended (its response's end, or the stream's): release it and count the outcome."""
+        self.releaser.finish(res, self.releaser.by_address.get(served) if served else None, failed, first_byte_s)
 
     def on_log_entry(self, entry) -> None:
         self.releaser.on_entry(entry)
@@ -116,8 +161,43 @@ class Brain:
 
     def reload(self, new: AppConfig | None = None) -> dict:
         """Apply ``new`` (default: the config file, read now) with ``reload.apply_config``; with
-        ``envoy.cds_path`` Envoy's clusters follow."""
+        ``envoy.cds_path`` Envoy's clusters follow. Replicas a discovery source found stay: the file's
+        ``replicas`` list is its static source only."""
         new = new if new is not None else self.read_config()
+        if new.discovery.source != "static":
+            new = dataclasses.replace(new, replicas=self.cfg.replicas, allow_no_replicas=True)
+        info = self._apply(new)
+        self.stats.reloads += 1
+        logs.event("config_reload", **info)
+        return info
+
+    def apply_discovered(self, replicas: list) -> None:
+        """A discovery source's new replica set: added ones start EJECTED, removed ones get nothing new (their
+        requests in flight finish and release as usual)."""
+        info = self._apply(dataclasses.replace(self.cfg, replicas=tuple(replicas), allow_no_replicas=True))
+        self.stats.discovery_changes += 1
+        self.discovery_error = None
+        self.stats.discovery_up = 1
+        self.discovered = True
+        logs.event("discovery_change", source=self.cfg.discovery.source, added=info["added"],
+                   removed=info["removed"], replicas=info["replicas"])
+
+    def discovery_ok(self) -> None:
+        if self.discovery_error is not None:
+            logs.event("discovery_recovered", source=self.cfg.discovery.source, replicas=len(self.cfg.replicas))
+        self.discovery_error = None
+        self.stats.discovery_up = 1
+
+    def discovery_failed(self, error: str) -> None:
+        """The source failed: the last good set stays. Logged once per distinct error, counted every time."""
+        self.stats.discovery_failures += 1
+        self.stats.discovery_up = 0
+        if error != self.discovery_error:
+            logs.event("discovery_failed", source=self.cfg.discovery.source, error=error,
+                       replicas_kept=len(self.cfg.replicas))
+        self.discovery_error = error
+
+    def _apply(self, new: AppConfig) -> dict:
         self.cfg, info = apply_config(self.router, self.cfg, new, self.clock())
         self._set_replicas(self.cfg)
         self.cds = CdsFile(self.cfg.envoy.cds_path)
@@ -128,8 +208,6 @@ class Brain:
         if self.router.liveness_timeout_s is not None:  # the bound follows envoy.access_log_periodic_s (0: off)
             self.router.liveness_timeout_s = self.liveness_bound_s()
         self.stats.zero_series(r.name for r in self.cfg.replicas)
-        self.stats.reloads += 1
-        logs.event("config_reload", **info)
         return info
 
     def tick(self) -> None:
@@ -171,7 +249,12 @@ class Brain:
             "chain_cache": {"sessions": len(self.chains), "blocks": self.chains.blocks,
                             "max_sessions": self.chains.max_sessions, "max_blocks": self.chains.max_blocks},
             "request_ids_held": len(self.ledger.by_request_id),
+            "protocol": self.cfg.brain.protocol,
+            "releases_by_response": self.stats.releases_by_response,
+            "discovery": {"source": self.cfg.discovery.source, "synced": self.discovered,
+                          "error": self.discovery_error, "changes": self.stats.discovery_changes,
+                          "failures": self.stats.discovery_failures},
         }
 
 
-__all__ = ["Brain"]
+__all__ = ["Brain", "Pick", "endpoint"]

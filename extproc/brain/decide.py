@@ -9,11 +9,9 @@ and clears the route cache so Envoy re-routes.
 
 from __future__ import annotations
 
-import json
 from typing import AsyncIterator, Callable
 
 import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
@@ -27,16 +25,10 @@ from ..contract import (
     header_of_attribute,
 )
 from ..core.profile import CONTENT_LENGTH
+from ..picker.messages import header_value, headers_of, openai_error
 
 # (headers, body or None, the ext_proc phase being answered) -> the answer
 Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]
-
-
-def _hv(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
 
 
 def route_answer(cluster: str, reservation: str, phase: str) -> ep.ProcessingResponse:
@@ -45,7 +37,7 @@ def route_answer(cluster: str, reservation: str, phase: str) -> ep.ProcessingRes
     common = getattr(out, phase).response
     # Applied only where Envoy sent the headers; in the one-message config it is the dynamic metadata
     # that routes, but a header mutation must be present for Envoy to honour clear_route_cache.
-    common.header_mutation.set_headers.extend([_hv(ROUTING_HEADER, cluster), _hv(RESERVATION_HEADER, reservation)])
+    common.header_mutation.set_headers.extend([header_value(ROUTING_HEADER, cluster), header_value(RESERVATION_HEADER, reservation)])
     common.clear_route_cache = True
     answer = out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
     answer[ANSWER_CLUSTER].string_value = cluster
@@ -53,34 +45,10 @@ def route_answer(cluster: str, reservation: str, phase: str) -> ep.ProcessingRes
     return out
 
 
-_NO_HEALTHY_BODY = json.dumps(
-    {
-        "error": {
-            "message": "no healthy vLLM replica is available; retry shortly",
-            "type": "service_unavailable",
-            "code": "no_healthy_instances",
-        }
-    }
-).encode()
-
-
 def no_healthy_response() -> ep.ProcessingResponse:
     """B: an immediate 503 with an OpenAI-style error and Retry-After, never a hang."""
-    return ep.ProcessingResponse(
-        immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
-            headers=ep.HeaderMutation(set_headers=[_hv("content-type", "application/json"), _hv("retry-after", "5")]),
-            body=_NO_HEALTHY_BODY,
-            details="warmroute_no_healthy_instances",
-        )
-    )
-
-
-def headers_of(msg: ep.HttpHeaders) -> dict[str, str]:
-    out = {}
-    for h in msg.headers.headers:
-        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-    return out
+    return openai_error(http_status_pb2.ServiceUnavailable, "no healthy vLLM replica is available; retry shortly",
+                        "service_unavailable", "no_healthy_instances", "warmroute_no_healthy_instances", 5)
 
 
 def headers_from_attributes(req: ep.ProcessingRequest) -> dict[str, str]:

@@ -123,6 +123,16 @@ class BrainCollector(Collector):
         yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released", value=r.open_reservations)
         yield CounterMetricFamily("warmroute_access_log_releases", "Reservations released by Envoy's access log",
                                   value=b.releases_by_log)
+        yield CounterMetricFamily("warmroute_response_releases", "Reservations released by the endpoint picker at "
+                                  "the response's end (or its stream's)", value=b.releases_by_response)
+        yield CounterMetricFamily("warmroute_picker_streams_reset", "Endpoint-picker streams that ended before their "
+                                  "response did (client gone, replica reset, gateway restart)", value=b.picker_streams_reset)
+        yield CounterMetricFamily("warmroute_discovery_failures", "Replica discovery lookups that failed; the last good "
+                                  "replica set stays", value=b.discovery_failures)
+        yield GaugeMetricFamily("warmroute_discovery_up", "1 when the discovery source's last lookup succeeded; 0: "
+                                "the replica set is frozen at the last good one", value=b.discovery_up)
+        yield CounterMetricFamily("warmroute_discovery_changes", "Replica sets discovery applied",
+                                  value=b.discovery_changes)
         yield CounterMetricFamily("warmroute_reservations_released_envoy_gone",
                                   "Reservations released because every access-log stream from Envoy closed (it died "
                                   "or restarted)", value=b.released_envoy_gone)

@@ -153,6 +153,26 @@ class Releaser:
             self.stats.unmatched_log_entries += 1
 
 
+    def finish(self, res: Reservation, served_by: str | None, failed: bool | None, first_byte_s: float | None) -> None:
+        """The end of a request whose front saw its response itself (the endpoint picker): the same release
+        and the same passive-health rule as an access-log entry, with what that front can know. A retry is
+        seen only as an endpoint served other than the one chosen. ``failed`` None: the stream ended before the
+        response did (a client gone, or a replica that reset): nothing is counted, as nothing tells which."""
+        if res.released:
+            return
+        now = self.clock()
+        chosen = res.replica.name
+        if res.predicted_ttft_s is not None and self.ttft_error is not None and first_byte_s is not None:
+            self.ttft_error.observe(abs(first_byte_s - res.predicted_ttft_s))
+        self.router.release(res, now)
+        self.stats.releases_by_response += 1
+        if failed is None:
+            return
+        attempts = 2 if served_by is not None and served_by != chosen else 1
+        for name, ok in upstream_verdicts(chosen, served_by or (None if failed else chosen), attempts, failed):
+            self.router.on_upstream(name, ok, now)
+
+
 class EnvoyPresence:
     """Releases the reservations of an Envoy that went away (killed, crashed, restarted).
 

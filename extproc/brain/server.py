@@ -26,6 +26,8 @@ from .brain import Brain
 from .decide import ExternalProcessor
 from .release import AccessLogService
 from .wire import add_service
+from ..discovery import follow, make_source
+from ..picker import EndpointPicker
 
 GRPC_MAX_MESSAGE = 96 * 1024 * 1024  # request bodies of 32 MiB and more arrive in one message
 GRPC_SERVER_OPTIONS = [
@@ -33,6 +35,8 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
     ("grpc.so_reuseport", 0),  # a second brain on the same port must fail, not share the traffic
 ]
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)  # "liveness" is SERVING for the process's whole life
 TICK_S = 0.25  # health timers and housekeeping; the request path ticks too when something is due
 
 
@@ -140,9 +144,15 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     # not the generated add_*_to_server: a header of bytes that are not UTF-8 must not make Envoy's message unreadable
-    add_service(server, "envoy.service.ext_proc.v3.ExternalProcessor", "Process",
-                ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes).Process, "stream_stream",
-                ep.ProcessingRequest, ep.ProcessingResponse)
+    if b.protocol == "endpoint-picker":
+        def reset() -> None:
+            brain.stats.picker_streams_reset += 1
+
+        front = EndpointPicker(brain.pick, brain.end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset).Process
+    else:
+        front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes).Process
+    add_service(server, EXT_PROC_SERVICE, "Process", front, "stream_stream", ep.ProcessingRequest,
+                ep.ProcessingResponse)
     def envoy_gone(released: int) -> None:
         logs.event("envoy_access_log_closed", released_reservations=released,
                    open_reservations=brain.router.open_reservations)
@@ -154,8 +164,15 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_listeners(server, b)
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_ready(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in READY_SERVICES:
+            await health_servicer.set(name, status)
+
+    # the names gateways' endpoint-picker deployments probe: alive at once, ready once the fleet is known
+    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    await set_ready(brain.discovered)
 
     runner = web.AppRunner(admin_app(brain, write_admin_token(b.admin_token_file)), access_log=None)
     await runner.setup()
@@ -178,6 +195,20 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"), asyncio.create_task(_tick_loop(brain), name="tick")]
+    source = None
+    if cfg.discovery.source != "static":
+        source = make_source(cfg)
+        first_sync = not brain.discovered
+
+        def discovered(replicas) -> None:
+            nonlocal first_sync
+            brain.apply_discovered(replicas)
+            if first_sync:
+                first_sync = False
+                loop.create_task(set_ready(True))
+
+        tasks.append(asyncio.create_task(follow(source, cfg.discovery.interval_s, discovered, brain.discovery_failed,
+                                                brain.discovery_ok), name="discovery"))
     info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}
     # The ~50K objects of the imports and servers live as long as the process. Frozen, they are out of
     # the collector's sight: a full collection no longer stalls requests ~11 ms scanning them.
@@ -193,8 +224,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
         exc = None if t.cancelled() else t.exception()
         logs.event("background_task_died", task=t.get_name(), error=f"{type(exc).__name__}: {exc}"[:200] if exc else "")
         # Envoy's health check sees NOT_SERVING and fails open; the process then exits non-zero
-        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_ready(False)
 
     try:
         await supervise(tasks, died)
@@ -202,6 +232,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     finally:
         for t in tasks:
             t.cancel()
+        if source is not None:
+            await source.close()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(1.0)
         await runner.cleanup()

@@ -50,6 +50,11 @@ class BrainStats:
         self.scrapes: Counter[tuple[str, str]] = Counter()  # (replica, ok|failed)
         self.window = DecisionWindow()
         self.releases_by_log = 0
+        self.releases_by_response = 0  # endpoint picker: released at the response's end, or its stream's
+        self.picker_streams_reset = 0  # endpoint picker: a stream that ended before its response did
+        self.discovery_failures = 0  # discovery lookups that failed (the last good replica set stayed)
+        self.discovery_changes = 0  # replica sets discovery applied
+        self.discovery_up = 1  # 0 while the discovery source's last lookup failed
         self.released_envoy_gone = 0  # reservations of an Envoy whose access-log streams all closed
         self.unmatched_log_entries = 0  # access-log entries that named no reservation and no replica
         self.reloads = 0

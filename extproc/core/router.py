@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import OrderedDict, deque
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 from .config import RouterConfig
-from .decision import Decision, PinEvent, Reservation
+from .decision import Decision, FleetView, PinEvent, Reservation
 from .load import LoadSample
 from .names import Reason
 from .pins import PREFIX, SESSION, PinTable
@@ -254,26 +254,40 @@ class Router:
                 probing.append(r)
         return live, probing
 
-    def select(self, profile: RequestProfile, now: float) -> Decision:
-        """Choose a replica for ``profile`` and reserve its weight: one synchronous call (A1 atomic reserve)."""
+    def select(self, profile: RequestProfile, now: float, only: Collection[str] | None = None) -> Decision:
+        """Choose a replica for ``profile`` and reserve its weight: one synchronous call (A1 atomic reserve).
+
+        ``only``: the replicas a gateway allows for this request (the endpoint picker's subset hint); the
+        choice, the fallback and every pin decision see no other."""
         if now >= self._next_due or now >= self._housekeeping_at:
             self.tick(now)
         self.selects += 1
-        d = self.policy.select(self, profile, now)
+        fleet: FleetView = self if only is None else _Subset(self, only)
+        d = self.policy.select(fleet, profile, now)
         if d is None:
-            return self._fallback(profile, now)
+            return self._fallback(profile, now, only)
         d.reservation = self._reserve(d.replica, profile, now)
         d.reservation.predicted_ttft_s = d.predicted_ttft_s
         self.policy.on_reserved(d, profile, now)
         return d
 
-    def _fallback(self, profile: RequestProfile, now: float) -> Decision:
+    def _fallback(self, profile: RequestProfile, now: float, only: Collection[str] | None = None) -> Decision:
         """Step 5: nothing LIVE or PROBING -> a random known replica; nothing known -> no_healthy_instances."""
-        known = [r for r in self._replicas if not r.drained]
+        known = [r for r in self._replicas if not r.drained and (only is None or r.name in only)]
         if not known:
             return Decision(None, NO_HEALTHY)
         r = self._random.choice(known)
         return Decision(r, FALLBACK, None, [], self._reserve(r, profile, now))
+
+    def next_best(self, chosen: Replica, k: int, only: Collection[str] | None = None) -> list[Replica]:
+        """Up to ``k`` other replicas for a proxy to try, in order, when ``chosen`` refuses the connection: the
+        pool (LIVE before PROBING) by least in-flight weight. A retry is rare and lands on a replica that holds
+        no cache of the request either way, so load is the one thing worth ordering by."""
+        if k <= 0:
+            return []
+        live, probing = (self if only is None else _Subset(self, only)).pool()
+        rest = [r for r in live if r is not chosen] or [r for r in probing if r is not chosen]
+        return sorted(rest, key=lambda r: (r.wlc_milli, r.index))[:k]
 
     # ------------------------------------------------------------ reservations
 
@@ -341,3 +355,21 @@ __all__ = [
     "AFFINITY", "LOAD", "FALLBACK", "NO_HEALTHY", "Decision", "PinEvent", "Reservation", "Router",
     "State", "LIVE", "PROBING", "EJECTED", "SESSION",
 ]
+
+
+class _Subset:
+    """The fleet as one request may see it: the pool cut to the names a gateway allows."""
+
+    __slots__ = ("_router", "_only")
+
+    def __init__(self, router: Router, only: Collection[str]):
+        self._router = router
+        self._only = only
+
+    @property
+    def replicas_view(self) -> list[Replica]:
+        return self._router.replicas_view  # round-robin positions stay the fleet's
+
+    def pool(self) -> tuple[list[Replica], list[Replica]]:
+        live, probing = self._router.pool()
+        return [r for r in live if r.name in self._only], [r for r in probing if r.name in self._only]

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from ..config import AppConfig, ReplicaSpec
+from ..config import AppConfig, ConfigError, ReplicaSpec
 from ..core.profile import CONTENT_LENGTH
 from ..contract import (
     ACCESS_LOG_NAME,
@@ -374,6 +374,9 @@ def brain_cluster(cfg: AppConfig) -> dict:
             {
                 "timeout": _dur(max(0.1, hc / 2)),
                 "interval": _dur(hc),
+                # Envoy's default for a cluster that carried no traffic lately is one check a minute: a brain
+                # that died between requests would be found a minute late
+                "no_traffic_interval": _dur(hc),
                 "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
                 "grpc_health_check": {"service_name": ""},
@@ -457,8 +460,15 @@ def clusters(cfg: AppConfig) -> list[dict]:
 
 
 def cds_document(cfg: AppConfig) -> dict:
-    """The file Envoy's filesystem CDS reads: every cluster but the brain's."""
-    return {"resources": [{"@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster", **c} for c in replica_clusters(cfg)]}
+    """The file Envoy's filesystem CDS reads: every cluster but the brain's (in the endpoint-picker shape, the
+    one pool cluster)."""
+    if cfg.brain.protocol == "endpoint-picker":
+        from .picker import picker_clusters
+
+        found = picker_clusters(cfg)
+    else:
+        found = replica_clusters(cfg)
+    return {"resources": [{"@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster", **c} for c in found]}
 
 
 class CdsFile:
@@ -483,7 +493,16 @@ class CdsFile:
         return True
 
 
-def bootstrap(cfg: AppConfig) -> dict[str, Any]:
+def bootstrap(cfg: AppConfig, mode: str | None = None) -> dict[str, Any]:
+    """Envoy's bootstrap for ``cfg``; ``mode`` (default: ``brain.protocol``) "endpoint-picker" renders the
+    shape of a Gateway API Inference Extension gateway (``picker.picker_bootstrap``)."""
+    if (mode or cfg.brain.protocol) == "endpoint-picker":
+        from .picker import picker_bootstrap
+
+        return picker_bootstrap(cfg)
+    if cfg.brain.protocol == "endpoint-picker":
+        raise ConfigError("brain.protocol: this brain speaks endpoint-picker; render --mode endpoint-picker (or "
+                          "point a Gateway API Inference Extension gateway at it)")
     e = cfg.envoy
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",

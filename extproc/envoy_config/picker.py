@@ -1,0 +1,191 @@
+"""Envoy in the endpoint-picker shape (``warmroute envoy-config --mode endpoint-picker``): what a Gateway
+API Inference Extension gateway runs, so the brain's ``endpoint-picker`` protocol is tested against the
+real thing and a cluster without such a gateway can run it as is.
+
+One cluster holds every replica, with Envoy's ``override_host`` load-balancing policy: the host is the
+first of ``x-gateway-destination-endpoint`` (dynamic metadata ``envoy.lb``, where the brain puts it), a
+retry takes the next one in the list. Chosen over an ``ORIGINAL_DST`` cluster because that one takes a
+single address (no ordered fallbacks), needs no host list (so it would send a request to any address a
+header names), and has nothing to fall back to: here, when the brain does not answer (down, slow:
+``failure_mode_allow``), the fallback policy is the same bounded-load ring hash on the session header as
+the default shape's fail-open route, so sessions stay on their caches.
+
+What this shape does not have, compared with the default one: no access log to the brain (it releases at
+the response's end, read through ext_proc, so every response chunk passes through the brain), no
+per-replica clusters (Envoy's per-replica counters are the pool cluster's per-host stats).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..config import AppConfig, ConfigError
+from ..contract import (
+    BRAIN_CLUSTER,
+    DESTINATION_HEADER,
+    DESTINATION_NAMESPACE,
+    EXT_PROC_FILTER,
+    EXT_PROC_STAT_PREFIX,
+    PICKER_CLUSTER,
+    SUBSET_NAMESPACE,
+)
+from .render import (
+
+    _address,
+    _dur,
+    _is_ip,
+    _lb_endpoint,
+    _retry_policy,
+    _thresholds,
+    _tls_matches,
+    brain_cluster,
+    early_header_mutation,
+    local_reply_config,
+    routes,
+)
+
+UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
+
+def picker_ext_proc(cfg: AppConfig) -> dict:
+    """The ext_proc filter as GIE gateways configure it: headers, then full-duplex streamed bodies both ways."""
+    e = cfg.envoy
+    return {
+        "name": EXT_PROC_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
+            "stat_prefix": EXT_PROC_STAT_PREFIX,
+            # InferencePool failureMode FailOpen: no answer -> the override_host fallback policy (the ring hash)
+            "failure_mode_allow": True,
+            # the answer waits for the whole request body: this bounds the body's upload as well as the brain
+            "message_timeout": _dur(e.ext_proc_timeout_s),
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND",
+                "response_trailer_mode": "SEND",
+            },
+            # the endpoint that answered, read on the response (a retry may have moved the request)
+            "response_attributes": [UPSTREAM_ADDRESS_ATTRIBUTE],
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, DESTINATION_NAMESPACE]},
+                "receiving_namespaces": {"untyped": [DESTINATION_NAMESPACE]},
+            },
+        },
+    }
+
+def pool_cluster(cfg: AppConfig) -> dict:
+    e = cfg.envoy
+    all_ip = all(_is_ip(r.host) for r in cfg.replicas)
+    ring_hash = {"name": "envoy.load_balancing_policies.ring_hash", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash",
+        "consistent_hashing_lb_config": {"hash_balance_factor": e.fail_open_hash_balance_factor}}}
+    return {
+        "name": PICKER_CLUSTER,
+        "type": "STATIC" if all_ip else "STRICT_DNS",
+        "connect_timeout": _dur(e.upstream_connect_timeout_s),
+        "circuit_breakers": _thresholds(),
+        "per_connection_buffer_limit_bytes": e.max_body_bytes,
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [
+                    {"metadata": {"key": DESTINATION_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
+                    {"header": DESTINATION_HEADER},
+                ],
+                "fallback_policy": {"policies": [{"typed_extension_config": ring_hash}]},
+            },
+        }}]},
+        "load_assignment": {"cluster_name": PICKER_CLUSTER,
+                            "endpoints": [{"lb_endpoints": [_lb_endpoint(r) for r in cfg.replicas]}]},
+        **_tls_matches(cfg.replicas),
+    }
+
+def picker_routes(cfg: AppConfig) -> list[dict]:
+    """The 404 of paths not served (the default shape's), then everything to the pool cluster: the host is the
+    brain's; without an answer the ring hash hashes the session header (or the client's address)."""
+    not_served = routes(cfg)[0]
+    return [not_served, {
+        "name": "warmroute_picked",
+        "match": {"prefix": "/"},
+        "route": {
+            "cluster": PICKER_CLUSTER,
+            "timeout": "0s",
+            "retry_policy": {k: v for k, v in _retry_policy(cfg).items() if k != "retry_priority"},
+            "hash_policy": [
+                *({"header": {"header_name": h}, "terminal": True} for h in cfg.router.profile.session_headers),
+                {"connection_properties": {"source_ip": True}},
+            ],
+        },
+    }]
+
+def picker_brain_cluster(cfg: AppConfig) -> dict:
+    """The brain's cluster, without Envoy's panic routing: once its health check sees the brain down, a new
+    stream fails at its start, before any body chunk went out, which is the only moment a full-duplex
+    ext_proc can still fail open (Envoy sends no body it no longer holds). Panic routing would keep
+    connecting to the dead brain and fail those requests instead."""
+    c = brain_cluster(cfg)
+    c["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+    return c
+
+
+def picker_clusters(cfg: AppConfig) -> list[dict]:
+    return [pool_cluster(cfg)]
+
+def picker_bootstrap(cfg: AppConfig) -> dict[str, Any]:
+    e = cfg.envoy
+    if cfg.brain.protocol != "endpoint-picker":
+        raise ConfigError("brain.protocol: --mode endpoint-picker needs a brain that speaks it: set brain.protocol: "
+                          "endpoint-picker")
+    if cfg.discovery.source != "static" and not e.cds_path:
+        raise ConfigError("envoy.cds_path: with discovery the brain writes the pool's endpoints there for Envoy; "
+                          "set a path")
+    mutation = early_header_mutation(cfg)
+    # a client's own destination header would pick the host whenever the brain does not answer
+    mutation[0]["typed_config"]["mutations"].append({"remove": DESTINATION_HEADER})
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": _dur(e.stream_idle_timeout_s),
+        "early_header_mutation_extensions": mutation,
+        "always_set_request_id_in_response": True,
+        "local_reply_config": local_reply_config(),
+        "route_config": {"name": "warmroute", "virtual_hosts": [{
+            "name": "models", "domains": ["*"], "routes": picker_routes(cfg),
+            "request_body_buffer_limit": e.max_body_bytes,
+        }]},
+        "http_filters": [
+            picker_ext_proc(cfg),
+            {"name": "envoy.filters.http.router",
+             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+        ],
+    }
+    doc: dict[str, Any] = {
+        "admin": {"address": _address("127.0.0.1", e.admin_port)},
+        "static_resources": {
+            "listeners": [{
+                "name": "warmroute_ingress",
+                "address": _address(e.listen_host, e.listen_port),
+                "per_connection_buffer_limit_bytes": e.max_body_bytes,
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}],
+            }],
+            "clusters": [picker_brain_cluster(cfg), *([] if e.cds_path else picker_clusters(cfg))],
+        },
+    }
+    if e.cds_path:
+        hcm["route_config"]["validate_clusters"] = False
+        path = os.path.abspath(e.cds_path)
+        doc["node"] = {"id": "warmroute-envoy", "cluster": "warmroute"}
+        doc["dynamic_resources"] = {"cds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": path, "watched_directory": {"path": os.path.dirname(path)}},
+        }}
+    return doc
+
+__all__ = ["picker_bootstrap", "picker_clusters", "picker_ext_proc", "pool_cluster"]

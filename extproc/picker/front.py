@@ -1,0 +1,274 @@
+"""The Gateway API Inference Extension's endpoint-picker exchange (GIE docs/proposals/004, v1), per stream.
+
+A gateway opens one ext_proc stream per HTTP request and keeps it for the request's whole life:
+
+1. request headers (with the gateway's subset hint in ``metadata_context``), then the body in
+   ``FULL_DUPLEX_STREAMED`` chunks. The body is buffered to its end (the prefix and session keys are in
+   it), the brain decides, and the answer goes out in the protocol's order: the headers response carrying
+   ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` as a header mutation and the same value as
+   dynamic metadata ``envoy.lb``, with ``clear_route_cache``; then the body back, in chunks of at most
+   62,000 bytes. A body past ``body_max_bytes`` is decided on its headers alone and streamed on as it comes.
+2. the response passes through: its status and first byte, and the endpoint that served it (the
+   gateway's ``envoy.lb`` / ``x-gateway-destination-endpoint-served``, or Envoy's ``upstream.address``
+   attribute), are all the brain learns. Its end (or the stream's, when the client or the gateway went
+   away first) releases the reservation: no access log comes from a gateway the brain did not configure.
+
+A gateway configured with ``BUFFERED`` request bodies (not the protocol's mode, but seen in the wild)
+is answered on the body message; one that sends ``STREAMED`` bodies gets a decision on the headers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.type.v3 import http_status_pb2
+
+from ..contract import (
+    DESTINATION_HEADER,
+    DESTINATION_NAMESPACE,
+    DESTINATION_SERVED_KEY,
+    PICKER_BODY_CHUNK,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
+from ..core.profile import CONTENT_LENGTH
+from .messages import header_value, headers_of, openai_error
+
+UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"  # Envoy's attribute: the endpoint that served (response side)
+_FAULT_CODES = frozenset({502, 503, 504})
+
+
+class PickResult(Protocol):
+    endpoints: list[str]  # best first; empty: nothing to pick
+    reservation: Any  # what ``end`` releases (None with no pick)
+    subset_empty: bool  # the gateway's subset named nothing the picker knows
+
+
+# (headers, body or None, the gateway's subset or None) -> the pick
+Pick = Callable[[dict[str, str], "bytes | None", "list[str] | None"], PickResult]
+# (reservation, served endpoint or None, failed: True/False, None when nothing is known, first byte seconds)
+End = Callable[[Any, "str | None", "bool | None", "float | None"], None]
+
+
+def _struct_strings(value) -> list[str]:
+    """A metadata value as a list of endpoints: a list of strings, or one comma-separated string."""
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value.strip() for v in value.list_value.values if v.string_value.strip()]
+    if kind == "string_value":
+        return [p.strip() for p in value.string_value.split(",") if p.strip()]
+    return []
+
+
+def subset_of(req: ep.ProcessingRequest) -> list[str] | None:
+    """The gateway's subset hint: None when it sent none (pick from the whole pool); a list, maybe empty."""
+    ns = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is None or SUBSET_KEY not in ns.fields:
+        return None
+    return _struct_strings(ns.fields[SUBSET_KEY])
+
+
+def served_of(req: ep.ProcessingRequest) -> str | None:
+    ns = req.metadata_context.filter_metadata.get(DESTINATION_NAMESPACE)
+    if ns is not None and DESTINATION_SERVED_KEY in ns.fields:
+        served = _struct_strings(ns.fields[DESTINATION_SERVED_KEY])
+        if served:
+            return served[0]
+    for attrs in req.attributes.values():
+        v = attrs.fields.get(UPSTREAM_ADDRESS_ATTRIBUTE)
+        if v is not None and v.string_value:
+            return v.string_value
+    return None
+
+
+def destination_answer(endpoints: list[str], body_len: int | None, phase: str = "request_headers") -> ep.ProcessingResponse:
+    """The pick, as the protocol wants it: the header and the metadata carry the same value."""
+    value = ",".join(endpoints)
+    out = ep.ProcessingResponse()
+    common = getattr(out, phase).response
+    common.header_mutation.set_headers.append(header_value(DESTINATION_HEADER, value))
+    if body_len is not None:
+        # a streamed body reaches the replica without Content-Length unless it is set again
+        common.header_mutation.set_headers.append(header_value(CONTENT_LENGTH, str(body_len)))
+    common.clear_route_cache = True
+    out.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
+    return out
+
+
+def body_chunks(body: bytes, end: bool) -> list[ep.ProcessingResponse]:
+    """``body`` back to the gateway as streamed body responses of at most PICKER_BODY_CHUNK bytes."""
+    pieces = [body[i:i + PICKER_BODY_CHUNK] for i in range(0, len(body), PICKER_BODY_CHUNK)] or [b""]
+    return [_streamed("request_body", p, end and i == len(pieces) - 1) for i, p in enumerate(pieces)]
+
+
+def _streamed(phase: str, body: bytes, end: bool) -> ep.ProcessingResponse:
+    out = ep.ProcessingResponse()
+    sr = getattr(out, phase).response.body_mutation.streamed_response
+    sr.body = body
+    sr.end_of_stream = end
+    return out
+
+
+def no_endpoint(subset_given: bool) -> ep.ProcessingResponse:
+    if subset_given:
+        return openai_error(http_status_pb2.ServiceUnavailable, "none of the endpoints this gateway allows for "
+                            "the request is ready", "service_unavailable", "no_eligible_endpoint",
+                            "warmroute_no_eligible_endpoint", 5)
+    return openai_error(http_status_pb2.ServiceUnavailable, "no model server is ready; retry shortly",
+                        "service_unavailable", "no_healthy_instances", "warmroute_no_healthy_instances", 5)
+
+
+_PASS = {
+    "request_headers": ep.ProcessingResponse(request_headers=ep.HeadersResponse()),
+    "request_body": ep.ProcessingResponse(request_body=ep.BodyResponse()),
+    "request_trailers": ep.ProcessingResponse(request_trailers=ep.TrailersResponse()),
+    "response_headers": ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
+    "response_body": ep.ProcessingResponse(response_body=ep.BodyResponse()),
+    "response_trailers": ep.ProcessingResponse(response_trailers=ep.TrailersResponse()),
+}
+_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+_BUFFERED = (pm.ProcessingMode.BUFFERED, pm.ProcessingMode.BUFFERED_PARTIAL)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's exchange: what has been read, answered and learned."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: list[str] | None = None
+    body: list[bytes] = field(default_factory=list)
+    size: int = 0
+    request_mode: int = _DUPLEX  # how the gateway sends the request body (its protocol_config)
+    response_duplex: bool = True  # response body chunks must be echoed back
+    answered: bool = False
+    picked_at: float = 0.0
+    reservation: Any = None
+    served: str | None = None
+    status: int = 0
+    first_byte_s: float | None = None
+    ended: bool = False
+
+
+class EndpointPicker(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, pick: Pick, end: End, body_max_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 on_reset: Callable[[], None] | None = None):
+        self.pick = pick
+        self.end = end
+        self.body_max_bytes = body_max_bytes  # larger bodies: decided on the headers, streamed through
+        self.clock = clock
+        self.on_reset = on_reset
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
+        st = _Stream()
+        try:
+            while True:
+                req = await context.read()
+                if req is grpc.aio.EOF:
+                    return
+                if req.HasField("protocol_config"):
+                    st.request_mode = req.protocol_config.request_body_mode
+                    st.response_duplex = req.protocol_config.response_body_mode == _DUPLEX
+                for out in self._step(st, req):
+                    await context.write(out)
+                    if out.HasField("immediate_response"):
+                        return
+                if st.ended:
+                    return
+        finally:
+            if st.reservation is not None and not st.ended:
+                # the stream ended before the response did: the client left, the replica reset, the gateway went
+                self.end(st.reservation, st.served, None, st.first_byte_s)
+                if self.on_reset is not None:
+                    self.on_reset()
+
+    def _decide(self, st: _Stream, body: bytes | None, phase: str = "request_headers") -> ep.ProcessingResponse:
+        st.answered = True
+        p = self.pick(st.headers, body, st.subset)
+        if not p.endpoints:
+            return no_endpoint(st.subset is not None and (p.subset_empty or not st.subset))
+        st.reservation = p.reservation
+        st.picked_at = self.clock()
+        return destination_answer(p.endpoints, len(body) if body is not None and phase == "request_headers" else None,
+                                  phase)
+
+    def _step(self, st: _Stream, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            st.headers = headers_of(req.request_headers)
+            st.subset = subset_of(req)
+            if req.request_headers.end_of_stream:
+                return [self._decide(st, None)]
+            if st.request_mode in _BUFFERED:
+                return [_PASS[kind]]  # the decision rides on the body's answer
+            if st.request_mode != _DUPLEX:
+                return [self._decide(st, None)]  # STREAMED: Envoy waits for this answer before any body
+            return []  # full duplex: the answer waits for the body
+        if kind == "request_body":
+            chunk = req.request_body
+            if st.request_mode in _BUFFERED:
+                return [self._decide(st, chunk.body, "request_body")] if not st.answered else [_PASS[kind]]
+            if st.request_mode != _DUPLEX:
+                return [_PASS[kind]]
+            if st.answered:  # a big body, decided on its headers: pass it on as it comes
+                return body_chunks(chunk.body, chunk.end_of_stream)
+            st.body.append(chunk.body)
+            st.size += len(chunk.body)
+            if chunk.end_of_stream:
+                body = b"".join(st.body)
+                st.body = []
+                answer = self._decide(st, body)
+                return [answer] if answer.HasField("immediate_response") else [answer, *body_chunks(body, True)]
+            if st.size > self.body_max_bytes:
+                answer = self._decide(st, None)
+                if answer.HasField("immediate_response"):
+                    return [answer]
+                held, st.body = b"".join(st.body), []
+                return [answer, *body_chunks(held, False)]
+            return []
+        if kind == "request_trailers":
+            out: list[ep.ProcessingResponse] = []
+            if not st.answered:  # a body that ended in trailers: decide on what came
+                body = b"".join(st.body)
+                st.body = []
+                answer = self._decide(st, body)
+                if answer.HasField("immediate_response"):
+                    return [answer]
+                out += [answer, *body_chunks(body, False)]
+            return [*out, _PASS[kind]]
+        if kind == "response_headers":
+            h = headers_of(req.response_headers)
+            st.status = int(h.get(":status", "0") or 0) if h.get(":status", "").isdigit() else 0
+            st.served = served_of(req) or st.served
+            if st.picked_at:
+                st.first_byte_s = self.clock() - st.picked_at
+            if req.response_headers.end_of_stream:
+                self._finish(st)
+            return [_PASS[kind]]
+        if kind == "response_body":
+            chunk = req.response_body
+            st.served = st.served or served_of(req)
+            if chunk.end_of_stream:
+                self._finish(st)
+            if st.response_duplex:
+                return [_streamed("response_body", chunk.body, chunk.end_of_stream)]
+            return [_PASS[kind]]
+        if kind == "response_trailers":
+            self._finish(st)
+            return [_PASS[kind]]
+        return []
+
+    def _finish(self, st: _Stream) -> None:
+        if st.ended:
+            return
+        st.ended = True
+        if st.reservation is not None:
+            self.end(st.reservation, st.served, st.status in _FAULT_CODES, st.first_byte_s)
+
+
+__all__ = ["EndpointPicker", "PickResult", "subset_of", "served_of", "destination_answer", "body_chunks"]

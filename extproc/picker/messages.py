@@ -1,0 +1,35 @@
+"""ext_proc message pieces both fronts build and read."""
+
+from __future__ import annotations
+
+import json
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+
+
+def header_value(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def headers_of(msg: ep.HttpHeaders) -> dict[str, str]:
+    out = {}
+    for h in msg.headers.headers:
+        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def openai_error(status: int, message: str, kind: str, code: str, details: str,
+                 retry_after_s: int | None = None) -> ep.ProcessingResponse:
+    """An immediate answer in OpenAI's error shape (what clients of vLLM already parse)."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
+    headers = [header_value("content-type", "application/json")]
+    if retry_after_s is not None:
+        headers.append(header_value("retry-after", str(retry_after_s)))
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=ep.HeaderMutation(set_headers=headers),
+        body=body, details=details))

@@ -1,0 +1,72 @@
+"""The endpoint-picker protocol end to end: Envoy 1.40 in the shape a Gateway API Inference Extension
+gateway runs (``warmroute envoy-config --mode endpoint-picker``), the brain as its picker, mock replicas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extproc.contract import PICKER_CLUSTER
+from extproc.tools.stack import http_get, wait_for
+
+from .test_envoy_stack import chat, client, raw_post
+
+pytestmark = pytest.mark.integration
+PICKER = {"brain": {"protocol": "endpoint-picker"}}
+
+
+def pool_rq(stack, replica) -> int:
+    """Envoy's own count of requests the pool cluster sent to one replica (its per-host stats)."""
+    doc = json.loads(http_get(stack.envoy_admin + "/clusters?format=json"))
+    for c in doc.get("cluster_statuses", []):
+        if c["name"] == PICKER_CLUSTER:
+            for h in c.get("host_statuses", []):
+                if h["address"]["socket_address"]["port_value"] == replica.port:
+                    return sum(int(s.get("value", 0)) for s in h.get("stats", []) if s["name"] == "rq_total")
+    return 0
+
+
+def test_requests_stream_through_the_picked_endpoint_and_are_released_without_an_access_log(own_stack):
+    s = own_stack(3, config=PICKER)
+    s.wait_all_live(30)
+    c = client(s, **{"x-session-id": "agent-1"})
+    served = [chat(c, system="you are a coding agent " * 40, user=f"turn {i}", stream=i % 2 == 0) for i in range(6)]
+    assert len(set(served)) == 1  # one session, one home: the brain's choice is what Envoy used
+    home = next(r for r in s.replicas if r.name == served[0])
+    assert pool_rq(s, home) >= 6
+    st = wait_for(lambda: (x := s.state())["open_reservations"] == 0 and x, 20, "every reservation released")
+    made = sum(r["decisions"] for r in st["replicas"])
+    assert st["releases_by_response"] == made >= 6
+    assert st["access_log_streams"] == 0 and st["releases_by_access_log"] == 0
+    # a path outside the API is Envoy's 404, as in the default shape
+    status, _, _ = raw_post(s, b"{}", path="/metrics")
+    assert status == 404
+
+
+def test_a_refused_endpoint_is_retried_on_the_next_one_the_brain_listed(own_stack):
+    # scrapes every 1 s: the brain keeps listing r1 first for a moment after it dies
+    s = own_stack(3, config={**PICKER, "health": {"scrape_interval_s": 1.0}})
+    s.wait_all_live(30)
+    c = client(s)
+    before = s.replica_state("r1")["decisions"]
+    s.kill_replica("r1")
+    served = [chat(c, system=f"during kill {i}") for i in range(6)]  # every one succeeds
+    assert "r1" not in served
+    assert s.replica_state("r1")["decisions"] > before, "the brain never chose r1: no retry was exercised"
+    assert s.envoy_stats().get(f"cluster.{PICKER_CLUSTER}.upstream_rq_retry", 0) >= 1
+    wait_for(lambda: s.state()["open_reservations"] == 0, 20, "every reservation released")
+
+
+def test_the_brain_killed_the_gateway_fails_open_and_sessions_keep_their_replica(own_stack):
+    s = own_stack(3, config=PICKER)
+    s.wait_all_live(30)
+    assert chat(client(s)).startswith("r")
+    s.brain.kill()
+    # a full-duplex stream can fail open only before its first body chunk: the requests of the moment the brain
+    # died (and until Envoy's health check sees it, 2 x brain_health_check_interval_s) fail; from then on none
+    wait_for(lambda: not s.brain_healthy_in_envoy(), 10, "Envoy to see the brain down")
+    for sid in ("sess-a", "sess-b", "sess-c"):
+        cs = client(s, **{"x-session-id": sid})
+        assert len({chat(cs, system=f"{sid} turn {k}") for k in range(4)}) == 1  # the ring hash fallback
+    assert s.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) >= 12

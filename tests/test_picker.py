@@ -1,0 +1,287 @@
+"""The endpoint-picker protocol (GIE 004) as a gateway drives it, against a real Brain: each case of the
+protocol, the order of the answers, and release without an access log."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import orjson
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+
+from extproc.brain.brain import Brain
+from extproc.config import ConfigError, parse_config
+from extproc.contract import (
+    DESTINATION_HEADER,
+    DESTINATION_NAMESPACE,
+    DESTINATION_SERVED_KEY,
+    PICKER_BODY_CHUNK,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
+from extproc.core import EJECTED
+from extproc.picker import EndpointPicker
+
+from .helpers import live_brain
+
+N = 4
+CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(N)],
+                    "brain": {"protocol": "endpoint-picker", "picker_fallbacks": 2}})
+ENDPOINTS = [f"127.0.0.{i + 1}:8000" for i in range(N)]
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": "sys " * 200},
+                                                {"role": "user", "content": "hi"}]})
+
+
+class Ctx:
+    """A gateway's side of one ext_proc stream: the messages it sends, the answers it gets."""
+
+    def __init__(self, msgs):
+        self.msgs = list(msgs)
+        self.out: list[ep.ProcessingResponse] = []
+
+    async def read(self):
+        return self.msgs.pop(0) if self.msgs else grpc.aio.EOF
+
+    async def write(self, msg):
+        self.out.append(msg)
+
+
+def headers(pairs: dict[str, str], end: bool = False, subset=None, served=None) -> ep.ProcessingRequest:
+    req = ep.ProcessingRequest()
+    for k, v in pairs.items():
+        req.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    req.request_headers.end_of_stream = end
+    if subset is not None:
+        f = req.metadata_context.filter_metadata[SUBSET_NAMESPACE].fields[SUBSET_KEY]
+        if isinstance(subset, str):
+            f.string_value = subset
+        else:
+            f.list_value.values.extend([])
+            for s in subset:
+                f.list_value.values.add().string_value = s
+    return req
+
+
+def body(data: bytes, end: bool) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end))
+
+
+def response(status: int = 200, served: str | None = None, chunks=(b"data: x\n\n",)) -> list[ep.ProcessingRequest]:
+    rh = ep.ProcessingRequest()
+    rh.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
+    if served:
+        rh.metadata_context.filter_metadata[DESTINATION_NAMESPACE].fields[DESTINATION_SERVED_KEY].string_value = served
+    out = [rh]
+    for i, c in enumerate(chunks):
+        out.append(ep.ProcessingRequest(response_body=ep.HttpBody(body=c, end_of_stream=i == len(chunks) - 1)))
+    return out
+
+
+def request(data: bytes = BODY, hdrs=None, subset=None, pieces: int = 3) -> list[ep.ProcessingRequest]:
+    step = max(1, len(data) // pieces + 1)
+    parts = [data[i:i + step] for i in range(0, len(data), step)] or [b""]
+    return [headers({":method": "POST", ":path": "/v1/chat/completions", **(hdrs or {})}, subset=subset),
+            *(body(p, i == len(parts) - 1) for i, p in enumerate(parts))]
+
+
+def run(brain: Brain, msgs) -> list[ep.ProcessingResponse]:
+    ctx = Ctx(msgs)
+    front = EndpointPicker(brain.pick, brain.end_picked, brain.cfg.envoy.brain_body_max_bytes, brain.clock)
+    asyncio.run(front.Process(None, ctx))
+    return ctx.out
+
+
+def picked(out: list[ep.ProcessingResponse]) -> tuple[str, str]:
+    """(header value, metadata value) of the headers answer."""
+    first = out[0]
+    assert first.WhichOneof("response") == "request_headers"
+    hdr = {h.header.key: h.header.raw_value.decode() for h in first.request_headers.response.header_mutation.set_headers}
+    meta = first.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value
+    assert first.request_headers.response.clear_route_cache
+    return hdr[DESTINATION_HEADER], meta
+
+
+@pytest.fixture
+def brain():
+    return live_brain(CFG)
+
+
+def test_header_and_metadata_agree_and_list_the_pick_then_ordered_fallbacks(brain):
+    out = run(brain, request())
+    value, meta = picked(out)
+    assert value == meta
+    listed = value.split(",")
+    assert len(listed) == 3 and len(set(listed)) == 3 and set(listed) <= set(ENDPOINTS)
+    # the body comes back after the headers answer, whole, in order, ending the stream
+    echoed = b"".join(o.request_body.response.body_mutation.streamed_response.body for o in out[1:])
+    assert echoed == BODY
+    assert out[-1].request_body.response.body_mutation.streamed_response.end_of_stream
+    # the fallbacks are the least loaded others: load one up and it leaves the fallbacks
+    loaded = ENDPOINTS[0] if listed[0] != ENDPOINTS[0] else ENDPOINTS[1]
+    brain.router.replica(brain.releaser.by_address[loaded]).wlc_milli += 10**9
+    for s in range(5):
+        again = picked(run(brain, request(hdrs={"x-session-id": f"other{s}"})))[0].split(",")
+        assert loaded not in again[1:], again
+
+
+def test_a_big_body_goes_back_in_chunks_of_at_most_62000_bytes(brain):
+    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 200_000}]})
+    out = run(brain, request(big, pieces=2))
+    chunks = [o.request_body.response.body_mutation.streamed_response.body for o in out[1:]]
+    assert max(len(c) for c in chunks) <= PICKER_BODY_CHUNK and len(chunks) >= 4
+    assert b"".join(chunks) == big
+    hdr = {h.header.key: h.header.raw_value.decode() for h in out[0].request_headers.response.header_mutation.set_headers}
+    assert hdr["content-length"] == str(len(big))
+
+
+def test_a_body_past_the_brain_limit_is_decided_on_headers_and_streamed_on():
+    cfg = parse_config({**{"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(N)]},
+                        "brain": {"protocol": "endpoint-picker"}, "envoy": {"brain_body_max_bytes": 4096}})
+    b = live_brain(cfg)
+    big = b"{" + b" " * 20_000 + b"}"
+    out = run(b, request(big, pieces=10))
+    assert out[0].WhichOneof("response") == "request_headers"
+    assert b"".join(o.request_body.response.body_mutation.streamed_response.body for o in out[1:]) == big
+    assert b.stats.bodies  # decided (on headers) and counted
+
+
+def test_the_subset_hint_is_honoured_as_a_list_and_as_a_comma_separated_string(brain):
+    allowed = ENDPOINTS[2:]
+    for subset in (allowed, ",".join(allowed)):
+        for s in range(6):
+            value, _ = picked(run(brain, request(hdrs={"x-session-id": f"s{s}"}, subset=subset)))
+            assert set(value.split(",")) <= set(allowed), value
+
+
+def test_no_eligible_endpoint_in_the_subset_is_a_503(brain):
+    for subset in ([], ["10.9.9.9:8000"], "10.9.9.9:8000"):
+        out = run(brain, request(subset=subset))
+        assert len(out) == 1 and out[0].immediate_response.status.code == 503
+        assert orjson.loads(out[0].immediate_response.body)["error"]["code"] == "no_eligible_endpoint"
+    for r in brain.router.replicas[2:]:
+        brain.router.drain(r.name)
+    out = run(brain, request(subset=ENDPOINTS[2:]))  # known, but none ready
+    assert out[0].immediate_response.status.code == 503
+
+
+def test_no_ready_endpoint_is_a_503_in_openai_shape(brain):
+    for r in brain.router.replicas:
+        brain.router.drain(r.name)
+    out = run(brain, request())
+    assert out[0].immediate_response.status.code == 503
+    err = orjson.loads(out[0].immediate_response.body)["error"]
+    assert err["type"] == "service_unavailable" and err["code"] == "no_healthy_instances"
+    assert brain.router.open_reservations == 0
+
+
+def test_a_body_that_does_not_parse_is_routed_by_headers_never_a_5xx(brain):
+    out = run(brain, request(b'{"messages": [', hdrs={"x-session-id": "s"}))
+    value, meta = picked(out)
+    assert value == meta and value.split(",")[0] in ENDPOINTS
+
+
+def test_a_request_without_a_body_is_answered_on_its_headers(brain):
+    out = run(brain, [headers({":method": "GET", ":path": "/v1/models"}, end=True)])
+    assert picked(out)[0].split(",")[0] in ENDPOINTS
+
+
+def test_the_response_end_releases_and_a_stream_reset_releases_too(brain):
+    out = run(brain, [*request(), *response(chunks=(b"a", b"b", b"c"))])
+    assert brain.router.open_reservations == 0 and brain.stats.releases_by_response == 1
+    # the response passes through unchanged, chunk by chunk
+    echoed = [o.response_body.response.body_mutation.streamed_response.body for o in out if o.HasField("response_body")]
+    assert echoed == [b"a", b"b", b"c"]
+    run(brain, request())  # the gateway's stream ends before any response: the client went away
+    assert brain.router.open_reservations == 0 and brain.stats.releases_by_response == 2
+
+
+class QueueCtx(Ctx):
+    """A stream whose messages arrive when the test puts them (EOF only when it says so)."""
+
+    def __init__(self):
+        super().__init__([])
+        self.q: asyncio.Queue = asyncio.Queue()
+
+    async def read(self):
+        return await self.q.get()
+
+
+def test_a_reservation_is_held_until_the_response_ends(brain):
+    async def scenario():
+        ctx = QueueCtx()
+        front = EndpointPicker(brain.pick, brain.end_picked, 1 << 20, brain.clock)
+        task = asyncio.ensure_future(front.Process(None, ctx))
+        resp = response(chunks=(b"a", b"b"))
+        for m in [*request(), *resp[:2]]:
+            ctx.q.put_nowait(m)
+        while len([o for o in ctx.out if o.HasField("response_body")]) < 1:
+            await asyncio.sleep(0.001)
+        held = brain.router.open_reservations
+        ctx.q.put_nowait(resp[2])
+        await asyncio.wait_for(task, 5)
+        return held
+
+    assert asyncio.run(scenario()) == 1
+    assert brain.router.open_reservations == 0
+
+
+def test_a_retry_elsewhere_counts_against_the_chosen_endpoint(brain):
+    seen = []
+    brain.router.on_upstream = lambda n, ok, now: seen.append((n, ok))
+
+    async def scenario():
+        ctx = QueueCtx()
+        task = asyncio.ensure_future(EndpointPicker(brain.pick, brain.end_picked, 1 << 20, brain.clock).Process(None, ctx))
+        for m in request():
+            ctx.q.put_nowait(m)
+        while not ctx.out:
+            await asyncio.sleep(0.001)
+        listed = picked(ctx.out)[0].split(",")
+        for m in response(served=listed[1]):  # the first refused; the gateway's retry took the second
+            ctx.q.put_nowait(m)
+        await asyncio.wait_for(task, 5)
+        return listed
+
+    listed = asyncio.run(scenario())
+    by = brain.releaser.by_address
+    assert seen == [(by[listed[0]], False), (by[listed[1]], True)]
+
+
+def test_a_fault_status_counts_against_the_endpoint_that_served(brain):
+    seen = []
+    brain.router.on_upstream = lambda n, ok, now: seen.append((n, ok))
+    out = run(brain, [*request(), *response(status=503)])
+    name = brain.releaser.by_address[picked(out)[0].split(",")[0]]
+    assert seen == [(name, False)]
+    seen.clear()
+    run(brain, [*request(), *response(status=400)])  # the request's own fault: the replica is fine
+    assert [ok for _, ok in seen] == [True]
+
+
+def test_a_buffered_gateway_is_answered_on_the_body_message(brain):
+    first = headers({":method": "POST", ":path": "/v1/chat/completions"})
+    first.protocol_config.request_body_mode = pm.ProcessingMode.BUFFERED
+    out = run(brain, [first, body(BODY, True)])
+    assert out[0].WhichOneof("response") == "request_headers" and not out[0].request_headers.response.clear_route_cache
+    assert out[1].request_body.response.clear_route_cache
+    hdr = {h.header.key: h.header.raw_value.decode() for h in out[1].request_body.response.header_mutation.set_headers}
+    assert hdr[DESTINATION_HEADER].split(",")[0] in ENDPOINTS
+
+
+def test_a_config_with_a_host_name_is_refused_in_picker_mode():
+    with pytest.raises(ConfigError, match=r"replicas\[0\]\.url: brain.protocol endpoint-picker"):
+        parse_config({"replicas": [{"name": "a", "url": "http://vllm-0:8000"}], "brain": {"protocol": "endpoint-picker"}})
+    with pytest.raises(ConfigError, match=r"^brain.protocol: expected one of"):
+        parse_config({"brain": {"protocol": "epp"}})
+
+
+def test_an_ejected_endpoint_is_never_listed(brain):
+    r = brain.router.replicas[1]
+    for _ in range(10):
+        brain.router.on_scrape(r.name, False, brain.clock())
+    assert r.health.state is EJECTED
+    for s in range(8):
+        value, _ = picked(run(brain, request(hdrs={"x-session-id": f"e{s}"})))
+        assert ENDPOINTS[1] not in value.split(",")

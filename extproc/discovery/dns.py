@@ -34,20 +34,26 @@ class DnsSource:
     async def lookup(self) -> list[ReplicaSpec]:
         name, port = self.d.dns_name, self.d.port
         addresses: list[str] = []
-        answered = False
+        answered, errors = False, []
         for rdtype in ("A", "AAAA"):
             try:
                 answer = await self.resolver.resolve(name, rdtype, search=True)
-            except (dns.resolver.NoAnswer, dns.resolver.NXDOMAIN):
-                # NXDOMAIN: a headless Service with no ready pod has no records at all; an answer for the other
-                # family may still come. Both empty is an empty fleet only if the name exists (NoAnswer)
+            except dns.resolver.NoAnswer:
+                answered = True  # the name exists, without records of this family
+                continue
+            except dns.resolver.NXDOMAIN:
                 continue
             except dns.exception.DNSException as e:
-                raise DiscoveryError(f"dns {name} {rdtype}: {type(e).__name__}: {e}"[:300]) from None
+                # a resolver that refuses one family (no upstream for AAAA) must not hide the other's records
+                errors.append(f"{rdtype}: {type(e).__name__}: {e}")
+                continue
             answered = True
             addresses += [r.address for r in answer]
+        if errors and not addresses:
+            raise DiscoveryError(f"dns {name} {'; '.join(errors)}"[:300])
         if not answered:
-            raise DiscoveryError(f"dns {name}: no A or AAAA records (is the name right?)")
+            # NXDOMAIN for both: a typo, or a name not yet created; the last good set stays rather than none
+            raise DiscoveryError(f"dns {name}: no such name (NXDOMAIN)")
         return [spec(self.d, replica_name("dns", a, port), a, port) for a in sorted(set(addresses))]
 
     async def close(self) -> None:

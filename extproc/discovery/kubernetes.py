@@ -13,6 +13,9 @@ import asyncio
 import threading
 from typing import Any
 
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
 from ..config import DiscoveryConfig, ReplicaSpec
 from . import DiscoveryError, replica_name, spec
 
@@ -21,8 +24,6 @@ _WATCH_S = 240  # a watch is re-opened after this (the API server ends them on i
 
 
 def _load(kubeconfig: str | None) -> Any:
-    from kubernetes import client, config
-
     try:
         if kubeconfig:
             api = config.new_client_from_config(config_file=kubeconfig)
@@ -88,9 +89,6 @@ class KubernetesSource:
         return self._api
 
     def _list(self) -> tuple[list[ReplicaSpec], str]:
-        from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
-
         api, d = self._client(), self.d
         try:
             if d.inference_pool:
@@ -128,8 +126,6 @@ class KubernetesSource:
     def _watch(self, selector: str, stop: threading.Event, loop: asyncio.AbstractEventLoop) -> None:
         """Any event on the watched pods (or slices) asks for a list now; errors end the thread, and the next
         lookup starts another."""
-        from kubernetes import client, watch
-
         api = self._client()
         lister = (client.CoreV1Api(api).list_namespaced_pod if self.d.inference_pool
                   else client.DiscoveryV1Api(api).list_namespaced_endpoint_slice)

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,11 +13,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# promtool and the Prometheus server (Debian's prometheus package) are used by the alert tests.
+# Debian packages the tests use: prometheus (promtool + server: the alert tests), dnsmasq (DNS discovery),
+# buildah + mmdebstrap (the image, built and run), kubernetes-client (kubectl kustomize: the manifests).
+SYSTEM_DEPS := promtool:prometheus prometheus:prometheus dnsmasq:dnsmasq buildah:buildah mmdebstrap:mmdebstrap kubectl:kubernetes-client
 system-deps:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
-	  { echo "installing Debian's prometheus package (promtool + server) for the alert tests"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@missing=$$(for d in $(SYSTEM_DEPS); do command -v $${d%%:*} >/dev/null || echo $${d##*:}; done | sort -u); \
+	if [ -n "$$missing" ]; then echo "installing Debian packages for the tests:" $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 demo: install
 	$(VENV)/bin/warmroute up
@@ -30,6 +32,9 @@ test-unit: install  ## everything but the tests that start Envoy, brains and rep
 
 docs: install  ## regenerate docs/configuration.md from the config dataclasses, then check every document
 	$(PY) -c "import sys; from extproc.cli import build_parser; from extproc.tools.docs import main; sys.exit(main(build_parser()))"
+
+image:  ## the brain's image (Dockerfile) with docker, podman or buildah; BASE=<image> to choose the base
+	deploy/image.sh $${TAG:-localhost/warmroute:latest}
 
 bench-core: install
 	$(PY) -m extproc.tools.bench_core

@@ -25,6 +25,8 @@ COMMANDS = {
            "warmroute up --replicas 4 --port 8080"),
     "brain": ("run the brain: the ext_proc and access-log gRPC services, scraper and admin API",
               "warmroute brain --config warmroute.yaml"),
+    "health": ("ask a brain's gRPC health (liveness, readiness): exit 0 when SERVING; the image's health check",
+               "warmroute health --target 127.0.0.1:9002 --service readiness"),
     "envoy-config": ("print the Envoy bootstrap for a config (or --snippets to paste into your own Envoy)",
                      "warmroute envoy-config --config warmroute.yaml > envoy.yaml"),
     "check-config": ("validate a config file; a bad one is one line naming the field",
@@ -72,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--metrics-port", type=int, default=None, help="overrides brain.metrics_port (0: the OS picks)")
     b.add_argument("--log-format", choices=["json", "text"], default="json",
                    help="state changes, rebinds, drains and reloads as JSON lines (default) or text")
+
+    h = command("health")
+    h.add_argument("--target", default="127.0.0.1:9002", help="the brain's gRPC address, host:port")
+    h.add_argument("--service", default="readiness", help="liveness, readiness, or the ext_proc service's name")
+    h.add_argument("--timeout", type=float, default=2.0)
+    h.add_argument("--tls-ca", default=None, help="CA of the brain's certificate (a brain with brain.tls_cert_file)")
+    h.add_argument("--tls-cert", default=None, help="client certificate, for a brain that asks for one")
+    h.add_argument("--tls-key", default=None)
+    h.add_argument("--tls-name", default=None, help="the name to check in the brain's certificate")
 
     m = command("mock-vllm")
     from .tools.mock_vllm import add_arguments
@@ -125,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warmroute: config error: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.cmd == "health":
+        from .brain.healthcheck import check
+
+        ok, line = check(args.target, args.service, args.timeout, args.tls_ca, args.tls_cert, args.tls_key,
+                         args.tls_name)
+        print(line)
+        return 0 if ok else 1
     if args.cmd == "mock-vllm":
         from .tools.mock_vllm import serve
 

@@ -149,7 +149,7 @@ class DiscoveryConfig:
     engine: str = "vllm"  # the engine of every discovered replica (vllm, sglang, none)
     dns_name: str | None = None  # dns: e.g. the headless Service vllm.llm.svc.cluster.local
     dns_servers: tuple[str, ...] = ()  # dns: "ip" or "ip:port" to ask; empty: the system's resolvers
-    namespace: str = "default"  # kubernetes: where the pool (or Service) and its pods are
+    namespace: str | None = None  # kubernetes: where the pool (or Service) and its pods are; null: the pod's own
     inference_pool: str | None = None  # kubernetes: an InferencePool (inference.networking.k8s.io/v1) to follow
     service: str | None = None  # kubernetes: or a Service, whose EndpointSlices name the pods
     # kubernetes: a kubeconfig file; null: the pod's service account (in-cluster)

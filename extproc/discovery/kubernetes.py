@@ -10,6 +10,7 @@ In a pod it uses the service account (``deploy/`` grants get/list/watch on exact
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from typing import Any
 
@@ -20,6 +21,7 @@ from ..config import DiscoveryConfig, ReplicaSpec
 from . import DiscoveryError, replica_name, spec
 
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _WATCH_S = 240  # a watch is re-opened after this (the API server ends them on its own schedule anyway)
 
 
@@ -74,8 +76,19 @@ def slice_replicas(d: DiscoveryConfig, slices: list[dict]) -> list[ReplicaSpec]:
     return list(out.values())
 
 
+def own_namespace() -> str:
+    """The namespace of the pod the brain runs in (its service account says), else "default"."""
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
 class KubernetesSource:
     def __init__(self, d: DiscoveryConfig):
+        if d.namespace is None:
+            d = dataclasses.replace(d, namespace=own_namespace())
         self.d = d
         self.changed = asyncio.Event()
         self._api = None

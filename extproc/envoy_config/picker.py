@@ -78,14 +78,18 @@ def picker_ext_proc(cfg: AppConfig) -> dict:
     }
 
 def pool_cluster(cfg: AppConfig) -> dict:
-    e = cfg.envoy
+    """Every replica, for override_host to pick from. With DNS discovery and no CDS file, Envoy resolves the
+    same name as the brain itself (a headless Service: one host per ready pod), so the two see one set."""
+    e, d = cfg.envoy, cfg.discovery
     all_ip = all(_is_ip(r.host) for r in cfg.replicas)
+    dns = d.source == "dns" and not e.cds_path
     ring_hash = {"name": "envoy.load_balancing_policies.ring_hash", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash",
         "consistent_hashing_lb_config": {"hash_balance_factor": e.fail_open_hash_balance_factor}}}
     return {
         "name": PICKER_CLUSTER,
-        "type": "STATIC" if all_ip else "STRICT_DNS",
+        "type": "STRICT_DNS" if dns or not all_ip else "STATIC",
+        **({"dns_refresh_rate": _dur(d.interval_s), "respect_dns_ttl": False} if dns else {}),
         "connect_timeout": _dur(e.upstream_connect_timeout_s),
         "circuit_breakers": _thresholds(),
         "per_connection_buffer_limit_bytes": e.max_body_bytes,
@@ -100,8 +104,9 @@ def pool_cluster(cfg: AppConfig) -> dict:
                 "fallback_policy": {"policies": [{"typed_extension_config": ring_hash}]},
             },
         }}]},
-        "load_assignment": {"cluster_name": PICKER_CLUSTER,
-                            "endpoints": [{"lb_endpoints": [_lb_endpoint(r) for r in cfg.replicas]}]},
+        "load_assignment": {"cluster_name": PICKER_CLUSTER, "endpoints": [{"lb_endpoints": (
+            [{"endpoint": {"address": _address(d.dns_name, d.port)}}] if dns
+            else [_lb_endpoint(r) for r in cfg.replicas])}]},
         **_tls_matches(cfg.replicas),
     }
 
@@ -141,9 +146,9 @@ def picker_bootstrap(cfg: AppConfig) -> dict[str, Any]:
     if cfg.brain.protocol != "endpoint-picker":
         raise ConfigError("brain.protocol: --mode endpoint-picker needs a brain that speaks it: set brain.protocol: "
                           "endpoint-picker")
-    if cfg.discovery.source != "static" and not e.cds_path:
-        raise ConfigError("envoy.cds_path: with discovery the brain writes the pool's endpoints there for Envoy; "
-                          "set a path")
+    if cfg.discovery.source == "kubernetes" and not e.cds_path:
+        raise ConfigError("envoy.cds_path: with kubernetes discovery the brain writes the pool's endpoints there for "
+                          "Envoy; set a path (or discover by dns, which Envoy resolves itself)")
     mutation = early_header_mutation(cfg)
     # a client's own destination header would pick the host whenever the brain does not answer
     mutation[0]["typed_config"]["mutations"].append({"remove": DESTINATION_HEADER})

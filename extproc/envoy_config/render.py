@@ -623,6 +623,7 @@ SHIPPED = {
     # config file -> the bootstrap rendered from it (checked by tests/test_envoy_config.py)
     "envoy/warmroute.yaml": "envoy/envoy.yaml",
     "envoy/compose.warmroute.yaml": "envoy/compose.envoy.yaml",
+    "deploy/kubernetes/standalone/warmroute.yaml": "deploy/kubernetes/standalone/envoy-bootstrap.yaml",
 }
 SNIPPETS_FROM = "envoy/warmroute.yaml"
 SNIPPETS_DIR = "envoy/snippets"

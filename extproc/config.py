@@ -201,6 +201,10 @@ class EnvoyConfig:
     brain_tls_sni: str | None = None  # the name Envoy asks for and checks in the brain's certificate (null: brain.host)
     brain_tls_cert_file: str | None = None  # Envoy's client certificate, for a brain that asks (tls_client_ca_file)
     brain_tls_key_file: str | None = None  # the private key of brain_tls_cert_file
+    # `envoy-config --mode endpoint-picker`: how Envoy sends bodies to the brain. "full-duplex" is what Inference
+    # Extension gateways send (FULL_DUPLEX_STREAMED both ways): a brain that dies takes the requests in flight with
+    # it. "buffered" (request BUFFERED, response STREAMED) fails open at any moment: Envoy holds what it sent
+    picker_body_mode: str = "buffered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +411,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     allow = doc.get("allow_no_replicas", False)
     if not isinstance(allow, bool):
         raise ConfigError(f"allow_no_replicas: expected true or false, got {_short(allow)}")
+    if envoy.picker_body_mode not in ("buffered", "full-duplex"):
+        raise ConfigError(f"envoy.picker_body_mode: expected buffered or full-duplex, got {_short(envoy.picker_body_mode)}")
     if brain.protocol not in PROTOCOLS:
         raise ConfigError(f"brain.protocol: expected one of {', '.join(PROTOCOLS)}, got {_short(brain.protocol)}")
     discovery = _discovery(doc.get("discovery"))

@@ -61,3 +61,13 @@ def test_the_brain_reads_the_compose_config_and_envoy_runs_its_rendered_bootstra
     assert any(m.startswith(f"./{rendered}:/etc/envoy/envoy.yaml") for m in mounts)
     assert "/etc/envoy/envoy.yaml" in SERVICES["envoy"]["command"]
     assert SERVICES["envoy"]["ports"] == [f"{cfg.envoy.listen_port}:{cfg.envoy.listen_port}"]
+
+
+def test_the_warmroute_services_run_the_image_built_from_the_dockerfile():
+    for name in ("r0", "r1", "r2", "r3", "brain"):
+        svc = SERVICES[name]
+        assert svc["build"] == "." and (ROOT / "Dockerfile").exists()
+        assert svc["entrypoint"] == []  # the command runs as given, from the image's PATH
+        assert not any("pip" in str(x) for x in [svc.get("entrypoint"), svc.get("command")])
+    # the brain reads its config from the mounted envoy/ directory
+    assert "./envoy:/src/envoy:ro" in SERVICES["brain"]["volumes"] and SERVICES["brain"]["working_dir"] == "/src"

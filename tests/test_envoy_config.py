@@ -175,3 +175,91 @@ def test_a_body_too_big_to_copy_to_the_brain_sends_it_the_headers_only():
     mode = big["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]["processing_mode"]
     assert mode["request_header_mode"] == "SEND" and mode["request_body_mode"] == "NONE"
     assert big["route"] == next(r for r in routes if r["name"] == "warmroute_fail_open")["route"]
+
+
+# ------------------------------------------------------------------ the endpoint-picker shape
+
+PICKER_CFG = {"replicas": [{"name": f"r{i}", "url": f"http://10.0.0.{i + 5}:8000"} for i in range(3)],
+              "brain": {"protocol": "endpoint-picker", "grpc_socket": "/tmp/wr-test/brain.sock"}}
+
+
+def picker_doc(**envoy):
+    return bootstrap(parse_config({**PICKER_CFG, "envoy": envoy}))
+
+
+def ext_proc_of(doc):
+    return next(f for f in hcm(doc)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+def test_envoy_accepts_the_picker_shape(mode, tmp_path):
+    from extproc.envoy_config import dump
+
+    path = tmp_path / "envoy.yaml"
+    path.write_text(dump(picker_doc(picker_body_mode=mode)))
+    p = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "error"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+def test_the_picker_shape_routes_by_override_host_with_a_bounded_ring_hash_fallback():
+    from extproc.contract import DESTINATION_HEADER, DESTINATION_NAMESPACE, PICKER_CLUSTER
+
+    doc = picker_doc()
+    (pool,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == PICKER_CLUSTER]
+    policy = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    sources = policy["typed_config"]["override_host_sources"]
+    assert sources[0] == {"metadata": {"key": DESTINATION_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}
+    fallback = policy["typed_config"]["fallback_policy"]["policies"][0]["typed_extension_config"]
+    assert fallback["typed_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 150
+    hosts = [e["endpoint"]["address"]["socket_address"]["address"] for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert hosts == ["10.0.0.5", "10.0.0.6", "10.0.0.7"]
+    route = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
+    assert route["cluster"] == PICKER_CLUSTER and route["timeout"] == "0s"
+    assert route["hash_policy"][0] == {"header": {"header_name": "x-session-id"}, "terminal": True}
+    # a client cannot pick its replica while the brain is away: its own destination header is dropped
+    removed = hcm(doc)["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert {"remove": DESTINATION_HEADER} in removed
+    # no access log to the brain: it releases from the response it sees
+    assert "access_log" not in hcm(doc)
+
+
+def test_the_picker_shapes_body_modes():
+    buffered = ext_proc_of(picker_doc())["processing_mode"]
+    duplex = ext_proc_of(picker_doc(picker_body_mode="full-duplex"))["processing_mode"]
+    assert (buffered["request_body_mode"], buffered["response_body_mode"]) == ("BUFFERED", "STREAMED")
+    assert (duplex["request_body_mode"], duplex["response_body_mode"]) == ("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED")
+    assert duplex["request_trailer_mode"] == duplex["response_trailer_mode"] == "SEND"  # Envoy requires it
+    for p in (buffered, duplex):
+        assert p["request_header_mode"] == p["response_header_mode"] == "SEND"
+    assert ext_proc_of(picker_doc())["failure_mode_allow"] is True
+    with pytest.raises(ConfigError, match="^envoy.picker_body_mode:"):
+        picker_doc(picker_body_mode="streamed")
+
+
+def test_the_picker_shapes_brain_cluster_has_no_panic_routing():
+    (brain,) = [c for c in picker_doc()["static_resources"]["clusters"] if c["name"] == BRAIN_CLUSTER]
+    assert brain["common_lb_config"]["healthy_panic_threshold"] == {"value": 0.0}
+    assert brain["health_checks"][0]["no_traffic_interval"] == brain["health_checks"][0]["interval"]
+
+
+def test_a_shape_the_brain_does_not_speak_is_refused():
+    with pytest.raises(ConfigError, match="^brain.protocol: --mode endpoint-picker needs"):
+        bootstrap(CFG, "endpoint-picker")
+    with pytest.raises(ConfigError, match="^brain.protocol: this brain speaks endpoint-picker"):
+        bootstrap(parse_config(PICKER_CFG), "envoy")
+
+
+def test_dns_discovery_renders_a_pool_envoy_resolves_itself():
+    from extproc.contract import PICKER_CLUSTER
+
+    cfg = parse_config({"brain": PICKER_CFG["brain"], "discovery": {"source": "dns", "dns_name": "vllm-headless",
+                                                                    "port": 8000, "interval_s": 5}})
+    (pool,) = [c for c in bootstrap(cfg)["static_resources"]["clusters"] if c["name"] == PICKER_CLUSTER]
+    assert pool["type"] == "STRICT_DNS" and pool["dns_refresh_rate"] == "5.000s"
+    addr = pool["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert (addr["address"], addr["port_value"]) == ("vllm-headless", 8000)
+    k8s = parse_config({"brain": PICKER_CFG["brain"], "discovery": {"source": "kubernetes", "inference_pool": "p"}})
+    with pytest.raises(ConfigError, match="^envoy.cds_path:"):
+        bootstrap(k8s)

@@ -1,18 +1,13 @@
 """Envoy's side of warmroute: the bootstrap, paste-in snippets and CDS file, rendered from the brain's config.
 
-The names Envoy and the brain share live in ``extproc.contract``; this package only renders.
+The names Envoy and the brain share live in ``extproc.contract``; this package only renders. ``render`` is
+the default shape, ``picker`` the endpoint-picker shape, ``shapes`` chooses between them.
 """
 
 from .render import (
-    SHIPPED,
-    SNIPPETS_DIR,
-    SNIPPETS_FROM,
-    CdsFile,
     access_log,
-    bootstrap,
     brain_cluster,
     brain_headers,
-    cds_document,
     clusters,
     dump,
     ext_proc_off_for_route,
@@ -21,9 +16,9 @@ from .render import (
     replica_cluster,
     replica_clusters,
     routes,
-    shipped_files,
     snippets,
 )
+from .shapes import SHIPPED, SNIPPETS_DIR, SNIPPETS_FROM, CdsFile, bootstrap, cds_document, shipped_files
 
 __all__ = [
     "SHIPPED", "SNIPPETS_DIR", "SNIPPETS_FROM", "CdsFile", "access_log", "bootstrap", "brain_cluster",

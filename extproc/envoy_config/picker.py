@@ -48,8 +48,12 @@ from .render import (
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
 
 def picker_ext_proc(cfg: AppConfig) -> dict:
-    """The ext_proc filter as GIE gateways configure it: headers, then full-duplex streamed bodies both ways."""
+    """The ext_proc filter: headers, then the bodies. ``envoy.picker_body_mode`` "full-duplex" is how GIE gateways
+    configure it (FULL_DUPLEX_STREAMED both ways); "buffered" sends the request body whole (the brain answers on
+    it) and the response in STREAMED chunks, each held by Envoy until the brain has seen it, so that a brain
+    that dies at any moment fails open instead of failing the request."""
     e = cfg.envoy
+    duplex = e.picker_body_mode == "full-duplex"
     return {
         "name": EXT_PROC_FILTER,
         "typed_config": {
@@ -58,15 +62,16 @@ def picker_ext_proc(cfg: AppConfig) -> dict:
             "stat_prefix": EXT_PROC_STAT_PREFIX,
             # InferencePool failureMode FailOpen: no answer -> the override_host fallback policy (the ring hash)
             "failure_mode_allow": True,
-            # the answer waits for the whole request body: this bounds the body's upload as well as the brain
+            # full duplex: the answer waits for the whole request body, so this bounds its upload as well
             "message_timeout": _dur(e.ext_proc_timeout_s),
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND",
-                "response_trailer_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
+                "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
+                # full duplex requires trailers sent; buffered does not need them
+                "request_trailer_mode": "SEND" if duplex else "SKIP",
+                "response_trailer_mode": "SEND" if duplex else "SKIP",
             },
             # the endpoint that answered, read on the response (a retry may have moved the request)
             "response_attributes": [UPSTREAM_ADDRESS_ATTRIBUTE],

@@ -28,12 +28,11 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import tempfile
 from typing import Any
 
 import yaml
 
-from ..config import AppConfig, ConfigError, ReplicaSpec
+from ..config import AppConfig, ReplicaSpec
 from ..core.profile import CONTENT_LENGTH
 from ..contract import (
     ACCESS_LOG_NAME,
@@ -459,50 +458,8 @@ def clusters(cfg: AppConfig) -> list[dict]:
     return [brain_cluster(cfg), *replica_clusters(cfg)]
 
 
-def cds_document(cfg: AppConfig) -> dict:
-    """The file Envoy's filesystem CDS reads: every cluster but the brain's (in the endpoint-picker shape, the
-    one pool cluster)."""
-    if cfg.brain.protocol == "endpoint-picker":
-        from .picker import picker_clusters
-
-        found = picker_clusters(cfg)
-    else:
-        found = replica_clusters(cfg)
-    return {"resources": [{"@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster", **c} for c in found]}
-
-
-class CdsFile:
-    """The replica clusters Envoy reads through filesystem CDS (``envoy.cds_path``).
-
-    ``write`` replaces the file atomically: Envoy reloads on a move into the watched directory,
-    so it learns added and removed replicas without a restart. Without a path it does nothing.
-    """
-
-    def __init__(self, path: str | None):
-        self.path = os.path.abspath(path) if path else None
-
-    def write(self, cfg: AppConfig) -> bool:
-        if not self.path:
-            return False
-        directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".cds-", suffix=".yaml", dir=directory)
-        with os.fdopen(fd, "w") as f:
-            f.write(dump(cds_document(cfg)))
-        os.replace(tmp, self.path)
-        return True
-
-
-def bootstrap(cfg: AppConfig, mode: str | None = None) -> dict[str, Any]:
-    """Envoy's bootstrap for ``cfg``; ``mode`` (default: ``brain.protocol``) "endpoint-picker" renders the
-    shape of a Gateway API Inference Extension gateway (``picker.picker_bootstrap``)."""
-    if (mode or cfg.brain.protocol) == "endpoint-picker":
-        from .picker import picker_bootstrap
-
-        return picker_bootstrap(cfg)
-    if cfg.brain.protocol == "endpoint-picker":
-        raise ConfigError("brain.protocol: this brain speaks endpoint-picker; render --mode endpoint-picker (or "
-                          "point a Gateway API Inference Extension gateway at it)")
+def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
+    """The default shape's bootstrap (``shapes.bootstrap`` chooses the shape)."""
     e = cfg.envoy
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -617,29 +574,3 @@ class _NoAliasDumper(yaml.SafeDumper):
 
 def dump(doc: Any) -> str:
     return yaml.dump(doc, Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=False, width=120)
-
-
-SHIPPED = {
-    # config file -> the bootstrap rendered from it (checked by tests/test_envoy_config.py)
-    "envoy/warmroute.yaml": "envoy/envoy.yaml",
-    "envoy/compose.warmroute.yaml": "envoy/compose.envoy.yaml",
-    "deploy/kubernetes/standalone/warmroute.yaml": "deploy/kubernetes/standalone/envoy-bootstrap.yaml",
-}
-SNIPPETS_FROM = "envoy/warmroute.yaml"
-SNIPPETS_DIR = "envoy/snippets"
-HEADER = "# Rendered by `warmroute envoy-config --config {src}` (make envoy-files). Do not edit: edit {src}.\n"
-
-
-def shipped_files(root) -> dict[str, str]:
-    """Every file under envoy/ that is rendered from a config, with its expected text."""
-    from pathlib import Path
-
-    from ..config import load_config
-
-    root = Path(root)
-    out = {}
-    for src, dst in SHIPPED.items():
-        out[dst] = HEADER.format(src=src) + dump(bootstrap(load_config(root / src)))
-    for name, piece in snippets(load_config(root / SNIPPETS_FROM)).items():
-        out[f"{SNIPPETS_DIR}/{name}.yaml"] = HEADER.format(src=SNIPPETS_FROM) + dump(piece)
-    return out

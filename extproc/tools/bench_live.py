@@ -44,8 +44,15 @@ from .stack import Proc, Stack, envoy_binary, http_get, wait_for
 
 ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH",
                   "envoy_ring_hash_bounded_150": "RING_HASH"}
-# warmroute contenders: the default policy, and the seed's pipeline
-WARMROUTE = {"warmroute": None, "warmroute_seed": "seed"}
+# warmroute contenders: the default policy, and the seed's pipeline; the default policy as the endpoint picker of
+# Envoy in a Gateway API Inference Extension gateway's shape (`envoy-config --mode endpoint-picker`)
+WARMROUTE = {"warmroute": None, "warmroute_seed": "seed", "warmroute_endpoint_picker": None,
+             "warmroute_endpoint_picker_duplex": None}
+# (brain, envoy) settings of those that run in the endpoint-picker shape: buffered bodies (the rendered default),
+# and full duplex, as Inference Extension gateways send them
+PICKER_SHAPES = {"warmroute_endpoint_picker": {"brain": {"protocol": "endpoint-picker"}},
+                 "warmroute_endpoint_picker_duplex": {"brain": {"protocol": "endpoint-picker"},
+                                                      "envoy": {"picker_body_mode": "full-duplex"}}}
 ROUTERS = {
     "vllm_router_cache_aware": ("vllm-router", "cache_aware"),
     "vllm_router_consistent_hash": ("vllm-router", "consistent_hash"),
@@ -141,7 +148,10 @@ class Running:
 
 def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Running:
     if contender in WARMROUTE:
-        s = Stack(n, config=scaled_warmroute_config(speedup, WARMROUTE[contender]), mock_args=mock_args)
+        config = scaled_warmroute_config(speedup, WARMROUTE[contender])
+        for section, values in PICKER_SHAPES.get(contender, {}).items():
+            config.setdefault(section, {}).update(values)
+        s = Stack(n, config=config, mock_args=mock_args)
         s.start()
         s.wait_all_live(60)
         return Running(s.url, s)

@@ -18,7 +18,7 @@ import types
 import typing
 from pathlib import Path
 
-from ..config import AppConfig, BrainConfig, EnvoyConfig, ReplicaSpec
+from ..config import AppConfig, BrainConfig, DiscoveryConfig, EnvoyConfig, ReplicaSpec
 from ..core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,9 +33,10 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("profile", ProfileConfig, "What the brain reads of a request: keys, tenant, size, block chain."),
     ("brain", BrainConfig, "Where the brain listens."),
     ("envoy", EnvoyConfig, "What the rendered Envoy bootstrap needs beyond the replica list."),
+    ("discovery", DiscoveryConfig, "Where the replica set comes from: the file, DNS, or Kubernetes (kubernetes.md)."),
     ("", AppConfig, "Top-level fields."),
 )
-_NESTED = {"health", "pins", "profile", "warm", "router", "replicas", "brain", "envoy", "source"}
+_NESTED = {"health", "pins", "profile", "warm", "router", "replicas", "brain", "envoy", "discovery", "source"}
 _FIELD_RE = re.compile(r"^\s+([a-z_][a-z0-9_]*)\s*:\s*[^=]")
 
 
@@ -152,7 +153,9 @@ def config_reference() -> str:
 _CODE = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _METRIC = re.compile(r"\bwarmroute_[a-z0-9_]+")
-_CONFIG_KEY = re.compile(r"(routing|health|warm|pins|profile|brain|envoy)\.([a-z_]+)(?::.*)?")
+_CONFIG_KEY = re.compile(r"(routing|health|warm|pins|profile|brain|envoy|discovery)\.([a-z_]+)(?::.*)?")
+# names that look like config keys and are not: the endpoint-picker protocol's metadata namespaces
+NOT_CONFIG_KEYS = {"envoy.lb"}
 
 
 def _not_metrics() -> set[str]:
@@ -217,7 +220,7 @@ def check_text(text: str, where: str, *, targets: set[str], flags: dict[str, set
                 if flag.startswith("--") and flag not in flags[sub]:
                     bad.append(f"{where}: `{span}`: warmroute {sub} has no flag {flag}")
         m = _CONFIG_KEY.fullmatch(words[0]) if words else None
-        if m and f"{m.group(1)}.{m.group(2)}" not in keys:
+        if m and f"{m.group(1)}.{m.group(2)}" not in keys and words[0] not in NOT_CONFIG_KEYS:
             bad.append(f"{where}: `{span}`: no config key {m.group(1)}.{m.group(2)}")
     for name in set(_METRIC.findall(text)):
         if name in NOT_METRICS:

@@ -14,6 +14,8 @@ from .test_envoy_stack import chat, client, raw_post
 
 pytestmark = pytest.mark.integration
 PICKER = {"brain": {"protocol": "endpoint-picker"}}
+DUPLEX = {"brain": {"protocol": "endpoint-picker"}, "envoy": {"picker_body_mode": "full-duplex"}}
+MODES = pytest.mark.parametrize("mode", [PICKER, DUPLEX], ids=["buffered", "full-duplex"])
 
 
 def pool_rq(stack, replica) -> int:
@@ -27,8 +29,9 @@ def pool_rq(stack, replica) -> int:
     return 0
 
 
-def test_requests_stream_through_the_picked_endpoint_and_are_released_without_an_access_log(own_stack):
-    s = own_stack(3, config=PICKER)
+@MODES
+def test_requests_stream_through_the_picked_endpoint_and_are_released_without_an_access_log(own_stack, mode):
+    s = own_stack(3, config=mode)
     s.wait_all_live(30)
     c = client(s, **{"x-session-id": "agent-1"})
     served = [chat(c, system="you are a coding agent " * 40, user=f"turn {i}", stream=i % 2 == 0) for i in range(6)]
@@ -44,9 +47,10 @@ def test_requests_stream_through_the_picked_endpoint_and_are_released_without_an
     assert status == 404
 
 
-def test_a_refused_endpoint_is_retried_on_the_next_one_the_brain_listed(own_stack):
+@MODES
+def test_a_refused_endpoint_is_retried_on_the_next_one_the_brain_listed(own_stack, mode):
     # scrapes every 1 s: the brain keeps listing r1 first for a moment after it dies
-    s = own_stack(3, config={**PICKER, "health": {"scrape_interval_s": 1.0}})
+    s = own_stack(3, config={**mode, "health": {"scrape_interval_s": 1.0}})
     s.wait_all_live(30)
     c = client(s)
     before = s.replica_state("r1")["decisions"]
@@ -59,7 +63,7 @@ def test_a_refused_endpoint_is_retried_on_the_next_one_the_brain_listed(own_stac
 
 
 def test_the_brain_killed_the_gateway_fails_open_and_sessions_keep_their_replica(own_stack):
-    s = own_stack(3, config=PICKER)
+    s = own_stack(3, config=DUPLEX)
     s.wait_all_live(30)
     assert chat(client(s)).startswith("r")
     s.brain.kill()
@@ -70,3 +74,31 @@ def test_the_brain_killed_the_gateway_fails_open_and_sessions_keep_their_replica
         cs = client(s, **{"x-session-id": sid})
         assert len({chat(cs, system=f"{sid} turn {k}") for k in range(4)}) == 1  # the ring hash fallback
     assert s.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) >= 12
+
+
+def test_buffered_bodies_fail_open_at_once_and_keep_the_streams_in_flight(own_stack):
+    """With envoy.picker_body_mode buffered, Envoy holds what it sent the brain: a brain killed mid-stream leaves
+    the stream going, and requests right after its death fail open without waiting for a health check."""
+    import threading
+
+    s = own_stack(3, config=PICKER, mock_args=["--speedup", "2"])
+    s.wait_all_live(30)
+    streamed: list = []
+
+    def long_stream():
+        c = client(s, **{"x-session-id": "long"})
+        msgs = [{"role": "user", "content": "write a lot"}]
+        n = 0
+        for chunk in c.chat.completions.create(model="m", messages=msgs, max_tokens=120, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                n += 1
+        streamed.append(n)
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    wait_for(lambda: s.state()["open_reservations"] >= 1, 10, "the long stream to start")
+    s.brain.kill()
+    served = [chat(client(s, **{"x-session-id": f"after-{i}"}), system=f"no brain {i}") for i in range(6)]
+    assert all(x.startswith("r") for x in served)
+    t.join(60)
+    assert streamed and streamed[0] >= 100, streamed  # the stream in flight finished whole

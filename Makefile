@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: bench-discovery image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ docs: install  ## regenerate docs/configuration.md from the config dataclasses, 
 
 image:  ## the brain's image (Dockerfile) with docker, podman or buildah; BASE=<image> to choose the base
 	deploy/image.sh $${TAG:-localhost/warmroute:latest}
+
+bench-discovery: install system-deps  ## replicas added and removed through DNS mid-load (dnsmasq on loopback, ~1 min)
+	$(PY) -m extproc.tools.bench_discovery
 
 bench-core: install
 	$(PY) -m extproc.tools.bench_core

@@ -75,3 +75,20 @@ def live_brain(cfg):
             b.router.on_scrape(r.name, True, t[0])
     assert all(r.state is LIVE for r in b.router.replicas)
     return b
+
+
+def stop_group(p, sig: int, timeout: float) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything it started: ``sig`` to the group,
+    SIGKILL if it is not gone within ``timeout``."""
+    import os
+    import signal
+    import subprocess
+
+    if p.poll() is not None:
+        return
+    os.killpg(p.pid, sig)
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)

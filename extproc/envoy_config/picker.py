@@ -22,16 +22,12 @@ from typing import Any
 
 from ..config import AppConfig, ConfigError
 from ..contract import (
-    BRAIN_CLUSTER,
     DESTINATION_HEADER,
     DESTINATION_NAMESPACE,
-    EXT_PROC_FILTER,
-    EXT_PROC_STAT_PREFIX,
     PICKER_CLUSTER,
     SUBSET_NAMESPACE,
 )
 from .render import (
-
     _address,
     _dur,
     _is_ip,
@@ -41,11 +37,13 @@ from .render import (
     _tls_matches,
     brain_cluster,
     early_header_mutation,
+    ext_proc_filter,
     local_reply_config,
     routes,
 )
 
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
+
 
 def picker_ext_proc(cfg: AppConfig) -> dict:
     """The ext_proc filter: headers, then the bodies. ``envoy.picker_body_mode`` "full-duplex" is how GIE gateways
@@ -54,33 +52,22 @@ def picker_ext_proc(cfg: AppConfig) -> dict:
     that dies at any moment fails open instead of failing the request."""
     e = cfg.envoy
     duplex = e.picker_body_mode == "full-duplex"
-    return {
-        "name": EXT_PROC_FILTER,
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
-            "stat_prefix": EXT_PROC_STAT_PREFIX,
-            # InferencePool failureMode FailOpen: no answer -> the override_host fallback policy (the ring hash)
-            "failure_mode_allow": True,
-            # full duplex: the answer waits for the whole request body, so this bounds its upload as well
-            "message_timeout": _dur(e.ext_proc_timeout_s),
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
-                # full duplex requires trailers sent; buffered does not need them
-                "request_trailer_mode": "SEND" if duplex else "SKIP",
-                "response_trailer_mode": "SEND" if duplex else "SKIP",
-            },
-            # the endpoint that answered, read on the response (a retry may have moved the request)
-            "response_attributes": [UPSTREAM_ADDRESS_ATTRIBUTE],
-            "metadata_options": {
-                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, DESTINATION_NAMESPACE]},
-                "receiving_namespaces": {"untyped": [DESTINATION_NAMESPACE]},
-            },
-        },
-    }
+    return ext_proc_filter(cfg, {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
+        # full duplex requires trailers sent; buffered does not need them
+        "request_trailer_mode": "SEND" if duplex else "SKIP",
+        "response_trailer_mode": "SEND" if duplex else "SKIP",
+    },
+        # the endpoint that answered, read on the response (a retry may have moved the request)
+        response_attributes=[UPSTREAM_ADDRESS_ATTRIBUTE],
+        metadata_options={
+            "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, DESTINATION_NAMESPACE]},
+            "receiving_namespaces": {"untyped": [DESTINATION_NAMESPACE]},
+        })
+
 
 def pool_cluster(cfg: AppConfig) -> dict:
     """Every replica, for override_host to pick from. With DNS discovery and no CDS file, Envoy resolves the

@@ -109,6 +109,25 @@ def early_header_mutation(cfg: AppConfig) -> list[dict]:
     }]
 
 
+def ext_proc_filter(cfg: AppConfig, processing_mode: dict, **more: Any) -> dict:
+    """The ext_proc filter to the brain, in either shape: ``processing_mode`` and the shape's ``more`` fields."""
+    return {
+        "name": EXT_PROC_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
+            "stat_prefix": EXT_PROC_STAT_PREFIX,
+            # Brain down or slow: the request goes on without an answer, to the fallback route (in the
+            # endpoint-picker shape: the override_host fallback policy; InferencePool failureMode FailOpen)
+            "failure_mode_allow": True,
+            # in the full-duplex picker shape the answer waits for the whole body: this bounds its upload too
+            "message_timeout": _dur(cfg.envoy.ext_proc_timeout_s),
+            "processing_mode": processing_mode,
+            **more,
+        },
+    }
+
+
 def http_filters(cfg: AppConfig) -> list[dict]:
     """The four filters to put before the router filter, in this order.
 
@@ -139,27 +158,15 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                     "default_value": False, "runtime_key": "warmroute.inflate_gzip_responses"}}},
             },
         },
-        {
-            "name": EXT_PROC_FILTER,
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
-                "stat_prefix": EXT_PROC_STAT_PREFIX,
-                # Brain down or slow: the request goes on without an answer, to the fallback route.
-                "failure_mode_allow": True,
-                "message_timeout": _dur(e.ext_proc_timeout_s),
-                "processing_mode": {
-                    "request_header_mode": "SKIP",
-                    "response_header_mode": "SKIP",
-                    "request_body_mode": "BUFFERED",
-                    "response_body_mode": "NONE",
-                    "request_trailer_mode": "SKIP",
-                    "response_trailer_mode": "SKIP",
-                },
-                "request_attributes": [header_attribute(h) for h in brain_headers(cfg)],
-                "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
-            },
-        },
+        ext_proc_filter(cfg, {
+            "request_header_mode": "SKIP",
+            "response_header_mode": "SKIP",
+            "request_body_mode": "BUFFERED",
+            "response_body_mode": "NONE",
+            "request_trailer_mode": "SKIP",
+            "response_trailer_mode": "SKIP",
+        }, request_attributes=[header_attribute(h) for h in brain_headers(cfg)],
+            metadata_options={"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}}),
         {
             # Holds the request headers until the whole body has passed ext_proc: without it the router
             # picks a route as soon as the headers arrive, before the brain has said anything.

@@ -5,7 +5,6 @@ runs it (`--isolation chroot`, the host's network), as a platform team's docker 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -18,6 +17,7 @@ import yaml
 
 from extproc.tools.stack import Stack, wait_for
 
+from ..helpers import stop_group
 from .conftest import FAST
 
 pytestmark = pytest.mark.integration
@@ -91,13 +91,8 @@ def test_the_brain_started_from_the_image_routes_a_request(image, tmp_path):
         assert r.status == 200 and answer["system_fingerprint"] in ("r0", "r1")
         assert b"brain_started" in (tmp_path / "brain.log").read_bytes()
     finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        if proc is not None:
+            stop_group(proc, signal.SIGTERM, 15)
         if ctr:
             subprocess.run(["buildah", "rm", ctr], capture_output=True)
         s.stop()

@@ -17,6 +17,8 @@ import pytest
 
 from extproc.tools.stack import wait_for
 
+from ..helpers import stop_group
+
 pytestmark = pytest.mark.integration
 
 
@@ -50,12 +52,7 @@ def test_warmroute_up_restarts_a_killed_brain_and_says_so():
         wait_for(decided_by_new_brain, 60, "the new brain to decide", every=0.5)
         assert (workdir / "brain.1.log").exists()  # the dead brain's log is kept
     finally:
-        os.killpg(p.pid, signal.SIGINT)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
+        stop_group(p, signal.SIGINT, 30)
         if workdir is not None:
             import shutil
 

@@ -159,11 +159,13 @@ NOT_CONFIG_KEYS = {"envoy.lb"}
 
 
 def _not_metrics() -> set[str]:
-    """Names that look like metrics but are not: the simulator's policy rows and Envoy's own clusters."""
-    from ..contract import BRAIN_CLUSTER, FALLBACK_CLUSTER
+    """Names that look like metrics but are not: the simulator's policy rows, the live benchmark's contenders
+    and Envoy's own clusters."""
+    from ..contract import BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER
     from ..core.policy import POLICIES
+    from .bench_live import WARMROUTE
 
-    return {f"warmroute_{p}" for p in POLICIES} | {BRAIN_CLUSTER, FALLBACK_CLUSTER}
+    return {f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | {BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER}
 
 
 NOT_METRICS = _not_metrics()

@@ -41,6 +41,8 @@ def image():
     doc = json.loads(subprocess.run(["buildah", "inspect", "--type", "image", TAG], capture_output=True, text=True,
                                     check=True).stdout)
     yield doc
+    # the image this test made goes (~500 MB each run); the Debian base stays, the next build reuses it
+    subprocess.run(["buildah", "rmi", TAG], capture_output=True)
 
 
 def free_port() -> int:

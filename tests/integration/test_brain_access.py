@@ -172,3 +172,32 @@ def test_the_admin_api_changes_nothing_without_the_token_only_the_brain_s_user_r
     assert not any(r["drained"] for r in s.state()["replicas"])  # reading stays open
     assert json.loads(s.admin_post("/replicas/r0/drain"))["drained"] is True
     assert s.replica_state("r0")["drained"]
+
+
+def test_as_an_endpoint_picker_over_mutual_tls_and_the_health_probe_speaks_it(own_stack, tmp_path):
+    """Gateways reach pickers over TLS: the picker-shape Envoy gets through with its certificate, a client
+    without one does not, and `warmroute health` (the pod's probe) checks readiness over the same TLS."""
+    from extproc.brain.healthcheck import check
+
+    pki = make_pki(tmp_path)
+    s = own_stack(2, config={
+        "brain": {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": 0, "host": "127.0.0.1",
+                  "tls_cert_file": pki["server.pem"], "tls_key_file": pki["server.key"],
+                  "tls_client_ca_file": pki["ca.pem"]},
+        "envoy": {"brain_tls_ca_file": pki["ca.pem"], "brain_tls_cert_file": pki["client.pem"],
+                  "brain_tls_key_file": pki["client.key"], "brain_tls_sni": "127.0.0.1"},
+    })
+    s.wait_all_live(30)
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    before = sum(r["decisions"] for r in s.state()["replicas"])
+    for _ in range(3):
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    st = wait_for(lambda: (x := s.state())["open_reservations"] == 0 and x, 20, "the picks released")
+    assert sum(r["decisions"] for r in st["replicas"]) == before + 3 and st["releases_by_response"] >= 3
+    target = f"127.0.0.1:{s.brain_ports['grpc_port']}"
+    with pytest.raises(grpc.aio.AioRpcError):
+        _process(target, None)
+    ok, line = check(target, "readiness", ca=pki["ca.pem"], cert=pki["client.pem"], key=pki["client.key"],
+                     name="127.0.0.1")
+    assert ok, line
+    assert not check(target, "readiness")[0]  # plaintext is refused

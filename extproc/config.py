@@ -26,7 +26,7 @@ from .core.policy import POLICIES, PRODUCTION
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
-ENGINES = ("vllm", "sglang", "none")
+ENGINES = ("vllm", "sglang", "none", "auto")
 
 
 class ConfigError(ValueError):
@@ -68,7 +68,8 @@ class ReplicaSpec:
     name: str  # the replica's name in logs, metrics and the admin API; also its Envoy cluster name
     url: str  # base URL of the engine's OpenAI server; /metrics (or /health) is read from it
     # whose /metrics to read: "vllm", "sglang", or "none" (health from /health, load from the brain's own
-    # in-flight requests: any OpenAI-compatible server; docs/guide.md "Engines" says what routing each one gets)
+    # in-flight requests: any OpenAI-compatible server); "auto": whichever /metrics has, else "none"
+    # (docs/guide.md "Engines" says what routing each one gets)
     engine: str = "vllm"
     # (https:// replicas; Envoy and the brain's scrapes use the same settings)
     tls_ca_file: str | None = None  # the CA bundle that signed the replica's certificate (null: the system's)

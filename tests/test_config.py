@@ -107,7 +107,7 @@ def test_each_replica_names_its_engine():
     cfg = parse_config({"replicas": [{"name": "a", "url": "http://h:1"}, {"name": "b", "url": "http://h:2", "engine": "sglang"},
                                      {"name": "c", "url": "http://h:3", "engine": "none"}]})
     assert [r.engine for r in cfg.replicas] == ["vllm", "sglang", "none"]
-    with pytest.raises(ConfigError, match=r"^replicas\[0\]\.engine: expected one of vllm, sglang, none, got 'tgi'$"):
+    with pytest.raises(ConfigError, match=r"^replicas\[0\]\.engine: expected one of vllm, sglang, none, auto, got 'tgi'$"):
         parse_config({"replicas": [{"name": "a", "url": "http://h:1", "engine": "tgi"}]})
 
 

@@ -91,3 +91,21 @@ def test_an_sglang_replica_is_read_under_sglang_names():
     assert parse_vllm_metrics(SGLANG_TEXT).running == 99
     bad = parse_metrics("sglang:num_running_reqs 1\nsglang:token_usage NaN\n", SGLANG)
     assert not bad.ok and "sglang:token_usage" in bad.error
+
+
+def test_a_vllm_without_engine_metrics_and_an_sglang_without_enable_metrics_are_named_as_such():
+    from extproc.brain.scraper import SGLANG, parse_metrics
+
+    process_only = "# HELP process_cpu_seconds_total x\nprocess_cpu_seconds_total 12.5\n"
+    r = parse_vllm_metrics(process_only)
+    assert not r.ok and r.missing and "--disable-log-stats" in r.error and "engine: none" in r.error
+    r = parse_metrics(process_only, SGLANG)
+    assert not r.ok and r.missing and "--enable-metrics" in r.error
+
+
+def test_cache_config_info_tells_whether_prefix_caching_is_on():
+    base = 'vllm:num_requests_running{model_name="m"} 0\n'
+    for flag, want in (("True", True), ("False", False)):
+        info = f'vllm:cache_config_info{{block_size="16",enable_prefix_caching="{flag}",num_gpu_blocks="10"}} 1.0\n'
+        assert parse_vllm_metrics(base + info).sample.prefix_caching is want
+    assert parse_vllm_metrics(base).sample.prefix_caching is None  # not exported: nothing is assumed

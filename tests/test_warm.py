@@ -349,3 +349,22 @@ def test_C3_a_cost_difference_past_the_tie_thresholds_is_decided_by_cost():
 def test_C3_a_cost_difference_within_the_tie_thresholds_is_a_tie():
     # 0.04 s on 4 s (1%): below what the estimates can tell apart, so round-robin's turn (r0) takes it
     assert _cold_pair_with_wait_on_r0(0.04).replica.name == "r0"
+
+
+def test_no_hit_is_predicted_on_a_replica_that_runs_without_prefix_caching():
+    router, now = warm_router(2)
+    blocks = chain("a shared system prompt", "s", 2000)
+    p = prof(session="s", tokens=2000, blocks=blocks)
+    d = router.select(p, now)
+    router.release(d.reservation, now)
+    home = d.replica
+    st = router.policy.state_of(home)
+    assert st.index.match(blocks) > 0
+    router.on_load(home.name, LoadSample(prefix_caching=False), now)
+    assert st.index.match(blocks) == 0 and not st.prefix_caching  # what it was thought to hold is forgotten
+    e = router.policy._estimate(home, st, 5000.0, 0.03, p, None, now)
+    assert e.cached == 0
+    for k in range(6):  # wherever these land, nothing new is indexed on the replica without a cache
+        d2 = router.select(prof(session=f"t{k}", tokens=2000, blocks=blocks), now)
+        router.release(d2.reservation, now)
+    assert router.policy.state_of(home).index.match(blocks) == 0

@@ -222,7 +222,8 @@ class Brain:
         for r in reps:
             r["decisions"] = per.get(r["name"], 0)
             r["url"] = self.scraper.urls.get(r["name"])
-            r["engine"] = self.scraper.engines.get(r["name"], "vllm")
+            engine = self.scraper.engines.get(r["name"], "vllm")
+            r["engine"] = f"auto ({self.scraper.detected.get(r['name'], '?')})" if engine == "auto" else engine
             r["scrape_error"] = self.scraper.errors.get(r["name"])
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         return {

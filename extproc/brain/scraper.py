@@ -32,6 +32,9 @@ class Dialect:
     counters: dict[str, str]  # counter -> LoadSample field, summed over every label set
     cache_info: str | None = None  # an info metric whose labels give the cache size (vLLM)
     cache_tokens: str | None = None  # a gauge whose value is the cache size in tokens (SGLang)
+    name: str = ""
+    # what a /metrics without this engine's metrics most likely means, said in the scrape reason
+    missing_hint: str = ""
 
     def wanted(self) -> frozenset[str]:
         return frozenset((self.running, self.waiting, *self.kv, *self.counters,
@@ -51,6 +54,11 @@ VLLM = Dialect(
         "vllm:e2e_request_latency_seconds_count": "requests_done",
     },
     cache_info="vllm:cache_config_info",
+    name="vllm",
+    # vLLM's async_llm.py builds its stat loggers only when log_stats is on: --disable-log-stats leaves /metrics
+    # with the process and HTTP metrics and no vllm:* engine metrics
+    missing_hint="a vLLM started with --disable-log-stats exports no engine metrics: drop the flag, or set the "
+                 "replica's engine: none (or auto)",
 )
 # sgl-project/sglang python/sglang/srt/metrics/collector.py (docs/references/production_metrics.md)
 SGLANG = Dialect(
@@ -64,6 +72,9 @@ SGLANG = Dialect(
         "sglang:e2e_request_latency_seconds_count": "requests_done",
     },
     cache_tokens="sglang:max_total_num_tokens",
+    name="sglang",
+    missing_hint="SGLang exports engine metrics only when started with --enable-metrics: add it, or set the "
+                 "replica's engine: none (or auto)",
 )
 DIALECTS = {"vllm": VLLM, "sglang": SGLANG}
 # engine "none": no load metrics; health from GET /health, load from the brain's own reservations
@@ -84,6 +95,8 @@ class ScrapeResult:
     kv_usage: float = 0.0
     error: str = ""
     sample: LoadSample | None = field(default=None, repr=False)
+    missing: bool = False  # /metrics answered without this engine's metrics (another engine, or none exported)
+    engine: str = ""  # engine "auto": the dialect that answered ("none": only /health did)
 
 
 def _labels(text: str) -> dict[str, str]:
@@ -105,6 +118,7 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
     kv: list[float] = []
     counters: dict[str, float] = {}
     cache_tokens = None
+    prefix_caching = None
     seen = False
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -137,21 +151,23 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
                 cache_tokens = int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16"))
             except (KeyError, ValueError):
                 pass
+            if lab.get("enable_prefix_caching") in ("True", "False"):  # vLLM exports CacheConfig's fields as str()
+                prefix_caching = lab["enable_prefix_caching"] == "True"
         elif name == d.cache_tokens:
             cache_tokens = int(value) or None
         else:
             field_name = d.counters[name]
             counters[field_name] = counters.get(field_name, 0.0) + value
     if not seen:
-        return ScrapeResult(False, error=f"no {d.running} in /metrics")
+        return ScrapeResult(False, error=f"no {d.running} in /metrics ({d.missing_hint})", missing=True)
     if running > MAX_REQUESTS or waiting > MAX_REQUESTS:
         return ScrapeResult(False, error=f"{d.running}/{d.waiting} {running:g}/{waiting:g}: beyond {MAX_REQUESTS:,}")
     kv_usage = max(kv) if kv else 0.0
     if kv_usage > 1.0 + 1e-9:
         return ScrapeResult(False, error=f"KV cache usage {kv_usage:g}: beyond 1 (100%)")
     r, w = int(round(running)), int(round(waiting))
-    sample = LoadSample(r, w, kv_usage, cache_tokens=cache_tokens, **counters)
-    return ScrapeResult(True, r, w, kv_usage, sample=sample)
+    sample = LoadSample(r, w, kv_usage, cache_tokens=cache_tokens, prefix_caching=prefix_caching, **counters)
+    return ScrapeResult(True, r, w, kv_usage, sample=sample, engine=d.name)
 
 
 def tls_context(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None) -> ssl.SSLContext:
@@ -175,15 +191,26 @@ class Scraper:
         self.interval_s = interval_s  # health cadence (A1: 3 s)
         self.load_refresh_s = load_refresh_s  # C6: faster load-only scrapes in between (None: none)
         self.urls: dict[str, str] = {}
-        self.engines: dict[str, str] = {}  # replica -> "vllm" | "sglang" | "none" (absent: vllm)
+        self.engines: dict[str, str] = {}  # replica -> "vllm" | "sglang" | "none" | "auto" (absent: vllm)
+        self.detected: dict[str, str] = {}  # engine "auto": what its last good scrape found
         self.tls: dict[str, tuple[ssl.SSLContext, str]] = {}  # https:// replicas: (context, SNI)
         self.errors: dict[str, str] = {}
         self.loop_errors = 0
         self.seconds = None  # a prometheus Histogram, set by the brain
 
+    def engine_of(self, name: str) -> str:
+        """The engine whose metrics the replica exports: the configured one, or what "auto" found."""
+        engine = self.engines.get(name, "vllm")
+        return self.detected.get(name, "vllm") if engine == "auto" else engine
+
     async def scrape_once(self, session: ClientSession, name: str, url: str, timeout: float | None = None) -> ScrapeResult:
         t0 = time.perf_counter()
-        r = await self._fetch(session, url, timeout, self.engines.get(name, "vllm"), self.tls.get(name))
+        engine = self.engines.get(name, "vllm")
+        r = await self._fetch(session, url, timeout, engine, self.tls.get(name))
+        if engine == "auto" and r.ok:
+            if self.detected.get(name) != r.engine:
+                logs.event("engine_detected", replica=name, engine=r.engine)
+            self.detected[name] = r.engine
         if self.seconds is not None:
             self.seconds.observe(time.perf_counter() - t0)
         self.stats.scrapes[(name, "ok" if r.ok else "failed")] += 1
@@ -191,6 +218,19 @@ class Scraper:
 
     async def _fetch(self, session: ClientSession, url: str, timeout: float | None, engine: str = "vllm",
                      tls: "tuple[ssl.SSLContext, str] | None" = None) -> ScrapeResult:
+        if engine != "auto":
+            return await self._fetch_as(session, url, timeout, engine, tls)
+        # engine "auto": whichever engine's metrics /metrics has; none of them (or no /metrics): run as "none"
+        r = await self._fetch_as(session, url, timeout, "vllm", tls)
+        if r.missing:
+            r = await self._fetch_as(session, url, timeout, "sglang", tls)
+        if r.missing or r.error.startswith("HTTP 404 from /metrics"):
+            r = await self._fetch_as(session, url, timeout, "none", tls)
+            r.engine = "none" if r.ok else ""
+        return r
+
+    async def _fetch_as(self, session: ClientSession, url: str, timeout: float | None, engine: str,
+                        tls: "tuple[ssl.SSLContext, str] | None" = None) -> ScrapeResult:
         path = HEALTH_PATH if engine == "none" else "/metrics"
         try:
             kw: dict = {"timeout": ClientTimeout(total=timeout)} if timeout else {}
@@ -198,7 +238,10 @@ class Scraper:
                 kw["ssl"], kw["server_hostname"] = tls
             async with session.get(url + path, **kw) as resp:
                 if resp.status != 200:
-                    hint = " (no /metrics: set the replica's engine: sglang or none)" if resp.status == 404 and path == "/metrics" else ""
+                    hint = ""
+                    if resp.status == 404 and path == "/metrics":
+                        hint = (f" ({SGLANG.missing_hint})" if engine == "sglang" else
+                                " (no /metrics: set the replica's engine: sglang, none or auto)")
                     return ScrapeResult(False, error=f"HTTP {resp.status} from {path}{hint}")
                 if engine == "none":
                     return ScrapeResult(True)  # alive; its load is what the brain itself sent there
@@ -263,7 +306,7 @@ class Scraper:
             started = self.clock()
             health = fast is None or started >= next_health - 1e-3
             # an engine without load metrics ("none") has nothing to refresh between health scrapes
-            if health or self.engines.get(name, "vllm") != "none":
+            if health or self.engine_of(name) != "none":
                 timeout = health_timeout if health else max(0.05, fast * 0.8)
                 r = await self.scrape_once(session, name, self.urls[name], timeout)
                 try:

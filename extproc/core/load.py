@@ -30,6 +30,7 @@ class LoadSample:
     decode_seconds: float | None = None  # sum of vllm:request_decode_time_seconds
     requests_done: float | None = None  # count of vllm:e2e_request_latency_seconds
     cache_tokens: int | None = None  # vllm:cache_config_info: num_gpu_blocks x block_size
+    prefix_caching: bool | None = None  # vllm:cache_config_info's enable_prefix_caching (None: not exported)
 
 
 class Rates:

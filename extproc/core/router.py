@@ -351,12 +351,6 @@ class Router:
         return out
 
 
-__all__ = [
-    "AFFINITY", "LOAD", "FALLBACK", "NO_HEALTHY", "Decision", "PinEvent", "Reservation", "Router",
-    "State", "LIVE", "PROBING", "EJECTED", "SESSION",
-]
-
-
 class _Subset:
     """The fleet as one request may see it: the pool cut to the names a gateway allows."""
 
@@ -373,3 +367,9 @@ class _Subset:
     def pool(self) -> tuple[list[Replica], list[Replica]]:
         live, probing = self._router.pool()
         return [r for r in live if r.name in self._only], [r for r in probing if r.name in self._only]
+
+
+__all__ = [
+    "AFFINITY", "LOAD", "FALLBACK", "NO_HEALTHY", "Decision", "PinEvent", "Reservation", "Router",
+    "State", "LIVE", "PROBING", "EJECTED", "SESSION",
+]

@@ -57,7 +57,7 @@ class WarmReplica:
     """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens", "arrivals")
+                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float):
         w = cfg.warm
@@ -73,6 +73,8 @@ class WarmReplica:
         self.pending_tokens = 0
         self.active_tokens = 0  # context of the sessions that used this replica within warm.active_session_s
         self.arrivals: deque[float] = deque()  # when requests were routed here, over warm.arrival_window_s
+        # False once the replica says it runs without prefix caching: nothing it served is there to be hit
+        self.prefix_caching = True
 
     def kv_ahead(self, now: float, kv_usage: float) -> float:
         """Tokens of KV the requests ahead will hold: the scraped usage plus our pending prefills."""
@@ -152,6 +154,9 @@ class WarmPolicy:
         if s.cache_tokens and s.cache_tokens != st.cache_tokens:
             st.cache_tokens = s.cache_tokens
             st.index.resize(int(s.cache_tokens / self.tokens_per_block))
+        if s.prefix_caching is not None and s.prefix_caching != st.prefix_caching:
+            st.prefix_caching = s.prefix_caching
+            st.index.clear()
 
     def on_health(self, r: Replica, ejected: bool) -> None:
         """An ejected replica may come back restarted, with a cold cache: forget what we thought it held."""
@@ -198,10 +203,10 @@ class WarmPolicy:
                   pin: Pin | None, now: float) -> "_Estimate":
         """Cached tokens, wait and prefill on one candidate (C2, C3, C4)."""
         prompt = max(1, profile.tokens)
-        chain = profile.blocks if self.use_index else ()
+        chain = profile.blocks if self.use_index and st.prefix_caching else ()
         matched = st.index.match(chain) if chain else 0
         cached = min(prompt - 1, int(matched * self.tokens_per_block)) if matched else 0
-        if not chain and pin is not None and pin.replica is r:
+        if not chain and pin is not None and pin.replica is r and st.prefix_caching:
             cached = min(prompt - 1, pin.tokens)  # C4: the session's context lives here
         wait = max(0.0, st.prefill_busy_until - now)
         if r.scraped_waiting:
@@ -358,7 +363,7 @@ class WarmPolicy:
                 a.popleft()
         if d.reservation is not None:
             d.reservation.work_s = d.work_s
-        if self.use_index and profile.blocks:
+        if self.use_index and profile.blocks and st.prefix_caching:
             st.index.insert(profile.blocks)
         if profile.session_key is not None:
             self._set_active(profile.session_key, st, profile.tokens, now)

@@ -27,6 +27,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import replace
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -210,7 +211,8 @@ class MockReplica:
         self.stall_s = 0.0
         self.rng = random.Random(args.seed)
         # --speed scales prefill and decode alike (a slower GPU); --speedup only compresses time for tests
-        self.engine_cfg = EngineConfig(max_num_seqs=args.max_num_seqs).scaled(args.speed, args.kv_tokens)
+        self.engine_cfg = replace(EngineConfig(max_num_seqs=args.max_num_seqs).scaled(args.speed, args.kv_tokens),
+                                  prefix_caching=getattr(args, "prefix_caching", "on") == "on")
         self.driver = self._driver()
         self.site: web.TCPSite | None = None
         self.runner: web.AppRunner | None = None
@@ -241,7 +243,8 @@ class MockReplica:
         cfg = self.engine_cfg
         g = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                   ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=reg)
-        g.labels(block_size="16", num_gpu_blocks=str(cfg.num_blocks), enable_prefix_caching="True").set(1)
+        g.labels(block_size="16", num_gpu_blocks=str(cfg.num_blocks),
+                 enable_prefix_caching=str(cfg.prefix_caching)).set(1)  # Python's str(bool), as vLLM exports it
 
         def first(er, prefill_s):
             self.c_prompt.labels(**self.lv).inc(er.prompt_tokens)
@@ -581,6 +584,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
     ap.add_argument("--tls-key", default=None)
+    ap.add_argument("--prefix-caching", choices=("on", "off"), default="on",
+                    help="off: vLLM's --no-enable-prefix-caching (every prompt computed whole; cache_config_info says so)")
     ap.add_argument("--metrics", choices=("vllm", "sglang", "none"), default="vllm",
                     help="whose /metrics names to export (none: no /metrics at all, like a foreign OpenAI server)")
 

@@ -58,3 +58,40 @@ def test_sglang_and_metricless_replicas_go_live_and_keep_sessions_sticky_while_a
         log = s.brain.log_tail(200_000)
         assert log.count(said) == 1
         assert '"loop_error"' not in log  # an engine without load metrics is not fed to the load refresh
+
+
+def test_engine_auto_finds_each_replicas_metrics_and_runs_one_without_them_as_none():
+    """engine: auto on a vLLM, an SGLang and a server with no engine metrics: each is read by what it exports,
+    the last one runs on /health alone; and a vLLM with no engine metrics left at engine: vllm says why."""
+    config = {**FAST, "health": {**FAST["health"], "scrape_interval_s": 0.4}}
+    s = Stack(4, config=config, mock_args=["--speedup", "20"])
+    s.replica_args = {"r1": ["--metrics", "sglang"], "r2": ["--metrics", "none"], "r3": ["--metrics", "none"]}
+    s.engines = {"r0": "auto", "r1": "auto", "r2": "auto"}
+    with s:
+        wait_for(lambda: [r["state"] for r in s.state()["replicas"]][:3] == ["LIVE"] * 3, 30, "r0-r2 LIVE")
+        assert [s.replica_state(n)["engine"] for n in ("r0", "r1", "r2")] == ["auto (vllm)", "auto (sglang)",
+                                                                              "auto (none)"]
+        r3 = s.replica_state("r3")
+        assert r3["state"] == "EJECTED" and "engine: sglang, none or auto" in r3["scrape_error"]
+        assert post(s, "a1", "hello") in ("r0", "r1", "r2")
+        log = s.brain.log_tail(200_000)
+        assert log.count('"event":"engine_detected","replica":"r1","engine":"sglang"') == 1  # said once
+
+
+def test_a_replica_without_prefix_caching_gets_no_predicted_hits():
+    """vllm:cache_config_info says enable_prefix_caching="False": the brain stops predicting cache hits there, so a
+    session's next turn is priced as a full prefill on it (and its home is not held for a cache it lacks)."""
+    s = Stack(2, config=FAST, mock_args=["--speedup", "20"])
+    s.replica_args = {"r1": ["--prefix-caching", "off"]}
+    with s:
+        s.wait_all_live(30)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{s.replicas[1].port}/metrics", timeout=5).read().decode()
+        assert 'enable_prefix_caching="False"' in text
+        for i in range(8):
+            post(s, f"s{i}", "a long shared system prompt " * 200 + f" turn {i}")
+        blocks = {}
+        for line in urllib.request.urlopen(s.brain_metrics, timeout=5).read().decode().splitlines():
+            if line.startswith("warmroute_prefix_index_blocks{"):
+                blocks[line.split('replica="')[1].split('"')[0]] = float(line.split()[-1])
+        # the replica without prefix caching indexes nothing; the other one holds the prompt's blocks
+        assert blocks["r1"] == 0 and blocks["r0"] > 0, blocks

@@ -50,6 +50,8 @@ class EngineConfig:
     kv_read_s_per_ktoken: float = 0.00004  # 1M tokens of context in a decode batch adds 40 ms per step
     # Prefill: ~6,000 tok/s on 2x3090 for this model class (vLLM benchmark_serving reports 4-9K).
     prefill_s_per_token: float = 1 / 6000
+    # vLLM's --no-enable-prefix-caching: every prompt is computed whole, no block outlives its sequence
+    prefix_caching: bool = True
 
     @property
     def num_blocks(self) -> int:
@@ -202,7 +204,7 @@ class Engine:
 
     def _admit(self, r: EngineRequest) -> bool:
         """Reserve the prompt's blocks, reusing cached ones. False if KV space is short."""
-        full = r.prompt_tokens // BLOCK
+        full = r.prompt_tokens // BLOCK if self.cfg.prefix_caching else 0  # off: every block private
         hit = 0
         for h in r.blocks[:full]:
             if h in self.refs or h in self.cached:

@@ -110,14 +110,19 @@ def _process(target: str, creds=None) -> None:
     asyncio.run(go())
 
 
-def test_over_tcp_the_brain_wants_mutual_tls_and_envoy_presents_its_certificate(own_stack, tmp_path):
-    pki = make_pki(tmp_path)
-    s = own_stack(2, config={
+def mutual_tls(pki: dict[str, str], **brain) -> dict:
+    """The brain on TCP with a certificate, asking for Envoy's; Envoy presenting it."""
+    return {
         "brain": {"grpc_socket": None, "grpc_port": 0, "host": "127.0.0.1", "tls_cert_file": pki["server.pem"],
-                  "tls_key_file": pki["server.key"], "tls_client_ca_file": pki["ca.pem"]},
+                  "tls_key_file": pki["server.key"], "tls_client_ca_file": pki["ca.pem"], **brain},
         "envoy": {"brain_tls_ca_file": pki["ca.pem"], "brain_tls_cert_file": pki["client.pem"],
                   "brain_tls_key_file": pki["client.key"], "brain_tls_sni": "127.0.0.1"},
-    })
+    }
+
+
+def test_over_tcp_the_brain_wants_mutual_tls_and_envoy_presents_its_certificate(own_stack, tmp_path):
+    pki = make_pki(tmp_path)
+    s = own_stack(2, config=mutual_tls(pki))
     s.wait_all_live(30)
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
     before = sum(r["decisions"] for r in s.state()["replicas"])
@@ -180,13 +185,7 @@ def test_as_an_endpoint_picker_over_mutual_tls_and_the_health_probe_speaks_it(ow
     from extproc.brain.healthcheck import check
 
     pki = make_pki(tmp_path)
-    s = own_stack(2, config={
-        "brain": {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": 0, "host": "127.0.0.1",
-                  "tls_cert_file": pki["server.pem"], "tls_key_file": pki["server.key"],
-                  "tls_client_ca_file": pki["ca.pem"]},
-        "envoy": {"brain_tls_ca_file": pki["ca.pem"], "brain_tls_cert_file": pki["client.pem"],
-                  "brain_tls_key_file": pki["client.key"], "brain_tls_sni": "127.0.0.1"},
-    })
+    s = own_stack(2, config=mutual_tls(pki, protocol="endpoint-picker"))
     s.wait_all_live(30)
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
     before = sum(r["decisions"] for r in s.state()["replicas"])

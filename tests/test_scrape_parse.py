@@ -109,3 +109,13 @@ def test_cache_config_info_tells_whether_prefix_caching_is_on():
         info = f'vllm:cache_config_info{{block_size="16",enable_prefix_caching="{flag}",num_gpu_blocks="10"}} 1.0\n'
         assert parse_vllm_metrics(base + info).sample.prefix_caching is want
     assert parse_vllm_metrics(base).sample.prefix_caching is None  # not exported: nothing is assumed
+
+
+def test_the_cache_size_is_vllms_own_kv_cache_size_tokens_where_it_says_it():
+    base = 'vllm:num_requests_running{model_name="m"} 0\n'
+    # a hybrid model: 320 blocks of 8 are not its capacity, the label is (as a newer vLLM exports it)
+    hybrid = ('vllm:cache_config_info{block_size="8",enable_prefix_caching="True",kv_cache_size_tokens="463459",'
+              'num_gpu_blocks="320"} 1.0\n')
+    assert parse_vllm_metrics(base + hybrid).sample.cache_tokens == 463459
+    older = 'vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="1000"} 1.0\n'
+    assert parse_vllm_metrics(base + older).sample.cache_tokens == 16000

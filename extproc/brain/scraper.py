@@ -148,7 +148,10 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
         elif name == d.cache_info:
             lab = _labels(line[brace + 1:line.rfind("}")])
             try:
-                cache_tokens = int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16"))
+                # newer vLLM says the capacity itself; on a hybrid model (sliding window, Mamba) the blocks x block
+                # size product is not it (vLLM's own cache config says so)
+                cache_tokens = (int(lab["kv_cache_size_tokens"]) if lab.get("kv_cache_size_tokens", "").isdigit()
+                                else int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16")))
             except (KeyError, ValueError):
                 pass
             if lab.get("enable_prefix_caching") in ("True", "False"):  # vLLM exports CacheConfig's fields as str()

@@ -119,3 +119,15 @@ def test_the_cache_size_is_vllms_own_kv_cache_size_tokens_where_it_says_it():
     assert parse_vllm_metrics(base + hybrid).sample.cache_tokens == 463459
     older = 'vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="1000"} 1.0\n'
     assert parse_vllm_metrics(base + older).sample.cache_tokens == 16000
+
+
+def test_computed_prompt_tokens_come_from_their_own_source_where_vllm_says_it():
+    base = ('vllm:num_requests_running{model_name="m"} 0\n'
+            'vllm:prompt_tokens_total{engine="0",model_name="m"} 1000.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 200.0\n')
+    by_source = ('vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 300.0\n'
+                 'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 200.0\n'
+                 'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 500.0\n')
+    s = parse_vllm_metrics(base + by_source).sample
+    assert s.computed_tokens == 300.0 and s.prompt_tokens == 1000.0  # not 800: 500 came from a KV connector
+    assert parse_vllm_metrics(base).sample.computed_tokens is None  # an older vLLM: the rate falls back

@@ -368,3 +368,18 @@ def test_no_hit_is_predicted_on_a_replica_that_runs_without_prefix_caching():
         d2 = router.select(prof(session=f"t{k}", tokens=2000, blocks=blocks), now)
         router.release(d2.reservation, now)
     assert router.policy.state_of(home).index.match(blocks) == 0
+
+
+def test_the_prefill_rate_learns_from_computed_tokens_not_those_a_kv_connector_loaded():
+    from extproc.core.load import Rates
+
+    def learn(with_source: bool) -> float:
+        r = Rates(5000.0, 0.03, 200.0)
+        for k in range(4):
+            # each interval: 100,000 prompt tokens, 20,000 prefix hits, 60,000 loaded by a connector, 20,000
+            # computed in 10 s of prefill: the replica computes 2,000 tokens/s
+            r.update(LoadSample(prompt_tokens=100_000.0 * k, cached_tokens=20_000.0 * k, prefill_seconds=10.0 * k,
+                                computed_tokens=20_000.0 * k if with_source else None), float(k))
+        return r.prefill_tokens_per_s
+
+    assert learn(True) < learn(False) / 2  # 8,000 "computed" tokens a second would be the connector's, not its own

@@ -32,12 +32,14 @@ class Dialect:
     counters: dict[str, str]  # counter -> LoadSample field, summed over every label set
     cache_info: str | None = None  # an info metric whose labels give the cache size (vLLM)
     cache_tokens: str | None = None  # a gauge whose value is the cache size in tokens (SGLang)
+    # (metric, label, value) of a counter read from one label set only -> the LoadSample field it feeds
+    by_label: dict[tuple[str, str, str], str] = field(default_factory=dict)
     name: str = ""
     # what a /metrics without this engine's metrics most likely means, said in the scrape reason
     missing_hint: str = ""
 
     def wanted(self) -> frozenset[str]:
-        return frozenset((self.running, self.waiting, *self.kv, *self.counters,
+        return frozenset((self.running, self.waiting, *self.kv, *self.counters, *(k[0] for k in self.by_label),
                           *(n for n in (self.cache_info, self.cache_tokens) if n)))
 
 
@@ -54,6 +56,7 @@ VLLM = Dialect(
         "vllm:e2e_request_latency_seconds_count": "requests_done",
     },
     cache_info="vllm:cache_config_info",
+    by_label={("vllm:prompt_tokens_by_source_total", "source", "local_compute"): "computed_tokens"},
     name="vllm",
     # vLLM's async_llm.py builds its stat loggers only when log_stats is on: --disable-log-stats leaves /metrics
     # with the process and HTTP metrics and no vllm:* engine metrics
@@ -158,6 +161,11 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
                 prefix_caching = lab["enable_prefix_caching"] == "True"
         elif name == d.cache_tokens:
             cache_tokens = int(value) or None
+        elif name not in d.counters:  # a counter of by_label: only the label set it names
+            lab = _labels(line[brace + 1:line.rfind("}")]) if brace == end else {}
+            for (metric, key, want), field_name in d.by_label.items():
+                if metric == name and lab.get(key) == want:
+                    counters[field_name] = counters.get(field_name, 0.0) + value
         else:
             field_name = d.counters[name]
             counters[field_name] = counters.get(field_name, 0.0) + value

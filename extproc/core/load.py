@@ -31,6 +31,9 @@ class LoadSample:
     requests_done: float | None = None  # count of vllm:e2e_request_latency_seconds
     cache_tokens: int | None = None  # vllm:cache_config_info: num_gpu_blocks x block_size
     prefix_caching: bool | None = None  # vllm:cache_config_info's enable_prefix_caching (None: not exported)
+    # vllm:prompt_tokens_by_source{source="local_compute"} (newer vLLM): the prompt tokens this replica computed.
+    # Better than prompt_tokens - prefix_cache_hits, which counts tokens a KV connector loaded as computed
+    computed_tokens: float | None = None
 
 
 class Rates:
@@ -66,8 +69,11 @@ class Rates:
             return
         acc = self._acc
         if None not in (s.prompt_tokens, s.prefill_seconds, p.prompt_tokens, p.prefill_seconds):
-            # no prefix-cache counter (prefix caching off): every prompt token was computed
-            acc[0] += (s.prompt_tokens - (s.cached_tokens or 0)) - (p.prompt_tokens - (p.cached_tokens or 0))
+            if s.computed_tokens is not None and p.computed_tokens is not None:
+                acc[0] += s.computed_tokens - p.computed_tokens
+            else:
+                # no prefix-cache counter (prefix caching off): every prompt token was computed
+                acc[0] += (s.prompt_tokens - (s.cached_tokens or 0)) - (p.prompt_tokens - (p.cached_tokens or 0))
             acc[1] += s.prefill_seconds - p.prefill_seconds
             if acc[1] >= _MIN_PREFILL_S and acc[0] > 0:
                 ref = self._ref[0]

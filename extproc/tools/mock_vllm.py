@@ -235,6 +235,9 @@ class MockReplica:
         # what a router learns rates from: vLLM's token counters and per-phase latency histograms
         self.c_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=reg)
         self.c_generation = Counter("vllm:generation_tokens", "Generation tokens processed", labels, registry=reg)
+        # newer vLLM: prompt tokens by where their KV came from (a KV connector's transfers are not prefix-cache hits)
+        self.c_by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by source", [*labels, "source"],
+                                   registry=reg)
         phase_buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
         self.h_prefill = Histogram("vllm:request_prefill_time_seconds", "Time in the prefill phase", labels,
                                    registry=reg, buckets=phase_buckets)
@@ -248,6 +251,8 @@ class MockReplica:
 
         def first(er, prefill_s):
             self.c_prompt.labels(**self.lv).inc(er.prompt_tokens)
+            self.c_by_source.labels(**self.lv, source="local_compute").inc(er.prompt_tokens - er.cached_tokens)
+            self.c_by_source.labels(**self.lv, source="local_cache_hit").inc(er.cached_tokens)
             self.h_prefill.labels(**self.lv).observe(prefill_s)
 
         def done(er, decode_s):
@@ -264,6 +269,8 @@ class MockReplica:
         for m in (self.g_running, self.g_waiting, self.g_kv, self.c_queries, self.c_hits, self.c_preempt, self.c_success,
                   self.h_ttft, self.h_e2e, self.c_prompt, self.c_generation, self.h_prefill, self.h_decode):
             m.labels(**self.lv)  # every series exists from the start, at 0, as vLLM exports them
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            self.c_by_source.labels(**self.lv, source=source)
 
     def _driver(self) -> "Driver":
         return Driver(self.engine_cfg, self.args.speedup, self.args.decode_horizon_s)

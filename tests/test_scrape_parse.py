@@ -131,3 +131,16 @@ def test_computed_prompt_tokens_come_from_their_own_source_where_vllm_says_it():
     s = parse_vllm_metrics(base + by_source).sample
     assert s.computed_tokens == 300.0 and s.prompt_tokens == 1000.0  # not 800: 500 came from a KV connector
     assert parse_vllm_metrics(base).sample.computed_tokens is None  # an older vLLM: the rate falls back
+
+
+def test_sglangs_tensor_parallel_copies_count_once_and_data_parallel_ranks_add_up():
+    from extproc.brain.scraper import SGLANG, parse_metrics
+
+    lines = []
+    for dp in ("0", "1"):  # two schedulers (data parallel), each exported by its 4 tensor-parallel ranks
+        for tp in ("0", "1", "2", "3"):
+            lab = f'dp_rank="{dp}",engine_type="unified",model_name="m",tp_rank="{tp}"'
+            lines += [f"sglang:num_running_reqs{{{lab}}} 3.0", f"sglang:num_queue_reqs{{{lab}}} 1.0",
+                      f"sglang:prompt_tokens_total{{{lab}}} 100.0"]
+    s = parse_metrics("\n".join(lines) + "\n", SGLANG).sample
+    assert (s.running, s.waiting, s.prompt_tokens) == (6, 2, 200.0)  # not 24, 8, 800

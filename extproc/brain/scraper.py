@@ -34,6 +34,9 @@ class Dialect:
     cache_tokens: str | None = None  # a gauge whose value is the cache size in tokens (SGLang)
     # (metric, label, value) of a counter read from one label set only -> the LoadSample field it feeds
     by_label: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    # a label whose values other than "0" mark copies of the same numbers (SGLang's tp_rank: with
+    # --enable-metrics-for-all-schedulers every tensor-parallel rank exports its scheduler's gauges and counters)
+    copy_label: str | None = None
     name: str = ""
     # what a /metrics without this engine's metrics most likely means, said in the scrape reason
     missing_hint: str = ""
@@ -75,6 +78,7 @@ SGLANG = Dialect(
         "sglang:e2e_request_latency_seconds_count": "requests_done",
     },
     cache_tokens="sglang:max_total_num_tokens",
+    copy_label="tp_rank",  # dp_rank ranks are different schedulers: those are summed
     name="sglang",
     missing_hint="SGLang exports engine metrics only when started with --enable-metrics: add it, or set the "
                  "replica's engine: none (or auto)",
@@ -134,6 +138,10 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
         name = line[:end]
         if name not in wanted:
             continue
+        if d.copy_label is not None and brace == end:
+            copy = _labels(line[brace + 1:line.rfind("}")]).get(d.copy_label)
+            if copy is not None and copy != "0":
+                continue  # the same scheduler's numbers once more, from another tensor-parallel rank
         rest = line[line.rfind("}") + 1:] if brace == end else line[end:]
         try:
             value = float(rest.split()[0])

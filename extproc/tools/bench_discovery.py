@@ -37,6 +37,20 @@ def free_port(host: str = "127.0.0.1", kind: int = socket.SOCK_STREAM) -> int:
         return s.getsockname()[1]
 
 
+def free_dns_port() -> int:
+    """A port free for both UDP and TCP on loopback: dnsmasq listens on both, and exits when either is taken."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u, socket.socket() as t:
+            u.bind(("127.0.0.1", 0))
+            port = u.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no port free for both UDP and TCP on 127.0.0.1")
+
+
 class Dnsmasq:
     """dnsmasq answering NAME from a hosts file it re-reads on SIGHUP, on a loopback port (the OS's pick)."""
 
@@ -45,7 +59,7 @@ class Dnsmasq:
             raise FileNotFoundError("dnsmasq is not installed (make system-deps installs Debian's dnsmasq)")
         self.hosts = workdir / "hosts"
         self.set(addresses)
-        self.port = port or free_port(kind=socket.SOCK_DGRAM)
+        self.port = port or free_dns_port()
         user = "root" if os.getuid() == 0 else "nobody"
         # authoritative for the test domain (--local): AAAA gets an empty answer, not REFUSED for want of upstreams
         self.proc = subprocess.Popen(
@@ -53,6 +67,28 @@ class Dnsmasq:
              "--bind-interfaces", "--no-resolv", "--no-hosts", "--local=/warmroute.test/",
              f"--addn-hosts={self.hosts}", "--local-ttl=0", "--pid-file=", f"--user={user}", "--log-facility=-"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait_ready(self, timeout: float = 10.0) -> "Dnsmasq":
+        """Return once it answers a query for NAME; its own error if it exited (a port taken, a bad flag)."""
+        import dns.exception
+        import dns.resolver
+
+        r = dns.resolver.Resolver(configure=False)
+        r.nameservers, r.port, r.lifetime = ["127.0.0.1"], self.port, 0.5
+
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dnsmasq exited: {self.proc.stderr.read().decode(errors='replace')[-500:]}")
+            try:
+                r.resolve(NAME, "A")
+            except dns.resolver.NXDOMAIN:
+                return True  # it answers: an empty hosts file has no record yet
+            except dns.exception.DNSException:
+                return False
+            return True
+
+        wait_for(answers, timeout, "dnsmasq to answer")
+        return self
 
     def set(self, addresses: list[str]) -> None:
         self.hosts.write_text("".join(f"{a} {NAME}\n" for a in addresses))
@@ -118,7 +154,7 @@ def run(workdir: Path, speedup: float = 20.0) -> dict:
     """The scenario once; returns what it measured."""
     port = free_port()
     hosts = [f"127.0.0.{i}" for i in (2, 3, 4, 5)]
-    d = Dnsmasq(workdir, hosts[:2])
+    d = Dnsmasq(workdir, hosts[:2]).wait_ready()
     interval = 0.3
     cfg = {"health": dict(FAST_HEALTH), "envoy": {"brain_health_check_interval_s": 0.5},
            "brain": {"protocol": "endpoint-picker"},

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 
 import pytest
 
@@ -13,7 +12,7 @@ from extproc.config import DiscoveryConfig
 from extproc.discovery import DiscoveryError
 from extproc.discovery.dns import DnsSource
 from extproc.tools import bench_discovery
-from extproc.tools.bench_discovery import NAME, Dnsmasq, free_port
+from extproc.tools.bench_discovery import NAME, Dnsmasq, free_dns_port, free_port
 from extproc.tools.stack import Stack, wait_for
 
 from .conftest import FAST
@@ -31,7 +30,7 @@ def dnsmasq(tmp_path):
         except FileNotFoundError as e:
             pytest.skip(str(e))
         made.append(d)
-        return d
+        return d.wait_ready()
 
     yield make
     for d in made:
@@ -80,7 +79,7 @@ def test_the_brain_is_not_ready_until_discovery_first_answers(dnsmasq, tmp_path)
     makes it ready, without a restart."""
     from extproc.brain.healthcheck import check
 
-    dns_port = free_port(kind=socket.SOCK_DGRAM)
+    dns_port = free_dns_port()
     cfg = {k: dict(v) for k, v in FAST.items()}
     cfg.update({"brain": {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": 0},
                 "discovery": {"source": "dns", "dns_name": NAME, "port": free_port(), "interval_s": 0.2,
@@ -96,7 +95,7 @@ def test_the_brain_is_not_ready_until_discovery_first_answers(dnsmasq, tmp_path)
             assert not ok and "NOT_SERVING" in line, line
         wait_for(lambda: s.state()["discovery"]["error"], 10, "the failed lookup to be reported")
         dnsmasq(["127.0.0.2"], dns_port)  # the resolver the brain was told about comes up
-        wait_for(lambda: check(target, "readiness")[0], 15, "readiness once discovery answered")
+        wait_for(lambda: check(target, "readiness")[0], 30, "readiness once discovery answered")
         st = s.state()
         assert st["discovery"]["synced"] and [r["url"] for r in st["replicas"]][0].startswith("http://127.0.0.2:")
     finally:

@@ -218,3 +218,31 @@ def test_discovery_config_errors_name_the_field():
     for field, doc in cases.items():
         with pytest.raises(ConfigError, match=f"^{field}:"):
             parse_config({"discovery": doc})
+
+
+def test_a_source_naming_more_replicas_than_a_fleet_has_is_a_failure_not_a_fleet():
+    from extproc.config import ReplicaSpec
+    from extproc.discovery import MAX_REPLICAS
+
+    class Flood:
+        changed = asyncio.Event()
+
+        def __init__(self):
+            self.n = 2
+
+        async def lookup(self):
+            return [ReplicaSpec(f"r{i}", f"http://10.0.{i // 250}.{i % 250 + 1}:8000") for i in range(self.n)]
+
+    applied, failures = [], []
+
+    async def scenario():
+        src = Flood()
+        task = asyncio.create_task(follow(src, 0.01, applied.append, failures.append))
+        await _until(lambda: applied, "the first set")
+        src.n = MAX_REPLICAS + 1
+        await _until(lambda: failures, "the flood refused")
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert len(applied) == 1 and len(applied[0]) == 2  # the last good set stays
+    assert f"more than {MAX_REPLICAS}" in failures[0]

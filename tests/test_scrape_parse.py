@@ -144,3 +144,43 @@ def test_sglangs_tensor_parallel_copies_count_once_and_data_parallel_ranks_add_u
                       f"sglang:prompt_tokens_total{{{lab}}} 100.0"]
     s = parse_metrics("\n".join(lines) + "\n", SGLANG).sample
     assert (s.running, s.waiting, s.prompt_tokens) == (6, 2, 200.0)  # not 24, 8, 800
+
+
+def test_engine_auto_reads_metrics_once_whatever_engine_answers():
+    """One GET of /metrics per scrape, parsed as each engine in turn; /health only when /metrics has neither."""
+    import asyncio
+
+    from aiohttp import ClientSession, web
+
+    from extproc.brain.scraper import Scraper
+
+    async def scenario(metrics: str | None) -> tuple[str, list[str]]:
+        seen: list[str] = []
+
+        async def handle(request):
+            seen.append(request.path)
+            if request.path == "/metrics" and metrics is not None:
+                return web.Response(text=metrics)
+            if request.path == "/health":
+                return web.Response(text="")
+            raise web.HTTPNotFound()
+
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with ClientSession() as session:
+                r = await Scraper(None, None, lambda: 0.0, 1.0)._fetch(session, url, 2.0, "auto")
+        finally:
+            await runner.cleanup()
+        assert r.ok
+        return r.engine, seen
+
+    sglang = 'sglang:num_running_reqs{model_name="m"} 1.0\n'
+    assert asyncio.run(scenario(sglang)) == ("sglang", ["/metrics"])
+    assert asyncio.run(scenario("process_cpu_seconds_total 1.0\n")) == ("none", ["/metrics", "/health"])
+    assert asyncio.run(scenario(None)) == ("none", ["/metrics", "/health"])

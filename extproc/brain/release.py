@@ -152,7 +152,6 @@ class Releaser:
         if chosen is None and served_by is None:
             self.stats.unmatched_log_entries += 1
 
-
     def finish(self, res: Reservation, served_by: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """The end of a request whose front saw its response itself (the endpoint picker): the same release
         and the same passive-health rule as an access-log entry, with what that front can know. A retry is

@@ -225,7 +225,7 @@ class Scraper:
     async def scrape_once(self, session: ClientSession, name: str, url: str, timeout: float | None = None) -> ScrapeResult:
         t0 = time.perf_counter()
         engine = self.engines.get(name, "vllm")
-        r = await self._fetch(session, url, timeout, engine, self.tls.get(name))
+        r = await self._fetch(session, url, timeout, engine, self.tls.get(name), self.detected.get(name))
         if engine == "auto" and r.ok:
             if self.detected.get(name) != r.engine:
                 logs.event("engine_detected", replica=name, engine=r.engine)
@@ -236,21 +236,29 @@ class Scraper:
         return r
 
     async def _fetch(self, session: ClientSession, url: str, timeout: float | None, engine: str = "vllm",
-                     tls: "tuple[ssl.SSLContext, str] | None" = None) -> ScrapeResult:
+                     tls: "tuple[ssl.SSLContext, str] | None" = None, prefer: str | None = None) -> ScrapeResult:
+        if engine == "none":
+            got = await self._get(session, url, HEALTH_PATH, timeout, tls, engine)
+            return got if isinstance(got, ScrapeResult) else ScrapeResult(True)  # alive; its load is the brain's own
+        got = await self._get(session, url, "/metrics", timeout, tls, engine)
         if engine != "auto":
-            return await self._fetch_as(session, url, timeout, engine, tls)
-        # engine "auto": whichever engine's metrics /metrics has; none of them (or no /metrics): run as "none"
-        r = await self._fetch_as(session, url, timeout, "vllm", tls)
-        if r.missing:
-            r = await self._fetch_as(session, url, timeout, "sglang", tls)
-        if r.missing or r.error.startswith("HTTP 404 from /metrics"):
-            r = await self._fetch_as(session, url, timeout, "none", tls)
-            r.engine = "none" if r.ok else ""
-        return r
+            return got if isinstance(got, ScrapeResult) else parse_metrics(got, DIALECTS[engine])
+        # engine "auto": one read of /metrics, parsed as the engine found last first; with neither engine's
+        # metrics in it (or no /metrics at all) the replica runs as "none", on /health
+        if isinstance(got, str):
+            order = [prefer] if prefer in DIALECTS else []
+            for d in (*order, *(k for k in DIALECTS if k not in order)):
+                r = parse_metrics(got, DIALECTS[d])
+                if not r.missing:
+                    return r
+        elif not got.error.startswith("HTTP 404 from /metrics"):
+            return got
+        health = await self._get(session, url, HEALTH_PATH, timeout, tls, "none")
+        return health if isinstance(health, ScrapeResult) else ScrapeResult(True, engine="none")
 
-    async def _fetch_as(self, session: ClientSession, url: str, timeout: float | None, engine: str,
-                        tls: "tuple[ssl.SSLContext, str] | None" = None) -> ScrapeResult:
-        path = HEALTH_PATH if engine == "none" else "/metrics"
+    async def _get(self, session: ClientSession, url: str, path: str, timeout: float | None,
+                   tls: "tuple[ssl.SSLContext, str] | None", engine: str) -> "ScrapeResult | str":
+        """The text at ``url + path``, or the failed result that says why."""
         try:
             kw: dict = {"timeout": ClientTimeout(total=timeout)} if timeout else {}
             if tls is not None:
@@ -262,8 +270,8 @@ class Scraper:
                         hint = (f" ({SGLANG.missing_hint})" if engine == "sglang" else
                                 " (no /metrics: set the replica's engine: sglang, none or auto)")
                     return ScrapeResult(False, error=f"HTTP {resp.status} from {path}{hint}")
-                if engine == "none":
-                    return ScrapeResult(True)  # alive; its load is what the brain itself sent there
+                if path == HEALTH_PATH:
+                    return ""
                 # never more than max_bytes in memory: a /metrics that streams forever (or 50 MB of it) must not
                 # grow the brain nor be parsed twice a second
                 too_big = ScrapeResult(False, error=f"{path} larger than {self.max_bytes} bytes (health.max_metrics_bytes)")
@@ -274,12 +282,11 @@ class Scraper:
                     buf += chunk
                     if len(buf) > self.max_bytes:
                         return too_big
-                text = buf.decode("utf-8", "replace")
+                return buf.decode("utf-8", "replace")
         except asyncio.TimeoutError:
             return ScrapeResult(False, error=f"timeout on {path}")
         except Exception as e:  # connection refused, reset, DNS...: every one means "failed scrape"
             return ScrapeResult(False, error=f"{type(e).__name__} on {path}")
-        return parse_metrics(text, DIALECTS[engine])
 
     def apply(self, name: str, r: ScrapeResult, now: float) -> None:
         """A health scrape: its result moves the health machine."""

@@ -15,6 +15,11 @@ from typing import Callable, Protocol
 from ..config import AppConfig, DiscoveryConfig, ReplicaSpec
 
 
+# A fleet is 4 to a few hundred replicas; a source that names more (a selector matching every pod, a resolver
+# answering with a whole network) would start a scrape loop per address: refused, and the last good set kept
+MAX_REPLICAS = 1000
+
+
 class DiscoveryError(Exception):
     """A lookup that failed; the message names what failed, in one line."""
 
@@ -73,6 +78,9 @@ async def follow(source: Source, interval_s: float, apply: Callable[[list[Replic
         source.changed.clear()
         try:
             found = sorted(await source.lookup(), key=lambda r: r.name)
+            if len(found) > MAX_REPLICAS:
+                raise DiscoveryError(f"{len(found)} replicas found, more than {MAX_REPLICAS}: is the selector or name "
+                                     "right?")
         except DiscoveryError as e:
             failed(str(e))
         except Exception as e:  # a library's own error must not end discovery: the last good set stays
@@ -88,4 +96,4 @@ async def follow(source: Source, interval_s: float, apply: Callable[[list[Replic
             pass
 
 
-__all__ = ["DiscoveryError", "Source", "StaticSource", "follow", "make_source", "replica_name", "spec"]
+__all__ = ["MAX_REPLICAS", "DiscoveryError", "Source", "StaticSource", "follow", "make_source", "replica_name", "spec"]

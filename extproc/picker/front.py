@@ -150,6 +150,7 @@ class _Stream:
     picked_at: float = 0.0
     reservation: Any = None
     served: str | None = None
+    response_seen: bool = False  # the response's first message (the one with its metadata) has been read
     status: int = 0
     first_byte_s: float | None = None
     ended: bool = False
@@ -245,6 +246,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             h = headers_of(req.response_headers)
             st.status = int(h.get(":status", "0") or 0) if h.get(":status", "").isdigit() else 0
             st.served = served_of(req) or st.served
+            st.response_seen = True
             if st.picked_at:
                 st.first_byte_s = self.clock() - st.picked_at
             if req.response_headers.end_of_stream:
@@ -252,7 +254,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return [_PASS[kind]]
         if kind == "response_body":
             chunk = req.response_body
-            st.served = st.served or served_of(req)
+            if not st.response_seen:  # Envoy sends metadata and attributes with the first message of a phase
+                st.served = st.served or served_of(req)
+                st.response_seen = True
             if chunk.end_of_stream:
                 self._finish(st)
             if st.response_duplex:

@@ -167,13 +167,15 @@ def test_no_eligible_endpoint_in_the_subset_is_a_503(brain):
     assert out[0].immediate_response.status.code == 503
 
 
-def test_no_ready_endpoint_is_a_503_in_openai_shape(brain):
+def test_no_healthy_instance_is_an_immediate_503_with_an_openai_error_and_retry_after(brain):
     for r in brain.router.replicas:
         brain.router.drain(r.name)
     out = run(brain, request())
     assert out[0].immediate_response.status.code == 503
     err = orjson.loads(out[0].immediate_response.body)["error"]
     assert err["type"] == "service_unavailable" and err["code"] == "no_healthy_instances"
+    hdrs = {h.header.key: h.header.raw_value for h in out[0].immediate_response.headers.set_headers}
+    assert hdrs["retry-after"] == b"5"
     assert brain.router.open_reservations == 0
 
 
@@ -188,7 +190,8 @@ def test_a_request_without_a_body_is_answered_on_its_headers(brain):
     assert picked(out)[0].split(",")[0] in ENDPOINTS
 
 
-def test_the_response_end_releases_and_a_stream_reset_releases_too(brain):
+def test_completion_a_reservation_is_released_at_the_response_end_or_a_stream_reset(brain):
+    """SPEC B Completion, without an access log: the front sees the response end, or the stream's."""
     out = run(brain, [*request(), *response(chunks=(b"a", b"b", b"c"))])
     assert brain.router.open_reservations == 0 and brain.stats.releases_by_response == 1
     # the response passes through unchanged, chunk by chunk
@@ -250,7 +253,8 @@ def test_a_retry_elsewhere_counts_against_the_chosen_endpoint(brain):
     assert seen == [(by[listed[0]], False), (by[listed[1]], True)]
 
 
-def test_a_fault_status_counts_against_the_endpoint_that_served(brain):
+def test_upstream_failures_seen_on_user_responses_count_against_the_endpoint_that_served(brain):
+    """SPEC B Eject: a 502/503/504 from the replica is an upstream failure; a 4xx is the request's own."""
     seen = []
     brain.router.on_upstream = lambda n, ok, now: seen.append((n, ok))
     out = run(brain, [*request(), *response(status=503)])

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: bench-discovery image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: bench-discovery bench-rates image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ image:  ## the brain's image (Dockerfile) with docker, podman or buildah; BASE=<
 
 bench-discovery: install system-deps  ## replicas added and removed through DNS mid-load (dnsmasq on loopback, ~1 min)
 	$(PY) -m extproc.tools.bench_discovery
+
+bench-rates: install  ## learned prefill/decode rates vs the engine's truth through a load ramp, per engine dialect (~7 min)
+	$(PY) -m extproc.tools.bench_rates
 
 bench-core: install
 	$(PY) -m extproc.tools.bench_core

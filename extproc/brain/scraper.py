@@ -10,6 +10,7 @@ with the reason: a replica that reports nonsense is not believed, and is not rou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import ssl
 import time
@@ -37,13 +38,21 @@ class Dialect:
     # a label whose values other than "0" mark copies of the same numbers (SGLang's tp_rank: with
     # --enable-metrics-for-all-schedulers every tensor-parallel rank exports its scheduler's gauges and counters)
     copy_label: str | None = None
+    # the label that tells data-parallel engines apart (each has its own scheduler and KV cache)
+    engine_label: str | None = None
+    # older names of a counter, read only when the current name is absent (vLLM 0.9 exported both)
+    fallback: dict[str, str] = field(default_factory=dict)
+    # the gauges move only at some scheduler steps (SGLang): an idle engine keeps its last busy values
+    lazy_gauges: bool = False
+    # counters that move whenever the engine works (first tokens, streamed tokens, finished requests)
+    activity: tuple[str, ...] = ()
     name: str = ""
     # what a /metrics without this engine's metrics most likely means, said in the scrape reason
     missing_hint: str = ""
 
     def wanted(self) -> frozenset[str]:
         return frozenset((self.running, self.waiting, *self.kv, *self.counters, *(k[0] for k in self.by_label),
-                          *(n for n in (self.cache_info, self.cache_tokens) if n)))
+                          *self.fallback, *self.activity, *(n for n in (self.cache_info, self.cache_tokens) if n)))
 
 
 VLLM = Dialect(
@@ -57,9 +66,16 @@ VLLM = Dialect(
         "vllm:generation_tokens_total": "generation_tokens",
         "vllm:request_decode_time_seconds_sum": "decode_seconds",
         "vllm:e2e_request_latency_seconds_count": "requests_done",
+        "vllm:time_to_first_token_seconds_count": "first_tokens",
+        "vllm:request_prefill_time_seconds_count": "prefill_done",
+        "vllm:request_prefill_kv_computed_tokens_sum": "computed_at_finish",
+        "vllm:request_generation_tokens_sum": "generated_at_finish",
+        "vllm:request_decode_time_seconds_count": "decode_done",
     },
+    fallback={"vllm:gpu_prefix_cache_hits_total": "cached_tokens"},
     cache_info="vllm:cache_config_info",
     by_label={("vllm:prompt_tokens_by_source_total", "source", "local_compute"): "computed_tokens"},
+    engine_label="engine",
     name="vllm",
     # vLLM's async_llm.py builds its stat loggers only when log_stats is on: --disable-log-stats leaves /metrics
     # with the process and HTTP metrics and no vllm:* engine metrics
@@ -76,9 +92,16 @@ SGLANG = Dialect(
         "sglang:cached_tokens_total": "cached_tokens",
         "sglang:generation_tokens_total": "generation_tokens",
         "sglang:e2e_request_latency_seconds_count": "requests_done",
+        "sglang:time_to_first_token_seconds_count": "first_tokens",
+        "sglang:inter_token_latency_seconds_sum": "itl_seconds",
+        "sglang:inter_token_latency_seconds_count": "itl_tokens",
     },
     cache_tokens="sglang:max_total_num_tokens",
-    copy_label="tp_rank",  # dp_rank ranks are different schedulers: those are summed
+    copy_label="tp_rank",  # dp_rank ranks are different schedulers: those are separate engines
+    engine_label="dp_rank",
+    lazy_gauges=True,
+    activity=("sglang:time_to_first_token_seconds_count", "sglang:inter_token_latency_seconds_count",
+              "sglang:e2e_request_latency_seconds_count"),
     name="sglang",
     missing_hint="SGLang exports engine metrics only when started with --enable-metrics: add it, or set the "
                  "replica's engine: none (or auto)",
@@ -89,6 +112,9 @@ HEALTH_PATH = "/health"
 
 RUNNING, WAITING, KV_NAMES, CACHE_CONFIG, COUNTERS = VLLM.running, VLLM.waiting, VLLM.kv, VLLM.cache_info, VLLM.counters
 MAX_REQUESTS = 100_000  # running or waiting beyond this on one replica is a broken exporter, not load
+# SGLang's gauges move at prefill batches and every decode_log_interval (40) decode steps, about once a second
+# under load; activity counters that stood still this long while the gauges did too mean an idle engine
+IDLE_AFTER_S = 5.0
 
 
 _WANTED: dict[Dialect, frozenset[str]] = {}
@@ -104,6 +130,7 @@ class ScrapeResult:
     sample: LoadSample | None = field(default=None, repr=False)
     missing: bool = False  # /metrics answered without this engine's metrics (another engine, or none exported)
     engine: str = ""  # engine "auto": the dialect that answered ("none": only /health did)
+    activity: float | None = None  # the dialect's activity counters, summed (lazy gauges: see Scraper.unstale)
 
 
 def _labels(text: str) -> dict[str, str]:
@@ -114,6 +141,18 @@ def _labels(text: str) -> dict[str, str]:
     return out
 
 
+class _Engine:
+    """One data-parallel engine's gauges while a text is parsed."""
+
+    __slots__ = ("running", "waiting", "kv", "cache_tokens", "cache_blocks")
+
+    def __init__(self) -> None:
+        self.running = self.waiting = 0.0
+        self.kv: list[float] = []
+        self.cache_tokens: int | None = None  # its own capacity (kv_cache_size_tokens, SGLang's max_total_num_tokens)
+        self.cache_blocks: int | None = None  # vLLM's num_gpu_blocks x block_size: the front end's sum over engines
+
+
 def parse_vllm_metrics(text: str) -> ScrapeResult:
     return parse_metrics(text, VLLM)
 
@@ -121,10 +160,10 @@ def parse_vllm_metrics(text: str) -> ScrapeResult:
 def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
     """The load signals of one replica, or a failed result saying what was wrong with the text."""
     wanted = _WANTED.get(d) or _WANTED.setdefault(d, d.wanted())
-    running = waiting = 0.0
-    kv: list[float] = []
+    engines: dict[str, _Engine] = {}
     counters: dict[str, float] = {}
-    cache_tokens = None
+    fallback: dict[str, float] = {}
+    activity = 0.0
     prefix_caching = None
     seen = False
     for line in text.splitlines():
@@ -138,10 +177,9 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
         name = line[:end]
         if name not in wanted:
             continue
-        if d.copy_label is not None and brace == end:
-            copy = _labels(line[brace + 1:line.rfind("}")]).get(d.copy_label)
-            if copy is not None and copy != "0":
-                continue  # the same scheduler's numbers once more, from another tensor-parallel rank
+        lab = _labels(line[brace + 1:line.rfind("}")]) if brace == end else {}
+        if d.copy_label is not None and lab.get(d.copy_label, "0") != "0":
+            continue  # the same scheduler's numbers once more, from another tensor-parallel rank
         rest = line[line.rfind("}") + 1:] if brace == end else line[end:]
         try:
             value = float(rest.split()[0])
@@ -149,44 +187,67 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
             return ScrapeResult(False, error=f"unparsable value of {name}")
         if not math.isfinite(value) or value < 0:
             return ScrapeResult(False, error=f"{name} is {value}: not a finite number >= 0")
-        if name == d.running:
-            running += value
-            seen = True
-        elif name == d.waiting:
-            waiting += value
-        elif name in d.kv:
-            kv.append(value)
-        elif name == d.cache_info:
-            lab = _labels(line[brace + 1:line.rfind("}")])
-            try:
-                # newer vLLM says the capacity itself; on a hybrid model (sliding window, Mamba) the blocks x block
-                # size product is not it (vLLM's own cache config says so)
-                cache_tokens = (int(lab["kv_cache_size_tokens"]) if lab.get("kv_cache_size_tokens", "").isdigit()
-                                else int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16")))
-            except (KeyError, ValueError):
-                pass
-            if lab.get("enable_prefix_caching") in ("True", "False"):  # vLLM exports CacheConfig's fields as str()
-                prefix_caching = lab["enable_prefix_caching"] == "True"
-        elif name == d.cache_tokens:
-            cache_tokens = int(value) or None
-        elif name not in d.counters:  # a counter of by_label: only the label set it names
-            lab = _labels(line[brace + 1:line.rfind("}")]) if brace == end else {}
+        if name in d.activity:
+            activity += value
+        if name == d.running or name == d.waiting or name in d.kv or name == d.cache_info or name == d.cache_tokens:
+            key = lab.get(d.engine_label, "0") if d.engine_label else "0"
+            e = engines.get(key)
+            if e is None:
+                e = engines[key] = _Engine()
+            if name == d.running:
+                e.running += value
+                seen = True
+            elif name == d.waiting:
+                e.waiting += value
+            elif name in d.kv:
+                e.kv.append(value)
+            elif name == d.cache_tokens:
+                e.cache_tokens = int(value) or None
+            else:
+                # newer vLLM says each engine's capacity itself; blocks x block size is the front end's sum over
+                # its data-parallel engines, and on a hybrid model (sliding window, Mamba) not the capacity at all
+                try:
+                    if lab.get("kv_cache_size_tokens", "").isdigit():
+                        e.cache_tokens = int(lab["kv_cache_size_tokens"])
+                    else:
+                        e.cache_blocks = int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16"))
+                except (KeyError, ValueError):
+                    pass
+                if lab.get("enable_prefix_caching") in ("True", "False"):  # CacheConfig's fields as str()
+                    prefix_caching = lab["enable_prefix_caching"] == "True"
+        elif name in d.counters:
+            field_name = d.counters[name]
+            counters[field_name] = counters.get(field_name, 0.0) + value
+        elif name in d.fallback:
+            field_name = d.fallback[name]
+            fallback[field_name] = fallback.get(field_name, 0.0) + value
+        elif name not in d.activity:  # a counter of by_label: only the label set it names
             for (metric, key, want), field_name in d.by_label.items():
                 if metric == name and lab.get(key) == want:
                     counters[field_name] = counters.get(field_name, 0.0) + value
-        else:
-            field_name = d.counters[name]
-            counters[field_name] = counters.get(field_name, 0.0) + value
     if not seen:
         return ScrapeResult(False, error=f"no {d.running} in /metrics ({d.missing_hint})", missing=True)
+    for k, v in fallback.items():
+        counters.setdefault(k, v)
+    running = sum(e.running for e in engines.values())
+    waiting = sum(e.waiting for e in engines.values())
     if running > MAX_REQUESTS or waiting > MAX_REQUESTS:
         return ScrapeResult(False, error=f"{d.running}/{d.waiting} {running:g}/{waiting:g}: beyond {MAX_REQUESTS:,}")
-    kv_usage = max(kv) if kv else 0.0
+    kv_usage = max((max(e.kv) for e in engines.values() if e.kv), default=0.0)
     if kv_usage > 1.0 + 1e-9:
         return ScrapeResult(False, error=f"KV cache usage {kv_usage:g}: beyond 1 (100%)")
+    ranked = [engines[k] for k in sorted(engines, key=lambda k: (len(k), k))]
+    n = len(ranked)
+    caps = [e.cache_tokens or (e.cache_blocks // n if e.cache_blocks else None) for e in ranked]
+    cache_tokens = sum(c for c in caps if c) or None
+    per_engine = None
+    if n > 1:
+        per_engine = tuple(LoadSample(int(round(e.running)), int(round(e.waiting)), max(e.kv) if e.kv else 0.0,
+                                      cache_tokens=c) for e, c in zip(ranked, caps))
     r, w = int(round(running)), int(round(waiting))
-    sample = LoadSample(r, w, kv_usage, cache_tokens=cache_tokens, prefix_caching=prefix_caching, **counters)
-    return ScrapeResult(True, r, w, kv_usage, sample=sample, engine=d.name)
+    sample = LoadSample(r, w, kv_usage, cache_tokens=cache_tokens, prefix_caching=prefix_caching, engines=per_engine,
+                        **counters)
+    return ScrapeResult(True, r, w, kv_usage, sample=sample, engine=d.name, activity=activity if d.activity else None)
 
 
 def tls_context(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None) -> ssl.SSLContext:
@@ -214,6 +275,8 @@ class Scraper:
         self.detected: dict[str, str] = {}  # engine "auto": what its last good scrape found
         self.tls: dict[str, tuple[ssl.SSLContext, str]] = {}  # https:// replicas: (context, SNI)
         self.errors: dict[str, str] = {}
+        # lazy gauges: replica -> (activity counters, gauges, since when both stood still)
+        self._still: dict[str, tuple[float, tuple[int, int], float]] = {}
         self.loop_errors = 0
         self.seconds = None  # a prometheus Histogram, set by the brain
 
@@ -288,8 +351,30 @@ class Scraper:
         except Exception as e:  # connection refused, reset, DNS...: every one means "failed scrape"
             return ScrapeResult(False, error=f"{type(e).__name__} on {path}")
 
+    def unstale(self, name: str, r: ScrapeResult, now: float) -> ScrapeResult:
+        """An engine whose gauges move only at some steps (SGLang) keeps showing its last batch after it went
+        idle, for up to ~30 s. When its activity counters (first tokens, streamed tokens, finished requests)
+        and its gauges have all stood still for IDLE_AFTER_S, nothing runs there: read it as idle.
+
+        A single prefill longer than that moves nothing either, and is then read as idle until it ends;
+        the brain still counts its own requests in flight there."""
+        if not r.ok or r.activity is None or r.sample is None:
+            return r
+        gauges = (r.running, r.waiting)
+        prev = self._still.get(name)
+        if prev is None or prev[0] != r.activity or prev[1] != gauges:
+            self._still[name] = (r.activity, gauges, now)
+            return r
+        if now - prev[2] < IDLE_AFTER_S or gauges == (0, 0):
+            return r
+        s = r.sample
+        engines = tuple(dataclasses.replace(e, running=0, waiting=0) for e in s.engines) if s.engines else None
+        return dataclasses.replace(r, running=0, waiting=0,
+                                   sample=dataclasses.replace(s, running=0, waiting=0, engines=engines))
+
     def apply(self, name: str, r: ScrapeResult, now: float) -> None:
         """A health scrape: its result moves the health machine."""
+        r = self.unstale(name, r, now)
         before = self.errors.get(name)
         if r.ok:
             self.errors.pop(name, None)
@@ -303,6 +388,7 @@ class Scraper:
 
     def apply_load(self, name: str, r: ScrapeResult, now: float) -> None:
         """A load-only scrape: fresher signals; a failure waits for the next health scrape to count."""
+        r = self.unstale(name, r, now)
         if r.ok and r.sample is not None:
             self.router.on_load(name, r.sample, now)
 

@@ -1,10 +1,20 @@
 """Load signals scraped from a replica, and the rates the warm policy learns from them (C3, C6).
 
 Rates come from the replica's own counters, never from a model of the engine: prefill speed is
-the uncached prompt tokens it computed per second of prefill (vLLM's ``prompt_tokens`` minus
-``prefix_cache_hits`` over ``request_prefill_time_seconds``), decode speed the seconds of decode
-per generated token (``request_decode_time_seconds`` over ``generation_tokens``). Config gives
-the values used until two scrapes with traffic between them exist.
+the uncached prompt tokens it computed per second of prefill, decode speed the seconds of decode
+per generated token. Config gives the values used until two scrapes with traffic between them exist.
+
+vLLM observes ``request_prefill_time_seconds`` and ``request_decode_time_seconds`` when a request
+*finishes*, but counts ``prompt_tokens`` at its first token and ``generation_tokens`` every step
+(``vllm/v1/metrics/loggers.py``). Dividing one window's tokens by the same window's seconds pairs
+requests that started now with requests that started a request's lifetime ago: while load ramps up
+the rates read too fast, while it falls too slow. So each rate pairs quantities of the same requests:
+- prefill: ``request_prefill_kv_computed_tokens`` (newer vLLM: computed tokens, observed at finish) over
+  prefill seconds; else computed tokens per first token (``time_to_first_token_seconds_count``) over
+  prefill seconds per finished request (``request_prefill_time_seconds_count``): the mean request of
+  each side, which a ramp does not skew while the mix of requests holds;
+- decode: ``request_generation_tokens`` (observed at finish) less the first token of each, over decode
+  seconds; SGLang: its inter-token latency histogram (sum of intervals over tokens, observed as they stream).
 """
 
 from __future__ import annotations
@@ -34,28 +44,41 @@ class LoadSample:
     # vllm:prompt_tokens_by_source{source="local_compute"} (newer vLLM): the prompt tokens this replica computed.
     # Better than prompt_tokens - prefix_cache_hits, which counts tokens a KV connector loaded as computed
     computed_tokens: float | None = None
+    # counts and sums observed with the same requests (see the module's doc): None where not exported
+    first_tokens: float | None = None  # time_to_first_token_seconds_count: requests whose prefill ended
+    prefill_done: float | None = None  # request_prefill_time_seconds_count: requests that finished
+    computed_at_finish: float | None = None  # request_prefill_kv_computed_tokens_sum (newer vLLM)
+    generated_at_finish: float | None = None  # request_generation_tokens_sum
+    decode_done: float | None = None  # request_decode_time_seconds_count
+    itl_seconds: float | None = None  # SGLang inter_token_latency_seconds_sum
+    itl_tokens: float | None = None  # SGLang inter_token_latency_seconds_count
+    # per data-parallel engine (vLLM's engine label, SGLang's dp_rank): running, waiting, KV usage and cache
+    # size of each, in rank order; None: one engine
+    engines: "tuple[LoadSample, ...] | None" = None
 
 
 class Rates:
     """Per-replica learned speeds from deltas of its counters, accumulated until they mean something.
 
-    vLLM counts prefix-cache hits when a request is scheduled and its prompt tokens when its prefill
-    ends, so one scrape interval's difference can be off by a whole request (even negative). Deltas
-    are therefore summed until ``_MIN_PREFILL_S`` seconds of prefill (or ``_MIN_DECODE_TOKENS``
-    generated tokens) are behind them, and only then folded into the EWMA; a sample outside
-    [1/8, 8] x the config's value is taken as an artefact and clipped.
+    Deltas are summed until ``_MIN_PREFILL_S`` seconds of prefill (or ``_MIN_DECODE_TOKENS`` generated
+    tokens) are behind them, and only then folded into the EWMA; a sample outside [1/8, 8] x the config's
+    value is taken as an artefact and clipped. Which counters pair with which: the module's doc.
     """
 
     __slots__ = ("prefill_tokens_per_s", "decode_s_per_token", "output_tokens", "_prev", "prefill_at", "decode_at",
-                 "_acc", "_ref")
+                 "_acc", "_ref", "paired", "min_prefill_s")
 
-    def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float):
+    def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float,
+                 paired: bool = True, min_prefill_s: float = _MIN_PREFILL_S):
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.decode_s_per_token = decode_s_per_token
         self.output_tokens = output_tokens  # mean generated tokens per request on this replica
+        self.paired = paired  # False: the window's tokens over the window's seconds (the lagging way; benchmarks)
+        self.min_prefill_s = min_prefill_s  # a time-compressed mock reports its seconds compressed too
         self._ref = (prefill_tokens_per_s, decode_s_per_token)
         self._prev: LoadSample | None = None
-        self._acc = [0.0, 0.0, 0.0, 0.0, 0.0]  # prefill tokens, prefill s, generated tokens, decode s, requests
+        # prefill tokens, prefill s, generated tokens, decode s, requests, first tokens, finished requests
+        self._acc = [0.0] * 7
         self.prefill_at = float("-inf")  # when the last sample of each rate was taken
         self.decode_at = float("-inf")
 
@@ -64,36 +87,77 @@ class Rates:
         self._prev = s
         if p is None:
             return
-        if s.prompt_tokens is not None and p.prompt_tokens is not None and s.prompt_tokens < p.prompt_tokens:
-            self._acc = [0.0] * 5  # the replica restarted: its counters began again
+        if any(a is not None and b is not None and a < b for a, b in
+               ((s.prompt_tokens, p.prompt_tokens), (s.requests_done, p.requests_done))):
+            self._acc = [0.0] * 7  # the replica restarted: its counters began again
             return
+        self._prefill(s, p, now)
+        self._decode(s, p, now)
+
+    def _prefill(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc
-        if None not in (s.prompt_tokens, s.prefill_seconds, p.prompt_tokens, p.prefill_seconds):
+        if self.paired and _both(s, p, "computed_at_finish", "prefill_seconds"):
+            acc[0] += s.computed_at_finish - p.computed_at_finish
+            acc[1] += s.prefill_seconds - p.prefill_seconds
+            tokens, seconds = acc[0], acc[1]
+        elif None not in (s.prompt_tokens, s.prefill_seconds, p.prompt_tokens, p.prefill_seconds):
             if s.computed_tokens is not None and p.computed_tokens is not None:
                 acc[0] += s.computed_tokens - p.computed_tokens
             else:
                 # no prefix-cache counter (prefix caching off): every prompt token was computed
                 acc[0] += (s.prompt_tokens - (s.cached_tokens or 0)) - (p.prompt_tokens - (p.cached_tokens or 0))
             acc[1] += s.prefill_seconds - p.prefill_seconds
-            if acc[1] >= _MIN_PREFILL_S and acc[0] > 0:
-                ref = self._ref[0]
-                sample = min(8 * ref, max(ref / 8, acc[0] / acc[1]))
-                self.prefill_tokens_per_s += _ALPHA * (sample - self.prefill_tokens_per_s)
-                self.prefill_at = now
-                acc[0] = acc[1] = 0.0
-        if None not in (s.generation_tokens, s.decode_seconds, p.generation_tokens, p.decode_seconds):
+            tokens, seconds = acc[0], acc[1]
+            if self.paired and _both(s, p, "first_tokens", "prefill_done"):
+                # tokens counted at first tokens, seconds at finish: compare the mean request of each
+                acc[5] += s.first_tokens - p.first_tokens
+                acc[6] += s.prefill_done - p.prefill_done
+                if acc[5] <= 0 or acc[6] <= 0:
+                    return
+                tokens, seconds = acc[0] / acc[5], acc[1] / acc[6]
+        else:
+            return
+        if acc[1] >= self.min_prefill_s and tokens > 0 and seconds > 0:
+            ref = self._ref[0]
+            sample = min(8 * ref, max(ref / 8, tokens / seconds))
+            self.prefill_tokens_per_s += _ALPHA * (sample - self.prefill_tokens_per_s)
+            self.prefill_at = now
+            acc[0] = acc[1] = acc[5] = acc[6] = 0.0
+
+    def _decode(self, s: LoadSample, p: LoadSample, now: float) -> None:
+        acc = self._acc
+        if self.paired and _both(s, p, "generated_at_finish", "decode_seconds") and _both(s, p, "decode_done", "decode_done"):
+            done = s.decode_done - p.decode_done
+            acc[2] += s.generated_at_finish - p.generated_at_finish - done  # decode time starts after the first token
+            acc[3] += s.decode_seconds - p.decode_seconds
+            acc[4] += done
+            generated = acc[2] + acc[4]
+        elif self.paired and _both(s, p, "itl_seconds", "itl_tokens"):
+            acc[2] += s.itl_tokens - p.itl_tokens
+            acc[3] += s.itl_seconds - p.itl_seconds
+            if s.requests_done is not None and p.requests_done is not None:
+                acc[4] += s.requests_done - p.requests_done
+            generated = acc[2] + acc[4]
+        elif None not in (s.generation_tokens, s.decode_seconds, p.generation_tokens, p.decode_seconds):
             acc[2] += s.generation_tokens - p.generation_tokens
             acc[3] += s.decode_seconds - p.decode_seconds
             if s.requests_done is not None and p.requests_done is not None:
                 acc[4] += s.requests_done - p.requests_done
-            if acc[2] >= _MIN_DECODE_TOKENS and acc[3] > 0:
-                ref = self._ref[1]
-                sample = min(8 * ref, max(ref / 8, acc[3] / acc[2]))
-                self.decode_s_per_token += _ALPHA * (sample - self.decode_s_per_token)
-                self.decode_at = now
-                if acc[4] > 0:
-                    self.output_tokens += _ALPHA * (acc[2] / acc[4] - self.output_tokens)
-                acc[2] = acc[3] = acc[4] = 0.0
+            generated = acc[2]
+        else:
+            return
+        if acc[2] >= _MIN_DECODE_TOKENS and acc[3] > 0:
+            ref = self._ref[1]
+            sample = min(8 * ref, max(ref / 8, acc[3] / acc[2]))
+            self.decode_s_per_token += _ALPHA * (sample - self.decode_s_per_token)
+            self.decode_at = now
+            if acc[4] > 0:
+                self.output_tokens += _ALPHA * (generated / acc[4] - self.output_tokens)
+            acc[2] = acc[3] = acc[4] = 0.0
+
+
+def _both(s: LoadSample, p: LoadSample, a: str, b: str) -> bool:
+    return None not in (getattr(s, a), getattr(s, b), getattr(p, a), getattr(p, b))
 
 
 def effective_rates(rates: list[Rates], now: float, fresh_s: float) -> tuple[list[float], list[float]]:

@@ -30,10 +30,11 @@ import time
 from dataclasses import replace
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..core.blocks import BLOCK_CHARS, block_hashes
+from .engine_metrics import DIALECTS, SGLANG_DECODE_LOG_INTERVAL, CacheInfo, Exporter
 from .sim.engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 
 CHARS_PER_TOKEN = 4
@@ -58,12 +59,13 @@ class _Aborted(Exception):
 class Waiter:
     """Token events of one request from the engine loop to its HTTP handler."""
 
-    __slots__ = ("queue", "req", "first_at")
+    __slots__ = ("queue", "req", "first_at", "last_at")
 
     def __init__(self, req: EngineRequest):
         self.req = req
         self.queue: asyncio.Queue = asyncio.Queue()
         self.first_at: float | None = None  # engine time of the first token (a preempted request keeps its first)
+        self.last_at: float | None = None  # engine time of its last tokens (inter-token latency)
 
 
 class Driver:
@@ -81,16 +83,20 @@ class Driver:
     14 ms step is not a 0.7 ms timer the event loop cannot keep.
     """
 
-    def __init__(self, cfg: EngineConfig, speedup: float, horizon_s: float = DECODE_HORIZON_S):
+    def __init__(self, cfg: EngineConfig, speedup: float, horizon_s: float = DECODE_HORIZON_S, index: int = 0):
         self.engine = Engine(cfg)
+        self.index = index  # its data-parallel rank
         self.speedup = speedup
         self.horizon_s = horizon_s
         self.w0 = time.monotonic()
         self.clock = 0.0  # workload time where the next step starts
         self.waiters: dict[int, Waiter] = {}
         self.prefilled: set[int] = set()
-        self.on_first = lambda er, prefill_s: None
-        self.on_done = lambda er, decode_s: None
+        # the moments an engine's metrics move (engine_metrics.Exporter): first token, tokens streamed, finish, step
+        self.on_first = lambda k, er: None
+        self.on_chunk = lambda k, n, interval_s: None  # n tokens of one request, interval_s wall after its last
+        self.on_done = lambda k, er: None
+        self.on_step = lambda k: None
         self.on_lag = lambda lag_s: None  # wall seconds a first token reached its client after its due time
         self._wake = asyncio.Event()
         self._end: float | None = None  # workload time the step (or decode run) in progress ends
@@ -105,6 +111,14 @@ class Driver:
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def _emit(self, w: Waiter, n: int, first: bool, at: float) -> None:
+        if not first and w.last_at is not None:
+            self.on_chunk(self.index, n, (at - w.last_at) / self.speedup)
+        elif first and n > 1:
+            self.on_chunk(self.index, n - 1, 0.0)
+        w.last_at = at
+        w.queue.put_nowait((n, first))
 
     def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int) -> Waiter:
         self._next_rid += 1
@@ -173,16 +187,17 @@ class Driver:
                         w = self.waiters.get(r.rid)
                         upto = min(r.generated, before.get(r.rid, 0) + k)
                         if w is not None and upto > emitted.get(r.rid, 0):
-                            w.queue.put_nowait((upto - emitted.get(r.rid, 0), False))
+                            self._emit(w, upto - emitted.get(r.rid, 0), False, start + k * step_s)
                             emitted[r.rid] = upto
                     k += every
             await self._sleep_until(self._end)
             self.clock, self._end = self._end, None
             late = time.monotonic() - self.wall(self.clock)
+            self.on_step(self.index)
             for r in first:
                 if r.rid not in self.prefilled:  # once per request, as vLLM counts it (not again after preemption)
                     self.prefilled.add(r.rid)
-                    self.on_first(r, (self.clock - r.scheduled_at) / self.speedup)
+                    self.on_first(self.index, r)
                     self.on_lag(late)
             firsts = {r.rid for r in first}
             for r in [*e.running, *done]:
@@ -191,10 +206,10 @@ class Driver:
                 if w is not None and new > 0:
                     if w.first_at is None:
                         w.first_at = self.clock
-                    w.queue.put_nowait((new, r.rid in firsts))
+                    self._emit(w, new, r.rid in firsts, self.clock)
             for r in done:
                 self.prefilled.discard(r.rid)
-                self.on_done(r, (self.clock - r.first_token_at) / self.speedup)
+                self.on_done(self.index, r)
                 w = self.waiters.pop(r.rid, None)
                 if w is not None:
                     w.queue.put_nowait(None)
@@ -213,85 +228,82 @@ class MockReplica:
         # --speed scales prefill and decode alike (a slower GPU); --speedup only compresses time for tests
         self.engine_cfg = replace(EngineConfig(max_num_seqs=args.max_num_seqs).scaled(args.speed, args.kv_tokens),
                                   prefix_caching=getattr(args, "prefix_caching", "on") == "on")
-        self.driver = self._driver()
+        self.dp = max(1, getattr(args, "data_parallel", 1))
+        self.drivers = [self._driver(k) for k in range(self.dp)]
         self.site: web.TCPSite | None = None
         self.runner: web.AppRunner | None = None
         self.port = args.port
-        reg = self.registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        self.lv = {"model_name": self.model, "engine": "0"}
-        self.g_running = Gauge("vllm:num_requests_running", "Requests in model execution batches", labels, registry=reg)
-        self.g_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed", labels, registry=reg)
-        self.g_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent", labels, registry=reg)
-        self.c_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", labels, registry=reg)
-        self.c_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens", labels, registry=reg)
-        self.c_preempt = Counter("vllm:num_preemptions", "Cumulative preemptions", labels, registry=reg)
-        self.c_success = Counter("vllm:request_success", "Finished requests", labels, registry=reg)
-        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels, registry=reg,
-                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160))
-        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels, registry=reg,
-                               buckets=(0.1, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640))
-        self._engine_counters = [0, 0, 0]  # queries, hits, preemptions already exported
-        # what a router learns rates from: vLLM's token counters and per-phase latency histograms
-        self.c_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=reg)
-        self.c_generation = Counter("vllm:generation_tokens", "Generation tokens processed", labels, registry=reg)
-        # newer vLLM: prompt tokens by where their KV came from (a KV connector's transfers are not prefix-cache hits)
-        self.c_by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by source", [*labels, "source"],
-                                   registry=reg)
-        phase_buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
-        self.h_prefill = Histogram("vllm:request_prefill_time_seconds", "Time in the prefill phase", labels,
-                                   registry=reg, buckets=phase_buckets)
-        self.h_decode = Histogram("vllm:request_decode_time_seconds", "Time in the decode phase", labels,
-                                  registry=reg, buckets=phase_buckets)
-        cfg = self.engine_cfg
-        g = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                  ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=reg)
-        g.labels(block_size="16", num_gpu_blocks=str(cfg.num_blocks),
-                 enable_prefix_caching=str(cfg.prefix_caching)).set(1)  # Python's str(bool), as vLLM exports it
-
-        def first(er, prefill_s):
-            self.c_prompt.labels(**self.lv).inc(er.prompt_tokens)
-            self.c_by_source.labels(**self.lv, source="local_compute").inc(er.prompt_tokens - er.cached_tokens)
-            self.c_by_source.labels(**self.lv, source="local_cache_hit").inc(er.cached_tokens)
-            self.h_prefill.labels(**self.lv).observe(prefill_s)
-
-        def done(er, decode_s):
-            self.c_generation.labels(**self.lv).inc(er.generated)
-            self.h_decode.labels(**self.lv).observe(decode_s)
-
+        self.dialect = "none" if getattr(args, "no_metrics", False) else args.metrics
+        cache = CacheInfo(16, self.engine_cfg.num_blocks, self.engine_cfg.prefix_caching)
+        self.exporter = Exporter(self.dialect if self.dialect != "none" else "vllm", self.model, self.dp, cache,
+                                 tp=getattr(args, "tp", 1), all_ranks=getattr(args, "metrics_all_ranks", False),
+                                 max_model_len=self.engine_cfg.kv_tokens)
+        self._logged: list[tuple[int, int, int, float]] = [(0, 0, 0, 0.0)] * self.dp  # SGLang: last stats log
         # not an engine's metric: how late the mock's event loop delivered first tokens (wall seconds), so a
-        # benchmark can tell the engine's time from the mock's own overhead
+        # benchmark can tell the engine's time from the mock's own overhead; and the engine's true speeds
+        # (counted as they happen, in wall seconds), the ground truth for the rates a router learns
+        reg = self.registry = CollectorRegistry()
         self.h_lag = Histogram("mock:first_token_lag_seconds", "Wall time a first token reached its client after "
                                "its due time", registry=reg,
                                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
-        self._on_first, self._on_done = first, done
-        self._wire(self.driver)
-        for m in (self.g_running, self.g_waiting, self.g_kv, self.c_queries, self.c_hits, self.c_preempt, self.c_success,
-                  self.h_ttft, self.h_e2e, self.c_prompt, self.c_generation, self.h_prefill, self.h_decode):
-            m.labels(**self.lv)  # every series exists from the start, at 0, as vLLM exports them
-        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
-            self.c_by_source.labels(**self.lv, source=source)
+        self.g_truth = Gauge("mock:engine_truth", "The engine's true prefill and decode work, counted when done",
+                             ["engine", "quantity"], registry=reg)
+        for d in self.drivers:
+            d.start_wall = time.monotonic()
+            self._wire(d)
 
-    def _driver(self) -> "Driver":
-        return Driver(self.engine_cfg, self.args.speedup, self.args.decode_horizon_s)
+    def _driver(self, k: int = 0) -> "Driver":
+        return Driver(self.engine_cfg, self.args.speedup, self.args.decode_horizon_s, index=k)
 
     def _wire(self, d: "Driver") -> None:
-        d.on_first, d.on_done, d.on_lag = self._on_first, self._on_done, self.h_lag.observe
+        ex, sp = self.exporter, self.args.speedup
+
+        def first(k, er):
+            ex.first_token(k, er, (er.first_token_at - er.arrival) / sp)
+
+        def done(k, er):
+            ex.finished(k, er, queued_s=(er.scheduled_at - er.arrival) / sp,
+                        prefill_s=(er.first_token_at - er.scheduled_at) / sp,
+                        decode_s=(er.finished_at - er.first_token_at) / sp, e2e_s=(er.finished_at - er.arrival) / sp)
+
+        d.on_first, d.on_done, d.on_chunk, d.on_lag = first, done, ex.chunk, self.h_lag.observe
+        d.on_step = self._stepped
+
+    def _stepped(self, k: int) -> None:
+        """SGLang logs its scheduler stats (the gauges) on every prefill batch and every decode_log_interval
+        decode steps, and at no other time."""
+        if self.dialect != "sglang":
+            return
+        e = self.drivers[k].engine
+        steps, prefills, tokens, at = self._logged[k]
+        if e.prefill_steps == prefills and e.steps // SGLANG_DECODE_LOG_INTERVAL == steps // SGLANG_DECODE_LOG_INTERVAL:
+            return
+        now = time.monotonic()
+        produced = e.true_decode_tokens + e.finished
+        rate = (produced - tokens) / (now - at) if at and now > at else 0.0
+        self._logged[k] = (e.steps, e.prefill_steps, produced, now)
+        self.exporter.log_stats(k, e, rate)
+
+    def pick_engine(self, rank: str | None) -> "Driver":
+        """vLLM's data-parallel front end: the rank a client names (X-data-parallel-rank), else the engine with the
+        least waiting x 4 + running (DPLBAsyncMPClient.get_core_engine_for_request; it reads the engines' counts
+        from its coordinator every 100 ms and counts its own sends meanwhile: here the engines' state itself)."""
+        if rank is not None:
+            return self.drivers[int(rank)]
+        return min(self.drivers, key=lambda d: (d.engine.num_waiting * 4 + d.engine.num_running, d.index))
+
+    @property
+    def driver(self) -> "Driver":
+        return self.drivers[0]
 
     def _sync_metrics(self) -> None:
-        e = self.driver.engine
-        self.g_running.labels(**self.lv).set(e.num_running)
-        self.g_waiting.labels(**self.lv).set(e.num_waiting)
-        self.g_kv.labels(**self.lv).set(e.kv_usage)
-        q, h, p = e.prefix_queries, e.prefix_hits, e.preemptions
-        dq, dh, dp = q - self._engine_counters[0], h - self._engine_counters[1], p - self._engine_counters[2]
-        if dq > 0:
-            self.c_queries.labels(**self.lv).inc(dq)
-        if dh > 0:
-            self.c_hits.labels(**self.lv).inc(dh)
-        if dp > 0:
-            self.c_preempt.labels(**self.lv).inc(dp)
-        self._engine_counters = [q, h, p]
+        for d in self.drivers:
+            self.exporter.scheduled(d.index, d.engine)
+            e, lv = d.engine, str(d.index)
+            sp = self.args.speedup
+            for q, v in (("prefill_tokens", e.true_prefill_tokens), ("prefill_seconds", e.true_prefill_seconds / sp),
+                         ("decode_tokens", e.true_decode_tokens), ("decode_seconds", e.true_decode_seconds / sp)):
+                self.g_truth.labels(engine=lv, quantity=q).set(v)
 
     # ------------------------------------------------------------------ http
 
@@ -301,12 +313,11 @@ class MockReplica:
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
         self._sync_metrics()
-        text = generate_latest(self.registry)
+        text = self.exporter.text() + generate_latest(self.registry)
         if self.metrics_fault == "nan":  # a broken exporter: the gauge the router reads first turns NaN
-            text = b"\n".join(ln.rsplit(b" ", 1)[0] + b" NaN" if ln.startswith(b"vllm:num_requests_running{") else ln
+            running = b"sglang:num_running_reqs{" if self.dialect == "sglang" else b"vllm:num_requests_running{"
+            text = b"\n".join(ln.rsplit(b" ", 1)[0] + b" NaN" if ln.startswith(running) else ln
                                for ln in text.split(b"\n"))
-        if self.args.metrics == "sglang":
-            text = _as_sglang(text.decode()).encode()
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -321,7 +332,8 @@ class MockReplica:
     # ---- what other routers ask of a replica (vllm-router, sglang-router) --------------------
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.model, "served_model_name": self.model, "tp_size": 2, "dp_size": 1,
+        return web.json_response({"model_path": self.model, "served_model_name": self.model, "tp_size": getattr(self.args, "tp", 1),
+                                  "dp_size": self.dp,
                                   "max_total_num_tokens": self.engine_cfg.kv_tokens, "page_size": 16, "version": "mock"})
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -371,12 +383,15 @@ class MockReplica:
             conn.force_close()
             if conn.transport is not None:
                 conn.transport.abort()
-        self.driver.abort_all()
-        self.driver.task.cancel()
-        self.driver = self._driver()
-        self._wire(self.driver)
-        self.driver.start()
-        self._engine_counters = [0, 0, 0]
+        for d in self.drivers:
+            d.abort_all()
+            d.task.cancel()
+        self.exporter.restarted()  # a new process: its counters start from 0
+        self.drivers = [self._driver(k) for k in range(self.dp)]
+        self._logged = [(0, 0, 0, 0.0)] * self.dp
+        for d in self.drivers:
+            self._wire(d)
+            d.start()
         print(f"mock-vllm {self.args.name}: down for {seconds:g}s", flush=True)
         await asyncio.sleep(seconds)
         self.site = web.TCPSite(self.runner, self.args.host, self.port, reuse_address=True, ssl_context=self.ssl)
@@ -408,15 +423,19 @@ class MockReplica:
         except (TypeError, ValueError):
             return _error(400, "max_tokens must be an integer")
         prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
+        rank = request.headers.get("X-data-parallel-rank")  # vLLM and SGLang read it case-insensitively
+        if rank is not None and not (rank.isdigit() and int(rank) < self.dp):
+            return _error(400, f"X-data-parallel-rank {rank[:20]!r} is not a rank of this server's {self.dp} engines")
         if not self.driver.engine.fits(prompt_tokens, max_tokens):
             return _error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
         stream = bool(doc.get("stream"))
         include_usage = bool((doc.get("stream_options") or {}).get("include_usage"))
-        return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage)
+        return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage,
+                                    self.pick_engine(rank))
 
-    async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage):
+    async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver):
         t0 = time.monotonic()
-        waiter = self.driver.submit(text_blocks(text), prompt_tokens, max_tokens)
+        waiter = driver.submit(text_blocks(text), prompt_tokens, max_tokens)
         rid = "cmpl-" + hashlib.md5(f"{t0}{self.rng.random()}".encode()).hexdigest()[:16]
         created = int(time.time())
         fp = self.args.name
@@ -433,15 +452,11 @@ class MockReplica:
                 if ev is None:
                     break
                 n, is_first = ev
-                if is_first:
-                    self.h_ttft.labels(**self.lv).observe(time.monotonic() - t0)
                 if stream:
                     piece = "".join(("" if produced + k == 0 else " ") + "tok" for k in range(n))
                     await resp.write(_sse(_chunk(chat, rid, created, self.model, piece, None, fp)))
                 produced += n
             cached = waiter.req.cached_tokens
-            self.h_e2e.labels(**self.lv).observe(time.monotonic() - t0)
-            self.c_success.labels(**self.lv).inc()
             if not stream:
                 return web.json_response(_final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens),
                                                      prompt_tokens, max_tokens, cached, fp))
@@ -464,7 +479,7 @@ class MockReplica:
                 request.transport.abort()
             raise
         finally:
-            self.driver.abort(waiter)  # no-op once finished; frees KV when the client left early
+            driver.abort(waiter)  # no-op once finished; frees KV when the client left early
 
 
 def text_token_ids(text: str) -> list[int]:
@@ -524,20 +539,6 @@ def _chunk(chat, rid, created, model, piece, finish, fp) -> dict:
             "choices": [{"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}]}
 
 
-def _as_sglang(vllm_text: str) -> str:
-    """The same engine state under SGLang's metric names (what ``engine: sglang`` replicas export)."""
-    from ..brain.scraper import SGLANG, parse_vllm_metrics
-
-    x = parse_vllm_metrics(vllm_text).sample
-    lab = '{model_name="mock-coder-30b"}'
-    values = {SGLANG.running: x.running, SGLANG.waiting: x.waiting, "sglang:token_usage": x.kv_usage,
-              "sglang:prompt_tokens_total": x.prompt_tokens or 0, "sglang:cached_tokens_total": x.cached_tokens or 0,
-              "sglang:generation_tokens_total": x.generation_tokens or 0,
-              "sglang:e2e_request_latency_seconds_count": x.requests_done or 0,
-              SGLANG.cache_tokens: x.cache_tokens or 0}
-    return "".join(f"{name}{lab} {float(v)}\n" for name, v in values.items())
-
-
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -553,7 +554,7 @@ def build_app(rep: MockReplica) -> web.Application:
     app.router.add_post("/v1/completions", rep.completions)
     app.router.add_get("/v1/models", rep.models)
     app.router.add_get("/health", rep.health)
-    if rep.args.metrics != "none":  # "none": a third-party OpenAI server with no engine metrics
+    if rep.dialect != "none":  # "none": a third-party OpenAI server, or vLLM with --disable-log-stats
         app.router.add_get("/metrics", rep.metrics)
     app.router.add_post("/admin/fault", rep.fault)
     for path in ("/server_info", "/get_server_info"):
@@ -593,8 +594,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tls-key", default=None)
     ap.add_argument("--prefix-caching", choices=("on", "off"), default="on",
                     help="off: vLLM's --no-enable-prefix-caching (every prompt computed whole; cache_config_info says so)")
-    ap.add_argument("--metrics", choices=("vllm", "sglang", "none"), default="vllm",
-                    help="whose /metrics names to export (none: no /metrics at all, like a foreign OpenAI server)")
+    ap.add_argument("--metrics", choices=(*DIALECTS, "none"), default="vllm",
+                    help="whose /metrics to export, as that engine's code defines and moves them: vllm (0.11+), "
+                    "vllm-old (0.8-0.10), sglang (none: no /metrics at all, like a foreign OpenAI server)")
+    ap.add_argument("--no-metrics", action="store_true", help="no /metrics (vLLM --disable-log-stats; SGLang without "
+                    "--enable-metrics)")
+    ap.add_argument("--data-parallel", type=int, default=1, help="engines behind one front end (vLLM "
+                    "--data-parallel-size): each its own scheduler and KV cache of --kv-tokens, spread by vLLM's rule "
+                    "or the X-data-parallel-rank header")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only what /metrics and /server_info say)")
+    ap.add_argument("--metrics-all-ranks", action="store_true", help="SGLang --enable-metrics-for-all-schedulers: "
+                    "every tensor-parallel rank exports a copy of its scheduler's gauges")
 
 
 def _no_request_content(record: logging.LogRecord) -> bool:
@@ -607,7 +617,8 @@ def _no_request_content(record: logging.LogRecord) -> bool:
 
 async def serve(args: argparse.Namespace) -> None:
     rep = MockReplica(args)
-    rep.driver.start()
+    for d in rep.drivers:
+        d.start()
     # aiohttp's parser logged a header it refused with its value (a session id in a replica log): accept what Envoy
     # lets through (60 KiB of headers), and log a refusal by its kind alone
     logging.getLogger("aiohttp.server").addFilter(_no_request_content)

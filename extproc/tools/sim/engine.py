@@ -117,6 +117,20 @@ class Engine:
         self.prefill_seconds_total = 0.0
         self.generation_tokens_total = 0
         self.decode_seconds_total = 0.0
+        # vLLM before 0.11 counted a prefix-cache look-up (queries and hits) every time the scheduler tried to
+        # admit a request, so a request that waits for KV is counted again on every step it waits
+        self.lookup_queries = 0
+        self.lookup_hits = 0
+        self.steps = 0  # scheduler steps run (a decode run counts each of its steps): SGLang logs stats by them
+        self.prefill_steps = 0  # steps that computed prompt tokens (SGLang refreshes its gauges on each)
+        # the engine's true speeds, counted when they happen (not when a request finishes, as vLLM reports
+        # them): computed prompt tokens and their prefill seconds at each first token, and per decode step
+        # the tokens it produced and the seconds each of them took (a benchmark's ground truth for the rates
+        # a router learns from the lagging counters)
+        self.true_prefill_tokens = 0
+        self.true_prefill_seconds = 0.0
+        self.true_decode_tokens = 0
+        self.true_decode_seconds = 0.0
 
     # ------------------------------------------------------------------ state
 
@@ -212,6 +226,8 @@ class Engine:
             else:
                 break
         need_new = -(-r.prompt_tokens // BLOCK) - hit
+        self.lookup_queries += r.prompt_tokens
+        self.lookup_hits += min(hit * BLOCK, r.prompt_tokens - 1)
         if need_new > self._available() - sum(1 for h in r.blocks[:hit] if h in self.cached):
             return False
         held = []
@@ -278,6 +294,10 @@ class Engine:
             return None
         for r in decoding:  # no one finishes or takes a block inside a run, so taking tokens back is exact
             r.generated -= repeat - done_steps
+        undone = repeat - done_steps
+        self.steps -= undone
+        self.true_decode_tokens -= undone * len(decoding)
+        self.true_decode_seconds -= undone * dur * len(decoding)
         return start + done_steps * dur
 
     def step(self, now: float, horizon: float = 0.0) -> tuple[float, list[EngineRequest], list[EngineRequest]]:
@@ -341,8 +361,13 @@ class Engine:
 
         first, done = [], []
         end = now + dur
+        self.steps += repeat
+        if prefilling:
+            self.prefill_steps += 1
         for r in decoding:
             r.generated += repeat
+        self.true_decode_tokens += repeat * len(decoding)
+        self.true_decode_seconds += dur * len(decoding)
         for r, chunk in prefilling:
             r.computed += chunk
             if r.computed >= r.prompt_tokens:
@@ -350,8 +375,11 @@ class Engine:
                 self._grow(r, 1)
                 r.generated += 1
                 if r.first_token_at is None:
+                    prefill_s = end - (r.scheduled_at if r.scheduled_at is not None else now)
                     self.prompt_tokens_total += r.prompt_tokens
-                    self.prefill_seconds_total += end - (r.scheduled_at if r.scheduled_at is not None else now)
+                    self.prefill_seconds_total += prefill_s
+                    self.true_prefill_tokens += r.prompt_tokens - r.cached_tokens
+                    self.true_prefill_seconds += prefill_s
                 r.first_token_at = end
                 first.append(r)
         for r in list(self.running):

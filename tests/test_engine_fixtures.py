@@ -1,0 +1,84 @@
+"""The scraper against /metrics texts in each engine's exact shape: names, types, label sets and buckets as
+vLLM's and SGLang's code defines them (extproc/tools/engine_metrics.py, which cites where each comes from),
+rendered after a known history of requests, so every number the parser reads is checked against what put it
+there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from extproc.brain.scraper import SGLANG, VLLM, parse_metrics
+from extproc.tools.engine_metrics import FIXTURES, fixture
+
+DIR = Path(__file__).parent / "fixtures" / "metrics"
+DIALECT = {"vllm": VLLM, "vllm-old": VLLM, "sglang": SGLANG}
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_the_fixture_files_are_what_the_engine_definitions_render(name):
+    """A definition changed without `python -m extproc.tools.engine_metrics --write` fails here."""
+    dialect, dp, tp = FIXTURES[name]
+    assert (DIR / name).read_bytes() == fixture(dialect, dp, tp)[0]
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_every_number_the_router_reads_is_the_one_the_history_put_there(name):
+    dialect, dp, tp = FIXTURES[name]
+    _, want = fixture(dialect, dp, tp)
+    r = parse_metrics((DIR / name).read_text(), DIALECT[dialect])
+    assert r.ok, r.error
+    s = r.sample
+    assert (r.running, r.waiting) == (want["running"], want["waiting"])  # TP copies counted once
+    assert r.kv_usage == pytest.approx(max(want["kv"]))
+    assert s.prompt_tokens == want["prompt"] and s.cached_tokens == want["cached"]
+    assert s.requests_done == want["done"] and s.first_tokens == want["first"]
+    if dialect == "sglang":
+        # SGLang has no prefill or decode time: decode speed comes from its inter-token latency
+        assert (s.itl_seconds, s.itl_tokens) == (pytest.approx(want["itl_s"]), want["itl_n"])
+        assert s.prefill_seconds is None and s.generation_tokens == want["generated"]
+    else:
+        assert s.prefill_seconds == pytest.approx(want["prefill_s"]) and s.prefill_done == want["done"]
+        assert s.decode_seconds == pytest.approx(want["decode_s"]) and s.decode_done == want["done"]
+        assert s.generated_at_finish == want["generated"] and s.generation_tokens == want["generated"]
+    if dialect == "vllm":
+        assert s.computed_at_finish == want["computed"] and s.computed_tokens == want["computed"]
+    else:  # vLLM before 0.11 has neither
+        assert s.computed_at_finish is None and s.computed_tokens is None
+    # each engine's own cache; vLLM's num_gpu_blocks is the sum over its data-parallel engines
+    assert s.cache_tokens == want["cache_tokens"] * dp
+    if dp > 1:
+        assert [e.cache_tokens for e in s.engines] == [want["cache_tokens"]] * dp
+        assert [e.running for e in s.engines] == [3 + k for k in range(dp)]
+        assert [e.kv_usage for e in s.engines] == pytest.approx(want["kv"])
+    else:
+        assert s.engines is None
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_a_text_is_never_read_as_the_other_engine(name):
+    dialect, _, _ = FIXTURES[name]
+    other = SGLANG if dialect != "sglang" else VLLM
+    r = parse_metrics((DIR / name).read_text(), other)
+    assert not r.ok and r.missing
+
+
+@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.11.txt", "vllm-0.8.txt")), (SGLANG, ("sglang-0.5.txt",))])
+def test_every_name_the_parser_wants_is_one_an_engine_exports(dialect, files):
+    """A misspelt or invented metric name reads nothing, silently: each one must be in some engine's text."""
+    names = set()
+    for f in files:
+        for line in (DIR / f).read_text().splitlines():
+            if line and not line.startswith("#"):
+                names.add(line.split("{")[0].split(" ")[0])
+    assert dialect.wanted() - names == set()
+
+
+def test_a_vllm_with_an_old_and_a_new_name_for_the_hits_counts_them_once():
+    """vLLM 0.9 exported gpu_prefix_cache_hits beside prefix_cache_hits: the newer is read, not both."""
+    text = (DIR / "vllm-0.11.txt").read_text()
+    old = "\n".join(line.replace("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+                    for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+    _, want = fixture("vllm")
+    assert parse_metrics(text + old + "\n", VLLM).sample.cached_tokens == want["cached"]

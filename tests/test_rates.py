@@ -1,0 +1,71 @@
+"""Rates learned from counters that engines move at different moments: vLLM counts prompt tokens at a request's
+first token and generation tokens every step, but observes prefill and decode seconds when it finishes. While
+load ramps up, a window holds more first tokens than finishes: tokens over seconds of the same window read the
+replica as faster than it is. The brain pairs counters of the same requests instead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from extproc.core.load import LoadSample, Rates
+
+PREFILL_S, COMPUTED, OUT, STEP_S = 0.5, 1000, 200, 0.05  # every request: 2,000 tokens/s prefill, 0.05 s a token
+
+
+def _arrivals(seconds: float) -> list[float]:
+    """A ramp: half a request a second at first, doubling every 20 s."""
+    out, t = [], 0.0
+    while t < seconds:
+        out.append(t)
+        t += 1.0 / (0.5 * 2 ** (t / 20))
+    return out
+
+
+def _scrape(arrivals: list[float], t: float) -> LoadSample:
+    first = [a + PREFILL_S for a in arrivals if a + PREFILL_S <= t]
+    done = [a for a in arrivals if a + PREFILL_S + OUT * STEP_S <= t]
+    generated = sum(1 + min(OUT, int((t - f) / STEP_S)) for f in first)
+    return LoadSample(prompt_tokens=COMPUTED * len(first), cached_tokens=0.0, computed_tokens=COMPUTED * len(first),
+                      first_tokens=len(first), prefill_seconds=PREFILL_S * len(done), prefill_done=len(done),
+                      computed_at_finish=COMPUTED * len(done), generation_tokens=generated,
+                      generated_at_finish=(OUT + 1) * len(done), decode_seconds=OUT * STEP_S * len(done),
+                      decode_done=len(done), requests_done=len(done))
+
+
+def _learn(paired: bool, drop: tuple[str, ...] = ()) -> Rates:
+    rates = Rates(5000.0, 0.03, 256.0, paired=paired)
+    arrivals = _arrivals(120.0)
+    t = 0.0
+    while t < 120.0:
+        s = _scrape(arrivals, t)
+        rates.update(dataclasses.replace(s, **dict.fromkeys(drop)), t)
+        t += 0.5
+    return rates
+
+
+@pytest.mark.parametrize("drop", [(), ("computed_at_finish",)], ids=["vllm 0.11", "vllm before 0.11"])
+def test_rates_from_the_same_requests_hold_through_a_ramp(drop):
+    r = _learn(True, drop)
+    assert r.prefill_tokens_per_s == pytest.approx(COMPUTED / PREFILL_S, rel=0.03)
+    assert r.decode_s_per_token == pytest.approx(STEP_S, rel=0.03)
+    assert r.output_tokens == pytest.approx(OUT + 1, rel=0.03)
+
+
+def test_tokens_and_seconds_of_one_window_read_a_ramping_replica_too_fast():
+    """What the brain learned before, on the same counters: the baseline the pairing is there to beat."""
+    r = _learn(False)
+    assert r.prefill_tokens_per_s > 1.15 * COMPUTED / PREFILL_S
+    assert r.decode_s_per_token < STEP_S / 1.15
+
+
+def test_sglang_decode_speed_from_its_inter_token_latency():
+    """SGLang counts generation tokens at finish and has no decode time; its inter-token latency histogram sums
+    the intervals between streamed tokens over their count."""
+    rates = Rates(5000.0, 0.03, 256.0)
+    for i in range(60):
+        rates.update(LoadSample(itl_seconds=0.02 * 400 * i, itl_tokens=400.0 * i, requests_done=2.0 * i,
+                                generation_tokens=402.0 * i), float(i))
+    assert rates.decode_s_per_token == pytest.approx(0.02, rel=0.02)
+    assert rates.output_tokens == pytest.approx(201, rel=0.05)

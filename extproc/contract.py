@@ -14,6 +14,9 @@ CONTENT_ENCODING_HEADER = "content-encoding"  # a body Envoy did not inflate is 
 METADATA_NAMESPACE = "warmroute"  # the brain's answer {cluster, reservation} travels as dynamic metadata here
 ANSWER_CLUSTER = "cluster"
 ANSWER_RESERVATION = "reservation"
+ANSWER_DP_RANK = "dp_rank"  # the data-parallel engine chosen, when the replica has several (empty: none)
+# vLLM (0.10+) and SGLang send a request to the data-parallel engine this header names
+DP_RANK_HEADER = "x-data-parallel-rank"
 BRAIN_CLUSTER = "warmroute_brain"  # Envoy's cluster for the brain's gRPC services
 FALLBACK_CLUSTER = "warmroute_fallback"  # where requests go when the brain does not answer
 EXT_PROC_STAT_PREFIX = "warmroute"  # Envoy's ext_proc stats: http.<hcm>.ext_proc.warmroute.*

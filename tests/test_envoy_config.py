@@ -113,7 +113,9 @@ def test_one_message_per_request_carries_the_body_and_the_headers_the_brain_read
     copied = {m["append"]["header"]["key"]: m["append"]["header"]["value"]
               for m in filters[ROUTE_FROM_BRAIN_FILTER]["mutations"]["request_mutations"]}
     assert copied == {ROUTING_HEADER: f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:cluster)%",
-                      RESERVATION_HEADER: f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:reservation)%"}
+                      RESERVATION_HEADER: f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:reservation)%",
+                      # a data-parallel replica's engine, when the brain names one
+                      "x-data-parallel-rank": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:dp_rank)%"}
 
 
 def test_no_route_timeout_cuts_a_long_generation():

@@ -38,6 +38,7 @@ def endpoint(r) -> str:
 class Pick:
     endpoints: list[str]  # best first, then where the gateway retries; empty: nothing to pick
     reservation: Reservation | None
+    dp_rank: int | None = None  # the pick's data-parallel engine, sent as X-data-parallel-rank
     subset_empty: bool = False  # the gateway's subset named no endpoint the brain knows
 
 
@@ -116,7 +117,7 @@ class Brain:
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
-        return route_answer(d.replica.name, rid, phase)
+        return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None)
 
     def pick(self, headers: dict[str, str], body: bytes | None, subset: list[str] | None) -> Pick:
         """The endpoint picker's front: the choice and its fallbacks as ``ip:port``, and the reservation the
@@ -128,12 +129,16 @@ class Brain:
         if subset is not None:
             only = {self.releaser.by_address[a] for a in subset if a in self.releaser.by_address}
             if not only:
-                return Pick([], None, subset_empty=True)
+                return Pick([], None, None, subset_empty=True)
         d = self.choose(headers, body, only)
         if d.reason == NO_HEALTHY:
             return Pick([], None)
         names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]
-        return Pick([self.endpoint_of[r.name] for r in names], d.reservation)
+        rank = d.engine if d.steer else None
+        count = getattr(self.router.policy, "engine_count", None)
+        if rank is not None and any(count(r.name) <= rank for r in names):
+            rank = None  # a fallback without that engine would refuse the header: let the front ends choose
+        return Pick([self.endpoint_of[r.name] for r in names], d.reservation, rank)
 
     def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""
@@ -225,6 +230,8 @@ class Brain:
             engine = self.scraper.engines.get(r["name"], "vllm")
             r["engine"] = f"auto ({self.scraper.detected.get(r['name'], '?')})" if engine == "auto" else engine
             r["scrape_error"] = self.scraper.errors.get(r["name"])
+            view = getattr(self.router.policy, "engines_view", None)
+            r["engines"] = view(r["name"]) if view is not None else None
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         return {
             "policy": self.router.cfg.policy,

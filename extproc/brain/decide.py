@@ -18,6 +18,8 @@ from envoy.type.v3 import http_status_pb2
 
 from ..contract import (
     ANSWER_CLUSTER,
+    ANSWER_DP_RANK,
+    DP_RANK_HEADER,
     ANSWER_RESERVATION,
     METADATA_NAMESPACE,
     RESERVATION_HEADER,
@@ -31,17 +33,22 @@ from ..picker.messages import header_value, headers_of, openai_error
 Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]
 
 
-def route_answer(cluster: str, reservation: str, phase: str) -> ep.ProcessingResponse:
-    """The brain's choice for the ext_proc message ``phase`` (``request_body`` or ``request_headers``)."""
+def route_answer(cluster: str, reservation: str, phase: str, dp_rank: int | None = None) -> ep.ProcessingResponse:
+    """The brain's choice for the ext_proc message ``phase`` (``request_body`` or ``request_headers``); with
+    ``dp_rank``, the data-parallel engine of the replica too."""
     out = ep.ProcessingResponse()
     common = getattr(out, phase).response
     # Applied only where Envoy sent the headers; in the one-message config it is the dynamic metadata
     # that routes, but a header mutation must be present for Envoy to honour clear_route_cache.
     common.header_mutation.set_headers.extend([header_value(ROUTING_HEADER, cluster), header_value(RESERVATION_HEADER, reservation)])
+    if dp_rank is not None:
+        common.header_mutation.set_headers.append(header_value(DP_RANK_HEADER, str(dp_rank)))
     common.clear_route_cache = True
     answer = out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
     answer[ANSWER_CLUSTER].string_value = cluster
     answer[ANSWER_RESERVATION].string_value = reservation
+    if dp_rank is not None:
+        answer[ANSWER_DP_RANK].string_value = str(dp_rank)
     return out
 
 

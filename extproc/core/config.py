@@ -99,6 +99,11 @@ class WarmConfig:
     active_session_s: float = 60.0  # a session that sent a turn this recently will be back: its context stays
     arrival_window_s: float = 60.0  # C3: a replica's arrival rate (what queues behind a prefill) is counted over this
     busy_wait_s: float = 1.0  # C3: when the candidates wait this long on average, the fleet has no idle capacity
+    # A replica that exports several data-parallel engines (vLLM --data-parallel-size, SGLang --dp) is priced
+    # engine by engine, each its own cache and queue. true: the chosen engine is named in the request's
+    # X-data-parallel-rank header, which vLLM (0.10+) and SGLang honour. false: the engine is the front end's
+    # choice (vLLM: the least waiting x 4 + running), which the brain predicts from the last scrape
+    steer_data_parallel: bool = True
 
 
 @dataclass(frozen=True, slots=True)

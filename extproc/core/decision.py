@@ -24,6 +24,7 @@ class Reservation:
     predicted_ttft_s: float | None = None  # the warm policy's estimate, to compare with what Envoy saw
     token: str = ""  # the shell's unguessable name for it (only its holder, Envoy, can name it back)
     seen_at: float = 0.0  # when Envoy last said the request is alive (its start, or a periodic log entry)
+    engine: int | None = None  # the data-parallel engine it went to (warm policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,9 @@ class Decision:
     predicted_ttft_s: float | None = None  # warm policy: the estimate that chose the replica (C3)
     cached_tokens: int = 0  # warm policy: prompt tokens the chosen replica probably holds
     work_s: float = 0.0  # warm policy: predicted engine seconds of this request
+    # warm policy, a replica with several data-parallel engines: the engine priced (None: one engine)
+    engine: int | None = None
+    steer: bool = False  # True: the answer names the engine (X-data-parallel-rank)
 
     @property
     def replica_name(self) -> str | None:

@@ -20,13 +20,14 @@ SESSION, PREFIX = PinKind.SESSION, PinKind.PREFIX
 
 
 class Pin:
-    __slots__ = ("replica", "last_used", "spills", "tokens")
+    __slots__ = ("replica", "last_used", "spills", "tokens", "engine")
 
     def __init__(self, replica: "Replica", now: float):
         self.replica = replica
         self.last_used = now
         self.spills = 0
         self.tokens = 0  # warm policy: prompt tokens of the session's last turn there (C4 cache hint)
+        self.engine: int | None = None  # warm policy: the data-parallel engine whose cache holds them
 
 
 class PinTable:

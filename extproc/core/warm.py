@@ -57,13 +57,14 @@ class WarmReplica:
     """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching")
+                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped")
 
-    def __init__(self, cfg: RouterConfig, tokens_per_block: float):
+    def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None):
         w = cfg.warm
         self.cache_tokens = w.cache_tokens
         self.index = PrefixIndex(int(w.cache_tokens / tokens_per_block))
-        self.rates = Rates(w.prefill_tokens_per_s, w.decode_s_per_token, w.output_tokens)
+        # one data-parallel engine shares its replica's rates (same GPUs, same model)
+        self.rates = rates or Rates(w.prefill_tokens_per_s, w.decode_s_per_token, w.output_tokens)
         self.prefill_busy_until = 0.0  # when this router's predicted prefills on the replica are done
         self.work_s = 0.0  # predicted engine seconds of this router's requests in flight on it
         self.uncached_ewma = 0.0  # typical uncached prompt tokens of a request here (prices the scraped queue)
@@ -75,6 +76,13 @@ class WarmReplica:
         self.arrivals: deque[float] = deque()  # when requests were routed here, over warm.arrival_window_s
         # False once the replica says it runs without prefix caching: nothing it served is there to be hit
         self.prefix_caching = True
+        self.scraped: LoadSample | None = None  # one data-parallel engine's own gauges (None: the replica's)
+
+    def waiting(self, r: Replica) -> int:
+        return self.scraped.waiting if self.scraped is not None else r.scraped_waiting
+
+    def kv_usage(self, r: Replica) -> float:
+        return self.scraped.kv_usage if self.scraped is not None else r.kv_usage
 
     def kv_ahead(self, now: float, kv_usage: float) -> float:
         """Tokens of KV the requests ahead will hold: the scraped usage plus our pending prefills."""
@@ -99,6 +107,8 @@ class WarmPolicy:
         self.use_interference = interference
         self.session_pins = PinTable(SESSION, _INF)
         self._state: dict[str, WarmReplica] = {}
+        # replicas that export several data-parallel engines: one state per engine, in rank order
+        self._engines: dict[str, list[WarmReplica]] = {}
         # (time, session key, replica state, tokens) per session turn, oldest first: sessions idle for longer
         # than warm.active_session_s leave their replica's working set (C3: a cache thrashes when the
         # working set of its active sessions outgrows it)
@@ -126,20 +136,44 @@ class WarmPolicy:
             st = self._state[r.name] = WarmReplica(self.cfg, self.tokens_per_block)
         return st
 
+    def engine_state(self, name: str, engine: int | None) -> WarmReplica | None:
+        if engine is not None:
+            subs = self._engines.get(name)
+            if subs is not None and engine < len(subs):
+                return subs[engine]
+        return self._state.get(name)
+
+    def engine_count(self, name: str) -> int:
+        """How many data-parallel engines the replica exports (1: it exports one, or says nothing)."""
+        return len(self._engines.get(name) or ()) or 1
+
+    def engines_view(self, name: str) -> list[dict] | None:
+        """Each data-parallel engine as the policy sees it (for /state), or None for a replica of one engine."""
+        subs = self._engines.get(name)
+        if not subs:
+            return None
+        return [{"rank": k, "running": s.scraped.running, "waiting": s.scraped.waiting,
+                 "kv_usage": round(s.scraped.kv_usage, 4), "cache_tokens": s.cache_tokens,
+                 "prefix_index_blocks": len(s.index), "in_flight_work_s": round(s.work_s, 3)}
+                for k, s in enumerate(subs)]
+
     def forget(self, name: str) -> None:
         self._state.pop(name, None)
+        self._engines.pop(name, None)
 
     def replica_view(self, r: Replica, now: float) -> dict[str, float]:
-        """What the policy believes of one replica, for metrics (keys: brain.metrics.WARM_VIEW)."""
+        """What the policy believes of one replica, for metrics (keys: brain.metrics.WARM_VIEW); a replica with
+        data-parallel engines: their sums (the longest predicted wait)."""
         st = self.state_of(r)
+        parts = self._engines.get(r.name) or [st]
         return {
             "prefill_tokens_per_second": st.rates.prefill_tokens_per_s,
             "decode_seconds_per_token": st.rates.decode_s_per_token,
-            "prefix_index_blocks": len(st.index),
-            "prefix_index_capacity_blocks": st.index.capacity,
-            "predicted_wait_seconds": max(0.0, st.prefill_busy_until - now),
-            "in_flight_work_seconds": st.work_s,
-            "active_session_tokens": st.active_tokens,
+            "prefix_index_blocks": sum(len(p.index) for p in parts),
+            "prefix_index_capacity_blocks": sum(p.index.capacity for p in parts),
+            "predicted_wait_seconds": max(max(0.0, p.prefill_busy_until - now) for p in parts),
+            "in_flight_work_seconds": sum(p.work_s for p in parts),
+            "active_session_tokens": sum(p.active_tokens for p in parts),
         }
 
     def pin_tables(self) -> tuple[PinTable, ...]:
@@ -157,18 +191,30 @@ class WarmPolicy:
         if s.prefix_caching is not None and s.prefix_caching != st.prefix_caching:
             st.prefix_caching = s.prefix_caching
             st.index.clear()
+        if not s.engines:
+            self._engines.pop(r.name, None)
+            return
+        subs = self._engines.get(r.name)
+        if subs is None or len(subs) != len(s.engines):  # new, or restarted with another engine count
+            subs = self._engines[r.name] = [WarmReplica(self.cfg, self.tokens_per_block, st.rates) for _ in s.engines]
+        for sub, es in zip(subs, s.engines):
+            sub.scraped = es
+            sub.prefix_caching = st.prefix_caching
+            if es.cache_tokens and es.cache_tokens != sub.cache_tokens:
+                sub.cache_tokens = es.cache_tokens
+                sub.index.resize(int(es.cache_tokens / self.tokens_per_block))
 
     def on_health(self, r: Replica, ejected: bool) -> None:
         """An ejected replica may come back restarted, with a cold cache: forget what we thought it held."""
         if ejected:
-            st = self.state_of(r)
-            st.index.clear()
-            st.prefill_busy_until = 0.0
-            st.pending.clear()
-            st.pending_tokens = 0
+            for st in (self.state_of(r), *self._engines.get(r.name, ())):
+                st.index.clear()
+                st.prefill_busy_until = 0.0
+                st.pending.clear()
+                st.pending_tokens = 0
 
     def on_release(self, res, now: float) -> None:
-        st = self._state.get(res.replica.name)
+        st = self.engine_state(res.replica.name, res.engine)
         if st is not None:
             st.work_s = max(0.0, st.work_s - res.work_s)
 
@@ -199,19 +245,37 @@ class WarmPolicy:
         cap = self.cfg.probing_max_in_flight
         return live + [p for p in probing if p.in_flight_requests < cap]  # A2: PROBING gets limited traffic
 
+    def _candidates(self, pool: list[Replica]) -> list[tuple[Replica, WarmReplica, int | None]]:
+        """(replica, state, engine) to price: each data-parallel engine on its own when the answer can name it;
+        else the one the replica's front end will pick (vLLM: the least waiting x 4 + running, from the last
+        scrape plus what this brain sent since, as its front end counts its own sends)."""
+        out = []
+        for r in pool:
+            subs = self._engines.get(r.name)
+            if not subs:
+                out.append((r, self.state_of(r), None))
+            elif self.cfg.warm.steer_data_parallel:
+                out.extend((r, sub, k) for k, sub in enumerate(subs))
+            else:
+                k = min(range(len(subs)), key=lambda i: (4 * subs[i].scraped.waiting + subs[i].scraped.running
+                                                         + 4 * len(subs[i].pending), i))
+                out.append((r, subs[k], k))
+        return out
+
     def _estimate(self, r: Replica, st: WarmReplica, rate: float, dec: float, profile: RequestProfile,
-                  pin: Pin | None, now: float) -> "_Estimate":
+                  pin: Pin | None, now: float, engine: int | None = None) -> "_Estimate":
         """Cached tokens, wait and prefill on one candidate (C2, C3, C4)."""
         prompt = max(1, profile.tokens)
         chain = profile.blocks if self.use_index and st.prefix_caching else ()
         matched = st.index.match(chain) if chain else 0
         cached = min(prompt - 1, int(matched * self.tokens_per_block)) if matched else 0
-        if not chain and pin is not None and pin.replica is r and st.prefix_caching:
+        if not chain and pin is not None and pin.replica is r and pin.engine == engine and st.prefix_caching:
             cached = min(prompt - 1, pin.tokens)  # C4: the session's context lives here
         wait = max(0.0, st.prefill_busy_until - now)
-        if r.scraped_waiting:
-            wait = max(wait, r.scraped_waiting * max(st.uncached_ewma, 1.0) / rate)
-        return _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate)
+        waiting = st.waiting(r)
+        if waiting:
+            wait = max(wait, waiting * max(st.uncached_ewma, 1.0) / rate)
+        return _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine)
 
     def _kv(self, e: "_Estimate", prompt: int, out_tokens: float, mine, session: bool, now: float) -> None:
         """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
@@ -223,7 +287,7 @@ class WarmPolicy:
         if session and pressure > w.evict_start:
             risk = min(1.0, (pressure - w.evict_start) / (w.kv_pressure - w.evict_start))
             e.cost += risk * prompt / e.rate
-        over = st.kv_ahead(now, e.replica.kv_usage) + prompt + out_tokens - w.kv_pressure * cap
+        over = st.kv_ahead(now, st.kv_usage(e.replica)) + prompt + out_tokens - w.kv_pressure * cap
         if e.cached and pressure > w.kv_pressure:
             # the active sessions here and this one do not fit together: LRU evicts each before its next turn
             e.ttft += e.cached / e.rate
@@ -238,15 +302,16 @@ class WarmPolicy:
         w = self.cfg.warm
         prompt = max(1, profile.tokens)
         pin = self.session_pins.get(profile.session_key, now) if profile.session_key is not None else None
-        states = [self.state_of(r) for r in pool]
+        cands = self._candidates(pool)
+        states = [st for _, st, _ in cands]
         self._expire_active(now)
         mine = self._active_of.get(profile.session_key) if profile.session_key is not None else None
         out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
         prefill_rate, decode_s = effective_rates([st.rates for st in states], now, w.rate_fresh_s)
         fastest_decode = min(decode_s)
 
-        ests = [self._estimate(r, st, rate, dec, profile, pin, now)
-                for r, st, rate, dec in zip(pool, states, prefill_rate, decode_s)]
+        ests = [self._estimate(r, st, rate, dec, profile, pin, now, k)
+                for (r, st, k), rate, dec in zip(cands, prefill_rate, decode_s)]
         for e in ests:
             e.ttft = e.wait + e.prefill
             if self.use_kv_risk:
@@ -291,7 +356,9 @@ class WarmPolicy:
         tied = [e for e in candidates if e.cost <= least_cost + max(_TIE_S, _TIE_SHARE * least_cost)]
         n, rr = len(fleet.replicas_view), self._rr
         home = pin.replica if pin is not None else None
-        best = min(tied, key=lambda e: (e.replica is not home, round(e.st.work_s, 3), (e.replica.index - rr) % n))
+        home_engine = pin.engine if pin is not None else None
+        best = min(tied, key=lambda e: (e.replica is not home or e.engine != home_engine, round(e.st.work_s, 3),
+                                        (e.replica.index - rr) % n))
         self._rr = best.replica.index + 1
         if self.trace is not None:
             self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
@@ -308,7 +375,8 @@ class WarmPolicy:
         if n < 2:
             return ests
         total = sum(e.st.work_s for e in ests)
-        in_flight = sum(e.replica.in_flight_requests for e in ests)
+        # a replica's data-parallel engines are candidates of their own, but its requests count once
+        in_flight = sum(r.in_flight_requests for r in {id(e.replica): e.replica for e in ests}.values())
         unit = total / in_flight if in_flight and total > 0 else prompt / ests[0].rate + out_tokens * fastest_decode
         bound = max(1, math.ceil(math.ceil((total / unit + 1) * w.balance_factor) / n)) * unit
         kept = []
@@ -331,12 +399,13 @@ class WarmPolicy:
             live = chosen.health.state is LIVE and not chosen.drained
             if pin is None:
                 if live:
-                    self.session_pins.put(profile.session_key, chosen, now).tokens = prompt
+                    new = self.session_pins.put(profile.session_key, chosen, now)
+                    new.tokens, new.engine = prompt, best.engine
                     events.append(PinEvent(PinAction.PIN, SESSION, Cause.NEW))
             else:
                 pin_kind = SESSION
                 if live:  # A2: a PROBING replica never takes a pin, nor refreshes one
-                    if pin.replica is chosen:
+                    if pin.replica is chosen and pin.engine == best.engine:
                         reason = Reason.AFFINITY
                     else:
                         # the session moves only because moving is cheaper, re-prefill included
@@ -344,12 +413,14 @@ class WarmPolicy:
                         self.session_pins.move(pin, chosen)
                         events.append(PinEvent(PinAction.REBIND, SESSION, Cause.DEAD if dead else Cause.COST))
                     pin.tokens = prompt
+                    pin.engine = best.engine
                     self.session_pins.touch(profile.session_key, pin, now)
-        return Decision(chosen, reason, pin_kind, events,
-                        predicted_ttft_s=best.ttft, cached_tokens=best.cached, work_s=best.work)
+        return Decision(chosen, reason, pin_kind, events, predicted_ttft_s=best.ttft, cached_tokens=best.cached,
+                        work_s=best.work, engine=best.engine,
+                        steer=best.engine is not None and self.cfg.warm.steer_data_parallel)
 
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
-        st = self.state_of(d.replica)
+        st = self.engine_state(d.replica.name, d.engine) or self.state_of(d.replica)
         uncached = max(1, profile.tokens - d.cached_tokens)
         st.prefill_busy_until = max(now, st.prefill_busy_until) + self._chosen_prefill_s
         st.pending.append((st.prefill_busy_until, profile.tokens))
@@ -363,6 +434,7 @@ class WarmPolicy:
                 a.popleft()
         if d.reservation is not None:
             d.reservation.work_s = d.work_s
+            d.reservation.engine = d.engine
         if self.use_index and profile.blocks and st.prefix_caching:
             st.index.insert(profile.blocks)
         if profile.session_key is not None:
@@ -378,6 +450,7 @@ class _Estimate:
     cached: int
     wait: float
     prefill: float
+    engine: int | None = None  # the data-parallel engine priced (None: the replica has one)
     fits: bool = True  # beside the active sessions' contexts, in the replica's cache
     ttft: float = 0.0
     cost: float = 0.0

@@ -37,8 +37,10 @@ from ..core.profile import CONTENT_LENGTH
 from ..contract import (
     ACCESS_LOG_NAME,
     ANSWER_CLUSTER,
+    ANSWER_DP_RANK,
     ANSWER_RESERVATION,
     BRAIN_CLUSTER,
+    DP_RANK_HEADER,
     EXT_PROC_FILTER,
     EXT_PROC_STAT_PREFIX,
     FALLBACK_CLUSTER,
@@ -184,9 +186,13 @@ def http_filters(cfg: AppConfig) -> list[dict]:
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
                 "mutations": {"request_mutations": [
-                    {"append": {"header": {"key": header, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{field})%"},
-                                "append_action": "ADD_IF_ABSENT", "keep_empty_value": False}}
-                    for header, field in ((ROUTING_HEADER, ANSWER_CLUSTER), (RESERVATION_HEADER, ANSWER_RESERVATION))
+                    *({"append": {"header": {"key": header, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{field})%"},
+                                  "append_action": "ADD_IF_ABSENT", "keep_empty_value": False}}
+                      for header, field in ((ROUTING_HEADER, ANSWER_CLUSTER), (RESERVATION_HEADER, ANSWER_RESERVATION))),
+                    # the data-parallel engine the brain priced, when it chose one: its header replaces a client's
+                    {"append": {"header": {"key": DP_RANK_HEADER,
+                                           "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{ANSWER_DP_RANK})%"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False}},
                 ]},
             },
         },

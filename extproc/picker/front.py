@@ -33,6 +33,7 @@ from ..contract import (
     DESTINATION_HEADER,
     DESTINATION_NAMESPACE,
     DESTINATION_SERVED_KEY,
+    DP_RANK_HEADER,
     PICKER_BODY_CHUNK,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
@@ -48,6 +49,7 @@ class PickResult(Protocol):
     endpoints: list[str]  # best first; empty: nothing to pick
     reservation: Any  # what ``end`` releases (None with no pick)
     subset_empty: bool  # the gateway's subset named nothing the picker knows
+    dp_rank: "int | None"  # the data-parallel engine of the pick (a header for the replica), or None
 
 
 # (headers, body or None, the gateway's subset or None) -> the pick
@@ -87,12 +89,15 @@ def served_of(req: ep.ProcessingRequest) -> str | None:
     return None
 
 
-def destination_answer(endpoints: list[str], body_len: int | None, phase: str = "request_headers") -> ep.ProcessingResponse:
+def destination_answer(endpoints: list[str], body_len: int | None, phase: str = "request_headers",
+                       dp_rank: int | None = None) -> ep.ProcessingResponse:
     """The pick, as the protocol wants it: the header and the metadata carry the same value."""
     value = ",".join(endpoints)
     out = ep.ProcessingResponse()
     common = getattr(out, phase).response
     common.header_mutation.set_headers.append(header_value(DESTINATION_HEADER, value))
+    if dp_rank is not None:
+        common.header_mutation.set_headers.append(header_value(DP_RANK_HEADER, str(dp_rank)))
     if body_len is not None:
         # a streamed body reaches the replica without Content-Length unless it is set again
         common.header_mutation.set_headers.append(header_value(CONTENT_LENGTH, str(body_len)))
@@ -196,7 +201,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         st.reservation = p.reservation
         st.picked_at = self.clock()
         return destination_answer(p.endpoints, len(body) if body is not None and phase == "request_headers" else None,
-                                  phase)
+                                  phase, p.dp_rank)
 
     def _step(self, st: _Stream, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         kind = req.WhichOneof("request")

@@ -47,12 +47,14 @@ ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LE
 # warmroute contenders: the default policy, and the seed's pipeline; the default policy as the endpoint picker of
 # Envoy in a Gateway API Inference Extension gateway's shape (`envoy-config --mode endpoint-picker`)
 WARMROUTE = {"warmroute": None, "warmroute_seed": "seed", "warmroute_endpoint_picker": None,
-             "warmroute_endpoint_picker_duplex": None}
+             "warmroute_endpoint_picker_duplex": None, "warmroute_dp_unsteered": None}
 # (brain, envoy) settings of those that run in the endpoint-picker shape: buffered bodies (the rendered default),
 # and full duplex, as Inference Extension gateways send them
 PICKER_SHAPES = {"warmroute_endpoint_picker": {"brain": {"protocol": "endpoint-picker"}},
                  "warmroute_endpoint_picker_duplex": {"brain": {"protocol": "endpoint-picker"},
-                                                      "envoy": {"picker_body_mode": "full-duplex"}}}
+                                                      "envoy": {"picker_body_mode": "full-duplex"}},
+                 # data-parallel replicas (--data-parallel): the engine left to the replica's front end
+                 "warmroute_dp_unsteered": {"warm": {"steer_data_parallel": False}}}
 ROUTERS = {
     "vllm_router_cache_aware": ("vllm-router", "cache_aware"),
     "vllm_router_consistent_hash": ("vllm-router", "consistent_hash"),
@@ -296,8 +298,12 @@ def measure(contender: str, scenario: str, args) -> Row:
     w = bench_workload(args.minutes, args.sessions_per_min, args.oneshots_per_min, args.projects)
     sp = speedup_of(scenario, args)
     mock_args = ["--speedup", str(sp)]
+    replicas = args.replicas
+    if args.data_parallel > 1:  # the same engines, args.data_parallel behind each replica's front end
+        mock_args += ["--data-parallel", str(args.data_parallel)]
+        replicas = max(1, args.replicas // args.data_parallel)
     try:
-        run = start(contender, args.replicas, mock_args, sp)
+        run = start(contender, replicas, mock_args, sp)
     except Exception as e:  # a contender that cannot start is a row that says why (missing binary, no answer)
         return Row(contender, scenario, note=f"did not start: {e}"[:160])
     urls = [r.url for r in run.stack.replicas]
@@ -337,7 +343,7 @@ def measure(contender: str, scenario: str, args) -> Row:
     per_min: list[Counter] = [Counter() for _ in range(minutes)]
     for t, rep in res.timeline:
         per_min[min(minutes - 1, int(t * s // 60))][rep] += 1
-    names = [f"r{i}" for i in range(args.replicas)]
+    names = [f"r{i}" for i in range(len(urls))]
     idx = [imbalance_index(c, names) for c in per_min[1:] if sum(c.values())]
     row.imbalance = statistics.mean(idx) if idx else float("nan")
     row.share = [[c[n] / sum(c.values()) if sum(c.values()) else 0.0 for n in names] for c in per_min]
@@ -419,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-speedup", type=float, default=20.0,
                     help="time compression of the fault scenarios (they count errors and lost requests)")
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--data-parallel", type=int, default=1, help="engines behind each mock's front end (vLLM "
+                    "--data-parallel-size): --replicas // this many replicas, as many engines in all")
     # more sessions per minute than the simulator's default: a short run must reach a busy fleet
     ap.add_argument("--sessions-per-min", type=float, default=6.0)
     ap.add_argument("--oneshots-per-min", type=float, default=6.0)

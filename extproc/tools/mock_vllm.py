@@ -38,6 +38,7 @@ from .engine_metrics import DIALECTS, SGLANG_DECODE_LOG_INTERVAL, CacheInfo, Exp
 from .sim.engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 
 CHARS_PER_TOKEN = 4
+ENGINE_HEADER = "x-mock-engine"  # which data-parallel engine served (not vLLM's; for tests and benchmarks)
 MIN_EMIT_WALL_S = 0.002  # a decode run's tokens go out at most this often (wall time); at real speed, every step
 
 
@@ -443,7 +444,8 @@ class MockReplica:
         produced = 0
         try:
             if stream:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   ENGINE_HEADER: str(driver.index)})
                 await resp.prepare(request)
             while True:
                 ev = await waiter.queue.get()
@@ -458,8 +460,9 @@ class MockReplica:
                 produced += n
             cached = waiter.req.cached_tokens
             if not stream:
-                return web.json_response(_final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens),
-                                                     prompt_tokens, max_tokens, cached, fp))
+                body = _final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens), prompt_tokens,
+                                   max_tokens, cached, fp)
+                return web.json_response(body, headers={ENGINE_HEADER: str(driver.index)})
             await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length", fp)))
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"

@@ -95,3 +95,29 @@ def test_a_replica_without_prefix_caching_gets_no_predicted_hits():
                 blocks[line.split('replica="')[1].split('"')[0]] = float(line.split()[-1])
         # the replica without prefix caching indexes nothing; the other one holds the prompt's blocks
         assert blocks["r1"] == 0 and blocks["r0"] > 0, blocks
+
+
+def post_engine(stack, session: str, text: str) -> tuple[str, str]:
+    """(replica, data-parallel engine) that served one turn."""
+    body = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": text}]}).encode()
+    req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", "x-session-id": session})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["system_fingerprint"], r.headers["x-mock-engine"]
+
+
+def test_a_data_parallel_replica_s_engines_are_chosen_by_the_brain_and_a_session_keeps_its_engine():
+    """Two replicas of two engines each, through Envoy: the brain names the engine (X-data-parallel-rank), each
+    session stays on one (its cache is there), and the four engines all take sessions."""
+    s = Stack(2, config=FAST, mock_args=["--speedup", "20", "--data-parallel", "2"])
+    with s:
+        wait_for(lambda: all(r["state"] == "LIVE" for r in s.state()["replicas"]), 30, "both LIVE")
+        wait_for(lambda: all(len(r.get("engines") or []) == 2 for r in s.state()["replicas"]), 10,
+                 "both replicas' two engines seen")
+        served = {}
+        prompt = "x" * 8000
+        for k in range(3):
+            for sid in [f"s{i}" for i in range(8)]:
+                served.setdefault(sid, set()).add(post_engine(s, sid, f"{sid} {prompt} turn {k}"))
+        assert all(len(v) == 1 for v in served.values()), served
+        assert len(set().union(*served.values())) == 4  # every engine of both replicas took a session

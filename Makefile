@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: bench-discovery bench-rates image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,9 @@ bench-discovery: install system-deps  ## replicas added and removed through DNS 
 
 bench-rates: install  ## learned prefill/decode rates vs the engine's truth through a load ramp, per engine dialect (~7 min)
 	$(PY) -m extproc.tools.bench_rates
+
+bench-fleet: install  ## several models and LoRA adapters in one fleet, warmroute vs per-model Envoy pools (~8 min)
+	$(PY) -m extproc.tools.bench_fleet
 
 bench-core: install
 	$(PY) -m extproc.tools.bench_core

@@ -21,6 +21,7 @@ import yaml
 
 from .contract import RESERVED_NAME_PREFIX
 from .core.config import TENANT_SOURCES, HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
+from .core.models import Target
 from .core.policy import POLICIES, PRODUCTION
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -76,6 +77,8 @@ class ReplicaSpec:
     tls_sni: str | None = None  # the name to ask for and check in its certificate (null: the URL's host)
     tls_cert_file: str | None = None  # a client certificate to present, when the replica asks for one
     tls_key_file: str | None = None  # the private key of tls_cert_file
+    # the model names it serves; empty: whatever its GET /v1/models lists (re-read at every health scrape)
+    models: tuple[str, ...] = ()
 
     @property
     def tls(self) -> bool:
@@ -215,6 +218,8 @@ class AppConfig:
     brain: BrainConfig = field(default_factory=BrainConfig)
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    # models.aliases: a client's model name -> the served names it goes to, with weights (a canary's share)
+    aliases: tuple[tuple[str, tuple[Target, ...]], ...] = ()
     source: str = "<defaults>"
     # A reload that would leave no replica is refused unless the file says so: a config caught half-written
     # (an empty file) must not take the fleet out.
@@ -283,11 +288,14 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
         where = f"replicas[{i}]"
         if not isinstance(item, dict):
             raise ConfigError(f"{where}: expected a mapping with name and url")
-        known = {"name", "url", "engine", "tls_ca_file", "tls_sni", "tls_cert_file", "tls_key_file"}
+        known = {"name", "url", "engine", "tls_ca_file", "tls_sni", "tls_cert_file", "tls_key_file", "models"}
         extra = set(item) - known
         if extra:
             raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: {', '.join(sorted(known))})")
-        tls = {k: item[k] for k in known - {"name", "url", "engine"} if item.get(k) is not None}
+        tls = {k: item[k] for k in known - {"name", "url", "engine", "models"} if item.get(k) is not None}
+        models = item.get("models") or []
+        if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+            raise ConfigError(f"{where}.models: expected a list of model names, got {_short(models)}")
         for k, v in tls.items():
             if not isinstance(v, str) or not v:
                 raise ConfigError(f"{where}.{k}: expected a non-empty string, got {_short(v)}")
@@ -321,7 +329,7 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
             parts.port
         except ValueError:
             raise ConfigError(f"{where}.url: bad port in {_short(url)}") from None
-        out.append(ReplicaSpec(name, url.rstrip("/"), engine, **tls))
+        out.append(ReplicaSpec(name, url.rstrip("/"), engine, **tls, models=tuple(models)))
     return tuple(out)
 
 
@@ -356,7 +364,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
-    known = {"replicas", "routing", "brain", "envoy", "discovery", "allow_no_replicas", *_SECTIONS}
+    known = {"replicas", "routing", "brain", "envoy", "discovery", "models", "allow_no_replicas", *_SECTIONS}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -424,7 +432,42 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
                 # the gateway is told "ip:port" and matches it against its own endpoints: a name would match none
                 raise ConfigError(f"replicas[{i}].url: brain.protocol endpoint-picker answers ip:port; give the "
                                   f"replica's IP address (or discovery: dns), got {_short(r.url)}")
-    return AppConfig(replicas, router, brain, envoy, discovery, source, allow)
+    return AppConfig(replicas, router, brain, envoy, discovery, _aliases(doc.get("models")), source, allow)
+
+
+def _aliases(raw: Any) -> tuple[tuple[str, tuple[Target, ...]], ...]:
+    """models: {aliases: {client name: served name | [{model: served name, weight: n}, ...]}}"""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"models: expected a mapping, got {type(raw).__name__}")
+    for key in raw:
+        if key != "aliases":
+            raise ConfigError(f"models.{key}: unknown field (known: aliases)")
+    aliases = raw.get("aliases") or {}
+    if not isinstance(aliases, dict):
+        raise ConfigError(f"models.aliases: expected a mapping of client name to served name(s), got {_short(aliases)}")
+    out = []
+    for alias, value in aliases.items():
+        where = f"models.aliases.{alias}"
+        if not isinstance(alias, str) or not alias:
+            raise ConfigError(f"models.aliases: expected model names as keys, got {_short(alias)}")
+        if isinstance(value, str) and value:
+            out.append((alias, (Target(value, 1.0),)))
+            continue
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f"{where}: expected a served model name or a list of {{model, weight}}, got {_short(value)}")
+        targets = []
+        for i, t in enumerate(value):
+            if not isinstance(t, dict) or set(t) - {"model", "weight"} or not isinstance(t.get("model"), str) \
+                    or not t["model"]:
+                raise ConfigError(f"{where}[{i}]: expected {{model: <served name>, weight: <number > 0>}}, got {_short(t)}")
+            w = t.get("weight", 1)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0:
+                raise ConfigError(f"{where}[{i}].weight: expected a number > 0, got {_short(w)}")
+            targets.append(Target(t["model"], float(w)))
+        out.append((alias, tuple(targets)))
+    return tuple(out)
 
 
 def _is_ip(host: str) -> bool:

@@ -64,8 +64,8 @@ def test_the_chain_cache_is_bounded():
 def test_the_profile_hashes_the_conversation_from_its_first_key_so_parameters_before_it_do_not_matter():
     cfg = ProfileConfig()
     msgs = [{"role": "system", "content": "S" * 500}, {"role": "user", "content": "U" * 500}]
-    a = orjson.dumps({"max_tokens": 10, "model": "m", "messages": msgs})
-    b = orjson.dumps({"max_tokens": 99999, "model": "m", "messages": msgs})
+    a = orjson.dumps({"max_tokens": 10, "model": "mock-coder-30b", "messages": msgs})
+    b = orjson.dumps({"max_tokens": 99999, "model": "mock-coder-30b", "messages": msgs})
     pa = build_profile({}, a, cfg, ChainCache())
     pb = build_profile({}, b, cfg, ChainCache())
     assert pa.blocks and pa.blocks == pb.blocks

@@ -19,14 +19,13 @@ DIALECT = {"vllm": VLLM, "vllm-old": VLLM, "sglang": SGLANG}
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_the_fixture_files_are_what_the_engine_definitions_render(name):
     """A definition changed without `python -m extproc.tools.engine_metrics --write` fails here."""
-    dialect, dp, tp = FIXTURES[name]
-    assert (DIR / name).read_bytes() == fixture(dialect, dp, tp)[0]
+    assert (DIR / name).read_bytes() == fixture(*FIXTURES[name])[0]
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_every_number_the_router_reads_is_the_one_the_history_put_there(name):
-    dialect, dp, tp = FIXTURES[name]
-    _, want = fixture(dialect, dp, tp)
+    dialect, dp, tp, *_ = FIXTURES[name]
+    _, want = fixture(*FIXTURES[name])
     r = parse_metrics((DIR / name).read_text(), DIALECT[dialect])
     assert r.ok, r.error
     s = r.sample
@@ -54,17 +53,19 @@ def test_every_number_the_router_reads_is_the_one_the_history_put_there(name):
         assert [e.kv_usage for e in s.engines] == pytest.approx(want["kv"])
     else:
         assert s.engines is None
+    # LoRA: the newest of lora_requests_info's label sets is the present one
+    assert (s.lora_running, s.lora_waiting, s.max_lora) == want.get("lora", (None, None, None))
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_a_text_is_never_read_as_the_other_engine(name):
-    dialect, _, _ = FIXTURES[name]
+    dialect = FIXTURES[name][0]
     other = SGLANG if dialect != "sglang" else VLLM
     r = parse_metrics((DIR / name).read_text(), other)
     assert not r.ok and r.missing
 
 
-@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.11.txt", "vllm-0.8.txt")), (SGLANG, ("sglang-0.5.txt",))])
+@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.11.txt", "vllm-0.8.txt", "vllm-0.11-lora.txt")), (SGLANG, ("sglang-0.5.txt",))])
 def test_every_name_the_parser_wants_is_one_an_engine_exports(dialect, files):
     """A misspelt or invented metric name reads nothing, silently: each one must be in some engine's text."""
     names = set()

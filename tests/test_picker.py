@@ -31,7 +31,7 @@ N = 4
 CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(N)],
                     "brain": {"protocol": "endpoint-picker", "picker_fallbacks": 2}})
 ENDPOINTS = [f"127.0.0.{i + 1}:8000" for i in range(N)]
-BODY = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": "sys " * 200},
+BODY = orjson.dumps({"model": "mock-coder-30b", "messages": [{"role": "system", "content": "sys " * 200},
                                                 {"role": "user", "content": "hi"}]})
 
 
@@ -128,7 +128,7 @@ def test_header_and_metadata_agree_and_list_the_pick_then_ordered_fallbacks(brai
 
 
 def test_a_big_body_goes_back_in_chunks_of_at_most_62000_bytes(brain):
-    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 200_000}]})
+    big = orjson.dumps({"model": "mock-coder-30b", "messages": [{"role": "user", "content": "x" * 200_000}]})
     out = run(brain, request(big, pieces=2))
     chunks = [o.request_body.response.body_mutation.streamed_response.body for o in out[1:]]
     assert max(len(c) for c in chunks) <= PICKER_BODY_CHUNK and len(chunks) >= 4

@@ -17,9 +17,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..config import AppConfig, ConfigError, load_config
 from ..contract import REQUEST_ID_HEADER
 from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
+from ..core.models import ModelCatalog
+from ..core.names import Reason
+from ..core.profile import replace_model
 from ..envoy_config import CdsFile
 from . import logs
-from .decide import no_healthy_response, route_answer
+from .decide import model_not_found_response, models_response, no_healthy_response, route_answer
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
@@ -40,6 +43,8 @@ class Pick:
     reservation: Reservation | None
     dp_rank: int | None = None  # the pick's data-parallel engine, sent as X-data-parallel-rank
     subset_empty: bool = False  # the gateway's subset named no endpoint the brain knows
+    body: bytes | None = None  # the body to send instead (a model alias rewritten to the served name)
+    unknown_model: str | None = None  # no replica serves the model the body names: answer 404
 
 
 class Brain:
@@ -62,6 +67,8 @@ class Brain:
         self.discovered = cfg.discovery.source == "static"
         self.discovery_error: str | None = None
         self.pin_log = logs.Summarised("pin_change")
+        self.models = ModelCatalog(dict(cfg.aliases))
+        self.scraper.on_models = self._on_models
         self._set_replicas(cfg)
         m = make_registry(self.router, self.stats, self.clock)
         self.registry, self.decision_seconds, self.scraper.seconds = m.registry, m.decision, m.scrape
@@ -77,6 +84,13 @@ class Brain:
             raise ConfigError(f"replicas: cannot load a TLS file ({e})") from None
         self.releaser.by_address = {endpoint(r): r.name for r in cfg.replicas}
         self.endpoint_of = {r.name: endpoint(r) for r in cfg.replicas}
+        self.models.aliases = dict(cfg.aliases)
+        self.models.configure({r.name: r.models for r in cfg.replicas})
+        self.scraper.models_wanted = {r.name for r in cfg.replicas if not r.models}
+
+    def _on_models(self, name: str, models: "list[dict] | None") -> None:
+        if self.models.learned(name, models):
+            logs.event("models_changed", replica=name, models=self.models.served_by(name))
 
     def liveness_bound_s(self) -> float | None:
         """How long a reservation may go unnamed by Envoy before it counts as a lost or rogue call.
@@ -100,7 +114,17 @@ class Brain:
         now = self.clock()
         r = self.router
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
+        res = self.models.resolve(profile.model, profile.session_key)
+        if res.unknown:
+            d = Decision(None, Reason.UNKNOWN_MODEL, model=profile.model)
+            self.stats.record_decision(d, profile.body_status, now)
+            return d
+        if res.replicas is not None:
+            only = res.replicas if only is None else res.replicas.intersection(only)
+        if self.models.is_adapter(res.model):
+            profile = dataclasses.replace(profile, adapter=res.model)
         d = r.select(profile, now, only)
+        d.model, d.rewrite_model = res.model, res.rewritten
         self.decision_seconds.observe(time.perf_counter() - t0)
         self.stats.record_decision(d, profile.body_status, now)
         if d.predicted_ttft_s is not None:
@@ -113,11 +137,16 @@ class Brain:
 
     def decide(self, headers: dict[str, str], body: bytes | None, phase: str = "request_body") -> ep.ProcessingResponse:
         """The rendered Envoy's front: the choice as a cluster name and a reservation id Envoy logs back."""
+        if body is None and headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
+            return models_response(self.models.union())  # Envoy's models route: the fleet's, not one replica's
         d = self.choose(headers, body)
+        if d.reason == Reason.UNKNOWN_MODEL:
+            return model_not_found_response(d.model or "")
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
-        return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None)
+        new_body = replace_model(body, d.model) if d.rewrite_model and body is not None else None
+        return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None, new_body)
 
     def pick(self, headers: dict[str, str], body: bytes | None, subset: list[str] | None) -> Pick:
         """The endpoint picker's front: the choice and its fallbacks as ``ip:port``, and the reservation the
@@ -131,6 +160,8 @@ class Brain:
             if not only:
                 return Pick([], None, None, subset_empty=True)
         d = self.choose(headers, body, only)
+        if d.reason == Reason.UNKNOWN_MODEL:
+            return Pick([], None, unknown_model=d.model or "")
         if d.reason == NO_HEALTHY:
             return Pick([], None)
         names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]
@@ -138,7 +169,8 @@ class Brain:
         count = getattr(self.router.policy, "engine_count", None)
         if rank is not None and any(count(r.name) <= rank for r in names):
             rank = None  # a fallback without that engine would refuse the header: let the front ends choose
-        return Pick([self.endpoint_of[r.name] for r in names], d.reservation, rank)
+        new_body = replace_model(body, d.model) if d.rewrite_model and body is not None else None
+        return Pick([self.endpoint_of[r.name] for r in names], d.reservation, rank, body=new_body)
 
     def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""
@@ -230,6 +262,7 @@ class Brain:
             engine = self.scraper.engines.get(r["name"], "vllm")
             r["engine"] = f"auto ({self.scraper.detected.get(r['name'], '?')})" if engine == "auto" else engine
             r["scrape_error"] = self.scraper.errors.get(r["name"])
+            r["models"] = self.models.served_by(r["name"])
             view = getattr(self.router.policy, "engines_view", None)
             r["engines"] = view(r["name"]) if view is not None else None
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)

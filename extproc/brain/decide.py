@@ -27,17 +27,20 @@ from ..contract import (
     header_of_attribute,
 )
 from ..core.profile import CONTENT_LENGTH
-from ..picker.messages import header_value, headers_of, openai_error
+from ..picker.messages import header_value, headers_of, json_response, model_not_found_response, openai_error
 
 # (headers, body or None, the ext_proc phase being answered) -> the answer
 Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]
 
 
-def route_answer(cluster: str, reservation: str, phase: str, dp_rank: int | None = None) -> ep.ProcessingResponse:
+def route_answer(cluster: str, reservation: str, phase: str, dp_rank: int | None = None,
+                 body: bytes | None = None) -> ep.ProcessingResponse:
     """The brain's choice for the ext_proc message ``phase`` (``request_body`` or ``request_headers``); with
-    ``dp_rank``, the data-parallel engine of the replica too."""
+    ``dp_rank``, the data-parallel engine of the replica too; with ``body``, the body to send instead."""
     out = ep.ProcessingResponse()
     common = getattr(out, phase).response
+    if body is not None and phase == "request_body":
+        common.body_mutation.body = body
     # Applied only where Envoy sent the headers; in the one-message config it is the dynamic metadata
     # that routes, but a header mutation must be present for Envoy to honour clear_route_cache.
     common.header_mutation.set_headers.extend([header_value(ROUTING_HEADER, cluster), header_value(RESERVATION_HEADER, reservation)])
@@ -56,6 +59,11 @@ def no_healthy_response() -> ep.ProcessingResponse:
     """B: an immediate 503 with an OpenAI-style error and Retry-After, never a hang."""
     return openai_error(http_status_pb2.ServiceUnavailable, "no healthy vLLM replica is available; retry shortly",
                         "service_unavailable", "no_healthy_instances", "warmroute_no_healthy_instances", 5)
+
+
+def models_response(models: list[dict]) -> ep.ProcessingResponse:
+    """GET /v1/models through Envoy: every model the fleet serves (and the aliases), as vLLM lists its own."""
+    return json_response(http_status_pb2.OK, {"object": "list", "data": models}, "warmroute_models")
 
 
 def headers_from_attributes(req: ep.ProcessingRequest) -> dict[str, str]:

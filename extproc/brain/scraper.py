@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import ssl
 import time
@@ -44,6 +45,7 @@ class Dialect:
     fallback: dict[str, str] = field(default_factory=dict)
     # the gauges move only at some scheduler steps (SGLang): an idle engine keeps its last busy values
     lazy_gauges: bool = False
+    lora_info: str | None = None  # an info gauge of the adapters in use, its newest label set the present one
     # counters that move whenever the engine works (first tokens, streamed tokens, finished requests)
     activity: tuple[str, ...] = ()
     name: str = ""
@@ -52,7 +54,8 @@ class Dialect:
 
     def wanted(self) -> frozenset[str]:
         return frozenset((self.running, self.waiting, *self.kv, *self.counters, *(k[0] for k in self.by_label),
-                          *self.fallback, *self.activity, *(n for n in (self.cache_info, self.cache_tokens) if n)))
+                          *self.fallback, *self.activity,
+                          *(n for n in (self.cache_info, self.cache_tokens, self.lora_info) if n)))
 
 
 VLLM = Dialect(
@@ -74,6 +77,7 @@ VLLM = Dialect(
     },
     fallback={"vllm:gpu_prefix_cache_hits_total": "cached_tokens"},
     cache_info="vllm:cache_config_info",
+    lora_info="vllm:lora_requests_info",
     by_label={("vllm:prompt_tokens_by_source_total", "source", "local_compute"): "computed_tokens"},
     engine_label="engine",
     name="vllm",
@@ -112,6 +116,10 @@ HEALTH_PATH = "/health"
 
 RUNNING, WAITING, KV_NAMES, CACHE_CONFIG, COUNTERS = VLLM.running, VLLM.waiting, VLLM.kv, VLLM.cache_info, VLLM.counters
 MAX_REQUESTS = 100_000  # running or waiting beyond this on one replica is a broken exporter, not load
+MODELS_PATH = "/v1/models"
+MAX_MODELS = 1000  # a /v1/models longer than this is not believed (a replica serves a model and its adapters)
+# what of a replica's model object is kept and shown in the union (the rest is the replica's business)
+MODEL_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
 # SGLang's gauges move at prefill batches and every decode_log_interval (40) decode steps, about once a second
 # under load; activity counters that stood still this long while the gauges did too mean an idle engine
 IDLE_AFTER_S = 5.0
@@ -164,6 +172,7 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
     counters: dict[str, float] = {}
     fallback: dict[str, float] = {}
     activity = 0.0
+    lora: tuple[float, dict[str, str]] | None = None
     prefix_caching = None
     seen = False
     for line in text.splitlines():
@@ -189,6 +198,10 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
             return ScrapeResult(False, error=f"{name} is {value}: not a finite number >= 0")
         if name in d.activity:
             activity += value
+        if name == d.lora_info:
+            if lora is None or value >= lora[0]:
+                lora = (value, lab)
+            continue
         if name == d.running or name == d.waiting or name in d.kv or name == d.cache_info or name == d.cache_tokens:
             key = lab.get(d.engine_label, "0") if d.engine_label else "0"
             e = engines.get(key)
@@ -245,6 +258,11 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
         per_engine = tuple(LoadSample(int(round(e.running)), int(round(e.waiting)), max(e.kv) if e.kv else 0.0,
                                       cache_tokens=c) for e, c in zip(ranked, caps))
     r, w = int(round(running)), int(round(waiting))
+    if lora is not None:
+        lab = lora[1]
+        counters["lora_running"] = frozenset(a for a in lab.get("running_lora_adapters", "").split(",") if a)
+        counters["lora_waiting"] = frozenset(a for a in lab.get("waiting_lora_adapters", "").split(",") if a)
+        counters["max_lora"] = int(lab["max_lora"]) if lab.get("max_lora", "").isdigit() else None
     sample = LoadSample(r, w, kv_usage, cache_tokens=cache_tokens, prefix_caching=prefix_caching, engines=per_engine,
                         **counters)
     return ScrapeResult(True, r, w, kv_usage, sample=sample, engine=d.name, activity=activity if d.activity else None)
@@ -275,6 +293,8 @@ class Scraper:
         self.detected: dict[str, str] = {}  # engine "auto": what its last good scrape found
         self.tls: dict[str, tuple[ssl.SSLContext, str]] = {}  # https:// replicas: (context, SNI)
         self.errors: dict[str, str] = {}
+        self.models_wanted: set[str] = set()  # replicas whose models are read from /v1/models at each health scrape
+        self.on_models: Callable[[str, "list[dict] | None"], None] = lambda name, models: None
         # lazy gauges: replica -> (activity counters, gauges, since when both stood still)
         self._still: dict[str, tuple[float, tuple[int, int], float]] = {}
         self.loop_errors = 0
@@ -350,6 +370,24 @@ class Scraper:
             return ScrapeResult(False, error=f"timeout on {path}")
         except Exception as e:  # connection refused, reset, DNS...: every one means "failed scrape"
             return ScrapeResult(False, error=f"{type(e).__name__} on {path}")
+
+    async def fetch_models(self, session: ClientSession, name: str, url: str, timeout: float) -> list[dict] | None:
+        """The models a replica's /v1/models lists, or None when it cannot be read (the last list stays)."""
+        got = await self._get(session, url, MODELS_PATH, timeout, self.tls.get(name), "models")
+        if not isinstance(got, str):
+            return None
+        try:
+            doc = json.loads(got)
+            data = doc["data"]
+            if not isinstance(data, list) or len(data) > MAX_MODELS:
+                return None
+            out = []
+            for m in data:
+                if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]:
+                    out.append({k: m[k] for k in MODEL_FIELDS if k in m and isinstance(m[k], (str, int))})
+            return out
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def unstale(self, name: str, r: ScrapeResult, now: float) -> ScrapeResult:
         """An engine whose gauges move only at some steps (SGLang) keeps showing its last batch after it went
@@ -427,6 +465,13 @@ class Scraper:
                 except Exception as e:  # one replica's bad data must not stop its scraping
                     self.loop_errors += 1
                     logs.event("loop_error", loop="scrape", replica=name, error=f"{type(e).__name__}: {e}"[:200])
+            if health and name in self.models_wanted and name in self.urls:
+                models = await self.fetch_models(session, name, self.urls[name], health_timeout)
+                try:
+                    self.on_models(name, models)
+                except Exception as e:
+                    self.loop_errors += 1
+                    logs.event("loop_error", loop="models", replica=name, error=f"{type(e).__name__}: {e}"[:200])
             if health:
                 next_health = started + self.interval_s
             step = self.interval_s if fast is None else fast

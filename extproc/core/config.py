@@ -104,6 +104,9 @@ class WarmConfig:
     # X-data-parallel-rank header, which vLLM (0.10+) and SGLang honour. false: the engine is the front end's
     # choice (vLLM: the least waiting x 4 + running), which the brain predicts from the last scrape
     steer_data_parallel: bool = True
+    # C3: seconds a replica takes to bring a LoRA adapter into a GPU slot (vLLM: from its CPU cache or disk). A
+    # request for an adapter prices it where the adapter is not in a slot, and more where every slot is in use
+    lora_load_s: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)

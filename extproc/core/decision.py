@@ -50,6 +50,8 @@ class Decision:
     # warm policy, a replica with several data-parallel engines: the engine priced (None: one engine)
     engine: int | None = None
     steer: bool = False  # True: the answer names the engine (X-data-parallel-rank)
+    model: str | None = None  # the served model it goes to (an alias resolved)
+    rewrite_model: bool = False  # the client named an alias: the body must name ``model`` instead
 
     @property
     def replica_name(self) -> str | None:

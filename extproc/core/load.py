@@ -55,6 +55,10 @@ class LoadSample:
     # per data-parallel engine (vLLM's engine label, SGLang's dp_rank): running, waiting, KV usage and cache
     # size of each, in rank order; None: one engine
     engines: "tuple[LoadSample, ...] | None" = None
+    # vllm:lora_requests_info's newest label set: the adapters in the batch and queued, and the GPU's adapter slots
+    lora_running: frozenset[str] | None = None
+    lora_waiting: frozenset[str] | None = None
+    max_lora: int | None = None
 
 
 class Rates:

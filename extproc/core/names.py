@@ -17,6 +17,7 @@ class Reason(enum.StrEnum):
     LOAD = "load"  # least-loaded (seed) or least cost (warm)
     FALLBACK = "fallback"  # step 5: nothing LIVE or PROBING, a random known replica
     NO_HEALTHY = "no_healthy_instances"  # nothing known: an immediate 503
+    UNKNOWN_MODEL = "model_not_found"  # no replica serves the body's model: an immediate 404 in vLLM's shape
 
 
 class PinKind(enum.StrEnum):

@@ -41,6 +41,8 @@ class RequestProfile:
     body_status: BodyStatus = BODY_ABSENT
     session_source: str | None = None  # e.g. "header:x-session-id", "body:metadata.thread_id"
     blocks: list[int] = ()  # C2: chained block hashes of the conversation (only for policies that read them)
+    model: str | None = None  # the body's "model" (a served model, an alias, or a LoRA adapter's name)
+    adapter: str | None = None  # the LoRA adapter it runs with (the catalog says which models are adapters)
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
@@ -169,6 +171,15 @@ def _model_of(body: bytes) -> str | None:
     return m.group(1).decode("utf-8", "replace") if m else None
 
 
+def replace_model(body: bytes, model: str) -> bytes | None:
+    """``body`` with its "model" value replaced (the one ``_model_of`` reads), without parsing it; None if none."""
+    for lo, hi in ((0, _HEAD), (max(0, len(body) - _HEAD), len(body))):
+        m = _MODEL_RE.search(body, lo, hi)
+        if m:
+            return body[:m.start(1)] + orjson.dumps(model)[1:-1] + body[m.end(1):]
+    return None
+
+
 def tenant_of(headers: Mapping[str, str], cfg: ProfileConfig) -> str | None:
     """The request's tenant (``cfg.tenant_source``); a credential is hashed at once and never kept."""
     name = cfg.tenant_reads()
@@ -233,15 +244,19 @@ def build_profile(
 
     blocks: list[int] = []
     start = 0
+    if status is BODY_OK:
+        model = doc.get("model") if isinstance(doc.get("model"), str) else None
+    else:
+        model = _model_of(body)
     if chains is not None:
         start = _conversation_start(body)
-        blocks = chains.chain(session_key, body, start, chain_seed(_model_of(body), tenant), start + cfg.chain_max_bytes,
+        blocks = chains.chain(session_key, body, start, chain_seed(model, tenant), start + cfg.chain_max_bytes,
                               cfg.chain_step_bytes)
     if status is not BODY_OK or chains is not None:
         # The warm policy needs neither the prefix key nor the text-only token count: the conversation's bytes
         # estimate its tokens the same way for every body, parsed or not (JSON adds a few percent).
         tokens = int((size - start) / cfg.chars_per_token)
-        return RequestProfile(session_key, None, tokens, status, session_source, blocks)
+        return RequestProfile(session_key, None, tokens, status, session_source, blocks, model)
 
     prefix_key = None
     sp = system_prompt(doc)
@@ -249,4 +264,4 @@ def build_profile(
         prefix_key = hash_key("prefix", tenant, sp[: cfg.prefix_chars])
 
     tokens = int(_body_chars(doc) / cfg.chars_per_token)
-    return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source, blocks)
+    return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source, blocks, model)

@@ -36,7 +36,7 @@ ablations are compositions (``make_policy("warm_no_guard")``).
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from .config import RouterConfig
@@ -57,7 +57,7 @@ class WarmReplica:
     """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped")
+                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None):
         w = cfg.warm
@@ -77,6 +77,9 @@ class WarmReplica:
         # False once the replica says it runs without prefix caching: nothing it served is there to be hit
         self.prefix_caching = True
         self.scraped: LoadSample | None = None  # one data-parallel engine's own gauges (None: the replica's)
+        self.lora: LoadSample | None = None  # the last scrape that said which LoRA adapters it runs (None: no LoRA)
+        # adapters this router sent here, least recently first: the last max_lora of them are likely in its slots
+        self.lora_sent: OrderedDict[str, None] = OrderedDict()
 
     def waiting(self, r: Replica) -> int:
         return self.scraped.waiting if self.scraped is not None else r.scraped_waiting
@@ -185,6 +188,8 @@ class WarmPolicy:
     def on_load(self, r: Replica, s: LoadSample, now: float) -> None:
         st = self.state_of(r)
         st.rates.update(s, now)
+        if s.max_lora is not None:
+            st.lora = s
         if s.cache_tokens and s.cache_tokens != st.cache_tokens:
             st.cache_tokens = s.cache_tokens
             st.index.resize(int(s.cache_tokens / self.tokens_per_block))
@@ -275,7 +280,24 @@ class WarmPolicy:
         waiting = st.waiting(r)
         if waiting:
             wait = max(wait, waiting * max(st.uncached_ewma, 1.0) / rate)
-        return _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine)
+        e = _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine)
+        if profile.adapter is not None:
+            e.lora = self._lora_s(self.state_of(r), profile.adapter, dec)
+        return e
+
+    def _lora_s(self, st: WarmReplica, adapter: str, dec: float) -> float:
+        """What bringing the request's LoRA adapter in costs on a replica (C3): nothing where it runs, waits or
+        was sent lately (still in a slot, the slots being least-recently-used); the load where a slot is free;
+        where every slot serves a running adapter, also the wait for one to drain (a typical decode)."""
+        s = st.lora
+        if s is None:
+            return 0.0  # no LoRA metrics: nothing known, nothing priced
+        busy = (s.lora_running or frozenset()) | (s.lora_waiting or frozenset())
+        cap = max(1, s.max_lora or 1)
+        if adapter in busy or adapter in list(st.lora_sent)[-cap:]:
+            return 0.0
+        load = self.cfg.warm.lora_load_s
+        return load if len(busy) < cap else load + st.rates.output_tokens * dec
 
     def _kv(self, e: "_Estimate", prompt: int, out_tokens: float, mine, session: bool, now: float) -> None:
         """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
@@ -313,7 +335,7 @@ class WarmPolicy:
         ests = [self._estimate(r, st, rate, dec, profile, pin, now, k)
                 for (r, st, k), rate, dec in zip(cands, prefill_rate, decode_s)]
         for e in ests:
-            e.ttft = e.wait + e.prefill
+            e.ttft = e.wait + e.lora + e.prefill
             if self.use_kv_risk:
                 self._kv(e, prompt, out_tokens, mine, profile.session_key is not None, now)
             e.cost += e.ttft
@@ -321,7 +343,7 @@ class WarmPolicy:
                 slower = e.dec - fastest_decode
                 if slower > _DECODE_NOISE * fastest_decode:
                     e.cost += w.decode_weight * out_tokens * slower
-            e.work = e.prefill + out_tokens * e.dec
+            e.work = e.lora + e.prefill + out_tokens * e.dec
         busy = min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)  # 1: queues everywhere
         if self.use_interference:
             # vLLM schedules running prefills before admitting new requests: whatever arrives at r during this
@@ -437,6 +459,12 @@ class WarmPolicy:
             d.reservation.engine = d.engine
         if self.use_index and profile.blocks and st.prefix_caching:
             st.index.insert(profile.blocks)
+        if profile.adapter is not None:
+            sent = self.state_of(d.replica).lora_sent
+            sent[profile.adapter] = None
+            sent.move_to_end(profile.adapter)
+            while len(sent) > 64:  # far more than any replica's slots
+                sent.popitem(last=False)
         if profile.session_key is not None:
             self._set_active(profile.session_key, st, profile.tokens, now)
 
@@ -451,6 +479,7 @@ class _Estimate:
     wait: float
     prefill: float
     engine: int | None = None  # the data-parallel engine priced (None: the replica has one)
+    lora: float = 0.0  # seconds to bring the request's LoRA adapter in
     fits: bool = True  # beside the active sessions' contexts, in the replica's cache
     ttft: float = 0.0
     cost: float = 0.0

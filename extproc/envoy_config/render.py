@@ -308,6 +308,14 @@ def routes(cfg: AppConfig) -> list[dict]:
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
         },
         {
+            # The fleet's models, not one replica's: the brain answers with the union of what every replica's
+            # /v1/models lists (and the aliases). Without the brain, a replica answers its own
+            "name": "warmroute_models",
+            "match": {"path": "/v1/models", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+            "route": fail_open,
+            "typed_per_filter_config": big_body_ext_proc(),
+        },
+        {
             "name": "warmroute_brain_choice",
             "match": {"prefix": "/", "headers": [
                 {"name": ROUTING_HEADER, "present_match": True},
@@ -530,7 +538,7 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
 
 
 def big_body_ext_proc() -> dict:
-    """``typed_per_filter_config`` of the big-body routes: ext_proc sends the headers, not the body."""
+    """``typed_per_filter_config`` of the big-body and models routes: ext_proc sends the headers, not the body."""
     return {
         EXT_PROC_FILTER: {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",

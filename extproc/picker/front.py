@@ -39,7 +39,7 @@ from ..contract import (
     SUBSET_NAMESPACE,
 )
 from ..core.profile import CONTENT_LENGTH
-from .messages import header_value, headers_of, openai_error
+from .messages import header_value, headers_of, model_not_found_response, openai_error
 
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"  # Envoy's attribute: the endpoint that served (response side)
 _FAULT_CODES = frozenset({502, 503, 504})
@@ -50,6 +50,8 @@ class PickResult(Protocol):
     reservation: Any  # what ``end`` releases (None with no pick)
     subset_empty: bool  # the gateway's subset named nothing the picker knows
     dp_rank: "int | None"  # the data-parallel engine of the pick (a header for the replica), or None
+    body: "bytes | None"  # the body to send instead (the model's alias rewritten), or None
+    unknown_model: "str | None"  # the body names a model no endpoint serves (answered 404), or None
 
 
 # (headers, body or None, the gateway's subset or None) -> the pick
@@ -90,11 +92,14 @@ def served_of(req: ep.ProcessingRequest) -> str | None:
 
 
 def destination_answer(endpoints: list[str], body_len: int | None, phase: str = "request_headers",
-                       dp_rank: int | None = None) -> ep.ProcessingResponse:
-    """The pick, as the protocol wants it: the header and the metadata carry the same value."""
+                       dp_rank: int | None = None, body: bytes | None = None) -> ep.ProcessingResponse:
+    """The pick, as the protocol wants it: the header and the metadata carry the same value. ``body``: the
+    buffered body's replacement (answering its ``request_body``)."""
     value = ",".join(endpoints)
     out = ep.ProcessingResponse()
     common = getattr(out, phase).response
+    if body is not None:
+        common.body_mutation.body = body
     common.header_mutation.set_headers.append(header_value(DESTINATION_HEADER, value))
     if dp_rank is not None:
         common.header_mutation.set_headers.append(header_value(DP_RANK_HEADER, str(dp_rank)))
@@ -159,6 +164,7 @@ class _Stream:
     status: int = 0
     first_byte_s: float | None = None
     ended: bool = False
+    new_body: bytes | None = None  # the body the pick rewrote (its model alias), sent instead of the client's
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -196,12 +202,16 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def _decide(self, st: _Stream, body: bytes | None, phase: str = "request_headers") -> ep.ProcessingResponse:
         st.answered = True
         p = self.pick(st.headers, body, st.subset)
+        if p.unknown_model is not None:
+            return model_not_found_response(p.unknown_model)
         if not p.endpoints:
             return no_endpoint(st.subset is not None and (p.subset_empty or not st.subset))
         st.reservation = p.reservation
         st.picked_at = self.clock()
-        return destination_answer(p.endpoints, len(body) if body is not None and phase == "request_headers" else None,
-                                  phase, p.dp_rank)
+        st.new_body = p.body
+        sent = p.body if p.body is not None else body
+        return destination_answer(p.endpoints, len(sent) if sent is not None and phase == "request_headers" else None,
+                                  phase, p.dp_rank, p.body if phase == "request_body" else None)
 
     def _step(self, st: _Stream, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         kind = req.WhichOneof("request")
@@ -229,7 +239,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 body = b"".join(st.body)
                 st.body = []
                 answer = self._decide(st, body)
-                return [answer] if answer.HasField("immediate_response") else [answer, *body_chunks(body, True)]
+                if answer.HasField("immediate_response"):
+                    return [answer]
+                return [answer, *body_chunks(st.new_body if st.new_body is not None else body, True)]
             if st.size > self.body_max_bytes:
                 answer = self._decide(st, None)
                 if answer.HasField("immediate_response"):
@@ -245,7 +257,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 answer = self._decide(st, body)
                 if answer.HasField("immediate_response"):
                     return [answer]
-                out += [answer, *body_chunks(body, False)]
+                out += [answer, *body_chunks(st.new_body if st.new_body is not None else body, False)]
             return [*out, _PASS[kind]]
         if kind == "response_headers":
             h = headers_of(req.response_headers)

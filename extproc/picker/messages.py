@@ -8,6 +8,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
+from ..core.models import not_found_body
+
 
 def header_value(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
@@ -21,6 +23,19 @@ def headers_of(msg: ep.HttpHeaders) -> dict[str, str]:
     for h in msg.headers.headers:
         out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
     return out
+
+
+def json_response(status: int, doc: dict, details: str) -> ep.ProcessingResponse:
+    """An immediate answer with a JSON body."""
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=ep.HeaderMutation(
+            set_headers=[header_value("content-type", "application/json")]),
+        body=json.dumps(doc).encode(), details=details))
+
+
+def model_not_found_response(model: str) -> ep.ProcessingResponse:
+    """No replica serves the body's model: 404 as vLLM itself answers it."""
+    return json_response(http_status_pb2.NotFound, not_found_body(model), "warmroute_model_not_found")
 
 
 def openai_error(status: int, message: str, kind: str, code: str, details: str,

@@ -124,7 +124,7 @@ def _conversation(turns: int, turn_bytes: int, system_bytes: int = 4000, seed: i
     out = []
     for k in range(turns):
         msgs.append({"role": "user", "content": "".join(rng.choices("abcdefgh ", k=turn_bytes // 2))})
-        out.append(orjson.dumps({"model": "m", "messages": msgs, "stream": True}))
+        out.append(orjson.dumps({"model": "mock-coder-30b", "messages": msgs, "stream": True}))
         msgs.append({"role": "assistant", "content": "x" * (turn_bytes // 2)})
     return out
 
@@ -175,7 +175,7 @@ def warm_costs() -> list[str]:
 
     worst, rows = [], []
     for size in (1_000, 100_000, 1_000_000, 8_000_000, 32_000_000):
-        b = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * size}]})
+        b = orjson.dumps({"model": "mock-coder-30b", "messages": [{"role": "user", "content": "y" * size}]})
         brain, _ = _brain("warm")
         first_sight = _decide_each(brain, [b], 1)[0]
         next_turn = _decide_each(brain, [b + b"  "], 1)[0]  # the same session, its history unchanged

@@ -132,7 +132,7 @@ class Load:
         turn = 0
         while not self._stop.is_set():
             turn += 1
-            body = orjson.dumps({"model": "m", "max_tokens": 4, "messages": [
+            body = orjson.dumps({"model": "mock-coder-30b", "max_tokens": 4, "messages": [
                 {"role": "system", "content": f"agent {w} task {turn // 5} " * 100},
                 {"role": "user", "content": f"turn {turn}"}]})
             req = urllib.request.Request(self.url + "/v1/chat/completions", body,

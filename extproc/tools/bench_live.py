@@ -123,7 +123,7 @@ def scaled_warmroute_config(speedup: float, policy: str | None = None) -> dict:
     return {
         **({"routing": {"policy": policy, "reservation_timeout_s": 3600.0 * k}} if policy else {}),
         "warm": {"load_refresh_s": 0.5 * k, "active_session_s": 60.0 * k, "rate_fresh_s": 60.0 * k,
-                 "arrival_window_s": 60.0 * k, "busy_wait_s": 1.0 * k,
+                 "arrival_window_s": 60.0 * k, "busy_wait_s": 1.0 * k, "lora_load_s": 0.5 * k,
                  # a mock replica at --speedup S really prefills and decodes S times faster
                  "prefill_tokens_per_s": 5000.0 * speedup, "decode_s_per_token": 0.03 * k},
         "health": {"scrape_interval_s": 3.0 * k, "probing_clean_window_s": 15.0 * k, "cooldown_base_s": 30.0 * k,

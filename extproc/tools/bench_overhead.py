@@ -79,7 +79,7 @@ def direct_front(ports: list[int]) -> dict:
 
 
 def body_of(size: int, i: int) -> bytes:
-    head = {"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "You are a coding agent. " * 4},
+    head = {"model": "mock-coder-30b", "max_tokens": 1, "messages": [{"role": "system", "content": "You are a coding agent. " * 4},
                                                          {"role": "user", "content": ""}]}
     base = len(json.dumps(head))
     head["messages"][1]["content"] = f"{i} " + "x" * max(0, size - base - 8)

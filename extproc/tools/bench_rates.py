@@ -63,7 +63,7 @@ async def _load(url: str, args, stop: asyncio.Event, sent: list[int]) -> None:
 
         async def one(prompt: str, max_tokens: int) -> None:
             try:
-                async with session.post(url + "/v1/completions", json={"model": "m", "prompt": prompt,
+                async with session.post(url + "/v1/completions", json={"model": "mock-coder-30b", "prompt": prompt,
                                                                         "max_tokens": max_tokens}) as resp:
                     await resp.read()
             except Exception:

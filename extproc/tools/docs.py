@@ -36,7 +36,26 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("discovery", DiscoveryConfig, "Where the replica set comes from: the file, DNS, or Kubernetes (kubernetes.md)."),
     ("", AppConfig, "Top-level fields."),
 )
-_NESTED = {"health", "pins", "profile", "warm", "router", "replicas", "brain", "envoy", "discovery", "source"}
+_NESTED = {"health", "pins", "profile", "warm", "router", "replicas", "brain", "envoy", "discovery", "source",
+           "aliases"}
+MODELS_SECTION = [
+    "## `models`",
+    "",
+    "Which model a request goes to. A request goes only to replicas serving its body's `model` (what their",
+    "`/v1/models` lists, or `replicas[].models`); a name none serves is answered 404 as vLLM answers it. An alias",
+    "maps a client's name to served names, weighted: each session keeps the target its key hashes to, the body's",
+    "`model` is rewritten to it, and `GET /v1/models` lists the alias beside the fleet's models.",
+    "",
+    "```yaml",
+    "models:",
+    "  aliases:",
+    "    coder: qwen3-coder-30b                    # one target",
+    "    chat:                                     # a canary: 10% of sessions",
+    "      - {model: llama-3.3-70b, weight: 90}",
+    "      - {model: llama-3.3-70b-ft, weight: 10}",
+    "```",
+    "",
+]
 _FIELD_RE = re.compile(r"^\s+([a-z_][a-z0-9_]*)\s*:\s*[^=]")
 
 
@@ -140,6 +159,7 @@ def config_reference() -> str:
                 cell = default if len(default) <= 40 else default[:37] + "...]"
                 out.append(f"| `{key}` | {tp} | `{cell}` | {meaning.replace('|', '/')} |")
         out.append("")
+    out += MODELS_SECTION
     long = [(k, d) for k, _, d, _ in rows if len(d) > 40]
     if long:
         out += ["## Long defaults", ""]

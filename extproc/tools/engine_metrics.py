@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,10 @@ class MetricDef:
     buckets: tuple[float, ...] = ()
 
 
-def _vllm_defs(old: bool, max_model_len: int) -> list[MetricDef]:
+LORA_INFO = "vllm:lora_requests_info"
+
+
+def _vllm_defs(old: bool, max_model_len: int, lora: bool = False) -> list[MetricDef]:
     L = ("model_name", "engine")
     tokens = buckets_1_2_5(max_model_len)
     kv = "vllm:gpu_cache_usage_perc" if old else "vllm:kv_cache_usage_perc"
@@ -117,6 +121,11 @@ def _vllm_defs(old: bool, max_model_len: int) -> list[MetricDef]:
         MetricDef("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
                   (*(VLLM_OLD_CACHE_FIELDS if old else VLLM_CACHE_FIELDS), "engine"), "start"),
     ]
+    if lora:
+        # a gauge set to the current time under the label set of the step's adapters: every set ever seen stays,
+        # the newest (largest value) is the present one
+        out.append(MetricDef(LORA_INFO, "gauge", "Running stats on lora requests.",
+                             ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), "step"))
     if not old:
         out += [
             MetricDef("vllm:prompt_tokens_by_source", "counter", "Number of prompt tokens by source.",
@@ -154,10 +163,11 @@ def _sglang_defs(dp: bool) -> list[MetricDef]:
 DIALECTS = ("vllm", "vllm-old", "sglang")
 
 
-def definitions(dialect: str, max_model_len: int = 32768, data_parallel: int = 1) -> list[MetricDef]:
+def definitions(dialect: str, max_model_len: int = 32768, data_parallel: int = 1, max_loras: int = 0) -> list[MetricDef]:
     if dialect == "sglang":
         return _sglang_defs(data_parallel > 1)
-    return _vllm_defs(dialect == "vllm-old", max_model_len)
+    # vLLM: "LoRA in DP mode is not supported yet" (no lora_requests_info with several engines)
+    return _vllm_defs(dialect == "vllm-old", max_model_len, lora=max_loras > 0 and data_parallel == 1)
 
 
 def _observe_many(h, value_each: float, n: int) -> None:
@@ -179,14 +189,15 @@ class Exporter:
     """One replica's /metrics in one engine's dialect, moved when that engine's code moves it."""
 
     def __init__(self, dialect: str, model: str, engines: int = 1, cache: CacheInfo | None = None,
-                 tp: int = 1, all_ranks: bool = False, max_model_len: int = 32768):
+                 tp: int = 1, all_ranks: bool = False, max_model_len: int = 32768, max_loras: int = 0,
+                 clock=time.time):
         self.dialect = dialect
         self.model = model
         self.engines = engines
         self.tp = tp if all_ranks else 1  # SGLang --enable-metrics-for-all-schedulers: a copy per TP rank
-        self._cache, self._max_model_len = cache, max_model_len
+        self._cache, self._max_model_len, self.max_loras, self.clock = cache, max_model_len, max_loras, clock
         self.registry = CollectorRegistry(auto_describe=True)
-        self.defs = {d.name: d for d in definitions(dialect, max_model_len, engines)}
+        self.defs = {d.name: d for d in definitions(dialect, max_model_len, engines, max_loras)}
         self.m = {}
         for d in self.defs.values():
             kw = {"buckets": d.buckets} if d.kind == "histogram" else {}
@@ -271,10 +282,17 @@ class Exporter:
             if delta > 0:
                 self.m[name].labels(**lv).inc(delta)
             self._exported[(k, name)] = total
+        self.lora_info(engine)
+
+    def lora_info(self, engine) -> None:
+        if LORA_INFO in self.defs:
+            self.m[LORA_INFO].labels(max_lora=str(self.max_loras), waiting_lora_adapters=",".join(engine.lora_waiting),
+                                     running_lora_adapters=",".join(engine.lora_running)).set(self.clock())
 
     def restarted(self) -> None:
         """The process came back: a new process's counters start again from 0."""
-        self.__init__(self.dialect, self.model, self.engines, self._cache, self.tp, self.tp > 1, self._max_model_len)
+        self.__init__(self.dialect, self.model, self.engines, self._cache, self.tp, self.tp > 1, self._max_model_len,
+                      self.max_loras, self.clock)
 
     def log_stats(self, k: int, engine, gen_throughput: float) -> None:
         """SGLang: the scheduler's gauges, moved only here (a prefill batch, or every decode_log_interval
@@ -344,7 +362,7 @@ class Exporter:
 # ---------------------------------------------------------------- fixtures
 
 
-def fixture(dialect: str, engines: int = 1, tp: int = 1) -> tuple[bytes, dict]:
+def fixture(dialect: str, engines: int = 1, tp: int = 1, max_loras: int = 0) -> tuple[bytes, dict]:
     """A /metrics text in the dialect's exact shape, after a fixed history of requests, and the numbers a
     parser must read from it (what the history put there)."""
     import prometheus_client
@@ -356,13 +374,15 @@ def fixture(dialect: str, engines: int = 1, tp: int = 1) -> tuple[bytes, dict]:
     # rendering differ, and no parser reads them
     prometheus_client.disable_created_metrics()
     try:
-        return _fixture(dialect, engines, tp, cache, EngineRequest)
+        return _fixture(dialect, engines, tp, cache, EngineRequest, max_loras)
     finally:
         prometheus_client.enable_created_metrics()
 
 
-def _fixture(dialect: str, engines: int, tp: int, cache: "CacheInfo", EngineRequest) -> tuple[bytes, dict]:
-    ex = Exporter(dialect, "served-model", engines, cache, tp=tp, all_ranks=tp > 1)
+def _fixture(dialect: str, engines: int, tp: int, cache: "CacheInfo", EngineRequest, max_loras: int) -> tuple[bytes, dict]:
+    clock = iter(range(1_800_000_000, 1_800_001_000))
+    ex = Exporter(dialect, "served-model", engines, cache, tp=tp, all_ranks=tp > 1, max_loras=max_loras,
+                  clock=lambda: float(next(clock)))
     want = {"running": 0, "waiting": 0, "kv": [], "prompt": 0, "cached": 0, "computed": 0, "generated": 0,
             "prefill_s": 0.0, "decode_s": 0.0, "done": 0, "first": 0, "cache_tokens": 10_000 * 16,
             "itl_s": 0.0, "itl_n": 0}
@@ -390,6 +410,11 @@ def _fixture(dialect: str, engines: int, tp: int, cache: "CacheInfo", EngineRequ
             want["first"] += 1
         eng.prefix_queries = eng.lookup_queries = sum(1000 + 100 * i for i in range(4 + k))
         eng.prefix_hits = eng.lookup_hits = sum(400 + 10 * i for i in range(4 + k))
+        if max_loras:  # an earlier step's adapters, then the present ones (the newer time)
+            before = _FixtureEngine(0, 0, 0.0)
+            before.lora_running, before.lora_waiting = ["a9"], []
+            ex.lora_info(before)
+            want["lora"] = (frozenset(eng.lora_running), frozenset(eng.lora_waiting), max_loras)
         ex.scheduled(k, eng)
         ex.log_stats(k, eng, 100.0)
     return ex.text(), want
@@ -400,6 +425,7 @@ class _FixtureEngine:
 
     def __init__(self, running: int, waiting: int, kv: float):
         self.num_running, self.num_waiting, self.kv_usage = running, waiting, kv
+        self.lora_running, self.lora_waiting = ["a1", "a2"], ["a3"]
         self.used_blocks = int(kv * 10_000)
         self.prefix_queries = self.prefix_hits = self.lookup_queries = self.lookup_hits = self.preemptions = 0
 
@@ -411,6 +437,7 @@ FIXTURES = {  # file name -> (dialect, data-parallel engines, tensor-parallel co
     "sglang-0.5.txt": ("sglang", 1, 1),
     "sglang-0.5-tp2-all-ranks.txt": ("sglang", 1, 2),
     "sglang-0.5-dp2.txt": ("sglang", 2, 1),
+    "vllm-0.11-lora.txt": ("vllm", 1, 1, 2),
 }
 
 
@@ -420,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.write)
     out.mkdir(parents=True, exist_ok=True)
-    for name, (dialect, dp, tp) in FIXTURES.items():
-        text, _ = fixture(dialect, dp, tp)
+    for name, spec in FIXTURES.items():
+        text, _ = fixture(*spec)
         (out / name).write_bytes(text)
         print(f"{out / name}: {len(text)} bytes")
     return 0

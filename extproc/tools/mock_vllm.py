@@ -30,10 +30,11 @@ import time
 from dataclasses import replace
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..core.blocks import BLOCK_CHARS, block_hashes
+from ..core.models import not_found_body
 from .engine_metrics import DIALECTS, SGLANG_DECODE_LOG_INTERVAL, CacheInfo, Exporter
 from .sim.engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 
@@ -121,9 +122,9 @@ class Driver:
         w.last_at = at
         w.queue.put_nowait((n, first))
 
-    def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int) -> Waiter:
+    def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int, lora: str | None = None) -> Waiter:
         self._next_rid += 1
-        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, self.now())
+        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, self.now(), lora=lora)
         w = Waiter(er)
         self.waiters[er.rid] = w
         self.engine.add(er)
@@ -227,8 +228,12 @@ class MockReplica:
         self.stall_s = 0.0
         self.rng = random.Random(args.seed)
         # --speed scales prefill and decode alike (a slower GPU); --speedup only compresses time for tests
+        # LoRA adapters it serves (vLLM --lora-modules), each listed in /v1/models with this model as parent
+        self.adapters = [a for a in (getattr(args, "lora_adapters", "") or "").split(",") if a]
+        max_loras = max(1, getattr(args, "max_loras", 1)) if self.adapters else 0
         self.engine_cfg = replace(EngineConfig(max_num_seqs=args.max_num_seqs).scaled(args.speed, args.kv_tokens),
-                                  prefix_caching=getattr(args, "prefix_caching", "on") == "on")
+                                  prefix_caching=getattr(args, "prefix_caching", "on") == "on", max_loras=max_loras,
+                                  lora_load_s=getattr(args, "lora_load_s", 0.0) if self.adapters else 0.0)
         self.dp = max(1, getattr(args, "data_parallel", 1))
         self.drivers = [self._driver(k) for k in range(self.dp)]
         self.site: web.TCPSite | None = None
@@ -238,7 +243,7 @@ class MockReplica:
         cache = CacheInfo(16, self.engine_cfg.num_blocks, self.engine_cfg.prefix_caching)
         self.exporter = Exporter(self.dialect if self.dialect != "none" else "vllm", self.model, self.dp, cache,
                                  tp=getattr(args, "tp", 1), all_ranks=getattr(args, "metrics_all_ranks", False),
-                                 max_model_len=self.engine_cfg.kv_tokens)
+                                 max_model_len=self.engine_cfg.kv_tokens, max_loras=max_loras)
         self._logged: list[tuple[int, int, int, float]] = [(0, 0, 0, 0.0)] * self.dp  # SGLang: last stats log
         # not an engine's metric: how late the mock's event loop delivered first tokens (wall seconds), so a
         # benchmark can tell the engine's time from the mock's own overhead; and the engine's true speeds
@@ -247,6 +252,8 @@ class MockReplica:
         self.h_lag = Histogram("mock:first_token_lag_seconds", "Wall time a first token reached its client after "
                                "its due time", registry=reg,
                                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.c_not_found = Counter("mock:model_not_found", "Requests refused for a model it does not serve",
+                                   registry=reg)
         self.g_truth = Gauge("mock:engine_truth", "The engine's true prefill and decode work, counted when done",
                              ["engine", "quantity"], registry=reg)
         for d in self.drivers:
@@ -303,7 +310,8 @@ class MockReplica:
             e, lv = d.engine, str(d.index)
             sp = self.args.speedup
             for q, v in (("prefill_tokens", e.true_prefill_tokens), ("prefill_seconds", e.true_prefill_seconds / sp),
-                         ("decode_tokens", e.true_decode_tokens), ("decode_seconds", e.true_decode_seconds / sp)):
+                         ("decode_tokens", e.true_decode_tokens), ("decode_seconds", e.true_decode_seconds / sp),
+                         ("lora_loads", e.lora_loads)):
                 self.g_truth.labels(engine=lv, quantity=q).set(v)
 
     # ------------------------------------------------------------------ http
@@ -327,8 +335,11 @@ class MockReplica:
         return web.Response(text="")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "owned_by": "warmroute-mock", "max_model_len": self.engine_cfg.kv_tokens}]})
+        base = {"id": self.model, "object": "model", "owned_by": "warmroute-mock", "root": self.model, "parent": None,
+                "max_model_len": self.engine_cfg.kv_tokens}
+        return web.json_response({"object": "list", "data": [base, *(
+            {"id": a, "object": "model", "owned_by": "warmroute-mock", "root": f"/adapters/{a}", "parent": self.model,
+             "max_model_len": self.engine_cfg.kv_tokens} for a in self.adapters)]})
 
     # ---- what other routers ask of a replica (vllm-router, sglang-router) --------------------
 
@@ -417,6 +428,11 @@ class MockReplica:
             await asyncio.sleep(self.stall_s)
         if chat and not isinstance(doc.get("messages"), list):
             return _error(400, "messages must be a list")
+        model = doc.get("model")
+        if model is not None and model != self.model and model not in self.adapters:  # OpenAIServing._check_model
+            self.c_not_found.inc()
+            return web.json_response(not_found_body(str(model)), status=404)
+        lora = model if model in self.adapters else None
         text = _prompt_text(doc)
         max_tokens = doc.get("max_completion_tokens") or doc.get("max_tokens") or self.args.default_max_tokens
         try:
@@ -432,11 +448,15 @@ class MockReplica:
         stream = bool(doc.get("stream"))
         include_usage = bool((doc.get("stream_options") or {}).get("include_usage"))
         return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage,
-                                    self.pick_engine(rank))
+                                    self.pick_engine(rank), lora)
 
-    async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver):
+    async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver, lora=None):
         t0 = time.monotonic()
-        waiter = driver.submit(text_blocks(text), prompt_tokens, max_tokens)
+        blocks = text_blocks(text)
+        if lora is not None:  # vLLM puts the adapter in its block hashes: an adapter's prefix is its own
+            salt = zlib.crc32(lora.encode()) << 16
+            blocks = [b ^ salt for b in blocks]
+        waiter = driver.submit(blocks, prompt_tokens, max_tokens, lora)
         rid = "cmpl-" + hashlib.md5(f"{t0}{self.rng.random()}".encode()).hexdigest()[:16]
         created = int(time.time())
         fp = self.args.name
@@ -605,6 +625,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data-parallel", type=int, default=1, help="engines behind one front end (vLLM "
                     "--data-parallel-size): each its own scheduler and KV cache of --kv-tokens, spread by vLLM's rule "
                     "or the X-data-parallel-rank header")
+    ap.add_argument("--lora-adapters", default="", help="comma-separated LoRA adapter names it serves (vLLM "
+                    "--lora-modules); a request names one as its model")
+    ap.add_argument("--max-loras", type=int, default=1, help="adapters on the GPU at once (vLLM --max-loras)")
+    ap.add_argument("--lora-load-s", type=float, default=0.5, help="engine seconds a step pays to bring an adapter "
+                    "into a GPU slot")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only what /metrics and /server_info say)")
     ap.add_argument("--metrics-all-ranks", action="store_true", help="SGLang --enable-metrics-for-all-schedulers: "
                     "every tensor-parallel rank exports a copy of its scheduler's gauges")

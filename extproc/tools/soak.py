@@ -63,7 +63,7 @@ class Load:
         return self._loop.sent
 
     async def _one(self, http, i: int) -> None:
-        body = {"model": "m", "max_tokens": 8, "messages": [
+        body = {"model": "mock-coder-30b", "max_tokens": 8, "messages": [
             {"role": "system", "content": f"You are agent {i % 4} for the monorepo. " * 60},
             {"role": "user", "content": f"unique session {i}: " + "context line\n" * 40}]}
         try:

@@ -56,7 +56,7 @@ def test_by_default_the_brain_s_grpc_is_a_socket_only_its_user_may_open(own_stac
         # and Envoy, the brain's user here, routes through it
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
         before = sum(r["decisions"] for r in s.state()["replicas"])
-        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert sum(r["decisions"] for r in s.state()["replicas"]) == before + 1
     finally:
         for p in Path(sock_dir).iterdir():
@@ -127,7 +127,7 @@ def test_over_tcp_the_brain_wants_mutual_tls_and_envoy_presents_its_certificate(
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
     before = sum(r["decisions"] for r in s.state()["replicas"])
     for _ in range(3):
-        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert sum(r["decisions"] for r in s.state()["replicas"]) == before + 3  # Envoy got through, over mTLS
     target = f"127.0.0.1:{s.brain_ports['grpc_port']}"
     ca = Path(pki["ca.pem"]).read_bytes()
@@ -144,7 +144,7 @@ def test_a_reservation_no_request_follows_expires_and_a_long_stream_keeps_its_ow
     s = own_stack(2, config={"envoy": {"access_log_periodic_s": 0.5}}, mock_args=["--speedup", "1"])
     s.wait_all_live(30)
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    stream = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "write a long story"}],
+    stream = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "write a long story"}],
                                        max_tokens=700, stream=True)
     it = iter(stream)
     next(it)  # streaming: Envoy logs it every 0.5 s from now on
@@ -190,7 +190,7 @@ def test_as_an_endpoint_picker_over_mutual_tls_and_the_health_probe_speaks_it(ow
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
     before = sum(r["decisions"] for r in s.state()["replicas"])
     for _ in range(3):
-        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     st = wait_for(lambda: (x := s.state())["open_reservations"] == 0 and x, 20, "the picks released")
     assert sum(r["decisions"] for r in st["replicas"]) == before + 3 and st["releases_by_response"] >= 3
     target = f"127.0.0.1:{s.brain_ports['grpc_port']}"

@@ -133,7 +133,7 @@ def test_the_request_id_is_envoys_own_not_the_clients(stack):
     quiet(stack)
     ids = []
     for _ in range(2):
-        status, headers, _ = raw_post(stack, json.dumps({"model": "m", "max_tokens": 2, "messages": [
+        status, headers, _ = raw_post(stack, json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [
             {"role": "user", "content": "same id"}]}).encode(), {"x-request-id": "client-chosen"})
         assert status == 200
         ids.append({k.lower(): v for k, v in headers.items()}["x-request-id"])
@@ -155,7 +155,7 @@ def test_a_gzip_body_is_inflated_before_the_brain_and_a_bomb_is_a_413(stack):
     import gzip
 
     quiet(stack)
-    body = json.dumps({"model": "m", "max_tokens": 2, "conversation_id": "gzip-conv",
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "conversation_id": "gzip-conv",
                        "messages": [{"role": "user", "content": "compressed " * 20000}]}).encode()
     before = stack.state()["bodies"]
     status, _, out = raw_post(stack, gzip.compress(body), {"content-encoding": "gzip"})
@@ -198,7 +198,7 @@ def test_streaming_passes_through_chunk_by_chunk(own_stack):
     c = client(s)
     t0 = time.monotonic()
     arrivals = []
-    for chunk in c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=40, stream=True):
+    for chunk in c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}], max_tokens=40, stream=True):
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.monotonic() - t0)
     assert len(arrivals) == 40
@@ -213,20 +213,20 @@ def test_every_reservation_is_released_after_disconnects_and_cut_streams(own_sta
     async def run():
         async with aiohttp.ClientSession() as http:
             async def full(i, stream):
-                body = {"model": "m", "max_tokens": 20, "stream": stream,
+                body = {"model": "mock-coder-30b", "max_tokens": 20, "stream": stream,
                         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}" * 300}]}
                 async with http.post(s.url + "/v1/chat/completions", json=body, headers={"x-session-id": f"s{i % 7}"}) as r:
                     assert r.status == 200
                     await r.read()
 
             async def cut_mid_stream(i):
-                body = {"model": "m", "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "long"}]}
+                body = {"model": "mock-coder-30b", "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "long"}]}
                 async with http.post(s.url + "/v1/chat/completions", json=body) as r:
                     await r.content.readline()  # first SSE line, then hang up
                     r.close()
 
             async def disconnect_before_response(i):
-                body = {"model": "m", "max_tokens": 200, "messages": [{"role": "user", "content": "slow " * 100}]}
+                body = {"model": "mock-coder-30b", "max_tokens": 200, "messages": [{"role": "user", "content": "slow " * 100}]}
                 try:
                     async with http.post(s.url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.15)) as r:
                         await r.read()
@@ -324,7 +324,7 @@ def test_reservations_of_a_killed_envoy_are_released_within_seconds_and_never_tw
 
     def long_stream(i):
         try:
-            for _ in c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"long {i}"}],
+            for _ in c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": f"long {i}"}],
                                                max_tokens=2000, stream=True):
                 pass
         except Exception:
@@ -353,7 +353,7 @@ def test_reservations_of_a_killed_envoy_are_released_within_seconds_and_never_tw
 
 def test_503_with_json_and_retry_after_when_no_replica_is_known(own_stack):
     s = own_stack(0)
-    status, headers, body = raw_post(s, json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode())
+    status, headers, body = raw_post(s, json.dumps({"model": "mock-coder-30b", "messages": [{"role": "user", "content": "hi"}]}).encode())
     assert status == 503
     assert headers.get("retry-after") or headers.get("Retry-After")
     err = json.loads(body)["error"]

@@ -27,7 +27,7 @@ def post(s, body: bytes, headers: dict | None = None, path="/v1/chat/completions
 
 def raw_post(s, session: bytes) -> tuple[int, str]:
     """A request whose session header carries bytes that are not UTF-8 (urllib would refuse to send them)."""
-    body = b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]}'
+    body = b'{"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]}'
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nx-session-id: " + session
             + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n")
     port = int(s.url.rsplit(":", 1)[1])
@@ -64,7 +64,7 @@ def test_a_replica_that_answers_html_with_200_is_counted_failed_but_at_most_the_
     s.wait_all_live(30)
     for r in s.replicas[:2]:
         http_post_json(r.url + "/admin/fault", {"html": True})
-    ok = b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
+    ok = b'{"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
     sent = iter(range(10_000))
 
     def one_more_then_ejected():

@@ -86,7 +86,7 @@ def test_the_brain_started_from_the_image_routes_a_request(image, tmp_path):
         assert proc.poll() is None, (tmp_path / "brain.log").read_text()[-2000:]
         s.brain_ports = {"grpc_port": grpc_port}
         s.start_envoy()
-        body = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        body = json.dumps({"model": "mock-coder-30b", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
         req = urllib.request.Request(s.url + "/v1/chat/completions", body, {"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
             answer = json.loads(r.read())

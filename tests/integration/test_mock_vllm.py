@@ -43,12 +43,12 @@ def test_chat_streamed_and_not_with_usage_and_completions(replica):
     out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi " * 100}], max_tokens=12)
     assert out.choices[0].message.content.split() == ["tok"] * 12
     assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == 75
-    chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+    chunks = list(c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}], max_tokens=7,
                                             stream=True, stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text.split() == ["tok"] * 7
     assert chunks[-1].usage.completion_tokens == 7 and not chunks[-1].choices
-    legacy = c.completions.create(model="m", prompt="def f():", max_tokens=5)
+    legacy = c.completions.create(model="mock-coder-30b", prompt="def f():", max_tokens=5)
     assert legacy.choices[0].text.split() == ["tok"] * 5
     assert [m.id for m in c.models.list().data] == ["mock-coder-30b"]
     assert http_get(r.url + "/health") == b""
@@ -57,9 +57,9 @@ def test_chat_streamed_and_not_with_usage_and_completions(replica):
 def test_a_shared_prefix_hits_the_prefix_cache(replica):
     r = replica("--speedup", "20")
     c = client(r.url)
-    first = c.chat.completions.create(model="m", messages=[{"role": "system", "content": SYSTEM},
+    first = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "system", "content": SYSTEM},
                                                            {"role": "user", "content": "task one"}], max_tokens=2)
-    second = c.chat.completions.create(model="m", messages=[{"role": "system", "content": SYSTEM},
+    second = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "system", "content": SYSTEM},
                                                             {"role": "user", "content": "another task"}], max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens >= len(SYSTEM) // 4 - 16
@@ -90,7 +90,7 @@ def test_requests_queue_when_the_batch_is_full(replica):
     r = replica("--max-num-seqs", "1", "--speedup", "1")
     c = client(r.url)
     threads = [threading.Thread(target=lambda: c.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "x"}], max_tokens=40)) for _ in range(3)]
+        model="mock-coder-30b", messages=[{"role": "user", "content": "x"}], max_tokens=40)) for _ in range(3)]
     for t in threads:
         t.start()
     wait_for(lambda: value(r.url, "vllm:num_requests_waiting") >= 1 and value(r.url, "vllm:num_requests_running") == 1,
@@ -105,7 +105,7 @@ def test_fault_injection_5xx_down_and_die_and_come_back(replica):
     c = client(r.url)
     http_post_json(r.url + "/admin/fault", {"fail_rate": 1.0})
     with pytest.raises(openai.APIStatusError) as e:
-        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert e.value.status_code == 503
     http_post_json(r.url + "/admin/fault", {"fail_rate": 0.0, "healthy": False})
     with pytest.raises(urllib.error.HTTPError) as e2:
@@ -122,7 +122,7 @@ def test_fault_injection_5xx_down_and_die_and_come_back(replica):
 
     wait_for(refused, 5, "connections refused while dead")
     wait_for(lambda: http_get(r.url + "/health", timeout=0.5) == b"", 10, "the replica back")
-    out = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert out.choices[0].message.content
 
 
@@ -143,7 +143,7 @@ def test_flap_flags_make_it_die_and_return_on_a_timer(replica):
 
 def test_a_prompt_longer_than_the_kv_cache_is_refused_with_400(replica):
     r = replica("--kv-tokens", "1000")
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 8000}], "max_tokens": 4}).encode()
+    body = json.dumps({"model": "mock-coder-30b", "messages": [{"role": "user", "content": "x" * 8000}], "max_tokens": 4}).encode()
     req = urllib.request.Request(r.url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
@@ -162,7 +162,7 @@ def test_the_counters_a_router_learns_rates_from_and_a_slower_speed_shows_in_the
         assert first.ok and first.sample.cache_tokens == (300_000 if r is fast else 160_000)
         c = client(r.url)
         for i in range(6):  # distinct long prompts: mostly uncached prefill
-            c.chat.completions.create(model="m", max_tokens=40, messages=[
+            c.chat.completions.create(model="mock-coder-30b", max_tokens=40, messages=[
                 {"role": "user", "content": f"request {i} " + "new text to prefill. " * 3000}])
         last = parse_vllm_metrics(http_get(r.url + "/metrics").decode())
         s = last.sample

@@ -24,7 +24,7 @@ def names_in(text: str) -> set[str]:
 
 
 def test_dashboard_and_alert_metrics_exist_in_live_scrapes(stack):
-    body = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "system", "content": "s" * 500},
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "system", "content": "s" * 500},
                                                                    {"role": "user", "content": "u"}]}).encode()
     for _ in range(3):
         req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})

@@ -89,7 +89,7 @@ def test_buffered_bodies_fail_open_at_once_and_keep_the_streams_in_flight(own_st
         c = client(s, **{"x-session-id": "long"})
         msgs = [{"role": "user", "content": "write a lot"}]
         n = 0
-        for chunk in c.chat.completions.create(model="m", messages=msgs, max_tokens=120, stream=True):
+        for chunk in c.chat.completions.create(model="mock-coder-30b", messages=msgs, max_tokens=120, stream=True):
             if chunk.choices and chunk.choices[0].delta.content:
                 n += 1
         streamed.append(n)

@@ -66,7 +66,7 @@ def test_alerts_fire_for_a_crystallizing_fleet_and_a_flapping_replica(own_stack,
         wait_for(lambda: http_get(api + "/-/ready") is not None, 30, "Prometheus ready", prom)
 
         # one shared system prompt, a new session each time: the prefix pin holds one replica
-        body = json.dumps({"model": "m", "max_tokens": 2, "messages": [
+        body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [
             {"role": "system", "content": "You are the one shared agent prompt. " * 40}, {"role": "user", "content": "go"}]}).encode()
 
         def traffic():

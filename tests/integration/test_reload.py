@@ -34,7 +34,7 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
     served = set()
     while "r1" not in served:
         sid = f"sess-{len(served)}-{os.getpid()}"
-        out = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                         extra_headers={"x-session-id": sid})
         served.add(out.system_fingerprint)
         quiet(s)
@@ -43,7 +43,7 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
     result = {}
 
     def long_stream():
-        chunks = list(c.chat.completions.create(model="m", messages=[{"role": "user", "content": "long"}],
+        chunks = list(c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "long"}],
                                                 max_tokens=150, stream=True, extra_headers={"x-session-id": pinned_sid}))
         result["tokens"] = sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content)
 
@@ -69,7 +69,7 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
     assert result.get("tokens") == 150  # the stream that was running on r1 finished whole
     assert s.envoy.alive() and s.brain.alive()
     quiet(s)
-    out = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+    out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                     extra_headers={"x-session-id": pinned_sid})
     assert out.system_fingerprint in ("r0", "r2")  # the pin to the removed replica rebinds
     assert json.loads(http_get(s.brain_admin + f"/pins/session/{pinned_sid}"))["replica"] == out.system_fingerprint

@@ -88,7 +88,7 @@ def test_snippets_merged_into_a_foreign_bootstrap_route_through_the_brain(own_st
     for i in range(4):
         quiet(s)
         out = post(s.url + "/v1/chat/completions",
-                   {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": f"q{i}"}]},
+                   {"model": "mock-coder-30b", "max_tokens": 4, "messages": [{"role": "user", "content": f"q{i}"}]},
                    {"x-session-id": "foreign-1", "x-warmroute-cluster": "r2"})
         served.append(out["system_fingerprint"])
     assert len(set(served)) == 1  # sticky: the brain decided

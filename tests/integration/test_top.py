@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def test_top_shows_states_pins_shares_and_last_changes(own_stack):
     s = own_stack(2)
     s.wait_all_live(30)
-    body = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "u"}]}).encode()
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "u"}]}).encode()
     for i in range(6):
         req = urllib.request.Request(s.url + "/v1/chat/completions", data=body,
                                      headers={"content-type": "application/json", "x-session-id": f"t{i}"})

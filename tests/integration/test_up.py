@@ -43,7 +43,7 @@ def test_warmroute_up_restarts_a_killed_brain_and_says_so():
         assert new_pid != pid
 
         def decided_by_new_brain() -> bool:
-            body = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+            body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
             req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
             urllib.request.urlopen(req, timeout=30).read()  # served all along: fail-open, then the brain
             st = json.loads(urllib.request.urlopen(admin + "/state", timeout=5).read())

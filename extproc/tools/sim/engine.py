@@ -52,6 +52,11 @@ class EngineConfig:
     prefill_s_per_token: float = 1 / 6000
     # vLLM's --no-enable-prefix-caching: every prompt is computed whole, no block outlives its sequence
     prefix_caching: bool = True
+    # LoRA (vLLM --enable-lora --max-loras N): N adapter slots on the GPU; the requests of one step use at most N
+    # adapters (vLLM's scheduler skips a waiting request whose adapter would be one too many), and a step that
+    # brings an adapter into a slot pays lora_load_s for it (0 slots: LoRA off)
+    max_loras: int = 0
+    lora_load_s: float = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -87,6 +92,7 @@ class EngineRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def context(self) -> int:
@@ -121,6 +127,8 @@ class Engine:
         # admit a request, so a request that waits for KV is counted again on every step it waits
         self.lookup_queries = 0
         self.lookup_hits = 0
+        self.lora_slots: OrderedDict[str, None] = OrderedDict()  # adapters on the GPU, least recently used first
+        self.lora_loads = 0  # adapters brought into a slot
         self.steps = 0  # scheduler steps run (a decode run counts each of its steps): SGLang logs stats by them
         self.prefill_steps = 0  # steps that computed prompt tokens (SGLang refreshes its gauges on each)
         # the engine's true speeds, counted when they happen (not when a request finishes, as vLLM reports
@@ -282,6 +290,50 @@ class Engine:
 
     # ------------------------------------------------------------------- step
 
+    def _admit_lora(self, now: float, budget: int, prefilling: list) -> tuple[int, int]:
+        """Admission with LoRA, as vLLM v1's scheduler does it: in queue order, a request whose adapter would make
+        one adapter too many in the batch is skipped (it keeps its place) and the next one is tried; an adapter
+        not in a slot takes a free one, or the least recently used slot no running request needs."""
+        cfg = self.cfg
+        in_batch = {r.lora for r in self.running if r.lora is not None}
+        loads = 0
+        skipped: list[EngineRequest] = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.waiting[0].arrival <= now + 1e-9:
+            r = self.waiting[0]
+            if r.lora is not None and r.lora not in in_batch and len(in_batch) >= cfg.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
+            if not self._admit(r):
+                break
+            self.waiting.popleft()
+            if r.lora is not None:
+                if r.lora in self.lora_slots:
+                    self.lora_slots.move_to_end(r.lora)
+                else:
+                    if len(self.lora_slots) >= cfg.max_loras:
+                        idle = next(a for a in self.lora_slots if a not in in_batch)
+                        del self.lora_slots[idle]
+                    self.lora_slots[r.lora] = None
+                    self.lora_loads += 1
+                    loads += 1
+                in_batch.add(r.lora)
+            self.running.append(r)
+            if r.scheduled_at is None:
+                r.scheduled_at = now
+            chunk = min(r.prompt_tokens - r.computed, budget)  # >= 1: the last token is always computed
+            prefilling.append((r, chunk))
+            budget -= chunk
+        self.waiting.extendleft(reversed(skipped))
+        return budget, loads
+
+    @property
+    def lora_running(self) -> list[str]:
+        return sorted({r.lora for r in self.running if r.lora is not None})
+
+    @property
+    def lora_waiting(self) -> list[str]:
+        return sorted({r.lora for r in self.waiting if r.lora is not None})
+
     def cut_run(self, now: float) -> float | None:
         """A request arrived during a run of repeated decode steps (``step``'s horizon): vLLM admits it at the
         next step boundary, so the run ends there. Returns the run's new end, or None if it is not cut."""
@@ -328,7 +380,11 @@ class Engine:
                 budget -= chunk
         # admit from the queue while there is room; never a request that arrives after this step starts (a mock
         # whose engine clock is behind the wall clock catches up before it admits what came later)
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.waiting[0].arrival <= now + 1e-9:
+        loads = 0
+        if cfg.max_loras:
+            budget, loads = self._admit_lora(now, budget, prefilling)
+        while not cfg.max_loras and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs \
+                and self.waiting[0].arrival <= now + 1e-9:
             r = self.waiting[0]
             if not self._admit(r):
                 break
@@ -347,6 +403,7 @@ class Engine:
         if n == 0:
             return 0.0, [], []
         dur = cfg.step_base_s + cfg.step_per_seq_s * n + cfg.prefill_s_per_token * prefill_tokens + cfg.kv_read_s_per_ktoken * kv_read / 1000
+        dur += loads * cfg.lora_load_s
 
         repeat = 1
         self._run = None

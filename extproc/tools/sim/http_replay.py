@@ -17,6 +17,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 
@@ -44,12 +45,14 @@ def system_texts(n_projects: int, tokens: list[int], seed: int) -> list[str]:
     return out
 
 
-async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[str], model: str,
-               res: ReplayResult, t0: float, timeout: float) -> None:
+async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[str], model: "str | Callable",
+               res: ReplayResult, t0: float, timeout: float, extra_headers: "Callable | None" = None) -> None:
     system, user = text_for(req, texts)
-    body = {"model": model, "stream": True, "max_tokens": req.max_tokens, "stream_options": {"include_usage": True},
+    body = {"model": model if isinstance(model, str) else model(req), "stream": True, "max_tokens": req.max_tokens, "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
     headers = {} if req.oneshot else {"x-session-id": f"sess-{req.sid}"}
+    if extra_headers is not None:
+        headers.update(extra_headers(req))
     start = time.monotonic()
     res.sent += 1
     try:
@@ -84,9 +87,11 @@ async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[
         res.lost += 1
 
 
-async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 10.0, model: str = "mock-coder-30b",
-                 timeout: float = 300.0, concurrency_limit: int = 512) -> ReplayResult:
-    """Run the workload of ``cfg`` (its minutes divided by ``speedup``) against ``url``."""
+async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 10.0,
+                 model: "str | Callable[[Request], str]" = "mock-coder-30b", timeout: float = 300.0,
+                 concurrency_limit: int = 512, extra_headers: "Callable[[Request], dict] | None" = None) -> ReplayResult:
+    """Run the workload of ``cfg`` (its minutes divided by ``speedup``) against ``url``. ``model``: one name, or
+    each request's (a fleet of several models); ``extra_headers``: each request's more headers."""
     wl = Workload(cfg, seed)
     texts = system_texts(cfg.projects, wl.system_tokens, seed)
     res = ReplayResult()
@@ -102,14 +107,14 @@ async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 
                 if req is None:
                     return
                 res.requests.append(req)
-                await _one(http, url, req, texts, model, res, t0, timeout)
+                await _one(http, url, req, texts, model, res, t0, timeout, extra_headers)
                 think = wl.after_answer(s, req) / speedup
                 await asyncio.sleep(think)
 
         async def oneshot(start_at: float, req: Request) -> None:
             await asyncio.sleep(max(0.0, start_at - (time.monotonic() - t0)))
             res.requests.append(req)
-            await _one(http, url, req, texts, model, res, t0, timeout)
+            await _one(http, url, req, texts, model, res, t0, timeout, extra_headers)
 
         # sessions and one-shots are drawn up front, in arrival order: every contender gets the same stream
         jobs = []

@@ -1,0 +1,88 @@
+"""LoRA adapters: the engine's adapter slots as vLLM schedules them, and the brain preferring replicas that hold
+a request's adapter, then those with a free slot (SPEC issue 21 "LoRA adapters")."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from extproc.core import HealthConfig, LoadSample, RouterConfig
+from extproc.tools.sim.engine import Engine, EngineConfig, EngineRequest
+
+from .helpers import chain, live_router, prof
+
+WARM = RouterConfig(policy="warm", health=HealthConfig(stale_scrape_intervals=1e9))
+
+
+def run(engine: Engine, until: float) -> float:
+    t = 0.0
+    while engine.busy and t < until:
+        dur, _, _ = engine.step(t)
+        t += dur if dur > 0 else 0.001
+    return t
+
+
+def test_the_batch_holds_at_most_max_loras_adapters_and_a_skipped_request_keeps_its_place():
+    e = Engine(EngineConfig(max_loras=1, lora_load_s=0.5))
+    a = EngineRequest(1, list(range(10)), 160, 50, 0.0, lora="a")
+    b = EngineRequest(2, list(range(100, 110)), 160, 50, 0.0, lora="b")
+    base = EngineRequest(3, list(range(200, 210)), 160, 50, 0.0)
+    a2 = EngineRequest(4, list(range(300, 310)), 160, 50, 0.0, lora="a")
+    for r in (a, b, base, a2):
+        e.add(r)
+    dur, _, _ = e.step(0.0)
+    assert {r.rid for r in e.running} == {1, 3, 4}  # b skipped: one adapter slot, taken by a; the base model runs
+    assert [r.rid for r in e.waiting] == [2] and e.lora_loads == 1
+    assert dur >= 0.5  # the step that brought a in paid its load
+    assert e.lora_running == ["a"] and e.lora_waiting == ["b"]
+    run(e, 100.0)
+    assert b.finished_at is not None and b.scheduled_at >= a.finished_at and e.lora_loads == 2
+
+
+def test_an_adapter_in_its_slot_loads_once():
+    e = Engine(EngineConfig(max_loras=2, lora_load_s=0.5))
+    for i in range(6):
+        e.add(EngineRequest(i, list(range(i * 20, i * 20 + 10)), 160, 10, 0.0, lora=("a", "b")[i % 2]))
+    run(e, 100.0)
+    assert e.lora_loads == 2
+
+
+def test_without_adapters_the_engine_schedules_as_before():
+    cfg = EngineConfig()
+    assert cfg.max_loras == 0
+    e = Engine(cfg)
+    for i in range(3):
+        e.add(EngineRequest(i, list(range(i * 20, i * 20 + 10)), 160, 10, 0.0))
+    run(e, 10.0)
+    assert e.lora_loads == 0 and e.finished == 3
+
+
+def _router():
+    router, t = live_router(3, WARM)
+    for name, running in (("r0", {"a"}), ("r1", set()), ("r2", {"b", "c"})):
+        router.on_load(name, LoadSample(1, 0, 0.1, lora_running=frozenset(running), lora_waiting=frozenset(),
+                                        max_lora=2), t)
+    return router, t
+
+
+def pick(router, t, adapter, session):
+    p = dataclasses.replace(prof(session=session, tokens=2000, blocks=chain(session, session, 2000)), adapter=adapter)
+    return router.select(p, t)
+
+
+def test_a_request_goes_where_its_adapter_runs_then_where_a_slot_is_free():
+    router, t = _router()
+    assert pick(router, t, "a", "s1").replica.name == "r0"  # running there: no load
+    # d: not loaded anywhere; r0 and r1 have a free slot, r2's two slots serve running adapters
+    e = router.policy
+    st1, st2 = e.state_of(router.replicas[1]), e.state_of(router.replicas[2])
+    assert e._lora_s(st2, "d", 0.03) > e._lora_s(st1, "d", 0.03) > 0
+    assert pick(router, t, "d", "s2").replica.name in ("r0", "r1")
+
+
+def test_an_adapter_sent_lately_is_taken_as_still_in_its_slot():
+    router, t = _router()
+    first = pick(router, t, "e", "s3")
+    router.release(first.reservation, t)
+    st = router.policy.state_of(first.replica)
+    assert router.policy._lora_s(st, "e", 0.03) == 0.0
+    assert pick(router, t + 1, "e", "s4").replica is first.replica

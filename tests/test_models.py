@@ -1,0 +1,154 @@
+"""Several models in one fleet: each request goes only to replicas that serve its body's model, a model none
+serves is answered as vLLM answers it, GET /v1/models lists the fleet's, and aliases map a client's name to
+served names (weighted, for canaries)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import orjson
+import pytest
+
+from extproc.config import ConfigError, parse_config
+from extproc.contract import METADATA_NAMESPACE
+from extproc.core.models import ModelCatalog, Target
+from extproc.core.profile import build_profile, replace_model
+from extproc.core.config import ProfileConfig
+from extproc.picker.front import EndpointPicker
+
+from .helpers import live_brain
+
+REPLICAS = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(4)]
+
+
+def catalog(**aliases) -> ModelCatalog:
+    c = ModelCatalog(aliases, seed=1)
+    c.configure({"r0": (), "r1": (), "r2": (), "r3": ()})
+    for name, models in (("r0", ["coder"]), ("r1", ["coder"]), ("r2", ["chat", "chat-ft"]), ("r3", ["chat"])):
+        c.learned(name, [{"id": m, "object": "model"} for m in models])
+    return c
+
+
+def test_a_request_goes_only_to_replicas_serving_its_model():
+    c = catalog()
+    assert c.resolve("coder").replicas == {"r0", "r1"}
+    assert c.resolve("chat").replicas == {"r2", "r3"}
+    assert c.resolve(None).replicas is None  # no model named: anywhere (vLLM serves its own)
+    assert c.resolve("nope").unknown
+
+
+def test_a_replica_whose_models_are_not_known_yet_may_take_a_model_no_known_replica_serves():
+    c = catalog()
+    c.configure({"r0": (), "r1": (), "r2": (), "r3": (), "r4": ()})  # r4 new: not scraped yet
+    assert c.resolve("coder").replicas == {"r0", "r1"}  # known servers first
+    assert c.resolve("nope").replicas == {"r4"}  # not refused while a replica could still serve it
+    c.learned("r4", [])
+    assert c.resolve("nope").unknown
+
+
+def test_configured_models_are_not_overwritten_by_scrapes_and_a_failed_read_keeps_the_last_list():
+    c = ModelCatalog()
+    c.configure({"r0": ("base",), "r1": ()})
+    c.learned("r0", [{"id": "other"}])
+    c.learned("r1", [{"id": "chat"}])
+    c.learned("r1", None)  # /v1/models could not be read this time
+    assert c.resolve("base").replicas == {"r0"} and c.resolve("chat").replicas == {"r1"}
+
+
+def test_an_alias_splits_sessions_by_weight_and_keeps_each_session_on_its_target():
+    c = catalog(assistant=(Target("chat", 90.0), Target("chat-ft", 10.0)))
+    picks = Counter(c.resolve("assistant", f"s{i}".encode()).model for i in range(2000))
+    assert 0.85 < picks["chat"] / 2000 < 0.95 and picks["chat-ft"] > 0
+    first = c.resolve("assistant", b"s7")
+    assert all(c.resolve("assistant", b"s7").model == first.model for _ in range(20))
+    r = c.resolve("assistant", b"s1")
+    assert r.rewritten and r.replicas == ({"r2"} if r.model == "chat-ft" else {"r2", "r3"})
+
+
+def test_the_union_lists_each_model_once_and_the_aliases_whose_targets_exist():
+    c = catalog(assistant=(Target("chat", 1.0),), ghost=(Target("gone", 1.0),))
+    assert [m["id"] for m in c.union()] == ["assistant", "chat", "chat-ft", "coder"]
+
+
+def test_the_body_s_model_is_read_parsed_or_not_and_rewritten_in_place():
+    body = orjson.dumps({"model": "assistant", "messages": [{"role": "user", "content": "x" * 10}]})
+    assert build_profile({}, body, ProfileConfig()).model == "assistant"
+    big = ProfileConfig(parse_max_bytes=10)  # not parsed: read from its head
+    assert build_profile({}, body, big).model == "assistant"
+    new = replace_model(body, "chat-ft")
+    assert json.loads(new) == {**json.loads(body), "model": "chat-ft"}
+    assert replace_model(b'{"messages": []}', "x") is None
+
+
+def test_aliases_in_the_config_and_their_errors():
+    cfg = parse_config({"replicas": REPLICAS[:1], "models": {"aliases": {
+        "coder": "qwen", "chat": [{"model": "a", "weight": 9}, {"model": "b", "weight": 1}]}}})
+    assert dict(cfg.aliases) == {"coder": (Target("qwen", 1.0),), "chat": (Target("a", 9.0), Target("b", 1.0))}
+    for bad, field in (({"aliases": {"x": [{"model": "a", "weight": 0}]}}, "models.aliases.x[0].weight"),
+                       ({"aliases": {"x": []}}, "models.aliases.x"), ({"alias": {}}, "models.alias"),
+                       ({"aliases": {"x": [{"name": "a"}]}}, "models.aliases.x[0]")):
+        with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            parse_config({"replicas": REPLICAS[:1], "models": bad})
+    with pytest.raises(ConfigError, match=r"replicas\[0\].models"):
+        parse_config({"replicas": [{**REPLICAS[0], "models": "coder"}]})
+
+
+def _brain(**models_cfg):
+    reps = [{**REPLICAS[0], "models": ["coder"]}, {**REPLICAS[1], "models": ["coder"]},
+            {**REPLICAS[2], "models": ["chat"]}, {**REPLICAS[3], "models": ["chat", "chat-ft"]}]
+    return live_brain(parse_config({"replicas": reps, **({"models": models_cfg} if models_cfg else {})}))
+
+
+def _cluster(out) -> str:
+    return out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields["cluster"].string_value
+
+
+def test_the_brain_routes_by_model_answers_404_as_vllm_does_and_lists_the_union():
+    brain = _brain()
+    for i in range(20):
+        body = orjson.dumps({"model": "chat", "messages": [{"role": "user", "content": f"q{i}"}]})
+        assert _cluster(brain.decide({"x-session-id": f"s{i}"}, body)) in ("r2", "r3")
+    out = brain.decide({}, orjson.dumps({"model": "nope", "messages": []}))
+    assert out.immediate_response.status.code == 404
+    assert json.loads(out.immediate_response.body) == {"error": {
+        "message": "The model `nope` does not exist.", "type": "NotFoundError", "param": None, "code": 404}}
+    assert brain.state()["decisions_by_reason"].get("-/model_not_found") == 1
+    models = brain.decide({":method": "GET", ":path": "/v1/models"}, None, "request_headers")
+    assert models.immediate_response.status.code == 200
+    assert [m["id"] for m in json.loads(models.immediate_response.body)["data"]] == ["chat", "chat-ft", "coder"]
+
+
+def test_an_alias_is_rewritten_in_the_body_the_replica_gets():
+    brain = _brain(aliases={"assistant": [{"model": "chat-ft"}]})
+    body = orjson.dumps({"model": "assistant", "messages": [{"role": "user", "content": "hi"}]})
+    out = brain.decide({"x-session-id": "s"}, body)
+    assert _cluster(out) == "r3"
+    assert json.loads(out.request_body.response.body_mutation.body)["model"] == "chat-ft"
+
+
+async def _picker_answer(brain, body: bytes) -> list:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    picker = EndpointPicker(brain.pick, brain.end_picked, 1 << 20)
+    st_headers = ep.ProcessingRequest(request_headers=ep.HttpHeaders(end_of_stream=False))
+    st_body = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+    from extproc.picker.front import _Stream
+
+    st = _Stream()
+    return [*picker._step(st, st_headers), *picker._step(st, st_body)]
+
+
+def test_the_picker_answers_404_for_an_unknown_model_and_sends_the_rewritten_body():
+    import asyncio
+
+    brain = _brain(aliases={"assistant": [{"model": "chat-ft"}]})
+    out = asyncio.run(_picker_answer(brain, orjson.dumps({"model": "nope", "messages": []})))
+    assert out[0].immediate_response.status.code == 404
+    body = orjson.dumps({"model": "assistant", "messages": [{"role": "user", "content": "hi"}]})
+    out = asyncio.run(_picker_answer(brain, body))
+    sent = b"".join(o.request_body.response.body_mutation.streamed_response.body for o in out[1:])
+    assert json.loads(sent)["model"] == "chat-ft"
+    lengths = [h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers
+               if h.header.key == "content-length"]
+    assert lengths == [str(len(sent)).encode()]

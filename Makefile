@@ -42,7 +42,7 @@ bench-discovery: install system-deps  ## replicas added and removed through DNS 
 bench-rates: install  ## learned prefill/decode rates vs the engine's truth through a load ramp, per engine dialect (~7 min)
 	$(PY) -m extproc.tools.bench_rates
 
-bench-fleet: install  ## several models and LoRA adapters in one fleet, warmroute vs per-model Envoy pools (~8 min)
+bench-fleet: install  ## several models and LoRA adapters in one fleet, warmroute vs per-model Envoy pools (~4 min)
 	$(PY) -m extproc.tools.bench_fleet
 
 bench-core: install
@@ -54,9 +54,10 @@ clean:
 envoy-files: install  ## re-render envoy/*.yaml and envoy/snippets/ from the shipped configs
 	$(PY) -c "from pathlib import Path; from extproc.envoy_config import shipped_files; [Path(p).write_text(t) for p, t in shipped_files('.').items()]"
 
-bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (~25 min: plain workload at 5x, faults at 20x); results in docs/
+bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (~30 min: plain workload at 5x, faults at 20x, then the several-models fleet); results in docs/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m extproc.tools.bench_live
+	$(PY) -m extproc.tools.bench_fleet
 
 bench-quick: install  ## the plain workload only, at 5x, warmroute and the five closest contenders (~7 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'

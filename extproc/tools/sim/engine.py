@@ -290,23 +290,27 @@ class Engine:
 
     # ------------------------------------------------------------------- step
 
-    def _admit_lora(self, now: float, budget: int, prefilling: list) -> tuple[int, int]:
-        """Admission with LoRA, as vLLM v1's scheduler does it: in queue order, a request whose adapter would make
-        one adapter too many in the batch is skipped (it keeps its place) and the next one is tried; an adapter
-        not in a slot takes a free one, or the least recently used slot no running request needs."""
+    def _admit_queue(self, now: float, budget: int, prefilling: list) -> tuple[int, int]:
+        """Admission in queue order while there is room (KV, sequences, token budget); never a request that
+        arrives after this step starts (a mock whose engine clock is behind the wall clock catches up before it
+        admits what came later). With LoRA, as vLLM v1's scheduler does it: a request whose adapter would make one
+        adapter too many in the batch is skipped (it keeps its place) and the next one is tried; an adapter not
+        in a slot takes a free one, or the least recently used slot no running request needs.
+        Returns the budget left and the adapters loaded."""
         cfg = self.cfg
-        in_batch = {r.lora for r in self.running if r.lora is not None}
+        in_batch = {r.lora for r in self.running if r.lora is not None} if cfg.max_loras else set()
         loads = 0
         skipped: list[EngineRequest] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.waiting[0].arrival <= now + 1e-9:
             r = self.waiting[0]
-            if r.lora is not None and r.lora not in in_batch and len(in_batch) >= cfg.max_loras:
+            lora = r.lora if cfg.max_loras else None
+            if lora is not None and lora not in in_batch and len(in_batch) >= cfg.max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
             if not self._admit(r):
                 break
             self.waiting.popleft()
-            if r.lora is not None:
+            if lora is not None:
                 if r.lora in self.lora_slots:
                     self.lora_slots.move_to_end(r.lora)
                 else:
@@ -378,23 +382,7 @@ class Engine:
                 chunk = min(r.prompt_tokens - r.computed, budget)
                 prefilling.append((r, chunk))
                 budget -= chunk
-        # admit from the queue while there is room; never a request that arrives after this step starts (a mock
-        # whose engine clock is behind the wall clock catches up before it admits what came later)
-        loads = 0
-        if cfg.max_loras:
-            budget, loads = self._admit_lora(now, budget, prefilling)
-        while not cfg.max_loras and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs \
-                and self.waiting[0].arrival <= now + 1e-9:
-            r = self.waiting[0]
-            if not self._admit(r):
-                break
-            self.waiting.popleft()
-            self.running.append(r)
-            if r.scheduled_at is None:
-                r.scheduled_at = now
-            chunk = min(r.prompt_tokens - r.computed, budget)  # >= 1: the last token is always computed
-            prefilling.append((r, chunk))
-            budget -= chunk
+        budget, loads = self._admit_queue(now, budget, prefilling)
         for r, chunk in prefilling:
             prefill_tokens += chunk
 

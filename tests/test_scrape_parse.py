@@ -184,3 +184,29 @@ def test_engine_auto_reads_metrics_once_whatever_engine_answers():
     assert asyncio.run(scenario(sglang)) == ("sglang", ["/metrics"])
     assert asyncio.run(scenario("process_cpu_seconds_total 1.0\n")) == ("none", ["/metrics", "/health"])
     assert asyncio.run(scenario(None)) == ("none", ["/metrics", "/health"])
+
+
+def _sglang(running: int, waiting: int, first: int, tokens: int, done: int) -> str:
+    lab = 'engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"'
+    return (f'sglang:num_running_reqs{{{lab}}} {running}\nsglang:num_queue_reqs{{{lab}}} {waiting}\n'
+            f'sglang:token_usage{{{lab}}} 0.3\n'
+            f'sglang:time_to_first_token_seconds_count{{model_name="m"}} {first}\n'
+            f'sglang:inter_token_latency_seconds_count{{model_name="m"}} {tokens}\n'
+            f'sglang:e2e_request_latency_seconds_count{{model_name="m"}} {done}\n')
+
+
+def test_sglang_gauges_that_stood_still_with_no_work_counted_read_as_idle():
+    """SGLang moves its gauges only at batches: an engine that went idle keeps showing its last one."""
+    from extproc.brain.scraper import IDLE_AFTER_S, SGLANG, Scraper, parse_metrics
+
+    sc = Scraper.__new__(Scraper)
+    sc._still = {}
+    busy = parse_metrics(_sglang(3, 1, 10, 500, 7), SGLANG)
+    assert sc.unstale("r", busy, 0.0).running == 3
+    moving = parse_metrics(_sglang(3, 1, 10, 540, 7), SGLANG)  # tokens still streaming: busy, however long
+    assert sc.unstale("r", moving, IDLE_AFTER_S + 1).running == 3
+    assert sc.unstale("r", moving, IDLE_AFTER_S + 3).running == 3  # still within the window since it last moved
+    idle = sc.unstale("r", moving, 2 * IDLE_AFTER_S + 2)
+    assert (idle.running, idle.waiting, idle.sample.running) == (0, 0, 0)
+    vllm = parse_vllm_metrics(text(running="3"))  # vLLM's gauges move every step: never second-guessed
+    assert sc.unstale("v", vllm, 0.0).running == 3 and sc.unstale("v", vllm, 100.0).running == 3

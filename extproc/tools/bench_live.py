@@ -299,7 +299,7 @@ def measure(contender: str, scenario: str, args) -> Row:
     sp = speedup_of(scenario, args)
     mock_args = ["--speedup", str(sp)]
     replicas = args.replicas
-    if args.data_parallel > 1:  # the same engines, args.data_parallel behind each replica's front end
+    if getattr(args, "data_parallel", 1) > 1:  # the same engines, args.data_parallel behind each replica's front end
         mock_args += ["--data-parallel", str(args.data_parallel)]
         replicas = max(1, args.replicas // args.data_parallel)
     try:

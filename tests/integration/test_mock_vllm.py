@@ -186,3 +186,62 @@ def test_the_mock_never_logs_what_a_request_carried(replica):
             assert e.code == 400
     wait_for(lambda: "bad request refused" in r.proc.log_tail(100_000), 10, "the refusal logged")
     assert "SECRET-SESSION" not in r.proc.log_tail(1_000_000)
+
+
+def _samples(url: str, name: str) -> list:
+    return [s for fam in text_string_to_metric_families(http_get(url + "/metrics").decode())
+            for s in fam.samples if s.name == name]
+
+
+def test_sglang_dialect_gauges_stay_at_the_last_batch_and_every_tp_rank_exports_a_copy(replica):
+    r = replica("--speedup", "20", "--metrics", "sglang", "--tp", "2", "--metrics-all-ranks")
+    c = client(r.url)
+    c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x" * 4000}], max_tokens=3)
+    running = _samples(r.url, "sglang:num_running_reqs")
+    assert sorted(s.labels["tp_rank"] for s in running) == ["0", "1"]  # a copy per tensor-parallel rank
+    # finished and idle, but SGLang last logged its stats at the prefill batch: the gauge still says 1
+    assert [s.value for s in running] == [1.0, 1.0]
+    assert _samples(r.url, "sglang:num_requests_total")[0].value == 1  # counted at finish
+
+
+def test_vllm_counts_prefill_seconds_when_a_request_finishes_not_at_its_first_token(replica):
+    r = replica("--speedup", "20")
+    c = client(r.url)
+    stream = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x" * 4000}],
+                                       max_tokens=2000, stream=True)  # ~1.4 s of wall time after its first token
+    next(iter(stream))  # the first token is out
+    assert value(r.url, "vllm:prompt_tokens_total") == 1000  # counted at the first token
+    assert value(r.url, "vllm:request_prefill_time_seconds_count") == 0  # observed when it finishes
+    for _ in stream:
+        pass
+    wait_for(lambda: value(r.url, "vllm:request_prefill_time_seconds_count") == 1, 10, "the finish observed")
+
+
+def test_data_parallel_engines_are_spread_by_vllm_s_rule_or_the_rank_header(replica):
+    r = replica("--speedup", "20", "--data-parallel", "2")
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+
+    def engine(headers: dict, max_tokens: int = 2) -> str:
+        doc = json.loads(body) | {"max_tokens": max_tokens}
+        req = urllib.request.Request(r.url + "/v1/chat/completions", data=json.dumps(doc).encode(),
+                                     headers={"content-type": "application/json", **headers})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.headers["x-mock-engine"]
+
+    assert {engine({"X-data-parallel-rank": "1"}) for _ in range(4)} == {"1"}
+    with pytest.raises(urllib.error.HTTPError) as e:
+        engine({"X-data-parallel-rank": "2"})
+    assert e.value.code == 400
+    info = _samples(r.url, "vllm:cache_config_info")
+    assert sorted(s.labels["engine"] for s in info) == ["0", "1"]
+    assert len({s.labels["num_gpu_blocks"] for s in info}) == 1  # the front end's sum, on both
+    assert int(info[0].labels["num_gpu_blocks"]) * 16 == 2 * int(info[0].labels["kv_cache_size_tokens"])
+    # concurrent requests without the header: the least waiting x 4 + running takes each
+    results: list[str] = []
+    # (each ~0.3 s of wall time, so they overlap)
+    threads = [threading.Thread(target=lambda: results.append(engine({}, 400))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(results) == {"0", "1"}

@@ -88,3 +88,25 @@ def test_a_replica_that_drops_to_one_engine_is_priced_whole_again():
     assert router.policy.engine_count("r0") == 1
     d = turn(router, t + 1, "z")
     assert d.engine is None and not d.steer
+
+
+def test_steering_keeps_a_session_on_its_engine_where_the_front_end_would_move_it():
+    """Its cache is on one engine; the front end's rule (least waiting x 4 + running) would send the next turn to
+    the other. Steered, the brain names the engine that holds the context."""
+    router, t = _one_dp_replica()
+    a = turn(router, t, "a")
+    router.release(a.reservation, t + 1)
+    busy = [(0, 0, 0.1), (0, 0, 0.1)]
+    busy[a.engine] = (3, 0, 0.2)  # running 3 there, nothing on the other: the front end picks the other
+    router.on_load("r0", _engines(*busy), t + 2)
+    again = turn(router, t + 5, "a", 9_000)
+    assert again.engine == a.engine and again.steer and again.cached_tokens >= 7_900
+    unsteered = dataclasses.replace(WARM, warm=WarmConfig(steer_data_parallel=False))
+    router2, t2 = _one_dp_replica(unsteered)
+    first = turn(router2, t2, "a")
+    router2.release(first.reservation, t2 + 1)
+    busy = [(0, 0, 0.1), (0, 0, 0.1)]
+    busy[first.engine] = (3, 0, 0.2)
+    router2.on_load("r0", _engines(*busy), t2 + 2)
+    moved = turn(router2, t2 + 5, "a", 9_000)
+    assert moved.engine != first.engine and not moved.steer and moved.cached_tokens == 0

@@ -90,7 +90,9 @@ class Brain:
 
     def _on_models(self, name: str, models: "list[dict] | None") -> None:
         if self.models.learned(name, models):
-            logs.event("models_changed", replica=name, models=self.models.served_by(name))
+            served = self.models.served_by(name) or []
+            # a replica may list a thousand adapters: the log line names the first few and counts the rest
+            logs.event("models_changed", replica=name, models=served[:10], count=len(served))
 
     def liveness_bound_s(self) -> float | None:
         """How long a reservation may go unnamed by Envoy before it counts as a lost or rogue call.

@@ -439,6 +439,7 @@ class Scraper:
                 while True:
                     for name in [n for n in tasks if n not in self.urls]:
                         tasks.pop(name).cancel()
+                        self._still.pop(name, None)
                     for name in self.urls:
                         if name not in tasks or tasks[name].done():
                             tasks[name] = asyncio.create_task(self._replica_loop(session, name), name=f"scrape-{name}")

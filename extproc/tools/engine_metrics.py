@@ -434,6 +434,7 @@ FIXTURES = {  # file name -> (dialect, data-parallel engines, tensor-parallel co
     "vllm-0.11.txt": ("vllm", 1, 1),
     "vllm-0.11-dp2.txt": ("vllm", 2, 1),
     "vllm-0.8.txt": ("vllm-old", 1, 1),
+    "vllm-0.8-dp2.txt": ("vllm-old", 2, 1),
     "sglang-0.5.txt": ("sglang", 1, 1),
     "sglang-0.5-tp2-all-ranks.txt": ("sglang", 1, 2),
     "sglang-0.5-dp2.txt": ("sglang", 2, 1),

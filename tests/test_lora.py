@@ -75,7 +75,7 @@ def test_a_request_goes_where_its_adapter_runs_then_where_a_slot_is_free():
     # d: not loaded anywhere; r0 and r1 have a free slot, r2's two slots serve running adapters
     e = router.policy
     st1, st2 = e.state_of(router.replicas[1]), e.state_of(router.replicas[2])
-    assert e._lora_s(st2, "d", 0.03) > e._lora_s(st1, "d", 0.03) > 0
+    assert e._lora_s(st2, "d", 0.03, t) > e._lora_s(st1, "d", 0.03, t) > 0
     assert pick(router, t, "d", "s2").replica.name in ("r0", "r1")
 
 
@@ -84,5 +84,25 @@ def test_an_adapter_sent_lately_is_taken_as_still_in_its_slot():
     first = pick(router, t, "e", "s3")
     router.release(first.reservation, t)
     st = router.policy.state_of(first.replica)
-    assert router.policy._lora_s(st, "e", 0.03) == 0.0
+    assert router.policy._lora_s(st, "e", 0.03, t) == 0.0
     assert pick(router, t + 1, "e", "s4").replica is first.replica
+
+
+def test_the_simulated_fleet_keeps_each_model_in_its_pool_and_counts_adapter_loads():
+    from extproc.tools.bench_fleet import ADAPTERS, MODELS, model_of
+    from extproc.tools.sim.simulator import Simulation
+    from extproc.tools.sim.workload import WorkloadConfig
+
+    pools = tuple(p for p, n in MODELS.items() for _ in range(n))
+
+    def assign(req):
+        model, pool = model_of(req.sid, 1)
+        return pool, (model if model in ADAPTERS else None)
+
+    for policy in ("warmroute", "envoy_least_request"):
+        sim = Simulation(policy, len(pools), WorkloadConfig(minutes=3, sessions_per_min=6, oneshots_per_min=6), seed=1,
+                         engine=EngineConfig(max_loras=2, lora_load_s=1.0), pools=pools, assign=assign)
+        res = sim.run()
+        routed = [r for r in res.requests if r.replica is not None]
+        assert routed and all(pools[r.replica] == r.pool for r in routed)
+        assert any(r.adapter for r in routed) and res.lora_loads > 0

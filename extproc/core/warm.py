@@ -78,8 +78,9 @@ class WarmReplica:
         self.prefix_caching = True
         self.scraped: LoadSample | None = None  # one data-parallel engine's own gauges (None: the replica's)
         self.lora: LoadSample | None = None  # the last scrape that said which LoRA adapters it runs (None: no LoRA)
-        # adapters this router sent here, least recently first: the last max_lora of them are likely in its slots
-        self.lora_sent: OrderedDict[str, None] = OrderedDict()
+        # adapters this router sent here -> when, least recently first: the last max_lora of them are likely in its
+        # slots, and those sent within warm.active_session_s have sessions that will be back for them
+        self.lora_sent: OrderedDict[str, float] = OrderedDict()
 
     def waiting(self, r: Replica) -> int:
         return self.scraped.waiting if self.scraped is not None else r.scraped_waiting
@@ -282,13 +283,15 @@ class WarmPolicy:
             wait = max(wait, waiting * max(st.uncached_ewma, 1.0) / rate)
         e = _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine)
         if profile.adapter is not None:
-            e.lora = self._lora_s(self.state_of(r), profile.adapter, dec)
+            e.lora = self._lora_s(self.state_of(r), profile.adapter, dec, now)
         return e
 
-    def _lora_s(self, st: WarmReplica, adapter: str, dec: float) -> float:
+    def _lora_s(self, st: WarmReplica, adapter: str, dec: float, now: float) -> float:
         """What bringing the request's LoRA adapter in costs on a replica (C3): nothing where it runs, waits or
-        was sent lately (still in a slot, the slots being least-recently-used); the load where a slot is free;
-        where every slot serves a running adapter, also the wait for one to drain (a typical decode)."""
+        was sent lately (still in a slot, the slots being least-recently-used); else its load, once more when
+        the slots already serve as many adapters with sessions here as there are slots (the one it evicts will
+        be loaded again when its session is back), and the wait for a slot where every slot serves a running
+        adapter (a typical decode)."""
         s = st.lora
         if s is None:
             return 0.0  # no LoRA metrics: nothing known, nothing priced
@@ -297,7 +300,10 @@ class WarmPolicy:
         if adapter in busy or adapter in list(st.lora_sent)[-cap:]:
             return 0.0
         load = self.cfg.warm.lora_load_s
-        return load if len(busy) < cap else load + st.rates.output_tokens * dec
+        since = now - self.cfg.warm.active_session_s
+        hosted = sum(1 for a, t in st.lora_sent.items() if t >= since and a != adapter)
+        cost = load * (2 if hosted >= cap else 1)
+        return cost if len(busy) < cap else cost + st.rates.output_tokens * dec
 
     def _kv(self, e: "_Estimate", prompt: int, out_tokens: float, mine, session: bool, now: float) -> None:
         """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
@@ -461,7 +467,7 @@ class WarmPolicy:
             st.index.insert(profile.blocks)
         if profile.adapter is not None:
             sent = self.state_of(d.replica).lora_sent
-            sent[profile.adapter] = None
+            sent[profile.adapter] = now
             sent.move_to_end(profile.adapter)
             while len(sent) > 64:  # far more than any replica's slots
                 sent.popitem(last=False)

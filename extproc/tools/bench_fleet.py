@@ -166,10 +166,42 @@ def run(contender: str, args) -> Result:
                   res.lost, l1 - l0, w1 - w0, nums.get("overhead_p50", float("nan")))
 
 
+SIM_CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_cache_aware", "llmd_epp",
+                  "llmd_epp_lora", "dynamo_kv"]
+
+
+def simulate(contender: str, args) -> Result:
+    """The same fleet and workload in the simulator (workload time, no HTTP): every peer of sim/policies.py, each in
+    one pool per model as a body-based router would set it up; llm-d with its lora-affinity scorer too."""
+    import dataclasses
+
+    from ..core import RouterConfig, WarmConfig
+    from .sim.engine import EngineConfig
+    from .sim.simulator import Simulation
+
+    pools = tuple(p for p, n in MODELS.items() for _ in range(n))
+
+    def assign(req):
+        model, pool = model_of(req.sid, args.seed)
+        return pool, (model if model in ADAPTERS else None)
+
+    cfg = dataclasses.replace(RouterConfig(), warm=WarmConfig(lora_load_s=LORA_LOAD_S))
+    sim = Simulation(contender, len(pools), bench_workload(args.minutes, args.sessions_per_min, args.oneshots_per_min,
+                                                           args.projects),
+                     seed=args.seed, engine=EngineConfig(max_loras=MAX_LORAS, lora_load_s=LORA_LOAD_S),
+                     router_cfg=cfg, pools=pools, assign=assign)
+    res = sim.run()
+    nums = window_numbers(res.requests, args.minutes, args.warmup_min)
+    errors = sum(1 for r in res.requests if r.error is not None)
+    return Result(contender, nums["ttft_p50"], nums["ttft_p99"], nums["hits"], len(res.requests), errors, 0,
+                  res.lora_loads, 0)
+
+
 def report(results: list[Result], args, wall: float) -> str:
+    how = "simulated" if args.simulated else f"live at {args.speedup:g}x"
     out = [f"Fleet: coder on {MODELS['coder']} replicas with {len(ADAPTERS)} LoRA adapters (max_loras {MAX_LORAS}, "
-           f"{LORA_LOAD_S:g} s a load), chat on {MODELS['chat']}; {args.minutes:g} workload minutes at "
-           f"{args.speedup:g}x, seed {args.seed}; wall {wall:.0f} s.", "",
+           f"{LORA_LOAD_S:g} s a load), chat on {MODELS['chat']}; {args.minutes:g} workload minutes, {how}, "
+           f"seed {args.seed}; wall {wall:.0f} s.", "",
            "| contender | TTFT p50 s | TTFT p99 s | not-engine p50 s | prefix hit | adapter loads | "
            "to a replica without the model | sent | errors | lost |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -182,7 +214,8 @@ def report(results: list[Result], args, wall: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m extproc.tools.bench_fleet")
-    ap.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=[*CONTENDERS, *ABLATIONS])
+    ap.add_argument("--contenders", nargs="+", default=None, choices=[*CONTENDERS, *ABLATIONS, *SIM_CONTENDERS])
+    ap.add_argument("--simulated", action="store_true", help="the simulator instead of live mocks (every modelled peer)")
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--speedup", type=float, default=5.0)
     ap.add_argument("--sessions-per-min", type=float, default=6.0)
@@ -191,12 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-min", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
+    args.contenders = args.contenders or (SIM_CONTENDERS if args.simulated else CONTENDERS)
     t0 = time.monotonic()
     results = []
     for c in args.contenders:
         t = time.monotonic()
         try:
-            r = run(c, args)
+            r = simulate(c, args) if args.simulated else run(c, args)
         except Exception as e:  # a contender that cannot start is a row that says why
             r = Result(c, note=f"did not run: {e}"[:160])
         results.append(r)

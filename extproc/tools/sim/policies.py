@@ -144,8 +144,8 @@ class RingHash(Policy):
                 return o
         return None
 
-    def _overload(self, i: int, hosts: int) -> float:
-        total_slots = -(-((sum(self.in_flight) + 1) * self.factor) // 100)
+    def _overload(self, i: int, hosts: int, active: int) -> float:
+        total_slots = -(-((active + 1) * self.factor) // 100)
         slots = max(1, math.ceil(total_slots / hosts))
         return self.in_flight[i] / slots
 
@@ -155,7 +155,9 @@ class RingHash(Policy):
         if host is None or not self.factor:
             return host
         hosts = self.pool(exclude)
-        f = self._overload(host, len(hosts))
+        # a model's own cluster counts its own requests; otherwise (a retry) the one cluster's
+        active = sum(self.in_flight[h] for h in hosts) if req.pool is not None else sum(self.in_flight)
+        f = self._overload(host, len(hosts), active)
         if f <= 1.0:
             return host
         rng = random.Random(h)
@@ -165,7 +167,7 @@ class RingHash(Policy):
         for alt in order:
             if alt == host:
                 continue
-            fa = self._overload(alt, len(hosts))
+            fa = self._overload(alt, len(hosts), active)
             if fa <= 1.0:
                 return alt
             if fa < best_f:
@@ -244,17 +246,37 @@ class LlmdEndpointPicker(Policy):
     name = "llmd_epp"
     load_refresh_s = 0.05
 
-    def __init__(self, n: int, seed: int, cache_tokens: int = 300_000):
+    def __init__(self, n: int, seed: int, cache_tokens: int = 300_000, lora_weight: float = 0.0):
         super().__init__(n, seed)
         from ...core import PrefixIndex
 
         self.index = [PrefixIndex(cache_tokens // BLOCK) for _ in range(n)]
         self.waiting = [0] * n
         self.kv = [0.0] * n
+        # lora-affinity-scorer (GIE pkg/epp/scheduling/framework/plugins/scorer/lora_affinity.go): 1.0 where the
+        # adapter is active, 0.8 where active + waiting adapters < max, 0.6 where it waits, else 0. KServe's
+        # LLMInferenceService adds it at weight 4 when the service declares adapters (0: not configured)
+        self.lora_weight = lora_weight
+        if lora_weight:
+            self.name = "llmd_epp_lora"
+        self.lora: list[LoadSample | None] = [None] * n
+
+    def _lora_score(self, i: int, adapter: str | None) -> float:
+        s = self.lora[i]
+        if adapter is None or s is None:
+            return 0.0
+        active, waiting = s.lora_running or frozenset(), s.lora_waiting or frozenset()
+        if adapter in active:
+            return 1.0
+        if len(active) + len(waiting) < (s.max_lora or 0):
+            return 0.8
+        return 0.6 if adapter in waiting else 0.0
 
     def on_load(self, i, sample, now):
         self.waiting[i] = sample.waiting
         self.kv[i] = sample.kv_usage
+        if sample.max_lora is not None:
+            self.lora[i] = sample
         if sample.cache_tokens and self.index[i].capacity != sample.cache_tokens // BLOCK:
             self.index[i].resize(sample.cache_tokens // BLOCK)
 
@@ -270,6 +292,8 @@ class LlmdEndpointPicker(Policy):
             prefix = self.index[i].match(blocks) / len(blocks) if blocks else 0.0
             queue = 1.0 if qmax == qmin else (qmax - self.waiting[i]) / (qmax - qmin)
             score = 3 * prefix + 2 * queue + 2 * (1 - self.kv[i])
+            if self.lora_weight:
+                score += self.lora_weight * self._lora_score(i, req.adapter)
             if score > best_score + 1e-12:
                 best, best_score = [i], score
             elif abs(score - best_score) <= 1e-12:
@@ -410,10 +434,11 @@ class Warmroute(Policy):
         if pk is None:
             pk = self._prefix_keys[req.project] = hash_key("prefix", None, f"project-{req.project}")
         blocks = req.blocks()[: req.prompt_tokens // BLOCK] if self.router.needs_blocks else ()
-        return RequestProfile(sk, pk, req.prompt_tokens, "ok", None, blocks)
+        return RequestProfile(sk, pk, req.prompt_tokens, "ok", None, blocks, req.pool, req.adapter)
 
     def choose(self, req, now, exclude=frozenset()):
-        d = self.router.select(self._profile(req), now)
+        only = [f"r{i}" for i in range(self.n) if i not in exclude] if exclude else None  # the model's replicas
+        d = self.router.select(self._profile(req), now, only)
         if d.replica is None:
             return None
         req.extra["reservation"] = d.reservation
@@ -469,10 +494,12 @@ PEERS = {
     "dynamo_kv": DynamoKvRouter,
 }
 REFERENCE = {"oracle": Oracle}
+# peers as configured for a fleet that serves LoRA adapters (bench_fleet --simulated); not in COMPARE
+LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_weight=4.0)}
 # `warmroute` is the default policy; `warmroute_<core policy>` any other the core's registry holds
 WARMROUTE = ["warmroute"] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, *PEERS, *REFERENCE]
+POLICIES = [*WARMROUTE, *PEERS, *LORA_PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
@@ -480,7 +507,7 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
         return Warmroute(n, seed, router_cfg)
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
-    factory = PEERS.get(name) or REFERENCE.get(name)
+    factory = PEERS.get(name) or LORA_PEERS.get(name) or REFERENCE.get(name)
     if factory is None:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
     return factory(n, seed)

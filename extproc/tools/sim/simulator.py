@@ -47,6 +47,7 @@ class SimResult:
     to_ejected: int = 0  # requests the policy sent to a replica its own health machine had EJECTED
     pins_on_non_live: int = 0
     fastest: EngineConfig = field(default_factory=EngineConfig)  # the fastest replica's engine (for the floor)
+    lora_loads: int = 0  # LoRA adapters brought into a GPU slot, over every engine
 
     def summary(self, warmup_min: float = 2.0) -> dict:
         ok = [r for r in self.requests if r.error is None and r.ttft is not None and r.arrival >= warmup_min * 60]
@@ -122,8 +123,12 @@ class Simulation:
         bursts: tuple[tuple[float, int], ...] = (),
         replica_speeds: tuple[float, ...] | None = None,
         trace: tuple[Request, ...] = (),
+        pools: tuple[str, ...] | None = None,
+        assign=None,
     ):
         self.n = replicas
+        # several models: replica i serves model pools[i]; assign(request) -> (its pool, its LoRA adapter or None)
+        self.pools, self.assign = pools, assign
         self.wcfg = workload or WorkloadConfig()
         self.seed = seed
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, replicas, seed, router_cfg)
@@ -153,13 +158,18 @@ class Simulation:
         self.to_ejected = 0
         self.pins_on_non_live = 0
         self._retired_counters = [0, 0, 0]  # prefix queries, hits, preemptions of engines replaced on revive
+        self._retired_lora_loads = 0
 
     def _sample(self, i: int) -> LoadSample:
         """What a scrape of replica i's /metrics shows: vLLM's gauges and counters, its KV size."""
         e = self.engines[i]
+        lora = {}
+        if e.cfg.max_loras:  # vllm:lora_requests_info
+            lora = {"lora_running": frozenset(e.lora_running), "lora_waiting": frozenset(e.lora_waiting),
+                    "max_lora": e.cfg.max_loras}
         return LoadSample(e.num_running, e.num_waiting, e.kv_usage, e.prompt_tokens_total, e.prefix_hits,
                           e.prefill_seconds_total, e.generation_tokens_total, e.decode_seconds_total, e.finished,
-                          e.cfg.kv_tokens)
+                          e.cfg.kv_tokens, **lora)
 
     def _at(self, t: float, kind: str, *args) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, args))
@@ -167,7 +177,13 @@ class Simulation:
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> None:
-        i = self.policy.retry_target(req, now, exclude) if exclude else self.policy.choose(req, now)
+        barred = exclude
+        if self.pools is not None:
+            if req.pool is None:
+                req.pool, req.adapter = self.assign(req)
+            # each model's own pool (what a body-based router in front of the peers, or warmroute's catalog, does)
+            barred = exclude | frozenset(k for k, p in enumerate(self.pools) if p != req.pool)
+        i = self.policy.retry_target(req, now, barred) if exclude else self.policy.choose(req, now, barred)
         if i is None:
             req.error = "no_healthy_instances"
             self._finish_session_turn(req, now)
@@ -190,7 +206,7 @@ class Simulation:
                 req.error = "connect_failure"
                 self._finish_session_turn(req, now)
             return
-        er = EngineRequest(req.rid, req.blocks(), req.prompt_tokens, req.max_tokens, now)
+        er = EngineRequest(req.rid, req.blocks(), req.prompt_tokens, req.max_tokens, now, lora=req.adapter)
         self._inflight[i][req.rid] = (req, er)
         self.engines[i].add(er)
         if not self._stepping[i]:
@@ -267,6 +283,7 @@ class Simulation:
         self._retired_counters[0] += old.prefix_queries
         self._retired_counters[1] += old.prefix_hits
         self._retired_counters[2] += old.preemptions
+        self._retired_lora_loads += old.lora_loads
         self.engines[i] = Engine(old.cfg)  # a restarted vLLM has a cold cache (and counters from 0)
 
     # --------------------------------------------------------------------- run
@@ -348,6 +365,7 @@ class Simulation:
             prefix_queries=self._retired_counters[0] + sum(e.prefix_queries for e in self.engines),
             prefix_hits=self._retired_counters[1] + sum(e.prefix_hits for e in self.engines),
             preemptions=self._retired_counters[2] + sum(e.preemptions for e in self.engines),
+            lora_loads=self._retired_lora_loads + sum(e.lora_loads for e in self.engines),
             output_tokens=sum(r.max_tokens for r in self.requests if r.e2e is not None and r.error is None),
             transitions=transitions,
             to_ejected=self.to_ejected,

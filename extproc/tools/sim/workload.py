@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from dataclasses import dataclass, field, replace
 
 from .engine import BLOCK
+
+def hash_of(name: str) -> int:
+    return zlib.crc32(name.encode())
+
 
 _SYS = 1 << 60
 _SESS = 2 << 60
@@ -83,6 +88,9 @@ class Request:
     error: str | None = None
     retries: int = 0
     extra: dict = field(default_factory=dict)
+    # a fleet of several models (Simulation's ``pools``): the base model's pool it goes to, and its LoRA adapter
+    pool: str | None = None
+    adapter: str | None = None
     _blocks: list | None = None
 
     def blocks(self) -> list[int]:
@@ -96,6 +104,9 @@ class Request:
         sys_full = self.system_tokens // BLOCK
         out = [_SYS | (self.project << 24) | k for k in range(min(n, sys_full))]
         out += [_SESS | (self.sid << 24) | k for k in range(sys_full, n)]
+        if self.adapter is not None:  # vLLM puts the adapter in its block hashes: an adapter's prefix is its own
+            salt = (hash_of(self.adapter) & 0xFFFF) << 44
+            out = [b ^ salt for b in out]
         return out
 
 

@@ -28,6 +28,9 @@ Every quantity is in seconds of engine time (C1). Per candidate replica r:
 - fit (C3): a replica where the request does not fit beside the active sessions' contexts is left out, unless
   it fits on none: the replicas few requests arrive at are the ones long sessions live on, and two of those
   contexts in one cache evict each other on every turn.
+- LoRA: a request for an adapter adds the adapter's load where it is not in a slot (``_lora_s``);
+- data parallelism: a replica that exports several engines is priced engine by engine (``_candidates``), each
+  with its own queue, KV usage and prefix index; the answer names the engine (X-data-parallel-rank).
 
 The minimum cost wins; ties go to the session's pinned replica, the least in-flight work, then round-robin. Each stage is a constructor switch, so the
 ablations are compositions (``make_policy("warm_no_guard")``).

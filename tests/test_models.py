@@ -35,6 +35,9 @@ def test_a_request_goes_only_to_replicas_serving_its_model():
     assert c.resolve("coder").replicas == {"r0", "r1"}
     assert c.resolve("chat").replicas == {"r2", "r3"}
     assert c.resolve(None).replicas is None  # no model named: anywhere (vLLM serves its own)
+    one = ModelCatalog()
+    one.configure({"r0": ("m",), "r1": ("m",)})
+    assert one.resolve("m").replicas is None  # served everywhere: no subset to cut
     assert c.resolve("nope").unknown
 
 

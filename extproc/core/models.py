@@ -86,6 +86,8 @@ class ModelCatalog:
         targets = self.aliases.get(model)
         name = self._pick(targets, session_key) if targets else model
         serving = frozenset(r for r, ms in self._served.items() if ms is not None and name in ms)
+        if len(serving) == len(self._served):
+            return Resolution(name, None, rewritten=bool(targets) and name != model)  # every replica: no subset
         if not serving:
             # no replica known to serve it: those whose models are not known yet may (never refuse blind)
             serving = frozenset(r for r, ms in self._served.items() if ms is None)

@@ -170,14 +170,6 @@ def definitions(dialect: str, max_model_len: int = 32768, data_parallel: int = 1
     return _vllm_defs(dialect == "vllm-old", max_model_len, lora=max_loras > 0 and data_parallel == 1)
 
 
-def _observe_many(h, value_each: float, n: int) -> None:
-    """n observations of the same value at once, as SGLang's observe_inter_token_latency does (a loop of n
-    observe() calls per streamed chunk would cost the mock more than its engine)."""
-    h._sum.inc(value_each * n)
-    i = bisect.bisect_left(h._upper_bounds, value_each)
-    h._buckets[i].inc(n)
-
-
 @dataclass(frozen=True)
 class CacheInfo:
     block_size: int
@@ -204,6 +196,15 @@ class Exporter:
             cls = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[d.kind]
             self.m[d.name] = cls(d.name, d.help, d.labels, registry=self.registry, **kw)
         self._exported: dict[tuple[int, str], float] = {}  # step-moment counters already pushed
+        self._children: dict[tuple[str, int], object] = {}
+        itl_def = self.defs.get("sglang:inter_token_latency_seconds" if dialect == "sglang" else
+                                "vllm:time_per_output_token_seconds" if dialect == "vllm-old" else
+                                "vllm:inter_token_latency_seconds")
+        self._itl_bounds = [*itl_def.buckets, float("inf")] if itl_def else [float("inf")]
+        # streamed tokens not yet added to their series: engine -> [generation tokens, ITL sum, {bucket: count}].
+        # Nothing reads a series between two scrapes, so adding them when the text is rendered gives the same text
+        # as adding each at its step, for a fraction of the mock's time
+        self._streamed: dict[int, list] = {}
         if dialect == "sglang":
             self._init_sglang(cache)
         else:
@@ -213,6 +214,16 @@ class Exporter:
 
     def _lv(self, k: int) -> dict[str, str]:
         return {"model_name": self.model, "engine": str(k)}
+
+    def _child(self, name: str, k: int):
+        """The series of one metric for engine k (the mock streams thousands of chunks a second: a labels() lookup
+        per chunk would cost it more than its engine)."""
+        key = (name, k)
+        c = self._children.get(key)
+        if c is None:
+            labels = self._lv(k) if self.dialect != "sglang" else {"model_name": self.model}
+            c = self._children[key] = self.m[name].labels(**labels)
+        return c
 
     def _sched(self, k: int, tp_rank: int = 0) -> dict[str, str]:
         lab = {"model_name": self.model, "engine_type": "unified", "tp_rank": str(tp_rank), "pp_rank": "0"}
@@ -325,13 +336,28 @@ class Exporter:
         engines observe inter-token latency per token."""
         if n <= 0:
             return
+        acc = self._streamed.get(k)
+        if acc is None:
+            acc = self._streamed[k] = [0, 0.0, {}]
+        acc[0] += n
+        acc[1] += interval_s
+        i = bisect.bisect_left(self._itl_bounds, interval_s / n)
+        acc[2][i] = acc[2].get(i, 0) + n
+
+    def _flush_streamed(self) -> None:
         if self.dialect == "sglang":
-            _observe_many(self.m["sglang:inter_token_latency_seconds"].labels(model_name=self.model), interval_s / n, n)
-            return
-        lv = self._lv(k)
-        self.m["vllm:generation_tokens"].labels(**lv).inc(n)
-        itl = "vllm:time_per_output_token_seconds" if self.dialect == "vllm-old" else "vllm:inter_token_latency_seconds"
-        _observe_many(self.m[itl].labels(**lv), interval_s / n, n)
+            itl, gen = "sglang:inter_token_latency_seconds", None
+        else:
+            itl = "vllm:time_per_output_token_seconds" if self.dialect == "vllm-old" else "vllm:inter_token_latency_seconds"
+            gen = "vllm:generation_tokens"
+        for k, (n, total, buckets) in self._streamed.items():
+            if gen is not None:
+                self._child(gen, k).inc(n)
+            h = self._child(itl, k)
+            h._sum.inc(total)
+            for i, count in buckets.items():
+                h._buckets[i].inc(count)
+        self._streamed.clear()
 
     def finished(self, k: int, er, *, queued_s: float, prefill_s: float, decode_s: float, e2e_s: float) -> None:
         if self.dialect == "sglang":
@@ -356,6 +382,7 @@ class Exporter:
             self.m["vllm:request_prefill_kv_computed_tokens"].labels(**lv).observe(er.prompt_tokens - er.cached_tokens)
 
     def text(self) -> bytes:
+        self._flush_streamed()
         return generate_latest(self.registry)
 
 

@@ -33,14 +33,14 @@ def turn(router, t, session, tokens=8_000):
     return router.select(prof(session=session, tokens=tokens, blocks=chain(session, session, tokens)), t)
 
 
-def test_each_engine_has_its_own_cache_of_its_own_size():
+def test_C2_each_engine_has_its_own_cache_of_its_own_size():
     router, t = _one_dp_replica()
     subs = router.policy._engines["r0"]
     assert [s.index.capacity for s in subs] == [5000, 5000]  # not one cache of 10,000 blocks
     assert router.policy.engine_count("r0") == 2
 
 
-def test_a_session_stays_on_its_engine_and_a_second_one_takes_the_other():
+def test_C4_a_session_stays_on_its_engine_and_a_second_one_takes_the_other():
     router, t = _one_dp_replica()
     a = turn(router, t, "a")
     b = turn(router, t, "b")
@@ -54,7 +54,7 @@ def test_a_session_stays_on_its_engine_and_a_second_one_takes_the_other():
     assert other.index.match(chain("a", "a", 8_000)) < 50
 
 
-def test_each_engine_s_queue_is_its_own():
+def test_C3_each_engine_s_queue_is_its_own():
     router, t = _one_dp_replica()
     router.on_load("r0", _engines((8, 30, 0.9), (1, 0, 0.1)), t)
     assert turn(router, t, "new").engine == 1
@@ -110,3 +110,31 @@ def test_steering_keeps_a_session_on_its_engine_where_the_front_end_would_move_i
     router2.on_load("r0", _engines(*busy), t2 + 2)
     moved = turn(router2, t2 + 5, "a", 9_000)
     assert moved.engine != first.engine and not moved.steer and moved.cached_tokens == 0
+
+
+def test_the_picker_names_no_engine_when_a_fallback_does_not_have_it():
+    """The gateway retries on the fallbacks with the same headers: a rank one of them lacks would be refused."""
+    from extproc.config import parse_config
+
+    from .helpers import live_brain
+
+    cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(2)],
+                        "brain": {"protocol": "endpoint-picker", "picker_fallbacks": 1}})
+    brain = live_brain(cfg)
+    t = brain.clock()
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    brain.router.on_load("r0", _engines((0, 0, 0.0), (0, 0, 0.0)), t)
+    brain.router.on_load("r1", _engines((0, 0, 0.0), (0, 0, 0.0)), t)
+    picks = [brain.pick({"x-session-id": f"s{i}"}, body, None) for i in range(4)]
+    assert {p.dp_rank for p in picks} == {0, 1}  # both have two engines: the rank is named
+    brain.router.on_load("r1", LoadSample(0, 0, 0.0, cache_tokens=16 * 5000), t)  # r1: one engine now
+    alone = [brain.pick({"x-session-id": f"u{i}"}, body, ["127.0.0.1:8000"]) for i in range(4)]
+    assert {p.dp_rank for p in alone} == {0, 1}  # no fallback: the engine chosen is named, whichever it is
+    seen = set()
+    for i in range(12):
+        p = brain.pick({"x-session-id": f"v{i}"}, body, None)
+        if len(p.endpoints) == 2 and p.endpoints[0] == "127.0.0.1:8000":
+            # r1, the fallback, has engine 0 only: r0's engine 1 may not be named
+            assert p.dp_rank == (None if p.reservation.engine == 1 else 0)
+            seen.add(p.reservation.engine)
+    assert seen == {0, 1}

@@ -69,7 +69,7 @@ def pick(router, t, adapter, session):
     return router.select(p, t)
 
 
-def test_a_request_goes_where_its_adapter_runs_then_where_a_slot_is_free():
+def test_C3_a_request_goes_where_its_adapter_runs_then_where_a_slot_is_free():
     router, t = _router()
     assert pick(router, t, "a", "s1").replica.name == "r0"  # running there: no load
     # d: not loaded anywhere; r0 and r1 have a free slot, r2's two slots serve running adapters
@@ -79,7 +79,7 @@ def test_a_request_goes_where_its_adapter_runs_then_where_a_slot_is_free():
     assert pick(router, t, "d", "s2").replica.name in ("r0", "r1")
 
 
-def test_an_adapter_sent_lately_is_taken_as_still_in_its_slot():
+def test_C3_an_adapter_sent_lately_is_taken_as_still_in_its_slot():
     router, t = _router()
     first = pick(router, t, "e", "s3")
     router.release(first.reservation, t)

@@ -155,3 +155,17 @@ def test_the_picker_answers_404_for_an_unknown_model_and_sends_the_rewritten_bod
     lengths = [h.header.raw_value for h in out[0].request_headers.response.header_mutation.set_headers
                if h.header.key == "content-length"]
     assert lengths == [str(len(sent)).encode()]
+
+
+def test_a_replica_s_models_list_is_bounded_whatever_it_sends():
+    """What the brain keeps of a /v1/models answer: ids and a few fields of bounded size, at most MAX_MODELS."""
+    from extproc.brain.scraper import MAX_MODEL_FIELD_CHARS, MAX_MODELS, parse_models
+
+    long = "x" * (MAX_MODEL_FIELD_CHARS + 1)
+    got = parse_models(json.dumps({"data": [
+        {"id": "m", "parent": None, "root": long, "max_model_len": 32768, "extra": {"nested": "dropped"}},
+        {"id": long}, {"id": ""}, {"id": 7}, "not an object"]}))
+    assert got == [{"id": "m", "max_model_len": 32768}]
+    assert parse_models(json.dumps({"data": [{"id": f"m{i}"} for i in range(MAX_MODELS + 1)]})) is None
+    for bad in ("<html>", "[]", '{"data": {}}', '{"object": "list"}'):
+        assert parse_models(bad) is None

@@ -46,7 +46,7 @@ def _learn(paired: bool, drop: tuple[str, ...] = ()) -> Rates:
 
 
 @pytest.mark.parametrize("drop", [(), ("computed_at_finish",)], ids=["vllm 0.11", "vllm before 0.11"])
-def test_rates_from_the_same_requests_hold_through_a_ramp(drop):
+def test_C3_rates_learned_from_counters_of_the_same_requests_hold_through_a_ramp(drop):
     r = _learn(True, drop)
     assert r.prefill_tokens_per_s == pytest.approx(COMPUTED / PREFILL_S, rel=0.03)
     assert r.decode_s_per_token == pytest.approx(STEP_S, rel=0.03)
@@ -60,7 +60,7 @@ def test_tokens_and_seconds_of_one_window_read_a_ramping_replica_too_fast():
     assert r.decode_s_per_token < STEP_S / 1.15
 
 
-def test_sglang_decode_speed_from_its_inter_token_latency():
+def test_C3_sglang_decode_rate_learned_from_its_inter_token_latency():
     """SGLang counts generation tokens at finish and has no decode time; its inter-token latency histogram sums
     the intervals between streamed tokens over their count."""
     rates = Rates(5000.0, 0.03, 256.0)

@@ -43,10 +43,9 @@ class Dialect:
     engine_label: str | None = None
     # older names of a counter, read only when the current name is absent (vLLM 0.9 exported both)
     fallback: dict[str, str] = field(default_factory=dict)
-    # the gauges move only at some scheduler steps (SGLang): an idle engine keeps its last busy values
-    lazy_gauges: bool = False
     lora_info: str | None = None  # an info gauge of the adapters in use, its newest label set the present one
-    # counters that move whenever the engine works (first tokens, streamed tokens, finished requests)
+    # counters that move whenever the engine works (first tokens, streamed tokens, finished requests); a dialect
+    # that names them has gauges that move only at some scheduler steps (SGLang): see Scraper.unstale
     activity: tuple[str, ...] = ()
     name: str = ""
     # what a /metrics without this engine's metrics most likely means, said in the scrape reason
@@ -103,7 +102,6 @@ SGLANG = Dialect(
     cache_tokens="sglang:max_total_num_tokens",
     copy_label="tp_rank",  # dp_rank ranks are different schedulers: those are separate engines
     engine_label="dp_rank",
-    lazy_gauges=True,
     activity=("sglang:time_to_first_token_seconds_count", "sglang:inter_token_latency_seconds_count",
               "sglang:e2e_request_latency_seconds_count"),
     name="sglang",
@@ -120,6 +118,7 @@ MODELS_PATH = "/v1/models"
 MAX_MODELS = 1000  # a /v1/models longer than this is not believed (a replica serves a model and its adapters)
 # what of a replica's model object is kept and shown in the union (the rest is the replica's business)
 MODEL_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
+MAX_MODEL_FIELD_CHARS = 256  # a longer id or field is not a model name: the entry (or field) is dropped
 # SGLang's gauges move at prefill batches and every decode_log_interval (40) decode steps, about once a second
 # under load; activity counters that stood still this long while the gauges did too mean an idle engine
 IDLE_AFTER_S = 5.0
@@ -268,6 +267,25 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
     return ScrapeResult(True, r, w, kv_usage, sample=sample, engine=d.name, activity=activity if d.activity else None)
 
 
+def parse_models(text: str) -> list[dict] | None:
+    """The model objects of a /v1/models answer, each cut to MODEL_FIELDS of bounded size; None when the text is
+    not such an answer or lists more than MAX_MODELS (what the brain keeps per replica stays small whatever a
+    replica, or whoever answers in its place, sends)."""
+    try:
+        data = json.loads(text)["data"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(data, list) or len(data) > MAX_MODELS:
+        return None
+    out = []
+    for m in data:
+        mid = m.get("id") if isinstance(m, dict) else None
+        if isinstance(mid, str) and 0 < len(mid) <= MAX_MODEL_FIELD_CHARS:
+            out.append({k: m[k] for k in MODEL_FIELDS if isinstance(m.get(k), (str, int))
+                        and not isinstance(m[k], bool) and len(str(m[k])) <= MAX_MODEL_FIELD_CHARS})
+    return out
+
+
 def tls_context(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None) -> ssl.SSLContext:
     """What an https:// replica's scrape checks: its chain against ``ca_file`` (the system's by default), its name,
     and our client certificate when one is configured."""
@@ -374,20 +392,7 @@ class Scraper:
     async def fetch_models(self, session: ClientSession, name: str, url: str, timeout: float) -> list[dict] | None:
         """The models a replica's /v1/models lists, or None when it cannot be read (the last list stays)."""
         got = await self._get(session, url, MODELS_PATH, timeout, self.tls.get(name), "models")
-        if not isinstance(got, str):
-            return None
-        try:
-            doc = json.loads(got)
-            data = doc["data"]
-            if not isinstance(data, list) or len(data) > MAX_MODELS:
-                return None
-            out = []
-            for m in data:
-                if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]:
-                    out.append({k: m[k] for k in MODEL_FIELDS if k in m and isinstance(m[k], (str, int))})
-            return out
-        except (ValueError, KeyError, TypeError):
-            return None
+        return parse_models(got) if isinstance(got, str) else None
 
     def unstale(self, name: str, r: ScrapeResult, now: float) -> ScrapeResult:
         """An engine whose gauges move only at some steps (SGLang) keeps showing its last batch after it went

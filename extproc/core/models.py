@@ -45,11 +45,31 @@ class ModelCatalog:
         self._served: dict[str, dict[str, dict] | None] = {}
         self._configured: set[str] = set()  # replicas whose models the config names (scrapes do not change them)
         self._random = random.Random(seed)
+        # built from _served when a request first needs it after a change, so that a request costs dictionary
+        # look-ups, not a walk over the fleet: model -> replicas serving it, replicas not known yet, adapters
+        self._index: dict[str, frozenset[str]] | None = None
+        self._unknown: frozenset[str] = frozenset()
+        self._adapters: frozenset[str] = frozenset()
+
+    def _built(self) -> dict[str, frozenset[str]]:
+        if self._index is None:
+            index: dict[str, set[str]] = {}
+            adapters = set()
+            for replica, models in self._served.items():
+                for mid, obj in (models or {}).items():
+                    index.setdefault(mid, set()).add(replica)
+                    if obj.get("parent"):
+                        adapters.add(mid)
+            self._index = {m: frozenset(rs) for m, rs in index.items()}
+            self._unknown = frozenset(r for r, ms in self._served.items() if ms is None)
+            self._adapters = frozenset(adapters)
+        return self._index
 
     # ---------------------------------------------------------------- sources
 
     def configure(self, replicas: Mapping[str, Collection[str] | None]) -> None:
         """The replica set (a reload or discovery): configured model lists, others learned from scrapes."""
+        self._index = None
         for name in [n for n in self._served if n not in replicas]:
             del self._served[name]
         self._configured = {n for n, ms in replicas.items() if ms}
@@ -65,14 +85,15 @@ class ModelCatalog:
             return False
         new = {m["id"]: m for m in models}
         old = self._served[replica]
-        self._served[replica] = new
+        if old != new:
+            self._served[replica] = new
+            self._index = None
         return old is None or set(old) != set(new)
 
     def is_adapter(self, model: str | None) -> bool:
         """A LoRA adapter: a model a replica lists with a parent (vLLM lists its adapters so)."""
-        if model is None:
-            return False
-        return any(ms is not None and model in ms and ms[model].get("parent") for ms in self._served.values())
+        self._built()
+        return model in self._adapters
 
     def served_by(self, replica: str) -> list[str] | None:
         models = self._served.get(replica)
@@ -85,15 +106,12 @@ class ModelCatalog:
             return Resolution(None, None)
         targets = self.aliases.get(model)
         name = self._pick(targets, session_key) if targets else model
-        serving = frozenset(r for r, ms in self._served.items() if ms is not None and name in ms)
-        if len(serving) == len(self._served):
-            return Resolution(name, None, rewritten=bool(targets) and name != model)  # every replica: no subset
-        if not serving:
-            # no replica known to serve it: those whose models are not known yet may (never refuse blind)
-            serving = frozenset(r for r, ms in self._served.items() if ms is None)
-            if not self._served:
-                serving = None  # no replicas at all: the router answers that (no healthy instance)
-        return Resolution(name, serving, rewritten=bool(targets) and name != model)
+        serving = self._built().get(name)
+        rewritten = bool(targets) and name != model
+        if serving is not None and len(serving) == len(self._served) or not self._served:
+            return Resolution(name, None, rewritten)  # every replica serves it (or there are none): no subset
+        # no replica known to serve it: those whose models are not known yet may (never refuse blind)
+        return Resolution(name, serving or self._unknown, rewritten)
 
     def _pick(self, targets: tuple[Target, ...], session_key: bytes | None) -> str:
         """A weighted choice; a session always gets the same one (its cache is on that model's replicas)."""

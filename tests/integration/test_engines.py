@@ -15,11 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def post(stack, session: str, text: str) -> str:
-    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": text}]}).encode()
-    req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json", "x-session-id": session})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())["system_fingerprint"]
+    return post_engine(stack, session, text)[0]
 
 
 def r3_failed_scrapes(s) -> float:

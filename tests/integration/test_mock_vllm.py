@@ -208,7 +208,7 @@ def test_vllm_counts_prefill_seconds_when_a_request_finishes_not_at_its_first_to
     r = replica("--speedup", "20")
     c = client(r.url)
     stream = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x" * 4000}],
-                                       max_tokens=2000, stream=True)  # ~1.4 s of wall time after its first token
+                                       max_tokens=8000, stream=True)  # ~5 s of wall time after its first token
     next(iter(stream))  # the first token is out
     assert value(r.url, "vllm:prompt_tokens_total") == 1000  # counted at the first token
     assert value(r.url, "vllm:request_prefill_time_seconds_count") == 0  # observed when it finishes
@@ -238,8 +238,8 @@ def test_data_parallel_engines_are_spread_by_vllm_s_rule_or_the_rank_header(repl
     assert int(info[0].labels["num_gpu_blocks"]) * 16 == 2 * int(info[0].labels["kv_cache_size_tokens"])
     # concurrent requests without the header: the least waiting x 4 + running takes each
     results: list[str] = []
-    # (each ~0.3 s of wall time, so they overlap)
-    threads = [threading.Thread(target=lambda: results.append(engine({}, 400))) for _ in range(6)]
+    # (each ~0.7 s of wall time, so they overlap)
+    threads = [threading.Thread(target=lambda: results.append(engine({}, 1000))) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:

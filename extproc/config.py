@@ -21,7 +21,7 @@ import yaml
 
 from .contract import RESERVED_NAME_PREFIX
 from .core.config import TENANT_SOURCES, HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
-from .core.models import Target
+from .core.models import MAX_PATH_CHARS, Target
 from .core.policy import POLICIES, PRODUCTION
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -79,6 +79,9 @@ class ReplicaSpec:
     tls_key_file: str | None = None  # the private key of tls_cert_file
     # the model names it serves; empty: whatever its GET /v1/models lists (re-read at every health scrape)
     models: tuple[str, ...] = ()
+    # the API paths it serves (exact, '/v1/responses/{id}', or a prefix ending in '*'); empty: what its
+    # /openapi.json lists (vLLM registers routes by the model's tasks), any path when it has none
+    paths: tuple[str, ...] = ()
 
     @property
     def tls(self) -> bool:
@@ -288,14 +291,19 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
         where = f"replicas[{i}]"
         if not isinstance(item, dict):
             raise ConfigError(f"{where}: expected a mapping with name and url")
-        known = {"name", "url", "engine", "tls_ca_file", "tls_sni", "tls_cert_file", "tls_key_file", "models"}
+        known = {"name", "url", "engine", "tls_ca_file", "tls_sni", "tls_cert_file", "tls_key_file", "models", "paths"}
         extra = set(item) - known
         if extra:
             raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: {', '.join(sorted(known))})")
-        tls = {k: item[k] for k in known - {"name", "url", "engine", "models"} if item.get(k) is not None}
+        tls = {k: item[k] for k in known - {"name", "url", "engine", "models", "paths"} if item.get(k) is not None}
         models = item.get("models") or []
         if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
             raise ConfigError(f"{where}.models: expected a list of model names, got {_short(models)}")
+        paths = item.get("paths") or []
+        if not isinstance(paths, list) or not all(isinstance(p, str) and p.startswith("/") and " " not in p
+                                                  and len(p) <= MAX_PATH_CHARS for p in paths):
+            raise ConfigError(f"{where}.paths: expected a list of paths like /v1/chat/completions, "
+                              f"/v1/responses/{{id}} or /v1/*, got {_short(paths)}")
         for k, v in tls.items():
             if not isinstance(v, str) or not v:
                 raise ConfigError(f"{where}.{k}: expected a non-empty string, got {_short(v)}")
@@ -329,7 +337,7 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
             parts.port
         except ValueError:
             raise ConfigError(f"{where}.url: bad port in {_short(url)}") from None
-        out.append(ReplicaSpec(name, url.rstrip("/"), engine, **tls, models=tuple(models)))
+        out.append(ReplicaSpec(name, url.rstrip("/"), engine, **tls, models=tuple(models), paths=tuple(paths)))
     return tuple(out)
 
 

@@ -39,13 +39,15 @@ def header_attribute(name: str) -> str:
 
 
 _ATTR_PREFIX, _ATTR_SUFFIX = "request.headers['", "']"
+# the request's path without its query, sent beside the headers: the brain routes by the path's API too
+PATH_ATTRIBUTE = "request.url_path"
 
 
 def header_of_attribute(key: str) -> str | None:
     """Inverse of ``header_attribute``: the header name, or None for any other attribute."""
     if key.startswith(_ATTR_PREFIX) and key.endswith(_ATTR_SUFFIX):
         return key[len(_ATTR_PREFIX):-len(_ATTR_SUFFIX)].lower()
-    return None
+    return ":path" if key == PATH_ATTRIBUTE else None
 
 
 # The Gateway API Inference Extension's endpoint-picker protocol (GIE docs/proposals/004, v1)

@@ -169,3 +169,98 @@ def test_a_replica_s_models_list_is_bounded_whatever_it_sends():
     assert parse_models(json.dumps({"data": [{"id": f"m{i}"} for i in range(MAX_MODELS + 1)]})) is None
     for bad in ("<html>", "[]", '{"data": {}}', '{"object": "list"}'):
         assert parse_models(bad) is None
+
+
+# ---------------------------------------------------------------- the path's API
+
+
+def test_a_request_goes_only_to_replicas_serving_its_path_and_model():
+    """vLLM registers routes by the model's tasks: a pooling replica has /v1/embeddings and no chat."""
+    c = catalog()
+    chat_paths = ["/v1/chat/completions", "/v1/completions", "/v1/responses/{response_id}", "/v1/models"]
+    c.learned_paths("r0", chat_paths)
+    c.learned_paths("r1", ["/v1/embeddings", "/pooling", "/v1/models"])
+    c.learned_paths("r2", chat_paths)
+    # r3: no /openapi.json read yet: any path
+    assert c.resolve("coder", path="/v1/chat/completions").replicas == {"r0"}
+    assert c.resolve("coder", path="/v1/embeddings").replicas == {"r1"}
+    assert c.resolve(None, path="/v1/embeddings").replicas == {"r1", "r3"}  # no model: every replica of the path
+    assert c.resolve("chat", path="/v1/responses/resp_123").replicas == {"r2", "r3"}  # a {param} is one segment
+    assert c.resolve("chat", path="/v1/responses/a/b").replicas == {"r3"}
+    assert c.resolve("chat", path="/v1/chat/completions").replicas == {"r2", "r3"}
+    c.learned_paths("r3", chat_paths)
+    res = c.resolve("chat", path="/v1/embeddings")
+    assert res.replicas == frozenset() and res.unserved_path == "/v1/embeddings" and not res.unknown
+    assert c.resolve("nope", path="/v1/chat/completions").unknown  # the model is what is missing
+    assert c.resolve("coder").replicas == {"r0", "r1"}  # no path given (a caller that has none): models only
+
+
+def test_paths_configured_win_and_prefixes_match():
+    c = ModelCatalog()
+    c.configure({"r0": (), "r1": ()}, {"r0": ("/v1/*",)})
+    assert c.learned_paths("r0", ["/pooling"]) is False  # configured: scrapes do not change it
+    c.learned_paths("r1", ["/pooling"])
+    assert c.resolve(None, path="/v1/anything/at/all").replicas == {"r0"}
+    assert c.resolve(None, path="/pooling").replicas == {"r1"}
+    c.learned_paths("r1", None)  # a restart without /openapi.json: any path again
+    assert c.resolve(None, path="/pooling").replicas == {"r1"}
+    c.configure({"r0": (), "r1": ()})  # r0's paths no longer configured: to be learned; r1 keeps what it listed
+    assert c.paths_of("r0") is None and c.resolve(None, path="/pooling").replicas is None
+    c.learned_paths("r1", ["/pooling"])
+    c.configure({"r0": ()})
+    assert c.paths_of("r1") is None and c.resolve(None, path="/pooling").replicas is None
+
+
+def test_the_brain_answers_404_for_a_path_no_replica_of_the_model_serves():
+    reps = [{**REPLICAS[0], "models": ["m"], "paths": ["/v1/chat/completions"]},
+            {**REPLICAS[1], "models": ["m"], "paths": ["/v1/embeddings"]}]
+    brain = live_brain(parse_config({"replicas": reps}))
+    body = orjson.dumps({"model": "m", "input": "hi"})
+    for i in range(6):
+        assert _cluster(brain.decide({":path": "/v1/embeddings?x=1", "x-session-id": f"s{i}"}, body)) == "r1"
+        assert _cluster(brain.decide({":path": "/v1/chat/completions", "x-session-id": f"s{i}"}, body)) == "r0"
+    out = brain.decide({":path": "/v1/audio/transcriptions"}, body)
+    assert out.immediate_response.status.code == 404
+    err = json.loads(out.immediate_response.body)["error"]
+    assert err["type"] == "NotFoundError" and "/v1/audio/transcriptions" in err["message"]
+    assert brain.state()["decisions_by_reason"].get("-/path_not_served") == 1
+    assert [r["paths"] for r in brain.state()["replicas"]] == [["/v1/chat/completions"], ["/v1/embeddings"]]
+
+
+def test_the_picker_answers_404_for_a_path_no_replica_serves():
+    import asyncio
+
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.config.core.v3 import base_pb2
+
+    reps = [{**REPLICAS[0], "paths": ["/v1/chat/completions"]}, {**REPLICAS[1], "paths": ["/v1/chat/completions"]}]
+    brain = live_brain(parse_config({"replicas": reps}))
+    picker = EndpointPicker(brain.pick, brain.end_picked, 1 << 20)
+    from extproc.picker.front import _Stream
+
+    async def ask(path: str):
+        st = _Stream()
+        hs = ep.HttpHeaders(end_of_stream=False, headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=":path", raw_value=path.encode())]))
+        body = ep.ProcessingRequest(request_body=ep.HttpBody(body=b'{"input": "x"}', end_of_stream=True))
+        return [*picker._step(st, ep.ProcessingRequest(request_headers=hs)), *picker._step(st, body)]
+
+    out = asyncio.run(ask("/v1/embeddings"))
+    assert out[-1].immediate_response.status.code == 404
+    assert "/v1/embeddings" in json.loads(out[-1].immediate_response.body)["error"]["message"]
+    out = asyncio.run(ask("/v1/chat/completions"))
+    assert not any(o.HasField("immediate_response") for o in out)
+
+
+def test_a_replica_s_openapi_paths_are_bounded_and_configured_paths_are_checked():
+    from extproc.brain.scraper import parse_openapi_paths
+    from extproc.core.models import MAX_PATH_CHARS, MAX_PATHS
+
+    doc = {"paths": {"/v1/chat/completions": {"post": {}}, "/" + "x" * MAX_PATH_CHARS: {}, "relative": {}}}
+    assert parse_openapi_paths(json.dumps(doc)) == ["/v1/chat/completions"]
+    assert parse_openapi_paths(json.dumps({"paths": {f"/p{i}": {} for i in range(MAX_PATHS + 1)}})) is None
+    for bad in ("<html>", "[]", '{"paths": []}', '{"paths": {}}', '{"info": {}}'):
+        assert parse_openapi_paths(bad) is None
+    for paths in ("/v1/chat/completions", ["v1/chat"], ["/a b"], [7]):
+        with pytest.raises(ConfigError, match=r"^replicas\[0\]\.paths: "):
+            parse_config({"replicas": [{**REPLICAS[0], "paths": paths}]})

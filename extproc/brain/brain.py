@@ -22,7 +22,8 @@ from ..core.names import Reason
 from ..core.profile import replace_model
 from ..envoy_config import CdsFile
 from . import logs
-from .decide import model_not_found_response, models_response, no_healthy_response, route_answer
+from .decide import (model_not_found_response, models_response, no_healthy_response, path_not_served_response,
+                     route_answer)
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
@@ -45,6 +46,7 @@ class Pick:
     subset_empty: bool = False  # the gateway's subset named no endpoint the brain knows
     body: bytes | None = None  # the body to send instead (a model alias rewritten to the served name)
     unknown_model: str | None = None  # no replica serves the model the body names: answer 404
+    unserved_path: str | None = None  # no replica (of the model) serves the request's path: answer 404
 
 
 class Brain:
@@ -69,6 +71,7 @@ class Brain:
         self.pin_log = logs.Summarised("pin_change")
         self.models = ModelCatalog(dict(cfg.aliases))
         self.scraper.on_models = self._on_models
+        self.scraper.on_paths = self._on_paths
         self._set_replicas(cfg)
         m = make_registry(self.router, self.stats, self.clock)
         self.registry, self.decision_seconds, self.scraper.seconds = m.registry, m.decision, m.scrape
@@ -85,14 +88,25 @@ class Brain:
         self.releaser.by_address = {endpoint(r): r.name for r in cfg.replicas}
         self.endpoint_of = {r.name: endpoint(r) for r in cfg.replicas}
         self.models.aliases = dict(cfg.aliases)
-        self.models.configure({r.name: r.models for r in cfg.replicas})
+        self.models.configure({r.name: r.models for r in cfg.replicas}, {r.name: r.paths for r in cfg.replicas})
         self.scraper.models_wanted = {r.name for r in cfg.replicas if not r.models}
+        self.scraper.paths_wanted = {r.name for r in cfg.replicas if not r.paths}
+        # a replica no longer configured with paths, or new: its /openapi.json at its next good scrape
+        self.scraper.paths_due = {n for n in self.scraper.paths_wanted if self.models.paths_of(n) is None}
 
-    def _on_models(self, name: str, models: "list[dict] | None") -> None:
+    def _on_models(self, name: str, models: "list[dict] | None") -> bool:
         if self.models.learned(name, models):
             served = self.models.served_by(name) or []
             # a replica may list a thousand adapters: the log line names the first few and counts the rest
             logs.event("models_changed", replica=name, models=served[:10], count=len(served))
+            return True
+        return False
+
+    def _on_paths(self, name: str, paths: "list[str] | None") -> None:
+        if self.models.learned_paths(name, paths):
+            listed = self.models.paths_of(name)
+            logs.event("paths_changed", replica=name, count=None if listed is None else len(listed),
+                       api=None if listed is None else [p for p in listed if p.startswith("/v1/")][:10])
 
     def liveness_bound_s(self) -> float | None:
         """How long a reservation may go unnamed by Envoy before it counts as a lost or rogue call.
@@ -116,9 +130,10 @@ class Brain:
         now = self.clock()
         r = self.router
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
-        res = self.models.resolve(profile.model, profile.session_key)
-        if res.unknown:
-            d = Decision(None, Reason.UNKNOWN_MODEL, model=profile.model)
+        res = self.models.resolve(profile.model, profile.session_key, headers.get(":path", "").split("?")[0] or None)
+        if res.replicas is not None and not res.replicas:
+            d = Decision(None, Reason.UNSERVED_PATH if res.unserved_path else Reason.UNKNOWN_MODEL,
+                         model=profile.model)
             self.stats.record_decision(d, profile.body_status, now)
             return d
         if res.replicas is not None:
@@ -144,6 +159,8 @@ class Brain:
         d = self.choose(headers, body)
         if d.reason == Reason.UNKNOWN_MODEL:
             return model_not_found_response(d.model or "")
+        if d.reason == Reason.UNSERVED_PATH:
+            return path_not_served_response(headers.get(":path", "").split("?")[0])
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
@@ -164,6 +181,8 @@ class Brain:
         d = self.choose(headers, body, only)
         if d.reason == Reason.UNKNOWN_MODEL:
             return Pick([], None, unknown_model=d.model or "")
+        if d.reason == Reason.UNSERVED_PATH:
+            return Pick([], None, unserved_path=headers.get(":path", "").split("?")[0])
         if d.reason == NO_HEALTHY:
             return Pick([], None)
         names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]
@@ -265,6 +284,7 @@ class Brain:
             r["engine"] = f"auto ({self.scraper.detected.get(r['name'], '?')})" if engine == "auto" else engine
             r["scrape_error"] = self.scraper.errors.get(r["name"])
             r["models"] = self.models.served_by(r["name"])
+            r["paths"] = self.models.paths_of(r["name"])
             view = getattr(self.router.policy, "engines_view", None)
             r["engines"] = view(r["name"]) if view is not None else None
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)

@@ -27,7 +27,8 @@ from ..contract import (
     header_of_attribute,
 )
 from ..core.profile import CONTENT_LENGTH
-from ..picker.messages import header_value, headers_of, json_response, model_not_found_response, openai_error
+from ..picker.messages import (header_value, headers_of, json_response, model_not_found_response, openai_error,
+                               path_not_served_response)
 
 # (headers, body or None, the ext_proc phase being answered) -> the answer
 Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]

@@ -21,6 +21,7 @@ from typing import Callable
 from aiohttp import ClientSession, ClientTimeout
 
 from ..core import LoadSample, Router
+from ..core.models import MAX_PATH_CHARS, MAX_PATHS
 from . import logs
 from .stats import BrainStats
 
@@ -115,6 +116,7 @@ HEALTH_PATH = "/health"
 RUNNING, WAITING, KV_NAMES, CACHE_CONFIG, COUNTERS = VLLM.running, VLLM.waiting, VLLM.kv, VLLM.cache_info, VLLM.counters
 MAX_REQUESTS = 100_000  # running or waiting beyond this on one replica is a broken exporter, not load
 MODELS_PATH = "/v1/models"
+OPENAPI_PATH = "/openapi.json"  # FastAPI's (vLLM, SGLang): the routes this process registered
 MAX_MODELS = 1000  # a /v1/models longer than this is not believed (a replica serves a model and its adapters)
 # what of a replica's model object is kept and shown in the union (the rest is the replica's business)
 MODEL_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
@@ -286,6 +288,17 @@ def parse_models(text: str) -> list[dict] | None:
     return out
 
 
+def parse_openapi_paths(text: str) -> list[str] | None:
+    """The paths an /openapi.json lists (bounded like /v1/models); None when it is not such a document."""
+    try:
+        paths = json.loads(text)["paths"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(paths, dict) or not paths or len(paths) > MAX_PATHS:
+        return None
+    return [p for p in paths if isinstance(p, str) and p.startswith("/") and len(p) <= MAX_PATH_CHARS]
+
+
 def tls_context(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None) -> ssl.SSLContext:
     """What an https:// replica's scrape checks: its chain against ``ca_file`` (the system's by default), its name,
     and our client certificate when one is configured."""
@@ -312,7 +325,11 @@ class Scraper:
         self.tls: dict[str, tuple[ssl.SSLContext, str]] = {}  # https:// replicas: (context, SNI)
         self.errors: dict[str, str] = {}
         self.models_wanted: set[str] = set()  # replicas whose models are read from /v1/models at each health scrape
-        self.on_models: Callable[[str, "list[dict] | None"], None] = lambda name, models: None
+        self.on_models: Callable[[str, "list[dict] | None"], bool] = lambda name, models: False
+        # replicas whose API paths are read from /openapi.json, once after each start (or model change)
+        self.paths_wanted: set[str] = set()
+        self.paths_due: set[str] = set()  # ... and whose paths are to be read at the next good health scrape
+        self.on_paths: Callable[[str, "list[str] | None"], None] = lambda name, paths: None
         # lazy gauges: replica -> (activity counters, gauges, since when both stood still)
         self._still: dict[str, tuple[float, tuple[int, int], float]] = {}
         self.loop_errors = 0
@@ -453,8 +470,18 @@ class Scraper:
                 for t in tasks.values():
                     t.cancel()
 
+    async def fetch_paths(self, session: ClientSession, name: str, url: str,
+                          timeout: float) -> "tuple[bool, list[str] | None]":
+        """(read, paths): the paths its /openapi.json lists; (True, None) when it has none to give (a 4xx, or not
+        an OpenAPI document: any path then); (False, None) when it could not be asked (ask again)."""
+        got = await self._get(session, url, OPENAPI_PATH, timeout, self.tls.get(name), "paths")
+        if isinstance(got, str):
+            return True, parse_openapi_paths(got)
+        return got.error.startswith("HTTP 4"), None
+
     async def _replica_loop(self, session: ClientSession, name: str) -> None:
         next_health = self.clock()
+        was_ok = False  # a replica's routes are read at its first good scrape, and again after a failed one
         while name in self.urls:
             # read each round: a reload may change the cadence, the policy or the URL
             health_timeout = max(0.05, min(2.0, self.interval_s * 0.8))
@@ -474,10 +501,24 @@ class Scraper:
             if health and name in self.models_wanted and name in self.urls:
                 models = await self.fetch_models(session, name, self.urls[name], health_timeout)
                 try:
-                    self.on_models(name, models)
+                    if self.on_models(name, models):  # another model list: another process, maybe another runner
+                        self.paths_due.add(name)
                 except Exception as e:
                     self.loop_errors += 1
                     logs.event("loop_error", loop="models", replica=name, error=f"{type(e).__name__}: {e}"[:200])
+            if health:
+                if r.ok and not was_ok:
+                    self.paths_due.add(name)
+                was_ok = r.ok
+            if health and r.ok and name in self.paths_due and name in self.paths_wanted and name in self.urls:
+                read, paths = await self.fetch_paths(session, name, self.urls[name], health_timeout)
+                if read:
+                    self.paths_due.discard(name)
+                    try:
+                        self.on_paths(name, paths)
+                    except Exception as e:
+                        self.loop_errors += 1
+                        logs.event("loop_error", loop="paths", replica=name, error=f"{type(e).__name__}: {e}"[:200])
             if health:
                 next_health = started + self.interval_s
             step = self.interval_s if fast is None else fast

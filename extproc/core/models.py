@@ -9,12 +9,18 @@ as the Gateway API Inference Extension's ``InferenceModelRewrite`` does.
 A replica whose models are not known yet (no successful ``/v1/models``: a new replica, or a server
 without that endpoint) may take a model no known replica serves: until the fleet says otherwise the
 request is not refused. A request without ``model`` goes anywhere (vLLM serves its own model then).
+
+The path's API narrows the same way: vLLM registers its routes by what the model does (``build_app``: the
+completion routes for a generating model, ``/v1/embeddings`` and ``/pooling`` for a pooling one), so a replica
+serves the paths its ``/openapi.json`` lists, or those its config names. A replica whose paths are not known
+takes any path; a path no replica serves (and every replica's paths known) is answered 404.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -32,10 +38,24 @@ class Resolution:
     model: str | None  # the served name (an alias resolved); None: the request names none
     replicas: frozenset[str] | None  # eligible replicas; None: any; empty: no replica serves it (404)
     rewritten: bool = False  # the client asked for an alias: the body's model must say ``model``
+    unserved_path: str | None = None  # replicas serve the model, but none of them this path (404)
 
     @property
     def unknown(self) -> bool:
-        return self.replicas is not None and not self.replicas
+        return self.replicas is not None and not self.replicas and self.unserved_path is None
+
+
+MAX_PATHS = 2000  # an /openapi.json listing more is not believed (vLLM lists ~60)
+MAX_PATH_CHARS = 256
+
+
+def path_pattern(path: str) -> "str | re.Pattern":
+    """A path a replica serves: exact, a prefix when it ends in '*', or OpenAPI's ``{name}`` for one segment."""
+    if "{" not in path and not path.endswith("*"):
+        return path
+    prefix = path.endswith("*")
+    parts = re.split(r"\{[^/{}]*\}", path[:-1] if prefix else path)
+    return re.compile("[^/]+".join(re.escape(p) for p in parts) + (".*" if prefix else ""))
 
 
 class ModelCatalog:
@@ -50,6 +70,10 @@ class ModelCatalog:
         self._index: dict[str, frozenset[str]] | None = None
         self._unknown: frozenset[str] = frozenset()
         self._adapters: frozenset[str] = frozenset()
+        # replica -> the paths it serves (None: not known, any path); an index like the models' one
+        self._paths: dict[str, frozenset[str] | None] = {}
+        self._paths_configured: set[str] = set()
+        self._path_index: tuple[dict[str, frozenset[str]], list[tuple[re.Pattern, frozenset[str]]], frozenset[str]] | None = None
 
     def _built(self) -> dict[str, frozenset[str]]:
         if self._index is None:
@@ -65,11 +89,48 @@ class ModelCatalog:
             self._adapters = frozenset(adapters)
         return self._index
 
+    def _built_paths(self):
+        if self._path_index is None:
+            exact: dict[str, set[str]] = {}
+            templated: dict[str, set[str]] = {}
+            for replica, paths in self._paths.items():
+                for p in paths or ():
+                    (exact if isinstance(path_pattern(p), str) else templated).setdefault(p, set()).add(replica)
+            self._path_index = ({p: frozenset(rs) for p, rs in exact.items()},
+                                [(path_pattern(p), frozenset(rs)) for p, rs in templated.items()],
+                                frozenset(r for r, ps in self._paths.items() if ps is None))
+        return self._path_index
+
+    def _serving_path(self, path: str | None) -> frozenset[str] | None:
+        """The replicas that serve ``path`` (None: any, as far as anyone knows)."""
+        if path is None:
+            return None
+        exact, templated, unknown = self._built_paths()
+        if len(unknown) == len(self._paths):
+            return None
+        out = exact.get(path, frozenset()) | unknown
+        for pattern, replicas in templated:
+            if not replicas <= out and pattern.fullmatch(path):
+                out |= replicas
+        return None if len(out) == len(self._paths) else out
+
     # ---------------------------------------------------------------- sources
 
-    def configure(self, replicas: Mapping[str, Collection[str] | None]) -> None:
-        """The replica set (a reload or discovery): configured model lists, others learned from scrapes."""
+    def configure(self, replicas: Mapping[str, Collection[str] | None],
+                  paths: Mapping[str, Collection[str] | None] | None = None) -> None:
+        """The replica set (a reload or discovery): configured model and path lists, others learned from the
+        replicas."""
         self._index = None
+        self._path_index = None
+        paths = paths or {}
+        for name in [n for n in self._paths if n not in replicas]:
+            del self._paths[name]
+        was_configured, self._paths_configured = self._paths_configured, {n for n in replicas if paths.get(n)}
+        for name in replicas:
+            if paths.get(name):
+                self._paths[name] = frozenset(paths[name])
+            elif name in was_configured or name not in self._paths:
+                self._paths[name] = None  # to be learned
         for name in [n for n in self._served if n not in replicas]:
             del self._served[name]
         self._configured = {n for n, ms in replicas.items() if ms}
@@ -90,6 +151,21 @@ class ModelCatalog:
             self._index = None
         return old is None or set(old) != set(new)
 
+    def learned_paths(self, replica: str, paths: Collection[str] | None) -> bool:
+        """The paths one replica's /openapi.json lists (None: it has none to read); True if they changed."""
+        if replica in self._paths_configured or replica not in self._paths:
+            return False
+        new = frozenset(paths) if paths is not None else None
+        if self._paths[replica] == new:
+            return False
+        self._paths[replica] = new
+        self._path_index = None
+        return True
+
+    def paths_of(self, replica: str) -> list[str] | None:
+        paths = self._paths.get(replica)
+        return sorted(paths) if paths is not None else None
+
     def is_adapter(self, model: str | None) -> bool:
         """A LoRA adapter: a model a replica lists with a parent (vLLM lists its adapters so)."""
         self._built()
@@ -101,17 +177,24 @@ class ModelCatalog:
 
     # ---------------------------------------------------------------- choice
 
-    def resolve(self, model: str | None, session_key: bytes | None = None) -> Resolution:
-        if model is None:
-            return Resolution(None, None)
-        targets = self.aliases.get(model)
-        name = self._pick(targets, session_key) if targets else model
-        serving = self._built().get(name)
-        rewritten = bool(targets) and name != model
-        if serving is not None and len(serving) == len(self._served) or not self._served:
-            return Resolution(name, None, rewritten)  # every replica serves it (or there are none): no subset
-        # no replica known to serve it: those whose models are not known yet may (never refuse blind)
-        return Resolution(name, serving or self._unknown, rewritten)
+    def resolve(self, model: str | None, session_key: bytes | None = None, path: str | None = None) -> Resolution:
+        name, rewritten, by_model = None, False, None
+        if model is not None:
+            targets = self.aliases.get(model)
+            name = self._pick(targets, session_key) if targets else model
+            serving = self._built().get(name)
+            rewritten = bool(targets) and name != model
+            # every replica serves it (or there are none): no subset
+            if not (serving is not None and len(serving) == len(self._served) or not self._served):
+                # no replica known to serve it: those whose models are not known yet may (never refuse blind)
+                by_model = serving or self._unknown
+                if not by_model:
+                    return Resolution(name, by_model, rewritten)
+        by_path = self._serving_path(path)
+        if by_path is None:
+            return Resolution(name, by_model, rewritten)
+        eligible = by_path if by_model is None else by_model & by_path
+        return Resolution(name, eligible, rewritten, None if eligible else path)
 
     def _pick(self, targets: tuple[Target, ...], session_key: bytes | None) -> str:
         """A weighted choice; a session always gets the same one (its cache is on that model's replicas)."""
@@ -150,4 +233,11 @@ def not_found_body(model: str) -> dict:
                       "code": 404}}
 
 
-__all__ = ["ModelCatalog", "Resolution", "Target", "not_found_body"]
+def path_not_served_body(path: str) -> dict:
+    """No replica (of the model the body names) serves the path: the error shape vLLM's clients parse."""
+    return {"error": {"message": f"No replica of this model serves {path[:MAX_PATH_CHARS]}.", "type": "NotFoundError",
+                      "param": None, "code": 404}}
+
+
+__all__ = ["MAX_PATHS", "MAX_PATH_CHARS", "ModelCatalog", "Resolution", "Target", "not_found_body",
+           "path_not_served_body", "path_pattern"]

@@ -18,6 +18,7 @@ class Reason(enum.StrEnum):
     FALLBACK = "fallback"  # step 5: nothing LIVE or PROBING, a random known replica
     NO_HEALTHY = "no_healthy_instances"  # nothing known: an immediate 503
     UNKNOWN_MODEL = "model_not_found"  # no replica serves the body's model: an immediate 404 in vLLM's shape
+    UNSERVED_PATH = "path_not_served"  # replicas serve the model, none of them the path's API: an immediate 404
 
 
 class PinKind(enum.StrEnum):

@@ -46,6 +46,7 @@ from ..contract import (
     FALLBACK_CLUSTER,
     HOLD_FILTER,
     METADATA_NAMESPACE,
+    PATH_ATTRIBUTE,
     RESERVATION_HEADER,
     RESERVED_NAME_PREFIX,
     REQUEST_ID_HEADER,
@@ -167,7 +168,7 @@ def http_filters(cfg: AppConfig) -> list[dict]:
             "response_body_mode": "NONE",
             "request_trailer_mode": "SKIP",
             "response_trailer_mode": "SKIP",
-        }, request_attributes=[header_attribute(h) for h in brain_headers(cfg)],
+        }, request_attributes=[header_attribute(h) for h in brain_headers(cfg)] + [PATH_ATTRIBUTE],
             metadata_options={"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}}),
         {
             # Holds the request headers until the whole body has passed ext_proc: without it the router
@@ -306,6 +307,8 @@ def routes(cfg: AppConfig) -> list[dict]:
             "direct_response": {"status": 404, "body": {"inline_string": NOT_SERVED_BODY}},
             "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+            # answered here: the brain is not asked (it would not name a replica for a path outside the API)
+            "typed_per_filter_config": ext_proc_off_for_route(),
         },
         {
             # The fleet's models, not one replica's: the brain answers with the union of what every replica's

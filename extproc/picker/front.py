@@ -39,7 +39,7 @@ from ..contract import (
     SUBSET_NAMESPACE,
 )
 from ..core.profile import CONTENT_LENGTH
-from .messages import header_value, headers_of, model_not_found_response, openai_error
+from .messages import header_value, headers_of, model_not_found_response, openai_error, path_not_served_response
 
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"  # Envoy's attribute: the endpoint that served (response side)
 _FAULT_CODES = frozenset({502, 503, 504})
@@ -52,6 +52,7 @@ class PickResult(Protocol):
     dp_rank: "int | None"  # the data-parallel engine of the pick (a header for the replica), or None
     body: "bytes | None"  # the body to send instead (the model's alias rewritten), or None
     unknown_model: "str | None"  # the body names a model no endpoint serves (answered 404), or None
+    unserved_path: "str | None"  # no endpoint (of the model) serves the request's path (answered 404), or None
 
 
 # (headers, body or None, the gateway's subset or None) -> the pick
@@ -204,6 +205,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         p = self.pick(st.headers, body, st.subset)
         if p.unknown_model is not None:
             return model_not_found_response(p.unknown_model)
+        if p.unserved_path is not None:
+            return path_not_served_response(p.unserved_path)
         if not p.endpoints:
             return no_endpoint(st.subset is not None and (p.subset_empty or not st.subset))
         st.reservation = p.reservation

@@ -8,7 +8,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
-from ..core.models import not_found_body
+from ..core.models import not_found_body, path_not_served_body
 
 
 def header_value(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -36,6 +36,12 @@ def json_response(status: int, doc: dict, details: str) -> ep.ProcessingResponse
 def model_not_found_response(model: str) -> ep.ProcessingResponse:
     """No replica serves the body's model: 404 as vLLM itself answers it."""
     return json_response(http_status_pb2.NotFound, not_found_body(model), "warmroute_model_not_found")
+
+
+def path_not_served_response(path: str) -> ep.ProcessingResponse:
+    """Replicas serve the model but none the path's API (an embedding model asked for chat): 404, never a replica
+    that would refuse it."""
+    return json_response(http_status_pb2.NotFound, path_not_served_body(path), "warmroute_path_not_served")
 
 
 def openai_error(status: int, message: str, kind: str, code: str, details: str,

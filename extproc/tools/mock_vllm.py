@@ -40,6 +40,8 @@ from .sim.engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 
 CHARS_PER_TOKEN = 4
 ENGINE_HEADER = "x-mock-engine"  # which data-parallel engine served (not vLLM's; for tests and benchmarks)
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+POOLING_PATHS = ("/v1/embeddings", "/pooling")
 MIN_EMIT_WALL_S = 0.002  # a decode run's tokens go out at most this often (wall time); at real speed, every step
 
 
@@ -417,6 +419,7 @@ class MockReplica:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
+        embed = request.path in POOLING_PATHS  # a pooling runner: one forward pass, a vector instead of tokens
         doc = await _json_object(request)
         if doc is None:
             return _error(400, "request body is not a JSON object")
@@ -434,7 +437,8 @@ class MockReplica:
             return web.json_response(not_found_body(str(model)), status=404)
         lora = model if model in self.adapters else None
         text = _prompt_text(doc)
-        max_tokens = doc.get("max_completion_tokens") or doc.get("max_tokens") or self.args.default_max_tokens
+        max_tokens = 1 if embed else (doc.get("max_completion_tokens") or doc.get("max_tokens")
+                                      or self.args.default_max_tokens)
         try:
             max_tokens = max(1, min(int(max_tokens), 32_768))
         except (TypeError, ValueError):
@@ -445,12 +449,13 @@ class MockReplica:
             return _error(400, f"X-data-parallel-rank {rank[:20]!r} is not a rank of this server's {self.dp} engines")
         if not self.driver.engine.fits(prompt_tokens, max_tokens):
             return _error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
-        stream = bool(doc.get("stream"))
+        stream = bool(doc.get("stream")) and not embed
         include_usage = bool((doc.get("stream_options") or {}).get("include_usage"))
         return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage,
-                                    self.pick_engine(rank), lora)
+                                    self.pick_engine(rank), lora, embed)
 
-    async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver, lora=None):
+    async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver, lora=None,
+                        embed=False):
         t0 = time.monotonic()
         blocks = text_blocks(text)
         if lora is not None:  # vLLM puts the adapter in its block hashes: an adapter's prefix is its own
@@ -479,6 +484,12 @@ class MockReplica:
                     await resp.write(_sse(_chunk(chat, rid, created, self.model, piece, None, fp)))
                 produced += n
             cached = waiter.req.cached_tokens
+            if embed:
+                vector = [round(b / 255 - 0.5, 6) for b in hashlib.blake2b(text.encode(), digest_size=8).digest()]
+                return web.json_response({"id": rid, "object": "list", "created": created, "model": self.model,
+                                          "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+                                          "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}},
+                                         headers={ENGINE_HEADER: str(driver.index)})
             if not stream:
                 body = _final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens), prompt_tokens,
                                    max_tokens, cached, fp)
@@ -515,7 +526,7 @@ def _prompt_text(doc: dict) -> str:
     msgs = doc.get("messages")
     if isinstance(msgs, list):
         return "".join(_content_text(m.get("content")) for m in msgs if isinstance(m, dict))
-    p = doc.get("prompt", doc.get("text", ""))
+    p = doc.get("prompt", doc.get("input", doc.get("text", "")))
     if isinstance(p, str):
         return p
     return "".join(x for x in p if isinstance(x, str)) if isinstance(p, list) else ""
@@ -573,8 +584,10 @@ def _error(status: int, message: str, typ: str = "invalid_request_error") -> web
 def build_app(rep: MockReplica) -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app["replica"] = rep
-    app.router.add_post("/v1/chat/completions", rep.completions)
-    app.router.add_post("/v1/completions", rep.completions)
+    # vLLM registers its routes by the model's tasks (api_server.build_app: the generate routers only if "generate"
+    # is supported, the pooling ones only for a pooling model): a path a replica lacks is FastAPI's 404
+    for path in GENERATE_PATHS if rep.args.runner == "generate" else POOLING_PATHS:
+        app.router.add_post(path, rep.completions)
     app.router.add_get("/v1/models", rep.models)
     app.router.add_get("/health", rep.health)
     if rep.dialect != "none":  # "none": a third-party OpenAI server, or vLLM with --disable-log-stats
@@ -586,10 +599,21 @@ def build_app(rep: MockReplica) -> web.Application:
         app.router.add_get(path, rep.model_info)
     app.router.add_post("/tokenize", rep.tokenize)
     app.router.add_post("/v1/chat/completions/render", rep.render)
+    if not rep.args.disable_fastapi_docs:
+        listed = sorted({(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"})
+
+        async def openapi(request: web.Request) -> web.Response:
+            paths: dict[str, dict] = {}
+            for method, path in listed:
+                paths.setdefault(path, {})[method] = {"responses": {"200": {"description": "Successful Response"}}}
+            return web.json_response({"openapi": "3.1.0", "info": {"title": "FastAPI", "version": "0.1.0"},
+                                      "paths": paths})
+
+        app.router.add_get("/openapi.json", openapi)
 
     async def unknown(request: web.Request) -> web.Response:
         print(f"mock-vllm {rep.args.name}: no route for {request.method} {request.path}", flush=True)
-        return _error(404, f"no route for {request.path}")
+        return web.json_response({"detail": "Not Found"}, status=404)  # FastAPI's own answer
 
     app.router.add_route("*", "/{tail:.*}", unknown)
     return app
@@ -630,6 +654,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-loras", type=int, default=1, help="adapters on the GPU at once (vLLM --max-loras)")
     ap.add_argument("--lora-load-s", type=float, default=0.5, help="engine seconds a step pays to bring an adapter "
                     "into a GPU slot")
+    ap.add_argument("--runner", choices=("generate", "pooling"), default="generate",
+                    help="vLLM --runner: generate serves completions, pooling serves /v1/embeddings and /pooling")
+    ap.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json (vLLM's flag of that name)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only what /metrics and /server_info say)")
     ap.add_argument("--metrics-all-ranks", action="store_true", help="SGLang --enable-metrics-for-all-schedulers: "
                     "every tensor-parallel rank exports a copy of its scheduler's gauges")

@@ -124,7 +124,7 @@ def test_only_the_model_api_is_proxied_and_other_paths_get_a_404(stack):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 404, path
-        assert json.loads(e.value.read())["error"]["code"] == "path_not_served"
+        assert json.loads(e.value.read())["error"]["code"] == "path_not_served", path
     with urllib.request.urlopen(stack.url + "/health", timeout=10) as r:
         assert r.status == 200
 

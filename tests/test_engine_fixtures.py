@@ -34,11 +34,14 @@ def test_every_number_the_router_reads_is_the_one_the_history_put_there(name):
     assert s.prompt_tokens == want["prompt"] and s.cached_tokens == want["cached"]
     assert s.requests_done == want["done"] and s.first_tokens == want["first"]
     if dialect == "sglang":
-        # SGLang has no prefill or decode time: decode speed comes from its inter-token latency
+        # SGLang has no decode time: decode speed comes from its inter-token latency; its prefill stage is counted
+        # once per request, whichever tensor-parallel ranks export a copy, and its prompt tokens at finish
         assert (s.itl_seconds, s.itl_tokens) == (pytest.approx(want["itl_s"]), want["itl_n"])
-        assert s.prefill_seconds is None and s.generation_tokens == want["generated"]
+        assert s.prefill_seconds == pytest.approx(want["prefill_s"]) and s.prefill_done == want["first"]
+        assert s.prompt_requests == want["done"] and s.generation_tokens == want["generated"]
     else:
         assert s.prefill_seconds == pytest.approx(want["prefill_s"]) and s.prefill_done == want["done"]
+        assert s.prompt_requests == want["first"]
         assert s.decode_seconds == pytest.approx(want["decode_s"]) and s.decode_done == want["done"]
         assert s.generated_at_finish == want["generated"] and s.generation_tokens == want["generated"]
     if dialect == "vllm":

@@ -75,7 +75,7 @@ def test_C3_a_request_goes_where_its_adapter_runs_then_where_a_slot_is_free():
     # d: not loaded anywhere; r0 and r1 have a free slot, r2's two slots serve running adapters
     e = router.policy
     st1, st2 = e.state_of(router.replicas[1]), e.state_of(router.replicas[2])
-    assert e._lora_s(st2, "d", 0.03, t) > e._lora_s(st1, "d", 0.03, t) > 0
+    assert sum(e._lora_s(st2, "d", 0.03, t)) > sum(e._lora_s(st1, "d", 0.03, t)) > 0
     assert pick(router, t, "d", "s2").replica.name in ("r0", "r1")
 
 
@@ -84,8 +84,30 @@ def test_C3_an_adapter_sent_lately_is_taken_as_still_in_its_slot():
     first = pick(router, t, "e", "s3")
     router.release(first.reservation, t)
     st = router.policy.state_of(first.replica)
-    assert router.policy._lora_s(st, "e", 0.03, t) == 0.0
+    assert router.policy._lora_s(st, "e", 0.03, t) == (0.0, 0.0)
     assert pick(router, t + 1, "e", "s4").replica is first.replica
+
+
+def test_C3_a_load_is_priced_for_every_request_it_stalls():
+    """The engine loads an adapter before the step that needs it: the whole batch there waits. A session's own
+    replica with requests in flight loses to an idle one once the load would stall them longer than the
+    session's re-prefill costs."""
+    cfg = dataclasses.replace(WARM, warm=dataclasses.replace(WARM.warm, lora_load_s=2.0))
+    router, t = live_router(2, cfg)
+    for name in ("r0", "r1"):
+        router.on_load(name, LoadSample(0, 0, 0.0, lora_running=frozenset(), lora_waiting=frozenset(), max_lora=2), t)
+    first = pick(router, t, "z", "home")  # the session's context now lives where it went
+    router.release(first.reservation, t)
+    home = first.replica
+    router.on_load(home.name, LoadSample(0, 0, 0.0, lora_running=frozenset(), lora_waiting=frozenset(), max_lora=2), t)
+    router.policy.state_of(home).lora_sent.clear()  # its slot went to other adapters meanwhile
+    for i in range(4):  # short base-model requests in flight there: they barely delay a prefill
+        router.select(prof(session=f"o{i}", tokens=20, blocks=chain("o", f"o{i}", 20)), t, {home.name})
+    e = pick(router, t + 0.1, "z", "home")
+    assert e.replica is not home and e.replica.index != home.index
+    est = router.policy._estimate(home, router.policy.state_of(home), 5000.0, 0.03,
+                                  dataclasses.replace(prof(session="x", tokens=100), adapter="z"), None, t, None)
+    assert est.stall == 2.0 * home.in_flight_requests
 
 
 def test_the_simulated_fleet_keeps_each_model_in_its_pool_and_counts_adapter_loads():

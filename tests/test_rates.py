@@ -28,7 +28,7 @@ def _scrape(arrivals: list[float], t: float) -> LoadSample:
     done = [a for a in arrivals if a + PREFILL_S + OUT * STEP_S <= t]
     generated = sum(1 + min(OUT, int((t - f) / STEP_S)) for f in first)
     return LoadSample(prompt_tokens=COMPUTED * len(first), cached_tokens=0.0, computed_tokens=COMPUTED * len(first),
-                      first_tokens=len(first), prefill_seconds=PREFILL_S * len(done), prefill_done=len(done),
+                      first_tokens=len(first), prompt_requests=len(first), prefill_seconds=PREFILL_S * len(done), prefill_done=len(done),
                       computed_at_finish=COMPUTED * len(done), generation_tokens=generated,
                       generated_at_finish=(OUT + 1) * len(done), decode_seconds=OUT * STEP_S * len(done),
                       decode_done=len(done), requests_done=len(done))
@@ -58,6 +58,28 @@ def test_tokens_and_seconds_of_one_window_read_a_ramping_replica_too_fast():
     r = _learn(False)
     assert r.prefill_tokens_per_s > 1.15 * COMPUTED / PREFILL_S
     assert r.decode_s_per_token < STEP_S / 1.15
+
+
+def _sglang_scrape(arrivals: list[float], t: float) -> LoadSample:
+    """SGLang the other way round: prompt tokens counted when a request finishes, its prefill seconds
+    (per_stage_req_latency_seconds{stage="prefill_forward"}) when its prefill ends."""
+    first = [a for a in arrivals if a + PREFILL_S <= t]
+    done = [a for a in arrivals if a + PREFILL_S + OUT * STEP_S <= t]
+    return LoadSample(prompt_tokens=COMPUTED * len(done), cached_tokens=0.0, requests_done=len(done),
+                      prompt_requests=len(done), first_tokens=len(first), prefill_seconds=PREFILL_S * len(first),
+                      prefill_done=len(first))
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_C3_sglang_prefill_rate_learned_from_its_prefill_stage_through_a_ramp(paired):
+    rates = Rates(5000.0, 0.03, 256.0, paired=paired)
+    arrivals = _arrivals(120.0)
+    for i in range(240):
+        rates.update(_sglang_scrape(arrivals, i * 0.5), i * 0.5)
+    if paired:
+        assert rates.prefill_tokens_per_s == pytest.approx(COMPUTED / PREFILL_S, rel=0.03)
+    else:  # tokens lag the seconds: a ramping replica reads slow
+        assert rates.prefill_tokens_per_s < COMPUTED / PREFILL_S / 1.15
 
 
 def test_C3_sglang_decode_rate_learned_from_its_inter_token_latency():

@@ -48,6 +48,9 @@ class Dialect:
     # counters that move whenever the engine works (first tokens, streamed tokens, finished requests); a dialect
     # that names them has gauges that move only at some scheduler steps (SGLang): see Scraper.unstale
     activity: tuple[str, ...] = ()
+    # the LoadSample count of the requests whose tokens prompt_tokens holds (vLLM counts them at the first token,
+    # SGLang when the request finishes): the prefill rate pairs the mean request of each side
+    prompt_counted: str = "first_tokens"
     name: str = ""
     # what a /metrics without this engine's metrics most likely means, said in the scrape reason
     missing_hint: str = ""
@@ -101,6 +104,10 @@ SGLANG = Dialect(
         "sglang:inter_token_latency_seconds_count": "itl_tokens",
     },
     cache_tokens="sglang:max_total_num_tokens",
+    # newer SGLang: each request's prefill, from its entry into the running batch (req_time_stats.py)
+    by_label={("sglang:per_stage_req_latency_seconds_sum", "stage", "prefill_forward"): "prefill_seconds",
+              ("sglang:per_stage_req_latency_seconds_count", "stage", "prefill_forward"): "prefill_done"},
+    prompt_counted="requests_done",  # TokenizerMetricsCollector.observe_one_finished_request
     copy_label="tp_rank",  # dp_rank ranks are different schedulers: those are separate engines
     engine_label="dp_rank",
     activity=("sglang:time_to_first_token_seconds_count", "sglang:inter_token_latency_seconds_count",
@@ -264,6 +271,8 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
         counters["lora_running"] = frozenset(a for a in lab.get("running_lora_adapters", "").split(",") if a)
         counters["lora_waiting"] = frozenset(a for a in lab.get("waiting_lora_adapters", "").split(",") if a)
         counters["max_lora"] = int(lab["max_lora"]) if lab.get("max_lora", "").isdigit() else None
+    if d.prompt_counted in counters:
+        counters["prompt_requests"] = counters[d.prompt_counted]
     sample = LoadSample(r, w, kv_usage, cache_tokens=cache_tokens, prefix_caching=prefix_caching, engines=per_engine,
                         **counters)
     return ScrapeResult(True, r, w, kv_usage, sample=sample, engine=d.name, activity=activity if d.activity else None)

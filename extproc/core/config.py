@@ -105,7 +105,8 @@ class WarmConfig:
     # choice (vLLM: the least waiting x 4 + running), which the brain predicts from the last scrape
     steer_data_parallel: bool = True
     # C3: seconds a replica takes to bring a LoRA adapter into a GPU slot (vLLM: from its CPU cache or disk). A
-    # request for an adapter prices it where the adapter is not in a slot, and more where every slot is in use
+    # request for an adapter prices it where the adapter is not in a slot, and more where every slot is in use;
+    # the load stalls the replica's batch, so it is priced again for each request in flight there
     lora_load_s: float = 0.5
 
 

@@ -12,7 +12,9 @@ the rates read too fast, while it falls too slow. So each rate pairs quantities 
 - prefill: ``request_prefill_kv_computed_tokens`` (newer vLLM: computed tokens, observed at finish) over
   prefill seconds; else computed tokens per first token (``time_to_first_token_seconds_count``) over
   prefill seconds per finished request (``request_prefill_time_seconds_count``): the mean request of
-  each side, which a ramp does not skew while the mix of requests holds;
+  each side, which a ramp does not skew while the mix of requests holds. SGLang the other way round:
+  prompt and cached tokens per finished request over ``per_stage_req_latency_seconds{stage="prefill_forward"}``
+  per request whose prefill ended;
 - decode: ``request_generation_tokens`` (observed at finish) less the first token of each, over decode
   seconds; SGLang: its inter-token latency histogram (sum of intervals over tokens, observed as they stream).
 """
@@ -46,6 +48,7 @@ class LoadSample:
     computed_tokens: float | None = None
     # counts and sums observed with the same requests (see the module's doc): None where not exported
     first_tokens: float | None = None  # time_to_first_token_seconds_count: requests whose prefill ended
+    prompt_requests: float | None = None  # the requests whose prompt tokens prompt_tokens counts (Dialect.prompt_counted)
     prefill_done: float | None = None  # request_prefill_time_seconds_count: requests that finished
     computed_at_finish: float | None = None  # request_prefill_kv_computed_tokens_sum (newer vLLM)
     generated_at_finish: float | None = None  # request_generation_tokens_sum
@@ -112,9 +115,10 @@ class Rates:
                 acc[0] += (s.prompt_tokens - (s.cached_tokens or 0)) - (p.prompt_tokens - (p.cached_tokens or 0))
             acc[1] += s.prefill_seconds - p.prefill_seconds
             tokens, seconds = acc[0], acc[1]
-            if self.paired and _both(s, p, "first_tokens", "prefill_done"):
-                # tokens counted at first tokens, seconds at finish: compare the mean request of each
-                acc[5] += s.first_tokens - p.first_tokens
+            if self.paired and _both(s, p, "prompt_requests", "prefill_done"):
+                # tokens and seconds counted at different moments of a request (vLLM: tokens at its first token,
+                # seconds at finish; SGLang the other way round): compare the mean request of each
+                acc[5] += s.prompt_requests - p.prompt_requests
                 acc[6] += s.prefill_done - p.prefill_done
                 if acc[5] <= 0 or acc[6] <= 0:
                     return

@@ -28,7 +28,9 @@ Every quantity is in seconds of engine time (C1). Per candidate replica r:
 - fit (C3): a replica where the request does not fit beside the active sessions' contexts is left out, unless
   it fits on none: the replicas few requests arrive at are the ones long sessions live on, and two of those
   contexts in one cache evict each other on every turn.
-- LoRA: a request for an adapter adds the adapter's load where it is not in a slot (``_lora_s``);
+- LoRA: a request for an adapter adds the adapter's load where it is not in a slot (``_lora_s``), and the same
+  load once more for each request running or queued there: the engine loads it before the step that needs it,
+  so the whole batch waits for it;
 - data parallelism: a replica that exports several engines is priced engine by engine (``_candidates``), each
   with its own queue, KV usage and prefix index; the answer names the engine (X-data-parallel-rank).
 
@@ -286,27 +288,31 @@ class WarmPolicy:
             wait = max(wait, waiting * max(st.uncached_ewma, 1.0) / rate)
         e = _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine)
         if profile.adapter is not None:
-            e.lora = self._lora_s(self.state_of(r), profile.adapter, dec, now)
+            loads, lora_wait = self._lora_s(self.state_of(r), profile.adapter, dec, now)
+            e.lora = loads + lora_wait
+            if loads:
+                # the engine loads the adapter before the step that needs it: every request running or queued
+                # there waits for it too (the brain's own count: fresher than a scrape)
+                e.stall = self.cfg.warm.lora_load_s * r.in_flight_requests
         return e
 
-    def _lora_s(self, st: WarmReplica, adapter: str, dec: float, now: float) -> float:
+    def _lora_s(self, st: WarmReplica, adapter: str, dec: float, now: float) -> tuple[float, float]:
         """What bringing the request's LoRA adapter in costs on a replica (C3): nothing where it runs, waits or
         was sent lately (still in a slot, the slots being least-recently-used); else its load, once more when
         the slots already serve as many adapters with sessions here as there are slots (the one it evicts will
         be loaded again when its session is back), and the wait for a slot where every slot serves a running
-        adapter (a typical decode)."""
+        adapter (a typical decode). (loads' seconds, the wait's)."""
         s = st.lora
         if s is None:
-            return 0.0  # no LoRA metrics: nothing known, nothing priced
+            return 0.0, 0.0  # no LoRA metrics: nothing known, nothing priced
         busy = (s.lora_running or frozenset()) | (s.lora_waiting or frozenset())
         cap = max(1, s.max_lora or 1)
         if adapter in busy or adapter in list(st.lora_sent)[-cap:]:
-            return 0.0
+            return 0.0, 0.0
         load = self.cfg.warm.lora_load_s
         since = now - self.cfg.warm.active_session_s
         hosted = sum(1 for a, t in st.lora_sent.items() if t >= since and a != adapter)
-        cost = load * (2 if hosted >= cap else 1)
-        return cost if len(busy) < cap else cost + st.rates.output_tokens * dec
+        return load * (2 if hosted >= cap else 1), (0.0 if len(busy) < cap else st.rates.output_tokens * dec)
 
     def _kv(self, e: "_Estimate", prompt: int, out_tokens: float, mine, session: bool, now: float) -> None:
         """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
@@ -347,7 +353,7 @@ class WarmPolicy:
             e.ttft = e.wait + e.lora + e.prefill
             if self.use_kv_risk:
                 self._kv(e, prompt, out_tokens, mine, profile.session_key is not None, now)
-            e.cost += e.ttft
+            e.cost += e.ttft + e.stall
             if self.use_decode:
                 slower = e.dec - fastest_decode
                 if slower > _DECODE_NOISE * fastest_decode:
@@ -489,6 +495,7 @@ class _Estimate:
     prefill: float
     engine: int | None = None  # the data-parallel engine priced (None: the replica has one)
     lora: float = 0.0  # seconds to bring the request's LoRA adapter in
+    stall: float = 0.0  # seconds the others on the replica lose to that load
     fits: bool = True  # beside the active sessions' contexts, in the replica's cache
     ttft: float = 0.0
     cost: float = 0.0

@@ -17,7 +17,10 @@ Facts restated from the engines' sources (their code is not copied):
   model_name, engine_type, tp_rank, pp_rank [, dp_rank]; ``TokenizerMetricsCollector``: token counters and
   request histograms labelled model_name, moved by ``observe_one_finished_request``, so at finish),
   ``python/sglang/srt/managers/scheduler_metrics_mixin.py`` (``log_prefill_stats`` on every prefill batch,
-  ``log_decode_stats`` every ``decode_log_interval`` decode steps: the only moments the gauges move).
+  ``log_decode_stats`` every ``decode_log_interval`` decode steps: the only moments the gauges move);
+  ``python/sglang/srt/observability/req_time_stats.py`` (``SchedulerReqTimeStats.set_prefill_finished_time``:
+  ``per_stage_req_latency_seconds{stage="prefill_forward"}``, from the request's entry into the running batch
+  to the end of its prefill, observed by the scheduler's collector when the prefill ends).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ SGLANG_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80
                       2400)
 SGLANG_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
                       0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
+# SchedulerMetricsCollector.per_stage_req_latency_seconds: exponential_buckets(start=0.001, width=1.62, length=30)
+SGLANG_STAGE_BUCKETS = tuple(0.001 * 1.62 ** i for i in range(30))
 SGLANG_DECODE_LOG_INTERVAL = 40  # server_args.decode_log_interval's default
 
 # vllm/config/cache.py CacheConfig fields, in declaration order (metrics_info exports each as str(value))
@@ -148,6 +153,8 @@ def _sglang_defs(dp: bool) -> list[MetricDef]:
          ("sglang:cache_hit_rate", "The prefix cache hit rate."),
          ("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.")]
     return [*(MetricDef(n, "gauge", h, S, "log_stats") for n, h in g),
+            MetricDef("sglang:per_stage_req_latency_seconds", "histogram", "The latency of each stage of requests.",
+                      (*S, "stage"), "first_token", SGLANG_STAGE_BUCKETS),
             MetricDef("sglang:prompt_tokens", "counter", "Number of prefill tokens processed.", T, "finish"),
             MetricDef("sglang:generation_tokens", "counter", "Number of generation tokens processed.", T, "finish"),
             MetricDef("sglang:cached_tokens", "counter", "Number of cached prompt tokens.", T, "finish"),
@@ -318,9 +325,13 @@ class Exporter:
             for name, v in values.items():
                 self.m[name].labels(**self._sched(k, t)).set(v)
 
-    def first_token(self, k: int, er, ttft_s: float) -> None:
+    def first_token(self, k: int, er, ttft_s: float, prefill_s: float) -> None:
+        """A request's prefill ended (``prefill_s``: since it entered the running batch)."""
         if self.dialect == "sglang":
             self.m["sglang:time_to_first_token_seconds"].labels(model_name=self.model).observe(ttft_s)
+            for t in range(self.tp):  # every rank's scheduler runs the request, and each has its collector
+                self.m["sglang:per_stage_req_latency_seconds"].labels(**self._sched(k, t),
+                                                                     stage="prefill_forward").observe(prefill_s)
             return
         lv = self._lv(k)
         self.m["vllm:prompt_tokens"].labels(**lv).inc(er.prompt_tokens)
@@ -421,7 +432,7 @@ def _fixture(dialect: str, engines: int, tp: int, cache: "CacheInfo", EngineRequ
         for i in range(4 + k):  # requests that finished on engine k
             er = EngineRequest(i, (), 1000 + 100 * i, 50 + i, 0.0)
             er.cached_tokens, er.generated = 400 + 10 * i, 50 + i
-            ex.first_token(k, er, 0.2 + 0.01 * i)
+            ex.first_token(k, er, 0.2 + 0.01 * i, 0.1 + 0.01 * i)
             ex.chunk(k, er.generated - 1, 0.03 * (er.generated - 1))
             ex.finished(k, er, queued_s=0.05, prefill_s=0.1 + 0.01 * i, decode_s=0.03 * (er.generated - 1),
                         e2e_s=0.25 + 0.03 * er.generated)

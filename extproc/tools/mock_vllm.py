@@ -269,7 +269,7 @@ class MockReplica:
         ex, sp = self.exporter, self.args.speedup
 
         def first(k, er):
-            ex.first_token(k, er, (er.first_token_at - er.arrival) / sp)
+            ex.first_token(k, er, (er.first_token_at - er.arrival) / sp, (er.first_token_at - er.scheduled_at) / sp)
 
         def done(k, er):
             ex.finished(k, er, queued_s=(er.scheduled_at - er.arrival) / sp,

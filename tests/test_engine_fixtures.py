@@ -86,3 +86,25 @@ def test_a_vllm_with_an_old_and_a_new_name_for_the_hits_counts_them_once():
                     for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
     _, want = fixture("vllm")
     assert parse_metrics(text + old + "\n", VLLM).sample.cached_tokens == want["cached"]
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "vllm-old", "sglang"])
+def test_the_mock_s_text_is_prometheus_client_s_byte_for_byte(dialect):
+    """The mock formats each series' labels once (it is read ten times a second); the text must stay the engines'
+    own exporter's, `_created` series and odd label values included."""
+    from prometheus_client import generate_latest
+
+    from extproc.tools.engine_metrics import CacheInfo, Exporter
+    from extproc.tools.sim.engine import EngineRequest
+
+    ex = Exporter(dialect, 'odd "model"\\name\n', 2, CacheInfo(16, 100, True), max_loras=2)
+    for k in range(2):
+        er = EngineRequest(k, (), 1000, 50, 0.0)
+        er.cached_tokens, er.generated = 400, 50
+        ex.first_token(k, er, 0.25, 0.2)
+        ex.chunk(k, 49, 1.5)
+        ex.finished(k, er, queued_s=0.05, prefill_s=0.2, decode_s=1.5, e2e_s=1.75)
+    first = ex.text()
+    assert first == generate_latest(ex.registry) and b"_created" in first
+    ex.chunk(0, 10, 0.3)  # a second rendering reads the cached labels
+    assert ex.text() == generate_latest(ex.registry) != first

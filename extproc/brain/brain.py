@@ -92,7 +92,8 @@ class Brain:
         self.scraper.models_wanted = {r.name for r in cfg.replicas if not r.models}
         self.scraper.paths_wanted = {r.name for r in cfg.replicas if not r.paths}
         # a replica no longer configured with paths, or new: its /openapi.json at its next good scrape
-        self.scraper.paths_due = {n for n in self.scraper.paths_wanted if self.models.paths_of(n) is None}
+        self.scraper.paths_due = (self.scraper.paths_due | {n for n in self.scraper.paths_wanted
+                                                             if self.models.paths_of(n) is None}) & self.scraper.paths_wanted
 
     def _on_models(self, name: str, models: "list[dict] | None") -> bool:
         if self.models.learned(name, models):

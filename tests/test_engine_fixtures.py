@@ -108,3 +108,13 @@ def test_the_mock_s_text_is_prometheus_client_s_byte_for_byte(dialect):
     assert first == generate_latest(ex.registry) and b"_created" in first
     ex.chunk(0, 10, 0.3)  # a second rendering reads the cached labels
     assert ex.text() == generate_latest(ex.registry) != first
+
+
+def test_sglang_s_prompt_tokens_are_paired_with_its_finished_requests_not_its_first_tokens():
+    """SGLang counts prompt tokens when a request finishes (vLLM at its first token): the prefill rate's per-request
+    mean must divide them by the finished requests. The fixture's history finishes every request it starts, so
+    here some have only had their first token."""
+    text = (DIR / "sglang-0.5.txt").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("sglang:time_to_first_token_seconds_count"))
+    s = parse_metrics(text.replace(line, line.rsplit(" ", 1)[0] + " 99.0"), DIALECT["sglang"]).sample
+    assert s.first_tokens == 99 and s.prompt_requests == s.requests_done != 99

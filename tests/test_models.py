@@ -264,3 +264,21 @@ def test_a_replica_s_openapi_paths_are_bounded_and_configured_paths_are_checked(
     for paths in ("/v1/chat/completions", ["v1/chat"], ["/a b"], [7]):
         with pytest.raises(ConfigError, match=r"^replicas\[0\]\.paths: "):
             parse_config({"replicas": [{**REPLICAS[0], "paths": paths}]})
+
+
+def test_a_hostile_path_template_costs_a_linear_match():
+    """Templates come from whatever answers a replica's /openapi.json: `/{a}{b}...x` compiled to a regex
+    backtracked for minutes on a 40-character path (the brain's event loop with it). Matched by segments, a
+    segment holding a parameter is any one non-empty segment."""
+    from extproc.core.models import path_matches, path_pattern
+
+    c = ModelCatalog()
+    c.configure({"r0": (), "r1": ()})
+    c.learned_paths("r0", ["/" + "{a}" * 80 + "x", "/v1/files/{id}.json"])
+    c.learned_paths("r1", ["/v1/chat/completions"])
+    assert c.resolve(None, path="/" + "y" * 250).replicas == {"r0"}
+    assert c.resolve(None, path="/v1/files/abc").replicas == {"r0"}
+    assert c.resolve(None, path="/v1/files/abc/more").unserved_path == "/v1/files/abc/more"
+    prefix = path_pattern("/v1/resp*")
+    assert path_matches(prefix, "/v1/responses/r1") and path_matches(prefix, "/v1/resp")
+    assert not path_matches(prefix, "/v2/responses") and not path_matches(path_pattern("/{id}"), "/")

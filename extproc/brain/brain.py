@@ -49,6 +49,11 @@ class Pick:
     unserved_path: str | None = None  # no replica (of the model) serves the request's path: answer 404
 
 
+def _path(headers: dict[str, str]) -> str:
+    """The request's path without its query (Envoy's ``request.url_path`` attribute, or the ``:path`` header)."""
+    return headers.get(":path", "").split("?", 1)[0]
+
+
 class Brain:
     def __init__(self, cfg: AppConfig, clock=time.monotonic, config_path: str | None = None):
         self.cfg = cfg
@@ -131,7 +136,7 @@ class Brain:
         now = self.clock()
         r = self.router
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
-        res = self.models.resolve(profile.model, profile.session_key, headers.get(":path", "").split("?")[0] or None)
+        res = self.models.resolve(profile.model, profile.session_key, _path(headers) or None)
         if res.replicas is not None and not res.replicas:
             d = Decision(None, Reason.UNSERVED_PATH if res.unserved_path else Reason.UNKNOWN_MODEL,
                          model=profile.model)
@@ -155,13 +160,13 @@ class Brain:
 
     def decide(self, headers: dict[str, str], body: bytes | None, phase: str = "request_body") -> ep.ProcessingResponse:
         """The rendered Envoy's front: the choice as a cluster name and a reservation id Envoy logs back."""
-        if body is None and headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
+        if body is None and headers.get(":method") == "GET" and _path(headers) == "/v1/models":
             return models_response(self.models.union())  # Envoy's models route: the fleet's, not one replica's
         d = self.choose(headers, body)
         if d.reason == Reason.UNKNOWN_MODEL:
             return model_not_found_response(d.model or "")
         if d.reason == Reason.UNSERVED_PATH:
-            return path_not_served_response(headers.get(":path", "").split("?")[0])
+            return path_not_served_response(_path(headers))
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
@@ -183,7 +188,7 @@ class Brain:
         if d.reason == Reason.UNKNOWN_MODEL:
             return Pick([], None, unknown_model=d.model or "")
         if d.reason == Reason.UNSERVED_PATH:
-            return Pick([], None, unserved_path=headers.get(":path", "").split("?")[0])
+            return Pick([], None, unserved_path=_path(headers))
         if d.reason == NO_HEALTHY:
             return Pick([], None)
         names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]

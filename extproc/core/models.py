@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -49,13 +48,33 @@ MAX_PATHS = 2000  # an /openapi.json listing more is not believed (vLLM lists ~6
 MAX_PATH_CHARS = 256
 
 
-def path_pattern(path: str) -> "str | re.Pattern":
-    """A path a replica serves: exact, a prefix when it ends in '*', or OpenAPI's ``{name}`` for one segment."""
-    if "{" not in path and not path.endswith("*"):
-        return path
+def path_pattern(path: str) -> "str | tuple[tuple[str | None, ...], bool]":
+    """A path a replica serves: exact, or (segments, prefix): a segment with OpenAPI's ``{name}`` in it (None)
+    stands for any one non-empty segment, and a pattern ending in '*' is a prefix whose last segment may go on.
+
+    Matched segment by segment, never as a regular expression: the templates come from whatever answers a
+    replica's /openapi.json, and ``/{a}{b}{c}...`` as a regex backtracks for minutes on a long request path."""
     prefix = path.endswith("*")
-    parts = re.split(r"\{[^/{}]*\}", path[:-1] if prefix else path)
-    return re.compile("[^/]+".join(re.escape(p) for p in parts) + (".*" if prefix else ""))
+    body = path[:-1] if prefix else path
+    if "{" not in body and not prefix:
+        return path
+    return tuple(None if "{" in s else s for s in body.split("/")), prefix
+
+
+def path_matches(pattern: "tuple[tuple[str | None, ...], bool]", path: str) -> bool:
+    """``path`` against a templated or prefix pattern of ``path_pattern``: linear in the path's length."""
+    segments, prefix = pattern
+    got = path.split("/")
+    if len(got) < len(segments) or (not prefix and len(got) != len(segments)):
+        return False
+    last = len(segments) - 1
+    for i, s in enumerate(segments):
+        if s is None:
+            if not got[i]:
+                return False
+        elif not (got[i] == s or (prefix and i == last and got[i].startswith(s))):
+            return False
+    return True
 
 
 class ModelCatalog:
@@ -73,7 +92,7 @@ class ModelCatalog:
         # replica -> the paths it serves (None: not known, any path); an index like the models' one
         self._paths: dict[str, frozenset[str] | None] = {}
         self._paths_configured: set[str] = set()
-        self._path_index: tuple[dict[str, frozenset[str]], list[tuple[re.Pattern, frozenset[str]]], frozenset[str]] | None = None
+        self._path_index: tuple[dict[str, frozenset[str]], list[tuple[tuple, frozenset[str]]], frozenset[str]] | None = None
 
     def _built(self) -> dict[str, frozenset[str]]:
         if self._index is None:
@@ -110,7 +129,7 @@ class ModelCatalog:
             return None
         out = exact.get(path, frozenset()) | unknown
         for pattern, replicas in templated:
-            if not replicas <= out and pattern.fullmatch(path):
+            if not replicas <= out and path_matches(pattern, path):
                 out |= replicas
         return None if len(out) == len(self._paths) else out
 
@@ -240,4 +259,4 @@ def path_not_served_body(path: str) -> dict:
 
 
 __all__ = ["MAX_PATHS", "MAX_PATH_CHARS", "ModelCatalog", "Resolution", "Target", "not_found_body",
-           "path_not_served_body", "path_pattern"]
+           "path_matches", "path_not_served_body", "path_pattern"]

@@ -40,6 +40,7 @@ ablations are compositions (``make_policy("warm_no_guard")``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -307,7 +308,7 @@ class WarmPolicy:
             return 0.0, 0.0  # no LoRA metrics: nothing known, nothing priced
         busy = (s.lora_running or frozenset()) | (s.lora_waiting or frozenset())
         cap = max(1, s.max_lora or 1)
-        if adapter in busy or adapter in list(st.lora_sent)[-cap:]:
+        if adapter in busy or adapter in itertools.islice(reversed(st.lora_sent), cap):
             return 0.0, 0.0
         load = self.cfg.warm.lora_load_s
         since = now - self.cfg.warm.active_session_s

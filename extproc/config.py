@@ -183,6 +183,11 @@ class EnvoyConfig:
     access_log_periodic_s: float = 10.0
     brain_health_check_interval_s: float = 1.0  # how often Envoy asks the brain's gRPC health
     retries: int = 2  # on connect failure / reset before any response byte, each on another replica
+    # An upstream connection idle this long is closed by Envoy, before the engine closes it: vLLM's uvicorn drops a
+    # keep-alive connection idle 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), SGLang's uvicorn 5 s too, and a request Envoy
+    # writes on a connection the engine is closing comes back reset. 3 s leaves the engine's timer 2 s of margin
+    # on a busy machine; a new connection costs a loopback or LAN handshake
+    upstream_idle_timeout_s: float = 3.0
     # C7: the fail-open route's ring hash lets a replica hold this % of the mean load before it passes requests on
     fail_open_hash_balance_factor: int = 150
     # With a path, replica clusters live in this file (Envoy watches its directory) and the brain
@@ -385,6 +390,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("routing.token_weight_unit: expected a whole number >= 1")
     if router.profile.chars_per_token <= 0:
         raise ConfigError("profile.chars_per_token: expected a number > 0")
+    if router.profile.max_prompt_tokens < 1:
+        raise ConfigError("profile.max_prompt_tokens: expected a whole number >= 1")
     if router.policy not in POLICIES:
         raise ConfigError(f"routing.policy: expected one of {', '.join(PRODUCTION)} (or an ablation: "
                           f"{', '.join(p for p in POLICIES if p not in PRODUCTION)}), got {_short(router.policy)}")
@@ -421,6 +428,9 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("profile.tenant_header: tenant_source 'header' needs a header name")
     if envoy.fail_open_hash_balance_factor < 100:
         raise ConfigError("envoy.fail_open_hash_balance_factor: expected a whole number >= 100 (Envoy's minimum)")
+    if not 0 < envoy.upstream_idle_timeout_s < 5:
+        raise ConfigError("envoy.upstream_idle_timeout_s: expected a number of seconds in (0, 5): below the engines' "
+                          "5 s keep-alive")
     if envoy.brain_body_max_bytes < 1024:
         raise ConfigError("envoy.brain_body_max_bytes: expected a whole number >= 1024")
     if router.profile.max_body_bytes > envoy.max_body_bytes:

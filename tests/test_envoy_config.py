@@ -134,7 +134,7 @@ def test_bodies_of_32_mib_fit_envoy_and_the_grpc_message_limit():
 def test_retry_on_another_replica_after_refused_connection_or_reset_before_response():
     doc = bootstrap(CFG)
     rp = next(r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"] if "route" in r)["route"]["retry_policy"]
-    assert {"connect-failure", "reset-before-request"} <= set(rp["retry_on"].split(","))
+    assert {"connect-failure", "reset"} <= set(rp["retry_on"].split(","))
     assert rp["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
     clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
     for r in CFG.replicas:

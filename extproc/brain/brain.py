@@ -136,7 +136,13 @@ class Brain:
         now = self.clock()
         r = self.router
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
-        res = self.models.resolve(profile.model, profile.session_key, _path(headers) or None)
+        if profile.candidates is not None:
+            res = self.models.resolve_candidates(profile.candidates, profile.session_key, _path(headers) or None)
+        else:
+            res = self.models.resolve(profile.model, profile.session_key, _path(headers) or None)
+        bound = self.models.max_model_len(res.model)
+        if bound is not None and profile.tokens > bound:  # no replica of it reads more: never price it as more
+            profile = dataclasses.replace(profile, tokens=bound)
         if res.replicas is not None and not res.replicas:
             d = Decision(None, Reason.UNSERVED_PATH if res.unserved_path else Reason.UNKNOWN_MODEL,
                          model=profile.model)

@@ -26,7 +26,7 @@ from ..contract import (
     ROUTING_HEADER,
     header_of_attribute,
 )
-from ..core.profile import CONTENT_LENGTH
+from ..core.profile import declared_size
 from ..picker.messages import (header_value, headers_of, json_response, model_not_found_response, openai_error,
                                path_not_served_response)
 
@@ -115,8 +115,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 return
             if kind == "request_headers":
                 headers.update(headers_of(req.request_headers))
-                size = headers.get(CONTENT_LENGTH, "")
-                big = self.big_body_bytes is not None and size.isdigit() and int(size) > self.big_body_bytes
+                size = declared_size(headers)
+                big = self.big_body_bytes is not None and size is not None and size > self.big_body_bytes
                 # no body follows, or one Envoy does not send (the big-body route): decide on the headers
                 if req.request_headers.end_of_stream or big:
                     await context.write(self.decide(headers, None, "request_headers"))

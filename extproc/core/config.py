@@ -60,6 +60,10 @@ class ProfileConfig:
     prefix_chars: int = 4096  # A3: MD5 of the first 4096 characters of the system prompt
     chars_per_token: float = 4.0  # B: prompt tokens are estimated as characters / this
     max_body_bytes: int = 64 * 1024 * 1024  # B: larger bodies are not read at all: routed by headers only
+    # A request's prompt is estimated at no more than this many tokens, whatever its body or Content-Length says:
+    # no model takes more (the brain lowers it to the largest max_model_len the replicas list), and an estimate
+    # from a declared size alone must never price a replica as busy for hours
+    max_prompt_tokens: int = 1_048_576
     # Bodies up to this size are parsed as JSON for body keys; larger ones are read as bytes only (session
     # from headers, tokens from the size, block chain from the raw text), so no request holds the event
     # loop for a long parse (a 32 MiB parse takes over 100 ms). None: the policy's own (seed: every body up

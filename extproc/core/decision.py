@@ -25,6 +25,14 @@ class Reservation:
     token: str = ""  # the shell's unguessable name for it (only its holder, Envoy, can name it back)
     seen_at: float = 0.0  # when Envoy last said the request is alive (its start, or a periodic log entry)
     engine: int | None = None  # the data-parallel engine it went to (warm policy)
+    # warm policy: what the request added to its replica's predicted prefill queue, taken back when it ends,
+    # whatever the ending (a 413, a reset, a cancel, a body never sent): its prefill seconds, when they were
+    # predicted to end, and its prompt tokens counted as pending KV
+    prefill_s: float = 0.0
+    prefill_end: float = 0.0
+    pending_tokens: int = 0
+    arrived_at: float | None = None  # its place in the replica's arrivals (what queues behind a prefill)
+    provisional: bool = False  # charged before its body was known (headers alone): a bounded guess
 
 
 @dataclass(frozen=True, slots=True)

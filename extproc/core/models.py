@@ -89,6 +89,7 @@ class ModelCatalog:
         self._index: dict[str, frozenset[str]] | None = None
         self._unknown: frozenset[str] = frozenset()
         self._adapters: frozenset[str] = frozenset()
+        self._max_len: dict[str | None, int] = {}  # model (None: any) -> the largest max_model_len listed for it
         # replica -> the paths it serves (None: not known, any path); an index like the models' one
         self._paths: dict[str, frozenset[str] | None] = {}
         self._paths_configured: set[str] = set()
@@ -98,11 +99,17 @@ class ModelCatalog:
         if self._index is None:
             index: dict[str, set[str]] = {}
             adapters = set()
+            max_len: dict[str | None, int] = {}
             for replica, models in self._served.items():
                 for mid, obj in (models or {}).items():
                     index.setdefault(mid, set()).add(replica)
                     if obj.get("parent"):
                         adapters.add(mid)
+                    n = obj.get("max_model_len")
+                    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                        for k in (mid, None):
+                            max_len[k] = max(max_len.get(k, 0), n)
+            self._max_len = max_len
             self._index = {m: frozenset(rs) for m, rs in index.items()}
             self._unknown = frozenset(r for r, ms in self._served.items() if ms is None)
             self._adapters = frozenset(adapters)
@@ -190,6 +197,12 @@ class ModelCatalog:
         self._built()
         return model in self._adapters
 
+    def max_model_len(self, model: str | None) -> int | None:
+        """The most tokens a request for ``model`` can hold, as the replicas list it (None: any model; the answer
+        None: no replica says)."""
+        self._built()
+        return self._max_len.get(model) or self._max_len.get(None)
+
     def served_by(self, replica: str) -> list[str] | None:
         models = self._served.get(replica)
         return sorted(models) if models is not None else None
@@ -214,6 +227,21 @@ class ModelCatalog:
             return Resolution(name, by_model, rewritten)
         eligible = by_path if by_model is None else by_model & by_path
         return Resolution(name, eligible, rewritten, None if eligible else path)
+
+    def resolve_candidates(self, candidates: Collection[str], session_key: bytes | None = None,
+                           path: str | None = None) -> Resolution:
+        """A body whose model could not be read: it goes where any of the names it may mean is served, and where
+        none is, anywhere its path is served; a model a replica serves is never answered 404."""
+        eligible: set[str] = set()
+        for c in candidates:
+            res = self.resolve(c, session_key, path)
+            if res.replicas is None:
+                return Resolution(None, None)
+            eligible |= res.replicas
+        if eligible:
+            return Resolution(None, frozenset(eligible))
+        res = self.resolve(None, session_key, path)
+        return Resolution(None, res.replicas or None)
 
     def _pick(self, targets: tuple[Target, ...], session_key: bytes | None) -> str:
         """A weighted choice; a session always gets the same one (its cache is on that model's replicas)."""

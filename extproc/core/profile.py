@@ -8,7 +8,7 @@ profile without body keys plus ``body_status`` saying why.
 from __future__ import annotations
 
 import hashlib
-import re
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -17,6 +17,9 @@ import orjson
 from .blocks import ChainCache, chain_seed
 from .config import ProfileConfig
 from .names import BodyStatus
+from .toplevel import UNKNOWN, model_candidates, scan_model
+
+_UNREAD, _ORJSON_REFUSED = object(), object()
 
 BODY_OK, BODY_ABSENT, BODY_EMPTY = BodyStatus.OK, BodyStatus.ABSENT, BodyStatus.EMPTY
 BODY_NOT_JSON, BODY_NOT_OBJECT, BODY_TOO_LARGE = BodyStatus.NOT_JSON, BodyStatus.NOT_OBJECT, BodyStatus.TOO_LARGE
@@ -28,7 +31,6 @@ CONTENT_LENGTH = "content-length"  # a body too big to send reaches the brain as
 # parameters a client puts before it (max_tokens, temperature...) then do not break the chain.
 _CONVERSATION_KEYS = (b'"messages"', b'"input"', b'"prompt"', b'"instructions"', b'"system"', b'"tools"')
 _HEAD = 4096
-_MODEL_RE = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){0,256})"')
 
 _SYSTEM_ROLES = ("system", "developer")
 
@@ -43,6 +45,9 @@ class RequestProfile:
     blocks: list[int] = ()  # C2: chained block hashes of the conversation (only for policies that read them)
     model: str | None = None  # the body's "model" (a served model, an alias, or a LoRA adapter's name)
     adapter: str | None = None  # the LoRA adapter it runs with (the catalog says which models are adapters)
+    # the body could not be read as the engine reads it: its model is one of these (empty: any), never refused
+    candidates: tuple[str, ...] | None = None
+    provisional: bool = False  # tokens come from a size, not from a body the brain read (headers alone)
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
@@ -166,18 +171,57 @@ def _conversation_start(body: bytes) -> int:
     return min(found) if found else 0
 
 
-def _model_of(body: bytes) -> str | None:
-    m = _MODEL_RE.search(body, 0, _HEAD) or (_MODEL_RE.search(body, max(0, len(body) - _HEAD)) if len(body) > _HEAD else None)
-    return m.group(1).decode("utf-8", "replace") if m else None
+def _model_in(doc: Any) -> str | None:
+    model = doc.get("model") if isinstance(doc, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def engine_model(body: bytes, doc: Any = _UNREAD):
+    """The top-level ``model`` the engine reads in ``body`` (``doc``: the body already parsed by orjson).
+
+    vLLM reads the body with Python's ``json.loads``: the last of duplicate keys wins, escapes are decoded,
+    ``NaN`` is accepted. orjson agrees on all but ``NaN``, so a body it refuses is read once more by ``json``
+    itself. A body neither reads: ``UNKNOWN``."""
+    if doc is _UNREAD:
+        try:
+            doc = orjson.loads(body)
+        except (orjson.JSONDecodeError, ValueError, TypeError):
+            doc = _ORJSON_REFUSED
+    if doc is _ORJSON_REFUSED:
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            return UNKNOWN
+    return _model_in(doc)
 
 
 def replace_model(body: bytes, model: str) -> bytes | None:
-    """``body`` with its "model" value replaced (the one ``_model_of`` reads), without parsing it; None if none."""
-    for lo, hi in ((0, _HEAD), (max(0, len(body) - _HEAD), len(body))):
-        m = _MODEL_RE.search(body, lo, hi)
-        if m:
-            return body[:m.start(1)] + orjson.dumps(model)[1:-1] + body[m.end(1):]
+    """``body`` with its top-level "model" value replaced (the last one, which the engine reads), every other
+    byte kept; None if it names none."""
+    found, span = scan_model(body)
+    if isinstance(found, str) and span is not None:
+        return body[:span[0]] + orjson.dumps(model) + body[span[1]:]
+    if found is UNKNOWN:  # too costly to scan: the engine's own parser, and its own writer (NaN kept)
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if isinstance(_model_in(doc), str):
+            doc["model"] = model
+            return json.dumps(doc, ensure_ascii=False).encode()
     return None
+
+
+_DIGITS = frozenset(b"0123456789")
+
+
+def declared_size(headers: Mapping[str, str]) -> int | None:
+    """The body size a request's Content-Length declares (None: none, or not a number). Whatever a client writes
+    there: ASCII digits only, and a number of 16 digits or more is read as 10^15 (no body is that big)."""
+    v = headers.get(CONTENT_LENGTH, "")
+    if not v or not v.isascii() or not frozenset(v.encode()) <= _DIGITS:
+        return None
+    return int(v) if len(v) < 16 else 10 ** 15
 
 
 def tenant_of(headers: Mapping[str, str], cfg: ProfileConfig) -> str | None:
@@ -214,20 +258,23 @@ def build_profile(
             break
 
     if body is None:
-        size = headers.get(CONTENT_LENGTH, "")
-        if size.isdigit() and int(size) > 0:  # Envoy sent the headers of a body too big to send (routes.big_body)
-            return RequestProfile(session_key, None, int(int(size) / cfg.chars_per_token), BodyStatus.HEADERS_ONLY,
-                                  session_source)
+        size = declared_size(headers)
+        if size:  # Envoy sent the headers of a body too big to send (routes.big_body)
+            # a declared size: a guess until the body is read, bounded by max_prompt_tokens, its model unknown
+            return RequestProfile(session_key, None, min(int(size / cfg.chars_per_token), cfg.max_prompt_tokens),
+                                  BodyStatus.HEADERS_ONLY, session_source, candidates=(), provisional=True)
         return RequestProfile(session_key, None, 0, BODY_ABSENT, session_source)
     size = len(body)
-    bytes_estimate = int(size / cfg.chars_per_token)
+    bytes_estimate = min(int(size / cfg.chars_per_token), cfg.max_prompt_tokens)
     if size == 0:
         return RequestProfile(session_key, None, 0, BODY_EMPTY, session_source)
     if size > cfg.max_body_bytes:
-        return RequestProfile(session_key, None, bytes_estimate, BODY_TOO_LARGE, session_source)
+        return RequestProfile(session_key, None, bytes_estimate, BODY_TOO_LARGE, session_source, candidates=(),
+                              provisional=True)
     if headers.get(CONTENT_ENCODING, "identity").strip().lower() not in ("", "identity"):
         # compressed bytes carry no key, and their size understates the prompt: count it, route by headers
-        return RequestProfile(session_key, None, bytes_estimate, BODY_ENCODED, session_source)
+        return RequestProfile(session_key, None, bytes_estimate, BODY_ENCODED, session_source, candidates=(),
+                              provisional=True)
     doc = None
     status = BODY_UNPARSED
     if size <= (cfg.parse_max_bytes if cfg.parse_max_bytes is not None else cfg.max_body_bytes):
@@ -244,10 +291,10 @@ def build_profile(
 
     blocks: list[int] = []
     start = 0
-    if status is BODY_OK:
-        model = doc.get("model") if isinstance(doc.get("model"), str) else None
-    else:
-        model = _model_of(body)
+    candidates = None
+    model = engine_model(body, {BODY_UNPARSED: _UNREAD, BODY_NOT_JSON: _ORJSON_REFUSED}.get(status, doc))
+    if model is UNKNOWN:  # not JSON the engine reads either: route among the names it may mean, refuse none
+        model, candidates = None, model_candidates(body)
     if chains is not None:
         start = _conversation_start(body)
         blocks = chains.chain(session_key, body, start, chain_seed(model, tenant), start + cfg.chain_max_bytes,
@@ -255,13 +302,13 @@ def build_profile(
     if status is not BODY_OK or chains is not None:
         # The warm policy needs neither the prefix key nor the text-only token count: the conversation's bytes
         # estimate its tokens the same way for every body, parsed or not (JSON adds a few percent).
-        tokens = int((size - start) / cfg.chars_per_token)
-        return RequestProfile(session_key, None, tokens, status, session_source, blocks, model)
+        tokens = min(int((size - start) / cfg.chars_per_token), cfg.max_prompt_tokens)
+        return RequestProfile(session_key, None, tokens, status, session_source, blocks, model, candidates=candidates)
 
     prefix_key = None
     sp = system_prompt(doc)
     if sp:
         prefix_key = hash_key("prefix", tenant, sp[: cfg.prefix_chars])
 
-    tokens = int(_body_chars(doc) / cfg.chars_per_token)
+    tokens = min(int(_body_chars(doc) / cfg.chars_per_token), cfg.max_prompt_tokens)
     return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source, blocks, model)

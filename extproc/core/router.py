@@ -297,7 +297,7 @@ class Router:
 
     def _reserve(self, r: Replica, profile: RequestProfile, now: float) -> Reservation:
         w = self.weight_milli(profile.tokens)
-        res = Reservation(self._next_reservation_id, r, w, now, seen_at=now)
+        res = Reservation(self._next_reservation_id, r, w, now, seen_at=now, provisional=profile.provisional)
         self._next_reservation_id += 1
         r.wlc_milli += w
         r.in_flight_requests += 1

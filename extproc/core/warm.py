@@ -226,9 +226,26 @@ class WarmPolicy:
                 st.pending_tokens = 0
 
     def on_release(self, res, now: float) -> None:
+        """Everything the request added to its replica's predictions goes, however it ended: a request that ends
+        before its predicted prefill did (a 413, a reset, a cancel, a prediction too long) no longer queues ahead
+        of anyone, so its remaining prefill seconds and its pending KV are taken back."""
         st = self.engine_state(res.replica.name, res.engine)
-        if st is not None:
-            st.work_s = max(0.0, st.work_s - res.work_s)
+        if st is None:
+            return
+        st.work_s = max(0.0, st.work_s - res.work_s)
+        remaining = res.prefill_end - now
+        if remaining > 0 and res.prefill_s > 0:
+            st.prefill_busy_until = max(now, st.prefill_busy_until - min(remaining, res.prefill_s))
+            try:
+                st.pending.remove((res.prefill_end, res.pending_tokens))
+                st.pending_tokens -= res.pending_tokens
+            except ValueError:  # already past, or cleared when the replica was ejected
+                pass
+            if res.arrived_at is not None:  # gone before its prefill ended: nothing will queue behind it
+                try:
+                    st.arrivals.remove(res.arrived_at)
+                except ValueError:
+                    pass
 
     # ------------------------------------------------------------------ choice
 
@@ -463,7 +480,8 @@ class WarmPolicy:
         st.prefill_busy_until = max(now, st.prefill_busy_until) + self._chosen_prefill_s
         st.pending.append((st.prefill_busy_until, profile.tokens))
         st.pending_tokens += profile.tokens
-        st.uncached_ewma += 0.2 * (uncached - st.uncached_ewma)
+        if not profile.provisional:  # a size declared in a header says nothing of this replica's typical request
+            st.uncached_ewma += 0.2 * (uncached - st.uncached_ewma)
         st.work_s += d.work_s
         if self.use_interference:
             a = st.arrivals
@@ -471,8 +489,10 @@ class WarmPolicy:
             while a[0] < now - self.cfg.warm.arrival_window_s:  # bounded by the window
                 a.popleft()
         if d.reservation is not None:
-            d.reservation.work_s = d.work_s
-            d.reservation.engine = d.engine
+            res = d.reservation
+            res.work_s, res.engine = d.work_s, d.engine
+            res.prefill_s, res.prefill_end, res.pending_tokens = self._chosen_prefill_s, st.prefill_busy_until, profile.tokens
+            res.arrived_at = now if self.use_interference else None
         if self.use_index and profile.blocks and st.prefix_caching:
             st.index.insert(profile.blocks)
         if profile.adapter is not None:
@@ -481,7 +501,7 @@ class WarmPolicy:
             sent.move_to_end(profile.adapter)
             while len(sent) > 64:  # far more than any replica's slots
                 sent.popitem(last=False)
-        if profile.session_key is not None:
+        if profile.session_key is not None and not profile.provisional:
             self._set_active(profile.session_key, st, profile.tokens, now)
 
 

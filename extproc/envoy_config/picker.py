@@ -33,6 +33,7 @@ from .render import (
     _is_ip,
     _lb_endpoint,
     _retry_policy,
+    upstream_http_options,
     _thresholds,
     _tls_matches,
     brain_cluster,
@@ -99,6 +100,7 @@ def pool_cluster(cfg: AppConfig) -> dict:
         "load_assignment": {"cluster_name": PICKER_CLUSTER, "endpoints": [{"lb_endpoints": (
             [{"endpoint": {"address": _address(d.dns_name, d.port)}}] if dns
             else [_lb_endpoint(r) for r in cfg.replicas])}]},
+        **upstream_http_options(cfg),
         **_tls_matches(cfg.replicas),
     }
 

@@ -253,9 +253,23 @@ def local_reply_config() -> dict:
     }
 
 
+def upstream_http_options(cfg: AppConfig) -> dict:
+    """A replica cluster's HTTP/1.1 options: its idle connections closed before the engine closes them (a request
+    written on a connection the engine is closing is reset, and may already be on its way)."""
+    return {"typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "common_http_protocol_options": {"idle_timeout": _dur(cfg.envoy.upstream_idle_timeout_s)},
+        "explicit_http_config": {"http_protocol_options": {}},
+    }}}
+
+
 def _retry_policy(cfg: AppConfig) -> dict:
+    # "reset": any reset or disconnect before the first response byte, whatever its kind (a killed vLLM's port
+    # takes up to 1.3 s to close, resetting what reaches it meanwhile; a keep-alive connection the engine closes
+    # as a request is written on it). Envoy never retries once a response byte went to the client, and the
+    # generation had not begun where nothing was answered.
     return {
-        "retry_on": "connect-failure,reset-before-request,refused-stream",
+        "retry_on": "connect-failure,reset,refused-stream",
         "num_retries": cfg.envoy.retries,
         "retry_priority": {
             "name": "envoy.retry_priorities.previous_priorities",
@@ -448,6 +462,7 @@ def replica_cluster(cfg: AppConfig, r: ReplicaSpec) -> dict:
         "circuit_breakers": _thresholds(),
         "per_connection_buffer_limit_bytes": cfg.envoy.max_body_bytes,
         "load_assignment": {"cluster_name": r.name, "endpoints": endpoints},
+        **upstream_http_options(cfg),
         **_tls_matches([r, *others]),
     }
 
@@ -469,6 +484,7 @@ def fallback_cluster(cfg: AppConfig) -> dict:
             "cluster_name": FALLBACK_CLUSTER,
             "endpoints": [{"lb_endpoints": [_lb_endpoint(r) for r in cfg.replicas]}],
         },
+        **upstream_http_options(cfg),
         **_tls_matches(cfg.replicas),
     }
 

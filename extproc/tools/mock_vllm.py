@@ -11,8 +11,12 @@ It exports vLLM's own metric names and types on ``/metrics`` and takes
 faults by flags or ``POST /admin/fault``: ``{"healthy": false}``,
 ``{"fail_rate": 0.3}`` (503s), ``{"stall_s": 5}`` (slow /metrics and
 requests), ``{"die_for_s": 10}`` (stop listening, lose in-flight work,
-come back with a cold cache); ``--flap-every/--flap-down`` make it die
-and return on a timer.
+come back with a cold cache), ``{"die_slowly_s": 1.3, "die_for_s": 10}``
+(first a process that still accepts connections but resets every request
+before answering, as a SIGKILLed vLLM does while its port closes);
+``--flap-every/--flap-down`` make it die and return on a timer. Like
+vLLM's uvicorn server it closes a keep-alive connection idle for
+``--keep-alive-s`` (5 s, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``).
 """
 
 from __future__ import annotations
@@ -222,6 +226,7 @@ class Driver:
 class MockReplica:
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.dying = False  # die_slowly_s: the port accepts, every request is reset unanswered
         self.metrics_fault: str | None = None  # "nan": /metrics reports NaN (POST /admin/fault {"metrics": "nan"})
         self.model = args.model
         self.healthy = True
@@ -381,16 +386,25 @@ class MockReplica:
             self.stall_s = float(doc["stall_s"])
         if "metrics" in doc:
             self.metrics_fault = "nan" if doc["metrics"] == "nan" else None
-        if "die_for_s" in doc:
-            asyncio.get_running_loop().create_task(self.die_for(float(doc["die_for_s"])))
+        if "die_slowly_s" in doc or "die_for_s" in doc:
+            asyncio.get_running_loop().create_task(self.die_for(float(doc.get("die_for_s", 0.0)),
+                                                                float(doc.get("die_slowly_s", 0.0))))
         if "html" in doc:  # a misconfigured proxy or portal in front of the engine: 200 with an HTML page
             self.html = bool(doc["html"])
         return web.json_response({"healthy": self.healthy, "fail_rate": self.fail_rate, "stall_s": self.stall_s})
 
-    async def die_for(self, seconds: float) -> None:
-        """Stop listening (connections are refused), lose in-flight work, return with a cold cache."""
+    async def die_for(self, seconds: float, slowly_s: float = 0.0) -> None:
+        """Stop listening (connections are refused), lose in-flight work, return with a cold cache. ``slowly_s``:
+        first that long of a dying process whose port still accepts and whose every request is reset unanswered
+        (a killed vLLM's port closes 0.05-1.3 s after the kill: its front end outlives the engine a moment)."""
         if self.site is None:
             return
+        if slowly_s > 0:
+            self.dying = True
+            for d in self.drivers:  # the engine is gone first: what ran is lost
+                d.abort_all()
+            await asyncio.sleep(slowly_s)
+            self.dying = False
         await self.site.stop()
         # a crashed process takes its established (keep-alive) connections with it
         for conn in list(getattr(self.runner.server, "connections", [])):
@@ -582,7 +596,14 @@ def _error(status: int, message: str, typ: str = "invalid_request_error") -> web
 
 
 def build_app(rep: MockReplica) -> web.Application:
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    @web.middleware
+    async def dying(request: web.Request, handler):
+        if rep.dying and request.transport is not None:
+            request.transport.abort()  # the connection is reset before any byte of an answer
+            raise asyncio.CancelledError
+        return await handler(request)
+
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[dying])
     app["replica"] = rep
     # vLLM registers its routes by the model's tasks (api_server.build_app: the generate routers only if "generate"
     # is supported, the pooling ones only for a pooling model): a path a replica lacks is FastAPI's 404
@@ -637,6 +658,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flap-every", type=float, default=0.0, help="die every this many seconds (0: never)")
     ap.add_argument("--flap-down", type=float, default=5.0, help="and stay down this long")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-alive-s", type=float, default=5.0, help="close a keep-alive connection idle this long, as "
+                    "vLLM's uvicorn does (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)")
     ap.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
     ap.add_argument("--tls-key", default=None)
     ap.add_argument("--prefix-caching", choices=("on", "off"), default="on",
@@ -677,7 +700,8 @@ async def serve(args: argparse.Namespace) -> None:
     # aiohttp's parser logged a header it refused with its value (a session id in a replica log): accept what Envoy
     # lets through (60 KiB of headers), and log a refusal by its kind alone
     logging.getLogger("aiohttp.server").addFilter(_no_request_content)
-    rep.runner = web.AppRunner(build_app(rep), access_log=None, max_line_size=65536, max_field_size=65536)
+    rep.runner = web.AppRunner(build_app(rep), access_log=None, max_line_size=65536, max_field_size=65536,
+                               keepalive_timeout=args.keep_alive_s)
     await rep.runner.setup()
     rep.ssl = None
     if args.tls_cert:

@@ -1,0 +1,52 @@
+"""Hardening, third round (issue 30), on a live stack: upstreams that behave as real servers do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from extproc.tools.stack import http_post_json
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/v1/chat/completions"
+
+
+def _body(session: str) -> bytes:
+    return json.dumps({"model": "mock-coder-30b", "max_tokens": 2,
+                       "messages": [{"role": "user", "content": f"{session} question"}]}).encode()
+
+
+async def _posts(url: str, sessions: list[str]) -> list[tuple[int, str]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async def one(session: str) -> tuple[int, str]:
+            async with http.post(url + CHAT, data=_body(session), headers={
+                    "content-type": "application/json", "x-session-id": session}) as r:
+                text = await r.text()
+                return r.status, json.loads(text).get("system_fingerprint", "") if r.status == 200 else text
+
+        return list(await asyncio.gather(*(one(s) for s in sessions)))
+
+
+def _retries(s) -> int:
+    return sum(v for k, v in s.envoy_stats().items() if k.startswith("cluster.") and k.endswith(".upstream_rq_retry"))
+
+
+def test_a_replica_that_dies_slowly_loses_no_request_it_had_not_answered(own_stack):
+    """A killed vLLM's port stays open up to 1.3 s, resetting every request that reaches it: Envoy retries them
+    elsewhere (any reset before the first response byte), so a session pinned there, six requests at once, all
+    succeed."""
+    s = own_stack(3)
+    s.wait_all_live(30)
+    [(status, home)] = asyncio.run(_posts(s.url, ["pinned"]))
+    assert status == 200
+    victim = next(r for r in s.replicas if r.name == home)
+    retries = _retries(s)
+    http_post_json(victim.url + "/admin/fault", {"die_slowly_s": 3.0, "die_for_s": 2.0})
+    got = asyncio.run(_posts(s.url, ["pinned"] * 6))
+    assert [st for st, _ in got] == [200] * 6, got
+    assert all(fp != home for _, fp in got)  # each answered by another replica...
+    assert _retries(s) > retries  # ...after Envoy's retry of the reset it met on the dying one

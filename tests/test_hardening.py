@@ -1,0 +1,201 @@
+"""Hardening, third round (issue 30): nothing a client declares moves routing, and long bodies are routed by the
+model the engine reads. Each test here was seen failing on the code before the change."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import orjson
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from extproc.config import parse_config
+from extproc.contract import METADATA_NAMESPACE
+from extproc.core.profile import build_profile, engine_model, replace_model
+from extproc.core.config import ProfileConfig
+from extproc.core.toplevel import UNKNOWN, scan_model
+
+from .helpers import live_brain
+
+REPLICAS = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(4)]
+
+
+def _cluster(out) -> str:
+    return out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields["cluster"].string_value
+
+
+def _predicted(brain, now: float) -> dict[str, tuple[float, int, float]]:
+    """Per replica: the predicted prefill wait ahead, pending KV tokens and in-flight work the brain holds."""
+    pol = brain.router.policy
+    out = {}
+    for r in brain.router.replicas:
+        s = pol.state_of(r)
+        out[r.name] = (round(max(0.0, s.prefill_busy_until - now), 6), s.pending_tokens, round(s.work_s, 6))
+    return out
+
+
+def _small(i: int) -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "system", "content": "agent " * 50},
+                                                    {"role": "user", "content": f"question {i} " * 20}]})
+
+
+def _route_twenty(brain) -> list[int]:
+    """How 20 conversations of their own (nothing cached in common) spread: requests per replica, sorted."""
+    out = Counter()
+    for i in range(20):
+        body = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": f"agent {i} " * 50}]})
+        out[brain.choose({"x-session-id": f"s{i}"}, body).replica_name] += 1
+    return sorted(out.values())
+
+
+def test_a_declared_size_is_bounded_and_every_prediction_it_made_is_taken_back_when_it_ends():
+    """The probe: four header-only requests declaring 60 MB (and one 10^15), closed at once (a 413, a reset)."""
+    brain = live_brain(parse_config({"replicas": REPLICAS}))
+    fresh = live_brain(parse_config({"replicas": REPLICAS}))
+    now = brain.clock()
+    for name in ("r0", "r1", "r2", "r3"):
+        brain.models.learned(name, [{"id": "m", "object": "model", "max_model_len": 8192}])
+        fresh.models.learned(name, [{"id": "m", "object": "model", "max_model_len": 8192}])
+    idle = _predicted(brain, now)
+    probes = []
+    for i, size in enumerate(["60000000"] * 4 + ["1" + "0" * 15]):
+        d = brain.choose({"x-session-id": f"probe{i}", "content-length": size, ":path": "/v1/chat/completions"}, None)
+        assert d.reservation.provisional
+        probes.append(d)
+    # what a declared size is charged is bounded by what the model takes: 8,192 tokens, not 15 million
+    rate = brain.cfg.router.warm.prefill_tokens_per_s
+    assert all(w <= 5 * 8192 / rate for w, _, _ in _predicted(brain, now).values())
+    for d in probes:
+        brain.router.release(d.reservation, now)
+    assert _predicted(brain, now) == idle
+    assert _route_twenty(brain) == _route_twenty(fresh) == [5, 5, 5, 5]
+
+
+def test_a_prediction_is_taken_back_whatever_ends_the_request_first():
+    """An ordinary request that ends before its predicted prefill did leaves nothing queued ahead of others."""
+    brain = live_brain(parse_config({"replicas": REPLICAS}))
+    now = brain.clock()
+    idle = _predicted(brain, now)
+    ds = [brain.choose({"x-session-id": f"s{i}"}, _small(i)) for i in range(12)]
+    assert _predicted(brain, now) != idle
+    for d in reversed(ds):  # out of order: each takes back only its own part
+        brain.router.release(d.reservation, now)
+    assert _predicted(brain, now) == idle
+
+
+def test_an_estimate_from_a_body_is_bounded_by_the_largest_max_model_len_too():
+    brain = live_brain(parse_config({"replicas": REPLICAS}))
+    for name in ("r0", "r1", "r2", "r3"):
+        brain.models.learned(name, [{"id": "m", "object": "model", "max_model_len": 4096}])
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 400_000}]})
+    assert brain.choose({}, body).reservation.weight_milli == brain.router.weight_milli(4096)
+    p = build_profile({"content-length": "9" * 5000}, None, ProfileConfig())
+    assert p.tokens == ProfileConfig().max_prompt_tokens and p.provisional
+
+
+# ---------------------------------------------------------------- the model the engine reads
+
+
+def _openai_sdk_body(content_bytes: int, model: str = "coder") -> bytes:
+    """The OpenAI Python SDK's layout: messages first, then model, then the tools (10 KB) last."""
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 200,
+                                               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+             for i in range(40)]
+    turns = max(1, content_bytes // 2000)
+    messages = [{"role": "system", "content": "You are a coding agent."}] + [
+        {"role": "user" if k % 2 else "assistant", "content": "def f(x):\n    return \"x\" * 2\n" * 70} for k in range(turns)]
+    return json.dumps({"messages": messages, "model": model, "stream": True, "tools": tools}).encode()
+
+
+def _two_model_brain():
+    reps = [{**REPLICAS[0], "models": ["coder"]}, {**REPLICAS[1], "models": ["coder"]},
+            {**REPLICAS[2], "models": ["chat"]}, {**REPLICAS[3], "models": ["chat", "café-lora", "org/x"]}]
+    return live_brain(parse_config({"replicas": reps}))
+
+
+@pytest.mark.parametrize("size", [300_000, 2_000_000])
+def test_a_long_openai_sdk_body_is_routed_by_its_model(size):
+    brain = _two_model_brain()
+    for i in range(4):
+        body = _openai_sdk_body(size, "coder" if i % 2 else "chat")
+        assert len(body) >= size * 0.9
+        got = _cluster(brain.decide({"x-session-id": f"s{i}"}, body))
+        assert got in (("r0", "r1") if i % 2 else ("r2", "r3"))
+
+
+@pytest.mark.parametrize("body,want", [
+    (b'{"model": "coder", "messages": [], "model": "chat"}', "chat"),  # engines read the last duplicate
+    (b'{"metadata": {"model": "coder"}, "messages": [], "model": "chat"}', "chat"),  # nested keys are not it
+    (b'{"model": "chat", "temperature": NaN, "messages": []}', "chat"),  # json.loads reads NaN
+    (b'{"model": "caf\\u00e9-lora", "messages": []}', "caf\u00e9-lora"),
+    (b'{"model": "org\\/x", "messages": []}', "org/x"),
+    (b'{"m\\u006fdel": "chat", "messages": []}', "chat"),
+])
+def test_the_model_is_the_top_level_one_the_engine_reads(body, want):
+    assert engine_model(body) == json.loads(body)["model"] == want
+    brain = _two_model_brain()
+    out = brain.decide({}, body)
+    assert not out.HasField("immediate_response")  # served somewhere: never the brain's 404
+    assert _cluster(out) in (("r0", "r1") if want == "coder" else ("r2", "r3"))
+
+
+def test_a_body_no_parser_reads_goes_where_a_name_it_may_mean_is_served_never_404():
+    brain = _two_model_brain()
+    broken = b'{"messages": [{"role": "user", "content": "hi"}], "model": "coder", "tools": [tru'
+    assert engine_model(broken) is UNKNOWN
+    for _ in range(8):
+        assert _cluster(brain.decide({}, broken)) in ("r0", "r1")
+    anything = b'{"model": "nobody-serves-this", "x": ['
+    assert not brain.decide({}, anything).HasField("immediate_response")
+
+
+def test_an_alias_in_a_body_with_duplicates_is_rewritten_where_the_engine_reads_it():
+    body = b'{"model": "a", "messages": [{"model": "keep"}], "model": "alias", "n": NaN}'
+    new = replace_model(body, "served")
+    assert json.loads(new)["model"] == "served" and json.loads(new)["messages"] == [{"model": "keep"}]
+    assert math.isnan(json.loads(new)["n"])
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["model", "m", "x", "mo\"del"]), inner,
+                                                                max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["model", "messages", "metadata", "modèl", "x"]), _json_values), max_size=6),
+       st.booleans(), st.sampled_from(["", " ", "\n  "]))
+def test_the_scanner_agrees_with_json_loads_on_the_top_level_model(pairs, ascii_only, ws):
+    """Duplicates included: the pairs are written as they come, so a key may repeat."""
+    body = ("{" + ws + ("," + ws).join(json.dumps(k, ensure_ascii=ascii_only) + ws + ":" + ws
+                                       + json.dumps(v, ensure_ascii=ascii_only) for k, v in pairs) + ws + "}").encode()
+    want = json.loads(body).get("model")
+    want = want if isinstance(want, str) and 0 < len(want) <= 256 else None
+    got, span = scan_model(body)
+    assert got == want
+    assert engine_model(body) == (json.loads(body).get("model") if isinstance(json.loads(body).get("model"), str)
+                                  and json.loads(body).get("model") else None)
+    if want is not None:
+        assert json.loads(body[span[0]:span[1]]) == want
+
+
+# ---------------------------------------------------------------- upstreams as real servers behave
+
+
+def test_replica_connections_close_before_the_engines_keep_alive_and_any_early_reset_is_retried():
+    from extproc.config import ConfigError
+    from extproc.envoy_config import render
+    from extproc.envoy_config.picker import pool_cluster
+
+    cfg = parse_config({"replicas": REPLICAS})
+    for cluster in (*render.replica_clusters(cfg), pool_cluster(cfg)):
+        opts = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        idle = float(opts["common_http_protocol_options"]["idle_timeout"].rstrip("s"))
+        assert 0 < idle < 5.0  # vLLM's and SGLang's uvicorn close a keep-alive connection idle 5 s
+    retry_on = render.routes(cfg)[-1]["route"]["retry_policy"]["retry_on"].split(",")
+    assert "reset" in retry_on and "connect-failure" in retry_on
+    with pytest.raises(ConfigError, match=r"^envoy\.upstream_idle_timeout_s: "):
+        parse_config({"replicas": REPLICAS, "envoy": {"upstream_idle_timeout_s": 30}})

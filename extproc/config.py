@@ -390,6 +390,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("routing.token_weight_unit: expected a whole number >= 1")
     if router.profile.chars_per_token <= 0:
         raise ConfigError("profile.chars_per_token: expected a number > 0")
+    if router.pins.max_pins < 1:
+        raise ConfigError("pins.max_pins: expected a whole number >= 1")
     if router.profile.max_prompt_tokens < 1:
         raise ConfigError("profile.max_prompt_tokens: expected a whole number >= 1")
     if router.policy not in POLICIES:

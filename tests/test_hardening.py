@@ -199,3 +199,75 @@ def test_replica_connections_close_before_the_engines_keep_alive_and_any_early_r
     assert "reset" in retry_on and "connect-failure" in retry_on
     with pytest.raises(ConfigError, match=r"^envoy\.upstream_idle_timeout_s: "):
         parse_config({"replicas": REPLICAS, "envoy": {"upstream_idle_timeout_s": 30}})
+
+
+# ---------------------------------------------------------------- the small ones
+
+
+def test_session_pins_are_bounded_least_recently_used_first_and_counted():
+    brain = live_brain(parse_config({"replicas": REPLICAS, "pins": {"max_pins": 50}}))
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    brain.choose({"x-session-id": "kept"}, body)
+    for i in range(200):
+        brain.choose({"x-session-id": f"invented-{i}"}, body)
+        if i % 10 == 0:
+            brain.choose({"x-session-id": "kept"}, body)  # used now and then: never the least recent
+    pins = brain.router.session_pins
+    assert len(pins) == 50 and pins.evicted == 151
+    from extproc.core import hash_key
+    assert pins.get(hash_key("session", None, "kept"), brain.clock()) is not None
+    assert 'warmroute_pin_evictions_total{kind="session"} 151.0' in __import__("prometheus_client").generate_latest(
+        brain.registry).decode()
+
+
+def test_a_client_s_data_parallel_rank_is_dropped_at_the_edge():
+    from extproc.contract import DP_RANK_HEADER
+    from extproc.envoy_config import render
+
+    removed = [m["remove"] for m in render.early_header_mutation(parse_config({"replicas": REPLICAS}))[0]
+               ["typed_config"]["mutations"]]
+    assert DP_RANK_HEADER in removed
+
+
+# ---------------------------------------------------------------- replica answers bounded in depth and content
+
+
+def test_a_replica_answer_nested_100000_deep_is_refused_not_a_crash():
+    from extproc.brain.scraper import parse_models, parse_openapi_paths
+
+    deep = '{"data": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert parse_models(deep) is None
+    assert parse_openapi_paths('{"paths": ' + "{\"a\": " * 100_000 + "1" + "}" * 100_001) is None
+
+
+def test_model_ids_and_paths_with_escape_codes_or_newlines_are_not_kept():
+    from extproc.brain.scraper import parse_models, parse_openapi_paths
+
+    models = parse_models(json.dumps({"data": [{"id": "ok-model", "root": "\x1b[31mred"},
+                                               {"id": "evil\nmodel"}, {"id": "\x1b]0;title\x07"}]}))
+    assert models == [{"id": "ok-model"}]
+    assert parse_openapi_paths(json.dumps({"paths": {"/v1/chat/completions": {}, "/v1/x\r\nSet-Cookie: a": {},
+                                                     "/v1/a b": {}}})) == ["/v1/chat/completions"]
+
+
+def test_many_path_templates_match_as_one_walk_and_agree_with_the_segment_matcher():
+    import random
+
+    from extproc.core.models import ModelCatalog, path_matches, path_pattern
+
+    rnd = random.Random(7)
+    words = ["v1", "responses", "x", "{id}", "{a}{b}", "models", "chat", "c"]
+    templates = {"r0": set(), "r1": set()}
+    for _ in range(2000):
+        segs = [rnd.choice(words) for _ in range(rnd.randint(1, 5))]
+        p = "/" + "/".join(segs) + ("*" if rnd.random() < 0.2 else "")
+        templates[rnd.choice(["r0", "r1"])].add(p)
+    c = ModelCatalog()
+    c.configure({"r0": templates["r0"], "r1": templates["r1"], "r2": ["/only/here"]},
+                {"r0": templates["r0"], "r1": templates["r1"], "r2": ["/only/here"]})
+    for _ in range(500):
+        path = "/" + "/".join(rnd.choice(["v1", "responses", "x", "abc", "chat", "cz", ""]) for _ in range(rnd.randint(1, 6)))
+        want = {r for r, ps in templates.items()
+                if any((p == path) if isinstance(path_pattern(p), str) else path_matches(path_pattern(p), path) for p in ps)}
+        got = c._serving_path(path)
+        assert (got if got is not None else {"r0", "r1", "r2"}) == want | ({"r2"} if path == "/only/here" else set())

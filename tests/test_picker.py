@@ -290,3 +290,54 @@ def test_an_ejected_endpoint_is_never_listed(brain):
     for s in range(8):
         value, _ = picked(run(brain, request(hdrs={"x-session-id": f"e{s}"})))
         assert ENDPOINTS[1] not in value.split(",")
+
+
+def test_bodies_held_across_streams_are_bounded_together_and_returned_when_streams_end(brain):
+    """Streams that never end each held up to the body limit with no overall bound: past buffered_max_bytes a body
+    is decided on its headers and streamed on, and what a stream held is no longer counted once it ends."""
+    front = EndpointPicker(brain.pick, brain.end_picked, 1 << 20, brain.clock, buffered_max_bytes=100_000)
+
+    async def scenario():
+        never_end = [Ctx([*request(BODY)[:1], body(b"x" * 40_000, False)]) for _ in range(2)]
+        for c in never_end:
+            c.msgs.append(None)  # a stream left open: read() waits on a future that never comes
+        waits = []
+
+        async def stalled_read(ctx):
+            msg = ctx.msgs.pop(0)
+            if msg is None:
+                await asyncio.Event().wait()
+            return msg
+
+        for c in never_end:
+            c.read = (lambda c=c: stalled_read(c))
+            waits.append(asyncio.ensure_future(front.Process(None, c)))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert front.buffered == 80_000 and all(not c.out for c in never_end)  # held, undecided
+        third = Ctx([*request(BODY)[:1], body(b"y" * 40_000, False), body(b"z", True)])
+        await front.Process(None, third)
+        assert third.out[0].WhichOneof("response") == "request_headers"  # decided early: the bound was reached
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        assert front.buffered == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_subset_hint_is_read_up_to_its_bound_and_a_status_that_is_no_number_is_no_crash(brain):
+    from extproc.picker.front import MAX_SUBSET, subset_of
+
+    huge = headers({":method": "POST"}, subset=[f"10.0.{i // 250}.{i % 250}:8000" for i in range(MAX_SUBSET * 3)])
+    assert len(subset_of(huge)) == MAX_SUBSET
+    out = run(brain, request(BODY) + [_status("²")])  # "²".isdigit() is True, int("²") raises
+    assert out and out[0].WhichOneof("response") == "request_headers"
+    assert brain.router.open_reservations == 0  # the stream's end released it, whatever the status said
+
+
+def _status(code: str) -> ep.ProcessingRequest:
+    rh = ep.ProcessingRequest()
+    rh.response_headers.headers.headers.add(key=":status", raw_value=code.encode())
+    rh.response_headers.end_of_stream = True
+    return rh

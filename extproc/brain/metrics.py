@@ -71,11 +71,15 @@ class BrainCollector(Collector):
         yield from (f for f, _ in fams.values())
         g = GaugeMetricFamily("warmroute_pins", "Live pins", labels=["kind"])
         e = CounterMetricFamily("warmroute_pin_expirations", "Pins that died of idleness (TTL)", labels=["kind"])
+        ev = CounterMetricFamily("warmroute_pin_evictions", "Pins dropped, least recently used first, past pins.max_pins",
+                                 labels=["kind"])
         for t in (r.session_pins, r.prefix_pins):
             g.add_metric([t.kind], len(t))
             e.add_metric([t.kind], t.expired)
+            ev.add_metric([t.kind], t.evicted)
         yield g
         yield e
+        yield ev
 
         state = GaugeMetricFamily("warmroute_replica_state", "1 for the replica's current health state", labels=["replica", "state"])
         drained = GaugeMetricFamily("warmroute_replica_drained", "1 if an operator drained the replica", labels=["replica"])

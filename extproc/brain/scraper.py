@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import orjson
 from aiohttp import ClientSession, ClientTimeout
 
 from ..core import LoadSample, Router
@@ -278,12 +278,26 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
     return ScrapeResult(True, r, w, kv_usage, sample=sample, engine=d.name, activity=activity if d.activity else None)
 
 
+def _document(text: str):
+    """A replica's JSON answer, nested at most 1,024 deep (orjson's limit): ``json`` would raise RecursionError on
+    a document 100,000 deep, and kill the replica's scrape task at every scrape. ValueError when it is not JSON."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(str(e)) from None
+
+
+def _shown(v) -> bool:
+    """A value the brain may keep and show (in /state, logs, GET /v1/models): printable, no escape codes or newlines."""
+    return isinstance(v, int) or v.isprintable()
+
+
 def parse_models(text: str) -> list[dict] | None:
     """The model objects of a /v1/models answer, each cut to MODEL_FIELDS of bounded size; None when the text is
     not such an answer or lists more than MAX_MODELS (what the brain keeps per replica stays small whatever a
     replica, or whoever answers in its place, sends)."""
     try:
-        data = json.loads(text)["data"]
+        data = _document(text)["data"]
     except (ValueError, KeyError, TypeError):
         return None
     if not isinstance(data, list) or len(data) > MAX_MODELS:
@@ -291,21 +305,22 @@ def parse_models(text: str) -> list[dict] | None:
     out = []
     for m in data:
         mid = m.get("id") if isinstance(m, dict) else None
-        if isinstance(mid, str) and 0 < len(mid) <= MAX_MODEL_FIELD_CHARS:
+        if isinstance(mid, str) and 0 < len(mid) <= MAX_MODEL_FIELD_CHARS and mid.isprintable():
             out.append({k: m[k] for k in MODEL_FIELDS if isinstance(m.get(k), (str, int))
-                        and not isinstance(m[k], bool) and len(str(m[k])) <= MAX_MODEL_FIELD_CHARS})
+                        and not isinstance(m[k], bool) and len(str(m[k])) <= MAX_MODEL_FIELD_CHARS and _shown(m[k])})
     return out
 
 
 def parse_openapi_paths(text: str) -> list[str] | None:
     """The paths an /openapi.json lists (bounded like /v1/models); None when it is not such a document."""
     try:
-        paths = json.loads(text)["paths"]
+        paths = _document(text)["paths"]
     except (ValueError, KeyError, TypeError):
         return None
     if not isinstance(paths, dict) or not paths or len(paths) > MAX_PATHS:
         return None
-    return [p for p in paths if isinstance(p, str) and p.startswith("/") and len(p) <= MAX_PATH_CHARS]
+    return [p for p in paths if isinstance(p, str) and p.startswith("/") and len(p) <= MAX_PATH_CHARS
+            and p.isprintable() and " " not in p]
 
 
 def tls_context(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None) -> ssl.SSLContext:

@@ -42,6 +42,9 @@ class PinConfig:
     session_spills_to_rebind: int = 3  # A3: 3 spills in a row -> the session pin moves
     prefix_spills_to_delete: int = 2  # B: the second consecutive prefix spill deletes it
     force_rebind_gap: float = 3.0  # A3: effective_running(pin) - min_r >= 3 -> move at once
+    # At most this many pins of each kind (~250 bytes each): past it the least recently used one goes, counted in
+    # warmroute_pin_evictions_total. A client inventing a session per request cannot grow the brain within the TTL
+    max_pins: int = 500_000
 
 
 TENANT_SOURCES = ("header", "credential", "none")

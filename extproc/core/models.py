@@ -77,6 +77,63 @@ def path_matches(pattern: "tuple[tuple[str | None, ...], bool]", path: str) -> b
     return True
 
 
+class _PathTrie:
+    """Templated and prefix paths by segment, so that a request's path costs a walk over its own segments whatever
+    the number of templates (a replica may list 2,000: a list of them cost 0.7 ms a decision). The walk keeps the
+    set of nodes the path can be at (a segment may match a literal and a ``{parameter}`` both), never backtracks."""
+
+    __slots__ = ("literal", "param", "end", "prefixes")
+
+    def __init__(self):
+        self.literal: dict[str, _PathTrie] = {}
+        self.param: _PathTrie | None = None
+        self.end: set[str] = set()  # replicas whose template ends here
+        self.prefixes: list[tuple[str | None, set[str]]] = []  # (start of the next segment, replicas) of 'x*' paths
+
+    def _child(self, seg: str | None) -> "_PathTrie":
+        if seg is None:
+            if self.param is None:
+                self.param = _PathTrie()
+            return self.param
+        return self.literal.setdefault(seg, _PathTrie())
+
+    def add(self, pattern: "tuple[tuple[str | None, ...], bool]", replica: str) -> None:
+        segments, prefix = pattern
+        node = self
+        for seg in segments[:-1] if prefix else segments:
+            node = node._child(seg)
+        if not prefix:
+            node.end.add(replica)
+            return
+        last = segments[-1]
+        for start, replicas in node.prefixes:
+            if start == last:
+                replicas.add(replica)
+                return
+        node.prefixes.append((last, {replica}))
+
+    def match(self, path: str) -> frozenset[str]:
+        out: set[str] = set()
+        nodes = [self]
+        for seg in path.split("/"):
+            nxt = []
+            for n in nodes:
+                for start, replicas in n.prefixes:
+                    if (seg if start is None else seg.startswith(start)) and not replicas <= out:
+                        out |= replicas
+                child = n.literal.get(seg)
+                if child is not None:
+                    nxt.append(child)
+                if n.param is not None and seg:
+                    nxt.append(n.param)
+            nodes = nxt
+            if not nodes:
+                break
+        for n in nodes:
+            out |= n.end
+        return frozenset(out)
+
+
 class ModelCatalog:
     def __init__(self, aliases: Mapping[str, tuple[Target, ...]] | None = None, seed: int | None = None):
         self.aliases = dict(aliases or {})
@@ -93,7 +150,7 @@ class ModelCatalog:
         # replica -> the paths it serves (None: not known, any path); an index like the models' one
         self._paths: dict[str, frozenset[str] | None] = {}
         self._paths_configured: set[str] = set()
-        self._path_index: tuple[dict[str, frozenset[str]], list[tuple[tuple, frozenset[str]]], frozenset[str]] | None = None
+        self._path_index: "tuple[dict[str, frozenset[str]], _PathTrie, frozenset[str]] | None" = None
 
     def _built(self) -> dict[str, frozenset[str]]:
         if self._index is None:
@@ -118,12 +175,15 @@ class ModelCatalog:
     def _built_paths(self):
         if self._path_index is None:
             exact: dict[str, set[str]] = {}
-            templated: dict[str, set[str]] = {}
+            trie = _PathTrie()
             for replica, paths in self._paths.items():
                 for p in paths or ():
-                    (exact if isinstance(path_pattern(p), str) else templated).setdefault(p, set()).add(replica)
-            self._path_index = ({p: frozenset(rs) for p, rs in exact.items()},
-                                [(path_pattern(p), frozenset(rs)) for p, rs in templated.items()],
+                    pattern = path_pattern(p)
+                    if isinstance(pattern, str):
+                        exact.setdefault(p, set()).add(replica)
+                    else:
+                        trie.add(pattern, replica)
+            self._path_index = ({p: frozenset(rs) for p, rs in exact.items()}, trie,
                                 frozenset(r for r, ps in self._paths.items() if ps is None))
         return self._path_index
 
@@ -131,13 +191,10 @@ class ModelCatalog:
         """The replicas that serve ``path`` (None: any, as far as anyone knows)."""
         if path is None:
             return None
-        exact, templated, unknown = self._built_paths()
+        exact, trie, unknown = self._built_paths()
         if len(unknown) == len(self._paths):
             return None
-        out = exact.get(path, frozenset()) | unknown
-        for pattern, replicas in templated:
-            if not replicas <= out and path_matches(pattern, path):
-                out |= replicas
+        out = exact.get(path, frozenset()) | unknown | trie.match(path)
         return None if len(out) == len(self._paths) else out
 
     # ---------------------------------------------------------------- sources

@@ -33,12 +33,16 @@ class Pin:
 class PinTable:
     """Pins of one kind (session or prefix)."""
 
-    __slots__ = ("kind", "ttl_s", "_pins", "expired", "created", "_counts")
+    __slots__ = ("kind", "ttl_s", "_pins", "expired", "created", "_counts", "max_pins", "evicted")
 
-    def __init__(self, kind: PinKind, ttl_s: float):
+    def __init__(self, kind: PinKind, ttl_s: float, max_pins: int = 500_000):
         self.kind = kind
         self.ttl_s = ttl_s  # float("inf") disables expiry (simulator ablation "no pin TTL")
         self._pins: OrderedDict[bytes, Pin] = OrderedDict()
+        # past this many, the least recently used pin goes: a client inventing a session id per request must not
+        # grow the brain without bound within the TTL (pins.max_pins)
+        self.max_pins = max_pins
+        self.evicted = 0
         self.expired = 0
         self.created = 0
         self._counts: dict[str, int] = {}  # pins per replica name, kept as pins come and go (admin views poll it)
@@ -81,6 +85,10 @@ class PinTable:
         self._pins.move_to_end(key)
         self._count(pin, 1)
         self.created += 1
+        while len(self._pins) > self.max_pins:
+            _, lru = self._pins.popitem(last=False)
+            self._count(lru, -1)
+            self.evicted += 1
         return pin
 
     def move(self, pin: Pin, replica: "Replica") -> None:

@@ -44,6 +44,7 @@ class SeedPolicy:
         self.cfg = cfg
         self.session_pins.ttl_s = cfg.pins.session_ttl_s if self.pin_ttl else _INF
         self.prefix_pins.ttl_s = cfg.pins.prefix_ttl_s if self.pin_ttl else _INF
+        self.session_pins.max_pins = self.prefix_pins.max_pins = cfg.pins.max_pins
 
     def configure(self, r: Replica) -> None:
         r.count_wlc = self.wlc

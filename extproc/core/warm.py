@@ -135,6 +135,7 @@ class WarmPolicy:
         self.cfg = cfg
         self.tokens_per_block = cfg.profile.block_chars / cfg.profile.chars_per_token
         self.session_pins.ttl_s = cfg.pins.session_ttl_s
+        self.session_pins.max_pins = cfg.pins.max_pins
 
     def configure(self, r: Replica) -> None:
         r.count_wlc = True

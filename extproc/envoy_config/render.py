@@ -93,8 +93,9 @@ def edge_headers_removed(cfg: AppConfig) -> list[str]:
     """Request headers only Envoy or the brain may set: what a client sends under these names is dropped
     before any route is matched or filter runs (a header filter would be too late: the route is matched
     on the client's headers at the first filter that asks for it, and stays cached unless the brain
-    answers). The request id is Envoy's own, so a client cannot release another request's reservation."""
-    names = [ROUTING_HEADER, RESERVATION_HEADER, REQUEST_ID_HEADER]
+    answers). The request id is Envoy's own, so a client cannot release another request's reservation; the
+    data-parallel engine is the brain's to name (a client's would pass wherever the brain names none)."""
+    names = [ROUTING_HEADER, RESERVATION_HEADER, REQUEST_ID_HEADER, DP_RANK_HEADER]
     p = cfg.router.profile
     if p.tenant_source == "header" and p.tenant_header and not cfg.envoy.trust_downstream_tenant_header:
         names.append(p.tenant_header)

@@ -19,6 +19,8 @@ is answered on the body message; one that sends ``STREAMED`` bodies gets a decis
 
 from __future__ import annotations
 
+import itertools
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
@@ -61,13 +63,19 @@ Pick = Callable[[dict[str, str], "bytes | None", "list[str] | None"], PickResult
 End = Callable[[Any, "str | None", "bool | None", "float | None"], None]
 
 
+MAX_SUBSET = 4096  # endpoints read from a subset hint: more than any pool; a 2M-entry hint stalled the loop 0.6 s
+
+
 def _struct_strings(value) -> list[str]:
-    """A metadata value as a list of endpoints: a list of strings, or one comma-separated string."""
+    """A metadata value as a list of endpoints: a list of strings, or one comma-separated string; the first
+    MAX_SUBSET of them."""
     kind = value.WhichOneof("kind")
     if kind == "list_value":
-        return [v.string_value.strip() for v in value.list_value.values if v.string_value.strip()]
+        values = value.list_value.values
+        return [v.string_value.strip() for v in itertools.islice(values, MAX_SUBSET) if v.string_value.strip()]
     if kind == "string_value":
-        return [p.strip() for p in value.string_value.split(",") if p.strip()]
+        return [p.strip() for p in itertools.islice(value.string_value[:MAX_SUBSET * 64].split(","), MAX_SUBSET)
+                if p.strip()]
     return []
 
 
@@ -170,10 +178,14 @@ class _Stream:
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def __init__(self, pick: Pick, end: End, body_max_bytes: int, clock: Callable[[], float] = time.monotonic,
-                 on_reset: Callable[[], None] | None = None):
+                 on_reset: Callable[[], None] | None = None, buffered_max_bytes: int | None = None):
         self.pick = pick
         self.end = end
         self.body_max_bytes = body_max_bytes  # larger bodies: decided on the headers, streamed through
+        # bodies held across every stream at once: past it a body is decided on its headers and streamed through, so
+        # streams that never end cannot each hold body_max_bytes (114 MB -> 505 MB with no bound)
+        self.buffered_max_bytes = buffered_max_bytes if buffered_max_bytes is not None else 16 * body_max_bytes
+        self.buffered = 0
         self.clock = clock
         self.on_reset = on_reset
 
@@ -194,11 +206,19 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 if st.ended:
                     return
         finally:
+            self._drop_held(st)
             if st.reservation is not None and not st.ended:
                 # the stream ended before the response did: the client left, the replica reset, the gateway went
                 self.end(st.reservation, st.served, None, st.first_byte_s)
                 if self.on_reset is not None:
                     self.on_reset()
+
+    def _drop_held(self, st: _Stream) -> bytes:
+        """The body the stream held, no longer counted against buffered_max_bytes."""
+        held, st.body = b"".join(st.body), []
+        self.buffered -= st.size
+        st.size = 0
+        return held
 
     def _decide(self, st: _Stream, body: bytes | None, phase: str = "request_headers") -> ep.ProcessingResponse:
         st.answered = True
@@ -238,25 +258,24 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 return body_chunks(chunk.body, chunk.end_of_stream)
             st.body.append(chunk.body)
             st.size += len(chunk.body)
+            self.buffered += len(chunk.body)
             if chunk.end_of_stream:
-                body = b"".join(st.body)
-                st.body = []
+                body = self._drop_held(st)
                 answer = self._decide(st, body)
                 if answer.HasField("immediate_response"):
                     return [answer]
                 return [answer, *body_chunks(st.new_body if st.new_body is not None else body, True)]
-            if st.size > self.body_max_bytes:
+            if st.size > self.body_max_bytes or self.buffered > self.buffered_max_bytes:
                 answer = self._decide(st, None)
+                held = self._drop_held(st)
                 if answer.HasField("immediate_response"):
                     return [answer]
-                held, st.body = b"".join(st.body), []
                 return [answer, *body_chunks(held, False)]
             return []
         if kind == "request_trailers":
             out: list[ep.ProcessingResponse] = []
             if not st.answered:  # a body that ended in trailers: decide on what came
-                body = b"".join(st.body)
-                st.body = []
+                body = self._drop_held(st)
                 answer = self._decide(st, body)
                 if answer.HasField("immediate_response"):
                     return [answer]
@@ -264,7 +283,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return [*out, _PASS[kind]]
         if kind == "response_headers":
             h = headers_of(req.response_headers)
-            st.status = int(h.get(":status", "0") or 0) if h.get(":status", "").isdigit() else 0
+            code = h.get(":status", "")
+            st.status = int(code) if code.isascii() and code.isdigit() and len(code) <= 3 else 0
             st.served = served_of(req) or st.served
             st.response_seen = True
             if st.picked_at:

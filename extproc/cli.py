@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "envoy-config":
         from .envoy_config import bootstrap, dump, snippets
 
-        from .config import ConfigError
+        from .config import ConfigError, check_brain_access
 
         cfg = _config_or_exit(args.config)
         try:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .brain.logs import setup_logging
         from .brain.server import run_brain
-        from .config import ConfigError
+        from .config import ConfigError, check_brain_access
 
         cfg = _config_or_exit(args.config)
         setup_logging(args.log_format)
@@ -165,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
                      "metrics_port": args.metrics_port}
         cfg = dataclasses.replace(cfg, brain=dataclasses.replace(
             cfg.brain, **{k: v for k, v in overrides.items() if v is not None}))
+        try:
+            # a flag passes the same checks as the file: --host 0.0.0.0 is no way around brain.host's rule
+            check_brain_access(cfg.brain, cfg.envoy)
+        except ConfigError as e:
+            print(f"warmroute: config error: {e} (with the command-line flags applied)", file=sys.stderr)
+            return 2
         try:
             asyncio.run(run_brain(cfg, args.ready_file, args.config))
         except KeyboardInterrupt:

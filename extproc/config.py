@@ -129,8 +129,8 @@ class BrainConfig:
     tls_key_file: str | None = None  # PEM private key of tls_cert_file
     # PEM CA bundle: clients (Envoy) must present a certificate it signed (mutual TLS, recommended over a network)
     tls_client_ca_file: str | None = None
-    # true: allow plain TCP on an address beyond loopback. Anyone who reaches the port can then eject replicas
-    # and open or release reservations: only on a network nobody else reaches
+    # true: allow plain TCP (loopback included: every local user reaches it). Anyone who reaches the port can then
+    # eject replicas and open or release reservations: only where nobody else does
     insecure: bool = False
     # "envoy": the Envoy that `warmroute envoy-config` renders (one message per request, release by access log).
     # "endpoint-picker": the Gateway API Inference Extension's protocol, for any gateway that speaks it
@@ -169,7 +169,13 @@ class EnvoyConfig:
 
     listen_host: str = "0.0.0.0"  # where the rendered Envoy listens for clients
     listen_port: int = 8080  # the clients' port (the OpenAI API)
-    admin_port: int = 9901  # Envoy's admin interface, on 127.0.0.1 only
+    # Envoy's admin interface: a Unix socket (mode 0600) in the brain's private directory, never a TCP port (any local
+    # user could POST /quitquitquit to a loopback port and stop the data plane). `warmroute top` reads it there
+    admin_path: str = "/run/warmroute/envoy-admin.sock"
+    # A read-only listener for Prometheus: GET /stats/prometheus (Envoy's own metrics) and nothing else, proxied to the
+    # admin socket. null: none
+    stats_port: int | None = None
+    stats_host: str = "127.0.0.1"  # where stats_port listens (0.0.0.0 to scrape from elsewhere)
     max_body_bytes: int = 64 * 1024 * 1024  # Envoy's 1 MiB default answers 413 to long contexts
     ext_proc_timeout_s: float = 1.0  # past this Envoy fails open to the bounded ring-hash route
     # ext_proc calls (and access-log streams) in flight to the brain at most; past it Envoy fails open at once. The
@@ -353,7 +359,7 @@ def is_loopback(host: str) -> bool:
     return host.startswith(_LOOPBACK) or host == "[::1]"
 
 
-def _check_brain_access(brain: BrainConfig, envoy: EnvoyConfig) -> None:
+def check_brain_access(brain: BrainConfig, envoy: EnvoyConfig) -> None:
     """Who may reach the brain's gRPC: a Unix socket on this host, or TCP with TLS beyond loopback."""
     if brain.grpc_socket is None and brain.grpc_port is None:
         raise ConfigError("brain.grpc_socket: no gRPC listener: set grpc_socket (Envoy on this host) or grpc_port "
@@ -362,9 +368,12 @@ def _check_brain_access(brain: BrainConfig, envoy: EnvoyConfig) -> None:
         raise ConfigError("brain.tls_key_file: tls_cert_file and tls_key_file go together")
     if brain.tls_client_ca_file is not None and brain.tls_cert_file is None:
         raise ConfigError("brain.tls_client_ca_file: mutual TLS needs the brain's own tls_cert_file and tls_key_file")
-    if brain.grpc_port is not None and not is_loopback(brain.host) and brain.tls_cert_file is None and not brain.insecure:
-        raise ConfigError(f"brain.host: plain TCP on {brain.host} lets anyone who reaches it move routing: set "
-                          "tls_cert_file and tls_key_file (and tls_client_ca_file for mutual TLS), or insecure: true")
+    if brain.grpc_port is not None and brain.tls_cert_file is None and not brain.insecure:
+        # loopback is no exception: any local user reaches it, forges access-log entries and ejects replicas
+        field = "brain.grpc_port" if is_loopback(brain.host) else "brain.host"
+        raise ConfigError(f"{field}: plain TCP on {brain.host} lets anyone who reaches it move routing: set "
+                          "tls_cert_file and tls_key_file (and tls_client_ca_file for mutual TLS), use grpc_socket, or "
+                          "insecure: true")
     if (envoy.brain_tls_cert_file is None) != (envoy.brain_tls_key_file is None):
         raise ConfigError("envoy.brain_tls_key_file: brain_tls_cert_file and brain_tls_key_file go together")
     if brain.tls_client_ca_file is not None and brain.grpc_socket is None and envoy.brain_tls_cert_file is None:
@@ -411,12 +420,15 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     if router.health.scrape_interval_s <= 0:
         raise ConfigError("health.scrape_interval_s: expected a number > 0")
     brain = BrainConfig(**_fill("brain", BrainConfig, doc.get("brain")))
+    if isinstance(doc.get("envoy"), dict) and "admin_port" in doc["envoy"]:
+        raise ConfigError("envoy.admin_port: Envoy's admin listens on a Unix socket now (envoy.admin_path, mode 0600: "
+                          "a local user could stop Envoy through a TCP port); for Prometheus set envoy.stats_port")
     envoy = EnvoyConfig(**_fill("envoy", EnvoyConfig, doc.get("envoy")))
     for section, obj in (("brain", brain), ("envoy", envoy)):
         for f in dataclasses.fields(obj):
             if f.name.endswith("_port") and (getattr(obj, f.name) or 0) > 65535:
                 raise ConfigError(f"{section}.{f.name}: expected a port number 0..65535")
-    _check_brain_access(brain, envoy)
+    check_brain_access(brain, envoy)
     if brain.grpc_socket is not None and not 0 < len(brain.grpc_socket.encode()) <= 100:
         raise ConfigError("brain.grpc_socket: expected a path of 1..100 bytes (Unix sockets allow 107)")
     for i, path in enumerate(envoy.allowed_paths):
@@ -430,6 +442,9 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("profile.tenant_header: tenant_source 'header' needs a header name")
     if envoy.fail_open_hash_balance_factor < 100:
         raise ConfigError("envoy.fail_open_hash_balance_factor: expected a whole number >= 100 (Envoy's minimum)")
+    if not envoy.admin_path or not 0 < len(envoy.admin_path.encode()) <= 100:
+        raise ConfigError("envoy.admin_path: expected a Unix socket path of 1..100 bytes (Envoy's admin is never a TCP "
+                          "port)")
     if not 0 < envoy.upstream_idle_timeout_s < 5:
         raise ConfigError("envoy.upstream_idle_timeout_s: expected a number of seconds in (0, 5): below the engines' "
                           "5 s keep-alive")

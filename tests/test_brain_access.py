@@ -98,6 +98,8 @@ def test_B_completion_without_periodic_entries_nothing_expires_before_the_safety
     ({"grpc_socket": None}, "brain.grpc_socket: no gRPC listener"),
     ({"host": "0.0.0.0", "grpc_port": 9100}, "brain.host: plain TCP on 0.0.0.0"),
     ({"host": "10.1.2.3", "grpc_port": 9100, "grpc_socket": None}, "brain.host"),
+    # loopback too: any local user reaches it (a forged access-log entry ejected a healthy replica)
+    ({"host": "127.0.0.1", "grpc_port": 9100}, "brain.grpc_port: plain TCP on 127.0.0.1"),
     ({"tls_cert_file": "/c.pem"}, "brain.tls_key_file"),
     ({"tls_client_ca_file": "/ca.pem"}, "brain.tls_client_ca_file"),
     ({"host": "0.0.0.0", "grpc_port": 9100, "grpc_socket": None, "tls_cert_file": "/c", "tls_key_file": "/k",
@@ -111,7 +113,7 @@ def test_a_brain_reachable_without_authentication_is_refused_naming_the_field(br
 
 @pytest.mark.parametrize("brain", [
     {},  # the default: the Unix socket only
-    {"host": "127.0.0.1", "grpc_port": 9100},  # TCP on loopback
+    {"host": "127.0.0.1", "grpc_port": 9100, "insecure": True},  # TCP on loopback, said in so many words
     {"host": "0.0.0.0", "grpc_port": 9100, "insecure": True},  # said in so many words
     {"host": "0.0.0.0", "grpc_port": 9100, "grpc_socket": None, "tls_cert_file": "/c", "tls_key_file": "/k"},
 ])
@@ -123,3 +125,17 @@ def test_listeners_that_are_allowed(brain):
 def test_by_default_there_is_no_tcp_listener():
     cfg = parse_config({"replicas": REPLICAS})
     assert cfg.brain.grpc_port is None and cfg.brain.grpc_socket
+
+
+def test_command_line_flags_pass_the_same_checks_as_the_file(tmp_path):
+    """`warmroute brain --host 0.0.0.0 --grpc-port N` opened plaintext gRPC on every interface that check-config
+    refuses in a file."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "w.yaml"
+    cfg.write_text(f"replicas: [{{name: r0, url: 'http://127.0.0.1:8001'}}]\nbrain: {{grpc_socket: {tmp_path}/b.sock, "
+                   f"admin_port: 0, metrics_port: 0, admin_token_file: {tmp_path}/t}}\n")
+    p = subprocess.run([sys.executable, "-m", "extproc.cli", "brain", "--config", str(cfg), "--host", "0.0.0.0",
+                        "--grpc-port", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "brain.host: plain TCP on 0.0.0.0" in p.stderr, p.stderr

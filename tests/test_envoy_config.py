@@ -71,7 +71,7 @@ def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
                      "envoy.filters.http.router"]
     (early,) = hcm(bootstrap(CFG))["early_header_mutation_extensions"]
     removed = {m["remove"] for m in early["typed_config"]["mutations"]}
-    assert removed == {ROUTING_HEADER, RESERVATION_HEADER, "x-request-id", "x-warmroute-tenant"}
+    assert removed == {ROUTING_HEADER, RESERVATION_HEADER, "x-request-id", "x-warmroute-tenant", "x-data-parallel-rank"}
     # a proxy in front that sets the tenant itself: its header is kept
     trusted = parse_config({"envoy": {"trust_downstream_tenant_header": True}})
     (early,) = hcm(bootstrap(trusted))["early_header_mutation_extensions"]
@@ -144,8 +144,19 @@ def test_retry_on_another_replica_after_refused_connection_or_reset_before_respo
         assert r.name not in [x["endpoint"]["hostname"] for x in eps[1]["lb_endpoints"]]
 
 
-def test_admin_interface_stays_on_loopback():
-    assert bootstrap(CFG)["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+def test_admin_interface_is_a_unix_socket_only_its_user_opens():
+    """On a loopback TCP port any local user could POST /quitquitquit; a read-only stats port is the scrape target."""
+    assert bootstrap(CFG)["admin"]["address"] == {"pipe": {"path": CFG.envoy.admin_path, "mode": 0o600}}
+    for shape_cfg in (CFG, parse_config({"replicas": [{"name": "a", "url": "http://10.0.0.1:8000"}],
+                                         "brain": {"protocol": "endpoint-picker"}})):
+        doc = bootstrap(shape_cfg)
+        assert "socket_address" not in doc["admin"]["address"]
+    with_stats = bootstrap(parse_config({"envoy": {"stats_port": 9901}}))
+    stats = next(ls for ls in with_stats["static_resources"]["listeners"] if ls["name"] == "warmroute_stats")
+    routes = stats["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes[0]["match"]["path"] == "/stats/prometheus" and "direct_response" in routes[-1]
+    with pytest.raises(ConfigError, match=r"^envoy\.admin_port: "):
+        parse_config({"envoy": {"admin_port": 9901}})
 
 
 def test_the_brain_is_health_checked_with_grpc_health_v1_and_logs_reach_it():

@@ -271,3 +271,47 @@ def test_many_path_templates_match_as_one_walk_and_agree_with_the_segment_matche
                 if any((p == path) if isinstance(path_pattern(p), str) else path_matches(path_pattern(p), path) for p in ps)}
         got = c._serving_path(path)
         assert (got if got is not None else {"r0", "r1", "r2"}) == want | ({"r2"} if path == "/only/here" else set())
+
+
+# ---------------------------------------------------------------- files and sockets in directories we do not own
+
+
+def test_a_socket_or_token_directory_another_user_owns_or_may_write_is_refused(tmp_path):
+    import os
+
+    from extproc.brain.admin import write_admin_token
+    from extproc.brain.server import claim_socket_path
+    from extproc.config import ConfigError
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # nobody's
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    for d, why in ((theirs, "belongs to another user"), (shared, "may be written by other users")):
+        with pytest.raises(ConfigError, match=f"^brain.grpc_socket: .*{why}"):
+            claim_socket_path(str(d / "brain.sock"))
+        with pytest.raises(ConfigError, match=f"^brain.admin_token_file: .*{why}"):
+            write_admin_token(str(d / "admin.token"))
+    mine = tmp_path / "mine"
+    token = write_admin_token(str(mine / "admin.token"))
+    assert (mine / "admin.token").read_text().strip() == token
+    assert (mine / "admin.token").stat().st_mode & 0o777 == 0o600 and mine.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in mine.iterdir()] == ["admin.token"]  # no temporary file left
+
+
+def test_the_token_is_never_written_through_a_planted_link(tmp_path):
+    import os
+
+    from extproc.brain.admin import write_admin_token
+
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.symlink(victim, d / "admin.token")  # the old name a link to somebody's file
+    os.symlink(victim, d / f"admin.token.{os.getpid()}.tmp")  # and the temporary name a brain used to predict
+    write_admin_token(str(d / "admin.token"))
+    assert victim.read_text() == "precious\n" and not (d / "admin.token").is_symlink()
+    assert (d / "admin.token").stat().st_mode & 0o777 == 0o600

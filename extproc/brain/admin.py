@@ -12,24 +12,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..config import ConfigError
 from ..core import hash_key
 from . import logs
+from .files import write_private_file
 
 if TYPE_CHECKING:
     from .brain import Brain
 
 
 def write_admin_token(path: str | None) -> str | None:
-    """A fresh token in a file only the brain's user reads (created 0600, never widened)."""
+    """A fresh token in a file only the brain's user reads (0600 from its first byte), in a directory nobody else
+    controls (``files.write_private_file``)."""
     if not path:
         return None
     token = secrets.token_urlsafe(24)
     path = os.path.abspath(path)
     try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        os.replace(tmp, path)
+        write_private_file(path, token + "\n", "brain.admin_token_file")
     except OSError as e:
         raise ConfigError(f"brain.admin_token_file: cannot write {path} ({e.strerror}): set it to a path this user "
                           "may write, or null") from None
@@ -37,15 +34,16 @@ def write_admin_token(path: str | None) -> str | None:
 
 
 def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
-    """Never on Envoy's traffic port: the endpoints bind 127.0.0.1 only, and those that change state want
-    ``token`` (when there is one) as a bearer token."""
+    """Never on Envoy's traffic port: the endpoints bind 127.0.0.1 only, and every one but /healthz wants ``token``
+    (when there is one) as a bearer token."""
 
     @web.middleware
     async def authorized(request: web.Request, handler):
-        if token is not None and request.method == "POST":
+        # reads too: /state names every replica and its load, /pins answers whether a session id is in use
+        if token is not None and request.path != "/healthz":
             got = request.headers.get("Authorization", "")
             if not secrets.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                return web.json_response({"error": "POST needs Authorization: Bearer <the token in "
+                return web.json_response({"error": "the admin API needs Authorization: Bearer <the token in "
                                                    "brain.admin_token_file>"}, status=401)
         return await handler(request)
 

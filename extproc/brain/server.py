@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ..config import AppConfig, ConfigError
 from . import logs
 from .admin import admin_app, metrics_app, write_admin_token
+from .files import check_private_dir
 from .brain import Brain
 from .decide import ExternalProcessor
 from .release import AccessLogService
@@ -44,6 +45,8 @@ def claim_socket_path(path: str, group: str | None = None) -> str:
     """A socket file left by a brain that died is removed; one that a live process answers on is not. A
     directory made for it is the brain's own (0700; 0750 when a group may connect)."""
     path = os.path.abspath(path)
+    if os.path.isdir(os.path.dirname(path)):  # before anything in it is touched
+        check_private_dir(os.path.dirname(path), "brain.grpc_socket")
     if os.path.exists(path):
         if not stat.S_ISSOCK(os.stat(path).st_mode):
             raise ConfigError(f"brain.grpc_socket: {path} exists and is not a socket")
@@ -65,6 +68,7 @@ def claim_socket_path(path: str, group: str | None = None) -> str:
                               "path this user may write, where Envoy connects") from None
         if group:
             os.chown(directory, -1, _gid(group))
+    check_private_dir(directory, "brain.grpc_socket")  # nobody else may swap the socket for theirs
     return path
 
 

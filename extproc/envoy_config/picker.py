@@ -36,11 +36,13 @@ from .render import (
     upstream_http_options,
     _thresholds,
     _tls_matches,
+    admin_section,
     brain_cluster,
     early_header_mutation,
     ext_proc_filter,
     local_reply_config,
     routes,
+    stats_listener,
 )
 
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
@@ -164,8 +166,9 @@ def picker_bootstrap(cfg: AppConfig) -> dict[str, Any]:
              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
+    stats_listeners, stats_clusters = stats_listener(cfg)
     doc: dict[str, Any] = {
-        "admin": {"address": _address("127.0.0.1", e.admin_port)},
+        "admin": admin_section(cfg),
         "static_resources": {
             "listeners": [{
                 "name": "warmroute_ingress",
@@ -173,8 +176,8 @@ def picker_bootstrap(cfg: AppConfig) -> dict[str, Any]:
                 "per_connection_buffer_limit_bytes": e.max_body_bytes,
                 "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                 "typed_config": hcm}]}],
-            }],
-            "clusters": [picker_brain_cluster(cfg), *([] if e.cds_path else picker_clusters(cfg))],
+            }, *stats_listeners],
+            "clusters": [picker_brain_cluster(cfg), *([] if e.cds_path else picker_clusters(cfg)), *stats_clusters],
         },
     }
     if e.cds_path:

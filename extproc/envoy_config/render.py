@@ -254,6 +254,41 @@ def local_reply_config() -> dict:
     }
 
 
+ADMIN_CLUSTER = "warmroute_envoy_admin"
+
+
+def admin_section(cfg: AppConfig) -> dict:
+    """Envoy's admin on a Unix socket only its user opens (mode 0600): on a loopback TCP port any local user could
+    POST /quitquitquit, or /runtime_modify, and stop or steer the data plane."""
+    return {"address": {"pipe": {"path": cfg.envoy.admin_path, "mode": 0o600}}}
+
+
+def stats_listener(cfg: AppConfig) -> tuple[list[dict], list[dict]]:
+    """(listeners, clusters) of the read-only Prometheus port: GET /stats/prometheus proxied to the admin socket,
+    anything else 404. None without envoy.stats_port."""
+    e = cfg.envoy
+    if e.stats_port is None:
+        return [], []
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "warmroute_stats",
+        "route_config": {"name": "stats", "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": [
+            {"match": {"path": "/stats/prometheus", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+             "route": {"cluster": ADMIN_CLUSTER, "timeout": "10s"}},
+            {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}}},
+        ]}]},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+    }
+    listener = {"name": "warmroute_stats", "address": _address(e.stats_host, e.stats_port),
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}]}
+    cluster = {"name": ADMIN_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+               "load_assignment": {"cluster_name": ADMIN_CLUSTER, "endpoints": [{"lb_endpoints": [
+                   {"endpoint": {"address": {"pipe": {"path": e.admin_path}}}}]}]}}
+    return [listener], [cluster]
+
+
 def upstream_http_options(cfg: AppConfig) -> dict:
     """A replica cluster's HTTP/1.1 options: its idle connections closed before the engine closes them (a request
     written on a connection the engine is closing is reset, and may already be on its way)."""
@@ -530,8 +565,9 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
             {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
+    stats_listeners, stats_clusters = stats_listener(cfg)
     doc: dict[str, Any] = {
-        "admin": {"address": _address("127.0.0.1", e.admin_port)},
+        "admin": admin_section(cfg),
         "static_resources": {
             "listeners": [
                 {
@@ -540,9 +576,10 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
                     # the ext_proc BUFFERED body and retries live within this limit (default 1 MiB -> 413)
                     "per_connection_buffer_limit_bytes": e.max_body_bytes,
                     "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
-                }
+                },
+                *stats_listeners,
             ],
-            "clusters": clusters(cfg) if not e.cds_path else [brain_cluster(cfg)],
+            "clusters": [*(clusters(cfg) if not e.cds_path else [brain_cluster(cfg)]), *stats_clusters],
         },
     }
     if e.cds_path:

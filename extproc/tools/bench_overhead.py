@@ -35,7 +35,8 @@ import yaml
 from ..config import load_config
 from ..envoy_config import bootstrap
 from .stack import EnvoyProc as Envoy
-from .stack import Proc, _cli, http_get, wait_for
+from . import admin_http
+from .stack import Proc, _cli, wait_for
 
 METRICS = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\",engine=\"0\"} 0\n" \
           "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 0\n"
@@ -205,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         fleet = Envoy("fleet", fake_fleet(4), work)
         procs.append(fleet)
         cfg_doc = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(fleet.ports)],
-                   "brain": {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0, "metrics_port": 0,
-                             "grpc_socket": str(work / "brain.sock")},
-                   "envoy": {"listen_host": "127.0.0.1", "listen_port": 0, "admin_port": 0}}
+                   "brain": {"host": "127.0.0.1", "grpc_port": 0, "insecure": True, "admin_port": 0, "metrics_port": 0,
+                             "grpc_socket": str(work / "brain.sock"), "admin_token_file": str(work / "admin.token")},
+                   "envoy": {"listen_host": "127.0.0.1", "listen_port": 0}}
         (work / "warmroute.yaml").write_text(yaml.safe_dump(cfg_doc))
         ready = work / "brain.ready.json"
         brain = Proc("brain", _cli("brain", "--config", str(work / "warmroute.yaml"), "--ready-file", str(ready)), work)
@@ -228,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                   "brain over unix": Envoy("warmroute-unix", bootstrap(cfg_unix), work)}
         procs += list(fronts.values())
         state_url = f"http://127.0.0.1:{info['admin_port']}/state"
-        wait_for(lambda: all(r["state"] == "LIVE" for r in json.loads(http_get(state_url))["replicas"]), 60, "replicas LIVE")
+        auth = {"Authorization": "Bearer " + (work / "admin.token").read_text().strip()}
+        wait_for(lambda: all(r["state"] == "LIVE" for r in json.loads(admin_http.request(state_url, headers=auth))["replicas"]),
+                 60, "replicas LIVE")
         urls = {name: f"http://127.0.0.1:{e.ports[0]}/v1/chat/completions" for name, e in fronts.items()}
         names = list(urls)
 
@@ -266,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             med = {name: statistics.median(asyncio.run(sequential(urls[name], n, size))) for name in names}
             print(f"{label:<8}{n:>5}{med['direct'] * 1e3:>11.2f}"
                   + "".join(f"{(med[name] - med['direct']) * 1e3:>14.2f}" for name in names[1:]))
-        st = json.loads(http_get(state_url))
-        wait_for(lambda: json.loads(http_get(state_url))["open_reservations"] == 0, 10, "releases")
+        st = json.loads(admin_http.request(state_url, headers=auth))
+        wait_for(lambda: json.loads(admin_http.request(state_url, headers=auth))["open_reservations"] == 0, 10, "releases")
         print(f"\nbrain: {sum(r['decisions'] for r in st['replicas'])} decisions, open reservations drained to 0")
     finally:
         for p in reversed(procs):

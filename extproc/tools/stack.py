@@ -25,6 +25,7 @@ import yaml
 
 from ..config import AppConfig, load_config
 from ..envoy_config import bootstrap, dump
+from . import admin_http
 
 
 class StackError(RuntimeError):
@@ -60,8 +61,8 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, proc: "Proc | N
 
 
 def http_get(url: str, timeout: float = 2.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read()
+    """GET a TCP URL, or an ``http+unix://`` one (Envoy's admin socket)."""
+    return admin_http.get(url, timeout)
 
 
 def http_post_json(url: str, doc: dict, timeout: float = 5.0, token: str | None = None) -> bytes:
@@ -71,21 +72,37 @@ def http_post_json(url: str, doc: dict, timeout: float = 5.0, token: str | None 
         return r.read()
 
 
+def _admin_cluster_to(doc: dict, admin_path: str) -> dict:
+    """The read-only stats listener's cluster (``envoy.stats_port``) pointed at this Envoy's own admin socket."""
+    from ..envoy_config.render import ADMIN_CLUSTER
+
+    for c in doc.get("static_resources", {}).get("clusters", []):
+        if c.get("name") == ADMIN_CLUSTER:
+            c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["pipe"]["path"] = admin_path
+    return doc
+
+
 class EnvoyProc:
     """An Envoy on a bootstrap document, with the admin and listener ports it bound (port 0 allowed)."""
 
     def __init__(self, name: str, doc: dict, workdir: Path, log_level: str = "error"):
+        # its admin on a socket of its own (a Unix socket's path has at most 107 bytes: a short directory if need be)
+        sock = workdir.resolve() / f"{name}.admin.sock"
+        if len(str(sock).encode()) > 100:
+            sock = Path(tempfile.mkdtemp(prefix="wr-")) / f"{name}.sock"
+        sock.unlink(missing_ok=True)
+        self.admin_path = str(sock)
+        doc = {**doc, "admin": {"address": {"pipe": {"path": self.admin_path, "mode": 0o600}}}}
         path = workdir / f"{name}.yaml"
-        path.write_text(dump(doc))
+        path.write_text(dump(_admin_cluster_to(doc, self.admin_path)))
         admin_file = workdir / f"{name}.admin"
         admin_file.unlink(missing_ok=True)  # a restarted Envoy must not be read at its dead predecessor's port
         self.proc = Proc(name, [envoy_binary(), "-c", str(path), "--admin-address-path", str(admin_file),
                                 "--use-dynamic-base-id", "--concurrency", "1", "-l", log_level, "--drain-time-s", "1"],
                          workdir)
         try:
-            addr = wait_for(lambda: admin_file.exists() and admin_file.read_text().strip(), 30, f"{name}'s admin address",
-                            self.proc)
-            self.admin_port = int(addr.rsplit(":", 1)[1])
+            wait_for(lambda: admin_file.exists() and admin_file.read_text().strip(), 30, f"{name}'s admin address",
+                     self.proc)
             self.ports: list[int] = wait_for(self._listener_ports, 30, f"{name}'s listeners", self.proc)
         except BaseException:
             self.proc.stop()  # an Envoy that never came up must not outlive its caller
@@ -93,7 +110,7 @@ class EnvoyProc:
 
     @property
     def admin(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
+        return admin_http.unix_url(self.admin_path)
 
     def _listener_ports(self) -> list[int] | None:
         doc = json.loads(http_get(self.admin + "/listeners?format=json"))
@@ -241,7 +258,7 @@ class Stack:
         self.envoy: Proc | None = None
         self.cfg: AppConfig | None = None
         self.brain_ports: dict[str, int] = {}
-        self.envoy_admin_port = 0
+        self.envoy_admin_path = ""
         self.envoy_port = 0
         # every process started, also those dropped from self.replicas (reload tests) or replaced (restarts)
         self._started: list[Proc] = []
@@ -281,6 +298,11 @@ class Stack:
         self.replicas = replicas
         return self.write_config()
 
+    def _admin_path(self) -> str:
+        """Where the config says Envoy's admin socket is (each EnvoyProc binds one of its own, in its workdir)."""
+        p = str(self.dir.resolve() / "envoy-admin.sock")
+        return p if len(p.encode()) <= 100 else str(Path(tempfile.gettempdir()) / "warmroute-envoy-admin.sock")
+
     def write_config(self) -> Path:
         # Envoy and the brain share this host: the Unix socket only (no TCP listener anyone on the host could
         # reach), unless the workdir path is too long to name one or the caller asks for TCP
@@ -291,7 +313,8 @@ class Stack:
             "brain": {"host": "127.0.0.1", "admin_port": 0, "metrics_port": 0,
                       "admin_token_file": str(self.dir.resolve() / "admin.token"),
                       "grpc_socket": sock if len(sock.encode()) <= 100 else None},
-            "envoy": {"listen_host": "127.0.0.1", "listen_port": self.listen_port, "admin_port": 0,
+            "envoy": {"listen_host": "127.0.0.1", "listen_port": self.listen_port,
+                      "admin_path": self._admin_path(),
                       "cds_path": str(self.dir / "cds" / "clusters.yaml")},
         }
         for section, values in self.overrides.items():
@@ -301,6 +324,8 @@ class Stack:
                 doc[section] = values
         if doc["brain"].get("grpc_socket") is None:
             doc["brain"].setdefault("grpc_port", 0)
+            if not doc["brain"].get("tls_cert_file"):
+                doc["brain"].setdefault("insecure", True)  # a test's own loopback, said in so many words
         path = self.dir / "warmroute.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         self.cfg = load_config(path)
@@ -317,6 +342,23 @@ class Stack:
             self.start_brain()
 
         supervisor = Supervisor("brain", lambda: self.brain.alive(), lambda: self.brain.popen.poll(), restart, **kw)
+        return supervisor
+
+    def envoy_supervisor(self, **kw) -> Supervisor:
+        """What ``warmroute up`` uses to keep its Envoy running (stopped by its admin, killed, crashed): restarted on
+        the same listen port, so that clients find it where they did."""
+
+        def restart() -> None:
+            old = self.envoy.log_path
+            if old.exists():
+                old.replace(old.with_suffix(f".{supervisor.total_restarts}.log"))
+            if self.envoy in self._started:
+                self._started.remove(self.envoy)
+            cfg = self.live_config()
+            self.start_envoy(bootstrap(dataclasses.replace(cfg, envoy=dataclasses.replace(
+                cfg.envoy, listen_port=self.envoy_port))))
+
+        supervisor = Supervisor("Envoy", lambda: self.envoy.alive(), lambda: self.envoy.popen.poll(), restart, **kw)
         return supervisor
 
     def start_brain(self) -> Proc:
@@ -350,13 +392,14 @@ class Stack:
                       self.envoy_log_level)
         self.envoy = e.proc
         self._started.append(e.proc)
-        self.envoy_admin_port, self.envoy_port = e.admin_port, e.ports[0]
+        self.envoy_admin_path, self.envoy_port = e.admin_path, e.ports[0]
+        self.envoy_stats_port = e.ports[1] if len(e.ports) > 1 else None  # envoy.stats_port's listener
         wait_for(lambda: self.brain_healthy_in_envoy(), 30, "Envoy to see the brain healthy", self.envoy)
         return self.envoy
 
     @property
     def envoy_admin(self) -> str:
-        return f"http://127.0.0.1:{self.envoy_admin_port}"
+        return admin_http.unix_url(self.envoy_admin_path)
 
     @property
     def url(self) -> str:
@@ -366,12 +409,19 @@ class Stack:
     def brain_admin(self) -> str:
         return f"http://127.0.0.1:{self.brain_ports['admin_port']}"
 
-    def admin_post(self, path: str, doc: dict | None = None) -> bytes:
-        """POST to the brain's admin API with the token the brain wrote (brain.admin_token_file)."""
+    def admin_token(self) -> str | None:
+        """The token the brain wrote (brain.admin_token_file): its admin API wants it, reads included."""
         assert self.cfg is not None
         token_file = self.cfg.brain.admin_token_file
-        token = open(token_file).read().strip() if token_file else None
-        return http_post_json(self.brain_admin + path, doc or {}, token=token)
+        return open(token_file).read().strip() if token_file else None
+
+    def admin_post(self, path: str, doc: dict | None = None) -> bytes:
+        return http_post_json(self.brain_admin + path, doc or {}, token=self.admin_token())
+
+    def admin_get(self, path: str, timeout: float = 2.0) -> bytes:
+        token = self.admin_token()
+        return admin_http.request(self.brain_admin + path, timeout=timeout,
+                                  headers={"Authorization": f"Bearer {token}"} if token else None)
 
     @property
     def brain_metrics(self) -> str:
@@ -391,7 +441,7 @@ class Stack:
         return {s["name"]: s["value"] for s in doc.get("stats", []) if "value" in s}
 
     def state(self) -> dict:
-        return json.loads(http_get(self.brain_admin + "/state"))
+        return json.loads(self.admin_get("/state"))
 
     def replica_state(self, name: str) -> dict:
         return next(r for r in self.state()["replicas"] if r["name"] == name)

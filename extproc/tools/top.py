@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 from ..contract import EXT_PROC_STAT_PREFIX, FALLBACK_CLUSTER
+from . import admin_http
 
 
 @dataclass
@@ -49,13 +50,14 @@ class Snapshot:
     selects: int = 0  # decisions the router made (fallbacks included)
 
 
-def _get_json(url: str, timeout: float = 2.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+def _get_json(url: str, timeout: float = 2.0, token: str | None = None) -> dict:
+    return json.loads(admin_http.request(url, timeout=timeout,
+                                         headers={"Authorization": f"Bearer {token}"} if token else None))
 
 
-def snapshot(brain_admin: str, envoy_admin: str | None) -> Snapshot:
-    st = _get_json(brain_admin + "/state")
+def snapshot(brain_admin: str, envoy_admin: str | None, token: str | None = None) -> Snapshot:
+    """``envoy_admin``: a TCP URL or ``http+unix://`` (Envoy's admin socket); ``token``: the brain's admin token."""
+    st = _get_json(brain_admin + "/state", token=token)
     stats: dict[str, int] = {}
     if envoy_admin:
         try:
@@ -187,9 +189,12 @@ def rich_view(s: Snapshot, title: str):
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", help="read the brain's and Envoy's admin ports from this config file")
+    ap.add_argument("--config", help="read the brain's admin port and token file and Envoy's admin socket from this "
+                    "config file")
     ap.add_argument("--brain-admin", help="e.g. http://127.0.0.1:9101 (default: from --config)")
-    ap.add_argument("--envoy-admin", help="e.g. http://127.0.0.1:9901 (default: from --config)")
+    ap.add_argument("--envoy-admin", help="Envoy's admin socket, e.g. /run/warmroute/envoy-admin.sock (default: from "
+                    "--config)")
+    ap.add_argument("--token-file", help="the brain's admin token (default: brain.admin_token_file from --config)")
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
 
@@ -198,25 +203,35 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    brain, envoy = args.brain_admin, args.envoy_admin
+    brain, envoy, token_file = args.brain_admin, args.envoy_admin, args.token_file
     if args.config:
-        from .config import load_config
+        from ..config import load_config
 
         cfg = load_config(args.config)
         brain = brain or f"http://127.0.0.1:{cfg.brain.admin_port}"
-        envoy = envoy or f"http://127.0.0.1:{cfg.envoy.admin_port}"
+        envoy = envoy or cfg.envoy.admin_path
+        token_file = token_file or cfg.brain.admin_token_file
     brain = brain or "http://127.0.0.1:9101"
+    if envoy and envoy.startswith("/"):
+        envoy = admin_http.unix_url(envoy)
+    token = None
+    if token_file:
+        try:
+            token = open(token_file).read().strip()
+        except OSError as e:
+            print(f"warmroute top: cannot read the admin token {token_file} ({e.strerror})", file=sys.stderr)
+            return 2
     console = Console()
     title = f"warmroute top  (brain {brain}, Envoy {envoy or '-'})"
     if args.once:
-        console.print(rich_view(snapshot(brain, envoy), title))
+        console.print(rich_view(snapshot(brain, envoy, token), title))
         return 0
     try:
-        with Live(rich_view(snapshot(brain, envoy), title), console=console, refresh_per_second=4) as live:
+        with Live(rich_view(snapshot(brain, envoy, token), title), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(args.interval)
                 try:
-                    live.update(rich_view(snapshot(brain, envoy), title))
+                    live.update(rich_view(snapshot(brain, envoy, token), title))
                 except OSError as e:
                     from rich.text import Text
 

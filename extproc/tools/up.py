@@ -26,7 +26,7 @@ DEMO_SPEEDUP = 4.0
 
 
 def table(stack: Stack) -> str:
-    return text_table(snapshot(stack.brain_admin, stack.envoy_admin))
+    return text_table(snapshot(stack.brain_admin, stack.envoy_admin, stack.admin_token()))
 
 
 def up(args: argparse.Namespace) -> int:
@@ -38,7 +38,7 @@ def up(args: argparse.Namespace) -> int:
     try:
         print(f"starting {args.replicas} mock vLLM replicas, the brain and Envoy ...", flush=True)
         stack.start()
-        print(f"Envoy listens on {stack.url}  (Envoy admin {stack.envoy_admin}, brain admin {stack.brain_admin})")
+        print(f"Envoy listens on {stack.url}  (Envoy admin socket {stack.envoy_admin_path}, brain admin {stack.brain_admin})")
         print(f"logs (kept after exit): {stack.dir}/  " + " ".join(sorted(p.name for p in stack.logs().values())))
         print("every replica starts EJECTED and must earn 2 good scrapes + a 15 s clean window before it is LIVE")
         t0 = time.monotonic()
@@ -69,16 +69,22 @@ def up(args: argparse.Namespace) -> int:
         if args.no_serve:
             return 0
         print(f"\nserving on {stack.url}  (OpenAI-compatible: POST /v1/chat/completions). Ctrl-C stops everything.")
-        print(f"live view: warmroute top --brain-admin {stack.brain_admin} --envoy-admin {stack.envoy_admin}")
-        print(f"Prometheus metrics: {stack.brain_metrics} and {stack.envoy_admin}/stats/prometheus")
+        print(f"live view: warmroute top --brain-admin {stack.brain_admin} --envoy-admin {stack.envoy_admin_path} "
+              f"--token-file {stack.cfg.brain.admin_token_file}")
+        print(f"Prometheus metrics: {stack.brain_metrics}; Envoy's: curl --unix-socket {stack.envoy_admin_path} "
+              "http://envoy/stats/prometheus")
         told: dict[str, bool] = {}
-        brain = stack.brain_supervisor()
+        # the brain dead, Envoy fails open meanwhile (clients are served by its ring hash); Envoy dead, nothing is
+        # served until it is back: both are restarted and said once
+        watched = [(stack.brain_supervisor(), lambda: stack.brain.log_path),
+                   (stack.envoy_supervisor(), lambda: stack.envoy.log_path)]
         while True:
             time.sleep(1)
-            said = brain.check()
-            if said:  # Envoy fails open meanwhile: clients are served by its ring hash, without the brain
-                print(f"{time.strftime('%H:%M:%S')} {said}" + (f" (log: {stack.brain.log_path})" if "exited" in said else ""),
-                      file=sys.stderr, flush=True)
+            for supervisor, log in watched:
+                said = supervisor.check()
+                if said:
+                    print(f"{time.strftime('%H:%M:%S')} {said}" + (f" (log: {log()})" if "exited" in said else ""),
+                          file=sys.stderr, flush=True)
             for r in stack.replicas:  # said once per change, not at every look
                 alive = r.proc.alive()
                 if told.get(r.name, True) != alive:

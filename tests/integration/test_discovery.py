@@ -81,7 +81,7 @@ def test_the_brain_is_not_ready_until_discovery_first_answers(dnsmasq, tmp_path)
 
     dns_port = free_dns_port()
     cfg = {k: dict(v) for k, v in FAST.items()}
-    cfg.update({"brain": {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": 0},
+    cfg.update({"brain": {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": 0, "insecure": True},
                 "discovery": {"source": "dns", "dns_name": NAME, "port": free_port(), "interval_s": 0.2,
                               "dns_servers": [f"127.0.0.1:{dns_port}"]}})
     s = Stack(0, config=cfg)

@@ -50,3 +50,42 @@ def test_a_replica_that_dies_slowly_loses_no_request_it_had_not_answered(own_sta
     assert [st for st, _ in got] == [200] * 6, got
     assert all(fp != home for _, fp in got)  # each answered by another replica...
     assert _retries(s) > retries  # ...after Envoy's retry of the reset it met on the dying one
+
+
+_AS_ANOTHER_USER = r'''
+import json, os, socket, sys, urllib.error, urllib.request
+admin_sock, brain_admin = sys.argv[1], sys.argv[2]
+out = {"mode": oct(os.stat(admin_sock).st_mode & 0o777)}  # reached: the socket's own mode is what refuses
+try:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(admin_sock)
+    s.sendall(b"POST /quitquitquit HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    out["envoy_admin"] = s.recv(100).decode(errors="replace")
+except OSError as e:
+    out["envoy_admin"] = type(e).__name__
+for path in ("/state", "/pins/session/x"):
+    try:
+        urllib.request.urlopen(brain_admin + path, timeout=5)
+        out[path] = 200
+    except urllib.error.HTTPError as e:
+        out[path] = e.code
+print(json.dumps(out))
+'''
+
+
+def test_another_local_user_can_neither_stop_envoy_nor_read_the_brain_s_state(own_stack):
+    """As uid nobody, POST /quitquitquit to Envoy's admin stopped the data plane, and /state and /pins answered."""
+    import os
+    import subprocess
+
+    s = own_stack(2)
+    s.wait_all_live(30)
+    # the socket's own mode is what refuses: its directory is left open to others for this test
+    os.chmod(os.path.dirname(s.envoy_admin_path), 0o755)
+    p = subprocess.run(["/usr/bin/python3", "-c", _AS_ANOTHER_USER, s.envoy_admin_path, s.brain_admin],
+                       capture_output=True, text=True, timeout=60, user="nobody", cwd="/")
+    got = json.loads(p.stdout)
+    assert got == {"mode": "0o600", "envoy_admin": "PermissionError", "/state": 401, "/pins/session/x": 401}, \
+        (got, p.stderr)
+    assert s.envoy.alive() and [st for st, _ in asyncio.run(_posts(s.url, ["after"]))] == [200]
+    assert s.state()["replicas"]  # the owner, with the token, reads it

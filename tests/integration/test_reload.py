@@ -39,7 +39,7 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
         served.add(out.system_fingerprint)
         quiet(s)
     pinned_sid = sid
-    assert json.loads(http_get(s.brain_admin + f"/pins/session/{pinned_sid}"))["replica"] == "r1"
+    assert json.loads(s.admin_get(f"/pins/session/{pinned_sid}"))["replica"] == "r1"
     result = {}
 
     def long_stream():
@@ -72,7 +72,7 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
     out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                     extra_headers={"x-session-id": pinned_sid})
     assert out.system_fingerprint in ("r0", "r2")  # the pin to the removed replica rebinds
-    assert json.loads(http_get(s.brain_admin + f"/pins/session/{pinned_sid}"))["replica"] == out.system_fingerprint
+    assert json.loads(s.admin_get(f"/pins/session/{pinned_sid}"))["replica"] == out.system_fingerprint
     assert s.state()["open_reservations"] == 0 or wait_for(lambda: s.state()["open_reservations"] == 0, 10, "releases")
 
 

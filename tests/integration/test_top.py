@@ -25,7 +25,8 @@ def test_top_shows_states_pins_shares_and_last_changes(own_stack):
     s.admin_post("/replicas/r1/drain")
     wait_for(lambda: s.state()["open_reservations"] == 0, 10, "releases")
     p = subprocess.run([sys.executable, "-m", "extproc.cli", "top", "--once", "--brain-admin", s.brain_admin,
-                        "--envoy-admin", s.envoy_admin], capture_output=True, text=True, timeout=30,
+                        "--envoy-admin", s.envoy_admin_path, "--token-file", s.cfg.brain.admin_token_file],
+                       capture_output=True, text=True, timeout=30,
                        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr
     out = p.stdout

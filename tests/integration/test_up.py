@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.tools import admin_http
 from extproc.tools.stack import wait_for
 
 from ..helpers import stop_group
@@ -46,11 +47,21 @@ def test_warmroute_up_restarts_a_killed_brain_and_says_so():
             body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
             req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
             urllib.request.urlopen(req, timeout=30).read()  # served all along: fail-open, then the brain
-            st = json.loads(urllib.request.urlopen(admin + "/state", timeout=5).read())
+            token = (workdir / "admin.token").read_text().strip()
+            req = urllib.request.Request(admin + "/state", headers={"Authorization": f"Bearer {token}"})
+            st = json.loads(urllib.request.urlopen(req, timeout=5).read())
             return sum(r["decisions"] for r in st["replicas"]) > 0
 
         wait_for(decided_by_new_brain, 60, "the new brain to decide", every=0.5)
         assert (workdir / "brain.1.log").exists()  # the dead brain's log is kept
+
+        # Envoy stopped through its admin socket (by its own user: nobody else may open it): restarted on its port
+        envoy_admin = re.search(r"Envoy admin socket (\S+),", text).group(1)
+        admin_http.request(admin_http.unix_url(envoy_admin) + "/quitquitquit", "POST")
+        wait_for(lambda: any("Envoy exited" in x for x in lines), 30, "up to see Envoy stop")
+        wait_for(lambda: any("Envoy restarted" in x for x in lines), 60, "up to restart Envoy")
+        wait_for(decided_by_new_brain, 60, "the restarted Envoy to serve", every=0.5)
+        assert sum("Envoy exited" in x for x in lines) == 1  # said once
     finally:
         stop_group(p, signal.SIGINT, 30)
         if workdir is not None:

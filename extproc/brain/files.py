@@ -1,0 +1,66 @@
+"""Files and sockets the brain makes in directories: only in directories nobody else controls.
+
+A directory another user owns, or may write, lets that user swap the brain's socket for one of theirs (and
+receive every prompt Envoy sends) or read the admin token: refused, as ssh's StrictModes refuses a home or
+.ssh another user may write. Ancestors may be shared only with the sticky bit (/tmp), where nobody can rename
+or remove what they do not own."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+
+from ..config import ConfigError
+
+
+def check_private_dir(directory: str, field: str) -> None:
+    """ConfigError naming ``field`` unless ``directory`` and its ancestors are ours (or root's) and nobody else may
+    write the directory (nor an ancestor without the sticky bit)."""
+    real = os.path.realpath(directory)
+    me = os.geteuid()
+    d = real
+    while True:
+        st = os.stat(d)
+        if st.st_uid not in (me, 0):
+            raise ConfigError(f"{field}: {d} belongs to another user (uid {st.st_uid}), who could swap what the brain "
+                              "puts there: use a directory of this user's own")
+        shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if shared and (d == real or not st.st_mode & stat.S_ISVTX):
+            raise ConfigError(f"{field}: {d} may be written by other users (mode {oct(st.st_mode & 0o7777)}), who "
+                              "could swap what the brain puts there: chmod go-w it, or use a private directory")
+        parent = os.path.dirname(d)
+        if parent == d:
+            return
+        d = parent
+
+
+def make_private_dir(directory: str, field: str, mode: int = 0o700) -> None:
+    """``directory`` made with ``mode`` if it is missing, then checked as ``check_private_dir`` checks it."""
+    if not os.path.isdir(directory):
+        try:
+            os.makedirs(directory, mode=mode)
+        except OSError as e:
+            raise ConfigError(f"{field}: cannot create {directory} ({e.strerror}): set {field} to a path this user "
+                              "may write") from None
+    check_private_dir(directory, field)
+
+
+def write_private_file(path: str, text: str, field: str) -> None:
+    """``text`` in ``path``, mode 0600 from its first byte: written to an unguessable new name (O_EXCL, O_NOFOLLOW:
+    never through a link somebody planted) and renamed over ``path`` (a rename replaces a link, never follows it)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    make_private_dir(directory, field)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+__all__ = ["check_private_dir", "make_private_dir", "write_private_file"]

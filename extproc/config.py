@@ -194,6 +194,15 @@ class EnvoyConfig:
     # writes on a connection the engine is closing comes back reset. 3 s leaves the engine's timer 2 s of margin
     # on a busy machine; a new connection costs a loopback or LAN handshake
     upstream_idle_timeout_s: float = 3.0
+    # A gzip request body may inflate to at most this many times its compressed size (JSON chat bodies compress 3-20x;
+    # a repeated prompt up to ~100x). Envoy inflates each piece it reads at once, before any buffer limit is seen, so
+    # this is the bound on what one upload costs: 1,032 (zlib's ceiling) let 20 uploads of 61 KB take 1.4 GB. A body
+    # past it is answered 413
+    max_inflate_ratio: int = 100
+    # Envoy's heap is bounded by its overload manager: past 85% of this it resets the streams that hold the most
+    # buffered bytes (a decompression bomb, bodies that never end), past 95% it refuses new requests with a 503,
+    # never crashing. 1 GiB holds fifteen bodies of max_body_bytes at once
+    max_heap_bytes: int = 1024 * 1024 * 1024
     # C7: the fail-open route's ring hash lets a replica hold this % of the mean load before it passes requests on
     fail_open_hash_balance_factor: int = 150
     # With a path, replica clusters live in this file (Envoy watches its directory) and the brain
@@ -445,6 +454,11 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     if not envoy.admin_path or not 0 < len(envoy.admin_path.encode()) <= 100:
         raise ConfigError("envoy.admin_path: expected a Unix socket path of 1..100 bytes (Envoy's admin is never a TCP "
                           "port)")
+    if not 1 <= envoy.max_inflate_ratio <= 1032:
+        raise ConfigError("envoy.max_inflate_ratio: expected a whole number 1..1032 (zlib inflates at most 1032:1)")
+    if envoy.max_heap_bytes < 4 * envoy.max_body_bytes:
+        raise ConfigError("envoy.max_heap_bytes: expected at least 4x envoy.max_body_bytes (a few bodies at once, and "
+                          "Envoy's own ~100 MB)")
     if not 0 < envoy.upstream_idle_timeout_s < 5:
         raise ConfigError("envoy.upstream_idle_timeout_s: expected a number of seconds in (0, 5): below the engines' "
                           "5 s keep-alive")

@@ -11,6 +11,9 @@ ROUTING_HEADER = "x-warmroute-cluster"  # the replica's cluster, set from the br
 RESERVATION_HEADER = "x-warmroute-reservation"  # "<number>.<64 random bits>", logged back to the brain
 REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: backs up release when our header never got applied
 CONTENT_ENCODING_HEADER = "content-encoding"  # a body Envoy did not inflate is counted, and routed by headers
+# what the client's content-encoding was, set at the edge before Envoy inflates the body (and drops that header): an
+# inflated body that does not read is one cut off at envoy.max_inflate_ratio, answered 413
+INFLATED_FROM_HEADER = "x-warmroute-inflated-from"
 METADATA_NAMESPACE = "warmroute"  # the brain's answer {cluster, reservation} travels as dynamic metadata here
 ANSWER_CLUSTER = "cluster"
 ANSWER_RESERVATION = "reservation"
@@ -29,7 +32,8 @@ RESERVED_NAME_PREFIX = "warmroute_"  # replica names may not start with it: the 
 
 def brain_headers(session_headers: Iterable[str], tenant_header: str | None) -> list[str]:
     """The request headers Envoy must send the brain: session keys, tenant, request id, content encoding."""
-    names = [*session_headers, *([tenant_header] if tenant_header else []), REQUEST_ID_HEADER, CONTENT_ENCODING_HEADER]
+    names = [*session_headers, *([tenant_header] if tenant_header else []), REQUEST_ID_HEADER, CONTENT_ENCODING_HEADER,
+             INFLATED_FROM_HEADER]
     return list(dict.fromkeys(h.lower() for h in names))
 
 

@@ -15,14 +15,14 @@ from typing import Collection
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from ..config import AppConfig, ConfigError, load_config
-from ..contract import REQUEST_ID_HEADER
+from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
 from ..core.models import ModelCatalog
-from ..core.names import Reason
+from ..core.names import BodyStatus, Reason
 from ..core.profile import replace_model
 from ..envoy_config import CdsFile
 from . import logs
-from .decide import (model_not_found_response, models_response, no_healthy_response, path_not_served_response,
+from .decide import (inflate_limit_response, model_not_found_response, models_response, no_healthy_response, path_not_served_response,
                      route_answer)
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
@@ -47,6 +47,7 @@ class Pick:
     body: bytes | None = None  # the body to send instead (a model alias rewritten to the served name)
     unknown_model: str | None = None  # no replica serves the model the body names: answer 404
     unserved_path: str | None = None  # no replica (of the model) serves the request's path: answer 404
+    immediate: "ep.ProcessingResponse | None" = None  # the answer to give at once instead (a 413)
 
 
 def _path(headers: dict[str, str]) -> str:
@@ -136,6 +137,13 @@ class Brain:
         now = self.clock()
         r = self.router
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
+        if profile.body_status is BodyStatus.NOT_JSON and headers.get(INFLATED_FROM_HEADER) \
+                and not headers.get(CONTENT_ENCODING_HEADER):
+            # Envoy inflated it and it does not read: it was cut off at envoy.max_inflate_ratio (Envoy passes the rest
+            # on silently), or was never JSON. Either way no replica could read it: a 413 that says why
+            d = Decision(None, Reason.INFLATE_LIMIT)
+            self.stats.record_decision(d, profile.body_status, now)
+            return d
         if profile.candidates is not None:
             res = self.models.resolve_candidates(profile.candidates, profile.session_key, _path(headers) or None)
         else:
@@ -173,6 +181,8 @@ class Brain:
             return model_not_found_response(d.model or "")
         if d.reason == Reason.UNSERVED_PATH:
             return path_not_served_response(_path(headers))
+        if d.reason == Reason.INFLATE_LIMIT:
+            return inflate_limit_response(self.cfg.envoy.max_inflate_ratio)
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
@@ -195,6 +205,8 @@ class Brain:
             return Pick([], None, unknown_model=d.model or "")
         if d.reason == Reason.UNSERVED_PATH:
             return Pick([], None, unserved_path=_path(headers))
+        if d.reason == Reason.INFLATE_LIMIT:
+            return Pick([], None, immediate=inflate_limit_response(self.cfg.envoy.max_inflate_ratio))
         if d.reason == NO_HEALTHY:
             return Pick([], None)
         names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]

@@ -62,6 +62,13 @@ def no_healthy_response() -> ep.ProcessingResponse:
                         "service_unavailable", "no_healthy_instances", "warmroute_no_healthy_instances", 5)
 
 
+def inflate_limit_response(ratio: int) -> ep.ProcessingResponse:
+    """A compressed body that, inflated, is no JSON: 413 in OpenAI's error shape, as for a plain body too big."""
+    return openai_error(http_status_pb2.PayloadTooLarge, f"the compressed request body inflates past {ratio} times its "
+                        "size (envoy.max_inflate_ratio) or is not JSON once inflated; send it uncompressed",
+                        "invalid_request_error", "body_inflates_too_far", "warmroute_body_inflates_too_far")
+
+
 def models_response(models: list[dict]) -> ep.ProcessingResponse:
     """GET /v1/models through Envoy: every model the fleet serves (and the aliases), as vLLM lists its own."""
     return json_response(http_status_pb2.OK, {"object": "list", "data": models}, "warmroute_models")

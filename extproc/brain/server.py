@@ -36,6 +36,18 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
     ("grpc.so_reuseport", 0),  # a second brain on the same port must fail, not share the traffic
 ]
+ENVELOPE_BYTES = 1024 * 1024  # a body's message also carries the attributes and the protobuf framing
+
+
+def grpc_server_options(cfg: AppConfig) -> list[tuple[str, int]]:
+    """The rendered Envoy's brain never needs a body above envoy.brain_body_max_bytes (larger ones take the
+    headers-only route), so a larger message is refused by gRPC before it is read: an inflated gzip body, which
+    carries no Content-Length to route by, cost the brain 670 ms of copying at 60 MiB. The endpoint picker's
+    buffered gateways send whole bodies, up to envoy.max_body_bytes."""
+    if cfg.brain.protocol == "endpoint-picker":
+        return GRPC_SERVER_OPTIONS
+    cap = cfg.envoy.brain_body_max_bytes + ENVELOPE_BYTES
+    return [(k, cap if k == "grpc.max_receive_message_length" else v) for k, v in GRPC_SERVER_OPTIONS]
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)  # "liveness" is SERVING for the process's whole life
 TICK_S = 0.25  # health timers and housekeeping; the request path ticks too when something is due
@@ -146,7 +158,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     b = cfg.brain
     brain = Brain(cfg, config_path=config_path)
     brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
-    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+    server = grpc.aio.server(options=grpc_server_options(cfg))
     # not the generated add_*_to_server: a header of bytes that are not UTF-8 must not make Envoy's message unreadable
     if b.protocol == "endpoint-picker":
         def reset() -> None:

@@ -19,6 +19,8 @@ class Reason(enum.StrEnum):
     NO_HEALTHY = "no_healthy_instances"  # nothing known: an immediate 503
     UNKNOWN_MODEL = "model_not_found"  # no replica serves the body's model: an immediate 404 in vLLM's shape
     UNSERVED_PATH = "path_not_served"  # replicas serve the model, none of them the path's API: an immediate 404
+    # a compressed body that does not read once inflated: cut off at envoy.max_inflate_ratio, an immediate 413
+    INFLATE_LIMIT = "body_inflates_too_far"
 
 
 class PinKind(enum.StrEnum):

@@ -38,6 +38,7 @@ from .render import (
     _tls_matches,
     admin_section,
     brain_cluster,
+    overload_manager,
     early_header_mutation,
     ext_proc_filter,
     local_reply_config,
@@ -169,6 +170,7 @@ def picker_bootstrap(cfg: AppConfig) -> dict[str, Any]:
     stats_listeners, stats_clusters = stats_listener(cfg)
     doc: dict[str, Any] = {
         "admin": admin_section(cfg),
+        "overload_manager": overload_manager(cfg),
         "static_resources": {
             "listeners": [{
                 "name": "warmroute_ingress",

@@ -41,6 +41,7 @@ from ..contract import (
     ANSWER_RESERVATION,
     BRAIN_CLUSTER,
     DP_RANK_HEADER,
+    INFLATED_FROM_HEADER,
     EXT_PROC_FILTER,
     EXT_PROC_STAT_PREFIX,
     FALLBACK_CLUSTER,
@@ -95,7 +96,7 @@ def edge_headers_removed(cfg: AppConfig) -> list[str]:
     on the client's headers at the first filter that asks for it, and stays cached unless the brain
     answers). The request id is Envoy's own, so a client cannot release another request's reservation; the
     data-parallel engine is the brain's to name (a client's would pass wherever the brain names none)."""
-    names = [ROUTING_HEADER, RESERVATION_HEADER, REQUEST_ID_HEADER, DP_RANK_HEADER]
+    names = [ROUTING_HEADER, RESERVATION_HEADER, REQUEST_ID_HEADER, DP_RANK_HEADER, INFLATED_FROM_HEADER]
     p = cfg.router.profile
     if p.tenant_source == "header" and p.tenant_header and not cfg.envoy.trust_downstream_tenant_header:
         names.append(p.tenant_header)
@@ -108,7 +109,10 @@ def early_header_mutation(cfg: AppConfig) -> list[dict]:
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            "mutations": [{"remove": h} for h in edge_headers_removed(cfg)],
+            "mutations": [*({"remove": h} for h in edge_headers_removed(cfg)),
+                          # the encoding the body came in, before the decompressor inflates it and drops the header
+                          {"append": {"header": {"key": INFLATED_FROM_HEADER, "value": "%REQ(content-encoding)%"},
+                                      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False}}],
         },
     }]
 
@@ -153,9 +157,8 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.decompressor.v3.Decompressor",
                 "decompressor_library": {"name": "gzip", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.compression.gzip.decompressor.v3.Gzip",
-                    # a repeated prompt inflates past the default 100:1 and would arrive cut off; the bound on
-                    # a bomb is the buffer limit, not the ratio (zlib's own ceiling is 1032:1)
-                    "max_inflate_ratio": 1032}},
+                    # past it Envoy stops inflating and passes the body on cut off: the brain answers that 413
+                    "max_inflate_ratio": e.max_inflate_ratio}},
                 "request_direction_config": {"common_config": {"enabled": {
                     "default_value": True, "runtime_key": "warmroute.inflate_gzip_requests"}}},
                 "response_direction_config": {"common_config": {"enabled": {
@@ -287,6 +290,31 @@ def stats_listener(cfg: AppConfig) -> tuple[list[dict], list[dict]]:
                "load_assignment": {"cluster_name": ADMIN_CLUSTER, "endpoints": [{"lb_endpoints": [
                    {"endpoint": {"address": {"pipe": {"path": e.admin_path}}}}]}]}}
     return [listener], [cluster]
+
+
+HEAP_MONITOR = "envoy.resource_monitors.fixed_heap"
+
+
+def overload_manager(cfg: AppConfig) -> dict:
+    """Envoy's memory bounded (``envoy.max_heap_bytes``): 20 gzip bombs took it from 177 MB to 1.2 GB. Past 85% it
+    resets the streams whose buffers hold the most (tracked from 1 MiB up), past 90% it returns memory to the
+    system, past 95% it refuses new requests (a 503 in the OpenAI error shape) rather than be killed."""
+    def trigger(**kind) -> dict:
+        return {"name": HEAP_MONITOR, **kind}
+
+    return {
+        "refresh_interval": "0.25s",
+        "resource_monitors": [{"name": HEAP_MONITOR, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+            "max_heap_size_bytes": cfg.envoy.max_heap_bytes}}],
+        "buffer_factory_config": {"minimum_account_to_track_power_of_two": 20},
+        "actions": [
+            {"name": "envoy.overload_actions.reset_high_memory_stream",
+             "triggers": [trigger(scaled={"scaling_threshold": 0.85, "saturation_threshold": 0.95})]},
+            {"name": "envoy.overload_actions.shrink_heap", "triggers": [trigger(threshold={"value": 0.90})]},
+            {"name": "envoy.overload_actions.stop_accepting_requests", "triggers": [trigger(threshold={"value": 0.95})]},
+        ],
+    }
 
 
 def upstream_http_options(cfg: AppConfig) -> dict:
@@ -568,6 +596,7 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
     stats_listeners, stats_clusters = stats_listener(cfg)
     doc: dict[str, Any] = {
         "admin": admin_section(cfg),
+        "overload_manager": overload_manager(cfg),
         "static_resources": {
             "listeners": [
                 {

@@ -55,6 +55,7 @@ class PickResult(Protocol):
     body: "bytes | None"  # the body to send instead (the model's alias rewritten), or None
     unknown_model: "str | None"  # the body names a model no endpoint serves (answered 404), or None
     unserved_path: "str | None"  # no endpoint (of the model) serves the request's path (answered 404), or None
+    immediate: "ep.ProcessingResponse | None"  # an answer to give at once instead (a 413), or None
 
 
 # (headers, body or None, the gateway's subset or None) -> the pick
@@ -223,6 +224,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def _decide(self, st: _Stream, body: bytes | None, phase: str = "request_headers") -> ep.ProcessingResponse:
         st.answered = True
         p = self.pick(st.headers, body, st.subset)
+        if p.immediate is not None:
+            return p.immediate
         if p.unknown_model is not None:
             return model_not_found_response(p.unknown_model)
         if p.unserved_path is not None:

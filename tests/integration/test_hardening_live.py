@@ -89,3 +89,41 @@ def test_another_local_user_can_neither_stop_envoy_nor_read_the_brain_s_state(ow
         (got, p.stderr)
     assert s.envoy.alive() and [st for st, _ in asyncio.run(_posts(s.url, ["after"]))] == [200]
     assert s.state()["replicas"]  # the owner, with the token, reads it
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_twenty_gzip_bombs_at_once_cost_envoy_a_bounded_amount_and_other_clients_nothing(own_stack):
+    """20 uploads of 61 KB inflating 1,032:1 took Envoy from 177 MB to 1.2 GB. At envoy.max_inflate_ratio each
+    inflates at most 100x, so together they cost Envoy a few hundred MB at most, and the clients beside them are
+    all served."""
+    import gzip
+
+    s = own_stack(2, config={"profile": {"max_body_bytes": 32 * 2**20}, "envoy": {"max_body_bytes": 32 * 2**20}})
+    s.wait_all_live(30)
+    before = _peak_rss_mib(s.envoy.popen.pid)
+    bomb = gzip.compress(b"0" * (60 * 2**20), 9)
+    assert len(bomb) < 100_000
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            async def one(data: bytes, headers: dict) -> int:
+                async with http.post(s.url + CHAT, data=data, headers={"content-type": "application/json", **headers}) as r:
+                    await r.read()
+                    return r.status
+
+            bombs = [one(bomb, {"content-encoding": "gzip"}) for _ in range(20)]
+            normal = [one(_body(f"n{i}"), {"x-session-id": f"n{i}"}) for i in range(20)]
+            return await asyncio.gather(*bombs, *normal)
+
+    got = asyncio.run(run())
+    assert got[20:] == [200] * 20, got  # every other client served
+    assert all(400 <= c < 500 for c in got[:20]), got  # each bomb refused (cut off at the ratio, never JSON)
+    grown = _peak_rss_mib(s.envoy.popen.pid) - before
+    assert grown < 512, f"Envoy's peak memory grew {grown:.0f} MiB"  # 20 x 6 MiB inflated, a few copies each
+    assert [r["state"] for r in s.state()["replicas"]] == ["LIVE", "LIVE"]

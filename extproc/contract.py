@@ -21,6 +21,9 @@ ANSWER_DP_RANK = "dp_rank"  # the data-parallel engine chosen, when the replica 
 # vLLM (0.10+) and SGLang send a request to the data-parallel engine this header names
 DP_RANK_HEADER = "x-data-parallel-rank"
 BRAIN_CLUSTER = "warmroute_brain"  # Envoy's cluster for the brain's gRPC services
+# the same brain, its own connection, for the access log only: bodies on the ext_proc connection filled its write
+# buffer, and Envoy dropped the access-log entries that release reservations (logs_dropped)
+BRAIN_LOG_CLUSTER = "warmroute_brain_log"
 FALLBACK_CLUSTER = "warmroute_fallback"  # where requests go when the brain does not answer
 EXT_PROC_STAT_PREFIX = "warmroute"  # Envoy's ext_proc stats: http.<hcm>.ext_proc.warmroute.*
 HOLD_FILTER = "warmroute.hold_for_brain"

@@ -165,7 +165,10 @@ def test_the_brain_is_health_checked_with_grpc_health_v1_and_logs_reach_it():
     brain = next(c for c in doc["static_resources"]["clusters"] if c["name"] == BRAIN_CLUSTER)
     assert "grpc_health_check" in brain["health_checks"][0]
     als = hcm(doc)["access_log"][0]["typed_config"]
-    assert als["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == BRAIN_CLUSTER
+    # the entries on a connection of their own: bodies on the ext_proc one made Envoy drop them
+    assert als["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "warmroute_brain_log"
+    log = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "warmroute_brain_log")
+    assert log["load_assignment"]["endpoints"] == brain["load_assignment"]["endpoints"]
     assert RESERVATION_HEADER in als["additional_request_headers_to_log"]
 
 

@@ -179,3 +179,100 @@ def test_any_config_document_loads_or_fails_with_one_line_naming_the_field(doc):
         assert head in SECTIONS or head == "fuzz", msg  # it names the field (or the file, for a non-mapping)
     # the same document through YAML text loads the same way (what load_config reads)
     yaml.safe_dump(doc)
+
+
+# ------------------------------------------------------------------ issue 30's classes
+
+def _idle(b) -> bool:
+    """Nothing predicted left on any replica (the warm policy's queue, pending KV and in-flight work)."""
+    pol = b.router.policy
+    now = b.clock()
+    views = [pol.replica_view(r, now) for r in b.router.replicas]
+    return all(v["predicted_wait_seconds"] < 1e-6 and v["in_flight_work_seconds"] < 1e-6 and v["pending_kv_tokens"] == 0
+               for v in views)
+
+
+declared = st.one_of(st.integers(0, 10**30).map(str), st.text(max_size=30), st.just("9" * 5000), st.just("²"))
+
+
+@fuzz(600)
+@given(h=headers, size=declared, inflated=st.sampled_from([None, "gzip", "br"]), body=st.one_of(st.none(), raw_bodies))
+def test_any_declared_size_or_encoding_is_bounded_and_taken_back_when_the_request_ends(h, size, inflated, body):
+    b = BRAINS["warm"]
+    h = {**h, "content-length": size, **({"x-warmroute-inflated-from": inflated} if inflated else {})}
+    out = b.decide(h, body, "request_body" if body is not None else "request_headers")
+    kind = out.WhichOneof("response")
+    if kind == "immediate_response":  # only what Envoy inflated and no parser reads: the 413
+        assert out.immediate_response.status.code == 413 and inflated and not h.get("content-encoding")
+        return
+    answer = out.dynamic_metadata.fields["warmroute"].struct_value.fields
+    res = b.ledger.named(answer["reservation"].string_value)
+    assert res.weight_milli <= b.router.weight_milli(b.router.profile_cfg.max_prompt_tokens)
+    b.router.release(res, b.clock())
+    b.ledger.forget_released()
+    assert _idle(b)
+
+
+@fuzz(800)
+@given(body=chat_body | st.dictionaries(st.sampled_from(["model", "messages", "metadata", "x"]),
+                                         json_values | st.floats(allow_nan=True), max_size=6))
+def test_the_model_read_is_the_one_json_loads_reads(body):
+    from extproc.core.profile import engine_model
+
+    raw = json.dumps(body).encode()  # Python's writer: NaN and Infinity as the engine's reader takes them
+    want = json.loads(raw).get("model")
+    assert engine_model(raw) == (want if isinstance(want, str) and want else None)
+
+
+replica_json = st.one_of(json_values.map(json.dumps), st.integers(1, 120_000).map(lambda d: '{"data": ' + "[" * d + "]" * d + "}"),
+                         st.integers(1, 120_000).map(lambda d: '{"paths": ' + '{"a":' * d + "1" + "}" * (d + 1)),
+                         st.text(max_size=300),
+                         st.lists(st.text(max_size=30), max_size=20).map(
+                             lambda ids: json.dumps({"data": [{"id": i} for i in ids], "paths": {i: {} for i in ids}})))
+
+
+@fuzz(300)
+@given(text=replica_json)
+def test_any_replica_answer_is_a_list_or_refused_never_a_crash(text):
+    from extproc.brain.scraper import parse_models, parse_openapi_paths
+
+    models, paths = parse_models(text), parse_openapi_paths(text)
+    assert models is None or all(m["id"].isprintable() for m in models)
+    assert paths is None or all(p.isprintable() and p.startswith("/") for p in paths)
+
+
+@fuzz(400)
+@given(status=st.text(max_size=12), subset=st.lists(st.text(max_size=30), max_size=50) | st.text(max_size=200))
+def test_any_status_or_subset_a_gateway_sends_is_no_crash(status, subset):
+    import asyncio
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from extproc.contract import SUBSET_KEY, SUBSET_NAMESPACE
+    from extproc.picker import EndpointPicker
+
+    b = BRAINS["warm"]
+    req = ep.ProcessingRequest()
+    req.request_headers.headers.headers.add(key=":method", raw_value=b"POST")
+    req.request_headers.end_of_stream = True
+    f = req.metadata_context.filter_metadata[SUBSET_NAMESPACE].fields[SUBSET_KEY]
+    if isinstance(subset, str):
+        f.string_value = subset
+    else:
+        for s in subset:
+            f.list_value.values.add().string_value = s
+    rh = ep.ProcessingRequest()
+    rh.response_headers.headers.headers.add(key=":status", raw_value=status.encode("utf-8", "surrogatepass"))
+    rh.response_headers.end_of_stream = True
+    msgs = [req, rh]
+
+    class Ctx:
+        async def read(self):
+            return msgs.pop(0) if msgs else grpc.aio.EOF
+
+        async def write(self, msg):
+            pass
+
+    asyncio.run(EndpointPicker(b.pick, b.end_picked, 1 << 20, b.clock).Process(None, Ctx()))
+    assert b.router.open_reservations == 0

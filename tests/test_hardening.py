@@ -315,3 +315,20 @@ def test_the_token_is_never_written_through_a_planted_link(tmp_path):
     write_admin_token(str(d / "admin.token"))
     assert victim.read_text() == "precious\n" and not (d / "admin.token").is_symlink()
     assert (d / "admin.token").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_request_whose_end_came_before_its_decision_leaves_no_reservation():
+    """A client that sends headers declaring 60 MB and is gone at once: Envoy's access-log entry can reach the brain
+    before the brain has decided; the reservation made after it is released as it is made, not 25 s later."""
+    from tests.test_service import entry
+
+    brain = live_brain(parse_config({"replicas": REPLICAS}))
+    brain.on_log_entry(entry(request_id="gone-at-once", code=0, details="downstream_remote_disconnect"))
+    headers = {"x-request-id": "gone-at-once", "content-length": "60000000", "x-session-id": "probe"}
+    out = brain.decide(headers, None, "request_headers")
+    assert _cluster(out)  # answered as usual (Envoy no longer listens)
+    assert brain.router.open_reservations == 0 and brain.state()["released_at_issue"] == 1
+    now = brain.clock()
+    assert all(v == (0.0, 0, 0.0) for v in _predicted(brain, now).values())
+    brain.decide({**headers, "x-request-id": "another"}, None, "request_headers")
+    assert brain.router.open_reservations == 1  # an ordinary request keeps its reservation

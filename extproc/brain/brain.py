@@ -311,6 +311,11 @@ class Brain:
             r["paths"] = self.models.paths_of(r["name"])
             view = getattr(self.router.policy, "engines_view", None)
             r["engines"] = view(r["name"]) if view is not None else None
+            predicted = getattr(self.router.policy, "replica_view", None)
+            if predicted is not None:  # what routing believes is queued there: all of it goes when requests end
+                v = predicted(self.router.replica(r["name"]), now)
+                r["predicted"] = {k: round(v[k], 3) for k in ("predicted_wait_seconds", "in_flight_work_seconds",
+                                                              "pending_kv_tokens")}
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         return {
             "policy": self.router.cfg.policy,
@@ -324,6 +329,7 @@ class Brain:
             "decisions_by_reason": {f"{k[0]}/{k[1]}": v for k, v in sorted(self.stats.decisions.items())},
             "bodies": {k: v for k, v in sorted(self.stats.bodies.items()) if v},
             "open_reservations": self.router.open_reservations,
+            "oldest_open_reservations": self.router.oldest_reservations(now),
             "releases_by_access_log": self.stats.releases_by_log,
             "unmatched_access_log_entries": self.stats.unmatched_log_entries,
             "safety_timeouts": self.router.safety_timeouts,
@@ -336,6 +342,7 @@ class Brain:
             "chain_cache": {"sessions": len(self.chains), "blocks": self.chains.blocks,
                             "max_sessions": self.chains.max_sessions, "max_blocks": self.chains.max_blocks},
             "request_ids_held": len(self.ledger.by_request_id),
+            "released_at_issue": self.ledger.released_at_issue,
             "protocol": self.cfg.brain.protocol,
             "releases_by_response": self.stats.releases_by_response,
             "discovery": {"source": self.cfg.discovery.source, "synced": self.discovered,

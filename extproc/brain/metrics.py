@@ -35,6 +35,7 @@ WARM_VIEW = {
     "predicted_wait_seconds": "Prefill work ahead on the replica, as the warm policy sees it (C3)",
     "in_flight_work_seconds": "Predicted engine seconds of this router's requests in flight (C1, C5)",
     "active_session_tokens": "Context of the sessions active on the replica (its working set)",
+    "pending_kv_tokens": "Prompt tokens of requests still in their predicted prefill: KV not yet in the scraped usage",
 }
 
 

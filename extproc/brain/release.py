@@ -10,6 +10,7 @@ feeds the upstream-failure rule (SPEC B) with no round trip on the response path
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 from typing import Callable
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -33,11 +34,29 @@ class Ledger:
     neither: one request's end must never release another's reservation.
     """
 
+    MAX_ENDED = 10_000  # request ids whose end came before their reservation, kept this many, oldest out first
+
     def __init__(self, router: Router):
         self.router = router
         self.by_request_id: dict[str, Reservation | int] = {}  # an int: the id is ambiguous, held by that many
+        # a request that ended while the brain was still deciding it (a client gone at once): its access-log entry
+        # came first, named nothing, and the reservation made after it is released as it is made
+        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.released_at_issue = 0
+
+    def note_ended(self, request_id: str) -> None:
+        self.ended[request_id] = None
+        self.ended.move_to_end(request_id)
+        while len(self.ended) > self.MAX_ENDED:
+            self.ended.popitem(last=False)
 
     def issue(self, res: Reservation, request_id: str | None) -> str:
+        if request_id and request_id in self.ended:
+            del self.ended[request_id]
+            self.router.release(res, res.started_at)
+            self.released_at_issue += 1
+            res.token = f"{res.id}.{secrets.token_hex(8)}"
+            return res.token
         if request_id:
             held = self.by_request_id.get(request_id)
             if held is None:
@@ -144,6 +163,8 @@ class Releaser:
                 self.ttft_error.observe(abs(first.seconds + first.nanos / 1e9 - res.predicted_ttft_s))
             self.router.release(res, now)
             self.stats.releases_by_log += 1
+        if res is None and entry.request.request_id:
+            self.ledger.note_ended(entry.request.request_id)
         sock = common.upstream_remote_address.socket_address
         served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
         verdicts = upstream_verdicts(chosen, served_by, common.upstream_request_attempt_count, upstream_failed(outcome_of(entry)))

@@ -335,6 +335,17 @@ class Router:
     def open_reservations(self) -> int:
         return len(self._reservations)
 
+    def oldest_reservations(self, now: float, k: int = 5) -> list[dict]:
+        """The ``k`` oldest open reservations, for an operator asking what holds load (O(k))."""
+        out = []
+        for res in self._reservations.values():
+            if len(out) >= k:
+                break
+            out.append({"replica": res.replica.name, "age_s": round(now - res.started_at, 1),
+                        "seen_s_ago": round(now - res.seen_at, 1), "weight": res.weight_milli / 1000,
+                        "provisional": res.provisional, "named_to_envoy": bool(res.token)})
+        return out
+
     # ------------------------------------------------------------------- views
 
     def snapshot(self) -> list[dict]:

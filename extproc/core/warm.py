@@ -177,6 +177,8 @@ class WarmPolicy:
         data-parallel engines: their sums (the longest predicted wait)."""
         st = self.state_of(r)
         parts = self._engines.get(r.name) or [st]
+        for p in parts:
+            p.kv_ahead(now, 0.0)  # prefills predicted done by now leave the pending KV
         return {
             "prefill_tokens_per_second": st.rates.prefill_tokens_per_s,
             "decode_seconds_per_token": st.rates.decode_s_per_token,
@@ -185,6 +187,7 @@ class WarmPolicy:
             "predicted_wait_seconds": max(max(0.0, p.prefill_busy_until - now) for p in parts),
             "in_flight_work_seconds": sum(p.work_s for p in parts),
             "active_session_tokens": sum(p.active_tokens for p in parts),
+            "pending_kv_tokens": sum(p.pending_tokens for p in parts),
         }
 
     def pin_tables(self) -> tuple[PinTable, ...]:
@@ -410,12 +413,15 @@ class WarmPolicy:
         # round-robin, so that an idle fleet does not send every new conversation to its first replica
         least_cost = min(e.cost for e in candidates)
         tied = [e for e in candidates if e.cost <= least_cost + max(_TIE_S, _TIE_SHARE * least_cost)]
-        n, rr = len(fleet.replicas_view), self._rr
+        # round-robin over engines, not only replicas: a data-parallel replica's engines take turns too (its engine 0
+        # would win every tie once finished requests leave nothing predicted on either)
+        per = max((e.engine or 0) for e in tied) + 1
+        slots, rr = len(fleet.replicas_view) * per, self._rr
         home = pin.replica if pin is not None else None
         home_engine = pin.engine if pin is not None else None
         best = min(tied, key=lambda e: (e.replica is not home or e.engine != home_engine, round(e.st.work_s, 3),
-                                        (e.replica.index - rr) % n))
-        self._rr = best.replica.index + 1
+                                        (e.replica.index * per + (e.engine or 0) - rr) % slots))
+        self._rr = best.replica.index * per + (best.engine or 0) + 1
         if self.trace is not None:
             self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
                                round(e.st.work_s, 2)) for e in ests)

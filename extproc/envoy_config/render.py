@@ -40,6 +40,7 @@ from ..contract import (
     ANSWER_DP_RANK,
     ANSWER_RESERVATION,
     BRAIN_CLUSTER,
+    BRAIN_LOG_CLUSTER,
     DP_RANK_HEADER,
     INFLATED_FROM_HEADER,
     EXT_PROC_FILTER,
@@ -213,7 +214,7 @@ def access_log(cfg: AppConfig) -> list[dict]:
                 "common_config": {
                     "log_name": ACCESS_LOG_NAME,
                     "transport_api_version": "V3",
-                    "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
+                    "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_LOG_CLUSTER}},
                     # each entry releases a reservation: flush at once, not once 16 KiB have piled up
                     "buffer_flush_interval": _dur(cfg.envoy.access_log_flush_s),
                     "buffer_size_bytes": 1,
@@ -297,8 +298,8 @@ HEAP_MONITOR = "envoy.resource_monitors.fixed_heap"
 
 def overload_manager(cfg: AppConfig) -> dict:
     """Envoy's memory bounded (``envoy.max_heap_bytes``): 20 gzip bombs took it from 177 MB to 1.2 GB. Past 85% it
-    resets the streams whose buffers hold the most (tracked from 1 MiB up), past 90% it returns memory to the
-    system, past 95% it refuses new requests (a 503 in the OpenAI error shape) rather than be killed."""
+    resets the streams whose buffers hold the most (tracked from 1 MiB up), past 95% it refuses new requests (a 503
+    in the OpenAI error shape) rather than be killed; past 15% it returns freed memory to the system."""
     def trigger(**kind) -> dict:
         return {"name": HEAP_MONITOR, **kind}
 
@@ -311,7 +312,8 @@ def overload_manager(cfg: AppConfig) -> dict:
         "actions": [
             {"name": "envoy.overload_actions.reset_high_memory_stream",
              "triggers": [trigger(scaled={"scaling_threshold": 0.85, "saturation_threshold": 0.95})]},
-            {"name": "envoy.overload_actions.shrink_heap", "triggers": [trigger(threshold={"value": 0.90})]},
+            # memory a burst took goes back to the system once it is over, not only near the bound
+            {"name": "envoy.overload_actions.shrink_heap", "triggers": [trigger(threshold={"value": 0.15})]},
             {"name": "envoy.overload_actions.stop_accepting_requests", "triggers": [trigger(threshold={"value": 0.95})]},
         ],
     }
@@ -493,6 +495,17 @@ def brain_cluster(cfg: AppConfig) -> dict:
     return cluster
 
 
+def brain_log_cluster(cfg: AppConfig) -> dict:
+    """The brain again, for the access-log stream alone. On the ext_proc connection a body of a few MiB fills the
+    connection's write buffer, every stream on it is then above its high watermark, and Envoy's gRPC access logger
+    drops the entries it cannot flush: each a reservation never released (5 in 30 s of 300 KB bodies under load).
+    Its own connection carries nothing but entries; no health check (the brain cluster's says whether it lives)."""
+    c = {k: v for k, v in brain_cluster(cfg).items() if k not in ("health_checks", "circuit_breakers")}
+    c["name"] = BRAIN_LOG_CLUSTER
+    c["load_assignment"] = {**c["load_assignment"], "cluster_name": BRAIN_LOG_CLUSTER}
+    return c
+
+
 TLS_MATCH_KEY = "warmroute_replica"  # endpoint metadata that picks an https:// replica's transport socket
 
 
@@ -559,7 +572,7 @@ def replica_clusters(cfg: AppConfig) -> list[dict]:
 
 
 def clusters(cfg: AppConfig) -> list[dict]:
-    return [brain_cluster(cfg), *replica_clusters(cfg)]
+    return [brain_cluster(cfg), brain_log_cluster(cfg), *replica_clusters(cfg)]
 
 
 def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
@@ -608,7 +621,8 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
                 },
                 *stats_listeners,
             ],
-            "clusters": [*(clusters(cfg) if not e.cds_path else [brain_cluster(cfg)]), *stats_clusters],
+            "clusters": [*(clusters(cfg) if not e.cds_path else [brain_cluster(cfg), brain_log_cluster(cfg)]),
+                         *stats_clusters],
         },
     }
     if e.cds_path:
@@ -666,6 +680,7 @@ def snippets(cfg: AppConfig) -> dict[str, Any]:
         "local_reply_config": local_reply_config(),
         "routes": routes(cfg),
         "brain_cluster": brain_cluster(cfg),
+        "brain_log_cluster": brain_log_cluster(cfg),
         "fallback_cluster": fallback_cluster(cfg),
         "replica_cluster_template": replica_cluster(cfg, first),
         "other_routes_typed_per_filter_config": ext_proc_off_for_route(),

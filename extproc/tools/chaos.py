@@ -34,6 +34,7 @@ import aiohttp
 from ..contract import EXT_PROC_STAT_PREFIX
 from .hostile import ENDLESS_METRICS, connect_as, cpu_s, rss_mib
 from .loadgen import OpenLoop, write_report
+from .probes import Probes, unexpected
 from .stack import Stack, http_post_json, wait_for
 
 SESSIONS = 24
@@ -46,6 +47,7 @@ class Result:
     status: int | None = None  # None: no answer at all
     error: str = ""
     t1: float | None = None  # when the answer was read whole
+    tf: float | None = None  # when its first byte came (the first token of a stream)
 
 
 class Load:
@@ -78,7 +80,9 @@ class Load:
         try:
             async with http.post(self.stack.url + "/v1/chat/completions", json=body,
                                  headers={"x-session-id": f"chaos-{i % SESSIONS}"}) as resp:
-                await resp.read()
+                async for _ in resp.content.iter_any():
+                    if r.tf is None:
+                        r.tf = time.monotonic()
                 r.t1 = time.monotonic()
                 r.status = resp.status
                 if resp.status != 200:
@@ -425,11 +429,74 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+
+
+def _ttfts(load: Load) -> list[float]:
+    return [r.tf - r.t0 for r in load.since(0) if r.tf is not None and not r.error]
+
+
+def _memory(stack: Stack) -> tuple[float, float]:
+    return rss_mib(stack.brain.popen.pid), rss_mib(stack.envoy.popen.pid)
+
+
+def _predicted_left(stack: Stack) -> dict[str, dict]:
+    """Per replica, what routing still believes is queued there once nothing is in flight (all must be 0)."""
+    return {r["name"]: r.get("predicted", {}) for r in stack.state()["replicas"]
+            if any(v for v in r.get("predicted", {}).values())}
+
+
+def mixed_probes(stack: Stack, rate: float, minutes: float) -> str:
+    """Normal clients alone for ``minutes``, then the same clients beside every probe of issue 30 at once for as
+    long: their errors, their first-token p99 against the run without probes, ejections, the brain's and Envoy's
+    memory against their start, and the predictions left on the replicas once everything ended."""
+    wait_for(lambda: whole(stack), 180, "a whole fleet", every=0.2)
+    base = Load(stack, rate).start()
+    time.sleep(minutes * 60)
+    base.stop()
+    open_after(stack, base)
+    mem0 = _memory(stack)
+    ejections0 = sum(r["ejections"] for r in stack.state()["replicas"])
+    probes = Probes(stack.url, stack.envoy_admin_path, stack.brain_admin).start()
+    load = Load(stack, rate).start()
+    time.sleep(minutes * 60)
+    load.stop()
+    probes.stop()
+    left_open = open_after(stack, load)
+    time.sleep(10)  # the last access-log entries, a scrape or two, and Envoy's heap shrinking
+    mem1 = _memory(stack)
+    ejections = sum(r["ejections"] for r in stack.state()["replicas"]) - ejections0
+    left = _predicted_left(stack)
+    b, m = _ttfts(base), _ttfts(load)
+    errors = [r.error for r in load.since(0) if r.error]
+    rows = [
+        "| measure | without probes | with every probe | target |", "|---|---:|---:|---|",
+        f"| normal clients' requests | {len(base.since(0))} | {len(load.since(0))} | |",
+        f"| normal clients' errors | {sum(1 for r in base.since(0) if r.error)} | {len(errors)} | 0 |",
+        f"| normal clients' first-token p99 | {_p99(b):.3f} s | {_p99(m):.3f} s ({_p99(m) / _p99(b):.2f}x) | <= 1.5x |",
+        f"| replicas ejected | | {ejections} | 0 |",
+        f"| brain memory | {mem0[0]:.0f} MiB | {mem1[0]:.0f} MiB ({mem1[0] / mem0[0] - 1:+.0%}) | within 10% |",
+        f"| Envoy memory | {mem0[1]:.0f} MiB | {mem1[1]:.0f} MiB ({mem1[1] / mem0[1] - 1:+.0%}) | within 10% |",
+        f"| open reservations after | | {left_open} | 0 |",
+        f"| replicas with a prediction left | | {len(left)} {left if left else ''} | 0 |",
+    ]
+    probe_rows = ["", "| probe | sent | outcomes |", "|---|---:|---|"]
+    for name, c in sorted(probes.counts.items()):
+        probe_rows.append(f"| {name} | {sum(c.values())} | {', '.join(f'{k}: {v}' for k, v in sorted(c.items()))} |")
+    bad = unexpected(probes.counts)
+    probe_rows.append(f"\nprobe outcomes outside what each must get: {bad or 'none'}")
+    return "\n".join(rows + probe_rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="warmroute chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: " + ", ".join(SCENARIOS))
     ap.add_argument("--rate", type=float, default=RATE, help="requests per second of the steady load")
     ap.add_argument("--out", default="docs/chaos.md", help="where the table is written ('' : print only)")
+    ap.add_argument("--mixed-minutes", type=float, default=5.0,
+                    help="then normal clients alone, and beside every probe of issue 30 at once, this long each (0: skip)")
     args = ap.parse_args(argv)
     names = [n for n in args.scenarios.split(",") if n]
     for n in names:
@@ -444,10 +511,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {row.requests} requests, {row.errors} errors, {row.lost} lost, {row.open_after} open after, "
                   f"recovered in {row.recover_s if row.recover_s is None else round(row.recover_s, 1)} s", flush=True)
             rows.append(row)
+        mixed = ""
+        if args.mixed_minutes > 0:
+            print(f"-- every probe at once beside normal clients ({args.mixed_minutes:g} min alone, then as long with "
+                  "the probes)", flush=True)
+            mixed = ("\n\n## Every probe at once (issue 30)\n\n" + mixed_probes(stack, args.rate, args.mixed_minutes))
     write_report(args.out, "`make chaos`: faults under a steady load",
                  f"One stack: Envoy + brain + 4 mock vLLM replicas (10x engine speed), the shipped health timings, a "
                  f"steady load of {args.rate:g} requests/s from {SESSIONS} agent sessions (a third streamed). Columns: "
-                 "see `extproc/tools/chaos.py`.", table(rows))
+                 "see `extproc/tools/chaos.py`.", (table(rows) if rows else "") + mixed)
     return 0
 
 

@@ -127,3 +127,29 @@ def test_twenty_gzip_bombs_at_once_cost_envoy_a_bounded_amount_and_other_clients
     grown = _peak_rss_mib(s.envoy.popen.pid) - before
     assert grown < 512, f"Envoy's peak memory grew {grown:.0f} MiB"  # 20 x 6 MiB inflated, a few copies each
     assert [r["state"] for r in s.state()["replicas"]] == ["LIVE", "LIVE"]
+
+
+def test_every_probe_at_once_beside_normal_clients_leaves_no_reservation_and_drops_no_log_entry(own_stack):
+    """Normal clients (a third streamed) beside every probe of the round for 20 s. On the ext_proc connection the
+    bodies the probes send filled the write buffer, Envoy's access logger dropped entries it could not flush
+    (logs_dropped: 4-5 in such a run) and each was a reservation open for an hour: the access log has a connection
+    of its own now (warmroute_brain_log). The normal clients are all served."""
+    import time
+
+    from extproc.tools.chaos import Load
+    from extproc.tools.probes import Probes, unexpected
+    from extproc.tools.stack import wait_for
+
+    s = own_stack(4, mock_args=["--speedup", "10"])
+    s.wait_all_live(30)
+    probes = Probes(s.url, s.envoy_admin_path, s.brain_admin)
+    load = Load(s, 8.0).start()
+    probes.start()
+    time.sleep(20)  # how long the mix runs, not a synchronisation
+    probes.stop()
+    load.stop()
+    assert [r.error for r in load.since(0) if r.error] == []
+    assert unexpected(probes.counts) == {}
+    wait_for(lambda: s.state()["open_reservations"] == 0, 20, "every reservation released by its entry")
+    assert s.envoy_stats().get("access_logs.grpc_access_log.logs_dropped", 0) == 0
+    assert all(r["ejections"] == 0 for r in s.state()["replicas"])

@@ -2,8 +2,7 @@
 
 A directory another user owns, or may write, lets that user swap the brain's socket for one of theirs (and
 receive every prompt Envoy sends) or read the admin token: refused, as ssh's StrictModes refuses a home or
-.ssh another user may write. Ancestors may be shared only with the sticky bit (/tmp), where nobody can rename
-or remove what they do not own."""
+.ssh another user may write."""
 
 from __future__ import annotations
 
@@ -15,8 +14,11 @@ from ..config import ConfigError
 
 
 def check_private_dir(directory: str, field: str) -> None:
-    """ConfigError naming ``field`` unless ``directory`` and its ancestors are ours (or root's) and nobody else may
-    write the directory (nor an ancestor without the sticky bit)."""
+    """ConfigError naming ``field`` unless ``directory`` is ours (or root's) and nobody else may write it, and no
+    ancestor belongs to another user (who could rename it away and put theirs in its place).
+
+    An ancestor writable by all is allowed: a container's emptyDir is 0777 with one user in it, and ``/tmp`` has
+    the sticky bit; where other users share an ancestor without the sticky bit, choose another place."""
     real = os.path.realpath(directory)
     me = os.geteuid()
     d = real
@@ -25,8 +27,7 @@ def check_private_dir(directory: str, field: str) -> None:
         if st.st_uid not in (me, 0):
             raise ConfigError(f"{field}: {d} belongs to another user (uid {st.st_uid}), who could swap what the brain "
                               "puts there: use a directory of this user's own")
-        shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        if shared and (d == real or not st.st_mode & stat.S_ISVTX):
+        if d == real and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise ConfigError(f"{field}: {d} may be written by other users (mode {oct(st.st_mode & 0o7777)}), who "
                               "could swap what the brain puts there: chmod go-w it, or use a private directory")
         parent = os.path.dirname(d)

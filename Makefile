@@ -70,8 +70,8 @@ bench-agree: install  ## live vs simulated on one workload at 20x, 10x and 5x co
 bench-overhead: install  ## Envoy direct vs Envoy + brain (needs wrk: apt-get install wrk)
 	$(PY) -m extproc.tools.bench_overhead
 
-chaos: install  ## faults injected into a live stack under load, one table (~10 min); results in docs/chaos.md
-	$(PY) -m extproc.tools.chaos
+chaos: install  ## faults injected into a live stack under load, then every hardening probe at once beside normal clients (~25 min; CHAOS_MIXED_MINUTES, default 5); results in docs/chaos.md
+	$(PY) -m extproc.tools.chaos --mixed-minutes $${CHAOS_MIXED_MINUTES:-5}
 
 fuzz: install  ## the generated-input tests with fresh randomness and ~10x the cases of make test (~6 min)
 	WARMROUTE_FUZZ_EXAMPLES=100000 WARMROUTE_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py

@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -448,17 +449,7 @@ def _predicted_left(stack: Stack) -> dict[str, dict]:
             if any(v for v in r.get("predicted", {}).values())}
 
 
-def mixed_probes(stack: Stack, rate: float, minutes: float) -> str:
-    """Normal clients alone for ``minutes``, then the same clients beside every probe of issue 30 at once for as
-    long: their errors, their first-token p99 against the run without probes, ejections, the brain's and Envoy's
-    memory against their start, and the predictions left on the replicas once everything ended."""
-    wait_for(lambda: whole(stack), 180, "a whole fleet", every=0.2)
-    base = Load(stack, rate).start()
-    time.sleep(minutes * 60)
-    base.stop()
-    open_after(stack, base)
-    mem0 = _memory(stack)
-    ejections0 = sum(r["ejections"] for r in stack.state()["replicas"])
+def _probe_phase(stack: Stack, rate: float, minutes: float) -> tuple[Load, Probes, int]:
     probes = Probes(stack.url, stack.envoy_admin_path, stack.brain_admin).start()
     load = Load(stack, rate).start()
     time.sleep(minutes * 60)
@@ -466,26 +457,53 @@ def mixed_probes(stack: Stack, rate: float, minutes: float) -> str:
     probes.stop()
     left_open = open_after(stack, load)
     time.sleep(10)  # the last access-log entries, a scrape or two, and Envoy's heap shrinking
+    return load, probes, left_open
+
+
+def mixed_probes(stack: Stack, rate: float, minutes: float) -> str:
+    """Normal clients alone for ``minutes``, then the same clients beside every probe of issue 30 at once for as
+    long, twice: their errors, their first-token p99 against the run without probes, ejections, the brain's and
+    Envoy's memory (start, after the first probe run, after the second: what a bounded structure takes once is
+    taken again, what leaks grows again), and the predictions left on the replicas once everything ended."""
+    wait_for(lambda: whole(stack), 180, "a whole fleet", every=0.2)
+    base = Load(stack, rate).start()
+    time.sleep(minutes * 60)
+    base.stop()
+    open_after(stack, base)
+    time.sleep(10)
+    mem0 = _memory(stack)
+    ejections0 = sum(r["ejections"] for r in stack.state()["replicas"])
+    load, probes, left_open = _probe_phase(stack, rate, minutes)
     mem1 = _memory(stack)
-    ejections = sum(r["ejections"] for r in stack.state()["replicas"]) - ejections0
     left = _predicted_left(stack)
-    b, m = _ttfts(base), _ttfts(load)
-    errors = [r.error for r in load.since(0) if r.error]
+    load2, probes2, left_open2 = _probe_phase(stack, rate, minutes)
+    mem2 = _memory(stack)
+    left2 = _predicted_left(stack)
+    ejections = sum(r["ejections"] for r in stack.state()["replicas"]) - ejections0
+    b, m, m2 = _ttfts(base), _ttfts(load), _ttfts(load2)
+    errors = [r.error for r in load.since(0) + load2.since(0) if r.error]
+
+    def mem(k: int) -> str:
+        return (f"{mem0[k]:.0f} MiB | {mem1[k]:.0f} MiB ({mem1[k] / mem0[k] - 1:+.0%}), then {mem2[k]:.0f} MiB "
+                f"({mem2[k] / mem1[k] - 1:+.0%} over the second run)")
+
     rows = [
-        "| measure | without probes | with every probe | target |", "|---|---:|---:|---|",
-        f"| normal clients' requests | {len(base.since(0))} | {len(load.since(0))} | |",
+        "| measure | without probes | with every probe (two runs) | target |", "|---|---:|---:|---|",
+        f"| normal clients' requests | {len(base.since(0))} | {len(load.since(0))} + {len(load2.since(0))} | |",
         f"| normal clients' errors | {sum(1 for r in base.since(0) if r.error)} | {len(errors)} | 0 |",
-        f"| normal clients' first-token p99 | {_p99(b):.3f} s | {_p99(m):.3f} s ({_p99(m) / _p99(b):.2f}x) | <= 1.5x |",
+        f"| normal clients' first-token p99 | {_p99(b):.3f} s | {_p99(m):.3f} s ({_p99(m) / _p99(b):.2f}x), "
+        f"{_p99(m2):.3f} s ({_p99(m2) / _p99(b):.2f}x) | <= 1.5x |",
         f"| replicas ejected | | {ejections} | 0 |",
-        f"| brain memory | {mem0[0]:.0f} MiB | {mem1[0]:.0f} MiB ({mem1[0] / mem0[0] - 1:+.0%}) | within 10% |",
-        f"| Envoy memory | {mem0[1]:.0f} MiB | {mem1[1]:.0f} MiB ({mem1[1] / mem0[1] - 1:+.0%}) | within 10% |",
-        f"| open reservations after | | {left_open} | 0 |",
-        f"| replicas with a prediction left | | {len(left)} {left if left else ''} | 0 |",
+        f"| brain memory | {mem(0)} | within 10% |",
+        f"| Envoy memory | {mem(1)} | within 10% |",
+        f"| open reservations after | | {left_open}, {left_open2} | 0 |",
+        f"| replicas with a prediction left | | {len(left)}, {len(left2)} {left or ''}{left2 or ''} | 0 |",
     ]
     probe_rows = ["", "| probe | sent | outcomes |", "|---|---:|---|"]
-    for name, c in sorted(probes.counts.items()):
+    for name in sorted(set(probes.counts) | set(probes2.counts)):
+        c = probes.counts.get(name, Counter()) + probes2.counts.get(name, Counter())
         probe_rows.append(f"| {name} | {sum(c.values())} | {', '.join(f'{k}: {v}' for k, v in sorted(c.items()))} |")
-    bad = unexpected(probes.counts)
+    bad = {**unexpected(probes.counts), **unexpected(probes2.counts)}
     probe_rows.append(f"\nprobe outcomes outside what each must get: {bad or 'none'}")
     return "\n".join(rows + probe_rows)
 
@@ -496,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=RATE, help="requests per second of the steady load")
     ap.add_argument("--out", default="docs/chaos.md", help="where the table is written ('' : print only)")
     ap.add_argument("--mixed-minutes", type=float, default=5.0,
-                    help="then normal clients alone, and beside every probe of issue 30 at once, this long each (0: skip)")
+                    help="then normal clients alone, and twice beside every probe of issue 30 at once, this long each "
+                    "(0: skip)")
     args = ap.parse_args(argv)
     names = [n for n in args.scenarios.split(",") if n]
     for n in names:
@@ -513,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
         mixed = ""
         if args.mixed_minutes > 0:
-            print(f"-- every probe at once beside normal clients ({args.mixed_minutes:g} min alone, then as long with "
-                  "the probes)", flush=True)
+            print(f"-- every probe at once beside normal clients ({args.mixed_minutes:g} min alone, then twice as long "
+                  "with the probes)", flush=True)
             mixed = ("\n\n## Every probe at once (issue 30)\n\n" + mixed_probes(stack, args.rate, args.mixed_minutes))
     write_report(args.out, "`make chaos`: faults under a steady load",
                  f"One stack: Envoy + brain + 4 mock vLLM replicas (10x engine speed), the shipped health timings, a "

@@ -130,7 +130,7 @@ def test_twenty_gzip_bombs_at_once_cost_envoy_a_bounded_amount_and_other_clients
 
 
 def test_every_probe_at_once_beside_normal_clients_leaves_no_reservation_and_drops_no_log_entry(own_stack):
-    """Normal clients (a third streamed) beside every probe of the round for 20 s. On the ext_proc connection the
+    """Normal clients (a third streamed) beside every probe of the round for 12 s. On the ext_proc connection the
     bodies the probes send filled the write buffer, Envoy's access logger dropped entries it could not flush
     (logs_dropped: 4-5 in such a run) and each was a reservation open for an hour: the access log has a connection
     of its own now (warmroute_brain_log). The normal clients are all served."""
@@ -145,7 +145,7 @@ def test_every_probe_at_once_beside_normal_clients_leaves_no_reservation_and_dro
     probes = Probes(s.url, s.envoy_admin_path, s.brain_admin)
     load = Load(s, 8.0).start()
     probes.start()
-    time.sleep(20)  # how long the mix runs, not a synchronisation
+    time.sleep(12)  # how long the mix runs, not a synchronisation
     probes.stop()
     load.stop()
     assert [r.error for r in load.since(0) if r.error] == []

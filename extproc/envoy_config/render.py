@@ -215,9 +215,11 @@ def access_log(cfg: AppConfig) -> list[dict]:
                     "log_name": ACCESS_LOG_NAME,
                     "transport_api_version": "V3",
                     "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_LOG_CLUSTER}},
-                    # each entry releases a reservation: flush at once, not once 16 KiB have piled up
+                    # each entry releases a reservation: flushed every access_log_flush_s (10 ms). The buffer is also the
+                    # most Envoy holds while its stream is not writable: at 1 byte, every entry logged while one
+                    # flush waited was dropped (logs_dropped), each a reservation open for an hour
                     "buffer_flush_interval": _dur(cfg.envoy.access_log_flush_s),
-                    "buffer_size_bytes": 1,
+                    "buffer_size_bytes": 1024 * 1024,
                 },
                 "additional_request_headers_to_log": [RESERVATION_HEADER, ROUTING_HEADER],
                 # a 200 that is an HTML page is a replica (or a proxy in front of it) gone wrong

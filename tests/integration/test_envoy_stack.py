@@ -248,7 +248,12 @@ def test_every_reservation_is_released_after_disconnects_and_cut_streams(own_sta
             await asyncio.gather(*jobs)
 
     asyncio.run(run())
-    st = wait_for(lambda: (x := s.state())["open_reservations"] == 0 and x, 20, "every reservation released")
+    try:
+        st = wait_for(lambda: (x := s.state())["open_reservations"] == 0 and x, 20, "every reservation released")
+    except Exception:  # say which, and what Envoy's access logger did, for whoever meets it next
+        x = s.state()
+        raise AssertionError((x["oldest_open_reservations"], x["released_at_issue"], x["unmatched_access_log_entries"],
+                              {k: v for k, v in s.envoy_stats().items() if "access_log" in k})) from None
     # every reservation the brain made was released by its access-log entry; a client that gave up before
     # Envoy asked the brain (a busy machine) made none
     made = sum(r["decisions"] for r in st["replicas"])

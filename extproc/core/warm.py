@@ -245,7 +245,10 @@ class WarmPolicy:
                 st.pending_tokens -= res.pending_tokens
             except ValueError:  # already past, or cleared when the replica was ejected
                 pass
-            if res.arrived_at is not None:  # gone before its prefill ended: nothing will queue behind it
+            # a size declared in a header and gone before its prefill ended (a probe, a 413) never arrived at the
+            # engine: nothing will queue behind it. Only those: the search is linear in the arrival window, and an
+            # ordinary request that ends early did arrive
+            if res.arrived_at is not None and res.provisional:
                 try:
                     st.arrivals.remove(res.arrived_at)
                 except ValueError:

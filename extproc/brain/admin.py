@@ -87,7 +87,23 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
             logs.event("config_reload_failed", error=str(e))
             return web.json_response({"error": str(e)}, status=400)
 
+    async def decisions(request: web.Request):
+        """The last decisions, newest last: replica, engine, predicted TTFT, cached and prompt tokens, by Envoy's
+        request id (the client's x-request-id). ``?request_id=`` picks one; ``?last=N`` (default 100)."""
+        rid = request.query.get("request_id")
+        if rid is not None:
+            found = [d for d in brain.recent if d["request_id"] == rid]
+            if not found:
+                raise web.HTTPNotFound(text="no recent decision for that request id\n")
+            return web.json_response({"decisions": found})
+        try:
+            last = max(0, min(len(brain.recent), int(request.query.get("last", "100"))))
+        except ValueError:
+            raise web.HTTPBadRequest(text="last: expected a whole number\n")
+        return web.json_response({"decisions": list(brain.recent)[len(brain.recent) - last:]})
+
     app.router.add_get("/state", state)
+    app.router.add_get("/decisions", decisions)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/pins/session/{session_id}", pin)
     app.router.add_post("/reload", reload)

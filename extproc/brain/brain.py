@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import ssl
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Collection
 
@@ -31,6 +32,8 @@ from .scraper import Scraper, tls_context
 from .stats import BrainStats
 
 _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
+RECENT_DECISIONS = 2000  # GET /decisions keeps this many (a few hundred bytes each)
+MAX_REQUEST_ID_CHARS = 64  # Envoy's are UUIDs (36); a client's own may be anything
 
 
 def endpoint(r) -> str:
@@ -76,6 +79,9 @@ class Brain:
         self.discovery_error: str | None = None
         self.pin_log = logs.Summarised("pin_change")
         self.models = ModelCatalog(dict(cfg.aliases))
+        # the last decisions by Envoy's request id (which the client gets back as x-request-id): what the brain
+        # predicted for a request, to hold against what the engine reported (GET /decisions). Hashes and names only
+        self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)
         self.scraper.on_models = self._on_models
         self.scraper.on_paths = self._on_paths
         self._set_replicas(cfg)
@@ -178,7 +184,7 @@ class Brain:
             return models_response(self.models.union())  # Envoy's models route: the fleet's, not one replica's
         d = self.choose(headers, body)
         if d.reason == Reason.UNKNOWN_MODEL:
-            return model_not_found_response(d.model or "")
+            return model_not_found_response(d.model or "", self.models.base_models())
         if d.reason == Reason.UNSERVED_PATH:
             return path_not_served_response(_path(headers))
         if d.reason == Reason.INFLATE_LIMIT:
@@ -186,6 +192,7 @@ class Brain:
         if d.reason == NO_HEALTHY:
             return no_healthy_response()
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
+        self._remember(headers.get(REQUEST_ID_HEADER), d)
         new_body = replace_model(body, d.model) if d.rewrite_model and body is not None else None
         return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None, new_body)
 
@@ -202,7 +209,8 @@ class Brain:
                 return Pick([], None, None, subset_empty=True)
         d = self.choose(headers, body, only)
         if d.reason == Reason.UNKNOWN_MODEL:
-            return Pick([], None, unknown_model=d.model or "")
+            return Pick([], None, unknown_model=d.model or "",
+                        immediate=model_not_found_response(d.model or "", self.models.base_models()))
         if d.reason == Reason.UNSERVED_PATH:
             return Pick([], None, unserved_path=_path(headers))
         if d.reason == Reason.INFLATE_LIMIT:
@@ -215,7 +223,15 @@ class Brain:
         if rank is not None and any(count(r.name) <= rank for r in names):
             rank = None  # a fallback without that engine would refuse the header: let the front ends choose
         new_body = replace_model(body, d.model) if d.rewrite_model and body is not None else None
+        self._remember(headers.get(REQUEST_ID_HEADER), d)
         return Pick([self.endpoint_of[r.name] for r in names], d.reservation, rank, body=new_body)
+
+    def _remember(self, request_id: str | None, d: Decision) -> None:
+        self.recent.append({"request_id": (request_id or "")[:MAX_REQUEST_ID_CHARS], "at": round(self.clock(), 3),
+                            "replica": d.replica_name, "engine": d.engine, "reason": str(d.reason),
+                            "model": d.model, "predicted_ttft_s": None if d.predicted_ttft_s is None
+                            else round(d.predicted_ttft_s, 4), "predicted_cached_tokens": d.cached_tokens,
+                            "predicted_prompt_tokens": d.prompt_tokens})
 
     def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""
@@ -316,6 +332,8 @@ class Brain:
                 v = predicted(self.router.replica(r["name"]), now)
                 r["predicted"] = {k: round(v[k], 3) for k in ("predicted_wait_seconds", "in_flight_work_seconds",
                                                               "pending_kv_tokens")}
+                r["learned"] = {k: round(v[k], 6) for k in ("prefill_tokens_per_second", "decode_seconds_per_token",
+                                                            "engine_tokens_per_estimated_token")}
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         return {
             "policy": self.router.cfg.policy,

@@ -122,6 +122,7 @@ HEALTH_PATH = "/health"
 
 RUNNING, WAITING, KV_NAMES, CACHE_CONFIG, COUNTERS = VLLM.running, VLLM.waiting, VLLM.kv, VLLM.cache_info, VLLM.counters
 MAX_REQUESTS = 100_000  # running or waiting beyond this on one replica is a broken exporter, not load
+MAX_BLOCK_TOKENS = 1 << 16  # a block_size label beyond this is not one a cache uses
 MODELS_PATH = "/v1/models"
 OPENAPI_PATH = "/openapi.json"  # FastAPI's (vLLM, SGLang): the routes this process registered
 MAX_MODELS = 1000  # a /v1/models longer than this is not believed (a replica serves a model and its adapters)
@@ -160,13 +161,14 @@ def _labels(text: str) -> dict[str, str]:
 class _Engine:
     """One data-parallel engine's gauges while a text is parsed."""
 
-    __slots__ = ("running", "waiting", "kv", "cache_tokens", "cache_blocks")
+    __slots__ = ("running", "waiting", "kv", "cache_tokens", "cache_blocks", "block")
 
     def __init__(self) -> None:
         self.running = self.waiting = 0.0
         self.kv: list[float] = []
         self.cache_tokens: int | None = None  # its own capacity (kv_cache_size_tokens, SGLang's max_total_num_tokens)
         self.cache_blocks: int | None = None  # vLLM's num_gpu_blocks x block_size: the front end's sum over engines
+        self.block: int | None = None  # vLLM's block_size: what its prefix cache holds a whole number of
 
 
 def parse_vllm_metrics(text: str) -> ScrapeResult:
@@ -234,6 +236,9 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
                         e.cache_blocks = int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16"))
                 except (KeyError, ValueError):
                     pass
+                bs = lab.get("block_size", "")
+                if bs.isdigit() and 0 < int(bs) <= MAX_BLOCK_TOKENS:
+                    e.block = int(bs)
                 if lab.get("enable_prefix_caching") in ("True", "False"):  # CacheConfig's fields as str()
                     prefix_caching = lab["enable_prefix_caching"] == "True"
         elif name in d.counters:
@@ -273,8 +278,9 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
         counters["max_lora"] = int(lab["max_lora"]) if lab.get("max_lora", "").isdigit() else None
     if d.prompt_counted in counters:
         counters["prompt_requests"] = counters[d.prompt_counted]
+    engine_block = next((e.block for e in ranked if e.block), None)
     sample = LoadSample(r, w, kv_usage, cache_tokens=cache_tokens, prefix_caching=prefix_caching, engines=per_engine,
-                        **counters)
+                        engine_block=engine_block, **counters)
     return ScrapeResult(True, r, w, kv_usage, sample=sample, engine=d.name, activity=activity if d.activity else None)
 
 

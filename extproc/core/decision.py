@@ -53,7 +53,8 @@ class Decision:
     reservation: Reservation | None = None
     min_r: float = 0.0
     predicted_ttft_s: float | None = None  # warm policy: the estimate that chose the replica (C3)
-    cached_tokens: int = 0  # warm policy: prompt tokens the chosen replica probably holds
+    cached_tokens: int = 0  # warm policy: prompt tokens the chosen replica probably holds (the engine's tokens)
+    prompt_tokens: int = 0  # warm policy: the prompt in the chosen engine's tokens, as priced
     work_s: float = 0.0  # warm policy: predicted engine seconds of this request
     # warm policy, a replica with several data-parallel engines: the engine priced (None: one engine)
     engine: int | None = None

@@ -21,6 +21,7 @@ the rates read too fast, while it falls too slow. So each rate pairs quantities 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 _ALPHA = 0.3  # EWMA weight of a new sample: a rate follows a changed replica within a few samples
@@ -62,6 +63,8 @@ class LoadSample:
     lora_running: frozenset[str] | None = None
     lora_waiting: frozenset[str] | None = None
     max_lora: int | None = None
+    # vllm:cache_config_info's block_size: the engine caches whole blocks of this many tokens (None: any count)
+    engine_block: int | None = None
 
 
 class Rates:
@@ -162,6 +165,66 @@ class Rates:
             if acc[4] > 0:
                 self.output_tokens += _ALPHA * (generated / acc[4] - self.output_tokens)
             acc[2] = acc[3] = acc[4] = 0.0
+
+
+_SCALE_REQUESTS = 64  # the token scale is the ratio over at least this many of the last requests, each side
+
+
+class TokenScale:
+    """The engine's prompt tokens per token the profile estimated (characters / ``profile.chars_per_token``).
+
+    A real tokenizer does not make 4 characters a token: the tiny model's byte-level BPE makes 1.7 to 6 of them
+    depending on the text, a code model's some other number, and the chat template adds its own tokens. Cached
+    tokens, prefill seconds and KV all follow the engine's count, so the estimate is scaled by what the engine
+    reported for the requests sent to it: its prompt tokens per request (``prompt_tokens`` over the requests they
+    count) over the estimate per request this router sent. The engine counts a request at its first token, the
+    router at its send, so the mean request of each side is compared, over the last scrapes' deltas until
+    ``_SCALE_REQUESTS`` requests are behind each side (from the first request on: a scale from one request beats
+    none). Clipped to [1/8, 8]; 1 until learned."""
+
+    __slots__ = ("value", "sent_tokens", "sent_requests", "_prev", "_windows", "_sums", "learned")
+
+    def __init__(self) -> None:
+        self.value = 1.0
+        self.learned = False
+        self.sent_tokens = 0.0  # estimated prompt tokens of the requests this router sent (not provisional ones)
+        self.sent_requests = 0
+        self._prev: tuple[float, float, float, int] | None = None
+        self._windows: deque[tuple[float, float, float, float]] = deque()  # per scrape: the four deltas
+        self._sums = [0.0] * 4  # engine tokens, engine requests, sent tokens, sent requests over _windows
+
+    def sent(self, estimated_tokens: int) -> None:
+        self.sent_tokens += estimated_tokens
+        self.sent_requests += 1
+
+    def update(self, s: LoadSample) -> None:
+        if s.prompt_tokens is None or s.prompt_requests is None:
+            return
+        cur = (s.prompt_tokens, s.prompt_requests, self.sent_tokens, self.sent_requests)
+        p, self._prev = self._prev, cur
+        if p is None:
+            return
+        if cur[0] < p[0] or cur[1] < p[1]:  # the replica restarted: its counters began again
+            return
+        delta = tuple(c - q for c, q in zip(cur, p))
+        if not any(delta):
+            return
+        sums, w = self._sums, self._windows
+        w.append(delta)
+        for i in range(4):
+            sums[i] += delta[i]
+        while w and sums[1] - w[0][1] >= _SCALE_REQUESTS and sums[3] - w[0][3] >= _SCALE_REQUESTS:
+            old = w.popleft()
+            for i in range(4):
+                sums[i] -= old[i]
+        if len(w) > 10_000:  # traffic that one side never sees (another router's): bounded all the same
+            old = w.popleft()
+            for i in range(4):
+                sums[i] -= old[i]
+        if min(sums) <= 0:
+            return
+        self.value = min(8.0, max(0.125, (sums[0] / sums[1]) / (sums[2] / sums[3])))
+        self.learned = True
 
 
 def _both(s: LoadSample, p: LoadSample, a: str, b: str) -> bool:

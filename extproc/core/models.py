@@ -260,6 +260,11 @@ class ModelCatalog:
         self._built()
         return self._max_len.get(model) or self._max_len.get(None)
 
+    def base_models(self) -> list[str]:
+        """The models served, adapters left out (what vLLM's 404 lists as its valid names)."""
+        self._built()
+        return sorted(m for models in self._served.values() if models for m in models if m not in self._adapters)
+
     def served_by(self, replica: str) -> list[str] | None:
         models = self._served.get(replica)
         return sorted(models) if models is not None else None
@@ -331,10 +336,17 @@ class ModelCatalog:
         return [out[k] for k in sorted(out)]
 
 
-def not_found_body(model: str) -> dict:
-    """vLLM's answer to a model it does not serve (``OpenAIServing._check_model``: NotFoundError, 404)."""
-    return {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": None,
-                      "code": 404}}
+MAX_LISTED_MODELS = 20  # a 404 names at most this many of the models served
+
+
+def not_found_body(model: str, valid: Collection[str] = ()) -> dict:
+    """vLLM's answer to a model it does not serve (0.32: ``OpenAIServing._check_model`` in
+    ``entrypoints/serve/engine/serving.py``: NotFoundError, 404, param "model", and its served names, which for a
+    fleet are the base models its replicas serve)."""
+    names = list(valid)[:MAX_LISTED_MODELS]
+    more = ", ..." if len(valid) > MAX_LISTED_MODELS else ""
+    return {"error": {"message": f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}{more}.",
+                      "type": "NotFoundError", "param": "model", "code": 404}}
 
 
 def path_not_served_body(path: str) -> dict:

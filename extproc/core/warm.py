@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from .config import RouterConfig
 from .decision import Decision, FleetView, PinEvent
-from .load import LoadSample, Rates, effective_rates
+from .load import LoadSample, Rates, TokenScale, effective_rates
 from .names import Cause, PinAction, Reason
 from .pins import SESSION, Pin, PinTable
 from .prefix_index import PrefixIndex
@@ -63,14 +63,19 @@ class WarmReplica:
     """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent")
+                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent", "scale",
+                 "engine_block")
 
-    def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None):
+    def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
+                 scale: TokenScale | None = None):
         w = cfg.warm
         self.cache_tokens = w.cache_tokens
         self.index = PrefixIndex(int(w.cache_tokens / tokens_per_block))
         # one data-parallel engine shares its replica's rates (same GPUs, same model)
         self.rates = rates or Rates(w.prefill_tokens_per_s, w.decode_s_per_token, w.output_tokens)
+        # the engine's tokens per estimated token (its tokenizer and chat template); shared like the rates
+        self.scale = scale or TokenScale()
+        self.engine_block: int | None = None  # the engine caches whole blocks of this many tokens
         self.prefill_busy_until = 0.0  # when this router's predicted prefills on the replica are done
         self.work_s = 0.0  # predicted engine seconds of this router's requests in flight on it
         self.uncached_ewma = 0.0  # typical uncached prompt tokens of a request here (prices the scraped queue)
@@ -125,6 +130,7 @@ class WarmPolicy:
         self._active: deque[tuple[float, bytes, WarmReplica, int]] = deque()
         self._active_of: dict[bytes, tuple[float, WarmReplica, int]] = {}
         self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
+        self._chosen_prompt = 1
         self._rr = 0  # round-robin pointer for ties
         self.trace: list | None = None  # a list: each candidate's (name, cost, ttft, cached, wait, work) is appended
         self.update_config(cfg)
@@ -188,6 +194,7 @@ class WarmPolicy:
             "in_flight_work_seconds": sum(p.work_s for p in parts),
             "active_session_tokens": sum(p.active_tokens for p in parts),
             "pending_kv_tokens": sum(p.pending_tokens for p in parts),
+            "engine_tokens_per_estimated_token": st.scale.value,
         }
 
     def pin_tables(self) -> tuple[PinTable, ...]:
@@ -199,11 +206,13 @@ class WarmPolicy:
     def on_load(self, r: Replica, s: LoadSample, now: float) -> None:
         st = self.state_of(r)
         st.rates.update(s, now)
+        st.scale.update(s)
+        st.engine_block = s.engine_block
         if s.max_lora is not None:
             st.lora = s
-        if s.cache_tokens and s.cache_tokens != st.cache_tokens:
+        if s.cache_tokens:  # the index holds blocks of the profile's characters: so many fit the engine's tokens
             st.cache_tokens = s.cache_tokens
-            st.index.resize(int(s.cache_tokens / self.tokens_per_block))
+            st.index.resize(int(s.cache_tokens / (self.tokens_per_block * st.scale.value)))
         if s.prefix_caching is not None and s.prefix_caching != st.prefix_caching:
             st.prefix_caching = s.prefix_caching
             st.index.clear()
@@ -212,13 +221,15 @@ class WarmPolicy:
             return
         subs = self._engines.get(r.name)
         if subs is None or len(subs) != len(s.engines):  # new, or restarted with another engine count
-            subs = self._engines[r.name] = [WarmReplica(self.cfg, self.tokens_per_block, st.rates) for _ in s.engines]
+            subs = self._engines[r.name] = [WarmReplica(self.cfg, self.tokens_per_block, st.rates, st.scale)
+                                            for _ in s.engines]
         for sub, es in zip(subs, s.engines):
             sub.scraped = es
             sub.prefix_caching = st.prefix_caching
-            if es.cache_tokens and es.cache_tokens != sub.cache_tokens:
+            sub.engine_block = st.engine_block
+            if es.cache_tokens:
                 sub.cache_tokens = es.cache_tokens
-                sub.index.resize(int(es.cache_tokens / self.tokens_per_block))
+                sub.index.resize(int(es.cache_tokens / (self.tokens_per_block * st.scale.value)))
 
     def on_health(self, r: Replica, ejected: bool) -> None:
         """An ejected replica may come back restarted, with a cold cache: forget what we thought it held."""
@@ -299,19 +310,22 @@ class WarmPolicy:
         return out
 
     def _estimate(self, r: Replica, st: WarmReplica, rate: float, dec: float, profile: RequestProfile,
-                  pin: Pin | None, now: float, engine: int | None = None) -> "_Estimate":
-        """Cached tokens, wait and prefill on one candidate (C2, C3, C4)."""
-        prompt = max(1, profile.tokens)
+                  pin: Pin | None, now: float, engine: int | None = None, peer_scale: float = 1.0) -> "_Estimate":
+        """Cached tokens, wait and prefill on one candidate (C2, C3, C4), in the engine's tokens."""
+        scale = st.scale.value if st.scale.learned else peer_scale
+        prompt = max(1, round(profile.tokens * scale))
         chain = profile.blocks if self.use_index and st.prefix_caching else ()
         matched = st.index.match(chain) if chain else 0
-        cached = min(prompt - 1, int(matched * self.tokens_per_block)) if matched else 0
+        cached = min(prompt - 1, int(matched * self.tokens_per_block * scale)) if matched else 0
         if not chain and pin is not None and pin.replica is r and pin.engine == engine and st.prefix_caching:
-            cached = min(prompt - 1, pin.tokens)  # C4: the session's context lives here
+            cached = min(prompt - 1, int(pin.tokens * scale))  # C4: the session's context lives here
+        if st.engine_block and cached:  # vLLM hits whole blocks only, and never the prompt's last token
+            cached -= cached % st.engine_block
         wait = max(0.0, st.prefill_busy_until - now)
         waiting = st.waiting(r)
         if waiting:
             wait = max(wait, waiting * max(st.uncached_ewma, 1.0) / rate)
-        e = _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine)
+        e = _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine, prompt=prompt)
         if profile.adapter is not None:
             loads, lora_wait = self._lora_s(self.state_of(r), profile.adapter, dec, now)
             e.lora = loads + lora_wait
@@ -339,10 +353,10 @@ class WarmPolicy:
         hosted = sum(1 for a, t in st.lora_sent.items() if t >= since and a != adapter)
         return load * (2 if hosted >= cap else 1), (0.0 if len(busy) < cap else st.rates.output_tokens * dec)
 
-    def _kv(self, e: "_Estimate", prompt: int, out_tokens: float, mine, session: bool, now: float) -> None:
+    def _kv(self, e: "_Estimate", out_tokens: float, mine, session: bool, now: float) -> None:
         """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
         w = self.cfg.warm
-        st, cap = e.st, e.st.cache_tokens
+        st, cap, prompt = e.st, e.st.cache_tokens, e.prompt
         others = st.active_tokens - (mine[2] if mine is not None and mine[1] is st else 0)
         pressure = (others + prompt + out_tokens) / cap
         e.fits = pressure <= w.kv_pressure
@@ -372,12 +386,17 @@ class WarmPolicy:
         prefill_rate, decode_s = effective_rates([st.rates for st in states], now, w.rate_fresh_s)
         fastest_decode = min(decode_s)
 
-        ests = [self._estimate(r, st, rate, dec, profile, pin, now, k)
+        # a replica that has not yet said how its engine counts tokens (new, or no traffic yet) counts as its peers
+        # do: priced at 1 beside peers that learned 0.6, it would look dearer than it is and never get the traffic
+        # that teaches it
+        learned = [st.scale.value for st in states if st.scale.learned]
+        peer_scale = sum(learned) / len(learned) if learned else 1.0
+        ests = [self._estimate(r, st, rate, dec, profile, pin, now, k, peer_scale)
                 for (r, st, k), rate, dec in zip(cands, prefill_rate, decode_s)]
         for e in ests:
             e.ttft = e.wait + e.lora + e.prefill
             if self.use_kv_risk:
-                self._kv(e, prompt, out_tokens, mine, profile.session_key is not None, now)
+                self._kv(e, out_tokens, mine, profile.session_key is not None, now)
             e.cost += e.ttft + e.stall
             if self.use_decode:
                 slower = e.dec - fastest_decode
@@ -404,7 +423,7 @@ class WarmPolicy:
             least = min(e.prefill for e in ests)
             for e in ests:
                 e.cost += load * (e.prefill - least)
-        candidates = self._guard(ests, out_tokens, fastest_decode, prompt) if self.use_guard else ests
+        candidates = self._guard(ests, out_tokens, fastest_decode) if self.use_guard else ests
         if self.use_interference and self.use_kv_risk:
             # the interference term draws big prefills to the replicas with few arrivals, which are where long
             # sessions live: without this it sends a long context where it and theirs thrash (one shared system
@@ -428,10 +447,10 @@ class WarmPolicy:
         if self.trace is not None:
             self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
                                round(e.st.work_s, 2)) for e in ests)
-        self._chosen_prefill_s = best.prefill
+        self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
         return self._decide(best, profile, pin, prompt, now)
 
-    def _guard(self, ests: list["_Estimate"], out_tokens: float, fastest_decode: float, prompt: int) -> list["_Estimate"]:
+    def _guard(self, ests: list["_Estimate"], out_tokens: float, fastest_decode: float) -> list["_Estimate"]:
         """C5: Envoy's bounded-load rule in work units. With k typical requests in flight a replica may hold
         max(1, ceil(ceil((k + 1) x c) / n)) of them; what it holds beyond counts as waiting, and beyond
         hard_bound_factor x that it takes nothing (unless every replica is that far over)."""
@@ -442,7 +461,7 @@ class WarmPolicy:
         total = sum(e.st.work_s for e in ests)
         # a replica's data-parallel engines are candidates of their own, but its requests count once
         in_flight = sum(r.in_flight_requests for r in {id(e.replica): e.replica for e in ests}.values())
-        unit = total / in_flight if in_flight and total > 0 else prompt / ests[0].rate + out_tokens * fastest_decode
+        unit = total / in_flight if in_flight and total > 0 else ests[0].prompt / ests[0].rate + out_tokens * fastest_decode
         bound = max(1, math.ceil(math.ceil((total / unit + 1) * w.balance_factor) / n)) * unit
         kept = []
         for e in ests:
@@ -481,17 +500,20 @@ class WarmPolicy:
                     pin.engine = best.engine
                     self.session_pins.touch(profile.session_key, pin, now)
         return Decision(chosen, reason, pin_kind, events, predicted_ttft_s=best.ttft, cached_tokens=best.cached,
+                        prompt_tokens=best.prompt,
                         work_s=best.work, engine=best.engine,
                         steer=best.engine is not None and self.cfg.warm.steer_data_parallel)
 
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         st = self.engine_state(d.replica.name, d.engine) or self.state_of(d.replica)
-        uncached = max(1, profile.tokens - d.cached_tokens)
+        prompt = self._chosen_prompt  # the engine's tokens, as priced
+        uncached = max(1, prompt - d.cached_tokens)
         st.prefill_busy_until = max(now, st.prefill_busy_until) + self._chosen_prefill_s
-        st.pending.append((st.prefill_busy_until, profile.tokens))
-        st.pending_tokens += profile.tokens
+        st.pending.append((st.prefill_busy_until, prompt))
+        st.pending_tokens += prompt
         if not profile.provisional:  # a size declared in a header says nothing of this replica's typical request
             st.uncached_ewma += 0.2 * (uncached - st.uncached_ewma)
+            st.scale.sent(profile.tokens)
         st.work_s += d.work_s
         if self.use_interference:
             a = st.arrivals
@@ -501,7 +523,7 @@ class WarmPolicy:
         if d.reservation is not None:
             res = d.reservation
             res.work_s, res.engine = d.work_s, d.engine
-            res.prefill_s, res.prefill_end, res.pending_tokens = self._chosen_prefill_s, st.prefill_busy_until, profile.tokens
+            res.prefill_s, res.prefill_end, res.pending_tokens = self._chosen_prefill_s, st.prefill_busy_until, prompt
             res.arrived_at = now if self.use_interference else None
         if self.use_index and profile.blocks and st.prefix_caching:
             st.index.insert(profile.blocks)
@@ -512,7 +534,7 @@ class WarmPolicy:
             while len(sent) > 64:  # far more than any replica's slots
                 sent.popitem(last=False)
         if profile.session_key is not None and not profile.provisional:
-            self._set_active(profile.session_key, st, profile.tokens, now)
+            self._set_active(profile.session_key, st, prompt, now)
 
 
 @dataclass(slots=True)
@@ -528,6 +550,7 @@ class _Estimate:
     lora: float = 0.0  # seconds to bring the request's LoRA adapter in
     stall: float = 0.0  # seconds the others on the replica lose to that load
     fits: bool = True  # beside the active sessions' contexts, in the replica's cache
+    prompt: int = 1  # the request's prompt in this replica's engine tokens (TokenScale)
     ttft: float = 0.0
     cost: float = 0.0
     work: float = 0.0

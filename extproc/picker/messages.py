@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Collection
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -33,9 +34,9 @@ def json_response(status: int, doc: dict, details: str) -> ep.ProcessingResponse
         body=json.dumps(doc).encode(), details=details))
 
 
-def model_not_found_response(model: str) -> ep.ProcessingResponse:
-    """No replica serves the body's model: 404 as vLLM itself answers it."""
-    return json_response(http_status_pb2.NotFound, not_found_body(model), "warmroute_model_not_found")
+def model_not_found_response(model: str, valid: Collection[str] = ()) -> ep.ProcessingResponse:
+    """No replica serves the body's model: 404 as vLLM itself answers it, naming the models served."""
+    return json_response(http_status_pb2.NotFound, not_found_body(model, valid), "warmroute_model_not_found")
 
 
 def path_not_served_response(path: str) -> ep.ProcessingResponse:

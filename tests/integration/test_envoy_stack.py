@@ -268,10 +268,14 @@ def test_a_killed_replica_is_retried_elsewhere_then_ejected_by_scraping_and_reco
     s = own_stack(3, config={"health": {"scrape_interval_s": 1.0}})
     s.wait_all_live(30)
     c = client(s)
+    # a session living on r1: its next turn, sent the moment r1 dies, is the brain's choice of r1 for certain (a
+    # new conversation would go where round-robin points, and by the second one the scrape may have seen r1 dead)
+    sid = next(f"s{i}" for i in range(60) if chat(c, system=f"home {i}", extra_headers={"x-session-id": f"s{i}"}) == "r1")
     quiet(s)
     chosen_before = s.replica_state("r1")["decisions"]
     s.kill_replica("r1")
-    served = [chat(c, system=f"during kill {i}") for i in range(6)]  # every one succeeds
+    served = [chat(c, system=f"home {sid[1:]}", extra_headers={"x-session-id": sid})]
+    served += [chat(c, system=f"during kill {i}") for i in range(6)]  # every one succeeds
     assert "r1" not in served
     assert s.replica_state("r1")["decisions"] > chosen_before, "the brain never chose r1: no retry was exercised"
     assert s.envoy_stats().get("cluster.r1.upstream_rq_retry", 0) >= 1  # Envoy retried on another replica

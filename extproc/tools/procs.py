@@ -1,0 +1,79 @@
+"""Child processes and polling with a deadline: what the stack and the real-engine helper share."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from . import admin_http
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, proc: "Proc | None" = None, every: float = 0.05) -> Any:
+    """Poll ``cond`` until it returns something truthy; fail clearly past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            v = cond()
+        except Exception:
+            v = None
+        if v:
+            return v
+        if proc is not None and proc.popen.poll() is not None:
+            raise StackError(f"{proc.name} exited with {proc.popen.returncode} while waiting for {what}; log: {proc.log_tail()}")
+        if time.monotonic() > deadline:
+            raise StackError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+def http_get(url: str, timeout: float = 2.0) -> bytes:
+    """GET a TCP URL, or an ``http+unix://`` one (Envoy's admin socket)."""
+    return admin_http.get(url, timeout)
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], workdir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = argv
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, env=env)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.popen.wait(timeout)
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL: a replica or brain that dies without a goodbye."""
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)

@@ -263,7 +263,7 @@ class ModelCatalog:
     def base_models(self) -> list[str]:
         """The models served, adapters left out (what vLLM's 404 lists as its valid names)."""
         self._built()
-        return sorted(m for models in self._served.values() if models for m in models if m not in self._adapters)
+        return sorted({m for models in self._served.values() if models for m in models if m not in self._adapters})
 
     def served_by(self, replica: str) -> list[str] | None:
         models = self._served.get(replica)

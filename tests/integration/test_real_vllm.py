@@ -36,14 +36,21 @@ MODEL = "tiny-llama"
 CONFIG = {**FAST, "health": {**FAST["health"], "scrape_interval_s": 0.5}}
 
 
+def _doc(raw: bytes) -> dict:
+    try:
+        return json.loads(raw or b"{}")
+    except ValueError:  # vLLM's LoRA endpoints answer in plain text
+        return {"text": raw.decode(errors="replace")}
+
+
 def post(url: str, path: str, doc: dict, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict, dict]:
     req = urllib.request.Request(url + path, data=json.dumps(doc).encode(), method="POST",
                                  headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
+            return r.status, dict(r.headers), _doc(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+        return e.code, dict(e.headers), _doc(e.read())
 
 
 def metrics_of(port: int) -> str:
@@ -195,3 +202,100 @@ def test_learned_rates_move_to_the_engines_own_histograms(fleet):
               f"scale {learned['engine_tokens_per_estimated_token']:.3f}")
         assert abs(learned["prefill_tokens_per_second"] - prefill) < abs(w.prefill_tokens_per_s - prefill)
         assert abs(learned["decode_seconds_per_token"] - dec) < abs(w.decode_s_per_token - dec)
+
+
+def _served(fleet, model: str, n: int = 6) -> set[str]:
+    """The replicas that served ``n`` new conversations for ``model`` (by the cluster Envoy logged as chosen)."""
+    names = set()
+    for k in range(n):
+        status, headers, doc = post(fleet.url, "/v1/completions",
+                                    {"model": model, "prompt": f"served {model} {k} {time.monotonic()}", "max_tokens": 2})
+        assert status == 200, doc
+        rid = headers.get("x-request-id") or headers.get("X-Request-Id")
+        names.add(json.loads(fleet.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]["replica"])
+    return names
+
+
+def test_models_and_adapters_static_and_loaded_at_run_time_are_followed(fleet):
+    r0, r1, r2 = fleet.replicas
+    listed = {m["id"] for m in json.loads(http_get(fleet.url + "/v1/models"))["data"]}
+    assert listed == {"tiny-llama", "tiny-coder", "tiny-lora-a", "tiny-lora-b"}
+    assert _served(fleet, "tiny-coder") == {"r2"}  # another --served-model-name: its own replica only
+    assert _served(fleet, "tiny-lora-b") == {"r0"}  # the one adapter only r0 loaded at start
+    assert _served(fleet, "tiny-lora-a", 4) <= {"r0", "r1"}  # both serve it (which: the adapter slots' cost)
+    # an adapter loaded at run time is followed from /v1/models, and routed there; unloaded, it is gone
+    adapter = real_vllm.model_dir() / "adapters" / "tiny-lora-b"
+    status, _, doc = post(r1.url, "/v1/load_lora_adapter", {"lora_name": "tiny-lora-new", "lora_path": str(adapter)})
+    assert status == 200, doc
+    wait_for(lambda: "tiny-lora-new" in fleet.replica_state("r1")["models"], 20, "the brain to see r1's new adapter")
+    assert _served(fleet, "tiny-lora-new", 3) == {"r1"}
+    status, _, doc = post(r1.url, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-new"})
+    assert status == 200, doc
+    wait_for(lambda: "tiny-lora-new" not in fleet.replica_state("r1")["models"], 20, "the brain to see it unloaded")
+    status, _, doc = post(fleet.url, "/v1/completions", {"model": "tiny-lora-new", "prompt": "x", "max_tokens": 2})
+    assert status == 404 and doc["error"]["type"] == "NotFoundError"
+
+
+def test_lora_requests_info_is_read_at_its_newest_label_set(fleet):
+    """vLLM 0.32 keeps every label set lora_requests_info ever had (its value: when it was set): an adapter that
+    ran once stays listed in an older set. After its requests end the newest set is empty, and so is the read."""
+    r0 = fleet.replicas[0]
+    status, _, doc = post(fleet.url, "/v1/completions", {"model": "tiny-lora-b", "prompt": "lora", "max_tokens": 8})
+    assert status == 200, doc
+    quiet(fleet, 30)
+    text = metrics_of(r0.port)
+    sets = series(text, "vllm:lora_requests_info")
+    assert len(sets) >= 2, [line for line in text.splitlines() if "lora" in line]
+    assert any("tiny-lora-b" in lab.get("running_lora_adapters", "") for lab, _ in sets), sets  # an older one
+    assert max(sets, key=lambda s: s[1])[0]["running_lora_adapters"] == "", sets
+    r = parse_metrics(text, VLLM)
+    assert r.ok and r.sample.lora_running == frozenset() and r.sample.max_lora == 2
+
+
+def test_an_unknown_model_gets_from_the_brain_what_vllm_itself_answers(fleet):
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, _, ours = post(fleet.url, "/v1/chat/completions", body)
+    status_v, _, theirs = post(fleet.replicas[2].url, "/v1/chat/completions", body)
+    assert status == status_v == 404
+    assert set(ours) == set(theirs) == {"error"} and set(ours["error"]) == set(theirs["error"])
+    for field in ("type", "param", "code"):
+        assert ours["error"][field] == theirs["error"][field], field
+    # the same sentence; a fleet's valid names are every model its replicas serve, one replica's its own
+    assert theirs["error"]["message"] == "The model `no-such-model` does not exist. Valid aliases: tiny-coder."
+    assert ours["error"]["message"] == "The model `no-such-model` does not exist. Valid aliases: tiny-coder, tiny-llama."
+
+
+def test_the_real_servers_openapi_is_the_path_catalog(fleet):
+    r0 = fleet.replicas[0]
+    doc = json.loads(http_get(r0.url + "/openapi.json", 5))
+    assert sorted(doc["paths"]) == fleet.replica_state("r0")["paths"]
+    assert "/v1/messages" in doc["paths"] and "/v1/audio/transcriptions" not in doc["paths"]
+    status, _, body = post(fleet.url, "/v1/audio/transcriptions", {"model": MODEL})
+    assert status == 404 and body["error"]["type"] == "NotFoundError"
+
+
+def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_its_way_back(fleet):
+    """SIGKILL on r0's engine while four streams run on tiny-llama: only requests that were on r0 fail; the rest and
+    every later one succeed; r0 is ejected and, restarted on its port, comes back LIVE through its scrapes."""
+    quiet(fleet, 30)
+    results: list[int] = []
+
+    async def load_and_kill() -> None:
+        task = asyncio.ensure_future(_burst(fleet.url, 24, 4, random.Random(11), max_tokens=96))
+        await asyncio.to_thread(wait_for, lambda: fleet.replica_state("r0")["in_flight_requests"] > 0, 30,
+                                "a stream on r0")
+        in_flight = fleet.replica_state("r0")["in_flight_requests"]
+        fleet.kill_replica("r0")
+        results.extend(await task)
+        results.append(-in_flight)
+
+    asyncio.run(load_and_kill())
+    in_flight = -results.pop()
+    failed = sum(s != 200 for s in results)
+    print(f"\nkilled r0 with {in_flight} of its streams in flight: {failed} of {len(results)} requests failed")
+    assert failed <= in_flight
+    wait_for(lambda: fleet.replica_state("r0")["state"] == "EJECTED", 20, "r0 EJECTED")
+    assert asyncio.run(_burst(fleet.url, 6, 3, random.Random(12))) == [200] * 6
+    fleet.restart_replica("r0")
+    wait_for(lambda: fleet.replica_state("r0")["state"] == "LIVE", 60, "r0 LIVE again")
+    assert "r0" in _served(fleet, "tiny-lora-b", 1)  # only r0 serves it: routed there again

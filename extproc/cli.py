@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
 
     u = command("up")
-    u.add_argument("--replicas", type=int, default=4)
+    u.add_argument("--replicas", type=int, default=None, help="how many (default: 4 mocks, or 2 real vLLMs)")
+    u.add_argument("--engine", choices=("mock", "vllm"), default="mock",
+                   help="vllm: real vLLM 0.32 engines on the CPU with the tiny model (make engines; ~2 GB and ~20 s each)")
     u.add_argument("--minutes", type=float, default=2.0, help="workload minutes of demo load (about 30 s of wall time)")
     u.add_argument("--sessions-per-min", type=float, default=6.0)
     u.add_argument("--no-serve", action="store_true", help="stop after the load instead of serving until Ctrl-C")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 import time
@@ -34,9 +35,21 @@ def up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    stack = Stack(n_replicas=args.replicas, listen_port=args.port, keep_logs=True)
+    real = getattr(args, "engine", "mock") == "vllm"
+    n = args.replicas or (2 if real else 4)
+    options = model = None
+    if real:
+        from . import real_vllm
+
+        why = real_vllm.available()
+        if why:
+            print(f"warmroute up --engine vllm: {why}", file=sys.stderr)
+            return 1
+        options, model = real_vllm.VllmOptions(), real_vllm.model_info()["served_name"]
+    stack = Stack(n_replicas=n, listen_port=args.port, keep_logs=True, real_vllm=options)
     try:
-        print(f"starting {args.replicas} mock vLLM replicas, the brain and Envoy ...", flush=True)
+        what = f"real vLLM {real_vllm.VERSION} replicas (the tiny model, on the CPU)" if real else "mock vLLM replicas"
+        print(f"starting {n} {what}, the brain and Envoy ...", flush=True)
         stack.start()
         print(f"Envoy listens on {stack.url}  (Envoy admin socket {stack.envoy_admin_path}, brain admin {stack.brain_admin})")
         print(f"logs (kept after exit): {stack.dir}/  " + " ".join(sorted(p.name for p in stack.logs().values())))
@@ -51,14 +64,17 @@ def up(args: argparse.Namespace) -> int:
             if all(s == "LIVE" for s in states):
                 break
             if time.monotonic() - t0 > 90:
-                raise StackError("replicas did not become LIVE within 90 s")
+                raise StackError("replicas did not become LIVE within 90 s of starting")
             time.sleep(0.5)
         w = WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min, oneshots_per_min=6.0,
                            projects=3, long_share=0.0, turns_median=6.0)
+        if real:  # the tiny model reads 8K tokens at most, and two shared cores decode ~30 tokens/s per stream
+            w = dataclasses.replace(w, system_tokens=(800, 1600), user_tokens_median=150.0, output_tokens_median=24.0,
+                                    output_tokens_max=64, max_context=5000)
         print(f"\nsending agent load through Envoy: {args.minutes:g} workload minutes of coding-agent sessions "
               f"({args.sessions_per_min:g}/min over 3 projects, shared system prompts), think time /{DEMO_SPEEDUP:g} ...",
               flush=True)
-        res = asyncio.run(replay(stack.url, w, seed=1, speedup=DEMO_SPEEDUP))
+        res = asyncio.run(replay(stack.url, w, seed=1, speedup=DEMO_SPEEDUP, **({"model": model} if model else {})))
         e2e = sorted(r.e2e for r in res.requests if r.e2e is not None and r.error is None)
         p50 = e2e[len(e2e) // 2] if e2e else float("nan")
         ok = res.answered - sum(res.errors.values())

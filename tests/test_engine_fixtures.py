@@ -68,7 +68,7 @@ def test_a_text_is_never_read_as_the_other_engine(name):
     assert not r.ok and r.missing
 
 
-@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.11.txt", "vllm-0.8.txt", "vllm-0.11-lora.txt")), (SGLANG, ("sglang-0.5.txt",))])
+@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.32.txt", "vllm-0.8.txt", "vllm-0.32-lora.txt")), (SGLANG, ("sglang-0.5.txt",))])
 def test_every_name_the_parser_wants_is_one_an_engine_exports(dialect, files):
     """A misspelt or invented metric name reads nothing, silently: each one must be in some engine's text."""
     names = set()
@@ -81,7 +81,7 @@ def test_every_name_the_parser_wants_is_one_an_engine_exports(dialect, files):
 
 def test_a_vllm_with_an_old_and_a_new_name_for_the_hits_counts_them_once():
     """vLLM 0.9 exported gpu_prefix_cache_hits beside prefix_cache_hits: the newer is read, not both."""
-    text = (DIR / "vllm-0.11.txt").read_text()
+    text = (DIR / "vllm-0.32.txt").read_text()
     old = "\n".join(line.replace("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
                     for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
     _, want = fixture("vllm")

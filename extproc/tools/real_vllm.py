@@ -71,6 +71,7 @@ class VllmOptions:
     data_parallel: int = 1
     log_stats: bool = True  # False: --disable-log-stats (no vllm:* engine metrics)
     runtime_lora: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and unload
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache (benchmarks start each run cold)
     extra: tuple[str, ...] = ()
 
 
@@ -101,6 +102,8 @@ def vllm_env(o: VllmOptions) -> dict[str, str]:
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if o.runtime_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if o.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.pop("PYTHONPATH", None)  # the engine's venv alone: our package must not shadow its dependencies
     return env
 

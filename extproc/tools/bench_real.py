@@ -1,0 +1,202 @@
+"""``make bench-real``: warmroute against its peers on real vLLM 0.32 engines, in real time (no compression).
+
+Three real replicas of the tiny model (``make engines``; ~2 GB each, sharing this machine's two cores) are
+started once. For each seed and each router, the replicas' prefix caches are emptied (``POST
+/reset_prefix_cache``, vLLM's dev mode), the router is started in front of them, and the same multi-turn
+workload is replayed through it: coding-agent sessions over three projects with shared system prompts, scaled
+to what the tiny model reads (8K tokens) and two cores carry. Printed per run: TTFT p50/p99 as the client saw
+it, the prefix-hit rate **the engines reported** (their ``prompt_tokens_cached`` over ``prompt_tokens``: not the
+router's prediction), output tokens/s, and for warmroute the brain's mean decision time as a share of the mean
+TTFT. Then each router's ratio to the best peer's, per seed: absolute times on two shared cores move between
+runs, ratios in one run much less.
+
+Routers: Envoy + warmroute; Envoy's RING_HASH on the session header with ``hash_balance_factor: 150`` and
+LEAST_REQUEST (as ``make bench`` configures them); SGLang's router (``cache_aware``, from PyPI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from . import real_vllm
+from .bench_live import ENVOY_POLICIES, _bin, brain_decision_mean, envoy_builtin, free_port
+from .procs import Proc, wait_for
+from .sim.http_replay import replay
+from .sim.workload import WorkloadConfig
+from .stack import Replica, Stack, envoy_binary, http_get
+from ..envoy_config import dump
+
+CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_router_cache_aware"]
+# what the tiny model reads (8K tokens; the workload counts 4 characters a token, the model's tokenizer ~3) and two
+# shared cores decode (~30 tokens/s a stream)
+WORKLOAD = WorkloadConfig(minutes=1.0, projects=3, system_tokens=(800, 1600), sessions_per_min=8.0,
+                          turns_median=8.0, turns_max=20, user_tokens_median=150.0, output_tokens_median=24.0,
+                          output_tokens_max=64, think_s_mean=3.0, long_share=0.0, max_context=5000,
+                          oneshots_per_min=4.0)
+
+
+@dataclass
+class Row:
+    contender: str
+    seed: int
+    sent: int = 0
+    errors: int = 0
+    ttft_p50: float = float("nan")
+    ttft_p99: float = float("nan")
+    hit: float = float("nan")
+    out_tok_s: float = float("nan")
+    brain_share: float | None = None
+    note: str = ""
+
+
+def engine_counters(replicas: list[Replica]) -> tuple[float, float, float]:
+    """(prompt tokens, cached prompt tokens, generated tokens) summed over the replicas' own counters."""
+    p = c = g = 0.0
+    for r in replicas:
+        for line in http_get(r.url + "/metrics", 5).decode().splitlines():
+            if line.startswith("vllm:prompt_tokens_total"):
+                p += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prompt_tokens_cached_total"):
+                c += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:generation_tokens_total"):
+                g += float(line.rsplit(" ", 1)[1])
+    return p, c, g
+
+
+def reset_caches(replicas: list[Replica]) -> None:
+    for r in replicas:
+        req = urllib.request.Request(r.url + "/reset_prefix_cache", data=b"", method="POST")
+        urllib.request.urlopen(req, timeout=30).read()
+
+
+def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
+    """The router in front of the running replicas: its URL, and a stack that stops what it started."""
+    s = Stack(0, config={"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0}})
+    try:
+        if contender == "warmroute":
+            s.replicas = list(replicas)
+            s.write_config()
+            s.start_brain()
+            s.start_envoy()
+            s.wait_all_live(60)
+            url = s.url
+        else:
+            port = free_port()
+            if contender in ENVOY_POLICIES:
+                path = s.dir / "envoy.yaml"
+                hbf = 150 if contender.endswith("_150") else None
+                path.write_text(dump(envoy_builtin(ENVOY_POLICIES[contender], [r.port for r in replicas], port, 1.0, hbf)))
+                argv = [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "error"]
+            else:
+                exe = _bin("sglang-router")
+                if exe is None:
+                    raise FileNotFoundError("sglang-router is not installed (pip install '.[bench]')")
+                argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                        *[r.url for r in replicas], "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+                        "--prometheus-port", str(free_port())]
+            proc = Proc(contender, argv, s.dir)
+            s._started.append(proc)
+            url = f"http://127.0.0.1:{port}"
+        body = json.dumps({"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "ready"}]}).encode()
+
+        def ready() -> bool:
+            req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status == 200
+
+        wait_for(ready, 90, f"{contender} to answer", every=0.5)
+        return url, s
+    except BaseException:
+        s.stop()
+        raise
+
+
+def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfig, model: str) -> Row:
+    row = Row(contender, seed)
+    reset_caches(replicas)
+    try:
+        url, s = start_router(contender, replicas, model)
+    except Exception as e:  # a router that cannot start is a row that says why
+        row.note = f"did not start: {e}"[:160]
+        return row
+    try:
+        c0 = engine_counters(replicas)
+        t0 = time.monotonic()
+        res = asyncio.run(replay(url, w, seed=seed, speedup=1.0, model=model, timeout=120.0))
+        elapsed = time.monotonic() - t0
+        c1 = engine_counters(replicas)
+        decision = brain_decision_mean(http_get(s.brain_metrics).decode()) if contender == "warmroute" else None
+    finally:
+        s.stop()
+    ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
+    row.sent, row.errors = res.sent, sum(res.errors.values()) + res.lost
+    if ok:
+        q = statistics.quantiles(ok, n=100, method="inclusive")
+        row.ttft_p50, row.ttft_p99 = statistics.median(ok), q[98]
+        if decision is not None:
+            row.brain_share = decision / statistics.mean(ok)
+    prompt, cached, gen = (b - a for a, b in zip(c0, c1))
+    row.hit = cached / prompt if prompt else float("nan")
+    row.out_tok_s = gen / elapsed
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| seed | router | sent | errors | TTFT p50 ms | TTFT p99 ms | engine prefix-hit | output tok/s | "
+             "brain's share of TTFT | vs best peer: hit, p50, p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for seed in sorted({r.seed for r in rows}):
+        mine = [r for r in rows if r.seed == seed]
+        peers = [r for r in mine if r.contender != "warmroute" and not r.note]
+        for r in mine:
+            if r.note:
+                lines.append(f"| {seed} | {r.contender} | | | | | | | | {r.note} |")
+                continue
+            vs = ""
+            if peers and r.contender == "warmroute":
+                vs = (f"{r.hit - max(p.hit for p in peers):+.1%}, {r.ttft_p50 / min(p.ttft_p50 for p in peers):.2f}x, "
+                      f"{r.ttft_p99 / min(p.ttft_p99 for p in peers):.2f}x")
+            share = f"{r.brain_share:.1%}" if r.brain_share is not None else "-"
+            lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | {r.ttft_p50 * 1000:.0f} | "
+                         f"{r.ttft_p99 * 1000:.0f} | {r.hit:.1%} | {r.out_tok_s:.0f} | {share} | {vs} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--minutes", type=float, default=WORKLOAD.minutes, help="workload minutes per run (real time)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    args = ap.parse_args(argv)
+    why = real_vllm.available()
+    if why:
+        print(f"bench-real: {why}", file=sys.stderr)
+        return 1
+    w = dataclasses.replace(WORKLOAD, minutes=args.minutes)
+    model = real_vllm.model_info()["served_name"]
+    print(f"bench-real: {args.replicas} real vLLM {real_vllm.VERSION} replicas (tiny model, CPU), real time, "
+          f"{args.minutes:g} min a run, seeds {args.seeds}; routers: {args.contenders}", flush=True)
+    fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True))
+    rows = []
+    with fleet:
+        for seed in (int(x) for x in args.seeds.split(",")):
+            for c in args.contenders.split(","):
+                row = measure(c, fleet.replicas, seed, w, model)
+                rows.append(row)
+                print(f"  seed {seed} {c}: sent {row.sent}, errors {row.errors}, TTFT p50 {row.ttft_p50 * 1000:.0f} ms "
+                      f"p99 {row.ttft_p99 * 1000:.0f} ms, engine hit {row.hit:.1%} {row.note}", flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

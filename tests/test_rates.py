@@ -91,3 +91,25 @@ def test_C3_sglang_decode_rate_learned_from_its_inter_token_latency():
                                 generation_tokens=402.0 * i), float(i))
     assert rates.decode_s_per_token == pytest.approx(0.02, rel=0.02)
     assert rates.output_tokens == pytest.approx(201, rel=0.05)
+
+
+def test_the_token_scale_is_the_engine_s_tokens_per_estimated_token_over_the_last_requests():
+    from extproc.core.load import TokenScale
+
+    s = TokenScale()
+    engine = requests = 0
+    s.update(LoadSample(prompt_tokens=0, prompt_requests=0))
+    for k in range(100):  # the engine counts 1.5 of its tokens per estimated one
+        s.sent(1_000 + 10 * k)
+        engine += int(1.5 * (1_000 + 10 * k))
+        requests += 1
+        s.update(LoadSample(prompt_tokens=engine, prompt_requests=requests))
+    assert s.learned and s.value == pytest.approx(1.5, rel=0.01)
+    for k in range(200):  # another tokenizer behind the same name (a new model): followed within the window
+        s.sent(1_000)
+        engine += 800
+        requests += 1
+        s.update(LoadSample(prompt_tokens=engine, prompt_requests=requests))
+    assert s.value == pytest.approx(0.8, rel=0.02)
+    s.update(LoadSample(prompt_tokens=0, prompt_requests=0))  # restarted: the counters begin again, the scale holds
+    assert s.value == pytest.approx(0.8, rel=0.02)

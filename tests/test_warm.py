@@ -383,3 +383,35 @@ def test_the_prefill_rate_learns_from_computed_tokens_not_those_a_kv_connector_l
         return r.prefill_tokens_per_s
 
     assert learn(True) < learn(False) / 2  # 8,000 "computed" tokens a second would be the connector's, not its own
+
+
+def test_C2_cached_tokens_are_counted_in_the_engine_s_tokens_and_its_whole_blocks():
+    """The engine said 1.3 of its tokens per estimated one (its prompt_tokens against what was sent) and caches
+    128-token blocks: a session's next turn is priced 1.3x, its cached part in whole blocks of the engine."""
+    router, t = warm_router(1)
+    name = router.replicas[0].name
+    router.on_load(name, LoadSample(prompt_tokens=0, prompt_requests=0, engine_block=128), t)
+    first = turn(router, t, tokens=2_000)
+    assert first.prompt_tokens == 2_000  # nothing learned yet: the estimate as it is
+    router.release(first.reservation, t + 1)
+    router.on_load(name, LoadSample(prompt_tokens=2_600, prompt_requests=1, engine_block=128), t + 1)
+    nxt = turn(router, t + 2, tokens=2_100)
+    assert nxt.prompt_tokens == 2_730
+    # the first turn's 2,000 estimated tokens are 2,600 of the engine's: 20 whole blocks of 128 are hit
+    assert nxt.cached_tokens == 2_560
+
+
+def test_C2_a_replica_that_has_not_learned_its_scale_is_priced_with_its_peers():
+    router, t = warm_router(2)
+    a, b = (r.name for r in router.replicas)
+    for name in (a, b):
+        router.on_load(name, LoadSample(prompt_tokens=0, prompt_requests=0), t)
+    d = turn(router, t, session="x", tokens=1_000)
+    router.release(d.reservation, t + 1)
+    router.on_load(d.replica.name, LoadSample(prompt_tokens=600, prompt_requests=1), t + 1)
+    other = router.policy.state_of(next(r for r in router.replicas if r is not d.replica))
+    assert not other.scale.learned
+    trace = router.policy.trace = []
+    turn(router, t + 2, session="y", tokens=1_000, system="other")
+    # both priced at 0.6 of the estimate: a cold prompt of 600 engine tokens on either
+    assert len({round(c[2], 4) for c in trace}) == 1, trace

@@ -115,7 +115,8 @@ def test_the_brain_routes_by_model_answers_404_as_vllm_does_and_lists_the_union(
     out = brain.decide({}, orjson.dumps({"model": "nope", "messages": []}))
     assert out.immediate_response.status.code == 404
     assert json.loads(out.immediate_response.body) == {"error": {
-        "message": "The model `nope` does not exist.", "type": "NotFoundError", "param": None, "code": 404}}
+        "message": "The model `nope` does not exist. Valid aliases: chat, chat-ft, coder.", "type": "NotFoundError",
+        "param": "model", "code": 404}}
     assert brain.state()["decisions_by_reason"].get("-/model_not_found") == 1
     models = brain.decide({":method": "GET", ":path": "/v1/models"}, None, "request_headers")
     assert models.immediate_response.status.code == 200

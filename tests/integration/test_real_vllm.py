@@ -5,9 +5,11 @@ prefix cache hits (the brain's predicted cached tokens against the engine's ``us
 metric families and label sets it really exports, its model list with adapters loaded and unloaded at run time,
 its 404 for an unknown model, its routes in /openapi.json, and what a SIGKILL does to its port and streams.
 
-One fleet of three replicas for the module (~2 GB each; ~20-70 s to start side by side on two cores):
-r0 serves tiny-llama with both adapters, r1 tiny-llama with one adapter and run-time LoRA updating, r2 the same
-weights as another model (tiny-coder). Every replica's engine is "auto".
+One fleet for the module, started side by side (~100 s on two cores: each engine's processes import torch and
+vLLM anew): r0 serves tiny-llama with both adapters, r1 tiny-llama with one adapter and run-time LoRA updating,
+r2 the same weights as another model (tiny-coder) on two data-parallel engines behind one port (~3.9 GB), r3
+tiny-llama started with --disable-log-stats. r0-r2's engine is "auto"; r3 is configured as vllm, so that it
+says what is missing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -30,10 +33,11 @@ from extproc.tools.stack import Stack, http_get, wait_for
 
 from .conftest import FAST, quiet
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.real_engine]
 
 MODEL = "tiny-llama"
-CONFIG = {**FAST, "health": {**FAST["health"], "scrape_interval_s": 0.5}}
+# a decode prior far from the engine's (~30 ms a token here), so that the rates test sees it learned, not kept
+CONFIG = {**FAST, "health": {**FAST["health"], "scrape_interval_s": 0.5}, "warm": {"decode_s_per_token": 0.2}}
 
 
 def _doc(raw: bytes) -> dict:
@@ -81,20 +85,25 @@ def fleet():
     why = real_vllm.available()
     if why:
         pytest.fail(f"the real-engine tests need the engine: {why}")
-    s = Stack(3, config=CONFIG, real_vllm=VllmOptions())
+    s = Stack(4, config=CONFIG, real_vllm=VllmOptions())
     s.vllm_options = {"r1": VllmOptions(lora=("tiny-lora-a",), runtime_lora=True),
-                      "r2": VllmOptions(served_name="tiny-coder", lora=())}
+                      "r2": VllmOptions(served_name="tiny-coder", lora=(), data_parallel=2),
+                      "r3": VllmOptions(lora=(), log_stats=False)}
     s.engines = {f"r{i}": "auto" for i in range(3)}
+    # r3 never scrapes well, so its /openapi.json is never read: its paths from the config, as an operator would
+    # list them (else a path no replica is known to serve may be r3's, and is not refused)
+    paths = json.loads((Path(__file__).parents[1] / "fixtures" / "vllm-0.32" / "openapi-paths.json").read_text())
+    s.replica_config = {"r3": {"paths": sorted(paths)}}
     try:
         s.start()
-        s.wait_all_live(120)
+        wait_for(lambda: all(r["state"] == "LIVE" for r in s.state()["replicas"][:3]), 120, "r0-r2 LIVE")
         yield s
     finally:
         s.stop()
 
 
 def test_auto_finds_vllm_and_every_family_warmroute_reads_is_there(fleet):
-    for r in fleet.state()["replicas"]:
+    for r in fleet.state()["replicas"][:3]:
         assert r["engine"] == "auto (vllm)" and r["scrape_error"] is None, r
     text = metrics_of(fleet.replicas[0].port)
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
@@ -174,13 +183,12 @@ async def _burst(url: str, n: int, concurrency: int, rng: random.Random, model: 
     return statuses
 
 
-def _engine_rates(text: str) -> tuple[float, float, float]:
-    """(computed prefill tokens, prefill seconds, decode seconds per token) from the engine's own histograms."""
-    computed = total(text, "vllm:request_prefill_kv_computed_tokens_sum")
-    prefill_s = total(text, "vllm:request_prefill_time_seconds_sum")
+def _engine_rates(text: str) -> tuple[float, float, float, float]:
+    """(computed prefill tokens, prefill seconds, decoded tokens, decode seconds) from the engine's own histograms."""
     done = total(text, "vllm:request_decode_time_seconds_count")
-    generated = total(text, "vllm:request_generation_tokens_sum") - done  # the first token is prefill's
-    return computed, prefill_s, total(text, "vllm:request_decode_time_seconds_sum") / max(generated, 1)
+    return (total(text, "vllm:request_prefill_kv_computed_tokens_sum"), total(text, "vllm:request_prefill_time_seconds_sum"),
+            total(text, "vllm:request_generation_tokens_sum") - done,  # each request's first token is prefill's
+            total(text, "vllm:request_decode_time_seconds_sum"))
 
 
 def test_learned_rates_move_to_the_engines_own_histograms(fleet):
@@ -189,12 +197,12 @@ def test_learned_rates_move_to_the_engines_own_histograms(fleet):
     are. (How close through a ramp on a quiet machine is a benchmark's number, not a test's.)"""
     w = fleet.cfg.router.warm
     before = {r.name: _engine_rates(metrics_of(r.port)) for r in fleet.replicas[:2]}
-    assert all(s == 200 for s in asyncio.run(_burst(fleet.url, 48, 4, random.Random(3))))
+    assert all(s == 200 for s in asyncio.run(_burst(fleet.url, 32, 4, random.Random(3))))
     quiet(fleet, 30)
     for rep in fleet.replicas[:2]:
-        c0, p0, _ = before[rep.name]
-        c1, p1, dec = _engine_rates(metrics_of(rep.port))
-        prefill = (c1 - c0) / (p1 - p0)
+        c0, p0, g0, d0 = before[rep.name]
+        c1, p1, g1, d1 = _engine_rates(metrics_of(rep.port))
+        prefill, dec = (c1 - c0) / (p1 - p0), (d1 - d0) / (g1 - g0)
         learned = fleet.replica_state(rep.name)["learned"]
         print(f"\n{rep.name}: prefill {learned['prefill_tokens_per_second']:.0f} tok/s learned vs {prefill:.0f} "
               f"engine (prior {w.prefill_tokens_per_s:.0f}); decode {learned['decode_seconds_per_token'] * 1000:.2f} "
@@ -217,7 +225,7 @@ def _served(fleet, model: str, n: int = 6) -> set[str]:
 
 
 def test_models_and_adapters_static_and_loaded_at_run_time_are_followed(fleet):
-    r0, r1, r2 = fleet.replicas
+    r1 = fleet.replicas[1]
     listed = {m["id"] for m in json.loads(http_get(fleet.url + "/v1/models"))["data"]}
     assert listed == {"tiny-llama", "tiny-coder", "tiny-lora-a", "tiny-lora-b"}
     assert _served(fleet, "tiny-coder") == {"r2"}  # another --served-model-name: its own replica only
@@ -283,6 +291,39 @@ def test_vllm_bench_serve_through_warmroute_fails_nothing(fleet, tmp_path):
     assert (r["completed"], r["failed"]) == (16, 0)
 
 
+def test_the_engine_the_brain_names_is_the_one_whose_counters_move(fleet):
+    s = fleet
+    port = s.replicas[2].port
+    assert [e["rank"] for e in s.replica_state("r2")["engines"]] == [0, 1]
+    named = []
+    for k in range(8):
+        before = metrics_of(port)
+        status, headers, doc = post(s.url, "/v1/completions", {"model": "tiny-coder", "prompt": f"dp {k} " * 50, "max_tokens": 2})
+        assert status == 200, doc
+        rid = headers.get("x-request-id") or headers.get("X-Request-Id")
+        engine = json.loads(s.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]["engine"]
+        done_before = total(before, "vllm:request_success_total")
+
+        def moved_on() -> str | None:
+            t = metrics_of(port)
+            return t if total(t, "vllm:request_success_total") > done_before else None
+
+        after = wait_for(moved_on, 10, "the counters")
+        moved = [e for e in (0, 1) if total(after, "vllm:request_success_total", engine=str(e))
+                 > total(before, "vllm:request_success_total", engine=str(e))]
+        assert moved == [engine], (k, engine, moved)
+        named.append(engine)
+    assert set(named) == {0, 1}  # both engines were chosen: the header steered, not a default
+
+
+def test_a_vllm_without_log_stats_gives_the_documented_scrape_reason(fleet):
+    r = parse_metrics(metrics_of(fleet.replicas[3].port), VLLM)
+    assert not r.ok and r.missing
+    assert "--disable-log-stats" in r.error and "engine: none (or auto)" in r.error
+    st = fleet.replica_state("r3")
+    assert st["state"] == "EJECTED" and st["scrape_error"] == r.error
+
+
 def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_its_way_back(fleet):
     """SIGKILL on r0's engine while four streams run on tiny-llama: only requests that were on r0 fail; the rest and
     every later one succeed; r0 is ejected and, restarted on its port, comes back LIVE through its scrapes."""
@@ -290,7 +331,7 @@ def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_i
     results: list[int] = []
 
     async def load_and_kill() -> None:
-        task = asyncio.ensure_future(_burst(fleet.url, 24, 4, random.Random(11), max_tokens=96))
+        task = asyncio.ensure_future(_burst(fleet.url, 12, 4, random.Random(11), max_tokens=64))
         await asyncio.to_thread(wait_for, lambda: fleet.replica_state("r0")["in_flight_requests"] > 0, 30,
                                 "a stream on r0")
         in_flight = fleet.replica_state("r0")["in_flight_requests"]

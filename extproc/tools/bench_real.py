@@ -54,13 +54,17 @@ class Row:
     hit: float = float("nan")
     out_tok_s: float = float("nan")
     brain_share: float | None = None
+    max_share: float = float("nan")  # the busiest replica's share of the requests over a fair share
     note: str = ""
 
 
-def engine_counters(replicas: list[Replica]) -> tuple[float, float, float]:
-    """(prompt tokens, cached prompt tokens, generated tokens) summed over the replicas' own counters."""
+def engine_counters(replicas: list[Replica]) -> tuple[float, float, float, list[float]]:
+    """(prompt tokens, cached prompt tokens, generated tokens) summed over the replicas' own counters, and each
+    replica's finished requests."""
     p = c = g = 0.0
+    done = []
     for r in replicas:
+        n = 0.0
         for line in http_get(r.url + "/metrics", 5).decode().splitlines():
             if line.startswith("vllm:prompt_tokens_total"):
                 p += float(line.rsplit(" ", 1)[1])
@@ -68,7 +72,10 @@ def engine_counters(replicas: list[Replica]) -> tuple[float, float, float]:
                 c += float(line.rsplit(" ", 1)[1])
             elif line.startswith("vllm:generation_tokens_total"):
                 g += float(line.rsplit(" ", 1)[1])
-    return p, c, g
+            elif line.startswith("vllm:request_success_total"):
+                n += float(line.rsplit(" ", 1)[1])
+        done.append(n)
+    return p, c, g, done
 
 
 def reset_caches(replicas: list[Replica]) -> None:
@@ -144,7 +151,10 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         row.ttft_p50, row.ttft_p99 = statistics.median(ok), q[98]
         if decision is not None:
             row.brain_share = decision / statistics.mean(ok)
-    prompt, cached, gen = (b - a for a, b in zip(c0, c1))
+    prompt, cached, gen = (b - a for a, b in zip(c0[:3], c1[:3]))
+    per = [b - a for a, b in zip(c0[3], c1[3])]
+    if sum(per):
+        row.max_share = max(per) / sum(per) * len(per)
     row.hit = cached / prompt if prompt else float("nan")
     row.out_tok_s = gen / elapsed
     return row
@@ -152,13 +162,14 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
 
 def table(rows: list[Row]) -> str:
     lines = ["| seed | router | sent | errors | TTFT p50 ms | TTFT p99 ms | engine prefix-hit | output tok/s | "
-             "brain's share of TTFT | vs best peer: hit, p50, p99 |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "busiest replica / fair share | brain's share of TTFT | vs best peer: hit, p50, p99 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed in sorted({r.seed for r in rows}):
         mine = [r for r in rows if r.seed == seed]
         peers = [r for r in mine if r.contender != "warmroute" and not r.note]
         for r in mine:
             if r.note:
-                lines.append(f"| {seed} | {r.contender} | | | | | | | | {r.note} |")
+                lines.append(f"| {seed} | {r.contender} | | | | | | | | | {r.note} |")
                 continue
             vs = ""
             if peers and r.contender == "warmroute":
@@ -166,7 +177,7 @@ def table(rows: list[Row]) -> str:
                       f"{r.ttft_p99 / min(p.ttft_p99 for p in peers):.2f}x")
             share = f"{r.brain_share:.1%}" if r.brain_share is not None else "-"
             lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | {r.ttft_p50 * 1000:.0f} | "
-                         f"{r.ttft_p99 * 1000:.0f} | {r.hit:.1%} | {r.out_tok_s:.0f} | {share} | {vs} |")
+                         f"{r.ttft_p99 * 1000:.0f} | {r.hit:.1%} | {r.out_tok_s:.0f} | {r.max_share:.2f}x | {share} | {vs} |")
     return "\n".join(lines)
 
 

@@ -48,6 +48,8 @@ def test_every_number_the_router_reads_is_the_one_the_history_put_there(name):
         assert s.computed_at_finish == want["computed"] and s.computed_tokens == want["computed"]
     else:  # vLLM before 0.11 has neither
         assert s.computed_at_finish is None and s.computed_tokens is None
+    # vLLM's cache holds whole blocks of cache_config_info's block_size (16 in these fixtures); SGLang's any count
+    assert s.engine_block == (None if dialect == "sglang" else 16)
     # each engine's own cache; vLLM's num_gpu_blocks is the sum over its data-parallel engines
     assert s.cache_tokens == want["cache_tokens"] * dp
     if dp > 1:

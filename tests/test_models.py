@@ -283,3 +283,19 @@ def test_a_hostile_path_template_costs_a_linear_match():
     prefix = path_pattern("/v1/resp*")
     assert path_matches(prefix, "/v1/responses/r1") and path_matches(prefix, "/v1/resp")
     assert not path_matches(prefix, "/v2/responses") and not path_matches(path_pattern("/{id}"), "/")
+
+
+def test_the_brain_remembers_what_it_decided_by_envoy_s_request_id_and_forgets_past_its_bound():
+    from extproc.brain.brain import RECENT_DECISIONS
+
+    brain = _brain()
+    body = orjson.dumps({"model": "chat", "messages": [{"role": "user", "content": "q"}]})
+    out = brain.decide({"x-request-id": "rid-1", "x-session-id": "s"}, body)
+    got = brain.recent_decisions(request_id="rid-1")
+    assert [d["replica"] for d in got] == [_cluster(out)] and got[0]["model"] == "chat"
+    for i in range(RECENT_DECISIONS):
+        brain.decide({"x-request-id": f"other-{i}"}, body)
+    assert brain.recent_decisions(request_id="rid-1") == []  # bounded: the oldest went
+    assert len(brain.recent_decisions(last=10 ** 9)) == RECENT_DECISIONS
+    assert [d["request_id"] for d in brain.recent_decisions(last=2)] == [f"other-{RECENT_DECISIONS - 2}",
+                                                                         f"other-{RECENT_DECISIONS - 1}"]

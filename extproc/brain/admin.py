@@ -92,15 +92,15 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
         request id (the client's x-request-id). ``?request_id=`` picks one; ``?last=N`` (default 100)."""
         rid = request.query.get("request_id")
         if rid is not None:
-            found = [d for d in brain.recent if d["request_id"] == rid]
+            found = brain.recent_decisions(request_id=rid)
             if not found:
                 raise web.HTTPNotFound(text="no recent decision for that request id\n")
             return web.json_response({"decisions": found})
         try:
-            last = max(0, min(len(brain.recent), int(request.query.get("last", "100"))))
+            last = max(0, int(request.query.get("last", "100")))
         except ValueError:
             raise web.HTTPBadRequest(text="last: expected a whole number\n")
-        return web.json_response({"decisions": list(brain.recent)[len(brain.recent) - last:]})
+        return web.json_response({"decisions": brain.recent_decisions(last=last)})
 
     app.router.add_get("/state", state)
     app.router.add_get("/decisions", decisions)

@@ -227,11 +227,18 @@ class Brain:
         return Pick([self.endpoint_of[r.name] for r in names], d.reservation, rank, body=new_body)
 
     def _remember(self, request_id: str | None, d: Decision) -> None:
-        self.recent.append({"request_id": (request_id or "")[:MAX_REQUEST_ID_CHARS], "at": round(self.clock(), 3),
-                            "replica": d.replica_name, "engine": d.engine, "reason": str(d.reason),
-                            "model": d.model, "predicted_ttft_s": None if d.predicted_ttft_s is None
-                            else round(d.predicted_ttft_s, 4), "predicted_cached_tokens": d.cached_tokens,
-                            "predicted_prompt_tokens": d.prompt_tokens})
+        # on every request's path: a tuple here, the document only when GET /decisions asks
+        self.recent.append(((request_id or "")[:MAX_REQUEST_ID_CHARS], self.clock(), d.replica_name, d.engine,
+                            d.reason, d.model, d.predicted_ttft_s, d.cached_tokens, d.prompt_tokens))
+
+    def recent_decisions(self, request_id: str | None = None, last: int | None = None) -> list[dict]:
+        """GET /decisions: the remembered decisions (of one request id, or the last ``last``), newest last."""
+        rows = [r for r in self.recent if r[0] == request_id] if request_id is not None else \
+            list(self.recent)[max(0, len(self.recent) - (last or 0)):]
+        return [{"request_id": rid, "at": round(at, 3), "replica": replica, "engine": engine, "reason": str(reason),
+                 "model": model, "predicted_ttft_s": None if ttft is None else round(ttft, 4),
+                 "predicted_cached_tokens": cached, "predicted_prompt_tokens": prompt}
+                for rid, at, replica, engine, reason, model, ttft, cached, prompt in rows]
 
     def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 import pytest
@@ -159,8 +160,9 @@ def test_predicted_cached_tokens_are_what_the_engine_reports(fleet):
 
 
 async def _burst(url: str, n: int, concurrency: int, rng: random.Random, model: str = MODEL,
-                 max_tokens: int = 48) -> list[int]:
-    """``n`` new conversations (nothing cached), ``concurrency`` at a time, streamed; their statuses."""
+                 max_tokens: int = 48, stop: Callable[[], bool] = lambda: False) -> list[int]:
+    """``n`` new conversations (nothing cached), ``concurrency`` at a time, streamed; their statuses. Once ``stop()``
+    is true, no further conversation starts."""
     sem = asyncio.Semaphore(concurrency)
     statuses: list[int] = []
 
@@ -169,6 +171,8 @@ async def _burst(url: str, n: int, concurrency: int, rng: random.Random, model: 
         body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                 "messages": [{"role": "user", "content": f"burst {k}: {words}"}]}
         async with sem:
+            if stop():
+                return
             try:
                 async with http.post(url + "/v1/chat/completions", json=body,
                                      timeout=aiohttp.ClientTimeout(total=120)) as r:
@@ -331,11 +335,22 @@ def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_i
     results: list[int] = []
 
     async def load_and_kill() -> None:
-        task = asyncio.ensure_future(_burst(fleet.url, 12, 4, random.Random(11), max_tokens=64))
-        await asyncio.to_thread(wait_for, lambda: fleet.replica_state("r0")["in_flight_requests"] > 0, 30,
+        # the load goes on until r0 holds a stream (on a busy machine the brain may send a few elsewhere first),
+        # then 8 more conversations start after the kill
+        started_after: list[int] = []
+
+        def enough() -> bool:
+            if started_after:
+                started_after[0] += 1
+                return started_after[0] > 8
+            return False
+
+        task = asyncio.ensure_future(_burst(fleet.url, 200, 4, random.Random(11), max_tokens=64, stop=enough))
+        await asyncio.to_thread(wait_for, lambda: fleet.replica_state("r0")["in_flight_requests"] > 0, 90,
                                 "a stream on r0")
         in_flight = fleet.replica_state("r0")["in_flight_requests"]
         fleet.kill_replica("r0")
+        started_after.append(0)
         results.extend(await task)
         results.append(-in_flight)
 

@@ -60,16 +60,17 @@ engines-freeze:  ## rewrite engines/vllm-constraints.txt from a fresh resolve
 demo: install
 	$(VENV)/bin/warmroute up
 
-# Two lanes on the two cores. In the background: the engine's install (~2 min with pip's cache, more cold), the
-# tests that start real engines (~4 min), then those that start no process (~4 min, CPU-bound, timing-free). In
-# front: the tests that start Envoy, brains and mock replicas (~9 min, mostly waiting on processes). The background
-# lane's output (.engines/real.log, unit.log) is printed at the end. ~13 min from a fresh clone.
+# Two lanes on the two cores. In front: the tests that start Envoy, brains and mock replicas (~9 min, mostly
+# waiting on processes, with deadlines). Beside them, at a lower CPU priority so that they keep what they need:
+# the engine's install (~2 min with pip's cache, more cold), the tests that start real engines (~4 min alone),
+# then the tests that start no process (CPU-bound and timing-free, on both cores). The background lane's output
+# (.engines/real.log, unit.log) is printed at the end. ~14 min from a fresh clone.
 test: install system-deps
 	@mkdir -p $(ENGINE_DIR); cd $(ENGINE_DIR) && rm -f install.log real.log unit.log real.rc unit.rc; cd - >/dev/null; \
-	( if $(MAKE) --no-print-directory engines > $(ENGINE_DIR)/install.log 2>&1; then \
-	    $(PY) -m pytest -q -p no:cacheprovider -m real_engine > $(ENGINE_DIR)/real.log 2>&1; echo $$? > $(ENGINE_DIR)/real.rc; \
+	( if nice -n 10 $(MAKE) --no-print-directory engines > $(ENGINE_DIR)/install.log 2>&1; then \
+	    nice -n 10 $(PY) -m pytest -q -p no:cacheprovider -m real_engine > $(ENGINE_DIR)/real.log 2>&1; echo $$? > $(ENGINE_DIR)/real.rc; \
 	  else echo "make engines failed:" > $(ENGINE_DIR)/real.log; grep -v "^WARNING: Location" $(ENGINE_DIR)/install.log | tail -30 >> $(ENGINE_DIR)/real.log; echo 1 > $(ENGINE_DIR)/real.rc; fi; \
-	  $(PY) -m pytest -q -p no:cacheprovider -m "not integration" > $(ENGINE_DIR)/unit.log 2>&1; echo $$? > $(ENGINE_DIR)/unit.rc ) & \
+	  nice -n 10 $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not integration" > $(ENGINE_DIR)/unit.log 2>&1; echo $$? > $(ENGINE_DIR)/unit.rc ) & \
 	$(PY) -m pytest -q -m "integration and not real_engine"; rc=$$?; wait; \
 	echo "--- real engines: pytest -m real_engine ($(ENGINE_DIR)/real.log)"; tail -40 $(ENGINE_DIR)/real.log; \
 	echo "--- no process: pytest -m 'not integration' ($(ENGINE_DIR)/unit.log)"; tail -40 $(ENGINE_DIR)/unit.log; \

@@ -30,7 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bench_live import WARMROUTE, bench_workload, brain_decision_mean, start
+from .bench_harness import brain_decision_mean
+from .bench_live import WARMROUTE, bench_workload, start
 from .engine_agree import agreement, engine_trace, replay_trace, simulate_trace
 from .sim.http_replay import replay
 from .sim.measure import window_numbers

@@ -25,14 +25,13 @@ import json
 import random
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
-from .bench_live import bench_workload, envoy_builtin, free_port, scaled_warmroute_config
-from ..envoy_config import dump
+from .bench_harness import envoy_builtin, envoy_proc, free_port, pace_check, wait_answering
+from .bench_live import bench_workload, scaled_warmroute_config
 from .sim.http_replay import replay
 from .sim.measure import window_numbers
-from .stack import Proc, Stack, envoy_binary, http_get, wait_for
+from .stack import Proc, Stack, http_get, wait_for
 
 MODELS = {"coder": 6, "chat": 2}
 ADAPTERS = [f"coder-lora-{i}" for i in range(8)]
@@ -101,6 +100,7 @@ class Result:
     not_engine_p50: float = float("nan")  # the median part of a TTFT that was not the engine's own (workload s)
     note: str = ""
     adapters_asked: int = 0  # distinct adapters the workload asked for: no router loads fewer (simulated runs)
+    pace: str = ""  # why a live run measured the machine, not the replicas (bench_harness.pace_check)
 
 
 def _mock_totals(urls: list[str]) -> tuple[float, float]:
@@ -137,20 +137,9 @@ def run(contender: str, args) -> Result:
             pools.setdefault(extra[r.name][1], []).append(r.port)
         port = free_port()
         policy = {"envoy_ring_hash_bounded_150": "RING_HASH", "envoy_least_request": "LEAST_REQUEST"}[contender]
-        path = s.dir / "envoy.yaml"
-        path.write_text(dump(pooled_envoy(policy, pools, port, sp, 150 if "bounded" in contender else None)))
-        procs.append(Proc("envoy", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1",
-                                    "-l", "error"], s.dir))
+        procs.append(envoy_proc(pooled_envoy(policy, pools, port, sp, 150 if "bounded" in contender else None), s.dir))
         url = f"http://127.0.0.1:{port}"
-
-        def ready():
-            body = json.dumps({"model": "chat", "max_tokens": 1, "messages": [{"role": "user", "content": "w"}]})
-            req = urllib.request.Request(url + "/v1/chat/completions", data=body.encode(),
-                                         headers={"content-type": "application/json", "x-pool": "chat"})
-            with urllib.request.urlopen(req, timeout=5) as r:
-                return r.status == 200
-
-        wait_for(ready, 60, f"{contender} to answer", procs[0], every=0.2)
+        wait_answering(url, "chat", contender, procs[0], 60, headers={"x-pool": "chat"})
     urls = [r.url for r in s.replicas]
     try:
         l0, w0 = _mock_totals(urls)
@@ -163,8 +152,10 @@ def run(contender: str, args) -> Result:
             p.stop()
         s.stop()
     nums = window_numbers(res.requests, args.minutes, args.warmup_min, scale=sp)
+    not_engine = nums.get("overhead_p50", float("nan"))
     return Result(contender, nums["ttft_p50"], nums["ttft_p99"], nums["hits"], res.sent, sum(res.errors.values()),
-                  res.lost, l1 - l0, w1 - w0, nums.get("overhead_p50", float("nan")))
+                  res.lost, l1 - l0, w1 - w0, not_engine,
+                  pace=pace_check(nums["ttft_p50"], res.client_lag_p99, not_engine, sp) or "")
 
 
 SIM_CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_cache_aware", "llmd_epp",
@@ -224,6 +215,10 @@ def report(results: list[Result], args, wall: float) -> str:
                    f"| {r.contender} | {r.ttft_p50:.3f} | {r.ttft_p99:.1f} | {r.not_engine_p50:.3f} | {r.hits:.1%} | "
                    f"{r.lora_loads:.0f} | "
                    f"{r.wrong_model:.0f} | {r.sent} | {r.errors} | {r.lost} |")
+    flagged = [r for r in results if r.pace]
+    if flagged:
+        out += ["", "Measured the machine, not the replicas (rerun at a lower --speedup): "
+                + "; ".join(f"{r.contender}: {r.pace}" for r in flagged)]
     asked = max((r.adapters_asked for r in results), default=0)
     if asked:
         out += ["", f"The workload asked for {asked} distinct adapters (summed over seeds): no router loads fewer."]

@@ -24,8 +24,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import shutil
-import socket
 import statistics
 import sys
 import threading
@@ -36,14 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import imbalance_index
-from ..envoy_config import dump
+from .bench_harness import (ENVOY_POLICIES, ROUTERS, brain_decision_mean, engine_counters, pace_check, start_peer,
+                            wait_answering)
 from .sim.http_replay import ReplayResult, replay
 from .sim.measure import pct, window_numbers
 from .sim.workload import WorkloadConfig
-from .stack import Proc, Stack, envoy_binary, http_get, wait_for
+from .stack import Stack, http_get
 
-ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH",
-                  "envoy_ring_hash_bounded_150": "RING_HASH"}
 # warmroute contenders: the default policy, and the seed's pipeline; the default policy as the endpoint picker of
 # Envoy in a Gateway API Inference Extension gateway's shape (`envoy-config --mode endpoint-picker`)
 WARMROUTE = {"warmroute": None, "warmroute_seed": "seed", "warmroute_endpoint_picker": None,
@@ -55,66 +52,11 @@ PICKER_SHAPES = {"warmroute_endpoint_picker": {"brain": {"protocol": "endpoint-p
                                                       "envoy": {"picker_body_mode": "full-duplex"}},
                  # data-parallel replicas (--data-parallel): the engine left to the replica's front end
                  "warmroute_dp_unsteered": {"warm": {"steer_data_parallel": False}}}
-ROUTERS = {
-    "vllm_router_cache_aware": ("vllm-router", "cache_aware"),
-    "vllm_router_consistent_hash": ("vllm-router", "consistent_hash"),
-    "vllm_router_power_of_two": ("vllm-router", "power_of_two"),
-    "sglang_router_cache_aware": ("sglang-router", "cache_aware"),
-}
 CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]
 # make bench-quick: warmroute and the contenders that come closest to it on the plain workload
 QUICK = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_ring_hash", "envoy_least_request",
          "sglang_router_cache_aware", "vllm_router_consistent_hash"]
 SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica", "brain_killed"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bin(name: str) -> str | None:
-    here = Path(sys.executable).parent / name
-    return str(here) if here.exists() else shutil.which(name)
-
-
-# --------------------------------------------------------------------------- contenders
-
-
-def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float, hash_balance_factor: int | None = None) -> dict:
-    """A plain Envoy a user would write: one cluster over the replicas, retries, health checks."""
-    hc = max(0.1, 3.0 / speedup)
-    cluster = {
-        "name": "fleet", "type": "STATIC", "connect_timeout": "1s", "lb_policy": policy,
-        "per_connection_buffer_limit_bytes": 64 * 2**20,
-        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
-                                             "max_requests": 100000, "max_retries": 100000}]},
-        "health_checks": [{"timeout": f"{hc:.3f}s", "interval": f"{hc:.3f}s", "unhealthy_threshold": 1, "healthy_threshold": 2,
-                           "http_health_check": {"path": "/health"}}],
-        "load_assignment": {"cluster_name": "fleet", "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in ports]}]},
-    }
-    route: dict = {"cluster": "fleet", "timeout": "0s", "retry_policy": {
-        "retry_on": "connect-failure,reset-before-request,refused-stream", "num_retries": 2,
-        "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}]}}
-    if policy == "RING_HASH":
-        route["hash_policy"] = [{"header": {"header_name": "x-session-id"}}]
-    if hash_balance_factor:
-        cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": hash_balance_factor}}
-    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-           "stat_prefix": "ingress", "stream_idle_timeout": "0s",
-           "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
-           "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
-    return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
-            "static_resources": {
-                "listeners": [{"name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
-                               "per_connection_buffer_limit_bytes": 64 * 2**20,
-                               "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                               "typed_config": hcm}]}]}],
-                "clusters": [cluster]}}
 
 
 def scaled_warmroute_config(speedup: float, policy: str | None = None) -> dict:
@@ -159,33 +101,10 @@ def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Runni
         return Running(s.url, s)
     s = Stack(0, mock_args=mock_args)
     try:
-        reps = [s.start_replica(f"r{i}") for i in range(n)]
-        s.replicas = reps
-        port = free_port()
-        if contender in ENVOY_POLICIES:
-            path = s.dir / "envoy.yaml"
-            hbf = 150 if contender == "envoy_ring_hash_bounded_150" else None
-            path.write_text(dump(envoy_builtin(ENVOY_POLICIES[contender], [r.port for r in reps], port, speedup, hbf)))
-            proc = Proc("envoy", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "error"], s.dir)
-        else:
-            binary, policy = ROUTERS[contender]
-            exe = _bin(binary)
-            if exe is None:
-                raise FileNotFoundError(f"{binary} is not installed (pip install '.[bench]')")
-            # its metrics exporter defaults to port 29000: one left by an earlier run would stop this one from starting
-            argv = [exe, *(["launch"] if binary == "sglang-router" else []), "--host", "127.0.0.1", "--port", str(port),
-                    "--worker-urls", *[r.url for r in reps], "--policy", policy,
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-            proc = Proc(contender, argv, s.dir)
-        run = Running(f"http://127.0.0.1:{port}", s, [proc])
-
-        def ready():
-            body = json.dumps({"model": "mock-coder-30b", "max_tokens": 1, "messages": [{"role": "user", "content": "warm"}]}).encode()
-            req = urllib.request.Request(run.url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=5) as r:
-                return r.status == 200
-
-        wait_for(ready, 60, f"{contender} to answer", proc, every=0.2)
+        s.replicas = [s.start_replica(f"r{i}") for i in range(n)]
+        url, proc = start_peer(contender, [r.url for r in s.replicas], s.dir, speedup)
+        run = Running(url, s, [proc])
+        wait_answering(url, "mock-coder-30b", contender, proc, 60)
         return run
     except BaseException:
         s.stop()
@@ -193,21 +112,6 @@ def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Runni
 
 
 # ---------------------------------------------------------------------------- measurement
-
-
-def mock_counters(urls: list[str]) -> tuple[float, float]:
-    q = h = 0.0
-    for u in urls:
-        try:
-            text = http_get(u + "/metrics", timeout=2).decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("vllm:prefix_cache_queries_total"):
-                q += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:prefix_cache_hits_total"):
-                h += float(line.rsplit(" ", 1)[1])
-    return q, h
 
 
 def faults(scenario: str, run: "Running", speedup: float, duration: float, stop: threading.Event) -> threading.Thread | None:
@@ -250,17 +154,6 @@ def speedup_of(scenario: str, args) -> float:
     return args.speedup if scenario == "workload" else args.fault_speedup
 
 
-def brain_decision_mean(text: str) -> float | None:
-    """The brain's mean decision time in seconds, from its /metrics text."""
-    total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith("warmroute_decision_duration_seconds_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("warmroute_decision_duration_seconds_count"):
-            count += float(line.rsplit(" ", 1)[1])
-    return total / count if count else None
-
-
 def bench_workload(minutes: float, sessions_per_min: float = 6.0, oneshots_per_min: float = 6.0,
                    projects: int = 6) -> WorkloadConfig:
     """The benchmarks' workload (live, and simulated by ``make bench-agree``): more sessions per minute than the
@@ -287,16 +180,39 @@ class Row:
     sent: int = 0
     errors: int = 0
     lost: int = 0
+    client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99, wall ms
+    pace: str = ""  # why this run measured the machine, not the replicas (bench_harness.pace_check); "": it did not
+    paces: list[str] = field(default_factory=list)  # the faster paces tried before this one, and why each was left
     note: str = ""
     ttfts: list[float] = field(default_factory=list)
     share: list[list[float]] = field(default_factory=list)
 
 
-def measure(contender: str, scenario: str, args) -> Row:
+def measure_paced(contender: str, scenario: str, args) -> Row:
+    """``measure`` at the scenario's pace; a plain-workload run that measured the machine (``pace_check``) is run
+    again at half the pace, down to ``args.min_speedup``, and refused below it (its row says why)."""
+    sp = speedup_of(scenario, args)
+    tried = []
+    while True:
+        row = measure(contender, scenario, args, sp)
+        if row.note or not row.pace:
+            break
+        if scenario != "workload":  # the fault scenarios count errors and lost requests: the row stays, flagged
+            break
+        tried.append(f"{sp:g}x: {row.pace}")
+        if sp / 2 < getattr(args, "min_speedup", 1.0):
+            row.note = f"refused, it measured the machine at {sp:g}x: {row.pace}"
+            break
+        sp /= 2
+    row.paces = tried
+    return row
+
+
+def measure(contender: str, scenario: str, args, speedup: float | None = None) -> Row:
     if scenario == "brain_killed" and contender not in WARMROUTE:
         return Row(contender, scenario, note="n/a: no brain to kill")
     w = bench_workload(args.minutes, args.sessions_per_min, args.oneshots_per_min, args.projects)
-    sp = speedup_of(scenario, args)
+    sp = speedup or speedup_of(scenario, args)
     mock_args = ["--speedup", str(sp)]
     replicas = args.replicas
     if getattr(args, "data_parallel", 1) > 1:  # the same engines, args.data_parallel behind each replica's front end
@@ -309,14 +225,14 @@ def measure(contender: str, scenario: str, args) -> Row:
     urls = [r.url for r in run.stack.replicas]
     stop = threading.Event()
     try:
-        q0, h0 = mock_counters(urls)
+        c0 = engine_counters(urls)
         duration = args.minutes * 60 / sp
         f = faults(scenario, run, sp, duration, stop)
         res: ReplayResult = asyncio.run(replay(run.url, w, seed=args.seed, speedup=sp, timeout=max(60.0, duration)))
         stop.set()
         if f:
             f.join(5)
-        q1, h1 = mock_counters(urls)
+        fleet = engine_counters(urls) - c0
         decision = None
         if contender in WARMROUTE and run.stack.brain is not None and run.stack.brain.alive():
             decision = brain_decision_mean(http_get(run.stack.brain_metrics).decode())
@@ -334,8 +250,10 @@ def measure(contender: str, scenario: str, args) -> Row:
     row.e2e_p50, row.e2e_p99 = pct(e2e, 0.5), pct(e2e, 0.99)
     row.out_tok_s = nums["tok_s"]
     row.prefix_hit = nums["hits"]
-    row.fleet_hit = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+    row.fleet_hit = fleet.hit_rate
     row.not_engine_p50 = nums.get("overhead_p50", float("nan"))
+    row.client_lag_ms = res.client_lag_p99 * 1000
+    row.pace = pace_check(row.ttft_p50, res.client_lag_p99, row.not_engine_p50, sp) or ""
     row.brain_ms = decision * 1000 * sp if decision else float("nan")
     row.sent, row.lost = res.sent, res.lost
     row.errors = sum(res.errors.values())
@@ -354,7 +272,7 @@ def measure(contender: str, scenario: str, args) -> Row:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| contender | scenario | speed-up | TTFT p50 s | TTFT p99 s | not-engine p50 s | brain ms | e2e p50 s | e2e p99 s | "
+    head = ("| contender | scenario | pace | TTFT p50 s | TTFT p99 s | not-engine p50 s | brain ms | e2e p50 s | e2e p99 s | "
             "out tok/s | prefix hit | imbalance | sent | errors | lost |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
@@ -362,7 +280,9 @@ def table(rows: list[Row]) -> str:
             lines.append(f"| {r.contender} | {r.scenario} | {r.note} ||||||||||||| ")
             continue
         brain = f"{r.brain_ms:.1f}" if r.brain_ms == r.brain_ms else "—"
-        lines.append(f"| {r.contender} | {r.scenario} | {r.speedup:g}x | {r.ttft_p50:.2f} | {r.ttft_p99:.1f} | {r.not_engine_p50:.3f} | {brain} | "
+        pace = f"{r.speedup:g}x" + (f" (measured the machine: {r.pace})" if r.pace else "") + \
+            "".join(f" (left {p})" for p in r.paces)
+        lines.append(f"| {r.contender} | {r.scenario} | {pace} | {r.ttft_p50:.2f} | {r.ttft_p99:.1f} | {r.not_engine_p50:.3f} | {brain} | "
                      f"{r.e2e_p50:.1f} | {r.e2e_p99:.1f} | "
                      f"{r.out_tok_s:.0f} | {r.prefix_hit:.1%} | {r.imbalance:.2f} | {r.sent} | {r.errors} | {r.lost} |")
     return "\n".join(lines)
@@ -424,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                          "of a TTFT, and live agrees with the simulator (make bench-agree)")
     ap.add_argument("--fault-speedup", type=float, default=20.0,
                     help="time compression of the fault scenarios (they count errors and lost requests)")
+    ap.add_argument("--min-speedup", type=float, default=1.0,
+                    help="a run that measured the machine (its client or the path lagging: bench_harness.pace_check) "
+                         "is run again at half the pace, down to this; below it the row is refused")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--data-parallel", type=int, default=1, help="engines behind each mock's front end (vLLM "
                     "--data-parallel-size): --replicas // this many replicas, as many engines in all")
@@ -453,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in args.scenarios:
         for c in args.contenders:
             t = time.monotonic()
-            r = measure(c, scenario, args)
+            r = measure_paced(c, scenario, args)
             rows.append(r)
             print(f"{c:<28} {scenario:<26} {time.monotonic() - t:5.1f}s  "
                   + (r.note or f"TTFT p50 {r.ttft_p50:.2f}s p99 {r.ttft_p99:.1f}s, hit {r.prefix_hit:.0%}, "
@@ -467,11 +390,14 @@ def main(argv: list[str] | None = None) -> int:
               f"Machine: {cpu} cores, loopback only. Each contender got a fresh fleet of {args.replicas} mock vLLM replicas "
               f"(engine model, same seed), the same workload ({args.minutes:g} workload minutes, {args.sessions_per_min:g} agent "
               f"sessions/min over {args.projects} projects, {args.oneshots_per_min:g} one-shots/min, seed {args.seed}) run "
-              f"faster than real time (the speed-up column; the plain workload at {args.speedup:g}x, the faults at "
+              f"faster than real time (the pace column; the plain workload at {args.speedup:g}x, the faults at "
               f"{args.fault_speedup:g}x); times below are workload time, measured after {args.warmup_min:g} warm-up "
               f"minutes by the simulator's rule (`sim.measure.window_numbers`). \"not-engine\" is the median part of a "
               f"TTFT that was not the replica engine's own (client, Envoy, brain or router, HTTP), in workload time; "
-              f"\"brain\" the brain's mean decision time, in workload ms. Wall time {wall:.0f} s.\n\n")
+              f"\"brain\" the brain's mean decision time, in workload ms. A run whose client lagged or whose "
+              f"not-engine part reached a set share of its TTFT measured the machine, not the replicas "
+              f"(`bench_harness.pace_check`): it is run again at half the pace, and refused below "
+              f"{args.min_speedup:g}x. Wall time {wall:.0f} s.\n\n")
     (out / "bench-rows.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows]))  # to redraw plots
     (out / "bench-results.md").write_text(header + md + "\n\n" + "\n".join(f"![{f}]({f})" for f in files) + "\n")
     print("\n" + md)

@@ -13,6 +13,13 @@ the truth over the trailing ``--truth-window-s``.
 The load is open-loop Poisson, its rate rising linearly from ``--low`` to ``--high`` requests/s of workload
 time over ``--ramp-s`` wall seconds and falling back as long: prompts of 2-16 K characters behind one of four
 shared 8 K system prompts, 256-1024 tokens generated.
+
+``--real``: the same on one real vLLM 0.32 replica (``make engines``; the tiny model, real time, the machine's
+cores to itself), whose truth is its own histograms over the trailing window: computed prefill tokens
+(``request_prefill_kv_computed_tokens``) over prefill seconds (``request_prefill_time_seconds``), decode seconds
+(``request_decode_time_seconds``) over the tokens generated after each first token. The load is scaled to the
+tiny model (prompts of 0.5-4 K characters behind one of four 3 K system prompts, 16-128 tokens generated) and to
+what two cores carry; the learner starts from the config's default values, as a brain does.
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout
 
+from . import real_vllm
 from ..brain.scraper import SGLANG, VLLM, parse_metrics
 from ..core.load import _MIN_PREFILL_S, Rates
 from .stack import Proc, _cli, mock_argv, wait_for
@@ -35,7 +44,25 @@ DIALECT_OF = {"vllm": VLLM, "vllm-old": VLLM, "sglang": SGLANG}
 PREFILL_REF, DECODE_REF = 5000.0, 0.03  # the config's defaults (warm.prefill_tokens_per_s, decode_s_per_token)
 
 
+def _histogram_truth(text: str) -> dict[str, float]:
+    """A real vLLM's own histograms, summed over its engines: the same quantities as the mock's truth."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("vllm:request_prefill_kv_computed_tokens_sum", "vllm:request_prefill_time_seconds_sum",
+                    "vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_count",
+                    "vllm:request_generation_tokens_sum"):
+            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    g = lambda k: sums.get("vllm:" + k, 0.0)  # noqa: E731
+    return {"prefill_tokens": g("request_prefill_kv_computed_tokens_sum"),
+            "prefill_seconds": g("request_prefill_time_seconds_sum"),
+            "decode_tokens": g("request_generation_tokens_sum") - g("request_decode_time_seconds_count"),
+            "decode_seconds": g("request_decode_time_seconds_sum")}
+
+
 def _truth(text: str) -> dict[str, float]:
+    if "mock:engine_truth{" not in text:
+        return _histogram_truth(text)
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("mock:engine_truth{"):
@@ -54,17 +81,32 @@ class Learners:
         self.window = Rates(PREFILL_REF * speedup, DECODE_REF / speedup, 256.0, paired=False, **kw)
 
 
+def _words(rng: random.Random, chars: int) -> str:
+    """Text a BPE tokenizer reads as words (~3-4 characters a token), not as one token per character."""
+    out, n = [], 0
+    while n < chars:
+        w = f"w{rng.randrange(20_000)}"
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
 async def _load(url: str, args, stop: asyncio.Event, sent: list[int]) -> None:
     rng = random.Random(args.seed)
-    systems = ["".join(rng.choice("abcdefghij ") for _ in range(8192)) for _ in range(4)]
+    if args.real:
+        systems = [_words(rng, 3072) for _ in range(4)]
+    else:
+        systems = ["".join(rng.choice("abcdefghij ") for _ in range(8192)) for _ in range(4)]
     t0 = time.monotonic()
     tasks: set[asyncio.Task] = set()
     async with ClientSession(timeout=ClientTimeout(total=600)) as session:
 
         async def one(prompt: str, max_tokens: int) -> None:
+            body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens}
+            if args.real:
+                body.update(ignore_eos=True, temperature=0)  # the tiny model's noise may end early: count max_tokens
             try:
-                async with session.post(url + "/v1/completions", json={"model": "mock-coder-30b", "prompt": prompt,
-                                                                        "max_tokens": max_tokens}) as resp:
+                async with session.post(url + "/v1/completions", json=body) as resp:
                     await resp.read()
             except Exception:
                 pass
@@ -76,8 +118,12 @@ async def _load(url: str, args, stop: asyncio.Event, sent: list[int]) -> None:
             x = t / args.ramp_s if t < args.ramp_s else 2 - t / args.ramp_s
             rate = (args.low + (args.high - args.low) * x) * args.speedup
             await asyncio.sleep(rng.expovariate(rate))
-            prompt = rng.choice(systems) + "".join(rng.choice("klmnopqrst ") for _ in range(rng.randint(2048, 16384)))
-            task = asyncio.create_task(one(prompt, rng.randint(256, 1024)))
+            if args.real:
+                prompt, out = rng.choice(systems) + " " + _words(rng, rng.randint(512, 4096)), rng.randint(16, 128)
+            else:
+                prompt = rng.choice(systems) + "".join(rng.choice("klmnopqrst ") for _ in range(rng.randint(2048, 16384)))
+                out = rng.randint(256, 1024)
+            task = asyncio.create_task(one(prompt, out))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             sent[0] += 1
@@ -98,7 +144,7 @@ async def _watch(url: str, dialect: str, args, stop: asyncio.Event, rows: list) 
                     text = await resp.text()
             except Exception:
                 continue
-            r = parse_metrics(text, DIALECT_OF[dialect])
+            r = parse_metrics(text, DIALECT_OF.get(dialect, VLLM))
             if not r.ok:
                 continue
             learners.paired.update(r.sample, now)
@@ -126,6 +172,24 @@ def _errors(rows: list, truth_i: int, learned_i: int, learned_flag: int) -> tupl
     p90 = errs[int(0.9 * (len(errs) - 1))]
     within = sum(e <= 0.15 for e in errs) / len(errs)
     return f"{100 * statistics.median(errs):.1f}%", f"{100 * p90:.1f}%", f"{100 * within:.0f}%"
+
+
+async def run_real(args, workdir: Path) -> dict:
+    proc, port = real_vllm.start_vllm("vllm-0.32", workdir, real_vllm.VllmOptions(lora=()))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        stop = asyncio.Event()
+        rows: list = []
+        sent = [0]
+        watcher = asyncio.create_task(_watch(url, "vllm 0.32 (real)", args, stop, rows))
+        await _load(url, args, stop, sent)
+        stop.set()
+        await watcher
+    finally:
+        proc.stop()
+    return {"dialect": "vllm 0.32 (real)", "rows": rows, "sent": sent[0],
+            "prefill": (_errors(rows, 1, 3, 7), _errors(rows, 1, 5, 8)),
+            "decode": (_errors(rows, 2, 4, 9), _errors(rows, 2, 6, 10))}
 
 
 async def run_dialect(dialect: str, args, workdir: Path) -> dict:
@@ -178,9 +242,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--high", type=float, default=1.2, help="requests/s of workload time at its top")
     ap.add_argument("--truth-window-s", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--real", action="store_true", help="one real vLLM 0.32 replica (make engines), real time, "
+                    "its own histograms as the truth; defaults: --ramp-s 90 --low 0.1 --high 1.5 --truth-window-s 20")
     args = ap.parse_args(argv)
+    args.model = "mock-coder-30b"
     with tempfile.TemporaryDirectory(prefix="bench-rates-") as d:
-        results = [asyncio.run(run_dialect(x, args, Path(d))) for x in args.dialects]
+        if args.real:
+            why = real_vllm.available()
+            if why:
+                raise SystemExit(f"bench-rates --real: {why}")
+            args.model = real_vllm.model_info()["served_name"]
+            args.speedup = 1.0
+            for k, v in (("ramp_s", 90.0), ("low", 0.1), ("high", 1.5), ("truth_window_s", 20.0)):
+                if f"--{k.replace('_', '-')}" not in (argv or sys.argv[1:]):
+                    setattr(args, k, v)
+            results = [asyncio.run(run_real(args, Path(d)))]
+        else:
+            results = [asyncio.run(run_dialect(x, args, Path(d))) for x in args.dialects]
     print(report(results, args))
     return 0
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -27,12 +26,10 @@ import urllib.request
 from dataclasses import dataclass
 
 from . import real_vllm
-from .bench_live import ENVOY_POLICIES, _bin, brain_decision_mean, envoy_builtin, free_port
-from .procs import Proc, wait_for
+from .bench_harness import brain_decision_mean, engine_counters, pace_check, start_peer, wait_answering
 from .sim.http_replay import replay
 from .sim.workload import WorkloadConfig
-from .stack import Replica, Stack, envoy_binary, http_get
-from ..envoy_config import dump
+from .stack import Replica, Stack, http_get
 
 CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_router_cache_aware"]
 # what the tiny model reads (8K tokens; the workload counts 4 characters a token, the model's tokenizer ~3) and two
@@ -55,27 +52,9 @@ class Row:
     out_tok_s: float = float("nan")
     brain_share: float | None = None
     max_share: float = float("nan")  # the busiest replica's share of the requests over a fair share
+    client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99
+    pace: str = ""  # why this run measured the machine (bench_harness.pace_check)
     note: str = ""
-
-
-def engine_counters(replicas: list[Replica]) -> tuple[float, float, float, list[float]]:
-    """(prompt tokens, cached prompt tokens, generated tokens) summed over the replicas' own counters, and each
-    replica's finished requests."""
-    p = c = g = 0.0
-    done = []
-    for r in replicas:
-        n = 0.0
-        for line in http_get(r.url + "/metrics", 5).decode().splitlines():
-            if line.startswith("vllm:prompt_tokens_total"):
-                p += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:prompt_tokens_cached_total"):
-                c += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:generation_tokens_total"):
-                g += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:request_success_total"):
-                n += float(line.rsplit(" ", 1)[1])
-        done.append(n)
-    return p, c, g, done
 
 
 def reset_caches(replicas: list[Replica]) -> None:
@@ -88,6 +67,7 @@ def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[s
     """The router in front of the running replicas: its URL, and a stack that stops what it started."""
     s = Stack(0, config={"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0}})
     try:
+        proc = None
         if contender == "warmroute":
             s.replicas = list(replicas)
             s.write_config()
@@ -96,31 +76,9 @@ def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[s
             s.wait_all_live(60)
             url = s.url
         else:
-            port = free_port()
-            if contender in ENVOY_POLICIES:
-                path = s.dir / "envoy.yaml"
-                hbf = 150 if contender.endswith("_150") else None
-                path.write_text(dump(envoy_builtin(ENVOY_POLICIES[contender], [r.port for r in replicas], port, 1.0, hbf)))
-                argv = [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "error"]
-            else:
-                exe = _bin("sglang-router")
-                if exe is None:
-                    raise FileNotFoundError("sglang-router is not installed (pip install '.[bench]')")
-                argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                        *[r.url for r in replicas], "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
-                        "--prometheus-port", str(free_port())]
-            proc = Proc(contender, argv, s.dir)
+            url, proc = start_peer(contender, [r.url for r in replicas], s.dir)
             s._started.append(proc)
-            url = f"http://127.0.0.1:{port}"
-        body = json.dumps({"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "ready"}]}).encode()
-
-        def ready() -> bool:
-            req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                         headers={"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status == 200
-
-        wait_for(ready, 90, f"{contender} to answer", every=0.5)
+        wait_answering(url, model, contender, proc, 90)
         return url, s
     except BaseException:
         s.stop()
@@ -136,11 +94,12 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         row.note = f"did not start: {e}"[:160]
         return row
     try:
-        c0 = engine_counters(replicas)
+        urls = [r.url for r in replicas]
+        c0 = engine_counters(urls)
         t0 = time.monotonic()
         res = asyncio.run(replay(url, w, seed=seed, speedup=1.0, model=model, timeout=120.0))
         elapsed = time.monotonic() - t0
-        c1 = engine_counters(replicas)
+        c = engine_counters(urls) - c0
         decision = brain_decision_mean(http_get(s.brain_metrics).decode()) if contender == "warmroute" else None
     finally:
         s.stop()
@@ -151,25 +110,25 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         row.ttft_p50, row.ttft_p99 = statistics.median(ok), q[98]
         if decision is not None:
             row.brain_share = decision / statistics.mean(ok)
-    prompt, cached, gen = (b - a for a, b in zip(c0[:3], c1[:3]))
-    per = [b - a for a, b in zip(c0[3], c1[3])]
-    if sum(per):
-        row.max_share = max(per) / sum(per) * len(per)
-    row.hit = cached / prompt if prompt else float("nan")
-    row.out_tok_s = gen / elapsed
+    row.max_share = c.busiest_share
+    row.hit = c.hit_rate if c.prompt else float("nan")
+    row.out_tok_s = c.generated / elapsed
+    row.client_lag_ms = res.client_lag_p99 * 1000
+    # real engines report no engine-only time per request: the client's lag is the check here
+    row.pace = pace_check(row.ttft_p50, res.client_lag_p99, None, 1.0) or ""
     return row
 
 
 def table(rows: list[Row]) -> str:
     lines = ["| seed | router | sent | errors | TTFT p50 ms | TTFT p99 ms | engine prefix-hit | output tok/s | "
-             "busiest replica / fair share | brain's share of TTFT | vs best peer: hit, p50, p99 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "busiest replica / fair share | brain's share of TTFT | client lag p99 ms | vs best peer: hit, p50, p99 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed in sorted({r.seed for r in rows}):
         mine = [r for r in rows if r.seed == seed]
         peers = [r for r in mine if r.contender != "warmroute" and not r.note]
         for r in mine:
             if r.note:
-                lines.append(f"| {seed} | {r.contender} | | | | | | | | | {r.note} |")
+                lines.append(f"| {seed} | {r.contender} | | | | | | | | | | {r.note} |")
                 continue
             vs = ""
             if peers and r.contender == "warmroute":
@@ -177,7 +136,8 @@ def table(rows: list[Row]) -> str:
                       f"{r.ttft_p99 / min(p.ttft_p99 for p in peers):.2f}x")
             share = f"{r.brain_share:.1%}" if r.brain_share is not None else "-"
             lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | {r.ttft_p50 * 1000:.0f} | "
-                         f"{r.ttft_p99 * 1000:.0f} | {r.hit:.1%} | {r.out_tok_s:.0f} | {r.max_share:.2f}x | {share} | {vs} |")
+                         f"{r.ttft_p99 * 1000:.0f} | {r.hit:.1%} | {r.out_tok_s:.0f} | {r.max_share:.2f}x | {share} | "
+                         f"{r.client_lag_ms:.0f}{' (measured the machine: ' + r.pace + ')' if r.pace else ''} | {vs} |")
     return "\n".join(lines)
 
 

@@ -29,8 +29,8 @@ def test_the_harness_measures_a_contender(contender, scenario):
 
 
 def test_a_router_that_is_not_installed_is_a_row_that_says_so(monkeypatch):
-    import extproc.tools.bench_live as b
+    import extproc.tools.bench_harness as h
 
-    monkeypatch.setattr(b, "_bin", lambda name: None)
+    monkeypatch.setattr(h, "find_bin", lambda name: None)
     row = measure("vllm_router_cache_aware", "workload", ARGS)
     assert "not installed" in row.note

@@ -149,7 +149,8 @@ def test_a_reservation_no_request_follows_expires_and_a_long_stream_keeps_its_ow
     it = iter(stream)
     next(it)  # streaming: Envoy logs it every 0.5 s from now on
     bound = wait_for(lambda: s.state()["liveness_bound_s"], 10, "Envoy's first periodic entry")
-    assert bound == pytest.approx(2 * 0.5 + 1 + 3 * 1 + 1)
+    # twice the log period, Envoy's wait for the brain, a connect timeout per try, and a second's slack
+    assert bound == pytest.approx(2 * 0.5 + s.cfg.envoy.ext_proc_timeout_s + 3 * 1 + 1)
     _process("unix:" + s.cfg.brain.grpc_socket)  # an ext_proc call whose request never comes
     assert s.state()["open_reservations"] == 2
     wait_for(lambda: s.state()["liveness_timeouts"] == 1, bound + 10, "the rogue reservation to expire", every=0.2)

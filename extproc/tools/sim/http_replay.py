@@ -33,6 +33,9 @@ class ReplayResult:
     errors: dict[str, int] = field(default_factory=dict)
     served_by: dict[str, int] = field(default_factory=dict)
     timeline: list[tuple[float, str]] = field(default_factory=list)  # (seconds since start, replica)
+    # the client's own event-loop lag, wall seconds: how late a 10 ms timer fired, p99 over the run. A client that
+    # lags sends late and reads first tokens late: what it measures is then its own scheduling
+    client_lag_p99: float = 0.0
 
 
 def system_texts(n_projects: int, tokens: list[int], seed: int) -> list[str]:
@@ -121,5 +124,20 @@ async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 
         for t, kind in wl.arrivals():
             at = t / speedup
             jobs.append(session_loop(at, wl.new_session()) if kind == "session" else oneshot(at, wl.oneshot(t)))
-        await asyncio.gather(*jobs)
+        lags: list[float] = []
+        watch = asyncio.ensure_future(_loop_lag(lags))
+        try:
+            await asyncio.gather(*jobs)
+        finally:
+            watch.cancel()
+    if lags:
+        lags.sort()
+        res.client_lag_p99 = lags[int(0.99 * (len(lags) - 1))]
     return res
+
+
+async def _loop_lag(out: list[float], every: float = 0.01) -> None:
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(every)
+        out.append(max(0.0, time.monotonic() - t - every))

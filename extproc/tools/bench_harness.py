@@ -1,0 +1,216 @@
+"""What the live benchmarks share (``make bench``, ``bench-fleet``, ``bench-real``, ``bench-agree``).
+
+- The peers as their users deploy them, started in front of replicas that already run (``start_peer``): Envoy's
+  own load balancers with active health checks and retries (``envoy_builtin``), the SGLang and vLLM routers.
+- Readiness: a contender is measured once it answers a one-token request (``wait_answering``).
+- The engines' own counters (``engine_counters``): a mock speaks vLLM's metric names, so one reader serves mock
+  and real replicas alike; what a bench reports as the engines' prefix hits comes from here, not from a router.
+- The brain's mean decision time (``brain_decision_mean``).
+- The pace (``pace_check``): whether a run measured the replicas or the machine it ran on. On two shared cores
+  a time-compressed run can outpace the client, Envoy or the mocks themselves; its percentiles then measure
+  their lag. A run says so, and the bench lowers the pace or refuses the row; every table states its pace.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..envoy_config import dump
+from .procs import Proc, http_get, wait_for
+from .stack import envoy_binary
+
+ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH",
+                  "envoy_ring_hash_bounded_150": "RING_HASH"}
+ROUTERS = {
+    "vllm_router_cache_aware": ("vllm-router", "cache_aware"),
+    "vllm_router_consistent_hash": ("vllm-router", "consistent_hash"),
+    "vllm_router_power_of_two": ("vllm-router", "power_of_two"),
+    "sglang_router_cache_aware": ("sglang-router", "cache_aware"),
+}
+PEERS = [*ENVOY_POLICIES, *ROUTERS]
+
+# A run measured the machine rather than the replicas when the client's own scheduling lag (p99, in workload
+# time) reached this share of the TTFT p50 it measured...
+CLIENT_LAG_SHARE = 0.10
+# ...or when the part of the median TTFT that was not the engine's (client, Envoy, router, the mocks' HTTP and
+# their own scheduling) reached this share of it. At 5x on a quiet machine both are a few per cent.
+NOT_ENGINE_SHARE = 0.25
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_bin(name: str) -> str | None:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else shutil.which(name)
+
+
+def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float, hash_balance_factor: int | None = None) -> dict:
+    """A plain Envoy a user would write: one cluster over the replicas, retries, health checks."""
+    hc = max(0.1, 3.0 / speedup)
+    cluster = {
+        "name": "fleet", "type": "STATIC", "connect_timeout": "1s", "lb_policy": policy,
+        "per_connection_buffer_limit_bytes": 64 * 2**20,
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                                             "max_requests": 100000, "max_retries": 100000}]},
+        "health_checks": [{"timeout": f"{hc:.3f}s", "interval": f"{hc:.3f}s", "unhealthy_threshold": 1, "healthy_threshold": 2,
+                           "http_health_check": {"path": "/health"}}],
+        "load_assignment": {"cluster_name": "fleet", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in ports]}]},
+    }
+    route: dict = {"cluster": "fleet", "timeout": "0s", "retry_policy": {
+        "retry_on": "connect-failure,reset-before-request,refused-stream", "num_retries": 2,
+        "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}]}}
+    if policy == "RING_HASH":
+        route["hash_policy"] = [{"header": {"header_name": "x-session-id"}}]
+    if hash_balance_factor:
+        cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": hash_balance_factor}}
+    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+           "stat_prefix": "ingress", "stream_idle_timeout": "0s",
+           "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+           "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+    return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+            "static_resources": {
+                "listeners": [{"name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                               "per_connection_buffer_limit_bytes": 64 * 2**20,
+                               "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                               "typed_config": hcm}]}]}],
+                "clusters": [cluster]}}
+
+
+def envoy_proc(doc: dict, workdir: Path) -> Proc:
+    path = workdir / "envoy.yaml"
+    path.write_text(dump(doc))
+    return Proc("envoy", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "error"],
+                workdir)
+
+
+def start_peer(contender: str, urls: list[str], workdir: Path, speedup: float = 1.0) -> tuple[str, Proc]:
+    """A peer router in front of the replicas at ``urls``, configured as ``make bench`` documents: its URL and
+    process (not yet known to answer: ``wait_answering``)."""
+    port = free_port()
+    if contender in ENVOY_POLICIES:
+        ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+        hbf = 150 if contender.endswith("_bounded_150") else None
+        proc = envoy_proc(envoy_builtin(ENVOY_POLICIES[contender], ports, port, speedup, hbf), workdir)
+    elif contender in ROUTERS:
+        binary, policy = ROUTERS[contender]
+        exe = find_bin(binary)
+        if exe is None:
+            raise FileNotFoundError(f"{binary} is not installed (pip install '.[bench]')")
+        # its metrics exporter defaults to port 29000: one left by an earlier run would stop this one from starting
+        argv = [exe, *(["launch"] if binary == "sglang-router" else []), "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *urls, "--policy", policy,
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        proc = Proc(contender, argv, workdir)
+    else:
+        raise ValueError(f"unknown peer {contender!r}: one of {', '.join(PEERS)}")
+    return f"http://127.0.0.1:{port}", proc
+
+
+def wait_answering(url: str, model: str, what: str, proc: Proc | None = None, timeout: float = 90.0,
+                   headers: dict | None = None) -> None:
+    """Until ``url`` answers a one-token chat completion for ``model`` with 200."""
+    body = json.dumps({"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "ready"}]}).encode()
+
+    def ready() -> bool:
+        req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json", **(headers or {})})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status == 200
+
+    wait_for(ready, timeout, f"{what} to answer", proc, every=0.2)
+
+
+@dataclass
+class EngineCounters:
+    """Sums over replicas of the engines' own counters (vLLM's names; the mocks export them too)."""
+
+    prompt: float = 0.0  # vllm:prompt_tokens_total
+    cached: float = 0.0  # vllm:prompt_tokens_cached_total (vLLM 0.32; the mock too): prompt tokens served from cache
+    queries: float = 0.0  # vllm:prefix_cache_queries_total
+    hits: float = 0.0  # vllm:prefix_cache_hits_total
+    generated: float = 0.0  # vllm:generation_tokens_total
+    done: tuple[float, ...] = ()  # vllm:request_success_total, per replica in order
+
+    def __sub__(self, before: "EngineCounters") -> "EngineCounters":
+        return EngineCounters(self.prompt - before.prompt, self.cached - before.cached, self.queries - before.queries,
+                              self.hits - before.hits, self.generated - before.generated,
+                              tuple(a - b for a, b in zip(self.done, before.done)))
+
+    @property
+    def hit_rate(self) -> float:
+        """The engines' prefix-hit rate: cached prompt tokens over prompt tokens (else the prefix cache's own hits
+        over its queries)."""
+        if self.prompt and self.cached:
+            return self.cached / self.prompt
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def busiest_share(self) -> float:
+        """The busiest replica's finished requests over a fair share (1.0: even)."""
+        total = sum(self.done)
+        return max(self.done) / total * len(self.done) if total else float("nan")
+
+
+_COUNTERS = {"vllm:prompt_tokens_total": "prompt", "vllm:prompt_tokens_cached_total": "cached",
+             "vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
+             "vllm:generation_tokens_total": "generated"}
+
+
+def engine_counters(urls: list[str]) -> EngineCounters:
+    """The counters of every replica at ``urls`` (one that does not answer counts nothing)."""
+    out = EngineCounters()
+    done = []
+    for u in urls:
+        n = 0.0
+        try:
+            text = http_get(u + "/metrics", timeout=5).decode()
+        except OSError:
+            done.append(0.0)
+            continue
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in _COUNTERS:
+                setattr(out, _COUNTERS[name], getattr(out, _COUNTERS[name]) + float(line.rsplit(" ", 1)[1]))
+            elif name == "vllm:request_success_total":
+                n += float(line.rsplit(" ", 1)[1])
+        done.append(n)
+    out.done = tuple(done)
+    return out
+
+
+def brain_decision_mean(text: str) -> float | None:
+    """The brain's mean decision time in seconds, from its /metrics text."""
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("warmroute_decision_duration_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("warmroute_decision_duration_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total / count if count else None
+
+
+def pace_check(ttft_p50: float, client_lag_p99: float, not_engine_p50: float | None, speedup: float) -> str | None:
+    """Why a run measured itself rather than the replicas (None: it measured the replicas). ``ttft_p50`` and
+    ``not_engine_p50`` in workload seconds; ``client_lag_p99`` in wall seconds (the replay's own event-loop lag)."""
+    if not ttft_p50 == ttft_p50 or ttft_p50 <= 0:
+        return None
+    lag = client_lag_p99 * speedup
+    if lag >= CLIENT_LAG_SHARE * ttft_p50:
+        return f"the client lagged {lag:.2f} s (p99, workload time) against a TTFT p50 of {ttft_p50:.2f} s"
+    if not_engine_p50 is not None and not_engine_p50 == not_engine_p50 and not_engine_p50 >= NOT_ENGINE_SHARE * ttft_p50:
+        return (f"{not_engine_p50:.2f} s of the TTFT p50 of {ttft_p50:.2f} s was not the engines' "
+                f"(client, Envoy, router, the replicas' HTTP)")
+    return None

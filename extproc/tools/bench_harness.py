@@ -191,6 +191,27 @@ def engine_counters(urls: list[str]) -> EngineCounters:
     return out
 
 
+def histogram_sums(text: str) -> dict[str, float]:
+    """A real vLLM's own prefill and decode histograms, summed over its engines: computed prefill tokens and their
+    prefill seconds, decode tokens (generated after each first token) and their decode seconds. Differences of
+    two readings are the engine's true rates over the requests that finished between them."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("vllm:request_prefill_kv_computed_tokens_sum", "vllm:request_prefill_time_seconds_sum",
+                    "vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_count",
+                    "vllm:request_generation_tokens_sum"):
+            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+
+    def g(k: str) -> float:
+        return sums.get("vllm:" + k, 0.0)
+
+    return {"prefill_tokens": g("request_prefill_kv_computed_tokens_sum"),
+            "prefill_seconds": g("request_prefill_time_seconds_sum"),
+            "decode_tokens": g("request_generation_tokens_sum") - g("request_decode_time_seconds_count"),
+            "decode_seconds": g("request_decode_time_seconds_sum")}
+
+
 def brain_decision_mean(text: str) -> float | None:
     """The brain's mean decision time in seconds, from its /metrics text."""
     total = count = 0.0

@@ -36,6 +36,7 @@ from pathlib import Path
 from aiohttp import ClientSession, ClientTimeout
 
 from . import real_vllm
+from .bench_harness import histogram_sums
 from ..brain.scraper import SGLANG, VLLM, parse_metrics
 from ..core.load import _MIN_PREFILL_S, Rates
 from .stack import Proc, _cli, mock_argv, wait_for
@@ -44,25 +45,9 @@ DIALECT_OF = {"vllm": VLLM, "vllm-old": VLLM, "sglang": SGLANG}
 PREFILL_REF, DECODE_REF = 5000.0, 0.03  # the config's defaults (warm.prefill_tokens_per_s, decode_s_per_token)
 
 
-def _histogram_truth(text: str) -> dict[str, float]:
-    """A real vLLM's own histograms, summed over its engines: the same quantities as the mock's truth."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ("vllm:request_prefill_kv_computed_tokens_sum", "vllm:request_prefill_time_seconds_sum",
-                    "vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_count",
-                    "vllm:request_generation_tokens_sum"):
-            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    g = lambda k: sums.get("vllm:" + k, 0.0)  # noqa: E731
-    return {"prefill_tokens": g("request_prefill_kv_computed_tokens_sum"),
-            "prefill_seconds": g("request_prefill_time_seconds_sum"),
-            "decode_tokens": g("request_generation_tokens_sum") - g("request_decode_time_seconds_count"),
-            "decode_seconds": g("request_decode_time_seconds_sum")}
-
-
 def _truth(text: str) -> dict[str, float]:
     if "mock:engine_truth{" not in text:
-        return _histogram_truth(text)
+        return histogram_sums(text)
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("mock:engine_truth{"):

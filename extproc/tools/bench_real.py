@@ -26,7 +26,8 @@ import urllib.request
 from dataclasses import dataclass
 
 from . import real_vllm
-from .bench_harness import brain_decision_mean, engine_counters, pace_check, start_peer, wait_answering
+from .bench_harness import (brain_decision_mean, engine_counters, histogram_sums, pace_check, start_peer,
+                            wait_answering)
 from .sim.http_replay import replay
 from .sim.workload import WorkloadConfig
 from .stack import Replica, Stack, http_get
@@ -54,6 +55,9 @@ class Row:
     max_share: float = float("nan")  # the busiest replica's share of the requests over a fair share
     client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99
     pace: str = ""  # why this run measured the machine (bench_harness.pace_check)
+    # warmroute: per replica, the brain's learned prefill tokens/s and decode s/token at the end of the run against
+    # the engine's own histograms over the run: (learned prefill, true prefill, learned decode, true decode)
+    rates: list[tuple[float, float, float, float]] = dataclasses.field(default_factory=list)
     note: str = ""
 
 
@@ -95,12 +99,23 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         return row
     try:
         urls = [r.url for r in replicas]
+        h0 = [histogram_sums(http_get(u + "/metrics", 5).decode()) for u in urls]
         c0 = engine_counters(urls)
         t0 = time.monotonic()
         res = asyncio.run(replay(url, w, seed=seed, speedup=1.0, model=model, timeout=120.0))
         elapsed = time.monotonic() - t0
         c = engine_counters(urls) - c0
-        decision = brain_decision_mean(http_get(s.brain_metrics).decode()) if contender == "warmroute" else None
+        decision = None
+        if contender == "warmroute":
+            decision = brain_decision_mean(http_get(s.brain_metrics).decode())
+            learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
+            for rep, before in zip(replicas, h0):
+                d = {k: v - before[k] for k, v in histogram_sums(http_get(rep.url + "/metrics", 5).decode()).items()}
+                mine = learned.get(rep.name, {})
+                row.rates.append((mine.get("prefill_tokens_per_second", float("nan")),
+                                  d["prefill_tokens"] / d["prefill_seconds"] if d["prefill_seconds"] else float("nan"),
+                                  mine.get("decode_seconds_per_token", float("nan")),
+                                  d["decode_seconds"] / d["decode_tokens"] if d["decode_tokens"] else float("nan")))
     finally:
         s.stop()
     ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
@@ -138,6 +153,16 @@ def table(rows: list[Row]) -> str:
             lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | {r.ttft_p50 * 1000:.0f} | "
                          f"{r.ttft_p99 * 1000:.0f} | {r.hit:.1%} | {r.out_tok_s:.0f} | {r.max_share:.2f}x | {share} | "
                          f"{r.client_lag_ms:.0f}{' (measured the machine: ' + r.pace + ')' if r.pace else ''} | {vs} |")
+    learned = [r for r in rows if r.rates]
+    if learned:
+        lines += ["", "warmroute's learned rates at the end of each run against the engines' own histograms over the "
+                  "run (prefill tokens/s, decode ms/token; learned / engine), per replica:", "",
+                  "| seed | " + " | ".join(f"r{i}" for i in range(len(learned[0].rates))) + " |",
+                  "|---|" + "---|" * len(learned[0].rates)]
+        for r in learned:
+            cells = [f"prefill {lp:.0f} / {tp:.0f}, decode {ld * 1000:.1f} / {td * 1000:.1f}"
+                     for lp, tp, ld, td in r.rates]
+            lines.append(f"| {r.seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

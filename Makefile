@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: engines engines-freeze bench-real bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: engines engines-freeze bench-real bench-apis bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,9 @@ bench-real: install engines  ## warmroute vs ring hash, least request and SGLang
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m extproc.tools.bench_real
 
+bench-apis: install engines  ## chat, Anthropic Messages and stored Responses through warmroute on 3 real vLLMs, by the real SDKs (~6 min)
+	$(PY) -m extproc.tools.bench_apis
+
 bench-serve: install engines  ## vllm bench serve (vLLM's own client) through Envoy + warmroute, on mocks and on 2 real vLLMs (~3 min)
 	$(PY) -m extproc.tools.bench_serve
 
@@ -64,18 +67,20 @@ demo: install
 
 # Two phases on the two cores. First the tests that start Envoy, brains and mock replicas, two at a time (~5 min
 # alone: they wait on processes and deadlines much of the time); beside them, at a lower CPU priority so that
-# they keep what they need, the engine's install (~2 min with pip's cache, more cold) and the tests that start
-# no process (CPU-bound, timing-free, two at a time). Then the tests that start real engines, alone (~4 min;
-# beside other work they took 10: four engines start at once; their first start after an install is ~4 min). ~18 min.
+# they keep what they need, the engine's install (~3 min with pip's cache, more cold) and the tests that start
+# no process (CPU-bound, timing-free, two at a time). Then the tests that start real engines (~4 min; four engines
+# start at once), while the no-process tests finish at their lower priority. ~14 min from a fresh clone.
 test: install system-deps
 	@mkdir -p $(ENGINE_DIR); rm -f $(ENGINE_DIR)/install.rc $(ENGINE_DIR)/unit.rc $(ENGINE_DIR)/unit.log; \
 	( nice -n 10 $(MAKE) --no-print-directory engines > $(ENGINE_DIR)/install.log 2>&1; echo $$? > $(ENGINE_DIR)/install.rc ) & \
+	install=$$!; \
 	( nice -n 10 $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not integration" > $(ENGINE_DIR)/unit.log 2>&1; echo $$? > $(ENGINE_DIR)/unit.rc ) & \
-	$(PY) -m pytest -q -n 2 -m "integration and not real_engine"; rc=$$?; wait; \
+	unit=$$!; \
+	$(PY) -m pytest -q -n 2 -m "integration and not real_engine"; rc=$$?; wait $$install; \
+	if [ "$$(cat $(ENGINE_DIR)/install.rc)" != 0 ]; then echo "make engines failed:"; grep -v "^WARNING: Location" $(ENGINE_DIR)/install.log | tail -30; wait; exit 1; fi; \
+	$(PY) -m pytest -q -p no:cacheprovider -m real_engine || rc=1; wait $$unit; \
 	echo "--- no process: pytest -m 'not integration' ($(ENGINE_DIR)/unit.log)"; tail -30 $(ENGINE_DIR)/unit.log; \
-	[ "$$(cat $(ENGINE_DIR)/unit.rc)" = 0 ] || rc=1; \
-	if [ "$$(cat $(ENGINE_DIR)/install.rc)" != 0 ]; then echo "make engines failed:"; grep -v "^WARNING: Location" $(ENGINE_DIR)/install.log | tail -30; exit 1; fi; \
-	$(PY) -m pytest -q -p no:cacheprovider -m real_engine || rc=1; exit $$rc
+	[ "$$(cat $(ENGINE_DIR)/unit.rc)" = 0 ] || rc=1; exit $$rc
 
 test-unit: install  ## everything but the tests that start Envoy, brains and replicas (~4 min on 2 cores)
 	$(PY) -m pytest -q -m "not integration"

@@ -213,10 +213,13 @@ class EnvoyConfig:
     # requests past ext_proc_timeout_s. The prefix chain reads at most the first 1 MiB anyway; the seed policy loses
     # the body's keys (A3: conversation_id, the system prompt) above it: raise it to profile.max_body_bytes to keep them.
     brain_body_max_bytes: int = 2 * 1024 * 1024
-    # Paths served through the listener (exact, or a prefix when the entry ends in '*'); others get a 404
+    # Paths served through the listener (exact, a '{name}' segment for any one segment, or a prefix when the entry
+    # ends in '*'); others get a 404. docs/apis.md decides every path of vLLM 0.32
     # from Envoy: a replica's operational endpoints (/metrics, /reset_prefix_cache, /sleep, ...) stay private.
     allowed_paths: tuple[str, ...] = (
-        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/*", "/v1/embeddings",
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/cancel",
+        "/v1/messages",
+        "/v1/messages/count_tokens", "/v1/embeddings",
         "/v1/models", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/score", "/v1/rerank",
         "/rerank", "/v2/rerank", "/score", "/pooling", "/classify", "/tokenize", "/detokenize", "/health",
     )

@@ -19,12 +19,12 @@ from ..config import AppConfig, ConfigError, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
 from ..core.models import ModelCatalog
+from ..core.apis import Api, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
 from ..core.names import BodyStatus, Reason
 from ..core.profile import replace_model
 from ..envoy_config import CdsFile
 from . import logs
-from .decide import (inflate_limit_response, model_not_found_response, models_response, no_healthy_response, path_not_served_response,
-                     route_answer)
+from .decide import (immediate_answer, models_response, route_answer)
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
@@ -74,6 +74,7 @@ class Brain:
                                cfg.router.health.max_metrics_bytes)
         self.cds = CdsFile(cfg.envoy.cds_path)
         self.chains = ChainCache()  # C2: a session's next turn hashes only what is new
+        self.response_homes = ResponseHomes()  # stored responses whose ids clients chose (minted ones say it)
         # a static fleet is known at start; a discovered one once its source first answered (readiness)
         self.discovered = cfg.discovery.source == "static"
         self.discovery_error: str | None = None
@@ -150,6 +151,14 @@ class Brain:
             d = Decision(None, Reason.INFLATE_LIMIT)
             self.stats.record_decision(d, profile.body_status, now)
             return d
+        holder = None
+        if profile.stored_ref is not None:  # it follows, reads or cancels a stored response: only its holder has it
+            held = holder_of(profile.stored_ref, (x.name for x in r.replicas), self.response_homes, now)
+            if held is Holder.GONE:
+                d = Decision(None, Reason.RESPONSE_GONE, response_id=profile.stored_ref)
+                self.stats.record_decision(d, profile.body_status, now)
+                return d
+            holder = held if isinstance(held, str) else None
         if profile.candidates is not None:
             res = self.models.resolve_candidates(profile.candidates, profile.session_key, _path(headers) or None)
         else:
@@ -166,8 +175,13 @@ class Brain:
             only = res.replicas if only is None else res.replicas.intersection(only)
         if self.models.is_adapter(res.model):
             profile = dataclasses.replace(profile, adapter=res.model)
-        d = r.select(profile, now, only)
+        d = r.select(profile, now, only, holder)
         d.model, d.rewrite_model = res.model, res.rewritten
+        if profile.api is Api.RESPONSES and d.replica is not None and profile.body_status is BodyStatus.OK:
+            if profile.response_id is not None:  # the client named it: remember where it will live
+                self.response_homes.record(profile.response_id, d.replica.name, now)
+            else:  # the brain names it, and the name says where it lives
+                d.response_id = mint_response_id(d.replica.name, profile.response_root)
         self.decision_seconds.observe(time.perf_counter() - t0)
         self.stats.record_decision(d, profile.body_status, now)
         if d.predicted_ttft_s is not None:
@@ -183,18 +197,29 @@ class Brain:
         if body is None and headers.get(":method") == "GET" and _path(headers) == "/v1/models":
             return models_response(self.models.union())  # Envoy's models route: the fleet's, not one replica's
         d = self.choose(headers, body)
-        if d.reason == Reason.UNKNOWN_MODEL:
-            return model_not_found_response(d.model or "", self.models.base_models())
-        if d.reason == Reason.UNSERVED_PATH:
-            return path_not_served_response(_path(headers))
-        if d.reason == Reason.INFLATE_LIMIT:
-            return inflate_limit_response(self.cfg.envoy.max_inflate_ratio)
-        if d.reason == NO_HEALTHY:
-            return no_healthy_response()
+        answer = self._immediate(d, headers)
+        if answer is not None:
+            return answer
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
         self._remember(headers.get(REQUEST_ID_HEADER), d)
-        new_body = replace_model(body, d.model) if d.rewrite_model and body is not None else None
-        return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None, new_body)
+        return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None, self._body_for(d, body))
+
+    def _immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
+        """The brain's own answer when no replica is to be asked (None: one is), in the shape the path's API
+        answers errors in."""
+        return immediate_answer(d.reason, _path(headers), model=d.model or "", served=self.models.base_models,
+                                inflate_ratio=self.cfg.envoy.max_inflate_ratio, response_id=d.response_id or "")
+
+    @staticmethod
+    def _body_for(d: Decision, body: bytes | None) -> bytes | None:
+        """The body to send instead of the client's (None: the client's): the served model for an alias, the
+        response's minted id."""
+        if body is None:
+            return None
+        out = replace_model(body, d.model) if d.rewrite_model else None
+        if d.response_id is not None:
+            out = with_request_id(out if out is not None else body, d.response_id)
+        return out
 
     def pick(self, headers: dict[str, str], body: bytes | None, subset: list[str] | None) -> Pick:
         """The endpoint picker's front: the choice and its fallbacks as ``ip:port``, and the reservation the
@@ -209,12 +234,11 @@ class Brain:
                 return Pick([], None, None, subset_empty=True)
         d = self.choose(headers, body, only)
         if d.reason == Reason.UNKNOWN_MODEL:
-            return Pick([], None, unknown_model=d.model or "",
-                        immediate=model_not_found_response(d.model or "", self.models.base_models()))
+            return Pick([], None, unknown_model=d.model or "", immediate=self._immediate(d, headers))
         if d.reason == Reason.UNSERVED_PATH:
-            return Pick([], None, unserved_path=_path(headers))
-        if d.reason == Reason.INFLATE_LIMIT:
-            return Pick([], None, immediate=inflate_limit_response(self.cfg.envoy.max_inflate_ratio))
+            return Pick([], None, unserved_path=_path(headers), immediate=self._immediate(d, headers))
+        if d.reason in (Reason.INFLATE_LIMIT, Reason.RESPONSE_GONE):
+            return Pick([], None, immediate=self._immediate(d, headers))
         if d.reason == NO_HEALTHY:
             return Pick([], None)
         names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]
@@ -222,9 +246,8 @@ class Brain:
         count = getattr(self.router.policy, "engine_count", None)
         if rank is not None and any(count(r.name) <= rank for r in names):
             rank = None  # a fallback without that engine would refuse the header: let the front ends choose
-        new_body = replace_model(body, d.model) if d.rewrite_model and body is not None else None
         self._remember(headers.get(REQUEST_ID_HEADER), d)
-        return Pick([self.endpoint_of[r.name] for r in names], d.reservation, rank, body=new_body)
+        return Pick([self.endpoint_of[r.name] for r in names], d.reservation, rank, body=self._body_for(d, body))
 
     def _remember(self, request_id: str | None, d: Decision) -> None:
         # on every request's path: a tuple here, the document only when GET /decisions asks

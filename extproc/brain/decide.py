@@ -26,9 +26,11 @@ from ..contract import (
     ROUTING_HEADER,
     header_of_attribute,
 )
+from ..core.apis import Api, api_of, response_not_found_body
+from ..core.names import Reason
 from ..core.profile import declared_size
-from ..picker.messages import (header_value, headers_of, json_response, model_not_found_response, openai_error,
-                               path_not_served_response)
+from ..picker.messages import (anthropic_shaped, header_value, headers_of, json_response, model_not_found_response,
+                               openai_error, path_not_served_response)
 
 # (headers, body or None, the ext_proc phase being answered) -> the answer
 Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]
@@ -67,6 +69,26 @@ def inflate_limit_response(ratio: int) -> ep.ProcessingResponse:
     return openai_error(http_status_pb2.PayloadTooLarge, f"the compressed request body inflates past {ratio} times its "
                         "size (envoy.max_inflate_ratio) or is not JSON once inflated; send it uncompressed",
                         "invalid_request_error", "body_inflates_too_far", "warmroute_body_inflates_too_far")
+
+
+def immediate_answer(reason: Reason, path: str, *, model: str, served: Callable[[], list[str]], inflate_ratio: int,
+                     response_id: str) -> "ep.ProcessingResponse | None":
+    """The brain's own answer to a request no replica is asked for (None: one is), in the error shape of the path's
+    API: vLLM answers the Messages paths in Anthropic's."""
+    if reason == Reason.UNKNOWN_MODEL:
+        out = model_not_found_response(model, served())
+    elif reason == Reason.UNSERVED_PATH:
+        out = path_not_served_response(path)
+    elif reason == Reason.INFLATE_LIMIT:
+        out = inflate_limit_response(inflate_ratio)
+    elif reason == Reason.RESPONSE_GONE:
+        out = json_response(http_status_pb2.NotFound, response_not_found_body(response_id),
+                            "warmroute_stored_response_gone")
+    elif reason == Reason.NO_HEALTHY:
+        out = no_healthy_response()
+    else:
+        return None
+    return anthropic_shaped(out) if api_of(path) is Api.MESSAGES else out
 
 
 def models_response(models: list[dict]) -> ep.ProcessingResponse:

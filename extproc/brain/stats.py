@@ -73,7 +73,8 @@ class BrainStats:
         """Export every series from the start: rate() and alerts see 0, not an absent series."""
         for name in replica_names:
             for reason in Reason:
-                if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT):
+                if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT,
+                                  Reason.RESPONSE_GONE):
                     self.decisions[(name, reason)] += 0
             for result in SCRAPE_RESULTS:
                 self.scrapes[(name, result)] += 0

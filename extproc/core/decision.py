@@ -58,6 +58,9 @@ class Decision:
     work_s: float = 0.0  # warm policy: predicted engine seconds of this request
     # warm policy, a replica with several data-parallel engines: the engine priced (None: one engine)
     engine: int | None = None
+    # stored responses: the id the brain writes into the body for the response this request creates (minted), or
+    # the id of the one found gone
+    response_id: str | None = None
     steer: bool = False  # True: the answer names the engine (X-data-parallel-rank)
     model: str | None = None  # the served model it goes to (an alias resolved)
     rewrite_model: bool = False  # the client named an alias: the body must name ``model`` instead

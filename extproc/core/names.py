@@ -16,11 +16,15 @@ class Reason(enum.StrEnum):
     AFFINITY = "affinity"  # the resolved pin was usable
     LOAD = "load"  # least-loaded (seed) or least cost (warm)
     FALLBACK = "fallback"  # step 5: nothing LIVE or PROBING, a random known replica
+    HOLDER = "holder"  # the one replica holding the stored response the request reads, whatever its state
     NO_HEALTHY = "no_healthy_instances"  # nothing known: an immediate 503
     UNKNOWN_MODEL = "model_not_found"  # no replica serves the body's model: an immediate 404 in vLLM's shape
     UNSERVED_PATH = "path_not_served"  # replicas serve the model, none of them the path's API: an immediate 404
     # a compressed body that does not read once inflated: cut off at envoy.max_inflate_ratio, an immediate 413
     INFLATE_LIMIT = "body_inflates_too_far"
+    # the stored response a request follows, reads or cancels was held by a replica no longer in the fleet: an
+    # immediate 404 in vLLM's shape, as that replica would have answered had it lost it
+    RESPONSE_GONE = "stored_response_gone"
 
 
 class PinKind(enum.StrEnum):

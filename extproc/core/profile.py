@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import orjson
 
+from .apis import Api, api_of, conversation_bytes, conversation_root, session_of_messages, stored_response_id
 from .blocks import ChainCache, chain_seed
 from .config import ProfileConfig
 from .names import BodyStatus
@@ -48,6 +49,10 @@ class RequestProfile:
     # the body could not be read as the engine reads it: its model is one of these (empty: any), never refused
     candidates: tuple[str, ...] | None = None
     provisional: bool = False  # tokens come from a size, not from a body the brain read (headers alone)
+    api: Api = Api.OTHER  # what the path speaks
+    stored_ref: str | None = None  # the stored response it follows (previous_response_id) or reads (the path's id)
+    response_root: str | None = None  # the conversation of that stored response (its minted id carries it)
+    response_id: str | None = None  # the id the client chose for the response it creates (vLLM's request_id)
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
@@ -256,6 +261,14 @@ def build_profile(
             session_key = hash_key("session", tenant, v)
             session_source = "header:" + h
             break
+    api = api_of(headers.get(":path", "").split("?", 1)[0])
+    if api is Api.STORED_RESPONSE:  # a retrieval or a cancel: where its response lives is all there is to know
+        ref = stored_response_id(headers[":path"].split("?", 1)[0])
+        root = conversation_root(ref)
+        if session_key is None:
+            session_key, session_source = hash_key("session", tenant, "response:" + root), "path:response_id"
+        return RequestProfile(session_key, None, 0, BODY_ABSENT if not body else BODY_OK, session_source,
+                              api=api, stored_ref=ref, response_root=root)
 
     if body is None:
         size = declared_size(headers)
@@ -283,27 +296,48 @@ def build_profile(
             status = BODY_OK if isinstance(doc, dict) else BODY_NOT_OBJECT
         except (orjson.JSONDecodeError, ValueError, TypeError):
             status = BODY_NOT_JSON
+    stored_ref = root = response_id = None
+    conversation = None
+    if status is BODY_OK and api in (Api.MESSAGES, Api.RESPONSES):
+        conversation = conversation_bytes(api, doc)
+        if api is Api.RESPONSES:
+            prev, rid = doc.get("previous_response_id"), doc.get("request_id")
+            stored_ref = prev if isinstance(prev, str) and prev else None
+            root = conversation_root(stored_ref) if stored_ref else None
+            response_id = rid if isinstance(rid, str) and rid else None
     if status is BODY_OK and session_key is None:
         found = _session_from_body(doc, cfg.session_body_fields)
+        if found is None and api is Api.MESSAGES:
+            user = session_of_messages(doc)
+            found = (user, "metadata.user_id") if user else None
+        if found is None and api is Api.RESPONSES:
+            sid = doc.get("session_id")  # vLLM's own session field on the Responses API
+            found = (sid, "session_id") if isinstance(sid, str) and sid else None
         if found is not None:
             session_key = hash_key("session", tenant, found[0])
             session_source = "body:" + found[1]
+        elif root is not None:  # a follow-up belongs to the conversation of the response it continues
+            session_key = hash_key("session", tenant, "response:" + root)
+            session_source = "body:previous_response_id"
+    stored = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id}
 
     blocks: list[int] = []
-    start = 0
     candidates = None
     model = engine_model(body, {BODY_UNPARSED: _UNREAD, BODY_NOT_JSON: _ORJSON_REFUSED}.get(status, doc))
     if model is UNKNOWN:  # not JSON the engine reads either: route among the names it may mean, refuse none
         model, candidates = None, model_candidates(body)
+    # Messages and Responses: the conversation as the engine renders it (apis.py); others: the body from its start
+    data, start = (conversation, 0) if conversation is not None else (body, None)
     if chains is not None:
-        start = _conversation_start(body)
-        blocks = chains.chain(session_key, body, start, chain_seed(model, tenant), start + cfg.chain_max_bytes,
+        start = _conversation_start(data) if start is None else start
+        blocks = chains.chain(session_key, data, start, chain_seed(model, tenant), start + cfg.chain_max_bytes,
                               cfg.chain_step_bytes)
     if status is not BODY_OK or chains is not None:
         # The warm policy needs neither the prefix key nor the text-only token count: the conversation's bytes
         # estimate its tokens the same way for every body, parsed or not (JSON adds a few percent).
-        tokens = min(int((size - start) / cfg.chars_per_token), cfg.max_prompt_tokens)
-        return RequestProfile(session_key, None, tokens, status, session_source, blocks, model, candidates=candidates)
+        tokens = min(int((len(data) - (start or 0)) / cfg.chars_per_token), cfg.max_prompt_tokens)
+        return RequestProfile(session_key, None, tokens, status, session_source, blocks, model, candidates=candidates,
+                              **stored)
 
     prefix_key = None
     sp = system_prompt(doc)
@@ -311,4 +345,4 @@ def build_profile(
         prefix_key = hash_key("prefix", tenant, sp[: cfg.prefix_chars])
 
     tokens = min(int(_body_chars(doc) / cfg.chars_per_token), cfg.max_prompt_tokens)
-    return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source, blocks, model)
+    return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source, blocks, model, **stored)

@@ -254,16 +254,28 @@ class Router:
                 probing.append(r)
         return live, probing
 
-    def select(self, profile: RequestProfile, now: float, only: Collection[str] | None = None) -> Decision:
+    def select(self, profile: RequestProfile, now: float, only: Collection[str] | None = None,
+               holder: str | None = None) -> Decision:
         """Choose a replica for ``profile`` and reserve its weight: one synchronous call (A1 atomic reserve).
 
         ``only``: the replicas a gateway allows for this request (the endpoint picker's subset hint); the
-        choice, the fallback and every pin decision see no other."""
+        choice, the fallback and every pin decision see no other. ``holder``: the one replica holding what the
+        request reads (a stored response): chosen whatever its state, drained or ejected, since no other can
+        answer; the policy still prices it and keeps its books."""
         if now >= self._next_due or now >= self._housekeeping_at:
             self.tick(now)
         self.selects += 1
-        fleet: FleetView = self if only is None else _Subset(self, only)
-        d = self.policy.select(fleet, profile, now)
+        if holder is not None:
+            r = self._by_name.get(holder)
+            if r is None or (only is not None and holder not in only):
+                return Decision(None, NO_HEALTHY)
+            d = self.policy.select(_Pinned(self, r), profile, now)
+            if d is None:  # the policy would not place it there (it does not fit, say): the replica will answer
+                return Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile, now))
+            d.reason = Reason.HOLDER
+        else:
+            fleet: FleetView = self if only is None else _Subset(self, only)
+            d = self.policy.select(fleet, profile, now)
         if d is None:
             return self._fallback(profile, now, only)
         d.reservation = self._reserve(d.replica, profile, now)
@@ -378,6 +390,19 @@ class _Subset:
     def pool(self) -> tuple[list[Replica], list[Replica]]:
         live, probing = self._router.pool()
         return [r for r in live if r.name in self._only], [r for r in probing if r.name in self._only]
+
+
+class _Pinned(_Subset):
+    """The fleet as a request that only one replica can serve sees it: that replica, whatever its state."""
+
+    __slots__ = ("_replica",)
+
+    def __init__(self, router: Router, replica: Replica):
+        super().__init__(router, (replica.name,))
+        self._replica = replica
+
+    def pool(self) -> tuple[list[Replica], list[Replica]]:
+        return [self._replica], []
 
 
 __all__ = [

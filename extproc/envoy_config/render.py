@@ -356,14 +356,21 @@ def _retry_policy(cfg: AppConfig) -> dict:
     }
 
 
-def _not_allowed(paths) -> list[dict]:
-    """Header matchers on ``:path`` that all hold for a path outside the allow-list: one small regex per entry
-    (an exact path, with or without a query string; or a prefix for entries ending in '*'), each inverted.
-    One regex over the whole list would pass RE2's default program-size limit."""
-    def regex(p: str) -> str:
-        return "^" + re.escape(p[:-1]) + ".*$" if p.endswith("*") else "^" + re.escape(p) + "([?].*)?$"
+def allowed_path_regex(entry: str) -> str:
+    """The RE2 regex of one ``envoy.allowed_paths`` entry on ``:path``: an exact path, with or without a query
+    string; a prefix for an entry ending in '*'; a ``{name}`` segment matches any one segment
+    (``/v1/responses/{id}`` lets a response's id through, not ``/v1/responses/render``)."""
+    prefix = entry.endswith("*")
+    parts = re.split(r"\{[^}/]*\}", entry[:-1] if prefix else entry)
+    body = "[^/?]+".join(re.escape(x) for x in parts)
+    return "^" + body + (".*$" if prefix else "([?].*)?$")
 
-    return [{"name": ":path", "string_match": {"safe_regex": {"regex": regex(p)}}, "invert_match": True} for p in paths]
+
+def _not_allowed(paths) -> list[dict]:
+    """Header matchers on ``:path`` that all hold for a path outside the allow-list: one small regex per entry,
+    each inverted. One regex over the whole list would pass RE2's default program-size limit."""
+    return [{"name": ":path", "string_match": {"safe_regex": {"regex": allowed_path_regex(p)}}, "invert_match": True}
+            for p in paths]
 
 
 NOT_SERVED_BODY = '{"error": {"message": "this path is not served here", "type": "not_found", "code": "path_not_served"}}'
@@ -420,11 +427,23 @@ def routes(cfg: AppConfig) -> list[dict]:
             "typed_per_filter_config": big_body_ext_proc(),
         },
         {
+            # A stored response's retrieval or cancel carries no body, and only the replica that made the response
+            # holds it: the brain is asked with the headers (the path names the response, docs/apis.md) and the
+            # route is matched again with its answer in place
+            "name": "warmroute_stored_responses",
+            "match": {"safe_regex": {"regex": STORED_RESPONSE_PATH}},
+            "route": fail_open,
+            "typed_per_filter_config": big_body_ext_proc(),
+        },
+        {
             "name": "warmroute_fail_open",
             "match": {"prefix": "/"},
             "route": fail_open,
         },
     ]
+
+
+STORED_RESPONSE_PATH = "^/v1/responses/[^/]+(/cancel)?$"  # Envoy matches a route's regex without the query
 
 
 SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's; Envoy verifies nothing without a CA

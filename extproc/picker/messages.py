@@ -9,6 +9,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
+from ..core.apis import anthropic_error_body
 from ..core.models import not_found_body, path_not_served_body
 
 
@@ -55,3 +56,15 @@ def openai_error(status: int, message: str, kind: str, code: str, details: str,
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status), headers=ep.HeaderMutation(set_headers=headers),
         body=body, details=details))
+
+
+def anthropic_shaped(answer: ep.ProcessingResponse) -> ep.ProcessingResponse:
+    """An immediate answer in OpenAI's error shape re-written in Anthropic's, status and headers kept."""
+    out = ep.ProcessingResponse()
+    out.CopyFrom(answer)
+    try:
+        doc = json.loads(out.immediate_response.body)
+    except ValueError:
+        return answer
+    out.immediate_response.body = json.dumps(anthropic_error_body(doc)).encode()
+    return out

@@ -3,13 +3,14 @@
 
 One replica of the tiny model with both LoRA adapters is started, sent a fixed history (a chat, a completion on
 each adapter, a streamed chat), and read: ``/metrics``, ``/v1/models``, ``/openapi.json``, and its error bodies
-(an unknown model, a malformed request, a prompt longer than the model reads). Local paths and ids are replaced
+(an unknown model, a malformed request, the agents' APIs' not-found answers), and the routes it logs as it starts. Local paths and ids are replaced
 by placeholders; values stay (the comparison is of names, types, label keys and shapes, not numbers).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import tempfile
@@ -35,12 +36,30 @@ HISTORY = [
 ERRORS = {
     "unknown-model": ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}),
     "messages-not-a-list": ("/v1/chat/completions", {"model": "{model}", "messages": "x"}),
+    # the agents' APIs: Anthropic's error shape on /v1/messages; a stored response this replica does not hold
+    "anthropic-unknown-model": ("/v1/messages", {"model": "no-such-model", "max_tokens": 8,
+                                                 "messages": [{"role": "user", "content": "x"}]}),
+    "previous-response-not-found": ("/v1/responses", {"model": "{model}", "input": "x",
+                                                      "previous_response_id": "resp_not_here"}),
+    "stored-response-not-found": ("GET /v1/responses/resp_not_here", None),
 }
+ROUTE_LINE = re.compile(r"Route: (\S+), (?:Methods: ([A-Z, ]+)|Endpoint: \w+)")
 
 
-def send(url: str, path: str, doc: dict, model: str) -> tuple[int, bytes]:
-    body = json.dumps(doc).replace("{model}", model).encode()
-    req = urllib.request.Request(url + path, data=body, headers={"content-type": "application/json"}, method="POST")
+def routes_of(log: str) -> dict[str, list[str]]:
+    """Every route vLLM logs as it starts (``launchers/launcher.py``), those outside /openapi.json too."""
+    out: dict[str, set[str]] = {}
+    for m in ROUTE_LINE.finditer(log):
+        out.setdefault(m.group(1), set()).update(x.strip() for x in (m.group(2) or "").split(",") if x.strip())
+    return {p: sorted(ms) for p, ms in out.items()}
+
+
+def send(url: str, path: str, doc: dict | None, model: str) -> tuple[int, bytes]:
+    """POST ``doc`` to ``path`` (``"GET /path"`` with no doc: a GET)."""
+    method, _, path = path.rpartition(" ")
+    body = json.dumps(doc).replace("{model}", model).encode() if doc is not None else None
+    req = urllib.request.Request(url + path, data=body, headers={"content-type": "application/json"},
+                                 method=method or "POST")
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, r.read()
@@ -61,7 +80,9 @@ def main() -> int:
         return 1
     model = real_vllm.model_info()["served_name"]
     with tempfile.TemporaryDirectory(prefix="warmroute-capture-") as d:
-        proc, port = real_vllm.start_vllm("vllm", Path(d), real_vllm.VllmOptions(lora=ADAPTERS))
+        os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # its routes are logged at INFO as it starts
+        proc, port = real_vllm.start_vllm("vllm", Path(d), real_vllm.VllmOptions(lora=ADAPTERS,
+                                                                                            responses_store=True))
         try:
             url = f"http://127.0.0.1:{port}"
             for path, doc in HISTORY:
@@ -74,6 +95,7 @@ def main() -> int:
             time.sleep(1.0)  # the engine's stats reach the front end's /metrics a moment after a request ends
             read = {p: urllib.request.urlopen(url + p, timeout=10).read().decode() for p in
                     ("/metrics", "/v1/models", "/openapi.json")}
+            routes = routes_of(proc.log_tail(1 << 22))
         finally:
             proc.stop()
     mdir = str(real_vllm.model_dir())
@@ -84,7 +106,8 @@ def main() -> int:
         {p: sorted(m.upper() for m in ops) for p, ops in json.loads(read["/openapi.json"])["paths"].items()},
         indent=1, sort_keys=True) + "\n")
     (OUT / "errors.json").write_text(json.dumps(errors, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {OUT}: metrics.txt models.json openapi-paths.json errors.json")
+    (OUT / "routes.json").write_text(json.dumps(routes, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {OUT}: metrics.txt models.json openapi-paths.json errors.json routes.json")
     return 0
 
 

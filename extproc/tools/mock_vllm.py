@@ -31,20 +31,23 @@ import json
 import random
 import sys
 import time
+import uuid
 from dataclasses import replace
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..core.apis import anthropic_error_body
 from ..core.blocks import BLOCK_CHARS, block_hashes
 from ..core.models import not_found_body
+from .mock_apis import MessagesShape, ResponsesShape, ResponseStore, messages_prompt, not_found, responses_input
 from .engine_metrics import DIALECTS, SGLANG_DECODE_LOG_INTERVAL, CacheInfo, Exporter
 from .sim.engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 
 CHARS_PER_TOKEN = 4
 ENGINE_HEADER = "x-mock-engine"  # which data-parallel engine served (not vLLM's; for tests and benchmarks)
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 POOLING_PATHS = ("/v1/embeddings", "/pooling")
 MIN_EMIT_WALL_S = 0.002  # a decode run's tokens go out at most this often (wall time); at real speed, every step
 
@@ -243,6 +246,7 @@ class MockReplica:
                                   prefix_caching=getattr(args, "prefix_caching", "on") == "on", max_loras=max_loras,
                                   lora_load_s=getattr(args, "lora_load_s", 0.0) if self.adapters else 0.0)
         self.dp = max(1, getattr(args, "data_parallel", 1))
+        self.store = ResponseStore() if getattr(args, "responses_store", False) else None
         self.drivers = [self._driver(k) for k in range(self.dp)]
         self.site: web.TCPSite | None = None
         self.runner: web.AppRunner | None = None
@@ -454,16 +458,32 @@ class MockReplica:
             return web.Response(text="<html><body>Welcome to nginx!</body></html>", content_type="text/html")
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
-        if chat and not isinstance(doc.get("messages"), list):
+        messages_api, responses_api = request.path == "/v1/messages", request.path == "/v1/responses"
+        if (chat or messages_api) and not isinstance(doc.get("messages"), list):
             return _error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
         model = doc.get("model")
         if model is not None and model != self.model and model not in self.adapters:  # OpenAIServing._check_model
             self.c_not_found.inc()
-            return web.json_response(not_found_body(str(model), [self.model]), status=404)
+            body = not_found_body(str(model), [self.model])
+            return web.json_response(anthropic_error_body(body) if messages_api else body, status=404)
         lora = model if model in self.adapters else None
         text = _prompt_text(doc)
+        shape = history = None
+        if messages_api:
+            text, shape = messages_prompt(doc), MessagesShape(self.model)
+        elif responses_api:
+            prev = doc.get("previous_response_id")
+            if prev is not None:
+                if self.store is None or self.store.get(str(prev)) is None:
+                    status, body = not_found(str(prev))
+                    return web.json_response(body, status=status)
+                history = self.store.history[str(prev)]
+            history = (history or "") + responses_input(doc)  # the conversation so far without the instructions
+            text = (doc.get("instructions") or "") + history
+            rid = doc.get("request_id") if isinstance(doc.get("request_id"), str) else f"resp_{uuid.uuid4().hex}"
+            shape = ResponsesShape(self.model, rid, doc)
         max_tokens = 1 if embed else (doc.get("max_completion_tokens") or doc.get("max_tokens")
-                                      or self.args.default_max_tokens)
+                                      or doc.get("max_output_tokens") or self.args.default_max_tokens)
         try:
             max_tokens = max(1, min(int(max_tokens), 32_768))
         except (TypeError, ValueError):
@@ -476,11 +496,32 @@ class MockReplica:
             return _error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
         stream = bool(doc.get("stream")) and not embed
         include_usage = bool((doc.get("stream_options") or {}).get("include_usage"))
+        keep = None
+        if responses_api and self.store is not None and doc.get("store", True) is not False:
+            keep = lambda response, out: self.store.put(response, history + out)  # noqa: E731
         return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage,
-                                    self.pick_engine(rank), lora, embed)
+                                    self.pick_engine(rank), lora, embed, shape, keep)
+
+    async def stored(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel: only the process that made it has it."""
+        rid = request.match_info["response_id"]
+        response = self.store.get(rid) if self.store is not None else None
+        if response is None:
+            status, body = not_found(rid)
+            return web.json_response(body, status=status)
+        if request.method == "POST" and response.get("status") not in ("queued", "in_progress"):
+            return _error(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
+        return web.json_response(response)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        doc = await _json_object(request)
+        text = messages_prompt(doc) if doc is not None else None
+        if text is None:
+            return _error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
+        return web.json_response({"input_tokens": max(1, len(text) // CHARS_PER_TOKEN)})
 
     async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver, lora=None,
-                        embed=False):
+                        embed=False, shape=None, keep=None):
         t0 = time.monotonic()
         blocks = text_blocks(text)
         if lora is not None:  # vLLM puts the adapter in its block hashes: an adapter's prefix is its own
@@ -497,6 +538,9 @@ class MockReplica:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    ENGINE_HEADER: str(driver.index)})
                 await resp.prepare(request)
+                if shape is not None:
+                    for event in shape.start(prompt_tokens):
+                        await resp.write(event)
             while True:
                 ev = await waiter.queue.get()
                 if isinstance(ev, _Aborted):
@@ -506,7 +550,8 @@ class MockReplica:
                 n, is_first = ev
                 if stream:
                     piece = "".join(("" if produced + k == 0 else " ") + "tok" for k in range(n))
-                    await resp.write(_sse(_chunk(chat, rid, created, self.model, piece, None, fp)))
+                    await resp.write(shape.piece(piece) if shape is not None
+                                     else _sse(_chunk(chat, rid, created, self.model, piece, None, fp)))
                 produced += n
             cached = waiter.req.cached_tokens
             if embed:
@@ -515,6 +560,17 @@ class MockReplica:
                                           "data": [{"object": "embedding", "index": 0, "embedding": vector}],
                                           "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}},
                                          headers={ENGINE_HEADER: str(driver.index)})
+            if shape is not None:
+                out = " ".join(["tok"] * max_tokens)
+                if keep is not None:
+                    keep(shape.body(out, prompt_tokens, max_tokens, cached), out)
+                if not stream:
+                    return web.json_response(shape.body(out, prompt_tokens, max_tokens, cached),
+                                             headers={ENGINE_HEADER: str(driver.index)})
+                for event in shape.end(out, prompt_tokens, max_tokens, cached):
+                    await resp.write(event)
+                await resp.write_eof()
+                return resp
             if not stream:
                 body = _final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens), prompt_tokens,
                                    max_tokens, cached, fp)
@@ -632,6 +688,10 @@ def build_app(rep: MockReplica) -> web.Application:
     for path in ("/model_info", "/get_model_info"):
         app.router.add_get(path, rep.model_info)
     app.router.add_post("/tokenize", rep.tokenize)
+    if rep.args.runner == "generate":
+        app.router.add_post("/v1/messages/count_tokens", rep.count_tokens)
+        app.router.add_get("/v1/responses/{response_id}", rep.stored)
+        app.router.add_post("/v1/responses/{response_id}/cancel", rep.stored)
     app.router.add_post("/v1/chat/completions/render", rep.render)
     if not rep.args.disable_fastapi_docs:
         listed = sorted({(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"})
@@ -692,6 +752,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "into a GPU slot")
     ap.add_argument("--runner", choices=("generate", "pooling"), default="generate",
                     help="vLLM --runner: generate serves completions, pooling serves /v1/embeddings and /pooling")
+    ap.add_argument("--responses-store", action="store_true", help="keep Responses API responses in memory for "
+                    "previous_response_id, retrieval and cancel (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
     ap.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json (vLLM's flag of that name)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only what /metrics and /server_info say)")
     ap.add_argument("--metrics-all-ranks", action="store_true", help="SGLang --enable-metrics-for-all-schedulers: "

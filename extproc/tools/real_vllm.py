@@ -72,6 +72,8 @@ class VllmOptions:
     log_stats: bool = True  # False: --disable-log-stats (no vllm:* engine metrics)
     runtime_lora: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and unload
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache (benchmarks start each run cold)
+    # VLLM_ENABLE_RESPONSES_API_STORE: Responses kept in this process's memory (previous_response_id, GET, cancel)
+    responses_store: bool = False
     # the model runs inside the engine core's process (vLLM's "uni" executor, VLLM_ENABLE_V1_MULTIPROCESSING=0)
     # rather than in a worker process of its own, which vLLM's CPU platform picks by default: one process and
     # one torch import less, ~50 s -> ~30 s to start here. The API server, the engine core and everything
@@ -111,6 +113,8 @@ def vllm_env(o: VllmOptions) -> dict[str, str]:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if o.uniproc:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if o.responses_store:
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     env.pop("PYTHONPATH", None)  # the engine's venv alone: our package must not shadow its dependencies
     # the engine's venv is a cache we own: the modules make engines' import did not compile are written on the first
     # start rather than compiled again by every start of every replica

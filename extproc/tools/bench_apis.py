@@ -1,0 +1,186 @@
+"""``make bench-apis``: the agents' APIs on real vLLM 0.32 replicas, through Envoy and warmroute, spoken by the real
+SDKs (``openai`` for chat and Responses, ``anthropic`` for Messages).
+
+Three replicas with the Responses store on (``VLLM_ENABLE_RESPONSES_API_STORE=1``). The same conversations (the
+same system prompt and user turns, greedy decoding) are run once per API, each API's 10 conversations at once, from
+cold caches (``POST /reset_prefix_cache``): chat completions (session header), Anthropic Messages (half with the
+session header, half by ``metadata.user_id``), Responses chained by ``previous_response_id`` (half with the
+session header, half without). Printed: client errors, follow-ups that landed on the replica holding their
+response (read from the id the brain minted, and proved by the engine: any other replica answers 404), and per turn
+the engine-reported cached prompt tokens of each API against chat's on the same conversations.
+
+Targets (issue 32): 0 client errors, every follow-up on its holder, cached tokens per turn within 5% of chat's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from . import real_vllm
+from .stack import Stack
+
+SYSTEM = ("You are a coding agent in a large Python repository. Read before you write, keep the style of the code "
+          "around you, run the tests you touch, and explain each change in one sentence. ") * 16
+APIS = ("chat", "messages", "responses")
+
+
+def user_turn(conversation: int, turn: int) -> str:
+    return f"Conversation {conversation}, step {turn}: look at module_{conversation}_{turn}.py and " + \
+        " ".join(f"fix item {turn * 7 + k} of {conversation}" for k in range(12))
+
+
+async def _chat(client, model: str, k: int, turns: int, out_tokens: int, log: list) -> None:
+    msgs = [{"role": "system", "content": SYSTEM}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": user_turn(k, t)})
+        r = await client.chat.completions.create(model=model, messages=msgs, max_tokens=out_tokens, temperature=0,
+                                                 extra_headers={"x-session-id": f"chat-{k}"})
+        details = r.usage.prompt_tokens_details
+        log.append((k, t, r.usage.prompt_tokens, details.cached_tokens if details else 0, None))
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+
+
+async def _messages(client, model: str, k: int, turns: int, out_tokens: int, log: list) -> None:
+    msgs: list[dict] = []
+    by_header = k % 2 == 0
+    for t in range(turns):
+        msgs.append({"role": "user", "content": [{"type": "text", "text": user_turn(k, t),
+                                                  "cache_control": {"type": "ephemeral"}}]})
+        for m in msgs[:-1]:  # Claude Code marks only its newest message
+            for b in m["content"]:
+                b.pop("cache_control", None)
+        kw = {"extra_headers": {"x-session-id": f"messages-{k}"}} if by_header else \
+            {"metadata": {"user_id": f"user_0_account_0_session_{k}"}}
+        r = await client.messages.create(model=model, max_tokens=out_tokens, temperature=0, system=SYSTEM,
+                                         messages=msgs, **kw)
+        cached = r.usage.cache_read_input_tokens or 0
+        log.append((k, t, r.usage.input_tokens + cached, cached, None))
+        text = "".join(b.text for b in r.content if b.type == "text")
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
+
+
+async def _responses(client, model: str, k: int, turns: int, out_tokens: int, log: list) -> None:
+    prev = None
+    headers = {"x-session-id": f"responses-{k}"} if k % 2 == 0 else {}
+    for t in range(turns):
+        r = await client.responses.create(model=model, instructions=SYSTEM, input=user_turn(k, t),
+                                          previous_response_id=prev.id if prev else None, temperature=0,
+                                          max_output_tokens=out_tokens, extra_headers=headers)
+        details = r.usage.input_tokens_details
+        log.append((k, t, r.usage.input_tokens, details.cached_tokens if details else 0, (prev.id if prev else None,
+                                                                                        r.id)))
+        prev = r
+
+
+async def run_api(api: str, url: str, model: str, conversations: int, turns: int, out_tokens: int) -> dict:
+    import anthropic
+    import openai
+
+    log: list = []
+    errors: list[str] = []
+    if api == "messages":
+        client = anthropic.AsyncAnthropic(api_key="unused", base_url=url, max_retries=0, timeout=300)
+        run = _messages
+    else:
+        client = openai.AsyncOpenAI(api_key="unused", base_url=url + "/v1", max_retries=0, timeout=300)
+        run = _chat if api == "chat" else _responses
+
+    async def one(k: int) -> None:
+        try:
+            await run(client, model, k, turns, out_tokens, log)
+        except Exception as e:  # a client error ends that conversation; it is counted, not raised
+            errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one(k) for k in range(conversations)))
+    await client.close()
+    return {"log": log, "errors": errors, "seconds": time.monotonic() - t0}
+
+
+def reset_caches(urls: list[str]) -> None:
+    for u in urls:
+        urllib.request.urlopen(urllib.request.Request(u + "/reset_prefix_cache", data=b"", method="POST"),
+                               timeout=30).read()
+
+
+def holders_kept(log: list) -> tuple[int, int]:
+    """(follow-ups whose response the brain placed on the replica holding the one they follow, follow-ups)."""
+    from ..core.apis import parse_minted
+
+    ok = total = 0
+    for *_, ids in log:
+        if ids and ids[0]:
+            total += 1
+            a, b = parse_minted(ids[0]), parse_minted(ids[1])
+            ok += bool(a and b and a[0] == b[0])
+    return ok, total
+
+
+def per_turn(log: list, turns: int) -> list[tuple[float, float]]:
+    """Per turn: mean prompt tokens and mean cached tokens over the conversations."""
+    out = []
+    for t in range(turns):
+        rows = [(p, c) for (_, tt, p, c, _) in log if tt == t]
+        out.append((statistics.fmean(p for p, _ in rows) if rows else float("nan"),
+                    statistics.fmean(c for _, c in rows) if rows else float("nan")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m extproc.tools.bench_apis")
+    ap.add_argument("--conversations", type=int, default=10, help="per API, at once")
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--replicas", type=int, default=3)
+    args = ap.parse_args(argv)
+    why = real_vllm.available()
+    if why:
+        print(why, file=sys.stderr)
+        return 1
+    model = real_vllm.model_info()["served_name"]
+    opts = real_vllm.VllmOptions(lora=(), responses_store=True, dev_mode=True, kv_bytes=128 << 20)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="warmroute-bench-apis-") as d:
+        s = Stack(args.replicas, config={"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0}},
+                  real_vllm=opts, workdir=Path(d))
+        with s:
+            s.wait_all_live(120)
+            urls = [r.url for r in s.replicas]
+            for api in APIS:
+                reset_caches(urls)
+                results[api] = asyncio.run(run_api(api, s.url, model, args.conversations, args.turns,
+                                                   args.output_tokens))
+                r = results[api]
+                print(f"{api}: {len(r['log'])} requests in {r['seconds']:.0f} s, {len(r['errors'])} client errors"
+                      + (f" (first: {r['errors'][0]})" if r["errors"] else ""), flush=True)
+    turns = {api: per_turn(results[api]["log"], args.turns) for api in APIS}
+    print(f"\ncached prompt tokens per turn (mean over {args.conversations} conversations), and against chat's:")
+    print(f"{'turn':>4} {'prompt':>7} {'chat':>7} {'messages':>9} {'ratio':>6} {'responses':>9} {'ratio':>6}")
+    worst = {"messages": 0.0, "responses": 0.0}
+    for t in range(args.turns):
+        p, c = turns["chat"][t]
+        cells = []
+        for api in ("messages", "responses"):
+            ca = turns[api][t][1]
+            ratio = ca / c if c else float("nan")
+            if c and t:  # the first turn is the shared system prompt, cached or not by arrival order
+                worst[api] = max(worst[api], abs(ratio - 1))
+            cells.append(f"{ca:9.0f} {ratio:6.3f}")
+        print(f"{t:4d} {p:7.0f} {c:7.0f} " + " ".join(cells))
+    ok, total = holders_kept(results["responses"]["log"])
+    errors = sum(len(results[a]["errors"]) for a in APIS)
+    print(f"\nclient errors: {errors}; Responses follow-ups on the replica holding their response: {ok}/{total}")
+    print("worst per-turn difference from chat (turns 2+): " +
+          ", ".join(f"{a} {100 * w:.1f}%" for a, w in worst.items()) + " (target: within 5%)")
+    return 0 if errors == 0 and ok == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

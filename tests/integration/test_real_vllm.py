@@ -9,7 +9,7 @@ One fleet for the module, started side by side (~100 s on two cores: each engine
 vLLM anew): r0 serves tiny-llama with both adapters, r1 tiny-llama with one adapter and run-time LoRA updating,
 r2 the same weights as another model (tiny-coder) on two data-parallel engines behind one port (~3.9 GB), r3
 tiny-llama started with --disable-log-stats. r0-r2's engine is "auto"; r3 is configured as vllm, so that it
-says what is missing.
+says what is missing. The tiny-llama replicas keep stored Responses (VLLM_ENABLE_RESPONSES_API_STORE=1).
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ def fleet():
     why = real_vllm.available()
     if why:
         pytest.fail(f"the real-engine tests need the engine: {why}")
-    s = Stack(4, config=CONFIG, real_vllm=VllmOptions())
-    s.vllm_options = {"r1": VllmOptions(lora=("tiny-lora-a",), runtime_lora=True),
+    s = Stack(4, config=CONFIG, real_vllm=VllmOptions(responses_store=True))
+    s.vllm_options = {"r1": VllmOptions(lora=("tiny-lora-a",), runtime_lora=True, responses_store=True),
                       "r2": VllmOptions(served_name="tiny-coder", lora=(), data_parallel=2),
-                      "r3": VllmOptions(lora=(), log_stats=False)}
+                      "r3": VllmOptions(lora=(), log_stats=False, responses_store=True)}
     s.engines = {f"r{i}": "auto" for i in range(3)}
     # r3 never scrapes well, so its /openapi.json is never read: its paths from the config, as an operator would
     # list them (else a path no replica is known to serve may be r3's, and is not refused)
@@ -275,6 +275,61 @@ def test_an_unknown_model_gets_from_the_brain_what_vllm_itself_answers(fleet):
     # the same sentence; a fleet's valid names are every model its replicas serve, one replica's its own
     assert theirs["error"]["message"] == "The model `no-such-model` does not exist. Valid aliases: tiny-coder."
     assert ours["error"]["message"] == "The model `no-such-model` does not exist. Valid aliases: tiny-coder, tiny-llama."
+
+
+def test_the_agents_sdks_converse_through_warmroute_with_real_engines(fleet):
+    """Claude Code's API and the stored Responses API, spoken by their own SDKs: a Messages conversation keeps its
+    prefix on one engine; every Responses follow-up, retrieval and cancel reaches the engine whose memory holds its
+    response, the holder drained for new work too; errors on /v1/messages come in Anthropic's shape as vLLM's."""
+    import anthropic
+    import openai
+
+    from extproc.core.apis import parse_minted, replica_tag
+
+    system = "You are a coding agent. Keep the repository's style and run its tests. " * 30
+    a = anthropic.Anthropic(api_key="unused", base_url=fleet.url, max_retries=0, timeout=120)
+    history: list[dict] = []
+    for turn in range(3):
+        history.append({"role": "user", "content": [{"type": "text", "text": f"step {turn}: fix the parser " * 20}]})
+        kw = dict(model=MODEL, max_tokens=8, system=system, messages=history,
+                  metadata={"user_id": "user_1_account_1_session_real"})
+        if turn == 1:
+            with a.messages.stream(**kw) as st:
+                msg = st.get_final_message()
+        else:
+            msg = a.messages.create(**kw)
+        if turn:
+            assert msg.usage.cache_read_input_tokens >= 0.8 * prompt - 128, msg.usage  # whole 128-token blocks
+        prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+        history.append({"role": "assistant", "content": [{"type": "text", "text": msg.content[0].text or "ok"}]})
+    bad = {"model": "no-such-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    (s1, _, ours), (s2, _, theirs) = post(fleet.url, "/v1/messages", bad), post(fleet.replicas[0].url, "/v1/messages", bad)
+    assert s1 == s2 == 404 and set(ours) == set(theirs) == {"type", "error"}
+    assert set(ours["error"]) == set(theirs["error"]) and ours["error"]["type"] == theirs["error"]["type"]
+
+    o = openai.OpenAI(api_key="unused", base_url=fleet.url + "/v1", max_retries=0, timeout=120)
+    names = {replica_tag(r.name): r.name for r in fleet.replicas}
+    first = o.responses.create(model=MODEL, instructions=system, input="start " * 40, max_output_tokens=8)
+    home = names[parse_minted(first.id)[0]]
+    fleet.admin_post(f"/replicas/{home}/drain")
+    try:
+        prev = first
+        for turn in range(3):
+            kw = dict(model=MODEL, instructions=system, input=f"turn {turn} " * 20, previous_response_id=prev.id,
+                      max_output_tokens=8)
+            if turn == 1:
+                nxt = [e for e in o.responses.create(stream=True, **kw) if e.type == "response.completed"][0].response
+            else:
+                nxt = o.responses.create(**kw)
+            assert names[parse_minted(nxt.id)[0]] == home
+            assert nxt.usage.input_tokens_details.cached_tokens >= 0.8 * prev.usage.input_tokens - 128
+            prev = nxt
+        got = o.responses.retrieve(first.id)  # "incomplete": 8 tokens were all it could write
+        assert (got.id, got.status) == (first.id, first.status)
+        with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+            o.responses.cancel(prev.id)  # the holder's own answer; any other engine: not found
+    finally:
+        fleet.admin_post(f"/replicas/{home}/undrain")
 
 
 def test_the_real_servers_openapi_is_the_path_catalog(fleet):

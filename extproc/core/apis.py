@@ -196,14 +196,20 @@ class ResponseHomes:
     def __init__(self, max_entries: int = 100_000, max_age_s: float = 6 * 3600.0):
         self.max_entries = max_entries
         self.max_age_s = max_age_s
-        self._homes: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._homes: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._homes)
 
+    @staticmethod
+    def _key(response_id: str) -> bytes:
+        # a client's id may be anything it chose: kept as a hash, like every other key
+        return hashlib.blake2b(response_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
     def record(self, response_id: str, replica: str, now: float) -> None:
-        self._homes.pop(response_id, None)
-        self._homes[response_id] = (replica, now)
+        key = self._key(response_id)
+        self._homes.pop(key, None)
+        self._homes[key] = (replica, now)
         self.expire(now)
         while len(self._homes) > self.max_entries:
             self._homes.popitem(last=False)
@@ -216,7 +222,7 @@ class ResponseHomes:
             self._homes.popitem(last=False)
 
     def get(self, response_id: str, now: float) -> str | None:
-        entry = self._homes.get(response_id)
+        entry = self._homes.get(self._key(response_id))
         if entry is None or now - entry[1] > self.max_age_s:
             return None
         return entry[0]

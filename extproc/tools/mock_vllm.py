@@ -47,6 +47,7 @@ from .sim.engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 
 CHARS_PER_TOKEN = 4
 ENGINE_HEADER = "x-mock-engine"  # which data-parallel engine served (not vLLM's; for tests and benchmarks)
+REPLICA_HEADER = "x-mock-replica"  # which replica served (chat has its system_fingerprint; the other APIs this)
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 POOLING_PATHS = ("/v1/embeddings", "/pooling")
 MIN_EMIT_WALL_S = 0.002  # a decode run's tokens go out at most this often (wall time); at real speed, every step
@@ -247,6 +248,7 @@ class MockReplica:
                                   lora_load_s=getattr(args, "lora_load_s", 0.0) if self.adapters else 0.0)
         self.dp = max(1, getattr(args, "data_parallel", 1))
         self.store = ResponseStore() if getattr(args, "responses_store", False) else None
+        self.background: dict[str, asyncio.Task] = {}  # background responses still generating, by id
         self.drivers = [self._driver(k) for k in range(self.dp)]
         self.site: web.TCPSite | None = None
         self.runner: web.AppRunner | None = None
@@ -499,6 +501,18 @@ class MockReplica:
         keep = None
         if responses_api and self.store is not None and doc.get("store", True) is not False:
             keep = lambda response, out: self.store.put(response, history + out)  # noqa: E731
+        if responses_api and doc.get("background"):
+            if keep is None:  # vLLM: background mode needs the store
+                return _error(400, "This vLLM engine does not support `store=True` and therefore does not support "
+                              "the background mode.", "invalid_request_error", "background")
+            queued = shape.response("queued")
+            self.store.put(queued, history)
+            task = asyncio.get_running_loop().create_task(self._generate(
+                request, chat, text, prompt_tokens, max_tokens, False, False, self.pick_engine(rank), lora, embed,
+                shape, keep))
+            self.background[shape.id] = task
+            task.add_done_callback(lambda _: self.background.pop(shape.id, None))
+            return web.json_response(queued)
         return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage,
                                     self.pick_engine(rank), lora, embed, shape, keep)
 
@@ -509,8 +523,13 @@ class MockReplica:
         if response is None:
             status, body = not_found(rid)
             return web.json_response(body, status=status)
-        if request.method == "POST" and response.get("status") not in ("queued", "in_progress"):
-            return _error(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
+        if request.method == "POST":
+            if response.get("status") not in ("queued", "in_progress"):
+                return _error(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
+            response["status"] = "cancelled"
+            task = self.background.pop(rid, None)
+            if task is not None:
+                task.cancel()
         return web.json_response(response)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
@@ -536,7 +555,7 @@ class MockReplica:
         try:
             if stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   ENGINE_HEADER: str(driver.index)})
+                                                   ENGINE_HEADER: str(driver.index), REPLICA_HEADER: self.args.name})
                 await resp.prepare(request)
                 if shape is not None:
                     for event in shape.start(prompt_tokens):
@@ -566,7 +585,7 @@ class MockReplica:
                     keep(shape.body(out, prompt_tokens, max_tokens, cached), out)
                 if not stream:
                     return web.json_response(shape.body(out, prompt_tokens, max_tokens, cached),
-                                             headers={ENGINE_HEADER: str(driver.index)})
+                                             headers={ENGINE_HEADER: str(driver.index), REPLICA_HEADER: self.args.name})
                 for event in shape.end(out, prompt_tokens, max_tokens, cached):
                     await resp.write(event)
                 await resp.write_eof()

@@ -89,3 +89,37 @@ def test_every_responses_follow_up_reaches_the_replica_holding_its_response_even
         stack.admin_post(f"/replicas/{home}/undrain")
     with pytest.raises(openai.NotFoundError):  # a response no replica holds: the engine's own answer
         client.responses.retrieve("resp_never_made")
+
+
+def test_background_responses_are_polled_and_cancelled_on_the_replica_that_runs_them(stack):
+    client = openai.OpenAI(api_key="unused", base_url=stack.url + "/v1", max_retries=0)
+    quick = client.responses.create(model=MODEL, input="poll me " * 30, max_output_tokens=8, background=True)
+    slow = client.responses.create(model=MODEL, input="cancel me " * 30, max_output_tokens=4000, background=True)
+    assert quick.status == slow.status == "queued"
+    home = _holder(quick.id)
+    stack.admin_post(f"/replicas/{home}/drain")
+    try:
+        assert client.responses.cancel(slow.id).status == "cancelled"
+        wait_for(lambda: client.responses.retrieve(quick.id).status == "completed", 30, "the background response")
+        assert client.responses.retrieve(slow.id).status == "cancelled"
+    finally:
+        stack.admin_post(f"/replicas/{home}/undrain")
+
+
+def test_the_live_replay_mixes_the_three_apis_and_reads_each_one_s_answers(stack):
+    """The benchmarks' client speaks each API (a session keeps one): every request answered and timed, its
+    replica and its cached tokens read from that API's own events."""
+    import asyncio
+
+    from extproc.tools.sim.http_replay import APIS, replay
+    from extproc.tools.sim.workload import WorkloadConfig
+
+    w = WorkloadConfig(minutes=1.0, sessions_per_min=12, oneshots_per_min=0, projects=2, long_share=0.0,
+                       system_tokens=(800, 1200), turns_median=4, think_s_mean=1.0)
+    res = asyncio.run(replay(stack.url, w, seed=3, speedup=20, api=lambda r: APIS[r.sid % 3]))
+    assert res.sent > 20 and res.lost == 0 and not res.errors
+    for k, api in enumerate(APIS):
+        mine = [r for r in res.requests if r.sid % 3 == k]
+        assert mine, api
+        assert all(r.ttft is not None and r.extra.get("served_by") in ("r0", "r1", "r2") for r in mine), api
+        assert sum(r.cached_tokens for r in mine) > 0.3 * sum(r.prompt_tokens for r in mine), api

@@ -328,8 +328,14 @@ def test_the_agents_sdks_converse_through_warmroute_with_real_engines(fleet):
         assert (got.id, got.status) == (first.id, first.status)
         with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
             o.responses.cancel(prev.id)  # the holder's own answer; any other engine: not found
+        # a background response, polled with its replica drained too
+        bg = o.responses.create(model=MODEL, input="in the background " * 20, max_output_tokens=8, background=True)
+        bg_home = names[parse_minted(bg.id)[0]]
+        fleet.admin_post(f"/replicas/{bg_home}/drain")
+        wait_for(lambda: o.responses.retrieve(bg.id).status not in ("queued", "in_progress"), 60, "background")
     finally:
-        fleet.admin_post(f"/replicas/{home}/undrain")
+        for name in {home, locals().get("bg_home", home)}:
+            fleet.admin_post(f"/replicas/{name}/undrain")
 
 
 def test_the_real_servers_openapi_is_the_path_catalog(fleet):

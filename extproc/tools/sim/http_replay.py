@@ -23,6 +23,8 @@ import aiohttp
 
 from .workload import Request, Workload, WorkloadConfig, text_for
 
+REPLICA_HEADER = "x-mock-replica"  # the mock's name on its answers (not vLLM's; for benchmarks)
+
 
 @dataclass
 class ReplayResult:
@@ -48,18 +50,53 @@ def system_texts(n_projects: int, tokens: list[int], seed: int) -> list[str]:
     return out
 
 
+APIS = ("chat", "messages", "responses")
+
+
+def _request(api: str, model: str, req: Request, system: str, user: str) -> tuple[str, dict]:
+    """The path and body of one turn in ``api``'s shape (the same conversation text in each)."""
+    if api == "messages":  # Anthropic Messages
+        return "/v1/messages", {"model": model, "max_tokens": req.max_tokens, "stream": True, "system": system,
+                                "messages": [{"role": "user", "content": user}]}
+    if api == "responses":  # OpenAI Responses, stateless: the conversation sent whole, as chat sends it
+        return "/v1/responses", {"model": model, "max_output_tokens": req.max_tokens, "stream": True,
+                                 "instructions": system, "input": user, "store": False}
+    return "/v1/chat/completions", {"model": model, "stream": True, "max_tokens": req.max_tokens,
+                                    "stream_options": {"include_usage": True},
+                                    "messages": [{"role": "system", "content": system},
+                                                 {"role": "user", "content": user}]}
+
+
+def _read_event(chunk: dict) -> tuple[bool, int | None]:
+    """(the event carries generated text, the cached prompt tokens it reports or None) for any of the APIs."""
+    kind = chunk.get("type")
+    if kind == "content_block_delta":
+        return bool((chunk.get("delta") or {}).get("text")), None
+    if kind == "message_delta":
+        return False, (chunk.get("usage") or {}).get("cache_read_input_tokens") or 0
+    if kind == "response.output_text.delta":
+        return bool(chunk.get("delta")), None
+    if kind == "response.completed":
+        usage = (chunk.get("response") or {}).get("usage") or {}
+        return False, (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
+    usage = chunk.get("usage")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 if usage else None
+    return bool(chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content")), cached
+
+
 async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[str], model: "str | Callable",
-               res: ReplayResult, t0: float, timeout: float, extra_headers: "Callable | None" = None) -> None:
+               res: ReplayResult, t0: float, timeout: float, extra_headers: "Callable | None" = None,
+               api: "str | Callable[[Request], str]" = "chat") -> None:
     system, user = text_for(req, texts)
-    body = {"model": model if isinstance(model, str) else model(req), "stream": True, "max_tokens": req.max_tokens, "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    path, body = _request(api if isinstance(api, str) else api(req), model if isinstance(model, str) else model(req),
+                          req, system, user)
     headers = {} if req.oneshot else {"x-session-id": f"sess-{req.sid}"}
     if extra_headers is not None:
         headers.update(extra_headers(req))
     start = time.monotonic()
     res.sent += 1
     try:
-        async with http.post(url + "/v1/chat/completions", json=body, headers=headers,
+        async with http.post(url + path, json=body, headers=headers,
                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 await r.read()
@@ -71,17 +108,18 @@ async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 chunk = json.loads(line[6:])
-                usage = chunk.get("usage")
-                if usage:  # the last chunk: what the replica cached, and (a mock) what its engine alone took
-                    req.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                text, cached = _read_event(chunk)
+                if cached is not None:  # the last event: what the replica cached, and (a mock) what its engine took
+                    req.cached_tokens = cached
                     req.extra["engine"] = chunk.get("x_mock_engine")
-                fp = chunk.get("system_fingerprint")
+                # who served: chat's system_fingerprint, or the mock's header on the other APIs (no engine says)
+                fp = chunk.get("system_fingerprint") or r.headers.get(REPLICA_HEADER)
                 if fp and req.replica is None:
                     req.extra["served_by"] = fp
                     res.served_by[fp] = res.served_by.get(fp, 0) + 1
                     res.timeline.append((start - t0, fp))
                     req.replica = -1
-                if req.ttft is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                if req.ttft is None and text:
                     req.ttft = time.monotonic() - start
             req.e2e = time.monotonic() - start
             res.answered += 1
@@ -92,9 +130,11 @@ async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[
 
 async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 10.0,
                  model: "str | Callable[[Request], str]" = "mock-coder-30b", timeout: float = 300.0,
-                 concurrency_limit: int = 512, extra_headers: "Callable[[Request], dict] | None" = None) -> ReplayResult:
+                 concurrency_limit: int = 512, extra_headers: "Callable[[Request], dict] | None" = None,
+                 api: "str | Callable[[Request], str]" = "chat") -> ReplayResult:
     """Run the workload of ``cfg`` (its minutes divided by ``speedup``) against ``url``. ``model``: one name, or
-    each request's (a fleet of several models); ``extra_headers``: each request's more headers."""
+    each request's (a fleet of several models); ``extra_headers``: each request's more headers; ``api``: the API
+    every request speaks (``APIS``), or each request's (a session keeps one, as a client does)."""
     wl = Workload(cfg, seed)
     texts = system_texts(cfg.projects, wl.system_tokens, seed)
     res = ReplayResult()
@@ -110,14 +150,14 @@ async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 
                 if req is None:
                     return
                 res.requests.append(req)
-                await _one(http, url, req, texts, model, res, t0, timeout, extra_headers)
+                await _one(http, url, req, texts, model, res, t0, timeout, extra_headers, api)
                 think = wl.after_answer(s, req) / speedup
                 await asyncio.sleep(think)
 
         async def oneshot(start_at: float, req: Request) -> None:
             await asyncio.sleep(max(0.0, start_at - (time.monotonic() - t0)))
             res.requests.append(req)
-            await _one(http, url, req, texts, model, res, t0, timeout, extra_headers)
+            await _one(http, url, req, texts, model, res, t0, timeout, extra_headers, api)
 
         # sessions and one-shots are drawn up front, in arrival order: every contender gets the same stream
         jobs = []

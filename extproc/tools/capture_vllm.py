@@ -36,6 +36,10 @@ HISTORY = [
 ERRORS = {
     "unknown-model": ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}),
     "messages-not-a-list": ("/v1/chat/completions", {"model": "{model}", "messages": "x"}),
+    # what the mock refuses itself: a max_tokens that is no number, a prompt longer than the model reads
+    "max-tokens-not-a-number": ("/v1/chat/completions", {"model": "{model}", "max_tokens": "many",
+                                                         "messages": [{"role": "user", "content": "x"}]}),
+    "prompt-too-long": ("/v1/completions", {"model": "{model}", "max_tokens": 8, "prompt": "word " * 20000}),
     # the agents' APIs: Anthropic's error shape on /v1/messages; a stored response this replica does not hold
     "anthropic-unknown-model": ("/v1/messages", {"model": "no-such-model", "max_tokens": 8,
                                                  "messages": [{"role": "user", "content": "x"}]}),

@@ -247,6 +247,8 @@ class MockReplica:
                                   prefix_caching=getattr(args, "prefix_caching", "on") == "on", max_loras=max_loras,
                                   lora_load_s=getattr(args, "lora_load_s", 0.0) if self.adapters else 0.0)
         self.dp = max(1, getattr(args, "data_parallel", 1))
+        # vLLM's --max-model-len: the longest prompt + output one request may have (default here: the KV cache's size)
+        self.max_model_len = getattr(args, "max_model_len", None) or self.engine_cfg.kv_tokens
         self.store = ResponseStore() if getattr(args, "responses_store", False) else None
         self.background: dict[str, asyncio.Task] = {}  # background responses still generating, by id
         self.drivers = [self._driver(k) for k in range(self.dp)]
@@ -257,7 +259,7 @@ class MockReplica:
         cache = CacheInfo(16, self.engine_cfg.num_blocks, self.engine_cfg.prefix_caching)
         self.exporter = Exporter(self.dialect if self.dialect != "none" else "vllm", self.model, self.dp, cache,
                                  tp=getattr(args, "tp", 1), all_ranks=getattr(args, "metrics_all_ranks", False),
-                                 max_model_len=self.engine_cfg.kv_tokens, max_loras=max_loras)
+                                 max_model_len=self.max_model_len, max_loras=max_loras)
         self._logged: list[tuple[int, int, int, float]] = [(0, 0, 0, 0.0)] * self.dp  # SGLang: last stats log
         # not an engine's metric: how late the mock's event loop delivered first tokens (wall seconds), so a
         # benchmark can tell the engine's time from the mock's own overhead; and the engine's true speeds
@@ -362,7 +364,7 @@ class MockReplica:
                         "is_blocking": False}]}
 
         return web.json_response({"object": "list", "data": [
-            card(self.model, self.model, None, self.engine_cfg.kv_tokens),
+            card(self.model, self.model, None, self.max_model_len),
             *(card(a, f"/adapters/{a}", self.model, None) for a in self.adapters)]})
 
     # ---- what other routers ask of a replica (vllm-router, sglang-router) --------------------
@@ -382,7 +384,7 @@ class MockReplica:
             return _error(400, "expected a JSON object")
         text = _prompt_text(doc)
         ids = text_token_ids(text)
-        return web.json_response({"count": len(ids), "max_model_len": self.engine_cfg.kv_tokens, "tokens": ids})
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
 
     async def render(self, request: web.Request) -> web.Response:
         doc = await _json_object(request)
@@ -494,6 +496,11 @@ class MockReplica:
         rank = request.headers.get("X-data-parallel-rank")  # vLLM and SGLang read it case-insensitively
         if rank is not None and not (rank.isdigit() and int(rank) < self.dp):
             return _error(400, f"X-data-parallel-rank {rank[:20]!r} is not a rank of this server's {self.dp} engines")
+        if prompt_tokens > self.max_model_len:  # vLLM's renderer refuses it before the engine sees it
+            return _error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                          f"prompt contains at least {prompt_tokens} input tokens, which exceeds this limit even without "
+                          "any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                          f"value={prompt_tokens})", "BadRequestError", "input_tokens")
         if not self.driver.engine.fits(prompt_tokens, max_tokens):
             return _error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
         stream = bool(doc.get("stream")) and not embed
@@ -742,6 +749,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speed", type=float, default=1.0, help="prefill and decode speed against the default engine "
                     "(0.5: a GPU half as fast); exported cache size and rates follow")
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    ap.add_argument("--max-model-len", type=int, default=None, help="the longest request it reads (vLLM's flag; "
+                    "default: the KV cache's size); a longer prompt is vLLM's 400")
     ap.add_argument("--default-max-tokens", type=int, default=64)
     ap.add_argument("--speedup", type=float, default=1.0, help="divide every engine step time by this")
     ap.add_argument("--decode-horizon-s", type=float, default=DECODE_HORIZON_S,

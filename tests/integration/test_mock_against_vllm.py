@@ -71,7 +71,8 @@ def mock():
 
     s = Stack(0)
     try:
-        r = s.start_replica("m0", extra=["--lora-adapters", ",".join(ADAPTERS), "--max-loras", "2"])
+        r = s.start_replica("m0", extra=["--lora-adapters", ",".join(ADAPTERS), "--max-loras", "2",
+                                         "--max-model-len", "8192"])  # as the capture's engine (make engines)
         for path, doc in HISTORY:
             status, _ = send(r.url, path, doc, MODEL)
             assert status == 200, path

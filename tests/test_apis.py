@@ -96,10 +96,11 @@ def test_the_messages_session_is_metadata_user_id_unless_a_header_names_one():
 
 def test_a_responses_follow_up_belongs_to_its_conversation_and_names_the_response_it_follows():
     first = _profile("/v1/responses", {"model": "m", "instructions": SYSTEM, "input": "hello"})
-    assert first.stored_ref is None and first.response_root is None and first.session_key is None
+    assert first.stored_ref is None and first.session_source == "body:response"
     r1 = mint_response_id("r1", first.response_root)
     second = _profile("/v1/responses", {"model": "m", "input": "more", "previous_response_id": r1})
     assert second.stored_ref == r1 and second.session_source == "body:previous_response_id"
+    assert second.session_key == first.session_key and second.response_root == first.response_root
     r2 = mint_response_id("r2", second.response_root)
     third = _profile("/v1/responses", {"model": "m", "input": "again", "previous_response_id": r2})
     assert third.session_key == second.session_key and third.response_root == conversation_root(r1)
@@ -196,3 +197,40 @@ def test_the_brain_s_own_errors_on_the_messages_paths_are_in_anthropic_s_shape()
             "type": "NotFoundError", "message": "The model `nope` does not exist. Valid aliases: coder."}}
     out = brain.decide({":path": "/v1/chat/completions"}, orjson.dumps({"model": "nope", "messages": []}))
     assert json.loads(out.immediate_response.body)["error"]["param"] == "model"
+
+
+def test_the_seed_policy_sends_what_follows_a_stored_response_to_its_replica_too():
+    reps = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]
+    brain = live_brain(parse_config({"replicas": reps, "routing": {"policy": "seed"}}))
+    for k in range(6):
+        out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": f"c{k}"}))
+        rid, home = json.loads(out.request_body.response.body_mutation.body)["request_id"], _cluster(out)
+        brain.router.drain(home)
+        try:
+            follow = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
+                                                                             "previous_response_id": rid}))
+            assert _cluster(follow) == home
+        finally:
+            brain.router.drain(home, False)
+
+
+def test_a_follow_up_s_chain_continues_the_conversation_the_engine_stored():
+    """The body of a follow-up carries only its new input; the engine prepends the stored conversation. The chain
+    (what the prefix index and the cached-token prediction read) and the token estimate continue the earlier
+    turns', so the replica holding them is priced for the new part only."""
+    chains = ChainCache()
+    first = _profile("/v1/responses", {"model": "m", "instructions": SYSTEM, "input": "hello " * 200}, chains=chains)
+    t1 = list(first.blocks)
+    rid = mint_response_id("r1", first.response_root)
+    new = "next step " * 60
+    second = _profile("/v1/responses", {"model": "m", "instructions": SYSTEM, "input": new,
+                                        "previous_response_id": rid}, chains=chains)
+    assert second.blocks[:len(t1)] == t1 and len(second.blocks) > len(t1)
+    alone = _profile("/v1/responses", {"model": "m", "instructions": SYSTEM, "input": new,
+                                       "previous_response_id": mint_response_id("r1", None)}, chains=ChainCache())
+    assert second.tokens > alone.tokens + 0.8 * first.tokens
+    # with a session header the conversation is found by it
+    h = {"x-session-id": "s"}
+    a = _profile("/v1/responses", {"model": "m", "input": "hello " * 200}, h, chains=chains)
+    b = _profile("/v1/responses", {"model": "m", "input": new, "previous_response_id": rid}, h, chains=chains)
+    assert b.blocks[:len(a.blocks)] == list(a.blocks)

@@ -117,9 +117,10 @@ def _responses_conversation(doc: Mapping[str, Any]) -> tuple[str, Any, list]:
     return (system if isinstance(system, str) else ""), doc.get("tools"), out
 
 
-def conversation_bytes(api: Api, doc: Mapping[str, Any]) -> bytes | None:
+def conversation_bytes(api: Api, doc: Mapping[str, Any], follows: bool = False) -> bytes | None:
     """The conversation of a Messages or Responses body in the engine's order (system, tools, messages), written
-    the same way for every turn; None for the other APIs, whose raw bytes already are in that order."""
+    the same way for every turn; None for the other APIs, whose raw bytes already are in that order. ``follows``:
+    the body follows a stored response, whose system and tools the engine already put first: its messages only."""
     if api is Api.MESSAGES:
         system, tools, msgs = _messages_conversation(doc)
     elif api is Api.RESPONSES:
@@ -127,6 +128,8 @@ def conversation_bytes(api: Api, doc: Mapping[str, Any]) -> bytes | None:
     else:
         return None
     try:
+        if follows:
+            return b',"messages":' + orjson.dumps(msgs)
         return b"".join((b'"system":', orjson.dumps(system), b',"tools":', orjson.dumps(tools or []),
                          b',"messages":', orjson.dumps(msgs)))
     except TypeError:  # numbers past 64 bits and the like: nothing an engine renders differently; skip them

@@ -145,6 +145,25 @@ class ChainCache:
         """Blocks held over every session (bounded by ``max_blocks``)."""
         return self._blocks
 
+    def follow(self, key: bytes, data, seed: int, end: int | None = None) -> tuple[list[int], int]:
+        """A turn that sends only what is new (a Responses follow-up: the engine prepends the conversation it
+        stored): ``key``'s last chain extended by the full blocks of ``data[:end]``, kept for the next turn.
+        Returns the chain and how many of its blocks came before (0: no earlier turn known, or another seed)."""
+        entry = self._entries.get(key)
+        before = list(entry[1]) if entry is not None and entry[0] == seed else []
+        chain = list(before)
+        extend_chain(chain, data, 0, len(data) if end is None else min(end, len(data)), chain[-1] if chain else seed)
+        self.hashed_blocks += len(chain) - len(before)
+        if entry is not None:
+            self._blocks -= len(entry[1])
+            del self._entries[key]
+        self._entries[key] = (seed, chain)
+        self._blocks += len(chain)
+        while self._entries and (len(self._entries) > self.max_sessions or self._blocks > self.max_blocks):
+            _, (_, old) = self._entries.popitem(last=False)
+            self._blocks -= len(old)
+        return chain, len(before)
+
     def chain(self, key: bytes | None, data, start: int, seed: int, end: int | None = None,
               step: int | None = None) -> list[int]:
         """Hashes of the full blocks of ``data[start:end]`` seeded by ``seed``; reuses ``key``'s last chain.

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import orjson
 
 from .apis import Api, api_of, conversation_bytes, conversation_root, session_of_messages, stored_response_id
-from .blocks import ChainCache, chain_seed
+from .blocks import BLOCK_CHARS, ChainCache, chain_seed
 from .config import ProfileConfig
 from .names import BodyStatus
 from .toplevel import UNKNOWN, model_candidates, scan_model
@@ -299,11 +299,14 @@ def build_profile(
     stored_ref = root = response_id = None
     conversation = None
     if status is BODY_OK and api in (Api.MESSAGES, Api.RESPONSES):
-        conversation = conversation_bytes(api, doc)
+        prev = doc.get("previous_response_id") if api is Api.RESPONSES else None
+        conversation = conversation_bytes(api, doc, follows=isinstance(prev, str) and bool(prev))
         if api is Api.RESPONSES:
-            prev, rid = doc.get("previous_response_id"), doc.get("request_id")
+            rid = doc.get("request_id")
             stored_ref = prev if isinstance(prev, str) and prev else None
-            root = conversation_root(stored_ref) if stored_ref else None
+            # a new conversation's root is its first turn's hash: its follow-ups find that turn's chain by it
+            root = conversation_root(stored_ref) if stored_ref else hashlib.blake2b(
+                conversation, digest_size=8).hexdigest()
             response_id = rid if isinstance(rid, str) and rid else None
     if status is BODY_OK and session_key is None:
         found = _session_from_body(doc, cfg.session_body_fields)
@@ -318,7 +321,7 @@ def build_profile(
             session_source = "body:" + found[1]
         elif root is not None:  # a follow-up belongs to the conversation of the response it continues
             session_key = hash_key("session", tenant, "response:" + root)
-            session_source = "body:previous_response_id"
+            session_source = "body:previous_response_id" if stored_ref else "body:response"
     stored = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id}
 
     blocks: list[int] = []
@@ -328,14 +331,19 @@ def build_profile(
         model, candidates = None, model_candidates(body)
     # Messages and Responses: the conversation as the engine renders it (apis.py); others: the body from its start
     data, start = (conversation, 0) if conversation is not None else (body, None)
+    earlier = 0  # bytes of the conversation the engine holds and the body does not carry (a stored response's)
     if chains is not None:
         start = _conversation_start(data) if start is None else start
-        blocks = chains.chain(session_key, data, start, chain_seed(model, tenant), start + cfg.chain_max_bytes,
-                              cfg.chain_step_bytes)
+        if stored_ref is not None and session_key is not None:  # the engine prepends what it stored
+            blocks, known = chains.follow(session_key, data, chain_seed(model, tenant), cfg.chain_step_bytes)
+            earlier = known * BLOCK_CHARS
+        else:
+            blocks = chains.chain(session_key, data, start, chain_seed(model, tenant), start + cfg.chain_max_bytes,
+                                  cfg.chain_step_bytes)
     if status is not BODY_OK or chains is not None:
         # The warm policy needs neither the prefix key nor the text-only token count: the conversation's bytes
         # estimate its tokens the same way for every body, parsed or not (JSON adds a few percent).
-        tokens = min(int((len(data) - (start or 0)) / cfg.chars_per_token), cfg.max_prompt_tokens)
+        tokens = min(int((earlier + len(data) - (start or 0)) / cfg.chars_per_token), cfg.max_prompt_tokens)
         return RequestProfile(session_key, None, tokens, status, session_source, blocks, model, candidates=candidates,
                               **stored)
 

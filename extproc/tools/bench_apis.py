@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
+import json
 import statistics
 import sys
 import tempfile
@@ -36,14 +38,23 @@ def user_turn(conversation: int, turn: int) -> str:
         " ".join(f"fix item {turn * 7 + k} of {conversation}" for k in range(12))
 
 
+async def _parsed(raw):
+    """A raw response's object (the anthropic SDK's async parse is a coroutine, openai's is not)."""
+    out = raw.parse()
+    return await out if inspect.isawaitable(out) else out
+
+
 async def _chat(client, model: str, k: int, turns: int, out_tokens: int, log: list) -> None:
     msgs = [{"role": "system", "content": SYSTEM}]
     for t in range(turns):
         msgs.append({"role": "user", "content": user_turn(k, t)})
-        r = await client.chat.completions.create(model=model, messages=msgs, max_tokens=out_tokens, temperature=0,
-                                                 extra_headers={"x-session-id": f"chat-{k}"})
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model, messages=msgs, max_tokens=out_tokens, temperature=0,
+            extra_headers={"x-session-id": f"chat-{k}"})
+        r = await _parsed(raw)
         details = r.usage.prompt_tokens_details
-        log.append((k, t, r.usage.prompt_tokens, details.cached_tokens if details else 0, None))
+        log.append((k, t, r.usage.prompt_tokens, details.cached_tokens if details else 0, None,
+                    raw.headers.get("x-request-id")))
         msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
 
 
@@ -59,10 +70,11 @@ async def _messages(client, model: str, k: int, turns: int, out_tokens: int, log
         kw = {"extra_headers": {"x-session-id": f"messages-{k}"}} if by_header else \
             {"metadata": {"user_id": f"user_0_account_0_session_{k}"}}
         # the SDK (2.x) has no temperature parameter any more; vLLM's Messages request still reads one
-        r = await client.messages.create(model=model, max_tokens=out_tokens, system=SYSTEM, messages=msgs,
-                                         extra_body={"temperature": 0}, **kw)
+        raw = await client.messages.with_raw_response.create(model=model, max_tokens=out_tokens, system=SYSTEM,
+                                                             messages=msgs, extra_body={"temperature": 0}, **kw)
+        r = await _parsed(raw)
         cached = r.usage.cache_read_input_tokens or 0
-        log.append((k, t, r.usage.input_tokens + cached, cached, None))
+        log.append((k, t, r.usage.input_tokens + cached, cached, None, raw.headers.get("x-request-id")))
         text = "".join(b.text for b in r.content if b.type == "text")
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
 
@@ -71,12 +83,13 @@ async def _responses(client, model: str, k: int, turns: int, out_tokens: int, lo
     prev = None
     headers = {"x-session-id": f"responses-{k}"} if k % 2 == 0 else {}
     for t in range(turns):
-        r = await client.responses.create(model=model, instructions=SYSTEM, input=user_turn(k, t),
-                                          previous_response_id=prev.id if prev else None, temperature=0,
-                                          max_output_tokens=out_tokens, extra_headers=headers)
+        raw = await client.responses.with_raw_response.create(
+            model=model, instructions=SYSTEM, input=user_turn(k, t), previous_response_id=prev.id if prev else None,
+            temperature=0, max_output_tokens=out_tokens, extra_headers=headers)
+        r = await _parsed(raw)
         details = r.usage.input_tokens_details
-        log.append((k, t, r.usage.input_tokens, details.cached_tokens if details else 0, (prev.id if prev else None,
-                                                                                        r.id)))
+        log.append((k, t, r.usage.input_tokens, details.cached_tokens if details else 0,
+                    (prev.id if prev else None, r.id), raw.headers.get("x-request-id")))
         prev = r
 
 
@@ -116,7 +129,7 @@ def holders_kept(log: list) -> tuple[int, int]:
     from ..core.apis import parse_minted
 
     ok = total = 0
-    for *_, ids in log:
+    for *_, ids, _ in log:
         if ids and ids[0]:
             total += 1
             a, b = parse_minted(ids[0]), parse_minted(ids[1])
@@ -128,7 +141,7 @@ def per_turn(log: list, turns: int) -> list[tuple[float, float]]:
     """Per turn: mean prompt tokens and mean cached tokens over the conversations."""
     out = []
     for t in range(turns):
-        rows = [(p, c) for (_, tt, p, c, _) in log if tt == t]
+        rows = [(p, c) for (_, tt, p, c, *_) in log if tt == t]
         out.append((statistics.fmean(p for p, _ in rows) if rows else float("nan"),
                     statistics.fmean(c for _, c in rows) if rows else float("nan")))
     return out
@@ -136,8 +149,19 @@ def per_turn(log: list, turns: int) -> list[tuple[float, float]]:
 
 def cache_lost(log: list) -> int:
     """Follow-ups whose engine-reported cached tokens were under half the previous turn's prompt."""
-    prompts = {(k, t): p for (k, t, p, _, _) in log}
-    return sum(1 for (k, t, _, c, _) in log if t and (k, t - 1) in prompts and c < 0.5 * prompts[(k, t - 1)])
+    prompts = {(k, t): p for (k, t, p, *_) in log}
+    return sum(1 for (k, t, _, c, *_) in log if t and (k, t - 1) in prompts and c < 0.5 * prompts[(k, t - 1)])
+
+
+def predicted_within_a_block(log: list, predicted: dict[str, int], block: int = 128) -> tuple[int, int]:
+    """(follow-ups whose brain-predicted cached tokens were within one engine block, or 5% of the prompt, of what
+    the engine reported; follow-ups with a decision found)."""
+    ok = total = 0
+    for (k, t, prompt, cached, _, rid) in log:
+        if t and rid in predicted:
+            total += 1
+            ok += abs(predicted[rid] - cached) <= max(block, 0.05 * prompt)
+    return ok, total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                 results[api] = asyncio.run(run_api(api, s.url, model, args.conversations, args.turns,
                                                    args.output_tokens))
                 r = results[api]
+                r["predicted"] = {}
+                for row in r["log"]:  # what the brain predicted for each request (GET /decisions)
+                    got = json.loads(s.admin_get(f"/decisions?request_id={row[5]}"))["decisions"] if row[5] else []
+                    if got and got[-1]["predicted_cached_tokens"] is not None:
+                        r["predicted"][row[5]] = got[-1]["predicted_cached_tokens"]
                 print(f"{api}: {len(r['log'])} requests in {r['seconds']:.0f} s, {len(r['errors'])} client errors"
                       + (f" (first: {r['errors'][0]})" if r["errors"] else ""), flush=True)
     turns = {api: per_turn(results[api]["log"], args.turns) for api in APIS}
@@ -186,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         for a in ("messages", "responses")))
     print("follow-ups that found less than half their conversation cached (the session moved, or was evicted): " +
           ", ".join(f"{a} {cache_lost(results[a]['log'])}" for a in APIS))
+    print("follow-ups whose predicted cached tokens were within one engine block (or 5%) of the engine's: " +
+          ", ".join("{} {}/{}".format(a, *predicted_within_a_block(results[a]["log"], results[a]["predicted"]))
+                    for a in APIS))
     ok, total = holders_kept(results["responses"]["log"])
     errors = sum(len(results[a]["errors"]) for a in APIS)
     print(f"\nclient errors: {errors}; Responses follow-ups on the replica holding their response: {ok}/{total}")

@@ -154,15 +154,20 @@ class ChainCache:
         chain = list(before)
         extend_chain(chain, data, 0, len(data) if end is None else min(end, len(data)), chain[-1] if chain else seed)
         self.hashed_blocks += len(chain) - len(before)
+        self._keep(key, entry, seed, chain, len(entry[1]) if entry is not None else 0)
+        return chain, len(before)
+
+    def _keep(self, key: bytes, entry, seed: int, chain: list[int], counted: int) -> None:
+        """``chain`` as ``key``'s newest (``counted``: the blocks its old entry was counted for), the least recently
+        used sessions forgotten past the bounds."""
         if entry is not None:
-            self._blocks -= len(entry[1])
+            self._blocks -= counted
             del self._entries[key]
         self._entries[key] = (seed, chain)
         self._blocks += len(chain)
         while self._entries and (len(self._entries) > self.max_sessions or self._blocks > self.max_blocks):
             _, (_, old) = self._entries.popitem(last=False)
             self._blocks -= len(old)
-        return chain, len(before)
 
     def chain(self, key: bytes | None, data, start: int, seed: int, end: int | None = None,
               step: int | None = None) -> list[int]:
@@ -192,13 +197,6 @@ class ChainCache:
             end = min(end, done + step)
         extend_chain(chain, data, done, end, state)
         self.hashed_blocks += len(chain) - before
-        if key is not None:
-            if entry is not None:
-                self._blocks -= len(entry[1]) if entry[1] is not chain else before
-                del self._entries[key]
-            self._entries[key] = (seed, chain)
-            self._blocks += len(chain)
-            while self._entries and (len(self._entries) > self.max_sessions or self._blocks > self.max_blocks):
-                _, (_, old) = self._entries.popitem(last=False)
-                self._blocks -= len(old)
+        if key is not None:  # an entry extended in place was counted for its length before
+            self._keep(key, entry, seed, chain, 0 if entry is None else len(entry[1]) if entry[1] is not chain else before)
         return chain

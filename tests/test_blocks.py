@@ -158,3 +158,20 @@ def test_C2_a_next_turn_that_rewrites_only_the_previous_bodys_json_tail_reuses_i
     reused = cache.reused_blocks
     assert cache.chain(b"s", b, 0, seed) == block_hashes(b, seed)
     assert cache.reused_blocks - reused >= len(old) - 4  # all but its tail, instead of hashing from the start
+
+
+def test_the_chain_cache_counts_exactly_what_it_holds_through_turns_and_follow_ups():
+    cache = ChainCache(max_sessions=4, max_blocks=400)
+    rng = __import__("random").Random(3)
+    texts = {k: b"" for k in range(6)}
+    for step in range(200):
+        k = rng.randrange(6)
+        key = f"s{k}".encode()
+        new = bytes([k + 1]) * rng.randrange(0, 5 * BLOCK_CHARS)
+        if rng.random() < 0.3:
+            cache.follow(key, new, 0)
+        else:
+            texts[k] += new
+            cache.chain(key, texts[k], 0, 0)
+        assert cache.blocks == sum(len(c) for _, c in cache._entries.values()), step
+        assert len(cache) <= 4 and cache.blocks <= 400

@@ -234,3 +234,16 @@ def test_a_follow_up_s_chain_continues_the_conversation_the_engine_stored():
     a = _profile("/v1/responses", {"model": "m", "input": "hello " * 200}, h, chains=chains)
     b = _profile("/v1/responses", {"model": "m", "input": new, "previous_response_id": rid}, h, chains=chains)
     assert b.blocks[:len(a.blocks)] == list(a.blocks)
+
+
+def test_as_an_endpoint_picker_the_brain_picks_the_replica_holding_the_response_first():
+    brain = _brain()
+    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
+    rid, home = json.loads(out.request_body.response.body_mutation.body)["request_id"], _cluster(out)
+    for headers, body in (({":path": "/v1/responses/" + rid, ":method": "GET"}, None),
+                          ({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
+                                                                     "previous_response_id": rid}))):
+        p = brain.pick(headers, body, None)
+        assert p.endpoints[0] == brain.endpoint_of[home]
+    gone = brain.pick({":path": "/v1/responses/" + mint_response_id("r9", None), ":method": "GET"}, None, None)
+    assert gone.endpoints == [] and gone.immediate.immediate_response.status.code == 404

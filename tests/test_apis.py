@@ -167,6 +167,9 @@ def test_the_brain_names_each_new_response_after_its_replica_and_sends_what_foll
             if body:  # the follow-up's own response lives there too
                 assert parse_minted(json.loads(out.request_body.response.body_mutation.body)["request_id"])[0] \
                     == replica_tag(home)
+    # a response that will not be stored is sent as the client wrote it
+    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x", "store": False}))
+    assert not out.request_body.response.HasField("body_mutation")
     # a client's own id: remembered where it went
     out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x", "request_id": "mine"}))
     assert not out.request_body.response.HasField("body_mutation")

@@ -19,7 +19,7 @@ from ..config import AppConfig, ConfigError, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
 from ..core.models import ModelCatalog
-from ..core.apis import Api, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
+from ..core.apis import Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
 from ..core.names import BodyStatus, Reason
 from ..core.profile import replace_model
 from ..envoy_config import CdsFile
@@ -177,7 +177,7 @@ class Brain:
             profile = dataclasses.replace(profile, adapter=res.model)
         d = r.select(profile, now, only, holder)
         d.model, d.rewrite_model = res.model, res.rewritten
-        if profile.api is Api.RESPONSES and d.replica is not None and profile.body_status is BodyStatus.OK:
+        if profile.stores_response and d.replica is not None:  # "store": false: nothing to find later, no rewrite
             if profile.response_id is not None:  # the client named it: remember where it will live
                 self.response_homes.record(profile.response_id, d.replica.name, now)
             else:  # the brain names it, and the name says where it lives

@@ -53,6 +53,7 @@ class RequestProfile:
     stored_ref: str | None = None  # the stored response it follows (previous_response_id) or reads (the path's id)
     response_root: str | None = None  # the conversation of that stored response (its minted id carries it)
     response_id: str | None = None  # the id the client chose for the response it creates (vLLM's request_id)
+    stores_response: bool = False  # a Responses create that may be stored (not "store": false): its id is minted
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
@@ -322,7 +323,8 @@ def build_profile(
         elif root is not None:  # a follow-up belongs to the conversation of the response it continues
             session_key = hash_key("session", tenant, "response:" + root)
             session_source = "body:previous_response_id" if stored_ref else "body:response"
-    stored = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id}
+    stored = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id,
+              "stores_response": api is Api.RESPONSES and status is BODY_OK and doc.get("store") is not False}
 
     blocks: list[int] = []
     candidates = None

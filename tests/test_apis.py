@@ -250,3 +250,10 @@ def test_as_an_endpoint_picker_the_brain_picks_the_replica_holding_the_response_
         assert p.endpoints[0] == brain.endpoint_of[home]
     gone = brain.pick({":path": "/v1/responses/" + mint_response_id("r9", None), ":method": "GET"}, None, None)
     assert gone.endpoints == [] and gone.immediate.immediate_response.status.code == 404
+
+
+def test_two_users_identical_first_turns_are_two_conversations():
+    doc = {"model": "m", "instructions": SYSTEM, "input": "hello"}
+    a = _profile("/v1/responses", doc, {"x-request-id": "r-1"})
+    b = _profile("/v1/responses", doc, {"x-request-id": "r-2"})
+    assert a.response_root != b.response_root and a.session_key != b.session_key

@@ -175,3 +175,10 @@ def test_the_chain_cache_counts_exactly_what_it_holds_through_turns_and_follow_u
             cache.chain(key, texts[k], 0, 0)
         assert cache.blocks == sum(len(c) for _, c in cache._entries.values()), step
         assert len(cache) <= 4 and cache.blocks <= 400
+
+
+def test_a_follow_up_chain_stops_at_its_bound_like_a_conversation_s():
+    cache = ChainCache()
+    for _ in range(10):
+        chain, before = cache.follow(b"s", b"y" * (10 * BLOCK_CHARS), 0, max_len=25)
+    assert len(chain) == 25 and before == 25

@@ -65,6 +65,13 @@ def _deep(depth: int) -> bytes:
     return b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
 
 
+def _deep_blocks(depth: int) -> bytes:
+    inner = b'"x"'
+    for _ in range(depth):
+        inner = b'[{"type":"tool_result","cache_control":{},"content":' + inner + b"}]"
+    return b'{"model":"m","system":"s","previous_response_id":"resp_1","input":' + inner + b',"messages":[{"role":"user","content":' + inner + b"}]}"
+
+
 raw_bodies = st.one_of(
     chat_body.map(orjson.dumps),
     json_values.map(lambda v: json.dumps(v).encode()),
@@ -77,12 +84,17 @@ raw_bodies = st.one_of(
     chat_body.map(lambda d: zlib.compress(orjson.dumps(d))[: len(orjson.dumps(d)) // 2]),
     st.just(b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),  # a lone surrogate escape
     st.just(b"\xef\xbb\xbf" + b'{"messages": []}'),  # a BOM
+    st.integers(1, 3_000).map(_deep_blocks),  # Messages content blocks nested in tool results
 )
 header_values = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
 headers = st.dictionaries(
     st.sampled_from(["x-session-id", "x-kilo-session", "x-conversation-id", "x-warmroute-tenant", "x-request-id",
                      "content-encoding", "authorization"]),
-    header_values, max_size=5)
+    header_values, max_size=5) | st.tuples(
+    st.dictionaries(st.sampled_from(["x-session-id", "x-request-id"]), header_values, max_size=2),
+    # every API reads the body its own way (core/apis.py)
+    st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+                     "/v1/responses/resp_1", "/v1/responses/resp_1/cancel"])).map(lambda t: {**t[0], ":path": t[1]})
 
 
 def _live_brain(policy: str):

@@ -70,19 +70,22 @@ def stored_response_id(path: str) -> str | None:
 
 # --- the conversation as the engine renders it ---------------------------------------------------------------
 
-def _block(block: Any) -> Any:
+_MAX_DEPTH = 16  # blocks nested in blocks (tool results); a client's deeper nesting is kept as sent
+
+
+def _block(block: Any, depth: int = 0) -> Any:
     """A content block as the template reads it: a text block is its text; another block (tool use, tool result,
     image) keeps its fields but not ``cache_control``, a hint to Anthropic's cache that vLLM never renders."""
-    if isinstance(block, dict):
+    if isinstance(block, dict) and depth < _MAX_DEPTH:
         if block.get("type") in ("text", "input_text", "output_text") and isinstance(block.get("text"), str):
             return block["text"]
-        return {k: (_content(v) if k == "content" else v) for k, v in block.items() if k != "cache_control"}
+        return {k: (_content(v, depth + 1) if k == "content" else v) for k, v in block.items() if k != "cache_control"}
     return block
 
 
-def _content(content: Any) -> Any:
-    if isinstance(content, list):
-        parts = [_block(b) for b in content]
+def _content(content: Any, depth: int = 0) -> Any:
+    if isinstance(content, list) and depth < _MAX_DEPTH:
+        parts = [_block(b, depth) for b in content]
         if all(isinstance(p, str) for p in parts):
             return "".join(parts)
         return parts
@@ -121,18 +124,17 @@ def conversation_bytes(api: Api, doc: Mapping[str, Any], follows: bool = False) 
     """The conversation of a Messages or Responses body in the engine's order (system, tools, messages), written
     the same way for every turn; None for the other APIs, whose raw bytes already are in that order. ``follows``:
     the body follows a stored response, whose system and tools the engine already put first: its messages only."""
-    if api is Api.MESSAGES:
-        system, tools, msgs = _messages_conversation(doc)
-    elif api is Api.RESPONSES:
-        system, tools, msgs = _responses_conversation(doc)
-    else:
+    if api not in (Api.MESSAGES, Api.RESPONSES):
         return None
+    system = ""
     try:
+        system, tools, msgs = (_messages_conversation if api is Api.MESSAGES else _responses_conversation)(doc)
         if follows:
             return b',"messages":' + orjson.dumps(msgs)
         return b"".join((b'"system":', orjson.dumps(system), b',"tools":', orjson.dumps(tools or []),
                          b',"messages":', orjson.dumps(msgs)))
-    except TypeError:  # numbers past 64 bits and the like: nothing an engine renders differently; skip them
+    except (TypeError, RecursionError):
+        # numbers past 64 bits, nesting past orjson's 254 levels: nothing an engine renders differently; skip them
         return b'"system":' + orjson.dumps(system)
 
 

@@ -145,14 +145,19 @@ class ChainCache:
         """Blocks held over every session (bounded by ``max_blocks``)."""
         return self._blocks
 
-    def follow(self, key: bytes, data, seed: int, end: int | None = None) -> tuple[list[int], int]:
+    def follow(self, key: bytes, data, seed: int, end: int | None = None,
+               max_len: int | None = None) -> tuple[list[int], int]:
         """A turn that sends only what is new (a Responses follow-up: the engine prepends the conversation it
-        stored): ``key``'s last chain extended by the full blocks of ``data[:end]``, kept for the next turn.
-        Returns the chain and how many of its blocks came before (0: no earlier turn known, or another seed)."""
+        stored): ``key``'s last chain extended by the full blocks of ``data[:end]``, at most ``max_len`` blocks in
+        all (as a chat conversation's chain stops at chain_max_bytes), kept for the next turn. Returns the chain
+        and how many of its blocks came before (0: no earlier turn known, or another seed)."""
         entry = self._entries.get(key)
         before = list(entry[1]) if entry is not None and entry[0] == seed else []
         chain = list(before)
-        extend_chain(chain, data, 0, len(data) if end is None else min(end, len(data)), chain[-1] if chain else seed)
+        end = len(data) if end is None else min(end, len(data))
+        if max_len is not None:
+            end = min(end, max(0, max_len - len(chain)) * BLOCK_CHARS)
+        extend_chain(chain, data, 0, end, chain[-1] if chain else seed)
         self.hashed_blocks += len(chain) - len(before)
         self._keep(key, entry, seed, chain, len(entry[1]) if entry is not None else 0)
         return chain, len(before)

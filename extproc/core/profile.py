@@ -305,9 +305,11 @@ def build_profile(
         if api is Api.RESPONSES:
             rid = doc.get("request_id")
             stored_ref = prev if isinstance(prev, str) and prev else None
-            # a new conversation's root is its first turn's hash: its follow-ups find that turn's chain by it
+            # a new conversation's root: its first turn and Envoy's request id, hashed (two users' identical first
+            # turns are two conversations); its follow-ups find that turn's chain by it
             root = conversation_root(stored_ref) if stored_ref else hashlib.blake2b(
-                conversation, digest_size=8).hexdigest()
+                conversation + headers.get("x-request-id", "").encode("utf-8", "surrogatepass"),
+                digest_size=8).hexdigest()
             response_id = rid if isinstance(rid, str) and rid else None
     if status is BODY_OK and session_key is None:
         found = _session_from_body(doc, cfg.session_body_fields)
@@ -337,7 +339,8 @@ def build_profile(
     if chains is not None:
         start = _conversation_start(data) if start is None else start
         if stored_ref is not None and session_key is not None:  # the engine prepends what it stored
-            blocks, known = chains.follow(session_key, data, chain_seed(model, tenant), cfg.chain_step_bytes)
+            blocks, known = chains.follow(session_key, data, chain_seed(model, tenant), cfg.chain_step_bytes,
+                                          cfg.chain_max_bytes // BLOCK_CHARS)
             earlier = known * BLOCK_CHARS
         else:
             blocks = chains.chain(session_key, data, start, chain_seed(model, tenant), start + cfg.chain_max_bytes,

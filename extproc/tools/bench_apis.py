@@ -73,8 +73,9 @@ async def _messages(client, model: str, k: int, turns: int, out_tokens: int, log
         raw = await client.messages.with_raw_response.create(model=model, max_tokens=out_tokens, system=SYSTEM,
                                                              messages=msgs, extra_body={"temperature": 0}, **kw)
         r = await _parsed(raw)
-        cached = r.usage.cache_read_input_tokens or 0
-        log.append((k, t, r.usage.input_tokens + cached, cached, None, raw.headers.get("x-request-id")))
+        cached = r.usage.cache_read_input_tokens or 0  # the prompt: input + cache read + cache creation
+        prompt = r.usage.input_tokens + cached + (r.usage.cache_creation_input_tokens or 0)
+        log.append((k, t, prompt, cached, None, raw.headers.get("x-request-id")))
         text = "".join(b.text for b in r.content if b.type == "text")
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
 
@@ -110,7 +111,8 @@ async def run_api(api: str, url: str, model: str, conversations: int, turns: int
         try:
             await run(client, model, k, turns, out_tokens, log)
         except Exception as e:  # a client error ends that conversation; it is counted, not raised
-            errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+            # its kind and status only: an engine's error message may quote the request (vLLM's validation errors do)
+            errors.append(f"{type(e).__name__} {getattr(e, 'status_code', '')}".strip())
 
     t0 = time.monotonic()
     await asyncio.gather(*(one(k) for k in range(conversations)))

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..core.apis import response_not_found_body
 
+BLOCK_TOKENS = 16  # the mock's prefix-cache block (vLLM on CPU: 128)
 MAX_STORED = 10_000  # vLLM keeps every stored response until it exits; the mock forgets the oldest past this
 
 
@@ -53,8 +54,11 @@ class MessagesShape:
         self.id = "msg_" + uuid.uuid4().hex[:24]
 
     def _usage(self, p: int, c: int, cached: int) -> dict:
-        # vLLM: input_tokens are the prompt tokens the cache did not hold (Anthropic's definition)
-        return {"input_tokens": max(0, p - cached), "output_tokens": c, "cache_read_input_tokens": cached}
+        # vLLM 0.32 (_build_anthropic_usage), Anthropic's definition: the prompt is input + cache read + cache
+        # creation; what this request wrote into the prefix cache (its new whole blocks) is the creation
+        created = max(0, p // BLOCK_TOKENS * BLOCK_TOKENS - cached)
+        return {"input_tokens": max(0, p - cached - created), "output_tokens": c, "cache_read_input_tokens": cached,
+                "cache_creation_input_tokens": created}
 
     def start(self, p: int) -> list[bytes]:
         msg = {"id": self.id, "type": "message", "role": "assistant", "content": [], "model": self.model,

@@ -46,7 +46,7 @@ def test_messages_conversations_keep_their_cache_and_errors_come_in_anthropic_s_
                 msg = client.messages.create(**kw)
             if turn:  # the conversation so far came from the replica's cache
                 assert msg.usage.cache_read_input_tokens >= prompt * 0.8, (session, turn, msg.usage)
-            prompt = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+            prompt = msg.usage.input_tokens + msg.usage.cache_read_input_tokens + msg.usage.cache_creation_input_tokens
             history.append({"role": "assistant", "content": [{"type": "text", "text": msg.content[0].text}]})
     assert client.messages.count_tokens(model=MODEL, messages=history).input_tokens > 100
     with pytest.raises(anthropic.NotFoundError) as e:

@@ -300,8 +300,13 @@ def test_the_agents_sdks_converse_through_warmroute_with_real_engines(fleet):
             msg = a.messages.create(**kw)
         if turn:
             assert msg.usage.cache_read_input_tokens >= 0.8 * prompt - 128, msg.usage  # whole 128-token blocks
-        prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+        # Anthropic's (and vLLM's) prompt: input + cache read + cache creation
+        prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) + \
+            (msg.usage.cache_creation_input_tokens or 0)
         history.append({"role": "assistant", "content": [{"type": "text", "text": msg.content[0].text or "ok"}]})
+    # count_tokens: the engine's own count of the same conversation, through the brain
+    counted = a.messages.count_tokens(model=MODEL, system=system, messages=history[:-1]).input_tokens
+    assert abs(counted - prompt) <= 8, (counted, prompt)  # the last turn's messages: its prompt, template aside
     bad = {"model": "no-such-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     (s1, _, ours), (s2, _, theirs) = post(fleet.url, "/v1/messages", bad), post(fleet.replicas[0].url, "/v1/messages", bad)
     assert s1 == s2 == 404 and set(ours) == set(theirs) == {"type", "error"}

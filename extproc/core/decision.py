@@ -33,6 +33,7 @@ class Reservation:
     pending_tokens: int = 0
     arrived_at: float | None = None  # its place in the replica's arrivals (what queues behind a prefill)
     provisional: bool = False  # charged before its body was known (headers alone): a bounded guess
+    remote: bool = False  # another brain's (shared state): its end is that brain's to say
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,23 @@ class PinTable:
             return None
         return pin
 
+    def peek(self, key: bytes) -> Pin | None:
+        """The pin of ``key`` as it stands, expired or not (no bookkeeping)."""
+        return self._pins.get(key)
+
+    def apply(self, key: bytes, replica: "Replica", engine: int | None, tokens: int, at: float) -> None:
+        """Another brain used the key at ``at`` on ``replica`` (shared state): the newest use wins."""
+        pin = self._pins.get(key)
+        if pin is None:
+            pin = self.put(key, replica, at)
+        elif pin.last_used > at:
+            return
+        elif pin.replica is not replica:
+            self.move(pin, replica)
+            pin.spills = 0
+        pin.tokens, pin.engine, pin.last_used = tokens, engine, at
+        self._pins.move_to_end(key)
+
     def touch(self, key: bytes, pin: Pin, now: float) -> None:
         """Restart the idle TTL of a pin that was just used."""
         pin.last_used = now

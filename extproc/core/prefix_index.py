@@ -53,6 +53,9 @@ class PrefixIndex:
                 hi = mid - 1
         return lo
 
+    def holds(self, block: int) -> bool:
+        return block in self._stamp_of
+
     def insert(self, chain: list[int], n: int | None = None) -> None:
         """The first ``n`` blocks of ``chain`` were just routed here (they are the most recently used)."""
         n = len(chain) if n is None else n
@@ -92,6 +95,17 @@ class PrefixIndex:
         # The batch queue also holds blocks re-stamped by later batches; keep it within a few capacities.
         while self._batches and (len(self._stamp_of) > self.capacity or self._queued > 4 * self.capacity):
             self._drop(self._batches.popitem(last=False)[1])
+
+    def batches(self) -> list[list[int]]:
+        """The blocks held, as the batches that last used them, oldest first (a snapshot for another brain:
+        inserted in this order they make the same set, each batch's blocks a prefix-closed run)."""
+        d = self._stamp_of
+        out = []
+        for stamp, chain, n in self._batches.values():
+            own = [h for h in chain[:n] if d.get(h) == stamp]
+            if own:
+                out.append(own)
+        return out
 
     def resize(self, capacity_blocks: int) -> None:
         self.capacity = max(1, int(capacity_blocks))

@@ -21,6 +21,7 @@ from .names import Reason
 from .pins import PREFIX, SESSION, PinTable
 from .policy import Policy, make_policy
 from .profile import RequestProfile
+from .shared import Outbox, Remote
 from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
 
 AFFINITY, LOAD, FALLBACK, NO_HEALTHY = Reason.AFFINITY, Reason.LOAD, Reason.FALLBACK, Reason.NO_HEALTHY
@@ -53,6 +54,9 @@ class Router:
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
+        # shared state (issue 33): None with one brain; else what this brain's decisions change, for the others
+        self.outbox: Outbox | None = None
+        self.remote = Remote()  # what the other brains said: their reservations and chains
         self._set_profile_cfg()
         for name in replica_names:
             self.add_replica(name, now)
@@ -88,6 +92,19 @@ class Router:
     def prefix_pins(self) -> PinTable:
         return getattr(self.policy, "prefix_pins", _NO_PINS)
 
+    def share(self, on: bool = True) -> Outbox | None:
+        """Start (or stop) writing this brain's state changes out as events (``core.shared``)."""
+        self.outbox = Outbox() if on else None
+        self.policy.outbox = self.outbox
+        return self.outbox
+
+    def apply(self, origin: str, events: list, offset: float, now: float) -> None:
+        """Another brain's events (shared state), in its order; ``offset`` turns its clock into ours."""
+        self.remote.apply(self, origin, events, offset, now)
+
+    def find(self, name: str) -> Replica | None:
+        return self._by_name.get(name)
+
     def replica(self, name: str) -> Replica:
         return self._by_name[name]
 
@@ -116,6 +133,7 @@ class Router:
         A new ``routing.policy`` starts with empty pins (the old policy's are dropped)."""
         if cfg.policy != self.cfg.policy:
             self.policy = make_policy(cfg.policy, cfg)
+            self.policy.outbox = self.outbox
         self.cfg = cfg
         self.policy.update_config(cfg)
         self._set_profile_cfg()
@@ -218,6 +236,7 @@ class Router:
             self._housekeeping_at = now + _HOUSEKEEPING_EVERY_S
             self.policy.expire(now)
             self._expire_reservations(now)
+            self.remote.expire(self, now, self.cfg.reservation_timeout_s)
         return out
 
     def _expire_reservations(self, now: float) -> None:
@@ -271,16 +290,21 @@ class Router:
                 return Decision(None, NO_HEALTHY)
             d = self.policy.select(_Pinned(self, r), profile, now)
             if d is None:  # the policy would not place it there (it does not fit, say): the replica will answer
-                return Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile, now))
+                return self._shared(Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile, now)), profile, now)
             d.reason = Reason.HOLDER
         else:
             fleet: FleetView = self if only is None else _Subset(self, only)
             d = self.policy.select(fleet, profile, now)
         if d is None:
-            return self._fallback(profile, now, only)
+            return self._shared(self._fallback(profile, now, only), profile, now)
         d.reservation = self._reserve(d.replica, profile, now)
         d.reservation.predicted_ttft_s = d.predicted_ttft_s
         self.policy.on_reserved(d, profile, now)
+        return self._shared(d, profile, now)
+
+    def _shared(self, d: Decision, profile: RequestProfile, now: float) -> Decision:
+        if self.outbox is not None:
+            self.outbox.decided(self, d, profile, now)
         return d
 
     def _fallback(self, profile: RequestProfile, now: float, only: Collection[str] | None = None) -> Decision:
@@ -316,6 +340,13 @@ class Router:
         self._reservations[res.id] = res
         return res
 
+    def reserve_remote(self, r: Replica, weight_milli: int, started_at: float, provisional: bool) -> Reservation:
+        """Another brain's request in flight on ``r`` (shared state): counted like ours, ended by that brain."""
+        res = Reservation(0, r, weight_milli, started_at, seen_at=started_at, provisional=provisional, remote=True)
+        r.wlc_milli += weight_milli
+        r.in_flight_requests += 1
+        return res
+
     def release(self, res: Reservation | None, now: float) -> bool:
         """End a reservation (success, error, disconnect, reset). Idempotent: True only the first time."""
         if res is None or res.released:
@@ -324,7 +355,10 @@ class Router:
         r = res.replica
         r.wlc_milli -= res.weight_milli
         r.in_flight_requests -= 1
-        self._reservations.pop(res.id, None)
+        if not res.remote:
+            self._reservations.pop(res.id, None)
+            if self.outbox is not None:
+                self.outbox.events.append(("c", res.id))
         self.policy.on_release(res, now)
         return True
 

@@ -38,6 +38,7 @@ class SeedPolicy:
         self.session_pins = PinTable(SESSION, _INF)
         self.prefix_pins = PinTable(PREFIX, _INF)
         self._rr = 0  # round-robin pointer over replica indices (A4 step 3 ties)
+        self.outbox = None  # shared state: pins and reservations are shared by the router (core.shared)
         self.update_config(cfg)
 
     def update_config(self, cfg: RouterConfig) -> None:
@@ -180,6 +181,16 @@ class SeedPolicy:
 
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         pass
+
+    def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key, prompt: int,
+                           now: float) -> None:
+        pass  # another brain's request counts in the replica's in-flight weight, which the router keeps
+
+    def index_of(self, r: Replica, engine: int | None):
+        return None
+
+    def engine_count(self, name: str) -> int:
+        return 0
 
 
 def _move_pin(table: PinTable, key: bytes, pin: Pin, target: Replica, now: float, events: list, cause: Cause) -> None:

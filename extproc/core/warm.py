@@ -132,6 +132,7 @@ class WarmPolicy:
         self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
         self._chosen_prompt = 1
         self._rr = 0  # round-robin pointer for ties
+        self.outbox = None  # shared state: the router's Outbox while sharing is on (core.shared)
         self.trace: list | None = None  # a list: each candidate's (name, cost, ttft, cached, wait, work) is appended
         self.update_config(cfg)
 
@@ -527,6 +528,8 @@ class WarmPolicy:
             res.arrived_at = now if self.use_interference else None
         if self.use_index and profile.blocks and st.prefix_caching:
             st.index.insert(profile.blocks)
+            if self.outbox is not None:
+                self.outbox.indexed(d.replica.name, d.engine, profile.blocks, len(profile.blocks))
         if profile.adapter is not None:
             sent = self.state_of(d.replica).lora_sent
             sent[profile.adapter] = now
@@ -535,6 +538,30 @@ class WarmPolicy:
                 sent.popitem(last=False)
         if profile.session_key is not None and not profile.provisional:
             self._set_active(profile.session_key, st, prompt, now)
+
+    def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
+                           prompt: int, now: float) -> None:
+        """Another brain's request on a replica (shared state), booked as ``on_reserved`` books ours: one brain
+        taking all the traffic would see it queue there, hold its KV and keep its session's context active."""
+        st = self.engine_state(res.replica.name, res.engine) or self.state_of(res.replica)
+        st.prefill_busy_until = max(now, st.prefill_busy_until) + prefill_s
+        st.pending.append((st.prefill_busy_until, prompt_tokens))
+        st.pending_tokens += prompt_tokens
+        st.work_s += res.work_s
+        res.prefill_s, res.prefill_end, res.pending_tokens = prefill_s, st.prefill_busy_until, prompt_tokens
+        if self.use_interference:
+            st.arrivals.append(now)
+            res.arrived_at = now
+        if session_key is not None:
+            self._expire_active(now)
+            self._set_active(session_key, st, prompt, now)
+
+    def index_of(self, r: Replica, engine: int | None):
+        """The prefix index of a replica (or one of its data-parallel engines), for another brain's chains."""
+        if not self.use_index:
+            return None
+        st = self.engine_state(r.name, engine) if engine is not None else self.state_of(r)
+        return st.index if st is not None and st.prefix_caching else None
 
 
 @dataclass(slots=True)

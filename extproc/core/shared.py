@@ -1,0 +1,268 @@
+"""Shared state between brains (issue 33): the core's state changes as values, emitted and applied.
+
+Each brain decides alone on its local view, in one synchronous call, as with one brain; what a decision
+changes is written out as an event, and another brain applies it to its own view (DESIGN "Shared state":
+xDS's shape, every proxy decides on its snapshot, only changes travel). The events are plain tuples of
+hashes, replica names and numbers (never prompt text or a raw session id), so the transport (Redis in the
+shell, a delayed queue in the simulator, a shuffling list in the tests) ships them as they are:
+
+- ``("h", kind, key, replica, engine, tokens, at)``: a pin of ``kind`` ("session"/"prefix") for the key
+  hash now lives on ``replica`` (None: it was deleted). Last writer wins by ``at``: the newest use of a
+  session is where its context is, whichever brain saw it.
+- ``("o", rid, replica, engine, weight_milli, provisional, work_s, prefill_s, pending_tokens, session, prompt,
+  at)``: a reservation opened (in-flight work the receiver counts on the replica like its own).
+- ``("c", rid)``: that reservation closed. Another brain's reservations also end when that brain stops
+  being heard from (``forget_origin``) or after the safety timeout, so a lost close never holds load.
+- ``("i", replica, engine, tag, start, parent, blocks)``: blocks ``start..`` of the origin's chain ``tag`` were
+  indexed on the replica. A session's next turn sends only the blocks it added (the origin's ``ChainCache``
+  extends one list; so does the receiver). A delta whose start the receiver lacks (a lost message, a brain
+  that started since) is applied as its own batch when its ``parent`` block is indexed there (the blocks are
+  chained hashes: the parent stands for the whole prefix), else dropped and counted: the prefix index is an
+  estimate that the next turn or a snapshot repairs.
+
+Times are in the origin's clock; the transport passes the offset to the receiver's (0 in the simulator).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from .decision import Decision, Reservation
+from .names import PinAction
+from .pins import PinTable
+
+if TYPE_CHECKING:
+    from .profile import RequestProfile
+    from .router import Router
+
+_MAX_CHAINS = 200_000  # chains whose published length each side remembers (a turn of a known chain sends its delta)
+
+
+class Outbox:
+    """What this brain's decisions changed since the transport last took it (``take``)."""
+
+    __slots__ = ("events", "_tags", "_next_tag")
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        # id(chain) -> [chain, tag, blocks published]: the chain object is held so that its id stays its own
+        self._tags: OrderedDict[int, list] = OrderedDict()
+        self._next_tag = 0
+
+    def take(self) -> list[tuple]:
+        ev, self.events = self.events, []
+        return ev
+
+    def indexed(self, replica: str, engine: int | None, chain: list[int], n: int) -> None:
+        t = self._tags.get(id(chain))
+        if t is not None and t[0] is chain and t[2] <= n:
+            start = t[2]
+            if start == n:
+                return
+            t[2] = n
+            self._tags.move_to_end(id(chain))
+            self.events.append(("i", replica, engine, t[1], start, chain[start - 1] if start else None,
+                                chain[start:n]))
+            return
+        tag = self._next_tag
+        self._next_tag += 1
+        self._tags[id(chain)] = [chain, tag, n]
+        self._tags.move_to_end(id(chain))
+        if len(self._tags) > _MAX_CHAINS:
+            self._tags.popitem(last=False)
+        self.events.append(("i", replica, engine, tag, 0, None, chain[:n]))
+
+    def decided(self, router: "Router", d: Decision, profile: "RequestProfile", now: float) -> None:
+        res = d.reservation
+        if res is not None:
+            sk = profile.session_key.hex() if profile.session_key is not None and not profile.provisional else None
+            self.events.append(("o", res.id, res.replica.name, res.engine, res.weight_milli, int(res.provisional),
+                                res.work_s, res.prefill_s, res.pending_tokens, sk, d.prompt_tokens, now))
+        deleted = {e.kind for e in d.events if e.action is PinAction.UNPIN}
+        for table in router.policy.pin_tables():
+            key = profile.session_key if table.kind == "session" else profile.prefix_key
+            if key is None:
+                continue
+            pin = table.peek(key)
+            if pin is not None and pin.last_used == now:
+                self.events.append(("h", table.kind.value, key.hex(), pin.replica.name, pin.engine, pin.tokens, now))
+            elif pin is None and table.kind in deleted:
+                self.events.append(("h", table.kind.value, key.hex(), None, None, 0, now))
+
+
+class Remote:
+    """What the other brains told this one: their open reservations and the chains they indexed."""
+
+    __slots__ = ("reservations", "closed", "chains", "applied", "index_gaps", "unknown_replicas", "expired")
+
+    def __init__(self) -> None:
+        # (origin, rid) -> the reservation, oldest first
+        self.reservations: OrderedDict[tuple[str, int], Reservation] = OrderedDict()
+        # reservations whose close came first (messages reordered): their open, when it comes, opens nothing
+        self.closed: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.chains: OrderedDict[tuple[str, int], list[int]] = OrderedDict()  # (origin, tag) -> blocks so far
+        self.applied = 0  # events applied
+        self.index_gaps = 0  # index deltas dropped: their prefix is unknown here
+        self.unknown_replicas = 0  # events naming a replica this brain does not know (discovery differs)
+        self.expired = 0  # reservations ended by their origin's silence or the safety timeout
+
+    def apply(self, router: "Router", origin: str, events: list, offset: float, now: float) -> None:
+        """Apply one origin's events, in its order; ``offset`` turns its clock into ours."""
+        for ev in events:
+            try:
+                kind = ev[0]
+                if kind == "o":
+                    self._opened(router, origin, ev, offset, now)
+                elif kind == "c":
+                    res = self.reservations.pop((origin, ev[1]), None)
+                    if res is not None:
+                        router.release(res, now)
+                    else:
+                        self.closed[(origin, ev[1])] = None
+                        if len(self.closed) > _MAX_CHAINS:
+                            self.closed.popitem(last=False)
+                elif kind == "h":
+                    self._home(router, ev, offset, now)
+                elif kind == "i":
+                    self._indexed(router, origin, ev)
+                else:
+                    continue
+            except (TypeError, ValueError, IndexError, KeyError, AttributeError):
+                continue  # a malformed event (another version, a corrupt entry) changes nothing
+            self.applied += 1
+
+    def _replica(self, router: "Router", name: str):
+        r = router.find(name)
+        if r is None:
+            self.unknown_replicas += 1
+        return r
+
+    def _opened(self, router: "Router", origin: str, ev: tuple, offset: float, now: float) -> None:
+        _, rid, name, engine, weight, provisional, work_s, prefill_s, pending, sk, prompt, at = ev
+        r = self._replica(router, name)
+        if r is None or (origin, rid) in self.reservations:
+            return
+        if self.closed.pop((origin, rid), 0) is None:  # closed already
+            return
+        res = router.reserve_remote(r, int(weight), min(now, float(at) + offset), bool(provisional))
+        res.engine = engine if engine is None else int(engine)
+        res.work_s = float(work_s)
+        router.policy.on_remote_reserved(res, float(prefill_s), int(pending),
+                                         bytes.fromhex(sk) if sk else None, int(prompt), now)
+        self.reservations[(origin, rid)] = res
+
+    def _home(self, router: "Router", ev: tuple, offset: float, now: float) -> None:
+        _, kind, key, name, engine, tokens, at = ev
+        table = _table(router, kind)
+        if table is None:
+            return
+        at = min(now, float(at) + offset)
+        k = bytes.fromhex(key)
+        if name is None:
+            pin = table.peek(k)
+            if pin is not None and pin.last_used <= at:
+                table.delete(k)
+            return
+        r = self._replica(router, name)
+        if r is not None:
+            table.apply(k, r, None if engine is None else int(engine), int(tokens), at)
+
+    def _indexed(self, router: "Router", origin: str, ev: tuple) -> None:
+        _, name, engine, tag, start, parent, blocks = ev
+        r = self._replica(router, name)
+        if r is None:
+            return
+        st = router.policy.index_of(r, None if engine is None else int(engine))
+        if st is None:  # the policy keeps no index (seed), or the engine is unknown here yet
+            return
+        key = (origin, int(tag))
+        chains = self.chains
+        chain = chains.get(key)
+        if start == 0:
+            chain = list(blocks)
+        elif chain is not None and len(chain) == start:
+            chain.extend(blocks)
+        elif parent is not None and st.holds(parent):
+            chain = list(blocks)  # the prefix is indexed here already: the delta is a batch of its own
+        else:
+            self.index_gaps += 1
+            return
+        chains[key] = chain
+        chains.move_to_end(key)
+        if len(chains) > _MAX_CHAINS:
+            chains.popitem(last=False)
+        st.insert(chain)
+
+    def forget_origin(self, router: "Router", origin: str, now: float) -> int:
+        """The origin is gone (no heartbeat): its in-flight work no longer exists."""
+        gone = [k for k in self.reservations if k[0] == origin]
+        for k in gone:
+            router.release(self.reservations.pop(k), now)
+        self.expired += len(gone)
+        return len(gone)
+
+    def expire(self, router: "Router", now: float, timeout_s: float) -> None:
+        limit = now - timeout_s
+        res = self.reservations
+        while res:
+            k, r = next(iter(res.items()))
+            if r.started_at > limit:
+                break
+            del res[k]
+            router.release(r, now)
+            self.expired += 1
+
+    def origins(self) -> set[str]:
+        return {k[0] for k in self.reservations}
+
+
+def export_state(router: "Router", now: float) -> dict:
+    """This brain's view for a brain that starts (or resynchronises): every live pin with its age, and every
+    replica's prefix index as batches. Hashes and replica names only. Reservations are not in it: they are
+    short, and the events bring the ones opened from now on."""
+    pins = []
+    for table in router.policy.pin_tables():
+        for key, pin in list(table):
+            if now - pin.last_used <= table.ttl_s and not pin.replica.removed:
+                pins.append((table.kind.value, key.hex(), pin.replica.name, pin.engine, pin.tokens,
+                             round(now - pin.last_used, 3)))
+    index = []
+    for r in router.replicas_view:
+        n = router.policy.engine_count(r.name)
+        for engine in (None, *range(n)) if n > 1 else (None,):
+            idx = router.policy.index_of(r, engine)
+            if idx is not None and len(idx):
+                index.append((r.name, engine, idx.batches()))
+    return {"pins": pins, "index": index}
+
+
+def import_state(router: "Router", state: dict, now: float) -> None:
+    """Fold another brain's ``export_state`` into this view (pins: the newest use wins; the index: its batches
+    are added, oldest first). Unknown replicas and malformed entries are skipped."""
+    for kind, key, name, engine, tokens, age in state.get("pins", ()):
+        try:
+            table, r = _table(router, kind), router.find(name)
+            if table is not None and r is not None:
+                table.apply(bytes.fromhex(key), r, None if engine is None else int(engine), int(tokens),
+                            now - float(age))
+        except (TypeError, ValueError):
+            continue
+    for name, engine, batches in state.get("index", ()):
+        r = router.find(name) if isinstance(name, str) else None
+        idx = router.policy.index_of(r, engine) if r is not None else None
+        if idx is None:
+            continue
+        for b in batches:
+            if isinstance(b, list) and b:
+                idx.insert(list(b))
+
+
+def _table(router: "Router", kind: str) -> PinTable | None:
+    for t in router.policy.pin_tables():
+        if t.kind == kind:
+            return t
+    return None
+
+
+__all__ = ["Outbox", "Remote", "export_state", "import_state"]

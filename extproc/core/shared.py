@@ -34,7 +34,6 @@ from .pins import PinTable
 
 if TYPE_CHECKING:
     from .profile import RequestProfile
-    from .router import Router
 
 _MAX_CHAINS = 200_000  # chains whose published length each side remembers (a turn of a known chain sends its delta)
 
@@ -73,7 +72,7 @@ class Outbox:
             self._tags.popitem(last=False)
         self.events.append(("i", replica, engine, tag, 0, None, chain[:n]))
 
-    def decided(self, router: "Router", d: Decision, profile: "RequestProfile", now: float) -> None:
+    def decided(self, router, d: Decision, profile: "RequestProfile", now: float) -> None:
         res = d.reservation
         if res is not None:
             sk = profile.session_key.hex() if profile.session_key is not None and not profile.provisional else None
@@ -107,7 +106,7 @@ class Remote:
         self.unknown_replicas = 0  # events naming a replica this brain does not know (discovery differs)
         self.expired = 0  # reservations ended by their origin's silence or the safety timeout
 
-    def apply(self, router: "Router", origin: str, events: list, offset: float, now: float) -> None:
+    def apply(self, router, origin: str, events: list, offset: float, now: float) -> None:
         """Apply one origin's events, in its order; ``offset`` turns its clock into ours."""
         for ev in events:
             try:
@@ -132,13 +131,13 @@ class Remote:
                 continue  # a malformed event (another version, a corrupt entry) changes nothing
             self.applied += 1
 
-    def _replica(self, router: "Router", name: str):
+    def _replica(self, router, name: str):
         r = router.find(name)
         if r is None:
             self.unknown_replicas += 1
         return r
 
-    def _opened(self, router: "Router", origin: str, ev: tuple, offset: float, now: float) -> None:
+    def _opened(self, router, origin: str, ev: tuple, offset: float, now: float) -> None:
         _, rid, name, engine, weight, provisional, work_s, prefill_s, pending, sk, prompt, at = ev
         r = self._replica(router, name)
         if r is None or (origin, rid) in self.reservations:
@@ -152,7 +151,7 @@ class Remote:
                                          bytes.fromhex(sk) if sk else None, int(prompt), now)
         self.reservations[(origin, rid)] = res
 
-    def _home(self, router: "Router", ev: tuple, offset: float, now: float) -> None:
+    def _home(self, router, ev: tuple, offset: float, now: float) -> None:
         _, kind, key, name, engine, tokens, at = ev
         table = _table(router, kind)
         if table is None:
@@ -168,7 +167,7 @@ class Remote:
         if r is not None:
             table.apply(k, r, None if engine is None else int(engine), int(tokens), at)
 
-    def _indexed(self, router: "Router", origin: str, ev: tuple) -> None:
+    def _indexed(self, router, origin: str, ev: tuple) -> None:
         _, name, engine, tag, start, parent, blocks = ev
         r = self._replica(router, name)
         if r is None:
@@ -194,7 +193,7 @@ class Remote:
             chains.popitem(last=False)
         st.insert(chain)
 
-    def forget_origin(self, router: "Router", origin: str, now: float) -> int:
+    def forget_origin(self, router, origin: str, now: float) -> int:
         """The origin is gone (no heartbeat): its in-flight work no longer exists."""
         gone = [k for k in self.reservations if k[0] == origin]
         for k in gone:
@@ -202,7 +201,7 @@ class Remote:
         self.expired += len(gone)
         return len(gone)
 
-    def expire(self, router: "Router", now: float, timeout_s: float) -> None:
+    def expire(self, router, now: float, timeout_s: float) -> None:
         limit = now - timeout_s
         res = self.reservations
         while res:
@@ -217,7 +216,7 @@ class Remote:
         return {k[0] for k in self.reservations}
 
 
-def export_state(router: "Router", now: float) -> dict:
+def export_state(router, now: float) -> dict:
     """This brain's view for a brain that starts (or resynchronises): every live pin with its age, and every
     replica's prefix index as batches. Hashes and replica names only. Reservations are not in it: they are
     short, and the events bring the ones opened from now on."""
@@ -237,7 +236,7 @@ def export_state(router: "Router", now: float) -> dict:
     return {"pins": pins, "index": index}
 
 
-def import_state(router: "Router", state: dict, now: float) -> None:
+def import_state(router, state: dict, now: float) -> None:
     """Fold another brain's ``export_state`` into this view (pins: the newest use wins; the index: its batches
     are added, oldest first). Unknown replicas and malformed entries are skipped."""
     for kind, key, name, engine, tokens, age in state.get("pins", ()):
@@ -258,7 +257,7 @@ def import_state(router: "Router", state: dict, now: float) -> None:
                 idx.insert(list(b))
 
 
-def _table(router: "Router", kind: str) -> PinTable | None:
+def _table(router, kind: str) -> PinTable | None:
     for t in router.policy.pin_tables():
         if t.kind == kind:
             return t

@@ -68,6 +68,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
     ap.add_argument("--png", default=None, help="write traffic share over time per policy to this PNG")
     ap.add_argument("--transitions", action="store_true", help="print every health state change (warmroute)")
+    ap.add_argument("--brains", default=None, metavar="1,2,4,8",
+                    help="several brains, each fed 1/K of the requests at random (issue 33): one row per K and delay")
+    ap.add_argument("--sync-delay-ms", default="1,100,1000,off", metavar="1,100,off",
+                    help="with --brains: how late the others apply a brain's state changes (off: no sharing)")
+
+
+def brain_rows(policy: str, brains: str, delays: str) -> list[str]:
+    """One brain, then each K > 1 at each delay, then llm-d's pickers active-active without sharing (the peer)."""
+    ks = [int(k) for k in brains.split(",") if k.strip()]
+    ds = [d.strip() for d in delays.split(",") if d.strip()]
+    rows = [policy, "llmd_epp"] if 1 in ks else []
+    for k in (k for k in ks if k > 1):
+        rows += [f"{policy}:{k}:{d}" for d in ds] + [f"llmd_epp:{k}:off"]
+    return rows
 
 
 def seed_list(text: str) -> list[int]:
@@ -120,6 +134,8 @@ def capacity(policy: str, args, seed: int, lo: float = 0.05, hi: float = 4.0, st
 def run(args: argparse.Namespace) -> int:
     faults = tuple([_fault(s, False) for s in args.kill] + [_fault(s, True) for s in args.flap])
     policies = args.policies.split(",") if args.policies else (COMPARE if args.compare or args.capacity else [args.policy])
+    if args.brains:
+        policies = brain_rows(args.policy, args.brains, args.sync_delay_ms)
     seeds = _seeds(args)
     speeds = _speeds(args.replica_speeds)
     fleet = f"replicas at speeds {args.replica_speeds}" if speeds else f"{args.replicas} replicas"
@@ -170,6 +186,15 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(table([_median(policies, [per_seed[s][k] for s in seeds]) for k in range(len(policies))],
                     title=f"median over seeds {seeds_text(seeds)}"))
+    if args.brains:
+        med = {p: _median(policies, [per_seed[s][k] for s in seeds]).summary() for k, p in enumerate(policies)}
+        one = med[policies[0]]
+        print(f"\nbeside one brain ({policies[0]}), medians over seeds: hits in points, TTFT p50 and p99 as ratios")
+        for p in policies[1:]:
+            m = med[p]
+            print(f"  {p:<24} hits {100 * (m['prefix_hit_rate'] - one['prefix_hit_rate']):+5.1f}  "
+                  f"p50 {m['ttft_p50'] / one['ttft_p50']:5.2f}x  p99 {m['ttft_p99'] / one['ttft_p99']:5.2f}x  "
+                  f"errors {m['errors']:g}")
     if args.png:
         if not hasattr(per_seed[seeds[0]][0], "share_per_minute"):
             per_seed[seeds[0]] = [simulate(p, args, seeds[0], faults=faults) for p in policies]

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from ...core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
 from .measure import pct
 from .engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
-from .policies import Policy, make_policy
+from .brains import make as make_policy
+from .policies import Policy
 from .workload import Request, Workload, WorkloadConfig
 
 @dataclass(frozen=True, slots=True)

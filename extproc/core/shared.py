@@ -144,11 +144,12 @@ class Remote:
             return
         if self.closed.pop((origin, rid), 0) is None:  # closed already
             return
-        res = router.reserve_remote(r, int(weight), min(now, float(at) + offset), bool(provisional))
+        at = min(now, float(at) + offset)
+        res = router.reserve_remote(r, int(weight), at, bool(provisional))
         res.engine = engine if engine is None else int(engine)
         res.work_s = float(work_s)
         router.policy.on_remote_reserved(res, float(prefill_s), int(pending),
-                                         bytes.fromhex(sk) if sk else None, int(prompt), now)
+                                         bytes.fromhex(sk) if sk else None, int(prompt), at, now)
         self.reservations[(origin, rid)] = res
 
     def _home(self, router, ev: tuple, offset: float, now: float) -> None:

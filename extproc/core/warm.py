@@ -540,11 +540,12 @@ class WarmPolicy:
             self._set_active(profile.session_key, st, prompt, now)
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
-                           prompt: int, now: float) -> None:
+                           prompt: int, at: float, now: float) -> None:
         """Another brain's request on a replica (shared state), booked as ``on_reserved`` books ours: one brain
-        taking all the traffic would see it queue there, hold its KV and keep its session's context active."""
+        taking all the traffic would see it queue there, hold its KV and keep its session's context active. Its
+        prefill started queueing when it was decided (``at``), not when the news arrived."""
         st = self.engine_state(res.replica.name, res.engine) or self.state_of(res.replica)
-        st.prefill_busy_until = max(now, st.prefill_busy_until) + prefill_s
+        st.prefill_busy_until = max(at, st.prefill_busy_until) + prefill_s
         st.pending.append((st.prefill_busy_until, prompt_tokens))
         st.pending_tokens += prompt_tokens
         st.work_s += res.work_s

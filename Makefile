@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Debian packages the tests use: prometheus (promtool + server: the alert tests), dnsmasq (DNS discovery),
-# buildah + mmdebstrap (the image, built and run), kubernetes-client (kubectl kustomize: the manifests).
-SYSTEM_DEPS := promtool:prometheus prometheus:prometheus dnsmasq:dnsmasq buildah:buildah mmdebstrap:mmdebstrap kubectl:kubernetes-client
+# buildah + mmdebstrap (the image, built and run), kubernetes-client (kubectl kustomize: the manifests),
+# redis-server (several brains sharing state).
+SYSTEM_DEPS := redis-server:redis-server promtool:prometheus prometheus:prometheus dnsmasq:dnsmasq buildah:buildah mmdebstrap:mmdebstrap kubectl:kubernetes-client
 system-deps:
 	@missing=$$(for d in $(SYSTEM_DEPS); do command -v $${d%%:*} >/dev/null || echo $${d##*:}; done | sort -u); \
 	if [ -n "$$missing" ]; then echo "installing Debian packages for the tests:" $$missing; \

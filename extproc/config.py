@@ -238,12 +238,38 @@ class EnvoyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedStateConfig:
+    """Several brains, one view (README "Running several brains"): each brain ships what its decisions change
+    (session homes, indexed blocks, reservations; hashes and replica names only) through Redis and applies the
+    others'. A decision never waits for Redis; without Redis every brain routes on its own view. Off by default:
+    one brain needs no Redis."""
+
+    # redis://[user@]host:port/db, rediss:// for TLS, unix:///path.sock; null: no sharing
+    redis_url: str | None = None
+    password_file: str | None = None  # a file holding the password (AUTH / the ACL user's); never in the config
+    username: str | None = None  # an ACL user (Redis 6+); the URL's user works too
+    tls_ca_file: str | None = None  # rediss://: the CA bundle that signed Redis's certificate (null: the system's)
+    tls_cert_file: str | None = None  # rediss://: a client certificate, when Redis asks for one (tls-auth-clients)
+    tls_key_file: str | None = None  # rediss://: the client certificate's key
+    key_prefix: str = "warmroute:"  # every key this fleet's brains use; another fleet on the same Redis takes another
+    brain_id: str | None = None  # how the others name this brain; null: host name, process id and a random part
+    flush_ms: float = 5.0  # a brain ships its changes this often (the others see them this much later, plus transit)
+    heartbeat_s: float = 1.0  # a brain with nothing to ship says it is alive this often
+    peer_timeout_s: float = 5.0  # another brain silent this long is gone: its requests in flight count no more
+    stream_max_entries: int = 200_000  # the change stream is trimmed to about this many entries (Redis memory)
+    snapshot_every_s: float = 30.0  # one brain writes the whole view this often (a starting brain reads it)
+    warm_start_timeout_s: float = 20.0  # a starting brain reports ready after this at most, warmed or not
+    timeout_s: float = 2.0  # a Redis command slower than this counts as Redis down (reconnect with backoff)
+
+
+@dataclass(frozen=True, slots=True)
 class AppConfig:
     replicas: tuple[ReplicaSpec, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
     brain: BrainConfig = field(default_factory=BrainConfig)
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
     # models.aliases: a client's model name -> the served names it goes to, with weights (a canary's share)
     aliases: tuple[tuple[str, tuple[Target, ...]], ...] = ()
     source: str = "<defaults>"
@@ -398,7 +424,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
-    known = {"replicas", "routing", "brain", "envoy", "discovery", "models", "allow_no_replicas", *_SECTIONS}
+    known = {"replicas", "routing", "brain", "envoy", "discovery", "models", "allow_no_replicas", "shared_state",
+             *_SECTIONS}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -484,7 +511,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
                 # the gateway is told "ip:port" and matches it against its own endpoints: a name would match none
                 raise ConfigError(f"replicas[{i}].url: brain.protocol endpoint-picker answers ip:port; give the "
                                   f"replica's IP address (or discovery: dns), got {_short(r.url)}")
-    return AppConfig(replicas, router, brain, envoy, discovery, _aliases(doc.get("models")), source, allow)
+    shared = _shared_state(doc.get("shared_state"))
+    return AppConfig(replicas, router, brain, envoy, discovery, shared, _aliases(doc.get("models")), source, allow)
 
 
 def _aliases(raw: Any) -> tuple[tuple[str, tuple[Target, ...]], ...]:
@@ -530,6 +558,32 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _shared_state(raw: Any) -> SharedStateConfig:
+    c = SharedStateConfig(**_fill("shared_state", SharedStateConfig, raw))
+    if c.redis_url is not None:
+        u = urlsplit(c.redis_url)
+        if u.scheme not in ("redis", "rediss", "unix") or not (u.hostname or u.path):
+            raise ConfigError(f"shared_state.redis_url: expected redis://host:port/db, rediss://... or "
+                              f"unix:///path, got {_short(c.redis_url)}")
+        if u.password:
+            raise ConfigError("shared_state.redis_url: a password in the URL would be shown wherever the config is; "
+                              "put it in shared_state.password_file")
+    for f in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+        if getattr(c, f) is not None and not (c.redis_url or "").startswith("rediss://"):
+            raise ConfigError(f"shared_state.{f}: TLS needs a rediss:// redis_url")
+    for f in ("flush_ms", "heartbeat_s", "peer_timeout_s", "snapshot_every_s", "timeout_s"):
+        if getattr(c, f) <= 0:
+            raise ConfigError(f"shared_state.{f}: expected a number > 0")
+    if c.peer_timeout_s < 2 * c.heartbeat_s:
+        raise ConfigError("shared_state.peer_timeout_s: expected at least twice heartbeat_s (one late heartbeat "
+                          "must not end a brain)")
+    if c.stream_max_entries < 1000:
+        raise ConfigError("shared_state.stream_max_entries: expected a whole number >= 1000")
+    if c.brain_id is not None and not _NAME_RE.match(c.brain_id):
+        raise ConfigError(f"shared_state.brain_id: expected letters, digits, '.', '_' or '-', got {_short(c.brain_id)}")
+    return c
 
 
 def _discovery(raw: Any) -> DiscoveryConfig:

@@ -161,6 +161,33 @@ class BrainCollector(Collector):
                     fams[k].add_metric([rep.name], v)
             yield from fams.values()
         yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
+        yield from _shared_state(b.shared, r)
+
+
+def _shared_state(s, r: Router) -> Iterable[Metric]:
+    """Several brains (shared_state): every series exists, 0 while sharing is off."""
+    p = "warmroute_shared_state_"
+    yield GaugeMetricFamily(p + "enabled", "1 when shared_state.redis_url is set", value=s.enabled)
+    yield GaugeMetricFamily(p + "up", "1 while Redis answers; 0: routing on this brain's own view", value=s.up)
+    yield GaugeMetricFamily(p + "peers", "Other brains heard from within shared_state.peer_timeout_s", value=s.peers)
+    yield GaugeMetricFamily(p + "remote_reservations", "Other brains' requests in flight, counted on the replicas here",
+                            value=len(r.remote.reservations))
+    yield CounterMetricFamily(p + "events_published", "State changes this brain shipped", value=s.published_events)
+    yield CounterMetricFamily(p + "events_applied", "Other brains' state changes applied here", value=s.applied_events)
+    yield CounterMetricFamily(p + "events_dropped", "State changes not shipped because Redis was away",
+                              value=s.dropped_events)
+    f = CounterMetricFamily(p + "failures", "Redis failures by kind (connect, auth, timeout, error)", labels=["kind"])
+    for kind, n in sorted(s.failures.items()):
+        f.add_metric([kind], n)
+    yield f
+    yield CounterMetricFamily(p + "resyncs", "Snapshot imports after missed changes were trimmed from the stream",
+                              value=s.resyncs)
+    yield CounterMetricFamily(p + "index_gaps", "Indexed-block deltas dropped: their prefix was unknown here",
+                              value=s.index_gaps)
+    yield GaugeMetricFamily(p + "lag_seconds", "Wall time from another brain's flush to its changes applied here "
+                            "(the last entry)", value=s.lag_seconds)
+    yield GaugeMetricFamily(p + "warm_start_seconds", "Snapshot + replay before this brain reported SERVING",
+                            value=s.warm_start_seconds)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from .files import check_private_dir
 from .brain import Brain
 from .decide import ExternalProcessor
 from .release import AccessLogService
+from .shared import SharedState
 from .wire import add_service
 from ..discovery import follow, make_source
 from ..picker import EndpointPicker
@@ -186,9 +187,21 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
         for name in READY_SERVICES:
             await health_servicer.set(name, status)
 
+    shared = None
+    if cfg.shared_state.redis_url:
+        shared = SharedState(cfg.shared_state, brain.router, brain.clock, brain.stats.shared)
+
+    async def become_ready() -> None:
+        # another brain's view first (snapshot + replay, bounded): a brain that joins a running fleet starts warm
+        if shared is not None:
+            await shared.warm_start()
+        await set_ready(True)
+
     # the names gateways' endpoint-picker deployments probe: alive at once, ready once the fleet is known
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-    await set_ready(brain.discovered)
+    await set_ready(False)
+    if brain.discovered:
+        await become_ready()
 
     runner = web.AppRunner(admin_app(brain, write_admin_token(b.admin_token_file)), access_log=None)
     await runner.setup()
@@ -221,10 +234,12 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
             brain.apply_discovered(replicas)
             if first_sync:
                 first_sync = False
-                loop.create_task(set_ready(True))
+                loop.create_task(become_ready())
 
         tasks.append(asyncio.create_task(follow(source, cfg.discovery.interval_s, discovered, brain.discovery_failed,
                                                 brain.discovery_ok), name="discovery"))
+    if shared is not None:
+        tasks.append(asyncio.create_task(shared.run(), name="shared_state"))
     info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}
     # The ~50K objects of the imports and servers live as long as the process. Frozen, they are out of
     # the collector's sight: a full collection no longer stalls requests ~11 ms scanning them.
@@ -250,6 +265,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
             t.cancel()
         if source is not None:
             await source.close()
+        if shared is not None:
+            await shared.close()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(1.0)
         await runner.cleanup()

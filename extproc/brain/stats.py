@@ -41,6 +41,26 @@ class DecisionWindow:
         return out
 
 
+class SharedStats:
+    """What the metrics say of sharing (``warmroute_shared_state_*``): every series exists, 0 when off."""
+
+    def __init__(self) -> None:
+        self.enabled = 0
+        self.up = 0
+        self.peers = 0
+        self.published_events = 0
+        self.published_entries = 0
+        self.applied_events = 0
+        self.dropped_events = 0  # changes not shipped while Redis was away
+        self.failures: dict[str, int] = {"connect": 0, "auth": 0, "timeout": 0, "error": 0}
+        self.resyncs = 0  # snapshot imports after entries this brain missed were trimmed away
+        self.replayed_entries = 0
+        self.snapshots_written = 0
+        self.lag_seconds = 0.0  # wall time from another brain's flush to its entry being applied here
+        self.warm_start_seconds = 0.0
+        self.index_gaps = 0
+
+
 class BrainStats:
     def __init__(self, replica_names: Iterable[str] = ()):
         self.decisions: Counter[tuple[str, str]] = Counter()  # (replica, reason)
@@ -58,6 +78,7 @@ class BrainStats:
         self.released_envoy_gone = 0  # reservations of an Envoy whose access-log streams all closed
         self.unmatched_log_entries = 0  # access-log entries that named no reservation and no replica
         self.reloads = 0
+        self.shared = SharedStats()
         self.zero_series(replica_names)
 
     def record_decision(self, d: Decision, body_status: BodyStatus, now: float) -> None:

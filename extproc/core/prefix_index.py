@@ -101,7 +101,7 @@ class PrefixIndex:
         inserted in this order they make the same set, each batch's blocks a prefix-closed run)."""
         d = self._stamp_of
         out = []
-        for stamp, chain, n in self._batches.values():
+        for stamp, chain, n in list(self._batches.values()):  # a copy: a snapshot may be taken off the loop
             own = [h for h in chain[:n] if d.get(h) == stamp]
             if own:
                 out.append(own)

@@ -1,0 +1,332 @@
+"""Shared state through Redis (issue 33): ship this brain's state changes, apply the others'.
+
+The core writes what each decision changes into ``router.outbox`` (``core.shared``); nothing on the request
+path touches the network. Here, off the request path:
+
+- **flush**: every ``flush_ms`` the outbox is taken and appended to one Redis Stream as one entry (origin,
+  its clock, wall time, the events as JSON). A Stream, not Pub/Sub: entries stay for a brain that was away
+  (a reconnect replays what it missed from its last entry id, in order), and a starting brain replays what
+  came after the snapshot it read. Trimmed to about ``stream_max_entries``.
+- **read**: a blocking XREAD from the last id; each other brain's entry is applied in its order, with its
+  clock turned into ours. An entry is also that brain's heartbeat; a brain with nothing to say appends an
+  empty entry every ``heartbeat_s``. A brain silent for ``peer_timeout_s`` is gone: its requests in flight
+  no longer load the replicas here (``Remote.forget_origin``).
+- **snapshot**: every ``snapshot_every_s`` one brain (whoever takes a short lock) writes the whole view
+  (pins and prefix index, ``export_state``) with the stream id it reflects; a starting brain, or one whose
+  missed entries were trimmed away, imports it and replays from that id before it reports SERVING.
+- **Redis down, slow, refusing the password**: counted, logged once per change, retried with backoff up to
+  30 s; meanwhile the brain routes on its own view and drops what it would have shipped (counted). When
+  Redis is back the brain replays what it missed, or resynchronises from the snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import time
+import zlib
+
+import orjson
+
+from ..config import SharedStateConfig
+from ..core import Router
+from ..core.shared import export_state, import_state
+from . import logs
+from .stats import SharedStats
+
+_BACKOFF_MAX_S = 30.0
+_READ_BLOCK_MS = 1000
+_READ_COUNT = 2000
+_SNAPSHOT_MAX_BYTES = 512 * 1024 * 1024  # Redis's own limit for a string
+
+
+def brain_id(cfg: SharedStateConfig) -> str:
+    if cfg.brain_id:
+        return cfg.brain_id
+    return f"{socket.gethostname()[:40]}-{os.getpid()}-{random.getrandbits(24):06x}"
+
+
+def _password(cfg: SharedStateConfig) -> str | None:
+    if cfg.password_file is None:
+        return None
+    with open(cfg.password_file, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def _failure_kind(e: BaseException) -> str:
+    import redis.exceptions as rx
+
+    if isinstance(e, (rx.AuthenticationError, rx.AuthorizationError)) or "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+        return "auth"
+    if isinstance(e, (rx.TimeoutError, asyncio.TimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(e, (rx.ConnectionError, ConnectionError, OSError)):
+        return "connect"
+    return "error"
+
+
+class SharedState:
+    def __init__(self, cfg: SharedStateConfig, router: Router, clock, stats: SharedStats | None = None):
+        self.cfg = cfg
+        self.router = router
+        self.clock = clock
+        self.stats = stats or SharedStats()
+        self.stats.enabled = 1
+        self.id = brain_id(cfg)
+        p = cfg.key_prefix
+        self.stream, self.snapshot_key, self.lock_key = f"{p}events", f"{p}snapshot", f"{p}snapshot:lock"
+        self.outbox = router.share(True)
+        self.last_id = "0-0"
+        self.peers: dict[str, float] = {}  # brain id -> when we last heard from it (our clock)
+        self._redis = None
+        self._down_logged: str | None = None  # the failure kind last logged (one line per change)
+        self._connected = asyncio.Event()
+        self._last_flush = 0.0
+        self._synced = False  # a snapshot was imported (or found absent) once: later gaps replay or resync
+        self.started = asyncio.Event()  # warm_start is over, warmed or not: run() may begin
+
+    # ---------------------------------------------------------------- connection
+
+    def _client(self):
+        import redis.asyncio as aredis
+
+        c = self.cfg
+        kw = dict(socket_timeout=c.timeout_s + _READ_BLOCK_MS / 1000, socket_connect_timeout=c.timeout_s,
+                  health_check_interval=0, retry_on_timeout=False, decode_responses=False)
+        pw = _password(c)
+        if pw is not None:
+            kw["password"] = pw
+        if c.username:
+            kw["username"] = c.username
+        if c.redis_url.startswith("rediss://"):
+            kw.update(ssl_ca_certs=c.tls_ca_file, ssl_certfile=c.tls_cert_file, ssl_keyfile=c.tls_key_file)
+        return aredis.Redis.from_url(c.redis_url, **kw)
+
+    async def _connect(self) -> None:
+        r = self._client()
+        try:
+            await asyncio.wait_for(r.ping(), self.cfg.timeout_s * 2)
+        except BaseException:
+            await r.aclose()
+            raise
+        self._redis = r
+
+    async def _close(self) -> None:
+        r, self._redis = self._redis, None
+        self._connected.clear()
+        if r is not None:
+            try:
+                await r.aclose()
+            except Exception:
+                pass
+
+    def _down(self, e: BaseException) -> None:
+        kind = _failure_kind(e)
+        self.stats.failures[kind] += 1
+        was_up = self.stats.up
+        self.stats.up = 0
+        if was_up or self._down_logged != kind:
+            self._down_logged = kind
+            msg = "the password or ACL user was refused" if kind == "auth" else f"{type(e).__name__}: {e}"[:200]
+            logs.event("shared_state_down", kind=kind, error=msg, routing="local view only")
+
+    def _up(self, how: str) -> None:
+        if not self.stats.up:
+            logs.event("shared_state_up", brain=self.id, how=how, peers=len(self.peers))
+        self.stats.up = 1
+        self._down_logged = None
+        self._connected.set()
+
+    # ---------------------------------------------------------------- start
+
+    async def warm_start(self) -> bool:
+        """Connect, import the snapshot and replay what came after it; bounded by warm_start_timeout_s. False:
+        Redis could not be read in time (the brain starts on its own view and catches up when Redis answers)."""
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(self._sync(), self.cfg.warm_start_timeout_s)
+        except Exception as e:  # noqa: BLE001 - whatever Redis did, the brain starts
+            self._down(e)
+            await self._close()
+            return False
+        finally:
+            self.stats.warm_start_seconds = round(time.monotonic() - t0, 3)
+            self.started.set()
+        self._up("warm start")
+        logs.event("shared_state_warm", seconds=self.stats.warm_start_seconds, replayed=self.stats.replayed_entries,
+                   pins=sum(len(t) for t in self.router.policy.pin_tables()))
+        return True
+
+    async def _sync(self) -> None:
+        """(Re)connect, then catch up: from the last entry applied if Redis still holds it, else from the
+        snapshot (and its stream id)."""
+        if self._redis is None:
+            await self._connect()
+        r = self._redis
+        first = await r.xrange(self.stream, count=1)
+        # what this brain has not applied is gone from the stream (trimmed, or Redis restarted): the snapshot
+        missed = not self._synced or (first and _id_lt(self.last_id, first[0][0].decode()))
+        if missed:
+            raw = await r.get(self.snapshot_key)
+            if raw:
+                doc = await asyncio.to_thread(lambda: orjson.loads(zlib.decompress(raw)))
+                import_state(self.router, doc.get("state", {}), self.clock())
+                if self._synced:
+                    self.stats.resyncs += 1
+                if _id_lt(self.last_id, doc.get("stream_id", "0-0")):
+                    self.last_id = doc["stream_id"]
+            self._synced = True
+        while True:  # replay in chunks; each chunk is applied before the next is read
+            entries = await r.xrange(self.stream, min=f"({self.last_id}" if self.last_id != "0-0" else "-",
+                                     count=_READ_COUNT)
+            if not entries:
+                break
+            self._apply_entries(entries, replay=True)
+            self.stats.replayed_entries += len(entries)
+
+    # ---------------------------------------------------------------- loops
+
+    async def run(self) -> None:
+        """Forever: read, flush, heartbeat and snapshot while Redis answers; reconnect with backoff when not."""
+        await self.started.wait()
+        backoff = 0.5
+        while True:
+            try:
+                if self._redis is None or not self.stats.up:
+                    await self._sync()
+                    self._up("reconnected")
+                    backoff = 0.5
+                await self._serve()
+            except asyncio.CancelledError:
+                await self._close()
+                raise
+            except Exception as e:  # noqa: BLE001 - Redis failing in any way: local routing, retry
+                self._down(e)
+                await self._close()
+                self._forget_silent()
+                await self._sleep_dropping(backoff)
+                backoff = min(_BACKOFF_MAX_S, backoff * 2)
+
+    async def _sleep_dropping(self, seconds: float) -> None:
+        """Wait out a backoff, dropping (and counting) what the decisions meanwhile changed."""
+        end = time.monotonic() + seconds * random.uniform(0.8, 1.2)
+        while True:
+            self.stats.dropped_events += len(self.outbox.take())
+            self._forget_silent()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, self.cfg.flush_ms / 1000 * 20))
+
+    async def _serve(self) -> None:
+        tasks = [asyncio.create_task(self._reader(), name="shared-read"),
+                 asyncio.create_task(self._flusher(), name="shared-flush"),
+                 asyncio.create_task(self._snapshotter(), name="shared-snapshot")]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _reader(self) -> None:
+        r = self._redis
+        while True:
+            got = await r.xread({self.stream: self.last_id}, count=_READ_COUNT, block=_READ_BLOCK_MS)
+            for _, entries in got or ():
+                self._apply_entries(entries)
+            self._forget_silent()
+
+    def _apply_entries(self, entries, replay: bool = False) -> None:
+        now = self.clock()
+        wall = time.time()
+        for eid, fields in entries:
+            self.last_id = eid.decode() if isinstance(eid, bytes) else eid
+            try:
+                origin = fields[b"o"].decode()
+                if origin == self.id:
+                    continue
+                sent_wall = float(fields[b"w"])
+                transit = min(max(0.0, wall - sent_wall), self.cfg.peer_timeout_s)
+                # the origin's clock at the flush was now - transit here: that is the offset between the two
+                offset = now - transit - float(fields[b"t"])
+                events = orjson.loads(fields[b"e"]) if fields.get(b"e") else []
+            except (KeyError, ValueError, TypeError, orjson.JSONDecodeError):
+                continue  # an entry from another version or a stranger: skipped
+            if replay and transit >= self.cfg.peer_timeout_s:
+                # an old entry: its pins and index count, its reservations ended long ago (or soon will)
+                events = [e for e in events if e and e[0] in ("h", "i")]
+            else:
+                self.peers[origin] = now
+                self.stats.lag_seconds = round(transit, 4)
+            before = self.router.remote.applied
+            self.router.apply(origin, events, offset, now)
+            self.stats.applied_events += self.router.remote.applied - before
+        self.stats.index_gaps = self.router.remote.index_gaps
+        self.stats.peers = len(self.peers)
+
+    def _forget_silent(self) -> None:
+        now = self.clock()
+        for origin, seen in list(self.peers.items()):
+            if now - seen > self.cfg.peer_timeout_s:
+                del self.peers[origin]
+                n = self.router.remote.forget_origin(self.router, origin, now)
+                logs.event("shared_state_peer_gone", peer=origin, released_reservations=n)
+        if not self.stats.up:  # nobody is heard from while Redis is away: their load is not known any more
+            for origin in list(self.router.remote.origins()):
+                self.router.remote.forget_origin(self.router, origin, now)
+        self.stats.peers = len(self.peers)
+
+    async def _flusher(self) -> None:
+        r = self._redis
+        every = self.cfg.flush_ms / 1000
+        while True:
+            await asyncio.sleep(every)
+            events = self.outbox.take()
+            now = self.clock()
+            if not events and now - self._last_flush < self.cfg.heartbeat_s:
+                continue
+            fields = {"o": self.id, "t": repr(now), "w": repr(time.time()), "e": orjson.dumps(events)}
+            await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries, approximate=True),
+                                   self.cfg.timeout_s)
+            self._last_flush = now
+            self.stats.published_events += len(events)
+            self.stats.published_entries += 1
+
+    async def _snapshotter(self) -> None:
+        r = self._redis
+        every = self.cfg.snapshot_every_s
+        await asyncio.sleep(every * random.uniform(0.5, 1.0))
+        while True:
+            if await asyncio.wait_for(r.set(self.lock_key, self.id, nx=True, ex=max(1, int(every))), self.cfg.timeout_s):
+                await self.write_snapshot()
+            await asyncio.sleep(every)
+
+    async def write_snapshot(self) -> int:
+        """The whole view with the id of the last entry applied into it; bytes written."""
+        stream_id, now = self.last_id, self.clock()
+        # the copy runs off the loop (a large view takes ~0.1 s to walk): requests are not held behind it
+        state = await asyncio.to_thread(export_state, self.router, now)
+        blob = await asyncio.to_thread(lambda: zlib.compress(orjson.dumps({"stream_id": stream_id, "state": state}), 1))
+        if len(blob) > _SNAPSHOT_MAX_BYTES:
+            logs.event("shared_state_snapshot_too_large", bytes=len(blob))
+            return 0
+        await asyncio.wait_for(self._redis.set(self.snapshot_key, blob), self.cfg.timeout_s * 5)
+        self.stats.snapshots_written += 1
+        return len(blob)
+
+    async def close(self) -> None:
+        await self._close()
+
+
+def _id_lt(a: str, b: str) -> bool:
+    am, _, asq = a.partition("-")
+    bm, _, bsq = b.partition("-")
+    return (int(am), int(asq or 0)) < (int(bm), int(bsq or 0))
+
+
+__all__ = ["SharedState", "SharedStats", "brain_id"]

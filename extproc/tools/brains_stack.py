@@ -1,0 +1,106 @@
+"""Several brains over one fleet, sharing state through a real Redis (issue 33): the stack of tests,
+benchmarks and ``warmroute up --brains K``.
+
+``pairs``: K Envoy + brain pairs (clients spread over the Envoys), the default shape. The replicas and Redis are
+started once; each pair is a ``Stack`` of its own (its config, socket, ports, logs) over the same replicas.
+``shared=False`` gives the same topology with sharing off (each brain alone: the comparison).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from .redis_proc import RedisServer
+from .stack import Stack
+
+
+class BrainsStack:
+    def __init__(self, n_replicas: int = 4, brains: int = 2, config: dict | None = None,
+                 mock_args: list[str] | None = None, shared: bool = True, workdir: str | Path | None = None,
+                 shared_state: dict | None = None, redis: "RedisServer | dict | None" = None,
+                 listen_ports: list[int] | None = None):
+        self.n, self.k = n_replicas, brains
+        self.config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (config or {}).items()}
+        self.mock_args = mock_args or []
+        self.shared = shared
+        self.shared_state = {"flush_ms": 5.0, "heartbeat_s": 0.5, "peer_timeout_s": 3.0, "snapshot_every_s": 5.0,
+                             **(shared_state or {})}
+        # a RedisServer of the caller's (started and stopped by it), or RedisServer's arguments for one of ours
+        self.own_redis = not isinstance(redis, RedisServer)
+        self.redis_kw = redis if self.own_redis and redis else {}
+        self.redis: RedisServer | None = None if self.own_redis else redis
+        self.listen_ports = listen_ports or [0] * brains
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="warmroute-brains-")
+            workdir = self._tmp.name
+        self.dir = Path(workdir)
+        self.stacks: list[Stack] = []
+
+    def _config(self, i: int) -> dict:
+        cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.config.items()}
+        if self.shared:
+            cfg["shared_state"] = {"redis_url": self.redis.url, "brain_id": f"brain-{i}", **self.shared_state}
+        return cfg
+
+    def start(self) -> "BrainsStack":
+        try:
+            if self.shared and self.own_redis:
+                self.redis = RedisServer(self.dir, **self.redis_kw).start()
+            first = Stack(self.n, config=self._config(0), mock_args=self.mock_args, workdir=self.dir / "pair-0",
+                          listen_port=self.listen_ports[0])
+            self.stacks.append(first)
+            first.start()
+            for i in range(1, self.k):
+                self.start_pair(i)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_pair(self, i: int) -> Stack:
+        s = Stack(0, config=self._config(i), workdir=self.dir / f"pair-{i}",
+                  listen_port=self.listen_ports[i] if i < len(self.listen_ports) else 0)
+        s.replicas = list(self.stacks[0].replicas)
+        if i < len(self.stacks):
+            self.stacks[i] = s
+        else:
+            self.stacks.append(s)
+        s.start()
+        return s
+
+    def restart_brain(self, i: int) -> None:
+        """A brain killed and started again on its ports (its Envoy stays): it warms from the others' view."""
+        s = self.stacks[i]
+        s.brain.kill()
+        s.start_brain()
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.stacks]
+
+    def wait_all_live(self, timeout: float = 60) -> None:
+        for s in self.stacks:
+            s.wait_all_live(timeout)
+
+    def stop(self) -> None:
+        for s in reversed(self.stacks):
+            try:
+                s.stop()
+            except Exception:
+                pass
+        if self.redis is not None and self.own_redis:
+            self.redis.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "BrainsStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["BrainsStack"]

@@ -1,0 +1,189 @@
+"""Several brains sharing state through a real Redis (issue 33): two Envoy + brain pairs over four mock replicas,
+clients alternating Envoys request by request; Redis killed and back, a brain killed and restarted, Redis's
+password, ACL user and TLS."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from extproc.tools.brains_stack import BrainsStack
+from extproc.tools.procs import wait_for
+from extproc.tools.redis_proc import RedisServer
+from extproc.tools.stack import Stack
+
+from .conftest import FAST
+from .test_brain_access import make_pki
+
+pytestmark = pytest.mark.integration
+
+
+def post(url: str, sid: str, turn: int, timeout: float = 30.0) -> str:
+    """One turn of a session whose prompt no other session shares: the replica that served it."""
+    msgs = [{"role": "system", "content": f"You maintain repository {sid}. " * 120}]
+    msgs += [{"role": "user", "content": f"{sid} turn {t}: fix the failing test " * 12} for t in range(turn + 1)]
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 4, "messages": msgs}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", "x-session-id": sid})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())["system_fingerprint"]
+
+
+def conversations(urls: list[str], tag: str, sessions: int = 7, turns: int = 5) -> int:
+    """Sessions whose turns alternate between the Envoys; how many turns landed away from the session's home."""
+    homes: dict[str, str] = {}
+    moved = 0
+    i = 0
+    for turn in range(turns):
+        for s in range(sessions):
+            sid = f"{tag}-{s}"
+            served = post(urls[i % len(urls)], sid, turn)
+            i += 1
+            moved += sid in homes and homes[sid] != served
+            homes[sid] = served
+    return moved
+
+
+def metric(stack: Stack, name: str) -> float:
+    text = urllib.request.urlopen(stack.brain_metrics, timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+class Load:
+    """Clients in threads alternating the Envoys until stopped; errors counted per Envoy."""
+
+    def __init__(self, urls: list[str], tag: str, clients: int = 3):
+        self.urls, self.tag = urls, tag
+        self.stop_ = threading.Event()
+        self.ok = 0
+        self.errors = [0] * len(urls)
+        self.threads = [threading.Thread(target=self._run, args=(c,), daemon=True) for c in range(clients)]
+
+    def _run(self, c: int) -> None:
+        turn, k = 0, c
+        while not self.stop_.is_set():
+            for s in range(4):
+                e = k % len(self.urls)
+                k += 1
+                try:
+                    post(self.urls[e], f"{self.tag}-{c}-{s}", turn % 6)
+                    self.ok += 1
+                except (urllib.error.URLError, OSError, ValueError):
+                    self.errors[e] += 1
+            turn += 1
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_.set()
+        for t in self.threads:
+            t.join(60)
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    with BrainsStack(4, 2, config=FAST, mock_args=["--speedup", "20"]) as b:
+        b.wait_all_live(30)
+        for s in b.stacks:
+            wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 20, "the other brain heard from")
+        yield b
+
+
+def test_sessions_alternating_envoys_stay_home_because_the_brains_share_state(pairs):
+    # each brain alone would place a session it has not seen by its own round-robin: turns would move
+    assert conversations(pairs.urls, "alt") == 0
+    for s in pairs.stacks:
+        assert metric(s, "warmroute_shared_state_up") == 1
+        assert metric(s, "warmroute_shared_state_events_applied_total") > 0
+
+
+def test_redis_killed_mid_load_fails_no_client_and_sharing_comes_back(pairs):
+    with Load(pairs.urls, "redis") as load:
+        wait_for(lambda: load.ok >= 10, 60, "load running")
+        pairs.redis.kill()
+        for s in pairs.stacks:
+            wait_for(lambda s=s: metric(s, "warmroute_shared_state_up") == 0, 20, "the brains to see Redis gone")
+        ok = load.ok
+        wait_for(lambda: load.ok >= ok + 10, 60, "requests served while Redis is down")
+        pairs.redis.start()  # the same port, empty
+        for s in pairs.stacks:
+            wait_for(lambda s=s: metric(s, "warmroute_shared_state_up") == 1, 60, "the brains back on Redis")
+            wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 20, "the other brain heard again")
+    assert load.errors == [0, 0] and load.ok > 20
+    for s in pairs.stacks:
+        assert metric(s, 'warmroute_shared_state_failures_total{kind="connect"}') \
+            + metric(s, 'warmroute_shared_state_failures_total{kind="timeout"}') \
+            + metric(s, 'warmroute_shared_state_failures_total{kind="error"}') >= 1
+    assert conversations(pairs.urls, "after-redis") == 0  # new sessions shared again
+
+
+def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts_warm(pairs):
+    conversations(pairs.urls, "before-kill", sessions=6, turns=2)
+    with Load(pairs.urls, "kill", clients=2) as load:
+        wait_for(lambda: load.ok >= 10, 60, "load running")
+        pairs.stacks[1].brain.kill()
+        survivor = pairs.stacks[0]
+        # the dead brain's requests in flight stop loading the replicas once it is silent (peer_timeout_s)
+        wait_for(lambda: metric(survivor, "warmroute_shared_state_peers") == 0, 20, "the dead brain forgotten")
+        wait_for(lambda: metric(survivor, "warmroute_shared_state_remote_reservations") == 0, 20,
+                 "its reservations released")
+        ok = load.ok
+        wait_for(lambda: load.ok >= ok + 6, 60, "requests served with one brain")
+    # Envoy 0's brain lives: none of its clients failed. Envoy 1 failed open to its ring hash: at most the
+    # requests that were in flight through it when its brain died
+    assert load.errors[0] == 0 and load.errors[1] <= 2
+    pairs.stacks[1].start_brain()  # on the same ports: Envoy 1 finds it again
+    wait_for(lambda: pairs.stacks[1].brain_healthy_in_envoy(), 30, "Envoy 1 to see its brain again")
+    assert metric(pairs.stacks[1], "warmroute_shared_state_warm_start_seconds") > 0
+    # the restarted brain knows the sessions it never saw, from the snapshot and the stream
+    before = {s: post(pairs.urls[0], f"before-kill-{s}", 2) for s in range(6)}
+    assert {s: post(pairs.urls[1], f"before-kill-{s}", 3) for s in range(6)} == before
+    wait_for(lambda: metric(pairs.stacks[0], "warmroute_shared_state_peers") == 1, 20, "the brain back in the fleet")
+
+
+def _one_brain(tmp: Path, redis: RedisServer, shared: dict) -> Stack:
+    s = Stack(2, config={**FAST, "shared_state": {"redis_url": redis.url, "heartbeat_s": 0.5, "peer_timeout_s": 3.0,
+                                                  **shared}},
+              mock_args=["--speedup", "20"], workdir=tmp / "stack")
+    return s
+
+
+def test_a_wrong_password_is_one_log_line_and_routing_goes_on(tmp_path):
+    (tmp_path / "pw").write_text("not-the-password\n")
+    with RedisServer(tmp_path, password="s3cret") as redis, \
+            _one_brain(tmp_path, redis, {"password_file": str(tmp_path / "pw")}) as s:
+        s.wait_all_live(30)
+        wait_for(lambda: metric(s, 'warmroute_shared_state_failures_total{kind="auth"}') >= 2, 30,
+                 "the brain to retry with backoff")
+        assert post(s.url, "pw", 0)
+        assert s.brain.alive() and metric(s, "warmroute_shared_state_up") == 0
+        log = s.brain.log_tail(200_000)
+        assert log.count('"shared_state_down"') == 1 and "refused" in log
+        assert "s3cret" not in log and "not-the-password" not in log
+
+
+def test_an_acl_user_over_tls_shares_state(tmp_path):
+    pki = make_pki(tmp_path)
+    (tmp_path / "pw").write_text("brain-pw\n")
+    tls = {"cert": pki["server.pem"], "key": pki["server.key"], "ca": pki["ca.pem"]}
+    with RedisServer(tmp_path, password="admin-only", acl_user=("brain", "brain-pw"), tls=tls,
+                     tls_auth_clients=True) as redis:
+        shared = {"redis_url": redis.url, "username": "brain", "password_file": str(tmp_path / "pw"),
+                  "tls_ca_file": pki["ca.pem"], "tls_cert_file": pki["client.pem"], "tls_key_file": pki["client.key"]}
+        with BrainsStack(2, 2, config=FAST, mock_args=["--speedup", "20"], workdir=tmp_path / "b", redis=redis,
+                         shared_state={k: v for k, v in shared.items() if k != "redis_url"}) as b:
+            b.wait_all_live(30)
+            for s in b.stacks:
+                wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 30, "sharing over TLS")
+            assert conversations(b.urls, "tls", sessions=5, turns=3) == 0

@@ -231,6 +231,10 @@ class EnvoyConfig:
     brain_tls_sni: str | None = None  # the name Envoy asks for and checks in the brain's certificate (null: brain.host)
     brain_tls_cert_file: str | None = None  # Envoy's client certificate, for a brain that asks (tls_client_ca_file)
     brain_tls_key_file: str | None = None  # the private key of brain_tls_cert_file
+    # endpoint-picker shape: more brains sharing state (shared_state) that this Envoy spreads requests over, beside
+    # the brain of this config: "unix:/path/brain.sock" or "ip:port" each (a Kubernetes gateway reaches the picker
+    # Deployment's replicas through its Service instead)
+    brain_endpoints: tuple[str, ...] = ()
     # `envoy-config --mode endpoint-picker`: how Envoy sends bodies to the brain. "full-duplex" is what Inference
     # Extension gateways send (FULL_DUPLEX_STREAMED both ways): a brain that dies takes the requests in flight with
     # it. "buffered" (request BUFFERED, response STREAMED) fails open at any moment: Envoy holds what it sent
@@ -501,6 +505,13 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError(f"allow_no_replicas: expected true or false, got {_short(allow)}")
     if envoy.picker_body_mode not in ("buffered", "full-duplex"):
         raise ConfigError(f"envoy.picker_body_mode: expected buffered or full-duplex, got {_short(envoy.picker_body_mode)}")
+    for i, ep in enumerate(envoy.brain_endpoints):
+        host, _, port = ep.rpartition(":")
+        if not (ep.startswith("unix:/") or (_is_ip(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536)):
+            raise ConfigError(f"envoy.brain_endpoints[{i}]: expected unix:/path.sock or ip:port, got {_short(ep)}")
+    if envoy.brain_endpoints and brain.protocol != "endpoint-picker":
+        raise ConfigError("envoy.brain_endpoints: several brains behind one Envoy need brain.protocol: endpoint-picker "
+                          "(each request's release comes back on its own stream; the access log would reach any brain)")
     if brain.protocol not in PROTOCOLS:
         raise ConfigError(f"brain.protocol: expected one of {', '.join(PROTOCOLS)}, got {_short(brain.protocol)}")
     discovery = _discovery(doc.get("discovery"))

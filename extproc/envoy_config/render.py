@@ -508,12 +508,21 @@ def brain_cluster(cfg: AppConfig) -> dict:
         ],
         "load_assignment": {
             "cluster_name": BRAIN_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+            # several brains sharing state (endpoint-picker shape): each request's stream goes to any of them
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": a}} for a in
+                                            [address, *(_brain_endpoint(ep) for ep in e.brain_endpoints)]]}],
         },
     }
     if tls is not None:
         cluster["transport_socket"] = tls
     return cluster
+
+
+def _brain_endpoint(ep: str) -> dict:
+    if ep.startswith("unix:"):
+        return {"pipe": {"path": ep[len("unix:"):]}}
+    host, _, port = ep.rpartition(":")
+    return _address(host.strip("[]"), int(port))
 
 
 def brain_log_cluster(cfg: AppConfig) -> dict:

@@ -3,14 +3,18 @@ benchmarks and ``warmroute up --brains K``.
 
 ``pairs``: K Envoy + brain pairs (clients spread over the Envoys), the default shape. The replicas and Redis are
 started once; each pair is a ``Stack`` of its own (its config, socket, ports, logs) over the same replicas.
+``picker``: K brains as endpoint pickers behind one Envoy in the Inference Extension's shape, which spreads the
+requests over them (``envoy.brain_endpoints``; a gateway reaches a picker Deployment's replicas so).
 ``shared=False`` gives the same topology with sharing off (each brain alone: the comparison).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
+from ..envoy_config import bootstrap
 from .redis_proc import RedisServer
 from .stack import Stack
 
@@ -19,8 +23,10 @@ class BrainsStack:
     def __init__(self, n_replicas: int = 4, brains: int = 2, config: dict | None = None,
                  mock_args: list[str] | None = None, shared: bool = True, workdir: str | Path | None = None,
                  shared_state: dict | None = None, redis: "RedisServer | dict | None" = None,
-                 listen_ports: list[int] | None = None):
-        self.n, self.k = n_replicas, brains
+                 listen_ports: list[int] | None = None, shape: str = "pairs"):
+        if shape not in ("pairs", "picker"):
+            raise ValueError(f"shape: pairs or picker, got {shape!r}")
+        self.n, self.k, self.shape = n_replicas, brains, shape
         self.config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (config or {}).items()}
         self.mock_args = mock_args or []
         self.shared = shared
@@ -42,6 +48,8 @@ class BrainsStack:
         cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.config.items()}
         if self.shared:
             cfg["shared_state"] = {"redis_url": self.redis.url, "brain_id": f"brain-{i}", **self.shared_state}
+        if self.shape == "picker":
+            cfg["brain"] = {**cfg.get("brain", {}), "protocol": "endpoint-picker"}
         return cfg
 
     def start(self) -> "BrainsStack":
@@ -51,9 +59,14 @@ class BrainsStack:
             first = Stack(self.n, config=self._config(0), mock_args=self.mock_args, workdir=self.dir / "pair-0",
                           listen_port=self.listen_ports[0])
             self.stacks.append(first)
-            first.start()
+            first.start(envoy=self.shape == "pairs")
             for i in range(1, self.k):
                 self.start_pair(i)
+            if self.shape == "picker":
+                cfg = first.live_config()
+                others = tuple(f"unix:{Path(s.cfg.brain.grpc_socket).resolve()}" for s in self.stacks[1:])
+                first.start_envoy(bootstrap(dataclasses.replace(cfg, envoy=dataclasses.replace(
+                    cfg.envoy, brain_endpoints=others))))
         except BaseException:
             self.stop()
             raise
@@ -67,7 +80,7 @@ class BrainsStack:
             self.stacks[i] = s
         else:
             self.stacks.append(s)
-        s.start()
+        s.start(envoy=self.shape == "pairs")
         return s
 
     def restart_brain(self, i: int) -> None:
@@ -78,7 +91,8 @@ class BrainsStack:
 
     @property
     def urls(self) -> list[str]:
-        return [s.url for s in self.stacks]
+        """Where clients go: each pair's Envoy, or the one Envoy in front of the pickers."""
+        return [s.url for s in self.stacks] if self.shape == "pairs" else [self.stacks[0].url]
 
     def wait_all_live(self, timeout: float = 60) -> None:
         for s in self.stacks:

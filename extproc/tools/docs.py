@@ -18,7 +18,7 @@ import types
 import typing
 from pathlib import Path
 
-from ..config import AppConfig, BrainConfig, DiscoveryConfig, EnvoyConfig, ReplicaSpec
+from ..config import AppConfig, BrainConfig, DiscoveryConfig, EnvoyConfig, ReplicaSpec, SharedStateConfig
 from ..core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,9 +34,11 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("brain", BrainConfig, "Where the brain listens."),
     ("envoy", EnvoyConfig, "What the rendered Envoy bootstrap needs beyond the replica list."),
     ("discovery", DiscoveryConfig, "Where the replica set comes from: the file, DNS, or Kubernetes (kubernetes.md)."),
+    ("shared_state", SharedStateConfig, "Several brains sharing routing state through Redis (README \"Running several "
+     "brains\"); off unless redis_url is set."),
     ("", AppConfig, "Top-level fields."),
 )
-_NESTED = {"health", "pins", "profile", "warm", "router", "replicas", "brain", "envoy", "discovery", "source",
+_NESTED = {"health", "pins", "profile", "warm", "router", "replicas", "brain", "envoy", "discovery", "shared_state", "source",
            "aliases"}
 MODELS_SECTION = [
     "## `models`",
@@ -173,7 +175,7 @@ def config_reference() -> str:
 _CODE = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _METRIC = re.compile(r"\bwarmroute_[a-z0-9_]+")
-_CONFIG_KEY = re.compile(r"(routing|health|warm|pins|profile|brain|envoy|discovery)\.([a-z_]+)(?::.*)?")
+_CONFIG_KEY = re.compile(r"(routing|health|warm|pins|profile|brain|envoy|discovery|shared_state)\.([a-z_]+)(?::.*)?")
 # names that look like config keys and are not: the endpoint-picker protocol's metadata namespaces
 NOT_CONFIG_KEYS = {"envoy.lb"}
 

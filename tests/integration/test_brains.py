@@ -152,6 +152,32 @@ def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts
     wait_for(lambda: metric(pairs.stacks[0], "warmroute_shared_state_peers") == 1, 20, "the brain back in the fleet")
 
 
+@pytest.fixture(scope="module")
+def pickers():
+    with BrainsStack(4, 2, config=FAST, mock_args=["--speedup", "20"], shape="picker") as b:
+        b.wait_all_live(30)
+        for s in b.stacks:
+            wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 20, "the other brain heard from")
+        yield b
+
+
+def test_two_pickers_behind_one_envoy_share_their_sessions_and_survive_one_killed(pickers):
+    url = pickers.urls[0]
+    homes = {f"pick-{s}": post(url, f"pick-{s}", 0) for s in range(8)}
+    for turn in range(1, 4):  # Envoy spreads the streams over both brains: each decides turns the other began
+        assert {sid: post(url, sid, turn) for sid in homes} == homes
+    made = [sum(r["decisions"] for r in s.state()["replicas"]) for s in pickers.stacks]
+    assert min(made) >= 4, made  # both brains chose
+    with Load([url], "pick-kill", clients=2) as load:
+        wait_for(lambda: load.ok >= 10, 60, "load running")
+        pickers.stacks[1].brain.kill()
+        wait_for(lambda: metric(pickers.stacks[0], "warmroute_shared_state_peers") == 0, 20, "the dead picker forgotten")
+        ok = load.ok
+        wait_for(lambda: load.ok >= ok + 8, 60, "requests served by the other picker")
+    assert load.errors[0] <= 2  # at most what was in flight on the killed picker's streams
+    assert {sid: post(url, sid, 4) for sid in homes} == homes
+
+
 def _one_brain(tmp: Path, redis: RedisServer, shared: dict) -> Stack:
     s = Stack(2, config={**FAST, "shared_state": {"redis_url": redis.url, "heartbeat_s": 0.5, "peer_timeout_s": 3.0,
                                                   **shared}},

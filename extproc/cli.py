@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--minutes", type=float, default=2.0, help="workload minutes of demo load (about 30 s of wall time)")
     u.add_argument("--sessions-per-min", type=float, default=6.0)
     u.add_argument("--no-serve", action="store_true", help="stop after the load instead of serving until Ctrl-C")
+    u.add_argument("--brains", type=int, default=1,
+                   help="several brains sharing state through a local Redis (redis-server): K Envoy + brain pairs, the "
+                        "load alternating over the Envoys (mock replicas)")
+    u.add_argument("--shape", choices=("pairs", "picker"), default="pairs",
+                   help="with --brains: pairs, or the brains as endpoint pickers behind one Envoy")
     u.add_argument("--port", type=int, default=0, help="Envoy's listen port on 127.0.0.1, for a stable URL (default: any free)")
 
     d = command("demo-core")

@@ -31,7 +31,7 @@ def brain_config_path() -> Path:
 
 
 def test_same_topology_as_warmroute_up_envoy_brain_and_4_mock_replicas():
-    replicas = sorted(n for n in SERVICES if n.startswith("r"))
+    replicas = sorted(n for n in SERVICES if n.startswith("r") and n != "redis")
     assert replicas == ["r0", "r1", "r2", "r3"]
     assert {"brain", "envoy"} <= set(SERVICES)
 
@@ -71,3 +71,25 @@ def test_the_warmroute_services_run_the_image_built_from_the_dockerfile():
         assert not any("pip" in str(x) for x in [svc.get("entrypoint"), svc.get("command")])
     # the brain reads its config from the mounted envoy/ directory
     assert "./envoy:/src/envoy:ro" in SERVICES["brain"]["volumes"] and SERVICES["brain"]["working_dir"] == "/src"
+
+
+def test_the_brains_profile_runs_two_envoy_brain_pairs_sharing_one_redis():
+    pairs = sorted(n for n in SERVICES if n.startswith("brain-"))
+    assert pairs == ["brain-0", "brain-1"] and "redis" in SERVICES
+    assert all(SERVICES[n].get("profiles") == ["brains"] for n in [*pairs, "envoy-0", "envoy-1", "redis"])
+    assert "profiles" not in SERVICES["brain"]  # the default topology is unchanged
+    ids, ports = set(), set()
+    for i, name in enumerate(pairs):
+        cmd = SERVICES[name]["command"]
+        path = ROOT / cmd[cmd.index("--config") + 1]
+        cfg = load_config(path)
+        u = urlsplit(cfg.shared_state.redis_url)
+        assert u.hostname == "redis" and "redis" in SERVICES[name]["depends_on"]
+        assert cfg.brain.host == name and [r.name for r in cfg.replicas] == ["r0", "r1", "r2", "r3"]
+        ids.add(cfg.shared_state.brain_id)
+        envoy = SERVICES[f"envoy-{i}"]
+        rendered = SHIPPED[str(path.relative_to(ROOT))]
+        assert any(m.startswith(f"./{rendered}:/etc/envoy/envoy.yaml") for m in envoy["volumes"])
+        assert envoy["ports"] == [f"{cfg.envoy.listen_port}:{cfg.envoy.listen_port}"]
+        ports.add(cfg.envoy.listen_port)
+    assert len(ids) == 2 and len(ports) == 2

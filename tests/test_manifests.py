@@ -17,7 +17,7 @@ from kubernetes import client
 from extproc.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
-OVERLAYS = ["gateway", "standalone"]
+OVERLAYS = ["gateway", "standalone", "brains"]
 KINDS = {("v1", "ServiceAccount"): "V1ServiceAccount", ("v1", "Service"): "V1Service",
          ("v1", "ConfigMap"): "V1ConfigMap", ("apps/v1", "Deployment"): "V1Deployment",
          ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
@@ -104,6 +104,28 @@ def test_the_standalone_variant_runs_envoy_on_the_rendered_bootstrap():
     assert yaml.safe_load(boot["data"]["envoy-bootstrap.yaml"]) == yaml.safe_load(dump(bootstrap(cfg)))
     headless = next(d for d in docs if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None")
     assert headless["metadata"]["name"] == cfg.discovery.dns_name
+
+
+def test_the_brains_variant_runs_two_pickers_sharing_state_through_its_redis():
+    from urllib.parse import urlsplit
+
+    docs = render("brains")
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "warmroute")
+    assert dep["spec"]["replicas"] == 2
+    cfg = brain_config(docs)
+    assert cfg.brain.protocol == "endpoint-picker" and cfg.shared_state.redis_url
+    u = urlsplit(cfg.shared_state.redis_url)
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == u.hostname)
+    assert u.port in [p["port"] for p in svc["spec"]["ports"]]
+    redis = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == u.hostname)
+    assert svc["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+    # the password file the config names is the mounted secret's key, and Redis requires the same secret
+    pod = dep["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if cfg.shared_state.password_file.startswith(m["mountPath"]))
+    vol = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    key = cfg.shared_state.password_file[len(mount["mountPath"]):].strip("/")
+    env = redis["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]
+    assert (vol["secret"]["secretName"], key) == (env["name"], env["key"])
 
 
 def brain_config(docs):

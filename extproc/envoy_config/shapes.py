@@ -57,6 +57,8 @@ SHIPPED = {
     # config file -> the bootstrap rendered from it (checked by tests/test_envoy_config.py)
     "envoy/warmroute.yaml": "envoy/envoy.yaml",
     "envoy/compose.warmroute.yaml": "envoy/compose.envoy.yaml",
+    "envoy/compose.brains-0.warmroute.yaml": "envoy/compose.brains-0.envoy.yaml",
+    "envoy/compose.brains-1.warmroute.yaml": "envoy/compose.brains-1.envoy.yaml",
     "deploy/kubernetes/standalone/warmroute.yaml": "deploy/kubernetes/standalone/envoy-bootstrap.yaml",
 }
 SNIPPETS_FROM = "envoy/warmroute.yaml"

@@ -18,6 +18,7 @@ import time
 
 from .sim.http_replay import replay
 from .sim.workload import WorkloadConfig
+from .brains_stack import BrainsStack
 from .stack import Stack, StackError, wait_for
 from .top import snapshot, text_table
 
@@ -37,6 +38,12 @@ def up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_term)
     real = getattr(args, "engine", "mock") == "vllm"
     n = args.replicas or (2 if real else 4)
+    if getattr(args, "brains", 1) > 1:
+        if real:
+            print("warmroute up --brains: mock replicas only (several brains over real engines: make bench-brains)",
+                  file=sys.stderr)
+            return 1
+        return up_brains(args, n)
     options = model = None
     if real:
         from . import real_vllm
@@ -110,6 +117,48 @@ def up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nstopping ...")
         print(f"logs kept in {stack.dir}/")
+        return 0
+    except StackError as e:
+        print(f"warmroute up: {e}", file=sys.stderr)
+        print(f"logs kept in {stack.dir}/", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+
+
+def up_brains(args: argparse.Namespace, n: int) -> int:
+    """``warmroute up --brains K``: Redis, N mock replicas and K brains sharing state (K Envoy + brain pairs, or K
+    pickers behind one Envoy), the demo load spread over the Envoys request by request, each brain's table."""
+    import tempfile
+
+    k, shape = args.brains, args.shape
+    ports = [args.port + i if args.port else 0 for i in range(k)]
+    stack = BrainsStack(n, k, mock_args=[], shape=shape, workdir=tempfile.mkdtemp(prefix="warmroute-brains-"),
+                        listen_ports=ports)
+    try:
+        print(f"starting Redis, {n} mock vLLM replicas and {k} brains sharing state "
+              f"({'one Envoy + brain pair each' if shape == 'pairs' else 'endpoint pickers behind one Envoy'}) ...",
+              flush=True)
+        stack.start()
+        print(f"Redis {stack.redis.url}; Envoys: {' '.join(stack.urls)}; logs (kept after exit): {stack.dir}/")
+        stack.wait_all_live(90)
+        w = WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min, oneshots_per_min=6.0,
+                           projects=3, long_share=0.0, turns_median=6.0)
+        print(f"\nsending agent load, request by request over {len(stack.urls)} Envoy(s) ...", flush=True)
+        res = asyncio.run(replay(stack.urls, w, seed=1, speedup=DEMO_SPEEDUP))
+        ok = res.answered - sum(res.errors.values())
+        print(f"done: {ok}/{res.sent} ok, errors {res.errors or 'none'}, lost {res.lost}\n")
+        for i, s in enumerate(stack.stacks):
+            wait_for(lambda s=s: s.state()["open_reservations"] == 0, 10, "the last releases")
+            print(f"brain {i}:" + (" (its Envoy: the table's Envoy columns)" if shape == "pairs" else ""))
+            print(text_table(snapshot(s.brain_admin, s.envoy_admin if s.envoy else None, s.admin_token())))
+        if args.no_serve:
+            return 0
+        print(f"\nserving on {' '.join(stack.urls)}. Ctrl-C stops everything.")
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nstopping ...")
         return 0
     except StackError as e:
         print(f"warmroute up: {e}", file=sys.stderr)

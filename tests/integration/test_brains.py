@@ -213,3 +213,15 @@ def test_an_acl_user_over_tls_shares_state(tmp_path):
             for s in b.stacks:
                 wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 30, "sharing over TLS")
             assert conversations(b.urls, "tls", sessions=5, turns=3) == 0
+
+
+def test_warmroute_up_with_two_brains_serves_the_demo_load_and_stops_everything(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "extproc.cli", "up", "--brains", "2", "--minutes", "0.5",
+                          "--no-serve"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "errors none" in out.stdout and "brain 0:" in out.stdout and "brain 1:" in out.stdout
+    sent = re.search(r"done: (\d+)/(\d+) ok", out.stdout)
+    assert sent and sent.group(1) == sent.group(2) and int(sent.group(1)) > 0

@@ -13,6 +13,7 @@ dropped, timeout); an error is an answer with a status other than 200.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -128,13 +129,20 @@ async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[
         res.lost += 1
 
 
-async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 10.0,
+async def replay(url: "str | list[str]", cfg: WorkloadConfig, seed: int = 1, speedup: float = 10.0,
                  model: "str | Callable[[Request], str]" = "mock-coder-30b", timeout: float = 300.0,
                  concurrency_limit: int = 512, extra_headers: "Callable[[Request], dict] | None" = None,
                  api: "str | Callable[[Request], str]" = "chat") -> ReplayResult:
     """Run the workload of ``cfg`` (its minutes divided by ``speedup``) against ``url``. ``model``: one name, or
     each request's (a fleet of several models); ``extra_headers``: each request's more headers; ``api``: the API
-    every request speaks (``APIS``), or each request's (a session keeps one, as a client does)."""
+    every request speaks (``APIS``), or each request's (a session keeps one, as a client does). ``url``: a list
+    spreads the requests over several Envoys in turn, request by request (clients of several gateways)."""
+    urls = [url] if isinstance(url, str) else list(url)
+    sent = itertools.count()
+
+    def pick() -> str:
+        return urls[next(sent) % len(urls)]
+
     wl = Workload(cfg, seed)
     texts = system_texts(cfg.projects, wl.system_tokens, seed)
     res = ReplayResult()
@@ -150,14 +158,14 @@ async def replay(url: str, cfg: WorkloadConfig, seed: int = 1, speedup: float = 
                 if req is None:
                     return
                 res.requests.append(req)
-                await _one(http, url, req, texts, model, res, t0, timeout, extra_headers, api)
+                await _one(http, pick(), req, texts, model, res, t0, timeout, extra_headers, api)
                 think = wl.after_answer(s, req) / speedup
                 await asyncio.sleep(think)
 
         async def oneshot(start_at: float, req: Request) -> None:
             await asyncio.sleep(max(0.0, start_at - (time.monotonic() - t0)))
             res.requests.append(req)
-            await _one(http, url, req, texts, model, res, t0, timeout, extra_headers, api)
+            await _one(http, pick(), req, texts, model, res, t0, timeout, extra_headers, api)
 
         # sessions and one-shots are drawn up front, in arrival order: every contender gets the same stream
         jobs = []

@@ -290,7 +290,7 @@ class SharedState:
             now = self.clock()
             if not events and now - self._last_flush < self.cfg.heartbeat_s:
                 continue
-            fields = {"o": self.id, "t": repr(now), "w": repr(time.time()), "e": orjson.dumps(events)}
+            fields = {"o": self.id, "t": repr(now), "w": repr(time.time()), "e": orjson.dumps(events, default=_hex)}
             await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries, approximate=True),
                                    self.cfg.timeout_s)
             self._last_flush = now
@@ -321,6 +321,13 @@ class SharedState:
 
     async def close(self) -> None:
         await self._close()
+
+
+def _hex(x):
+    """Key hashes are bytes in the core; JSON carries them as hex (only hashes leave the brain)."""
+    if isinstance(x, bytes):
+        return x.hex()
+    raise TypeError(type(x).__name__)
 
 
 def _id_lt(a: str, b: str) -> bool:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from .decision import Decision, Reservation
 from .names import PinAction
-from .pins import PinTable
+from .pins import SESSION, PinTable
 
 if TYPE_CHECKING:
     from .profile import RequestProfile
@@ -73,21 +73,23 @@ class Outbox:
         self.events.append(("i", replica, engine, tag, 0, None, chain[:n]))
 
     def decided(self, router, d: Decision, profile: "RequestProfile", now: float) -> None:
+        # on the request path: plain tuples, keys as they are (the transport writes them out as hex)
         res = d.reservation
+        sk = profile.session_key
         if res is not None:
-            sk = profile.session_key.hex() if profile.session_key is not None and not profile.provisional else None
-            self.events.append(("o", res.id, res.replica.name, res.engine, res.weight_milli, int(res.provisional),
-                                res.work_s, res.prefill_s, res.pending_tokens, sk, d.prompt_tokens, now))
-        deleted = {e.kind for e in d.events if e.action is PinAction.UNPIN}
+            self.events.append(("o", res.id, res.replica.name, res.engine, res.weight_milli, res.provisional,
+                                res.work_s, res.prefill_s, res.pending_tokens, None if profile.provisional else sk,
+                                d.prompt_tokens, now))
         for table in router.policy.pin_tables():
-            key = profile.session_key if table.kind == "session" else profile.prefix_key
+            key = sk if table.kind is SESSION else profile.prefix_key
             if key is None:
                 continue
             pin = table.peek(key)
-            if pin is not None and pin.last_used == now:
-                self.events.append(("h", table.kind.value, key.hex(), pin.replica.name, pin.engine, pin.tokens, now))
-            elif pin is None and table.kind in deleted:
-                self.events.append(("h", table.kind.value, key.hex(), None, None, 0, now))
+            if pin is not None:
+                if pin.last_used == now:
+                    self.events.append(("h", table.kind.value, key, pin.replica.name, pin.engine, pin.tokens, now))
+            elif d.events and any(e.action is PinAction.UNPIN and e.kind is table.kind for e in d.events):
+                self.events.append(("h", table.kind.value, key, None, None, 0, now))
 
 
 class Remote:
@@ -148,8 +150,8 @@ class Remote:
         res = router.reserve_remote(r, int(weight), at, bool(provisional))
         res.engine = engine if engine is None else int(engine)
         res.work_s = float(work_s)
-        router.policy.on_remote_reserved(res, float(prefill_s), int(pending),
-                                         bytes.fromhex(sk) if sk else None, int(prompt), at, now)
+        router.policy.on_remote_reserved(res, float(prefill_s), int(pending), _key(sk) if sk else None, int(prompt),
+                                         at, now)
         self.reservations[(origin, rid)] = res
 
     def _home(self, router, ev: tuple, offset: float, now: float) -> None:
@@ -158,7 +160,7 @@ class Remote:
         if table is None:
             return
         at = min(now, float(at) + offset)
-        k = bytes.fromhex(key)
+        k = _key(key)
         if name is None:
             pin = table.peek(k)
             if pin is not None and pin.last_used <= at:
@@ -256,6 +258,15 @@ def import_state(router, state: dict, now: float) -> None:
         for b in batches:
             if isinstance(b, list) and b:
                 idx.insert(list(b))
+
+
+def _key(k) -> bytes:
+    """A key hash as the core keeps it: bytes in the simulator and tests, hex once it went through JSON."""
+    if isinstance(k, bytes):
+        return k
+    if isinstance(k, str) and len(k) <= 64:
+        return bytes.fromhex(k)
+    raise ValueError("not a key hash")
 
 
 def _table(router, kind: str) -> PinTable | None:

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: engines engines-freeze bench-real bench-apis bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: bench-brains engines engines-freeze bench-real bench-apis bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,9 @@ bench-rates: install  ## learned prefill/decode rates vs the engine's truth thro
 
 bench-fleet: install  ## several models and LoRA adapters in one fleet, warmroute vs per-model Envoy pools (~4 min)
 	$(PY) -m extproc.tools.bench_fleet
+
+bench-brains: install system-deps  ## several brains over a real Redis: warm start with 100K sessions, a decision's cost with sharing on, clients alternating Envoys, a brain and Redis killed (~8 min)
+	$(PY) -m extproc.tools.bench_brains
 
 bench-core: install
 	$(PY) -m extproc.tools.bench_core

@@ -25,6 +25,7 @@ from ..config import SharedStateConfig
 from ..core import Router, RouterConfig, hash_key
 from ..core.blocks import chain_seed
 from ..core.profile import RequestProfile
+from ..core.shared import export_state
 from .bench_live import bench_workload, scaled_warmroute_config
 from .brains_stack import BrainsStack
 from .redis_proc import RedisServer
@@ -99,9 +100,16 @@ def warm(sessions: int, replicas: int) -> None:
     same = sum(1 for sid in range(0, sessions, max(1, sessions // 1000))
                if (p := b.policy.session_pins.peek(hash_key("session", None, str(sid)))) is not None
                and p.replica.name == a.policy.session_pins.peek(hash_key("session", None, str(sid))).replica.name)
-    print(f"snapshot: {size / 1e6:.1f} MB compressed, written in {wrote:.2f} s (off the request path); Redis "
-          f"used_memory {mem / 1e6:.1f} MB: {(mem - base) / sessions:.0f} B per session with its blocks, "
-          f"{(mem - base) / blocks:.1f} B per indexed block")
+    import zlib
+
+    import orjson
+
+    state = export_state(a, now)
+    pins_b = len(zlib.compress(orjson.dumps(state["pins"]), 1))
+    index_b = len(zlib.compress(orjson.dumps(state["index"]), 1))
+    print(f"snapshot: {size / 1e6:.1f} MB compressed, written in {wrote:.2f} s (off the request path): "
+          f"{pins_b / sessions:.0f} B per session, {index_b / blocks:.1f} B per indexed block; Redis used_memory "
+          f"{mem / 1e6:.1f} MB with it (the index is bounded by the replicas' caches, the pins by pins.max_pins)")
     print(f"warm start of a new brain: {took:.2f} s ({'ok' if ok else 'FAILED'}); sessions found at the same home "
           f"(1 in {max(1, sessions // 1000)} checked): {same}/{len(range(0, sessions, max(1, sessions // 1000)))}")
 
@@ -111,9 +119,12 @@ def warm(sessions: int, replicas: int) -> None:
 
 def overhead(rounds: int, per_round: int) -> None:
     """Decisions/s of one brain with sharing off and on, interleaved rounds; the apply cost on another brain."""
+    import orjson
+
     rng = random.Random(1)
     results: dict[str, list[float]] = {"off": [], "on": []}
     apply_s: list[float] = []
+    wire: list[float] = []
     for k in range(rounds):
         for mode in (("off", "on") if k % 2 == 0 else ("on", "off")):
             r, now = _live_router(8)
@@ -153,10 +164,13 @@ def overhead(rounds: int, per_round: int) -> None:
                 for events in shipped:
                     other.apply("x", events, 0.0, now)
                 apply_s.append((time.perf_counter() - t) / per_round)
+                wire.append(sum(len(orjson.dumps(e, default=lambda b: b.hex())) for e in shipped) / per_round)
     off, on = statistics.median(results["off"]), statistics.median(results["on"])
     print(f"decisions/s, 8 replicas, median of {rounds} interleaved rounds: sharing off {off:,.0f}, on {on:,.0f} "
           f"(a decision costs {off / on:.3f}x with sharing on)")
-    print(f"applying another brain's events: {statistics.median(apply_s) * 1e6:.1f} us per decision it made")
+    print(f"applying another brain's events: {statistics.median(apply_s) * 1e6:.1f} us per decision it made; "
+          f"{statistics.median(wire):.0f} B of stream per decision (the stream is trimmed to "
+          f"shared_state.stream_max_entries entries of one flush each)")
 
 
 # ---------------------------------------------------------------------------------------------------------- live

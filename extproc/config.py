@@ -235,6 +235,9 @@ class EnvoyConfig:
     # the brain of this config: "unix:/path/brain.sock" or "ip:port" each (a Kubernetes gateway reaches the picker
     # Deployment's replicas through its Service instead)
     brain_endpoints: tuple[str, ...] = ()
+    # the other brains sharing state (shared_state), asked when this Envoy's own brain is down instead of failing
+    # open to the ring hash (Envoy's priority failover; its access log follows): "unix:/path.sock" or "ip:port"
+    brain_failover: tuple[str, ...] = ()
     # `envoy-config --mode endpoint-picker`: how Envoy sends bodies to the brain. "full-duplex" is what Inference
     # Extension gateways send (FULL_DUPLEX_STREAMED both ways): a brain that dies takes the requests in flight with
     # it. "buffered" (request BUFFERED, response STREAMED) fails open at any moment: Envoy holds what it sent
@@ -505,10 +508,11 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError(f"allow_no_replicas: expected true or false, got {_short(allow)}")
     if envoy.picker_body_mode not in ("buffered", "full-duplex"):
         raise ConfigError(f"envoy.picker_body_mode: expected buffered or full-duplex, got {_short(envoy.picker_body_mode)}")
-    for i, ep in enumerate(envoy.brain_endpoints):
-        host, _, port = ep.rpartition(":")
-        if not (ep.startswith("unix:/") or (_is_ip(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536)):
-            raise ConfigError(f"envoy.brain_endpoints[{i}]: expected unix:/path.sock or ip:port, got {_short(ep)}")
+    for field_ in ("brain_endpoints", "brain_failover"):
+        for i, ep in enumerate(getattr(envoy, field_)):
+            host, _, port = ep.rpartition(":")
+            if not (ep.startswith("unix:/") or (_is_ip(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536)):
+                raise ConfigError(f"envoy.{field_}[{i}]: expected unix:/path.sock or ip:port, got {_short(ep)}")
     if envoy.brain_endpoints and brain.protocol != "endpoint-picker":
         raise ConfigError("envoy.brain_endpoints: several brains behind one Envoy need brain.protocol: endpoint-picker "
                           "(each request's release comes back on its own stream; the access log would reach any brain)")
@@ -523,6 +527,9 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
                 raise ConfigError(f"replicas[{i}].url: brain.protocol endpoint-picker answers ip:port; give the "
                                   f"replica's IP address (or discovery: dns), got {_short(r.url)}")
     shared = _shared_state(doc.get("shared_state"))
+    if envoy.brain_failover and not shared.redis_url:
+        raise ConfigError("envoy.brain_failover: another brain knows this one's sessions only through shared_state "
+                          "(set shared_state.redis_url)")
     return AppConfig(replicas, router, brain, envoy, discovery, shared, _aliases(doc.get("models")), source, allow)
 
 

@@ -9,6 +9,7 @@ feeds the upstream-failure rule (SPEC B) with no round trip on the response path
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections import OrderedDict
 from typing import Callable
@@ -20,6 +21,11 @@ from envoy.data.accesslog.v3.accesslog_pb2 import AccessLogType
 from ..contract import RESERVATION_HEADER
 from ..core import Reservation, Router, UpstreamOutcome, upstream_failed, upstream_verdicts
 from .stats import BrainStats
+
+
+def token_digest(token: str) -> str:
+    """What leaves the brain of a reservation's id: a hash (the id itself names the request to Envoy)."""
+    return hashlib.blake2b(token.encode(), digest_size=12).hexdigest()
 
 
 class Ledger:
@@ -141,6 +147,8 @@ class Releaser:
         self.by_address: dict[str, str] = {}  # "host:port" -> replica name
         self.ttft_error = None  # a prometheus Histogram of |predicted - observed| time to first byte
         self.periodic_seen = False  # Envoy sends periodic entries of requests in flight (access_log_flush_interval)
+        # shared state: hand an entry that names none of our reservations to the other brains (number, digest)
+        self.forward: Callable[[int, str], None] | None = None
 
     def on_entry(self, entry) -> None:
         now = self.clock()
@@ -165,6 +173,13 @@ class Releaser:
             self.stats.releases_by_log += 1
         if res is None and entry.request.request_id:
             self.ledger.note_ended(entry.request.request_id)
+        if res is None and self.forward is not None:
+            # several brains sharing state: an Envoy whose own brain was down logs to the one it failed over to,
+            # and keeps that stream when its brain is back; the entry's reservation is that other brain's
+            token = entry.request.request_headers.get(RESERVATION_HEADER, "")
+            num, _, secret = token.partition(".")
+            if num.isdigit() and secret:
+                self.forward(int(num), token_digest(token))
         sock = common.upstream_remote_address.socket_address
         served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
         verdicts = upstream_verdicts(chosen, served_by, common.upstream_request_attempt_count, upstream_failed(outcome_of(entry)))
@@ -172,6 +187,15 @@ class Releaser:
             self.router.on_upstream(name, ok, now)
         if chosen is None and served_by is None:
             self.stats.unmatched_log_entries += 1
+
+    def end_forwarded(self, num: int, digest: str) -> None:
+        """Another brain got the access-log entry of one of our reservations (shared state): release it, if
+        the digest is our token's (a reservation with that number in another brain has another token)."""
+        res = self.router.reservation(num)
+        if res is not None and not res.released and res.token and \
+                secrets.compare_digest(token_digest(res.token), digest):
+            self.router.release(res, self.clock())
+            self.stats.releases_by_log += 1
 
     def finish(self, res: Reservation, served_by: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """The end of a request whose front saw its response itself (the endpoint picker): the same release

@@ -190,6 +190,9 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     shared = None
     if cfg.shared_state.redis_url:
         shared = SharedState(cfg.shared_state, brain.router, brain.clock, brain.stats.shared)
+        outbox = brain.router.outbox
+        brain.releaser.forward = lambda num, digest: outbox.events.append(("x", num, digest))
+        brain.router.remote.on_foreign_end = brain.releaser.end_forwarded
 
     async def become_ready() -> None:
         # another brain's view first (snapshot + replay, bounded): a brain that joins a running fleet starts warm

@@ -43,9 +43,9 @@ _SNAPSHOT_MAX_BYTES = 512 * 1024 * 1024  # Redis's own limit for a string
 
 
 def brain_id(cfg: SharedStateConfig) -> str:
-    if cfg.brain_id:
-        return cfg.brain_id
-    return f"{socket.gethostname()[:40]}-{os.getpid()}-{random.getrandbits(24):06x}"
+    """The configured name (or host and process) and a random part: a restarted brain is a new origin, so that its
+    predecessor's entries are replayed like any other's and its reservation ids, counted from 1 again, are its own."""
+    return f"{cfg.brain_id or socket.gethostname()[:40] + '-' + str(os.getpid())}~{random.getrandbits(32):08x}"
 
 
 def _password(cfg: SharedStateConfig) -> str | None:

@@ -11,6 +11,8 @@ shell, a delayed queue in the simulator, a shuffling list in the tests) ships th
   session is where its context is, whichever brain saw it.
 - ``("o", rid, replica, engine, weight_milli, provisional, work_s, prefill_s, pending_tokens, session, prompt,
   at)``: a reservation opened (in-flight work the receiver counts on the replica like its own).
+- ``("x", rid, digest)``: the end of a reservation reached this brain but not its owner (an Envoy's access log
+  kept on a brain it failed over to); the owner, whose id's digest it is, releases it.
 - ``("c", rid)``: that reservation closed. Another brain's reservations also end when that brain stops
   being heard from (``forget_origin``) or after the safety timeout, so a lost close never holds load.
 - ``("i", replica, engine, tag, start, parent, blocks)``: blocks ``start..`` of the origin's chain ``tag`` were
@@ -95,7 +97,8 @@ class Outbox:
 class Remote:
     """What the other brains told this one: their open reservations and the chains they indexed."""
 
-    __slots__ = ("reservations", "closed", "chains", "applied", "index_gaps", "unknown_replicas", "expired")
+    __slots__ = ("reservations", "closed", "chains", "applied", "index_gaps", "unknown_replicas", "expired",
+                 "on_foreign_end")
 
     def __init__(self) -> None:
         # (origin, rid) -> the reservation, oldest first
@@ -107,6 +110,9 @@ class Remote:
         self.index_gaps = 0  # index deltas dropped: their prefix is unknown here
         self.unknown_replicas = 0  # events naming a replica this brain does not know (discovery differs)
         self.expired = 0  # reservations ended by their origin's silence or the safety timeout
+        # ("x", number, digest): another brain got the end of a reservation that may be ours (the shell's
+        # access log, which names it by a token the core does not keep); the shell sets this
+        self.on_foreign_end = None
 
     def apply(self, router, origin: str, events: list, offset: float, now: float) -> None:
         """Apply one origin's events, in its order; ``offset`` turns its clock into ours."""
@@ -127,6 +133,9 @@ class Remote:
                     self._home(router, ev, offset, now)
                 elif kind == "i":
                     self._indexed(router, origin, ev)
+                elif kind == "x":
+                    if self.on_foreign_end is not None:
+                        self.on_foreign_end(int(ev[1]), str(ev[2]))
                 else:
                     continue
             except (TypeError, ValueError, IndexError, KeyError, AttributeError):

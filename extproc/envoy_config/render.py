@@ -508,9 +508,13 @@ def brain_cluster(cfg: AppConfig) -> dict:
         ],
         "load_assignment": {
             "cluster_name": BRAIN_CLUSTER,
-            # several brains sharing state (endpoint-picker shape): each request's stream goes to any of them
+            # several brains sharing state (endpoint-picker shape): each request's stream goes to any of them;
+            # brain_failover: the other pairs' brains, asked only while this one is down (priority 1)
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": a}} for a in
-                                            [address, *(_brain_endpoint(ep) for ep in e.brain_endpoints)]]}],
+                                            [address, *(_brain_endpoint(ep) for ep in e.brain_endpoints)]]},
+                          *([{"priority": 1, "lb_endpoints": [{"endpoint": {"address": _brain_endpoint(ep)}}
+                                                              for ep in e.brain_failover]}]
+                            if e.brain_failover else [])],
         },
     }
     if tls is not None:
@@ -530,7 +534,9 @@ def brain_log_cluster(cfg: AppConfig) -> dict:
     connection's write buffer, every stream on it is then above its high watermark, and Envoy's gRPC access logger
     drops the entries it cannot flush: each a reservation never released (5 in 30 s of 300 KB bodies under load).
     Its own connection carries nothing but entries; no health check (the brain cluster's says whether it lives)."""
-    c = {k: v for k, v in brain_cluster(cfg).items() if k not in ("health_checks", "circuit_breakers")}
+    # with brain_failover the log follows the decisions to the standby brain: it needs the health checks to know
+    drop = ("circuit_breakers",) if cfg.envoy.brain_failover else ("health_checks", "circuit_breakers")
+    c = {k: v for k, v in brain_cluster(cfg).items() if k not in drop}
     c["name"] = BRAIN_LOG_CLUSTER
     c["load_assignment"] = {**c["load_assignment"], "cluster_name": BRAIN_LOG_CLUSTER}
     return c

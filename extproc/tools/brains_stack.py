@@ -23,10 +23,12 @@ class BrainsStack:
     def __init__(self, n_replicas: int = 4, brains: int = 2, config: dict | None = None,
                  mock_args: list[str] | None = None, shared: bool = True, workdir: str | Path | None = None,
                  shared_state: dict | None = None, redis: "RedisServer | dict | None" = None,
-                 listen_ports: list[int] | None = None, shape: str = "pairs"):
+                 listen_ports: list[int] | None = None, shape: str = "pairs", failover: bool = True):
         if shape not in ("pairs", "picker"):
             raise ValueError(f"shape: pairs or picker, got {shape!r}")
         self.n, self.k, self.shape = n_replicas, brains, shape
+        # pairs sharing state: each Envoy asks the other brains while its own is down (envoy.brain_failover)
+        self.failover = failover and shared and shape == "pairs" and brains > 1
         self.config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (config or {}).items()}
         self.mock_args = mock_args or []
         self.shared = shared
@@ -50,6 +52,9 @@ class BrainsStack:
             cfg["shared_state"] = {"redis_url": self.redis.url, "brain_id": f"brain-{i}", **self.shared_state}
         if self.shape == "picker":
             cfg["brain"] = {**cfg.get("brain", {}), "protocol": "endpoint-picker"}
+        if self.failover:
+            cfg["envoy"] = {**cfg.get("envoy", {}), "brain_failover": [
+                f"unix:{(self.dir / f'pair-{j}').resolve() / 'brain.sock'}" for j in range(self.k) if j != i]}
         return cfg
 
     def start(self) -> "BrainsStack":
@@ -59,9 +64,13 @@ class BrainsStack:
             first = Stack(self.n, config=self._config(0), mock_args=self.mock_args, workdir=self.dir / "pair-0",
                           listen_port=self.listen_ports[0])
             self.stacks.append(first)
-            first.start(envoy=self.shape == "pairs")
+            # every brain first: an Envoy that names the others' brains waits for them all to be healthy
+            first.start(envoy=self.shape == "pairs" and not self.failover)
             for i in range(1, self.k):
                 self.start_pair(i)
+            if self.failover:
+                for s in self.stacks:
+                    s.start_envoy()
             if self.shape == "picker":
                 cfg = first.live_config()
                 others = tuple(f"unix:{Path(s.cfg.brain.grpc_socket).resolve()}" for s in self.stacks[1:])
@@ -80,7 +89,7 @@ class BrainsStack:
             self.stacks[i] = s
         else:
             self.stacks.append(s)
-        s.start(envoy=self.shape == "pairs")
+        s.start(envoy=self.shape == "pairs" and not self.failover)
         return s
 
     def restart_brain(self, i: int) -> None:

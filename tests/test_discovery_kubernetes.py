@@ -68,7 +68,8 @@ class FakeApi:
         app.router.add_get(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/{{name}}", self.get_pool)
         app.router.add_get(f"/api/v1/namespaces/{NS}/pods", self.list_pods)
         app.router.add_get(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices", self.list_slices)
-        self.runner = web.AppRunner(app)
+        # handlers still open at shutdown (a watch) are cancelled after 5 s instead of aiohttp's 60
+        self.runner = web.AppRunner(app, shutdown_timeout=5.0)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())

@@ -222,11 +222,31 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(floor)
         floor_port = int(wait_for(lambda: floor_file.exists() and floor_file.read_text(), 30, "the do-nothing server", floor))
         cfg_floor = dataclasses.replace(cfg_tcp, brain=dataclasses.replace(cfg_tcp.brain, grpc_port=floor_port))
+        # a second brain sharing state through a real Redis (several brains): what shipping its changes costs
+        cfg_shared = None
+        if shutil.which("redis-server"):
+            from .redis_proc import RedisServer
+
+            redis = RedisServer(work).start()
+            procs.append(redis)
+            shared_doc = {**cfg_doc, "brain": {**cfg_doc["brain"], "grpc_port": None,
+                                                 "grpc_socket": str(work / "shared.sock"),
+                                                 "admin_token_file": str(work / "shared.token")},
+                          "shared_state": {"redis_url": redis.url}}
+            (work / "shared.yaml").write_text(yaml.safe_dump(shared_doc))
+            sready = work / "shared.ready.json"
+            shared_brain = Proc("brain-shared", _cli("brain", "--config", str(work / "shared.yaml"), "--ready-file",
+                                                     str(sready)), work)
+            procs.append(shared_brain)
+            wait_for(lambda: sready.exists() and json.loads(sready.read_text()), 30, "the sharing brain", shared_brain)
+            cfg_shared = load_config(work / "shared.yaml")
         # one brain, two Envoys in front of it: one reaches it over TCP loopback, one over its Unix socket
         fronts = {"direct": Envoy("direct", direct_front(fleet.ports), work),
                   "do-nothing, TCP": Envoy("floor", bootstrap(cfg_floor), work),
                   "brain over TCP": Envoy("warmroute-tcp", bootstrap(cfg_tcp), work),
-                  "brain over unix": Envoy("warmroute-unix", bootstrap(cfg_unix), work)}
+                  "brain over unix": Envoy("warmroute-unix", bootstrap(cfg_unix), work),
+                  **({"brain shared, unix": Envoy("warmroute-shared", bootstrap(cfg_shared), work)}
+                     if cfg_shared is not None else {})}
         procs += list(fronts.values())
         state_url = f"http://127.0.0.1:{info['admin_port']}/state"
         auth = {"Authorization": "Bearer " + (work / "admin.token").read_text().strip()}
@@ -259,9 +279,13 @@ def main(argv: list[str] | None = None) -> int:
             print("through the brain against the do-nothing server in front of the same Envoy: " + ", ".join(
                 f"{name} {rps[name] / floor_rps:.2f}x" for name in ("brain over TCP", "brain over unix"))
                 + " (target: >= 0.8x)")
+            if "brain shared, unix" in rps:
+                print(f"a brain sharing state through Redis against the same brain alone (both over unix): "
+                      f"{rps['brain shared, unix'] / rps['brain over unix']:.3f}x req/s (target: >= 0.95x)")
 
         print("\nadded latency by body size (sequential, median of n)")
-        short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix"}
+        short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix",
+                 "brain shared, unix": "shared unix"}
         print(f"{'body':<8}{'n':>5}{'direct ms':>11}" + "".join(f"{'+' + short[n]:>14}" for n in names[1:]))
         for label, size, n in (("1 KB", 1024, 200), ("1 MB", 2**20, 30), ("16 MB", 16 * 2**20, 6)):
             if args.quick:

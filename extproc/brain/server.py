@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import AppConfig, ConfigError
+from ..core import State
 from . import logs
 from .admin import admin_app, metrics_app, write_admin_token
 from .files import check_private_dir
@@ -198,13 +199,18 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
         # another brain's view first (snapshot + replay, bounded): a brain that joins a running fleet starts warm
         if shared is not None:
             await shared.warm_start()
+            # and its own health view: every replica starts EJECTED here, and until one is LIVE its choices would be
+            # fallbacks at random; meanwhile its Envoy asks the other brains (envoy.brain_failover), which know them
+            h = cfg.router.health
+            deadline = brain.clock() + h.probing_clean_window_s + 4 * h.scrape_interval_s
+            while brain.router.replicas and brain.clock() < deadline and \
+                    not any(r.state is State.LIVE for r in brain.router.replicas):
+                await asyncio.sleep(0.1)
         await set_ready(True)
 
     # the names gateways' endpoint-picker deployments probe: alive at once, ready once the fleet is known
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
     await set_ready(False)
-    if brain.discovered:
-        await become_ready()
 
     runner = web.AppRunner(admin_app(brain, write_admin_token(b.admin_token_file)), access_log=None)
     await runner.setup()
@@ -243,6 +249,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
                                                 brain.discovery_ok), name="discovery"))
     if shared is not None:
         tasks.append(asyncio.create_task(shared.run(), name="shared_state"))
+    # a static fleet is known now; the scraper runs, so the wait for a LIVE replica (shared state) can end
+    readying = asyncio.create_task(become_ready(), name="ready") if brain.discovered else None  # held: not collected
     info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}
     # The ~50K objects of the imports and servers live as long as the process. Frozen, they are out of
     # the collector's sight: a full collection no longer stalls requests ~11 ms scanning them.

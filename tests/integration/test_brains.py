@@ -148,6 +148,8 @@ def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts
     pairs.stacks[1].start_brain()  # on the same ports: Envoy 1 finds it again
     wait_for(lambda: pairs.stacks[1].brain_healthy_in_envoy(), 30, "Envoy 1 to see its brain again")
     assert metric(pairs.stacks[1], "warmroute_shared_state_warm_start_seconds") > 0
+    assert any(r["state"] == "LIVE" for r in pairs.stacks[1].state()["replicas"])  # ready once its own view is
+    pairs.stacks[1].wait_all_live(30)  # a session whose home it still probes would be placed elsewhere
     # the restarted brain knows the sessions it never saw, from the snapshot and the stream (each turn once the last
     # is released: Envoy 1 kept its log stream on brain 0, which hands the ends back through Redis, a few ms late)
     after = {}

@@ -75,23 +75,24 @@ class Outbox:
         self.events.append(("i", replica, engine, tag, 0, None, chain[:n]))
 
     def decided(self, router, d: Decision, profile: "RequestProfile", now: float) -> None:
-        # on the request path: plain tuples, keys as they are (the transport writes them out as hex)
+        # on the request path: plain tuples; keys as hex (bytes.hex is cheaper than a JSON encoder's callback)
         res = d.reservation
-        sk = profile.session_key
+        sk = profile.session_key.hex() if profile.session_key is not None else None
         if res is not None:
             self.events.append(("o", res.id, res.replica.name, res.engine, res.weight_milli, res.provisional,
                                 res.work_s, res.prefill_s, res.pending_tokens, None if profile.provisional else sk,
                                 d.prompt_tokens, now))
         for table in router.policy.pin_tables():
-            key = sk if table.kind is SESSION else profile.prefix_key
+            key = profile.session_key if table.kind is SESSION else profile.prefix_key
             if key is None:
                 continue
             pin = table.peek(key)
             if pin is not None:
                 if pin.last_used == now:
-                    self.events.append(("h", table.kind.value, key, pin.replica.name, pin.engine, pin.tokens, now))
+                    self.events.append(("h", table.kind.value, sk if table.kind is SESSION else key.hex(),
+                                        pin.replica.name, pin.engine, pin.tokens, now))
             elif d.events and any(e.action is PinAction.UNPIN and e.kind is table.kind for e in d.events):
-                self.events.append(("h", table.kind.value, key, None, None, 0, now))
+                self.events.append(("h", table.kind.value, key.hex(), None, None, 0, now))
 
 
 class Remote:

@@ -105,3 +105,17 @@ def test_anatomy_counts_sessions_moved_between_replicas():
     assert moved("envoy_ring_hash") == (0, 0)  # a session's hash never changes while every replica is up
     n, carried = moved("envoy_round_robin")
     assert n > 20 and carried > 0
+
+
+def test_sim_brains_prints_one_brain_each_k_and_delay_and_llmds_pickers_and_sharing_keeps_hits():
+    import re
+
+    p = subprocess.run([sys.executable, "-m", "extproc.cli", "sim", "--brains", "1,4", "--sync-delay-ms", "10,off",
+                        "--replicas", "8", "--load", "2", "--minutes", "6"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [line.split()[0] for line in p.stdout.splitlines() if line and re.match(r"^(warmroute|llmd_epp)\S* ", line)
+            and "hits" not in line]
+    assert rows[:5] == ["warmroute", "llmd_epp", "warmroute:4:10", "warmroute:4:off", "llmd_epp:4:off"]
+    hits = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s+(\S+)\s+hits\s+([-+]\d+\.\d)", p.stdout, re.M)}
+    # four brains that share lose nothing of one brain's hits; alone, each knows a quarter of each session
+    assert hits["warmroute:4:10"] > -3.0 and hits["warmroute:4:off"] < -10.0

@@ -63,7 +63,7 @@ def test_warmroute_up_restarts_a_killed_brain_and_says_so():
         wait_for(decided_by_new_brain, 60, "the restarted Envoy to serve", every=0.5)
         assert sum("Envoy exited" in x for x in lines) == 1  # said once
     finally:
-        stop_group(p, signal.SIGINT, 90)  # under make test's load up may take long to stop its stack: no orphans
+        stop_group(p, signal.SIGINT, 30)
         if workdir is not None:
             import shutil
 

@@ -232,6 +232,25 @@ def test_a_reload_that_changes_the_headers_envoy_must_send_says_envoy_is_stale(t
     info = b.reload()
     assert "restart Envoy" in info["envoy_config_stale"]
     assert b.cfg.router.profile.session_headers == ("x-agent-session",)
+    assert "restart_needed" not in info
+
+
+def test_a_reload_keeps_the_running_brains_shared_state_and_says_a_restart_applies_it(tmp_path):
+    import yaml
+
+    from extproc.config import load_config
+
+    path = tmp_path / "warmroute.yaml"
+    doc = {"replicas": [{"name": "r0", "url": "http://127.0.0.1:8001"}], "pins": {"session_ttl_s": 60}}
+    path.write_text(yaml.safe_dump(doc))
+    b = Brain(load_config(path), config_path=str(path))
+    doc["shared_state"] = {"redis_url": "redis://127.0.0.1:6390/0"}
+    doc["pins"] = {"session_ttl_s": 90}
+    path.write_text(yaml.safe_dump(doc))
+    info = b.reload()
+    assert "shared_state" in info["restart_needed"]
+    assert b.cfg.shared_state.redis_url is None and b.router.outbox is None  # still alone
+    assert b.cfg.router.pins.session_ttl_s == 90  # the rest applied
 
 
 def test_every_pin_action_has_a_metric_family_and_every_series_starts_at_zero():

@@ -2,7 +2,8 @@
 
 Added replicas join through the health machine (EJECTED, no cooldown); removed ones are
 forgotten (their reservations still release, pins to them rebind on next use); thresholds and
-TTLs change at once. Ports cannot change under a running server: the old ``brain`` section stays.
+TTLs change at once. Ports cannot change under a running server: the old ``brain`` section stays, and so does
+``shared_state`` (the Redis connection and the brain's name).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def apply_config(router: Router, old: AppConfig, new: AppConfig, now: float) -> 
     if old.replicas and not new.replicas and not new.allow_no_replicas:
         raise ConfigError(f"replicas: {new.source} lists no replica; the reload is refused and the old config kept "
                           "(set allow_no_replicas: true to empty the fleet on purpose)")
-    new = dataclasses.replace(new, brain=old.brain)
+    # the Redis connection and this brain's name are the running process's, like its ports
+    shared_changed = new.shared_state != old.shared_state
+    new = dataclasses.replace(new, brain=old.brain, shared_state=old.shared_state)
     old_names = {r.name for r in old.replicas}
     new_names = {r.name for r in new.replicas}
     for r in new.replicas:
@@ -40,4 +43,6 @@ def apply_config(router: Router, old: AppConfig, new: AppConfig, now: float) -> 
         # Envoy sends only the headers its (static) ext_proc config names: until it runs a bootstrap rendered
         # from this file, a new session or tenant header never reaches the brain.
         info["envoy_config_stale"] = "profile.session_headers/tenant_header changed: re-render and restart Envoy"
+    if shared_changed:
+        info["restart_needed"] = "shared_state changed: it takes effect when the brain restarts (the old one stays)"
     return new, info

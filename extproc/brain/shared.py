@@ -190,7 +190,11 @@ class SharedState:
 
     async def run(self) -> None:
         """Forever: read, flush, heartbeat and snapshot while Redis answers; reconnect with backoff when not."""
-        await self.started.wait()
+        while not self.started.is_set():  # a brain not yet ready (discovery) ships nothing: what it changed is dropped
+            try:
+                await asyncio.wait_for(self.started.wait(), 1.0)
+            except asyncio.TimeoutError:
+                self.stats.dropped_events += len(self.outbox.take())
         backoff = 0.5
         while True:
             try:

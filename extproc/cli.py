@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--brains", type=int, default=1,
                    help="several brains sharing state through a local Redis (redis-server): K Envoy + brain pairs, the "
                         "load alternating over the Envoys (mock replicas)")
-    u.add_argument("--shape", choices=("pairs", "picker"), default="pairs",
-                   help="with --brains: pairs, or the brains as endpoint pickers behind one Envoy")
+    u.add_argument("--shape", choices=("pairs", "picker", "processes"), default="pairs",
+                   help="with --brains: pairs; the brains as endpoint pickers behind one Envoy; or several ext_proc "
+                        "brain processes behind one Envoy (one host's cores)")
     u.add_argument("--port", type=int, default=0, help="Envoy's listen port on 127.0.0.1, for a stable URL (default: any free)")
 
     d = command("demo-core")

@@ -231,9 +231,9 @@ class EnvoyConfig:
     brain_tls_sni: str | None = None  # the name Envoy asks for and checks in the brain's certificate (null: brain.host)
     brain_tls_cert_file: str | None = None  # Envoy's client certificate, for a brain that asks (tls_client_ca_file)
     brain_tls_key_file: str | None = None  # the private key of brain_tls_cert_file
-    # endpoint-picker shape: more brains sharing state (shared_state) that this Envoy spreads requests over, beside
-    # the brain of this config: "unix:/path/brain.sock" or "ip:port" each (a Kubernetes gateway reaches the picker
-    # Deployment's replicas through its Service instead)
+    # more brains sharing state (shared_state) that this Envoy spreads requests over, beside the brain of this
+    # config: "unix:/path/brain.sock" or "ip:port" each. Several brain processes on one host (one core each), or
+    # several pickers (a Kubernetes gateway reaches the picker Deployment's replicas through its Service instead)
     brain_endpoints: tuple[str, ...] = ()
     # the other brains sharing state (shared_state), asked when this Envoy's own brain is down instead of failing
     # open to the ring hash (Envoy's priority failover; its access log follows): "unix:/path.sock" or "ip:port"
@@ -515,9 +515,6 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
             host, _, port = ep.rpartition(":")
             if not (ep.startswith("unix:/") or (_is_ip(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536)):
                 raise ConfigError(f"envoy.{field_}[{i}]: expected unix:/path.sock or ip:port, got {_short(ep)}")
-    if envoy.brain_endpoints and brain.protocol != "endpoint-picker":
-        raise ConfigError("envoy.brain_endpoints: several brains behind one Envoy need brain.protocol: endpoint-picker "
-                          "(each request's release comes back on its own stream; the access log would reach any brain)")
     if brain.protocol not in PROTOCOLS:
         raise ConfigError(f"brain.protocol: expected one of {', '.join(PROTOCOLS)}, got {_short(brain.protocol)}")
     discovery = _discovery(doc.get("discovery"))
@@ -529,6 +526,9 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
                 raise ConfigError(f"replicas[{i}].url: brain.protocol endpoint-picker answers ip:port; give the "
                                   f"replica's IP address (or discovery: dns), got {_short(r.url)}")
     shared = _shared_state(doc.get("shared_state"))
+    if envoy.brain_endpoints and not shared.redis_url:
+        raise ConfigError("envoy.brain_endpoints: several brains behind one Envoy share their sessions and in-flight "
+                          "work only through shared_state (set shared_state.redis_url)")
     if envoy.brain_failover and not shared.redis_url:
         raise ConfigError("envoy.brain_failover: another brain knows this one's sessions only through shared_state "
                           "(set shared_state.redis_url)")

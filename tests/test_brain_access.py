@@ -139,3 +139,41 @@ def test_command_line_flags_pass_the_same_checks_as_the_file(tmp_path):
     p = subprocess.run([sys.executable, "-m", "extproc.cli", "brain", "--config", str(cfg), "--host", "0.0.0.0",
                         "--grpc-port", "0"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "brain.host: plain TCP on 0.0.0.0" in p.stderr, p.stderr
+
+
+def _sharing(b):
+    """A brain with sharing on, wired as the server wires it (without Redis: the test carries the events)."""
+    outbox = b.router.share()
+    b.releaser.forward = lambda num, digest, ended: outbox.events.append(("x" if ended else "a", num, digest))
+    b.router.remote.on_foreign_end = b.releaser.end_forwarded
+    return outbox
+
+
+def test_log_entries_that_reach_another_brain_keep_the_owner_s_request_alive_and_then_end_it():
+    """Several brain processes behind one Envoy: its one access-log stream goes to one of them. The owner of a
+    long request hears of it through shared state: alive past its liveness bound, released at its end."""
+    owner, clock = live()
+    other, other_clock = live()
+    out_owner, out_other = _sharing(owner), _sharing(other)
+    rid = headers_of(owner.decide({"x-request-id": "long"}, BODY))[RESERVATION_HEADER]
+    owner.on_log_entry(periodic("warm-up", "0.0"))  # the owner has seen periodic entries: its liveness bound is on
+    owner.tick()
+    bound = owner.liveness_bound_s()
+    out_owner.events.clear()
+    t0 = clock.t
+    while clock.t < t0 + 3 * bound:
+        clock.t += 5
+        other_clock.t = clock.t
+        other.on_log_entry(periodic("long", rid))  # the stream is on the other brain
+        events, out_other.events[:] = list(out_other.events), []
+        assert events and all(e[0] == "a" for e in events)
+        owner.router.remote.apply(owner.router, "other", events, 0.0, clock.t)
+        owner.tick()
+    assert owner.router.open_reservations == 1 and owner.router.liveness_timeouts == 0
+    other.on_log_entry(entry("long", rid))
+    owner.router.remote.apply(owner.router, "other", list(out_other.events), 0.0, clock.t)
+    assert owner.router.open_reservations == 0
+    # a forged digest (the number alone is guessable) ends nothing
+    rid2 = headers_of(owner.decide({"x-request-id": "q2"}, BODY))[RESERVATION_HEADER]
+    owner.router.remote.apply(owner.router, "other", [("x", int(rid2.partition(".")[0]), "0" * 32)], 0.0, clock.t)
+    assert owner.router.open_reservations == 1

@@ -147,8 +147,9 @@ class Releaser:
         self.by_address: dict[str, str] = {}  # "host:port" -> replica name
         self.ttft_error = None  # a prometheus Histogram of |predicted - observed| time to first byte
         self.periodic_seen = False  # Envoy sends periodic entries of requests in flight (access_log_flush_interval)
-        # shared state: hand an entry that names none of our reservations to the other brains (number, digest)
-        self.forward: Callable[[int, str], None] | None = None
+        # shared state: hand an entry that names none of our reservations to the other brains (number, digest,
+        # whether it ended: else it is alive, a periodic entry)
+        self.forward: Callable[[int, str, bool], None] | None = None
 
     def on_entry(self, entry) -> None:
         now = self.clock()
@@ -157,9 +158,14 @@ class Releaser:
             # a periodic (or start) entry: the request is alive, nothing ended
             if common.access_log_type == DOWNSTREAM_PERIODIC:
                 self.periodic_seen = True
-                res = self.ledger.alive(entry.request.request_headers.get(RESERVATION_HEADER, ""), entry.request.request_id)
+                token = entry.request.request_headers.get(RESERVATION_HEADER, "")
+                res = self.ledger.alive(token, entry.request.request_id)
                 if res is not None and not res.released:
                     self.router.touch(res, now)
+                elif res is None:
+                    # another brain's request (several processes behind one Envoy, whose log stream is on one of
+                    # them): without this its owner would take it for gone once its liveness bound passed
+                    self._forward(token, False)
             return
         res = self.ledger.find(entry.request.request_headers.get(RESERVATION_HEADER, ""), entry.request.request_id)
         chosen = None
@@ -173,13 +179,11 @@ class Releaser:
             self.stats.releases_by_log += 1
         if res is None and entry.request.request_id:
             self.ledger.note_ended(entry.request.request_id)
-        if res is None and self.forward is not None:
+        if res is None:
             # several brains sharing state: an Envoy whose own brain was down logs to the one it failed over to,
-            # and keeps that stream when its brain is back; the entry's reservation is that other brain's
-            token = entry.request.request_headers.get(RESERVATION_HEADER, "")
-            num, _, secret = token.partition(".")
-            if num.isdigit() and secret:
-                self.forward(int(num), token_digest(token))
+            # and keeps that stream when its brain is back; several processes behind one Envoy get one log stream
+            # between them: the entry's reservation is another brain's
+            self._forward(entry.request.request_headers.get(RESERVATION_HEADER, ""), True)
         sock = common.upstream_remote_address.socket_address
         served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
         verdicts = upstream_verdicts(chosen, served_by, common.upstream_request_attempt_count, upstream_failed(outcome_of(entry)))
@@ -188,14 +192,23 @@ class Releaser:
         if chosen is None and served_by is None:
             self.stats.unmatched_log_entries += 1
 
-    def end_forwarded(self, num: int, digest: str) -> None:
-        """Another brain got the access-log entry of one of our reservations (shared state): release it, if
-        the digest is our token's (a reservation with that number in another brain has another token)."""
+    def _forward(self, token: str, ended: bool) -> None:
+        num, _, secret = token.partition(".")
+        if self.forward is not None and num.isdigit() and secret:
+            self.forward(int(num), token_digest(token), ended)
+
+    def end_forwarded(self, num: int, digest: str, ended: bool = True) -> None:
+        """Another brain got the access-log entry of one of our reservations (shared state): release it (or note
+        it alive), if the digest is our token's (a reservation with that number in another brain has another
+        token)."""
         res = self.router.reservation(num)
         if res is not None and not res.released and res.token and \
                 secrets.compare_digest(token_digest(res.token), digest):
-            self.router.release(res, self.clock())
-            self.stats.releases_by_log += 1
+            if ended:
+                self.router.release(res, self.clock())
+                self.stats.releases_by_log += 1
+            else:
+                self.router.touch(res, self.clock())
 
     def finish(self, res: Reservation, served_by: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """The end of a request whose front saw its response itself (the endpoint picker): the same release

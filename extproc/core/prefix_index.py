@@ -11,6 +11,12 @@ session's next turn usually arrives as the same chain list, extended (``ChainCac
 moves to the newest end and only its new blocks and its head (where a shared system prompt lives,
 last used by whichever session came before) are stamped, so a turn of a 1 MB conversation costs
 the blocks it adds, not the 16K it carries.
+
+``Holders`` answers the other question, who holds a chain, for a fleet of hundreds: one map from a
+block to the indexes that hold it, kept for one block in eight (by the hash's low bits, so every index
+and every request agree on which without knowing positions) and as a bit mask, one bit per index. A
+request's sampled blocks, deepest first, name the replicas that hold most of its chain without
+matching it on each replica (``levels``).
 """
 
 from __future__ import annotations
@@ -19,13 +25,102 @@ from collections import OrderedDict
 
 # blocks at the head of a re-routed chain that are stamped again: 32 KiB, a long shared system prompt
 _HEAD_BLOCKS = 512
+# a block is sampled into Holders when these hash bits are 0: one in 8 (a turn adds tens of blocks)
+_SAMPLE = 7
+
+
+class Holders:
+    """Sampled block -> bit mask of the prefix indexes holding it (see the module's note)."""
+
+    __slots__ = ("of", "_free", "_next", "_anchors")
+
+    def __init__(self) -> None:
+        self.of: dict[int, int] = {}
+        self._free: list[int] = []
+        self._next = 0
+        # a request's chain -> (the chain, blocks scanned, [(position, block)] sampled): a session's next turn
+        # extends the same list, so only its new blocks are scanned
+        self._anchors: dict[int, tuple[list[int], int, list[tuple[int, int]]]] = {}
+
+    def bit(self) -> int:
+        """A bit for a new index (reused once its index is gone)."""
+        if self._free:
+            return self._free.pop()
+        b = 1 << self._next
+        self._next += 1
+        return b
+
+    def free(self, bit: int) -> None:
+        self._free.append(bit)
+
+    def add(self, blocks, bit: int) -> None:
+        of = self.of
+        get = of.get
+        for h in [h for h in blocks if not h & _SAMPLE]:
+            of[h] = get(h, 0) | bit
+
+    def remove(self, blocks, bit: int) -> None:
+        of, keep = self.of, ~bit
+        for h in [h for h in blocks if not h & _SAMPLE]:
+            m = of.get(h, 0) & keep
+            if m:
+                of[h] = m
+            else:
+                of.pop(h, None)
+
+    def track(self, index: "PrefixIndex") -> None:
+        """Start keeping ``index``'s sampled blocks (a fleet that just grew big enough to need the map)."""
+        if index.holders is None:
+            index.holders, index.bit = self, self.bit()
+            self.add(index._stamp_of, index.bit)
+
+    def anchors(self, chain: list[int]) -> list[tuple[int, int]]:
+        """The chain's sampled blocks with their positions, shallowest first."""
+        got = self._anchors.get(id(chain))
+        if got is not None and got[0] is chain and got[1] <= len(chain):
+            _, done, out = got
+        else:
+            done, out = 0, []
+            if len(self._anchors) >= 8192:  # sessions' chains come and go: keep the recent ones
+                for k in list(self._anchors)[:4096]:
+                    del self._anchors[k]
+        if done < len(chain):
+            out = out + [(i, h) for i, h in enumerate(chain[done:], done) if not h & _SAMPLE]
+            self._anchors[id(chain)] = (chain, len(chain), out)
+        return out
+
+    def levels(self, chain: list[int], most: int = 8) -> list[tuple[int, int]]:
+        """Who holds the chain, deepest first: (bit mask, depth in blocks at least) per level, at most ``most``
+        levels. An index's blocks of a chain are a prefix of it, so the masks only grow towards the chain's
+        start: each next level is a binary search away."""
+        a = self.anchors(chain)
+        of = self.of
+        out: list[tuple[int, int]] = []
+        seen = 0
+        hi = len(a)  # anchors [0, hi) may still name someone new
+        while hi and len(out) < most and of.get(a[0][1], 0) & ~seen:
+            # the deepest anchor below hi whose holders include someone not yet named
+            lo, top = 0, hi
+            while top - lo > 1:
+                mid = (lo + top) // 2
+                if of.get(a[mid][1], 0) & ~seen:
+                    lo = mid
+                else:
+                    top = mid
+            new = of.get(a[lo][1], 0) & ~seen
+            seen |= new
+            out.append((new, a[lo][0] + 1))
+            hi = lo
+        return out
 
 
 class PrefixIndex:
-    __slots__ = ("capacity", "_stamp_of", "_batches", "_queued", "_next")
+    __slots__ = ("capacity", "_stamp_of", "_batches", "_queued", "_next", "holders", "bit")
 
-    def __init__(self, capacity_blocks: int):
+    def __init__(self, capacity_blocks: int, holders: Holders | None = None):
         self.capacity = max(1, int(capacity_blocks))
+        self.holders = holders  # the fleet's map of who holds which sampled block, if it keeps one
+        self.bit = holders.bit() if holders is not None else 0
         self._stamp_of: dict[int, int] = {}
         # id(chain) -> [stamp, chain, length used], oldest first. The batch holds the list, so its id
         # stays unique while the entry exists.
@@ -63,12 +158,19 @@ class PrefixIndex:
             return
         d = self._stamp_of
         b = self._batches.get(id(chain))
+        hs = self.holders
         if b is not None and b[1] is chain and n >= b[2]:
             stamp, old = b[0], b[2]
+            head = min(old, _HEAD_BLOCKS)
+            held = len(d)
             # the batch's own blocks keep its stamp; the head may have been stamped by others since
-            d.update(dict.fromkeys(chain[:min(old, _HEAD_BLOCKS)], stamp))
+            d.update(dict.fromkeys(chain[:head], stamp))
+            if hs is not None and len(d) > held:  # part of the head had been evicted meanwhile: it is back
+                hs.add(chain[:head], self.bit)
             if n > old:
                 d.update(dict.fromkeys(chain[old:n], stamp))
+                if hs is not None:
+                    hs.add(chain[old:n], self.bit)
             self._queued += n - old
             b[2] = n
             self._batches.move_to_end(id(chain))
@@ -78,6 +180,8 @@ class PrefixIndex:
             stamp = self._next
             self._next += 1
             d.update(dict.fromkeys(chain[:n] if n < len(chain) else chain, stamp))
+            if hs is not None:
+                hs.add(chain[:n] if n < len(chain) else chain, self.bit)
             self._batches[id(chain)] = [stamp, chain, n]
             self._queued += n
         self._evict()
@@ -87,9 +191,16 @@ class PrefixIndex:
         self._queued -= n
         d = self._stamp_of
         get = d.get
-        for h in chain[:n]:
-            if get(h) == stamp:
-                del d[h]
+        hs = self.holders
+        if hs is None:
+            for h in chain[:n]:
+                if get(h) == stamp:
+                    del d[h]
+            return
+        gone = [h for h in chain[:n] if get(h) == stamp]
+        for h in gone:
+            del d[h]
+        hs.remove(gone, self.bit)
 
     def _evict(self) -> None:
         # The batch queue also holds blocks re-stamped by later batches; keep it within a few capacities.
@@ -113,6 +224,18 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """The replica restarted (or its cache was reset): it holds nothing."""
+        self._unhold()
         self._stamp_of.clear()
         self._batches.clear()
         self._queued = 0
+
+    def _unhold(self) -> None:
+        if self.holders is not None:
+            self.holders.remove(self._stamp_of, self.bit)
+
+    def close(self) -> None:
+        """The index is dropped (its replica or engine forgotten): its bit goes back to the fleet's map."""
+        if self.holders is not None:
+            self._unhold()
+            self.holders.free(self.bit)
+            self.holders = None

@@ -51,6 +51,9 @@ class Router:
         self.liveness_timeout_s: float | None = None
         self.liveness_timeouts = 0
         self.passive_ejections_refused = 0  # users' requests would have ejected more than the fleet's share
+        # bumped whenever the pool may have changed (a health transition, a drain, a replica added or removed): a
+        # policy may keep what it derives from the pool until then
+        self.pool_epoch = 0
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
@@ -116,6 +119,7 @@ class Router:
         self.policy.configure(r)
         self._replicas.append(r)
         self._by_name[name] = r
+        self.pool_epoch += 1
         return r
 
     def remove_replica(self, name: str) -> None:
@@ -125,6 +129,7 @@ class Router:
         self._replicas.remove(r)
         for i, rep in enumerate(self._replicas):
             rep.index = i
+        self.pool_epoch += 1
         self.policy.forget(name)
 
     def update_config(self, cfg: RouterConfig) -> None:
@@ -146,6 +151,7 @@ class Router:
         """Operator drain: no new traffic and no pins; in-flight requests finish; scraping goes on."""
         r = self._by_name[name]
         r.drained = drained
+        self.pool_epoch += 1
         self._sync_pool(r)
 
     def _sync_pool(self, r: Replica) -> None:
@@ -165,6 +171,7 @@ class Router:
 
     def _emit(self, t: Transition | None) -> Transition | None:
         if t is not None:
+            self.pool_epoch += 1
             self.transitions.append(t)
             self._sync_pool(self._by_name[t.replica])
             if t.new is EJECTED:
@@ -421,6 +428,15 @@ class _Subset:
     def replicas_view(self) -> list[Replica]:
         return self._router.replicas_view  # round-robin positions stay the fleet's
 
+    @property
+    def pool_epoch(self) -> int:
+        return self._router.pool_epoch
+
+    @property
+    def only(self) -> Collection[str]:
+        """The names allowed (a model's replicas, usually the same set object from one request to the next)."""
+        return self._only
+
     def pool(self) -> tuple[list[Replica], list[Replica]]:
         live, probing = self._router.pool()
         return [r for r in live if r.name in self._only], [r for r in probing if r.name in self._only]
@@ -434,6 +450,10 @@ class _Pinned(_Subset):
     def __init__(self, router: Router, replica: Replica):
         super().__init__(router, (replica.name,))
         self._replica = replica
+
+    @property
+    def pool_epoch(self) -> None:
+        return None  # one replica: nothing to shortlist
 
     def pool(self) -> tuple[list[Replica], list[Replica]]:
         return [self._replica], []

@@ -12,7 +12,8 @@ shell, a delayed queue in the simulator, a shuffling list in the tests) ships th
 - ``("o", rid, replica, engine, weight_milli, provisional, work_s, prefill_s, pending_tokens, session, prompt,
   at)``: a reservation opened (in-flight work the receiver counts on the replica like its own).
 - ``("x", rid, digest)``: the end of a reservation reached this brain but not its owner (an Envoy's access log
-  kept on a brain it failed over to); the owner, whose id's digest it is, releases it.
+  kept on a brain it failed over to, or one log stream for several processes behind one Envoy); the owner, whose
+  id's digest it is, releases it. ``("a", rid, digest)``: the same for a periodic entry: the request is alive.
 - ``("c", rid)``: that reservation closed. Another brain's reservations also end when that brain stops
   being heard from (``forget_origin``) or after the safety timeout, so a lost close never holds load.
 - ``("i", replica, engine, tag, start, parent, blocks)``: blocks ``start..`` of the origin's chain ``tag`` were
@@ -111,8 +112,9 @@ class Remote:
         self.index_gaps = 0  # index deltas dropped: their prefix is unknown here
         self.unknown_replicas = 0  # events naming a replica this brain does not know (discovery differs)
         self.expired = 0  # reservations ended by their origin's silence or the safety timeout
-        # ("x", number, digest): another brain got the end of a reservation that may be ours (the shell's
-        # access log, which names it by a token the core does not keep); the shell sets this
+        # ("x"/"a", number, digest): another brain got the end (or a periodic entry) of a reservation that may be
+        # ours (the shell's access log, which names it by a token the core does not keep); the shell sets this:
+        # (number, digest, ended)
         self.on_foreign_end = None
 
     def apply(self, router, origin: str, events: list, offset: float, now: float) -> None:
@@ -134,9 +136,9 @@ class Remote:
                     self._home(router, ev, offset, now)
                 elif kind == "i":
                     self._indexed(router, origin, ev)
-                elif kind == "x":
+                elif kind == "x" or kind == "a":
                     if self.on_foreign_end is not None:
-                        self.on_foreign_end(int(ev[1]), str(ev[2]))
+                        self.on_foreign_end(int(ev[1]), str(ev[2]), kind == "x")
                 else:
                     continue
             except (TypeError, ValueError, IndexError, KeyError, AttributeError):

@@ -40,6 +40,7 @@ ablations are compositions (``make_policy("warm_no_guard")``).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections import OrderedDict, deque
@@ -50,13 +51,21 @@ from .decision import Decision, FleetView, PinEvent
 from .load import LoadSample, Rates, TokenScale, effective_rates
 from .names import Cause, PinAction, Reason
 from .pins import SESSION, Pin, PinTable
-from .prefix_index import PrefixIndex
+from .prefix_index import Holders, PrefixIndex
 from .profile import RequestProfile
 from .replica import LIVE, Replica
 
 _INF = float("inf")
 _DECODE_NOISE = 0.2  # decode-rate differences below 20% are the estimate's noise, not a slower replica
 _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
+# A fleet of this many candidates or more prices a shortlist (``_View``): the replicas holding most of the
+# request's chain, the least loaded, the least busy, the fastest, the next in round-robin, the session's home
+# and whatever was released since the fleet was last looked at whole. Below it every candidate is priced.
+SHORTLIST_FROM = 24
+_DEEP, _LEVEL_LEAST, _LEAST_LOADED, _LEAST_WORK, _NEXT_RR, _FASTEST = 4, 8, 8, 3, 3, 2
+# the fleet as a whole (its mean wait, rates, totals, the orders above) is looked at again after a 16th of the
+# fleet's count in decisions, 50 ms, or a change of the pool
+_VIEW_DECISIONS_SHARE, _VIEW_MAX_AGE_S, _VIEW_MAX_EASED = 16, 0.05, 16
 
 
 class WarmReplica:
@@ -67,10 +76,10 @@ class WarmReplica:
                  "engine_block")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
-                 scale: TokenScale | None = None):
+                 scale: TokenScale | None = None, holders: Holders | None = None):
         w = cfg.warm
         self.cache_tokens = w.cache_tokens
-        self.index = PrefixIndex(int(w.cache_tokens / tokens_per_block))
+        self.index = PrefixIndex(int(w.cache_tokens / tokens_per_block), holders)
         # one data-parallel engine shares its replica's rates (same GPUs, same model)
         self.rates = rates or Rates(w.prefill_tokens_per_s, w.decode_s_per_token, w.output_tokens)
         # the engine's tokens per estimated token (its tokenizer and chat template); shared like the rates
@@ -132,6 +141,19 @@ class WarmPolicy:
         self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
         self._chosen_prompt = 1
         self._rr = 0  # round-robin pointer for ties
+        self._per = 1  # engines per replica in the last round-robin
+        # who holds which sampled block, for big fleets' shortlists: kept from the first look at a fleet that big
+        # (a small fleet does not pay for it: a megabyte's first turn adds ~17K blocks)
+        self.holders: Holders | None = None
+        self.shortlist = True  # False: every candidate priced whatever the fleet's size (the reference)
+        self._view: _View | None = None
+        self._eased: set[int] = set()  # id() of the states released since the view was taken
+        self._work_delta = 0.0  # work and requests booked or released since the view was taken
+        self._flight_delta = 0
+        # a list: each shortlisted decision appends (shortlist's choice, full pricing's, whether the shortlist's is
+        # among full pricing's ties, how many seconds dearer than the least it is there) under the same fleet
+        # view; tests compare the two
+        self.verify: list | None = None
         self.outbox = None  # shared state: the router's Outbox while sharing is on (core.shared)
         self.trace: list | None = None  # a list: each candidate's (name, cost, ttft, cached, wait, work) is appended
         self.update_config(cfg)
@@ -140,18 +162,20 @@ class WarmPolicy:
 
     def update_config(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
+        self._view = None
         self.tokens_per_block = cfg.profile.block_chars / cfg.profile.chars_per_token
         self.session_pins.ttl_s = cfg.pins.session_ttl_s
         self.session_pins.max_pins = cfg.pins.max_pins
 
     def configure(self, r: Replica) -> None:
         r.count_wlc = True
-        self._state.setdefault(r.name, WarmReplica(self.cfg, self.tokens_per_block))
+        self.state_of(r)
+        self._view = None
 
     def state_of(self, r: Replica) -> WarmReplica:
         st = self._state.get(r.name)
         if st is None:
-            st = self._state[r.name] = WarmReplica(self.cfg, self.tokens_per_block)
+            st = self._state[r.name] = WarmReplica(self.cfg, self.tokens_per_block, holders=self.holders)
         return st
 
     def engine_state(self, name: str, engine: int | None) -> WarmReplica | None:
@@ -176,8 +200,10 @@ class WarmPolicy:
                 for k, s in enumerate(subs)]
 
     def forget(self, name: str) -> None:
-        self._state.pop(name, None)
-        self._engines.pop(name, None)
+        for st in (self._state.pop(name, None), *self._engines.pop(name, ())):
+            if st is not None:
+                st.index.close()
+        self._view = None
 
     def replica_view(self, r: Replica, now: float) -> dict[str, float]:
         """What the policy believes of one replica, for metrics (keys: brain.metrics.WARM_VIEW); a replica with
@@ -218,12 +244,17 @@ class WarmPolicy:
             st.prefix_caching = s.prefix_caching
             st.index.clear()
         if not s.engines:
-            self._engines.pop(r.name, None)
+            for sub in self._engines.pop(r.name, ()):
+                sub.index.close()
+                self._view = None
             return
         subs = self._engines.get(r.name)
         if subs is None or len(subs) != len(s.engines):  # new, or restarted with another engine count
-            subs = self._engines[r.name] = [WarmReplica(self.cfg, self.tokens_per_block, st.rates, st.scale)
-                                            for _ in s.engines]
+            for sub in subs or ():
+                sub.index.close()
+            subs = self._engines[r.name] = [WarmReplica(self.cfg, self.tokens_per_block, st.rates, st.scale,
+                                                        self.holders) for _ in s.engines]
+            self._view = None
         for sub, es in zip(subs, s.engines):
             sub.scraped = es
             sub.prefix_caching = st.prefix_caching
@@ -248,6 +279,9 @@ class WarmPolicy:
         st = self.engine_state(res.replica.name, res.engine)
         if st is None:
             return
+        self._work_delta -= min(st.work_s, res.work_s)
+        self._flight_delta -= 1
+        self._eased.add(id(st))
         st.work_s = max(0.0, st.work_s - res.work_s)
         remaining = res.prefill_end - now
         if remaining > 0 and res.prefill_s > 0:
@@ -373,27 +407,64 @@ class WarmPolicy:
             e.ttft += e.cached / e.rate + min(1.0, over / cap) * out_tokens * e.dec
 
     def select(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
-        pool = self._pool(fleet)
-        if not pool:
-            return None
-        w = self.cfg.warm
-        prompt = max(1, profile.tokens)
         pin = self.session_pins.get(profile.session_key, now) if profile.session_key is not None else None
-        cands = self._candidates(pool)
-        states = [st for _, st, _ in cands]
+        view = self._view_of(fleet, now) if self.shortlist else None
+        if view is None:
+            pool = self._pool(fleet)
+            if not pool:
+                return None
+            cands = self._candidates(pool)
+            states = [st for _, st, _ in cands]
+            out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
+            prefill_rate, decode_s = effective_rates([st.rates for st in states], now, self.cfg.warm.rate_fresh_s)
+            rows = list(zip(cands, prefill_rate, decode_s))
+            fleet_view = _Aggregates(out_tokens, min(decode_s), _peer_scale(states))
+        else:
+            rows, fleet_view = self._shortlist(view, profile, pin), view.aggregates
         self._expire_active(now)
         mine = self._active_of.get(profile.session_key) if profile.session_key is not None else None
-        out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
-        prefill_rate, decode_s = effective_rates([st.rates for st in states], now, w.rate_fresh_s)
-        fastest_decode = min(decode_s)
+        ests, tied = self._price(rows, fleet_view, profile, pin, mine, now)
+        per = max((e.engine or 0) for e in tied) + 1
+        home = pin.replica if pin is not None else None
+        best = self._break_tie(tied, home, pin.engine if pin is not None else None, per, len(fleet.replicas_view))
+        if view is not None and self.verify is not None:
+            every = view.rows[:view.n_live] + [row for row in view.rows[view.n_live:]
+                                                 if row[0][0].in_flight_requests < view.cap]
+            all_ests, full = self._price(every, fleet_view, profile, pin, mine, now)
+            per_full = max((e.engine or 0) for e in full) + 1
+            ref = self._break_tie(full, home, pin.engine if pin is not None else None, per_full,
+                                  len(fleet.replicas_view))
+            mine_full = next(e.cost for e in all_ests if e.st is best.st)
+            self.verify.append(((best.replica.name, best.engine), (ref.replica.name, ref.engine),
+                                any(e.st is best.st for e in full), mine_full - min(e.cost for e in full)))
+        self._rr, self._per = best.replica.index * per + (best.engine or 0) + 1, per
+        if self.trace is not None:
+            self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
+                               round(e.st.work_s, 2)) for e in ests)
+        self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
+        return self._decide(best, profile, pin, max(1, profile.tokens), now)
 
+    def _break_tie(self, tied: list["_Estimate"], home: Replica | None, home_engine: int | None, per: int,
+                   n_replicas: int) -> "_Estimate":
+        """Costs within a decode step (or 2%) of the least are a tie, below what the estimates can tell apart:
+        then the session's own replica (where anything of it may still be), the least in-flight work, and
+        round-robin, so that an idle fleet does not send every new conversation to its first replica.
+        Round-robin over engines, not only replicas: a data-parallel replica's engines take turns too (its engine 0
+        would win every tie once finished requests leave nothing predicted on either)."""
+        slots, rr = n_replicas * per, self._rr
+        return min(tied, key=lambda e: (e.replica is not home or e.engine != home_engine, round(e.st.work_s, 3),
+                                        (e.replica.index * per + (e.engine or 0) - rr) % slots))
+
+    def _price(self, rows, agg: "_Aggregates", profile: RequestProfile, pin: Pin | None, mine,
+               now: float) -> tuple[list["_Estimate"], list["_Estimate"]]:
+        """Every row's estimate, and those tied for the least cost once the guard and the fit rule had their say."""
+        w = self.cfg.warm
+        out_tokens, fastest_decode = agg.out_tokens, agg.fastest_decode
         # a replica that has not yet said how its engine counts tokens (new, or no traffic yet) counts as its peers
         # do: priced at 1 beside peers that learned 0.6, it would look dearer than it is and never get the traffic
         # that teaches it
-        learned = [st.scale.value for st in states if st.scale.learned]
-        peer_scale = sum(learned) / len(learned) if learned else 1.0
-        ests = [self._estimate(r, st, rate, dec, profile, pin, now, k, peer_scale)
-                for (r, st, k), rate, dec in zip(cands, prefill_rate, decode_s)]
+        ests = [self._estimate(r, st, rate, dec, profile, pin, now, k, agg.peer_scale)
+                for (r, st, k), rate, dec in rows]
         for e in ests:
             e.ttft = e.wait + e.lora + e.prefill
             if self.use_kv_risk:
@@ -404,7 +475,7 @@ class WarmPolicy:
                 if slower > _DECODE_NOISE * fastest_decode:
                     e.cost += w.decode_weight * out_tokens * slower
             e.work = e.lora + e.prefill + out_tokens * e.dec
-        busy = min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)  # 1: queues everywhere
+        busy = agg.busy if agg.busy is not None else min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)
         if self.use_interference:
             # vLLM schedules running prefills before admitting new requests: whatever arrives at r during this
             # request's prefill P waits for the rest of it, P/2 on average, at r's arrival rate: lambda x P^2 / 2
@@ -424,44 +495,176 @@ class WarmPolicy:
             least = min(e.prefill for e in ests)
             for e in ests:
                 e.cost += load * (e.prefill - least)
-        candidates = self._guard(ests, out_tokens, fastest_decode) if self.use_guard else ests
+        if self.use_guard:
+            if agg.total_work is None:
+                total, n = sum(e.st.work_s for e in ests), len(ests)
+                # a replica's data-parallel engines are candidates of their own, but its requests count once
+                in_flight = sum(r.in_flight_requests for r in {id(e.replica): e.replica for e in ests}.values())
+            else:
+                total = max(0.0, agg.total_work + self._work_delta)
+                in_flight, n = max(0, agg.in_flight + self._flight_delta), agg.n
+            candidates = self._guard(ests, out_tokens, fastest_decode, total, in_flight, n)
+        else:
+            candidates = ests
         if self.use_interference and self.use_kv_risk:
             # the interference term draws big prefills to the replicas with few arrivals, which are where long
             # sessions live: without this it sends a long context where it and theirs thrash (one shared system
             # prompt, docs/routing.md). The home is no exception: a context that does not fit there
             # is lost there too
             candidates = [e for e in candidates if e.fits] or candidates
-        # costs within a decode step (or 2%) of the least are a tie, below what the estimates can tell apart:
-        # then the session's own replica (where anything of it may still be), the least in-flight work, and
-        # round-robin, so that an idle fleet does not send every new conversation to its first replica
         least_cost = min(e.cost for e in candidates)
-        tied = [e for e in candidates if e.cost <= least_cost + max(_TIE_S, _TIE_SHARE * least_cost)]
-        # round-robin over engines, not only replicas: a data-parallel replica's engines take turns too (its engine 0
-        # would win every tie once finished requests leave nothing predicted on either)
-        per = max((e.engine or 0) for e in tied) + 1
-        slots, rr = len(fleet.replicas_view) * per, self._rr
-        home = pin.replica if pin is not None else None
-        home_engine = pin.engine if pin is not None else None
-        best = min(tied, key=lambda e: (e.replica is not home or e.engine != home_engine, round(e.st.work_s, 3),
-                                        (e.replica.index * per + (e.engine or 0) - rr) % slots))
-        self._rr = best.replica.index * per + (best.engine or 0) + 1
-        if self.trace is not None:
-            self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
-                               round(e.st.work_s, 2)) for e in ests)
-        self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
-        return self._decide(best, profile, pin, prompt, now)
+        return ests, [e for e in candidates if e.cost <= least_cost + max(_TIE_S, _TIE_SHARE * least_cost)]
 
-    def _guard(self, ests: list["_Estimate"], out_tokens: float, fastest_decode: float) -> list["_Estimate"]:
+    # ------------------------------------------------------------- big fleets
+
+    def _view_of(self, fleet: FleetView, now: float) -> "_View | None":
+        """The fleet looked at whole, when it is big enough to price a shortlist and the pool is the router's own
+        (a gateway's subset or a holder's one replica price every candidate)."""
+        epoch = getattr(fleet, "pool_epoch", None)
+        if epoch is None or not self.use_index:
+            return None
+        only = getattr(fleet, "only", None)
+        v = self._view
+        if v is not None and v.epoch == epoch and (v.only is only or v.only == only):
+            if v.rows is None:
+                return None  # a small pool, until it changes
+            if v.left > 0 and 0 <= now - v.at < _VIEW_MAX_AGE_S and len(self._eased) <= _VIEW_MAX_EASED:
+                v.left -= 1
+                return v
+        self._view = v = self._look(fleet, epoch, now)
+        v.only = only
+        return v if v.rows is not None else None
+
+    def _look(self, fleet: FleetView, epoch: int, now: float) -> "_View | None":
+        v = _View()
+        v.epoch, v.at, v.rows = epoch, now, None
+        live, probing = fleet.pool()
+        if not live or (self._engines and not self.cfg.warm.steer_data_parallel):
+            return v  # nothing LIVE (the PROBING pool is uncapped, and small), or engines chosen per request
+        cands = self._candidates(live + probing)
+        if len(cands) < SHORTLIST_FROM:
+            return v
+        if self.holders is None:
+            self.holders = Holders()
+            for st in itertools.chain(self._state.values(), *self._engines.values()):
+                self.holders.track(st.index)
+        w = self.cfg.warm
+        states = [st for _, st, _ in cands]
+        prefill_rate, decode_s = effective_rates([st.rates for st in states], now, w.rate_fresh_s)
+        rows = list(zip(cands, prefill_rate, decode_s))
+        out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
+        waits = []
+        for (r, st, _), rate in zip(cands, prefill_rate):
+            wait = st.prefill_busy_until - now
+            queued = st.waiting(r)
+            if queued:
+                wait = max(wait, queued * max(st.uncached_ewma, 1.0) / rate)
+            waits.append(max(0.0, wait))
+        n_live = sum(1 for r, _, _ in cands if r.health.state is LIVE)
+        live_waits = waits[:n_live]  # _candidates keeps the pool's order: LIVE first
+        typical = max(1.0, sum(st.uncached_ewma for st in states) / len(states))
+        v.left = max(0, len(cands) // _VIEW_DECISIONS_SHARE - 1)
+        v.rows = rows
+        v.n_live = n_live
+        v.cap = self.cfg.probing_max_in_flight
+        v.aggregates = _Aggregates(out_tokens, min(decode_s), _peer_scale(states),
+                                   busy=min(1.0, sum(live_waits) / n_live / w.busy_wait_s),
+                                   total_work=sum(st.work_s for st in states[:n_live]),
+                                   in_flight=sum({id(r): r.in_flight_requests
+                                                  for r, _, _ in cands[:n_live]}.values()), n=n_live)
+        # what a typical request, its cache left aside, would cost on each LIVE candidate: the terms of _price
+        # that depend on the replica alone (wait, prefill at its rate, decode slower than the fastest, arrivals'
+        # interference, eviction risk, the guard's overload); equal keys go round-robin, as ties do
+        agg = v.aggregates
+        fastest, idle = agg.fastest_decode, 1.0 - agg.busy
+        since = now - w.arrival_window_s
+        k, work_total = max(1, agg.in_flight), agg.total_work
+        unit = work_total / k if work_total > 0 and agg.in_flight else typical / prefill_rate[0] + out_tokens * fastest
+        bound = max(1, math.ceil(math.ceil((work_total / unit + 1) * w.balance_factor) / n_live)) * unit
+        rr, n_all = self._rr // self._per, max(1, len(fleet.replicas_view))
+        load = []
+        for i in range(n_live):
+            st = states[i]
+            p = typical * st.scale.value / prefill_rate[i]
+            slower = decode_s[i] - fastest
+            a = st.arrivals
+            while a and a[0] < since:
+                a.popleft()
+            pressure = (st.active_tokens + 2 * typical) / st.cache_tokens
+            load.append((waits[i] + p
+                         + (w.decode_weight * out_tokens * slower if slower > _DECODE_NOISE * fastest else 0.0)
+                         + idle * len(a) / w.arrival_window_s * p * p / 2
+                         + (p * min(1.0, (pressure - w.evict_start) / (w.kv_pressure - w.evict_start))
+                            if pressure > w.evict_start else 0.0)
+                         + max(0.0, st.work_s - bound),
+                         st.work_s, (cands[i][0].index - rr) % n_all))
+        order = range(n_live)
+        v.by_load = sorted(order, key=load.__getitem__)
+        v.bit_at = [st.index.bit for st in states[:n_live]]
+        v.picks = sorted(set(
+            v.by_load[:_LEAST_LOADED]
+            + sorted(order, key=lambda i: load[i][1:])[:_LEAST_WORK]
+            # a long prompt's cost is mostly what it makes others wait (interference): where few arrive
+            + sorted(order, key=lambda i: (len(states[i].arrivals), load[i][1:]))[:_LEAST_WORK]
+            + sorted(order, key=lambda i: states[i].scale.value / prefill_rate[i])[:_FASTEST]))
+        v.pos_of_bit = {st.index.bit: i for i, st in enumerate(states[:n_live])}
+        v.pos_of_state = {id(st): i for i, st in enumerate(states[:n_live])}
+        v.pos_of = {(r.name, k): i for i, (r, _, k) in enumerate(cands[:n_live])}
+        v.index_at = [r.index for r, _, _ in cands[:n_live]]
+        self._eased.clear()
+        self._work_delta, self._flight_delta = 0.0, 0
+        return v
+
+    def _shortlist(self, v: "_View", profile: RequestProfile, pin: Pin | None) -> list:
+        """The rows that can win: see SHORTLIST_FROM."""
+        picks = set(v.picks)
+        if profile.blocks and self.use_index:
+            # at each depth the chain is held at, the least loaded few of those holding it there: the deepest win
+            # on cache, a shared system prompt's holders on cache and load together
+            pos_of_bit = v.pos_of_bit
+            for mask, _ in self.holders.levels(profile.blocks):
+                if mask.bit_count() <= _DEEP:
+                    while mask:
+                        low = mask & -mask
+                        mask ^= low
+                        i = pos_of_bit.get(low)
+                        if i is not None:
+                            picks.add(i)
+                else:
+                    found = 0
+                    bit_at = v.bit_at
+                    for i in v.by_load:
+                        if bit_at[i] & mask:
+                            picks.add(i)
+                            found += 1
+                            if found == _LEVEL_LEAST:
+                                break
+        if pin is not None:
+            i = v.pos_of.get((pin.replica.name, pin.engine))
+            if i is not None:
+                picks.add(i)
+        for key in self._eased:
+            i = v.pos_of_state.get(key)
+            if i is not None:
+                picks.add(i)
+        n = len(v.index_at)
+        start = bisect.bisect_left(v.index_at, self._rr // self._per)
+        for j in range(_NEXT_RR):
+            picks.add((start + j) % n)
+        rows = [v.rows[i] for i in sorted(picks)]
+        cap = v.cap
+        rows += [row for row in v.rows[v.n_live:] if row[0][0].in_flight_requests < cap]
+        return rows
+
+    def _guard(self, ests: list["_Estimate"], out_tokens: float, fastest_decode: float, total: float,
+               in_flight: int, n: int) -> list["_Estimate"]:
         """C5: Envoy's bounded-load rule in work units. With k typical requests in flight a replica may hold
         max(1, ceil(ceil((k + 1) x c) / n)) of them; what it holds beyond counts as waiting, and beyond
-        hard_bound_factor x that it takes nothing (unless every replica is that far over)."""
+        hard_bound_factor x that it takes nothing (unless every replica is that far over). ``total``, ``in_flight``
+        and ``n``: the whole pool's (of which ``ests`` may be a shortlist)."""
         w = self.cfg.warm
-        n = len(ests)
         if n < 2:
             return ests
-        total = sum(e.st.work_s for e in ests)
-        # a replica's data-parallel engines are candidates of their own, but its requests count once
-        in_flight = sum(r.in_flight_requests for r in {id(e.replica): e.replica for e in ests}.values())
         unit = total / in_flight if in_flight and total > 0 else ests[0].prompt / ests[0].rate + out_tokens * fastest_decode
         bound = max(1, math.ceil(math.ceil((total / unit + 1) * w.balance_factor) / n)) * unit
         kept = []
@@ -516,6 +719,8 @@ class WarmPolicy:
             st.uncached_ewma += 0.2 * (uncached - st.uncached_ewma)
             st.scale.sent(profile.tokens)
         st.work_s += d.work_s
+        self._work_delta += d.work_s
+        self._flight_delta += 1
         if self.use_interference:
             a = st.arrivals
             a.append(now)
@@ -549,6 +754,8 @@ class WarmPolicy:
         st.pending.append((st.prefill_busy_until, prompt_tokens))
         st.pending_tokens += prompt_tokens
         st.work_s += res.work_s
+        self._work_delta += res.work_s
+        self._flight_delta += 1
         res.prefill_s, res.prefill_end, res.pending_tokens = prefill_s, st.prefill_busy_until, prompt_tokens
         if self.use_interference:
             st.arrivals.append(now)
@@ -582,6 +789,30 @@ class _Estimate:
     ttft: float = 0.0
     cost: float = 0.0
     work: float = 0.0
+
+
+@dataclass(slots=True)
+class _Aggregates:
+    """What pricing needs of the whole pool; None: computed from the priced rows (every candidate priced)."""
+    out_tokens: float
+    fastest_decode: float
+    peer_scale: float
+    busy: float | None = None
+    total_work: float | None = None
+    in_flight: int = 0
+    n: int = 0
+
+
+class _View:
+    """A big fleet looked at whole (``WarmPolicy._look``): rows, aggregates and the shortlist's standing picks."""
+
+    __slots__ = ("epoch", "only", "at", "left", "rows", "n_live", "cap", "aggregates", "picks", "pos_of_bit", "pos_of_state",
+                 "pos_of", "index_at", "by_load", "bit_at")
+
+
+def _peer_scale(states: list[WarmReplica]) -> float:
+    learned = [st.scale.value for st in states if st.scale.learned]
+    return sum(learned) / len(learned) if learned else 1.0
 
 
 WARM_VARIANTS = {

@@ -100,12 +100,13 @@ def bytes_per_pin(pins: int) -> float:
     return (after - before) / pins
 
 
-def _brain(policy: str):
+def _brain(policy: str, replicas: int = 4):
     from ..brain.brain import Brain
     from ..config import parse_config
 
     t = [0.0]
-    brain = Brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(4)],
+    brain = Brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}"}
+                                             for i in range(replicas)],
                                 "health": {"stale_scrape_intervals": 1e12}, "routing": {"policy": policy}}),
                   clock=lambda: t[0])
     for k in range(8):
@@ -160,6 +161,22 @@ def warm_costs() -> list[str]:
     ratio = warm_rate / seed_rate
     lines.append(f"warm decide, 8 KB multi-turn bodies: {warm_rate:,.0f}/s; seed decide, 2 KB bodies: {seed_rate:,.0f}/s; "
                  f"ratio {ratio:.2f} (target >= 0.30) {'ok' if ratio >= 0.3 else 'MISSED'}")
+
+    # issue 33 item 9: the decision at 300 replicas against 4, the same bodies and sessions; a fleet of
+    # SHORTLIST_FROM candidates or more prices a shortlist (the reference row prices every candidate)
+    from ..core.warm import SHORTLIST_FROM
+
+    by_size = {}
+    for n, short in ((4, True), (100, True), (300, True), (300, False)):
+        b, _ = _brain("warm", n)
+        b.router.policy.shortlist = short
+        _decide_each(b, eight, 50)
+        by_size[n, short] = 1 / (sum(took := _decide_each(b, [eight[-1]] * 40, 50)) / len(took))
+    ratio = by_size[300, True] / by_size[4, True]
+    lines.append(f"warm decide by fleet size, 8 KB multi-turn bodies, 50 sessions: 4 replicas {by_size[4, True]:,.0f}/s, "
+                 f"100 {by_size[100, True]:,.0f}/s, 300 {by_size[300, True]:,.0f}/s; 300 against 4: {ratio:.2f} "
+                 f"(target >= 0.5) {'ok' if ratio >= 0.5 else 'MISSED'}; every candidate priced at 300 (no shortlist "
+                 f"from {SHORTLIST_FROM}): {by_size[300, False]:,.0f}/s ({by_size[300, False] / by_size[4, True]:.2f})")
 
     big = _conversation(14, 90_000)  # the last turns pass 1 MB
     mb = [b for b in big if len(b) >= 1_000_000][:2]

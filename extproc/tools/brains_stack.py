@@ -5,6 +5,8 @@ benchmarks and ``warmroute up --brains K``.
 started once; each pair is a ``Stack`` of its own (its config, socket, ports, logs) over the same replicas.
 ``picker``: K brains as endpoint pickers behind one Envoy in the Inference Extension's shape, which spreads the
 requests over them (``envoy.brain_endpoints``; a gateway reaches a picker Deployment's replicas so).
+``processes``: K brains in the default (ext_proc) shape behind one Envoy: several processes of one host, one core
+each; an access-log entry that reaches another process than the one that decided is handed back through Redis.
 ``shared=False`` gives the same topology with sharing off (each brain alone: the comparison).
 """
 
@@ -19,13 +21,16 @@ from .redis_proc import RedisServer
 from .stack import Stack
 
 
+SHAPES = ("pairs", "picker", "processes")
+
+
 class BrainsStack:
     def __init__(self, n_replicas: int = 4, brains: int = 2, config: dict | None = None,
                  mock_args: list[str] | None = None, shared: bool = True, workdir: str | Path | None = None,
                  shared_state: dict | None = None, redis: "RedisServer | dict | None" = None,
                  listen_ports: list[int] | None = None, shape: str = "pairs", failover: bool = True):
-        if shape not in ("pairs", "picker"):
-            raise ValueError(f"shape: pairs or picker, got {shape!r}")
+        if shape not in SHAPES:
+            raise ValueError(f"shape: one of {', '.join(SHAPES)}, got {shape!r}")
         self.n, self.k, self.shape = n_replicas, brains, shape
         # pairs sharing state: each Envoy asks the other brains while its own is down (envoy.brain_failover)
         self.failover = failover and shared and shape == "pairs" and brains > 1
@@ -71,7 +76,7 @@ class BrainsStack:
             if self.failover:
                 for s in self.stacks:
                     s.start_envoy()
-            if self.shape == "picker":
+            if self.shape != "pairs":
                 cfg = first.live_config()
                 others = tuple(f"unix:{Path(s.cfg.brain.grpc_socket).resolve()}" for s in self.stacks[1:])
                 first.start_envoy(bootstrap(dataclasses.replace(cfg, envoy=dataclasses.replace(
@@ -126,4 +131,4 @@ class BrainsStack:
         self.stop()
 
 
-__all__ = ["BrainsStack"]
+__all__ = ["BrainsStack", "SHAPES"]

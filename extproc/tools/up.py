@@ -149,10 +149,14 @@ def up_brains(args: argparse.Namespace, n: int) -> int:
     return _guarded(stack, lambda: _up_brains(args, stack, n))
 
 
+_SHAPE_TEXT = {"pairs": "one Envoy + brain pair each", "picker": "endpoint pickers behind one Envoy",
+               "processes": "ext_proc brain processes behind one Envoy"}
+
+
 def _up_brains(args: argparse.Namespace, stack: BrainsStack, n: int) -> int:
     k, shape = stack.k, stack.shape
     print(f"starting Redis, {n} mock vLLM replicas and {k} brains sharing state "
-          f"({'one Envoy + brain pair each' if shape == 'pairs' else 'endpoint pickers behind one Envoy'}) ...",
+          f"({_SHAPE_TEXT[shape]}) ...",
           flush=True)
     stack.start()
     print(f"Redis {stack.redis.url}; Envoys: {' '.join(stack.urls)}; logs (kept after exit): {stack.dir}/")

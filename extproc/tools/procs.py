@@ -57,19 +57,30 @@ class Proc:
         return self.popen.poll() is None
 
     def stop(self, timeout: float = 5.0) -> None:
+        self.terminate()
+        self.reap(time.monotonic() + timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM to its process group (stop several at once: terminate each, then reap each)."""
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    def reap(self, deadline: float, grace: float = 5.0) -> None:
+        """Wait for it until ``deadline``, then SIGKILL it."""
+        try:
+            self.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             try:
-                self.popen.wait(timeout)
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(grace)
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.popen.wait(timeout)
+                pass
         self._log.close()
 
     def kill(self) -> None:

@@ -1,0 +1,175 @@
+"""Flow control's queue (issue 34): what is held while every replica is saturated, in the order it is let go.
+
+A pure structure with ``now`` passed in (DESIGN.md: a held request is a state of the decision, not a second
+router): the shell holds the stream open, the simulator holds the virtual request, and both ask this queue which
+one goes next once a replica has room.
+
+Order: the priority class first (critical, standard, sheddable, like the Inference Extension's objective
+priorities); within a class, fairness across tenants by a virtual token counter (Sheng et al., "Fairness in
+Serving Large Language Models", OSDI 2024): each tenant's counter grows by the tokens it is served, the tenant with
+the least goes next, and a tenant that comes back from idle is lifted to the least counter of those waiting, so
+idleness earns no credit to flood with later; then arrival. Bounded in requests and bytes: when full, a newcomer
+of a higher class takes the place of the youngest request of the lowest class queued (sheddable first, never a
+critical one while a lower class is queued); otherwise the newcomer is refused.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+CLASSES = ("critical", "standard", "sheddable")
+CRITICAL, STANDARD, SHEDDABLE = range(3)
+
+
+@dataclass(slots=True)
+class Held:
+    key: object  # the holder's handle (a stream, a simulated request)
+    klass: int  # index into CLASSES
+    tenant: str | None
+    tokens: float  # what serving it costs in the counter's tokens (prompt + weighted output)
+    size: int = 0  # bytes it holds (its body, in the shell)
+    arrived: float = 0.0
+    deadline: float | None = None  # when its time-to-first-token deadline passes (None: none)
+    seq: int = field(default=0, compare=False)
+
+
+class FlowQueue:
+    def __init__(self, max_requests: int = 10_000, max_bytes: int = 1 << 30):
+        self.max_requests, self.max_bytes = max_requests, max_bytes
+        # per class: tenant -> its requests in arrival order
+        self._queues: list[dict[str | None, deque[Held]]] = [{} for _ in CLASSES]
+        self._by_key: dict[object, Held] = {}
+        self.counters: dict[str | None, float] = {}  # the virtual token counter of every tenant seen
+        self.bytes = 0
+        self._seq = 0
+        self._last = 0.0  # the counter of the tenant served last
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_key
+
+    def depth(self, klass: int) -> int:
+        return sum(len(q) for q in self._queues[klass].values())
+
+    # ------------------------------------------------------------- admission
+
+    def push(self, h: Held) -> tuple[bool, list[Held]]:
+        """Queue ``h``: (queued, the requests it displaced). Not queued: the queue is full of its class or
+        higher (nothing is displaced then)."""
+        count, size = len(self._by_key) + 1, self.bytes + h.size
+        victims: list[Held] = []
+        if count > self.max_requests or size > self.max_bytes:
+            for v in self._displaceable(h.klass):
+                if count <= self.max_requests and size <= self.max_bytes:
+                    break
+                victims.append(v)
+                count, size = count - 1, size - v.size
+            if count > self.max_requests or size > self.max_bytes:
+                return False, []
+        for v in victims:
+            self._take(v)
+        self._insert(h)
+        return True, victims
+
+    def _displaceable(self, klass: int):
+        """Requests of a lower class than ``klass``, the lowest class first, the youngest first."""
+        for c in range(len(CLASSES) - 1, klass, -1):
+            yield from sorted((x for q in self._queues[c].values() for x in q), key=lambda x: -x.seq)
+
+    def _insert(self, h: Held) -> None:
+        if not self._waiting(h.tenant):
+            self._lift(h.tenant)
+        per = self._queues[h.klass]
+        q = per.get(h.tenant)
+        if q is None:
+            q = per[h.tenant] = deque()
+        self._seq += 1
+        h.seq = self._seq
+        q.append(h)
+        self._by_key[h.key] = h
+        self.bytes += h.size
+
+    # ---------------------------------------------------------------- release
+
+    def peek(self) -> Held | None:
+        """The request that goes next: the highest class with any, its tenant with the least counter, its oldest."""
+        for per in self._queues:
+            best = None
+            for tenant, q in per.items():
+                if q and (best is None or (self.counters.get(tenant, 0.0), q[0].seq)
+                          < (self.counters.get(best[0].tenant, 0.0), best[0].seq)):
+                    best = q
+            if best is not None:
+                return best[0]
+        return None
+
+    def pop(self) -> Held | None:
+        """Let the next request go; its tenant's counter is charged its tokens."""
+        h = self.peek()
+        if h is not None:
+            self._take(h)
+            self.charge(h.tenant, h.tokens)
+        return h
+
+    def charge(self, tenant: str | None, tokens: float) -> None:
+        """Service a tenant got (a request let go, or placed at once without queueing: both count)."""
+        if not self._waiting(tenant):
+            self._lift(tenant)
+        c = self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens
+        self._last = c
+
+    def _lift(self, tenant: str | None) -> None:
+        """A tenant back from idle starts level with the least counter of those waiting (or, nobody waiting,
+        with the last one served): idleness earns no credit to flood with later."""
+        least = self._least_waiting_counter()
+        floor = least if least is not None else self._last
+        if self.counters.get(tenant, 0.0) < floor:
+            self.counters[tenant] = floor
+
+    def remove(self, key: object) -> Held | None:
+        """The request left (its client went away): gone from the queue at once."""
+        h = self._by_key.get(key)
+        if h is not None:
+            self._take(h)
+        return h
+
+    def expired(self, now: float) -> list[Held]:
+        """Requests whose deadline passed while queued: taken out, to be answered."""
+        gone = [h for h in self._by_key.values() if h.deadline is not None and h.deadline <= now]
+        for h in gone:
+            self._take(h)
+        return gone
+
+    def ahead(self, klass: int) -> tuple[int, float]:
+        """Requests and tokens that would go before a newcomer of ``klass`` (its class and above, fairness
+        aside): what its wait in the queue is made of."""
+        n, tokens = 0, 0.0
+        for per in self._queues[:klass + 1]:
+            for q in per.values():
+                n += len(q)
+                tokens += sum(h.tokens for h in q)
+        return n, tokens
+
+    # ------------------------------------------------------------- internals
+
+    def _take(self, h: Held) -> None:
+        per = self._queues[h.klass]
+        q = per[h.tenant]
+        q.remove(h)
+        if not q:
+            del per[h.tenant]
+        del self._by_key[h.key]
+        self.bytes -= h.size
+
+    def _waiting(self, tenant: str | None) -> bool:
+        return any(tenant in per for per in self._queues)
+
+    def _least_waiting_counter(self) -> float | None:
+        waiting = {t for per in self._queues for t in per}
+        return min((self.counters.get(t, 0.0) for t in waiting), default=None)
+
+
+__all__ = ["CLASSES", "CRITICAL", "STANDARD", "SHEDDABLE", "FlowQueue", "Held"]

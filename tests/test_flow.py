@@ -1,0 +1,146 @@
+"""Flow control's queue (issue 34): class order, fairness by virtual token counter, bounds, departures."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.core.flow import CRITICAL, SHEDDABLE, STANDARD, FlowQueue, Held
+
+
+def held(key, klass=STANDARD, tenant="a", tokens=100.0, size=0, arrived=0.0, deadline=None):
+    return Held(key, klass, tenant, tokens, size, arrived, deadline)
+
+
+def test_a_higher_class_goes_first_whatever_arrived_before_it():
+    q = FlowQueue()
+    q.push(held("bulk", SHEDDABLE))
+    q.push(held("turn", STANDARD))
+    q.push(held("pager", CRITICAL))
+    q.push(held("turn2", STANDARD))
+    assert [q.pop().key for _ in range(4)] == ["pager", "turn", "turn2", "bulk"]
+    assert q.pop() is None and len(q) == 0
+
+
+def test_a_flooding_tenant_does_not_starve_a_quiet_one():
+    q = FlowQueue()
+    for i in range(50):
+        q.push(held(f"noisy{i}", tenant="noisy"))
+    for _ in range(10):  # the noisy tenant has been served for a while
+        assert q.pop().tenant == "noisy"
+    for i in range(5):
+        q.push(held(f"quiet{i}", tenant="quiet"))
+    order = [q.pop().tenant for _ in range(10)]
+    # lifted to the noisy tenant's counter on arrival: the two alternate instead of the quiet one waiting for 40
+    assert order.count("quiet") == 5 and order[:2].count("quiet") == 1
+
+
+def test_fairness_is_in_tokens_not_turns():
+    q = FlowQueue()
+    for i in range(20):
+        q.push(held(f"big{i}", tenant="big", tokens=1000.0))
+        q.push(held(f"small{i}", tenant="small", tokens=100.0))
+    order = [q.pop().tenant for _ in range(22)]
+    # ten small requests cost what one big one does
+    assert order.count("small") >= 18
+
+
+def test_idleness_earns_no_credit():
+    q = FlowQueue()
+    for _ in range(30):  # b is served alone for a long time while a sends nothing
+        q.charge("b", 100.0)
+    for i in range(10):
+        q.push(held(f"a{i}", tenant="a"))
+        q.push(held(f"b{i}", tenant="b"))
+    first = [q.pop().tenant for _ in range(6)]
+    # a starts level with b, not 30 turns ahead of it
+    assert first.count("a") == 3 and first.count("b") == 3
+
+
+def test_a_tenant_that_waited_while_another_was_served_is_owed_the_difference():
+    q = FlowQueue()
+    q.push(held("a0", tenant="a"))
+    for _ in range(5):  # b is placed at once five times (not queued) while a waits
+        q.charge("b", 100.0)
+    for i in range(5):
+        q.push(held(f"b{i}", tenant="b"))
+        q.push(held(f"a{i + 1}", tenant="a"))
+    assert [q.pop().tenant for _ in range(6)] == ["a"] * 5 + ["b"]  # level after five: then arrival
+
+
+def test_full_a_higher_class_displaces_the_youngest_of_the_lowest_and_a_lower_one_is_refused():
+    q = FlowQueue(max_requests=3)
+    q.push(held("s1", SHEDDABLE))
+    q.push(held("s2", SHEDDABLE))
+    q.push(held("c1", CRITICAL))
+    queued, out = q.push(held("t1", STANDARD))
+    assert queued and [h.key for h in out] == ["s2"]
+    queued, out = q.push(held("s3", SHEDDABLE))
+    assert not queued and out == [] and len(q) == 3
+    queued, out = q.push(held("c2", CRITICAL))
+    assert queued and [h.key for h in out] == ["s1"]
+    queued, out = q.push(held("c3", CRITICAL))  # never a critical one while a lower class is queued
+    assert queued and [h.key for h in out] == ["t1"]
+    queued, out = q.push(held("c4", CRITICAL))
+    assert not queued and [h.key for h in (q.pop(), q.pop(), q.pop())] == ["c1", "c2", "c3"]
+
+
+def test_the_byte_bound_holds_and_a_refusal_displaces_nothing():
+    q = FlowQueue(max_bytes=1000)
+    q.push(held("s1", SHEDDABLE, size=300))
+    q.push(held("t1", STANDARD, size=500))
+    queued, out = q.push(held("t2", STANDARD, size=900))  # the sheddable's 300 would not make room
+    assert not queued and out == [] and q.bytes == 800 and "s1" in q
+    queued, out = q.push(held("t3", STANDARD, size=400))
+    assert queued and [h.key for h in out] == ["s1"] and q.bytes == 900
+
+
+def test_a_departed_client_and_a_passed_deadline_leave_the_queue():
+    q = FlowQueue()
+    q.push(held("gone", deadline=50.0))
+    q.push(held("late", deadline=10.0))
+    q.push(held("fine", deadline=None))
+    assert q.remove("gone").key == "gone" and "gone" not in q
+    assert [h.key for h in q.expired(10.0)] == ["late"]
+    assert q.pop().key == "fine" and len(q) == 0
+    assert q.ahead(STANDARD) == (0, 0.0)
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("push"), st.integers(0, 2), st.sampled_from(["a", "b", "c", None]), st.integers(1, 500),
+              st.integers(0, 300)),
+    st.tuples(st.just("pop")), st.tuples(st.just("remove"), st.integers(0, 60))), max_size=80)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_OPS)
+def test_the_queue_keeps_its_bounds_its_books_and_its_class_order(ops):
+    q = FlowQueue(max_requests=12, max_bytes=1500)
+    inside: dict[int, Held] = {}
+    n = 0
+    for op in ops:
+        if op[0] == "push":
+            _, klass, tenant, tokens, size = op
+            h = held(n, klass, tenant, float(tokens), size)
+            n += 1
+            queued, out = q.push(h)
+            for v in out:
+                assert v.klass > klass
+                del inside[v.key]
+            if queued:
+                inside[h.key] = h
+            else:
+                assert out == [] and all(x.klass <= klass for x in inside.values())
+        elif op[0] == "pop":
+            h = q.pop()
+            if h is None:
+                assert not inside
+            else:
+                assert h.klass == min(x.klass for x in inside.values())
+                del inside[h.key]
+        else:
+            h = q.remove(op[1])
+            assert (h is not None) == (op[1] in inside)
+            inside.pop(op[1], None)
+        assert len(q) == len(inside) <= 12
+        assert q.bytes == sum(x.size for x in inside.values()) <= 1500

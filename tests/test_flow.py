@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,3 +146,94 @@ def test_the_queue_keeps_its_bounds_its_books_and_its_class_order(ops):
             inside.pop(op[1], None)
         assert len(q) == len(inside) <= 12
         assert q.bytes == sum(x.size for x in inside.values()) <= 1500
+
+
+# ------------------------------------------------------------------ the router's side (Router.flow)
+
+from extproc.core import Reason  # noqa: E402
+from extproc.core.flow import FlowControl  # noqa: E402
+
+from .helpers import chain, live_router, prof  # noqa: E402
+from .test_warm import WARM  # noqa: E402
+
+
+def _flow_router(n=2):
+    router, t = live_router(n, WARM)
+    router.flow = FlowControl()
+    return router, t
+
+
+def _busy(router, t, tokens=200_000):
+    """A long prefill on every replica: each is saturated for a short request for a while."""
+    return [router.select(prof(session=f"big{r.name}", tokens=tokens, blocks=chain(f"big{r.name}", "x", tokens)), t,
+                          only=[r.name]) for r in router.replicas]
+
+
+def test_a_request_every_replica_is_saturated_for_is_held_with_nothing_booked_and_goes_where_room_is_first():
+    router, t = _flow_router()
+    big = _busy(router, t)
+    before = router.open_reservations
+    d = router.select(prof(session="s", tokens=2000, blocks=chain("sys", "s", 2000)), t + 0.1, hold_key="q1")
+    assert d.reason is Reason.HELD and d.replica is None and d.reservation is None
+    assert router.open_reservations == before and router.policy.session_pins.get(prof(session="s").session_key,
+                                                                              t + 0.1) is None
+    assert router.offer(t + 0.2) == []  # still saturated everywhere
+    router.release(big[1].reservation, t + 0.3)  # r1's long request ends early: r1 has room
+    [(key, placed)] = router.offer(t + 0.3)
+    assert key == "q1" and placed.replica is big[1].replica and placed.reservation is not None
+    assert len(router.flow) == 0
+
+
+def test_a_newcomer_never_overtakes_its_class_and_a_critical_one_is_never_held():
+    router, t = _flow_router()
+    _busy(router, t)
+    assert router.select(prof(session="a", tokens=2000), t, hold_key="a").reason is Reason.HELD
+    crit = dataclasses.replace(prof(session="c", tokens=2000), priority=CRITICAL)
+    d = router.select(crit, t, hold_key="c")
+    assert d.replica is not None and d.reservation is not None  # placed at once, saturated or not
+    shed = dataclasses.replace(prof(session="b", tokens=2000), priority=SHEDDABLE)
+    assert router.select(shed, t, hold_key="b").reason is Reason.HELD
+    assert [h.key for h in router.flow.queue.in_order(10)] == ["a", "b"]
+
+
+def test_a_held_request_whose_replica_is_busy_does_not_block_one_that_has_room_elsewhere():
+    router, t = _flow_router()
+    # the session lives on r0 (its cache): r0's queue (~2 s) costs it less than its whole context again on r1
+    first = router.select(prof(session="home", tokens=30_000, blocks=chain("sys", "home", 30_000)), t, only=["r0"])
+    router.release(first.reservation, t)
+    big = [router.select(prof(session="b0", tokens=20_000, blocks=chain("b0", "x", 20_000)), t, only=["r0"]),
+           router.select(prof(session="b1", tokens=200_000, blocks=chain("b1", "x", 200_000)), t, only=["r1"])]
+    assert router.select(prof(session="home", tokens=30_500, blocks=chain("sys", "home", 30_500)), t + 0.1,
+                         hold_key="home").reason is Reason.HELD
+    assert router.select(prof(session="new", tokens=30_000, blocks=chain("other", "new", 30_000)), t + 0.1,
+                         hold_key="new").reason is Reason.HELD
+    router.release(big[1].reservation, t + 0.2)  # r1 has room; r0 is still busy
+    out = router.offer(t + 0.2)
+    assert [k for k, _ in out] == ["new"] and out[0][1].replica is big[1].replica
+    assert "home" in router.flow.queue
+
+
+def test_a_request_held_past_its_class_s_deadline_is_refused_and_a_gone_client_leaves():
+    router, t = _flow_router()
+    _busy(router, t, tokens=2_000_000)
+    shed = dataclasses.replace(prof(session="b", tokens=2000), priority=SHEDDABLE)
+    assert router.select(shed, t, hold_key="late").reason is Reason.HELD
+    assert router.select(prof(session="g", tokens=2000), t, hold_key="gone").reason is Reason.HELD
+    assert router.cancel("gone") and not router.cancel("gone")
+    router.offer(t + router.flow.deadlines[SHEDDABLE] + 0.1)
+    assert router.flow.refused == ["late"] and len(router.flow) == 0
+
+
+def test_the_simulator_holds_and_lets_go_every_request_and_counts_its_wait_from_arrival():
+    from extproc.tools.sim.simulator import Simulation
+    from extproc.tools.sim.workload import WorkloadConfig
+
+    sim = Simulation("warmroute_flow", replicas=4, workload=WorkloadConfig(minutes=4).at_load(2.0), seed=1)
+    res = sim.run()
+    assert sim.policy.held_total >= 5  # requests were held, and the run went on
+    held = [r for r in res.requests if "held_at" in r.extra and r.ttft is not None]
+    assert held and all(r.ttft >= 0 for r in held)
+    assert res.summary()["errors"] == 0
+    # a held request started when it was let go: its time to first token includes the wait in the router
+    waited = [r for r in held if r.replica is not None]
+    assert waited and max(r.ttft for r in waited) > 0.5

@@ -95,7 +95,7 @@ class BrainStats:
         for name in replica_names:
             for reason in Reason:
                 if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT,
-                                  Reason.RESPONSE_GONE):
+                                  Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL):
                     self.decisions[(name, reason)] += 0
             for result in SCRAPE_RESULTS:
                 self.scrapes[(name, result)] += 0

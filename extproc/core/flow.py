@@ -94,6 +94,30 @@ class FlowQueue:
 
     # ---------------------------------------------------------------- release
 
+    def in_order(self, most: int) -> list[Held]:
+        """Up to ``most`` queued requests in the order they would go (as ``peek`` then ``pop`` would give them,
+        counters as they stand)."""
+        out: list[Held] = []
+        for per in self._queues:
+            heads = {t: 0 for t, q in per.items() if q}
+            counters = {t: self.counters.get(t, 0.0) for t in heads}
+            while heads and len(out) < most:
+                t = min(heads, key=lambda x: (counters[x], per[x][heads[x]].seq))
+                h = per[t][heads[t]]
+                out.append(h)
+                counters[t] += h.tokens
+                heads[t] += 1
+                if heads[t] == len(per[t]):
+                    del heads[t]
+            if len(out) >= most:
+                break
+        return out
+
+    def take(self, h: Held) -> None:
+        """Let ``h`` go out of order (the ones before it must still wait): its tenant is charged."""
+        self._take(h)
+        self.charge(h.tenant, h.tokens)
+
     def peek(self) -> Held | None:
         """The request that goes next: the highest class with any, its tenant with the least counter, its oldest."""
         for per in self._queues:
@@ -172,4 +196,35 @@ class FlowQueue:
         return min((self.counters.get(t, 0.0) for t in waiting), default=None)
 
 
-__all__ = ["CLASSES", "CRITICAL", "STANDARD", "SHEDDABLE", "FlowQueue", "Held"]
+
+
+# how long each class may wait in the queue before it is refused: critical as long as it takes; standard the
+# minute llm-d's flow control holds a request (its TTL); sheddable 10 s
+DEADLINES_S: tuple[float | None, ...] = (None, 60.0, 10.0)
+
+
+class FlowControl:
+    """The router's side of flow control (``Router.flow``): the queue, and what each held request needs to be
+    decided again once a replica has room (``Router.offer``)."""
+
+    def __init__(self, queue: FlowQueue | None = None, deadlines: tuple[float | None, ...] = DEADLINES_S):
+        self.queue = queue or FlowQueue()
+        self.held: dict[object, tuple] = {}  # key -> (profile, the replicas it may go to)
+        # keys to be refused (429 with Retry-After): pushed out by a higher class, or past their class's deadline
+        self.refused: list[object] = []
+        self.deadlines = deadlines  # per class: how long a request may be held (None: as long as it takes)
+
+    def deadline(self, klass: int, now: float) -> float | None:
+        d = self.deadlines[klass]
+        return None if d is None else now + d
+
+    def expire(self, now: float) -> None:
+        for h in self.queue.expired(now):
+            self.held.pop(h.key, None)
+            self.refused.append(h.key)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+
+__all__ = ["CLASSES", "CRITICAL", "STANDARD", "SHEDDABLE", "FlowControl", "FlowQueue", "Held"]

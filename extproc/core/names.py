@@ -25,6 +25,10 @@ class Reason(enum.StrEnum):
     # the stored response a request follows, reads or cancels was held by a replica no longer in the fleet: an
     # immediate 404 in vLLM's shape, as that replica would have answered had it lost it
     RESPONSE_GONE = "stored_response_gone"
+    # flow control (core.flow): every candidate is saturated for it, so it waits in the router's queue; or the
+    # queue is full of its class and above
+    HELD = "held"
+    QUEUE_FULL = "queue_full"
 
 
 class PinKind(enum.StrEnum):

@@ -54,6 +54,9 @@ class RequestProfile:
     response_root: str | None = None  # the conversation of that stored response (its minted id carries it)
     response_id: str | None = None  # the id the client chose for the response it creates (vLLM's request_id)
     stores_response: bool = False  # a Responses create that may be stored (not "store": false): its id is minted
+    # flow control (core.flow): its priority class (0 critical, 1 standard, 2 sheddable) and whose fairness it counts to
+    priority: int = 1
+    tenant: str | None = None
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:

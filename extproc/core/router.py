@@ -21,6 +21,7 @@ from .names import Reason
 from .pins import PREFIX, SESSION, PinTable
 from .policy import Policy, make_policy
 from .profile import RequestProfile
+from .flow import CRITICAL, FlowControl, Held
 from .shared import Outbox, Remote
 from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
 
@@ -54,6 +55,8 @@ class Router:
         # bumped whenever the pool may have changed (a health transition, a drain, a replica added or removed): a
         # policy may keep what it derives from the pool until then
         self.pool_epoch = 0
+        self.flow: FlowControl | None = None  # flow control (core.flow): None, every request is placed at once
+        self._ready: list = []  # held requests a select let go before its newcomer, for the next offer
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
@@ -281,13 +284,16 @@ class Router:
         return live, probing
 
     def select(self, profile: RequestProfile, now: float, only: Collection[str] | None = None,
-               holder: str | None = None) -> Decision:
+               holder: str | None = None, hold_key: object = None) -> Decision:
         """Choose a replica for ``profile`` and reserve its weight: one synchronous call (A1 atomic reserve).
 
         ``only``: the replicas a gateway allows for this request (the endpoint picker's subset hint); the
         choice, the fallback and every pin decision see no other. ``holder``: the one replica holding what the
         request reads (a stored response): chosen whatever its state, drained or ejected, since no other can
-        answer; the policy still prices it and keeps its books."""
+        answer; the policy still prices it and keeps its books. ``hold_key``: with flow control on
+        (``self.flow``), the caller can hold the request under this key: a request every candidate is saturated
+        for, or one that would overtake queued requests of its class or above, is queued (Reason.HELD) and comes
+        back from ``offer``; Reason.QUEUE_FULL when the queue is full of its class and above."""
         if now >= self._next_due or now >= self._housekeeping_at:
             self.tick(now)
         self.selects += 1
@@ -301,13 +307,78 @@ class Router:
             d.reason = Reason.HOLDER
         else:
             fleet: FleetView = self if only is None else _Subset(self, only)
-            d = self.policy.select(fleet, profile, now)
+            flow = self.flow
+            if flow is not None and hold_key is not None and profile.priority != CRITICAL:
+                if flow.queue.ahead(profile.priority)[0]:
+                    self._ready.extend(self.offer(now))  # whatever can go now goes before it
+                if flow.queue.ahead(profile.priority)[0]:
+                    return self._hold(hold_key, profile, only, now)  # never ahead of its class or above
+                d = self._select_may_hold(fleet, profile, now)
+                if d is not None and d.reason is Reason.HELD:
+                    return self._hold(hold_key, profile, only, now)
+            else:
+                d = self.policy.select(fleet, profile, now)
+            if flow is not None:
+                flow.queue.charge(profile.tenant, profile.tokens)
+        return self._place(d, profile, now, only)
+
+    def _place(self, d: Decision | None, profile: RequestProfile, now: float,
+               only: Collection[str] | None) -> Decision:
         if d is None:
             return self._shared(self._fallback(profile, now, only), profile, now)
         d.reservation = self._reserve(d.replica, profile, now)
         d.reservation.predicted_ttft_s = d.predicted_ttft_s
         self.policy.on_reserved(d, profile, now)
         return self._shared(d, profile, now)
+
+    # ------------------------------------------------------------ flow control
+
+    def _select_may_hold(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
+        self.policy.may_hold = True
+        try:
+            return self.policy.select(fleet, profile, now)
+        finally:
+            self.policy.may_hold = False
+
+    def _hold(self, key: object, profile: RequestProfile, only: Collection[str] | None, now: float) -> Decision:
+        flow = self.flow
+        queued, displaced = flow.queue.push(Held(key, profile.priority, profile.tenant, float(profile.tokens),
+                                                 arrived=now, deadline=flow.deadline(profile.priority, now)))
+        if not queued:
+            return Decision(None, Reason.QUEUE_FULL)
+        for v in displaced:
+            flow.held.pop(v.key, None)
+            flow.refused.append(v.key)
+        flow.held[key] = (profile, only)
+        return Decision(None, Reason.HELD)
+
+    def offer(self, now: float) -> list[tuple[object, Decision]]:
+        """Held requests that can go now, in the queue's order, each placed by the policy at this moment (late
+        binding): (its key, its decision). Also what a ``select`` let go before a newcomer (taken once)."""
+        out, self._ready = self._ready, []
+        flow = self.flow
+        if flow is None:
+            return out
+        flow.expire(now)
+        # in the queue's order; one still saturated (its home busy, say) does not keep a later one from a replica
+        # that has room for it: no head-of-line blocking
+        for h in flow.queue.in_order(_OFFER_SCAN):
+            profile, only = flow.held[h.key]
+            fleet: FleetView = self if only is None else _Subset(self, only)
+            d = self._select_may_hold(fleet, profile, now)
+            if d is not None and d.reason is Reason.HELD:
+                continue
+            flow.queue.take(h)
+            del flow.held[h.key]
+            out.append((h.key, self._place(d, profile, now, only)))
+        return out
+
+    def cancel(self, key: object) -> bool:
+        """A held request's client went away: out of the queue at once."""
+        if self.flow is None or self.flow.queue.remove(key) is None:
+            return False
+        self.flow.held.pop(key, None)
+        return True
 
     def _shared(self, d: Decision, profile: RequestProfile, now: float) -> Decision:
         if self.outbox is not None:
@@ -413,6 +484,9 @@ class Router:
             d["prefix_pins"] = p.get(r.name, 0)
             out.append(d)
         return out
+
+
+_OFFER_SCAN = 32  # held requests an offer looks at, in order
 
 
 class _Subset:

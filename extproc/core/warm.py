@@ -154,6 +154,9 @@ class WarmPolicy:
         # among full pricing's ties, how many seconds dearer than the least it is there) under the same fleet
         # view; tests compare the two
         self.verify: list | None = None
+        # set by the router for one select (flow control on, the request not critical): a request that every
+        # candidate is saturated for is not placed but held (Reason.HELD), nothing booked
+        self.may_hold = False
         self.outbox = None  # shared state: the router's Outbox while sharing is on (core.shared)
         self.trace: list | None = None  # a list: each candidate's (name, cost, ttft, cached, wait, work) is appended
         self.update_config(cfg)
@@ -437,12 +440,21 @@ class WarmPolicy:
             mine_full = next(e.cost for e in all_ests if e.st is best.st)
             self.verify.append(((best.replica.name, best.engine), (ref.replica.name, ref.engine),
                                 any(e.st is best.st for e in full), mine_full - min(e.cost for e in full)))
+        if self.may_hold and self._saturated(best, profile):
+            return Decision(None, Reason.HELD, predicted_ttft_s=best.ttft)
         self._rr, self._per = best.replica.index * per + (best.engine or 0) + 1, per
         if self.trace is not None:
             self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
                                round(e.st.work_s, 2)) for e in ests)
         self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
+
+    def _saturated(self, best: "_Estimate", profile: RequestProfile) -> bool:
+        """Flow control's saturation, with nothing to tune: even the best candidate makes the request wait longer
+        than its own prefill there (half of it, sheddable), so holding it in the router loses no engine time while
+        it keeps the choice of replica, and the order between requests, open until a replica has room."""
+        afford = max(best.prefill, _TIE_S) * (0.5 if profile.priority >= 2 else 1.0)
+        return best.wait + best.lora > afford
 
     def _break_tie(self, tied: list["_Estimate"], home: Replica | None, home_engine: int | None, per: int,
                    n_replicas: int) -> "_Estimate":

@@ -186,8 +186,10 @@ def _not_metrics() -> set[str]:
     from ..contract import BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER
     from ..core.policy import POLICIES
     from .bench_live import WARMROUTE
+    from .sim.policies import FLOW
 
-    return {f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | {BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER}
+    return {f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | {FLOW, BRAIN_CLUSTER, FALLBACK_CLUSTER,
+                                                                    PICKER_CLUSTER}
 
 
 NOT_METRICS = _not_metrics()

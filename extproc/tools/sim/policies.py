@@ -15,10 +15,16 @@ import bisect
 import hashlib
 import math
 import random
-from ...core import LoadSample, RequestProfile, Router, RouterConfig, hash_key
+from ...core import LoadSample, Reason, RequestProfile, Router, RouterConfig, hash_key
+from ...core.flow import FlowControl
 from ...core.policy import POLICIES as CORE_POLICIES
 from .engine import BLOCK
 from .workload import Request
+
+
+HOLD = -1  # choose(): flow control holds the request (it comes back from take_ready)
+REFUSED = -2  # choose() or take_ready(): 429 with Retry-After: the client sends it again after RETRY_AFTER_S
+RETRY_AFTER_S = 2.0
 
 
 class Policy:
@@ -36,6 +42,14 @@ class Policy:
 
     def choose(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> int | None:
         raise NotImplementedError
+
+    def holds(self) -> bool:
+        """Whether requests are held (flow control): the simulator then asks ``take_ready`` again."""
+        return False
+
+    def take_ready(self, now: float) -> list[tuple[Request, int | None]]:
+        """Held requests that go now, each with its replica (None: it cannot be served)."""
+        return []
 
     def retry_target(self, req: Request, now: float, exclude: frozenset[int]) -> int | None:
         """Where Envoy retries a request whose replica refused the connection."""
@@ -408,7 +422,7 @@ class Warmroute(Policy):
     uses_health = True
 
     def __init__(self, n: int, seed: int, cfg: RouterConfig | None = None, name: str | None = None,
-                 core_policy: str | None = None):
+                 core_policy: str | None = None, flow: bool = False):
         super().__init__(n, seed)
         import dataclasses
 
@@ -423,6 +437,10 @@ class Warmroute(Policy):
         self._prefix_keys: dict[int, bytes] = {}
         self.pins_on_non_live = 0  # a pin created or moved onto a replica that is not LIVE (must stay 0)
         self.predictions: list[tuple[float, Request]] = []  # (predicted TTFT, request) for the error report
+        self._held: dict[int, Request] = {}  # flow control: held requests by id
+        self.held_total = 0
+        if flow:
+            self.router.flow = FlowControl()
 
     def _profile(self, req: Request) -> RequestProfile:
         sk = None
@@ -434,11 +452,35 @@ class Warmroute(Policy):
         if pk is None:
             pk = self._prefix_keys[req.project] = hash_key("prefix", None, f"project-{req.project}")
         blocks = req.blocks()[: req.prompt_tokens // BLOCK] if self.router.needs_blocks else ()
-        return RequestProfile(sk, pk, req.prompt_tokens, "ok", None, blocks, req.pool, req.adapter)
+        return RequestProfile(sk, pk, req.prompt_tokens, "ok", None, blocks, req.pool, req.adapter,
+                              priority=req.klass, tenant=req.tenant)
 
     def choose(self, req, now, exclude=frozenset()):
         only = [f"r{i}" for i in range(self.n) if i not in exclude] if exclude else None  # the model's replicas
-        d = self.router.select(self._profile(req), now, only)
+        if self.router.flow is not None:
+            d = self.router.select(self._profile(req), now, only, hold_key=req.rid)
+            if d.reason is Reason.HELD:
+                self._held[req.rid] = req
+                self.held_total += 1
+                req.extra["held_at"] = now
+                return HOLD
+            if d.reason is Reason.QUEUE_FULL:
+                return REFUSED
+        else:
+            d = self.router.select(self._profile(req), now, only)
+        return self._accept(req, d)
+
+    def holds(self) -> bool:
+        return bool(self._held)
+
+    def take_ready(self, now):
+        ready = [(self._held.pop(key), d) for key, d in self.router.offer(now)]
+        out = [(req, self._accept(req, d)) for req, d in ready]
+        out += [(self._held.pop(key), REFUSED) for key in self.router.flow.refused if key in self._held]
+        self.router.flow.refused.clear()
+        return out
+
+    def _accept(self, req, d):
         if d.replica is None:
             return None
         req.extra["reservation"] = d.reservation
@@ -496,15 +538,18 @@ PEERS = {
 REFERENCE = {"oracle": Oracle}
 # peers as configured for a fleet that serves LoRA adapters (bench_fleet --simulated); not in COMPARE
 LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_weight=4.0)}
+FLOW = "warmroute_flow"
 # `warmroute` is the default policy; `warmroute_<core policy>` any other the core's registry holds
 WARMROUTE = ["warmroute"] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, *PEERS, *LORA_PEERS, *REFERENCE]
+POLICIES = [*WARMROUTE, FLOW, *PEERS, *LORA_PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
     if name == "warmroute":
         return Warmroute(n, seed, router_cfg)
+    if name == FLOW:  # the default policy with flow control (issue 34; not yet the default)
+        return Warmroute(n, seed, router_cfg, FLOW, flow=True)
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
     factory = PEERS.get(name) or LORA_PEERS.get(name) or REFERENCE.get(name)

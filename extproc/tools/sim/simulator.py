@@ -18,8 +18,10 @@ from ...core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, 
 from .measure import pct
 from .engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 from .brains import make as make_policy
-from .policies import Policy
+from .policies import HOLD, REFUSED, RETRY_AFTER_S, Policy
 from .workload import Request, Workload, WorkloadConfig
+
+FLOW_TICK_S = 0.05  # while requests are held, the router looks again this often (besides at every release)
 
 @dataclass(frozen=True, slots=True)
 class Fault:
@@ -160,6 +162,7 @@ class Simulation:
         self.pins_on_non_live = 0
         self._retired_counters = [0, 0, 0]  # prefix queries, hits, preemptions of engines replaced on revive
         self._retired_lora_loads = 0
+        self._flow_ticking = False  # a "flow" event is due (requests held by flow control)
 
     def _sample(self, i: int) -> LoadSample:
         """What a scrape of replica i's /metrics shows: vLLM's gauges and counters, its KV size."""
@@ -185,6 +188,26 @@ class Simulation:
             # each model's own pool (what a body-based router in front of the peers, or warmroute's catalog, does)
             barred = exclude | frozenset(k for k, p in enumerate(self.pools) if p != req.pool)
         i = self.policy.retry_target(req, now, barred) if exclude else self.policy.choose(req, now, barred)
+        if i == HOLD:
+            self._holding(now)
+            return  # flow control holds it: it comes back from take_ready
+        self._send(req, i, now, exclude)
+
+    def _holding(self, now: float) -> None:
+        """A request is held: look again every FLOW_TICK_S while any is (releases and scrapes look too)."""
+        if not self._flow_ticking:
+            self._flow_ticking = True
+            self._at(now + FLOW_TICK_S, "flow")
+
+    def _let_go(self, now: float) -> None:
+        for req, i in self.policy.take_ready(now):
+            self._send(req, i, now, frozenset())
+
+    def _send(self, req: Request, i: int | None, now: float, exclude: frozenset[int]) -> None:
+        if i == REFUSED:  # 429 + Retry-After: the client sends it again then (its latency counts from the first)
+            req.extra["refused"] = req.extra.get("refused", 0) + 1
+            self._at(now + RETRY_AFTER_S, "retry", req)
+            return
         if i is None:
             req.error = "no_healthy_instances"
             self._finish_session_turn(req, now)
@@ -249,6 +272,8 @@ class Simulation:
             self._outcome(i, i, UpstreamOutcome(code=200, via_upstream=True), now)
             self._finish_session_turn(req, now)
         self._step(i, now)
+        if done and self.policy.holds():
+            self._let_go(now)
 
     def _outcome(self, chosen: int, served_by: int | None, o: UpstreamOutcome, now: float) -> None:
         """Passive health from a request's end, by the same rule the brain applies to Envoy's access log."""
@@ -340,6 +365,8 @@ class Simulation:
                 self._dispatch(req, now)
             elif kind == "scrape":
                 self.policy.tick(now)
+                if self.policy.holds():
+                    self._let_go(now)
                 m = min(int(now // 60), len(self.share) - 1)
                 self.routable[m] = [k for k in range(self.n) if self.alive[k] and self.policy.routable(k)]
                 for i in range(self.n):
@@ -351,6 +378,13 @@ class Simulation:
                 for i in range(self.n):
                     if self.alive[i]:
                         self.policy.on_load(i, self._sample(i), now)
+            elif kind == "retry":
+                self._dispatch(args[0], now)
+            elif kind == "flow":
+                self._let_go(now)
+                self._flow_ticking = False
+                if self.policy.holds():
+                    self._holding(now)
             elif kind == "kill":
                 self._kill(args[0], now)
             elif kind == "revive":

@@ -91,6 +91,9 @@ class Request:
     # a fleet of several models (Simulation's ``pools``): the base model's pool it goes to, and its LoRA adapter
     pool: str | None = None
     adapter: str | None = None
+    # flow control's priority class (0 critical, 1 standard, 2 sheddable) and tenant; read by warmroute_flow alone
+    klass: int = 1
+    tenant: str | None = None
     _blocks: list | None = None
 
     def blocks(self) -> list[int]:
@@ -166,7 +169,11 @@ class Workload:
             return None
         s.turn += 1
         out = max(16, min(c.output_tokens_max, int(self._lognormal(c.output_tokens_median, 0.6, s.rng))))
-        return Request(self._rid(), s.sid, s.project, sys_t + s.context, sys_t, out, now, session=s)
+        # flow control's classes: a session's turns standard, 5% of sessions critical (by id, not by a draw: the
+        # workload's random stream stays what it was), one-shots sheddable; each project a tenant
+        klass = 0 if (s.sid * 2654435761) % 100 < 5 else 1
+        return Request(self._rid(), s.sid, s.project, sys_t + s.context, sys_t, out, now, session=s, klass=klass,
+                       tenant=f"p{s.project}")
 
     def after_answer(self, s: Session, req: Request) -> float:
         """The answer joins the context; returns the think time before the next turn."""
@@ -179,7 +186,8 @@ class Workload:
         sys_t = self.system_tokens[project]
         user = int(self._lognormal(c.user_tokens_median))
         out = max(16, min(c.output_tokens_max, int(self._lognormal(c.output_tokens_median, 0.6))))
-        return Request(self._rid(), self._sid(), project, sys_t + user, sys_t, out, now, oneshot=True)
+        return Request(self._rid(), self._sid(), project, sys_t + user, sys_t, out, now, oneshot=True, klass=2,
+                       tenant=f"p{project}")
 
 
 def text_for(req: Request, system_texts: list[str]) -> tuple[str, str]:

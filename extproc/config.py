@@ -272,6 +272,20 @@ class SharedStateConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FlowControlConfig:
+    """Flow control (issue 34; experimental, off): a request that every replica is saturated for (even the best
+    would make it wait longer than its own prefill there) waits in the brain, which holds Envoy's ext_proc call
+    open, and goes to the replica that has room first, in the queue's order (tenants by the tokens they were
+    served, then arrival). Measured in the simulator only so far (docs/routing.md "Flow control")."""
+
+    enabled: bool = False  # experimental: hold what every replica is saturated for (not yet better everywhere)
+    max_requests: int = 10_000  # requests held at most; past it a newcomer gets 429 with Retry-After
+    max_bytes: int = 1 << 30  # their bodies' bytes at most
+    wait_s: float = 30.0  # a request held this long is answered 429 with Retry-After (Envoy's timer is extended so)
+    retry_after_s: int = 2  # what a 429 tells the client to wait
+
+
+@dataclass(frozen=True, slots=True)
 class AppConfig:
     replicas: tuple[ReplicaSpec, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -279,6 +293,7 @@ class AppConfig:
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)  # issue 34: off by default
     # models.aliases: a client's model name -> the served names it goes to, with weights (a canary's share)
     aliases: tuple[tuple[str, tuple[Target, ...]], ...] = ()
     source: str = "<defaults>"
@@ -434,7 +449,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
     known = {"replicas", "routing", "brain", "envoy", "discovery", "models", "allow_no_replicas", "shared_state",
-             *_SECTIONS}
+             "flow_control", *_SECTIONS}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -532,7 +547,23 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     if envoy.brain_failover and not shared.redis_url:
         raise ConfigError("envoy.brain_failover: another brain knows this one's sessions only through shared_state "
                           "(set shared_state.redis_url)")
-    return AppConfig(replicas, router, brain, envoy, discovery, shared, _aliases(doc.get("models")), source, allow)
+    flow = _flow_control(doc.get("flow_control"))
+    if flow.enabled and brain.protocol != "envoy":
+        raise ConfigError("flow_control.enabled: the endpoint-picker shape does not hold requests yet (the default "
+                          "ext_proc shape does)")
+    return AppConfig(replicas, router, brain, envoy, discovery, shared, flow, _aliases(doc.get("models")), source,
+                     allow)
+
+
+def _flow_control(raw: Any) -> FlowControlConfig:
+    c = FlowControlConfig(**_fill("flow_control", FlowControlConfig, raw))
+    if c.max_requests < 1 or c.max_bytes < 1:
+        raise ConfigError("flow_control.max_requests, max_bytes: expected whole numbers >= 1")
+    if not 0 < c.wait_s <= 3600:
+        raise ConfigError(f"flow_control.wait_s: expected a number of seconds in (0, 3600], got {c.wait_s}")
+    if c.retry_after_s < 1:
+        raise ConfigError("flow_control.retry_after_s: expected a whole number >= 1")
+    return c
 
 
 def _aliases(raw: Any) -> tuple[tuple[str, tuple[Target, ...]], ...]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -237,3 +239,60 @@ def test_the_simulator_holds_and_lets_go_every_request_and_counts_its_wait_from_
     # a held request started when it was let go: its time to first token includes the wait in the router
     waited = [r for r in held if r.replica is not None]
     assert waited and max(r.ttft for r in waited) > 0.5
+
+
+# ------------------------------------------------------------------ the brain's side (flow_control in the config)
+
+import orjson  # noqa: E402
+
+from extproc.brain.decide import DROPPED_REASON_HEADER, Held as HeldAnswer  # noqa: E402
+from extproc.config import ConfigError, parse_config  # noqa: E402
+from extproc.contract import METADATA_NAMESPACE  # noqa: E402
+
+from .test_brain_access import live  # noqa: E402
+
+
+def _body(chars: int, who: str) -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": f"{who} " + "x" * chars}]})
+
+
+def _flow_brain(**flow):
+    return live({"flow_control": {"enabled": True, "wait_s": 5, **flow}})
+
+
+def test_the_brain_holds_a_saturated_request_and_answers_it_once_a_replica_has_room():
+    b, clock = _flow_brain()
+    bigs = [b.decide({"x-request-id": f"big{i}", "x-session-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+            for i in range(3)]  # a long prefill on each of the three replicas
+    assert not any(isinstance(x, HeldAnswer) for x in bigs)
+    held = b.decide({"x-request-id": "small", "x-session-id": "s"}, _body(3000, "small"))
+    assert isinstance(held, HeldAnswer) and b.router.open_reservations == 3
+    assert b.let_go(lambda key: True) == []  # still saturated
+    first = b.router.reservation(1)
+    b.router.release(first, clock.t)  # one long request ends: its replica has room
+    [(key, answer)] = b.let_go(lambda key: True)
+    assert key == held.key
+    meta = answer.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+    assert meta["cluster"].string_value == first.replica.name and b.router.open_reservations == 3
+
+
+def test_a_held_request_nobody_waits_for_any_more_is_released_and_one_held_too_long_gets_429():
+    b, clock = _flow_brain()
+    for i in range(3):
+        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    gone = b.decide({"x-request-id": "gone"}, _body(3000, "gone"))
+    late = b.decide({"x-request-id": "late"}, _body(3000, "late"))
+    b.cancel(gone.key)
+    clock.t += 6  # past flow_control.wait_s: the big prefills are still predicted to run
+    [(key, answer)] = b.let_go(lambda key: True)
+    assert key == late.key and answer.immediate_response.status.code == 429
+    headers = {h.header.key: h.header.raw_value.decode() for h in answer.immediate_response.headers.set_headers}
+    assert headers["retry-after"] == "2" and headers[DROPPED_REASON_HEADER] == "waited_too_long"
+    assert b.stats.flow_refused["waited_too_long"] == 1 and not b.waiting and len(b.router.flow) == 0
+
+
+def test_flow_control_config_is_checked_and_off_by_default():
+    assert parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}]}).flow_control.enabled is False
+    for doc, field in (({"wait_s": 0}, "flow_control.wait_s"), ({"max_requests": 0}, "flow_control.max_requests")):
+        with pytest.raises(ConfigError, match=field):
+            parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}], "flow_control": doc})

@@ -7,11 +7,12 @@ access log), ``scraper``, ``reload``, ``admin``, ``metrics``; ``server`` starts 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import ssl
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Collection
+from typing import Callable, Collection
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
@@ -21,10 +22,11 @@ from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Rou
 from ..core.models import ModelCatalog
 from ..core.apis import Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
 from ..core.names import BodyStatus, Reason
-from ..core.profile import replace_model
+from ..core.flow import FlowControl, FlowQueue
+from ..core.profile import replace_model, tenant_of
 from ..envoy_config import CdsFile
 from . import logs
-from .decide import (immediate_answer, models_response, route_answer)
+from .decide import Held, immediate_answer, models_response, route_answer, too_many_response
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
@@ -83,6 +85,13 @@ class Brain:
         # the last decisions by Envoy's request id (which the client gets back as x-request-id): what the brain
         # predicted for a request, to hold against what the engine reported (GET /decisions). Hashes and names only
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)
+        # flow control: what each held request needs to be answered (key -> headers, body, phase; body status)
+        self.waiting: dict[object, tuple] = {}
+        self.held: dict[object, object] = {}
+        self._hold_keys = itertools.count(1)
+        if cfg.flow_control.enabled:
+            f = cfg.flow_control
+            self.router.flow = FlowControl(FlowQueue(f.max_requests, f.max_bytes), (None, f.wait_s, f.wait_s))
         self.scraper.on_models = self._on_models
         self.scraper.on_paths = self._on_paths
         self._set_replicas(cfg)
@@ -138,8 +147,10 @@ class Brain:
         logs.event("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
                    cooldown_s=t.cooldown_s, streak=t.streak)
 
-    def choose(self, headers: dict[str, str], body: bytes | None, only: Collection[str] | None = None) -> Decision:
-        """Profile + select + reserve: one synchronous call (the atomic WLC reserve). Every front decides here."""
+    def choose(self, headers: dict[str, str], body: bytes | None, only: Collection[str] | None = None,
+               hold_key: object = None) -> Decision:
+        """Profile + select + reserve: one synchronous call (the atomic WLC reserve). Every front decides here.
+        ``hold_key``: flow control may hold the request under it (Reason.HELD; see ``let_go``)."""
         t0 = time.perf_counter()
         now = self.clock()
         r = self.router
@@ -175,7 +186,13 @@ class Brain:
             only = res.replicas if only is None else res.replicas.intersection(only)
         if self.models.is_adapter(res.model):
             profile = dataclasses.replace(profile, adapter=res.model)
-        d = r.select(profile, now, only, holder)
+        if hold_key is not None:
+            profile = dataclasses.replace(profile, tenant=tenant_of(headers, r.profile_cfg))
+        d = r.select(profile, now, only, holder, hold_key)
+        if d.reason is Reason.HELD:
+            self.held[hold_key] = profile.body_status
+            self.stats.record_decision(d, profile.body_status, now)
+            return d
         d.model, d.rewrite_model = res.model, res.rewritten
         if profile.stores_response and d.replica is not None:  # "store": false: nothing to find later, no rewrite
             if profile.response_id is not None:  # the client named it: remember where it will live
@@ -192,17 +209,64 @@ class Brain:
                                  cause=e.cause, replica=d.replica_name)
         return d
 
-    def decide(self, headers: dict[str, str], body: bytes | None, phase: str = "request_body") -> ep.ProcessingResponse:
-        """The rendered Envoy's front: the choice as a cluster name and a reservation id Envoy logs back."""
+    def decide(self, headers: dict[str, str], body: bytes | None,
+               phase: str = "request_body") -> "ep.ProcessingResponse | Held":
+        """The rendered Envoy's front: the choice as a cluster name and a reservation id Envoy logs back; with
+        flow control, ``Held``: the answer comes from ``let_go`` once a replica has room."""
         if body is None and headers.get(":method") == "GET" and _path(headers) == "/v1/models":
             return models_response(self.models.union())  # Envoy's models route: the fleet's, not one replica's
-        d = self.choose(headers, body)
+        key = next(self._hold_keys) if self.router.flow is not None else None
+        d = self.choose(headers, body, hold_key=key)
+        if d.reason is Reason.HELD:
+            self.waiting[key] = (headers, body, phase)
+            return Held(key)
+        if d.reason is Reason.QUEUE_FULL:
+            return self._too_many("queue_full")
+        return self._answer(d, headers, body, phase)
+
+    def _answer(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str) -> ep.ProcessingResponse:
         answer = self._immediate(d, headers)
         if answer is not None:
             return answer
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
         self._remember(headers.get(REQUEST_ID_HEADER), d)
         return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None, self._body_for(d, body))
+
+    def _too_many(self, why: str) -> ep.ProcessingResponse:
+        self.stats.flow_refused[why] += 1
+        return too_many_response(why, self.cfg.flow_control.retry_after_s)
+
+    def let_go(self, answered: "Callable[[object], bool]") -> list[tuple[object, ep.ProcessingResponse]]:
+        """Flow control: the held requests that go now (each placed by the policy at this moment) and those refused
+        (held past flow_control.wait_s, or pushed out by a higher class), with their answers. ``answered(key)``:
+        whether the request's call still waits (a placement nobody takes is released at once)."""
+        flow = self.router.flow
+        if flow is None or not self.waiting:
+            return []
+        now = self.clock()
+        out = []
+        for key, d in self.router.offer(now):
+            headers, body, phase = self.waiting.pop(key)
+            status = self.held.pop(key, None)
+            if not answered(key):
+                self.router.release(d.reservation, now)
+                continue
+            self.stats.record_decision(d, status, now)
+            if d.predicted_ttft_s is not None:
+                self.predicted_ttft.observe(d.predicted_ttft_s)
+            out.append((key, self._answer(d, headers, body, phase)))
+        for key in flow.refused:
+            if self.waiting.pop(key, None) is not None:
+                self.held.pop(key, None)
+                out.append((key, self._too_many("waited_too_long")))
+        flow.refused.clear()
+        return out
+
+    def cancel(self, key: object) -> None:
+        """A held request's call ended (Envoy closed the stream: its client went away)."""
+        self.router.cancel(key)
+        self.waiting.pop(key, None)
+        self.held.pop(key, None)
 
     def _immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
         """The brain's own answer when no replica is to be asked (None: one is), in the shape the path's API

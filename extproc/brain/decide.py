@@ -9,7 +9,10 @@ and clears the route cache so Envoy re-routes.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+from google.protobuf.duration_pb2 import Duration
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -55,6 +58,26 @@ def route_answer(cluster: str, reservation: str, phase: str, dp_rank: int | None
     answer[ANSWER_RESERVATION].string_value = reservation
     if dp_rank is not None:
         answer[ANSWER_DP_RANK].string_value = str(dp_rank)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Flow control holds the request: its answer comes later (``Brain.let_go``), the call stays open."""
+
+    key: object
+
+
+# the reason header a gateway configured for llm-d's flow control already reads
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+
+
+def too_many_response(why: str, retry_after_s: int) -> ep.ProcessingResponse:
+    """Flow control refuses the request: 429 in OpenAI's error shape, with Retry-After and the reason."""
+    out = openai_error(http_status_pb2.TooManyRequests, "every replica is saturated; retry after the time given"
+                       if why == "waited_too_long" else "the queue of requests waiting for a replica is full",
+                       "rate_limit_error", why, f"warmroute_flow_{why}", retry_after_s)
+    out.immediate_response.headers.set_headers.append(header_value(DROPPED_REASON_HEADER, why))
     return out
 
 
@@ -126,9 +149,26 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     wants nothing more of this request.
     """
 
-    def __init__(self, decide: Decide, big_body_bytes: int | None = None):
+    def __init__(self, decide: Decide, big_body_bytes: int | None = None,
+                 wait: "Callable[[object], Awaitable[ep.ProcessingResponse]] | None" = None,  # a future, at once
+                 cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0):
         self.decide = decide
         self.big_body_bytes = big_body_bytes  # envoy.brain_body_max_bytes: such bodies are never sent
+        # flow control: how to wait for a held request's answer, and to give it up when Envoy closes the call
+        self.wait, self.cancel, self.hold_s = wait, cancel, hold_s
+
+    async def _answer(self, out, context) -> None:
+        if isinstance(out, Held):
+            answer = self.wait(out.key)  # registered before any await: the answer may come at the next tick
+            try:
+                # Envoy gives up on the call (and fails open) after its message_timeout: held, it waits longer
+                await context.write(ep.ProcessingResponse(override_message_timeout=Duration(
+                    seconds=int(self.hold_s), nanos=int(self.hold_s % 1 * 1e9))))
+                out = await answer
+            except BaseException:
+                self.cancel(out.key)
+                raise
+        await context.write(out)
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
         headers: dict[str, str] = {}
@@ -140,7 +180,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             if req.attributes:
                 headers.update(headers_from_attributes(req))
             if kind == "request_body":
-                await context.write(self.decide(headers, req.request_body.body, "request_body"))
+                await self._answer(self.decide(headers, req.request_body.body, "request_body"), context)
                 return
             if kind == "request_headers":
                 headers.update(headers_of(req.request_headers))
@@ -148,6 +188,6 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 big = self.big_body_bytes is not None and size is not None and size > self.big_body_bytes
                 # no body follows, or one Envoy does not send (the big-body route): decide on the headers
                 if req.request_headers.end_of_stream or big:
-                    await context.write(self.decide(headers, None, "request_headers"))
+                    await self._answer(self.decide(headers, None, "request_headers"), context)
                     return
             await context.write(_PASS[kind])

@@ -162,6 +162,14 @@ class BrainCollector(Collector):
             yield from fams.values()
         yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
         yield from _shared_state(b.shared, r)
+        yield GaugeMetricFamily("warmroute_flow_held_requests", "Requests flow control holds in the brain (every "
+                                "replica saturated for them); 0 while flow_control is off",
+                                value=len(r.flow) if r.flow is not None else 0)
+        refused = CounterMetricFamily("warmroute_flow_refused", "Requests flow control answered 429 with Retry-After, "
+                                      "by reason (queue_full, waited_too_long)", labels=["reason"])
+        for why, n in sorted(b.flow_refused.items()):
+            refused.add_metric([why], n)
+        yield refused
 
 
 def _shared_state(s, r: Router) -> Iterable[Metric]:

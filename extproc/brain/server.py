@@ -148,6 +148,43 @@ async def _tick_loop(brain: Brain) -> None:
         await asyncio.sleep(TICK_S)
 
 
+FLOW_TICK_S = 0.05  # flow control: how often the held requests are looked at again
+
+
+class FlowWaits:
+    """Flow control's held calls: a future each, answered by ``Brain.let_go``."""
+
+    def __init__(self, brain: Brain):
+        self.brain = brain
+        self.futures: dict[object, asyncio.Future] = {}
+
+    def wait(self, key: object) -> asyncio.Future:
+        fut = self.futures[key] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def cancel(self, key: object) -> None:
+        self.futures.pop(key, None)
+        self.brain.cancel(key)
+
+    def _answered(self, key: object) -> bool:
+        fut = self.futures.get(key)
+        return fut is not None and not fut.done()
+
+    def let_go(self) -> None:
+        for key, answer in self.brain.let_go(self._answered):
+            fut = self.futures.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(answer)
+
+    async def loop(self) -> None:
+        while True:
+            try:
+                self.let_go()
+            except Exception as e:  # logged, and the queue goes on
+                logs.event("loop_error", loop="flow_control", error=f"{type(e).__name__}: {e}"[:200])
+            await asyncio.sleep(FLOW_TICK_S)
+
+
 async def supervise(tasks: list[asyncio.Task], on_death) -> None:
     """Return once any background task ends (they never should), after ``on_death(task)``: a brain whose
     scraper or timers died must not go on answering SERVING with stale health (issue 11)."""
@@ -168,7 +205,9 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
 
         front = EndpointPicker(brain.pick, brain.end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset).Process
     else:
-        front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes).Process
+        waits = FlowWaits(brain)
+        front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
+                                  cfg.flow_control.wait_s + 5).Process
     add_service(server, EXT_PROC_SERVICE, "Process", front, "stream_stream", ep.ProcessingRequest,
                 ep.ProcessingResponse)
     def envoy_gone(released: int) -> None:
@@ -249,6 +288,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
                                                 brain.discovery_ok), name="discovery"))
     if shared is not None:
         tasks.append(asyncio.create_task(shared.run(), name="shared_state"))
+    if cfg.flow_control.enabled and b.protocol != "endpoint-picker":
+        tasks.append(asyncio.create_task(waits.loop(), name="flow_control"))
     # a static fleet is known now; the scraper runs, so the wait for a LIVE replica (shared state) can end
     readying = asyncio.create_task(become_ready(), name="ready") if brain.discovered else None  # held: not collected
     info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}

@@ -72,6 +72,7 @@ class BrainStats:
         self.releases_by_log = 0
         self.releases_by_response = 0  # endpoint picker: released at the response's end, or its stream's
         self.picker_streams_reset = 0  # endpoint picker: a stream that ended before its response did
+        self.flow_refused: Counter[str] = Counter({"queue_full": 0, "waited_too_long": 0})  # flow control's 429s
         self.discovery_failures = 0  # discovery lookups that failed (the last good replica set stayed)
         self.discovery_changes = 0  # replica sets discovery applied
         self.discovery_up = 1  # 0 while the discovery source's last lookup failed

@@ -131,6 +131,8 @@ def ext_proc_filter(cfg: AppConfig, processing_mode: dict, **more: Any) -> dict:
             "failure_mode_allow": True,
             # in the full-duplex picker shape the answer waits for the whole body: this bounds its upload too
             "message_timeout": _dur(cfg.envoy.ext_proc_timeout_s),
+            # flow control: the brain holds a request by extending this call's timer (override_message_timeout)
+            **({"max_message_timeout": _dur(cfg.flow_control.wait_s + 5)} if cfg.flow_control.enabled else {}),
             "processing_mode": processing_mode,
             **more,
         },

@@ -283,6 +283,10 @@ class FlowControlConfig:
     max_bytes: int = 1 << 30  # their bodies' bytes at most
     wait_s: float = 30.0  # a request held this long is answered 429 with Retry-After (Envoy's timer is extended so)
     retry_after_s: int = 2  # what a 429 tells the client to wait
+    # the request's class, "critical" (never held), "standard" (the default) or "sheddable" (held sooner), from a
+    # header only a trusted filter sets: Envoy strips it from what clients send unless trusted below
+    priority_header: str = "x-warmroute-priority"
+    trust_downstream_priority_header: bool = False  # true: clients may set it themselves (a trusted network)
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,6 +567,8 @@ def _flow_control(raw: Any) -> FlowControlConfig:
         raise ConfigError(f"flow_control.wait_s: expected a number of seconds in (0, 3600], got {c.wait_s}")
     if c.retry_after_s < 1:
         raise ConfigError("flow_control.retry_after_s: expected a whole number >= 1")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]*", c.priority_header or ""):
+        raise ConfigError(f"flow_control.priority_header: expected a header name, got {_short(c.priority_header)}")
     return c
 
 

@@ -296,3 +296,45 @@ def test_flow_control_config_is_checked_and_off_by_default():
     for doc, field in (({"wait_s": 0}, "flow_control.wait_s"), ({"max_requests": 0}, "flow_control.max_requests")):
         with pytest.raises(ConfigError, match=field):
             parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}], "flow_control": doc})
+
+
+def test_the_class_comes_from_the_trusted_header_and_envoy_strips_it_from_clients():
+    from extproc.envoy_config.render import brain_headers, edge_headers_removed
+
+    b, clock = _flow_brain()
+    for i in range(3):
+        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    crit = b.decide({"x-request-id": "c", "x-warmroute-priority": "critical"}, _body(3000, "crit"))
+    assert not isinstance(crit, HeldAnswer) and crit.HasField("dynamic_metadata")  # placed at once
+    other = b.decide({"x-request-id": "o", "x-warmroute-priority": "urgent!"}, _body(3000, "other"))
+    assert isinstance(other, HeldAnswer)  # a name it does not know is standard
+    assert b.router.flow.queue.in_order(5)[0].klass == STANDARD
+    assert "x-warmroute-priority" in edge_headers_removed(b.cfg) and "x-warmroute-priority" in brain_headers(b.cfg)
+    trusted, _ = live({"flow_control": {"enabled": True, "trust_downstream_priority_header": True}})
+    assert "x-warmroute-priority" not in edge_headers_removed(trusted.cfg)
+    off, _ = live()
+    assert "x-warmroute-priority" not in edge_headers_removed(off.cfg) + brain_headers(off.cfg)
+
+
+def test_fairness_holds_across_brains_through_shared_state():
+    """Two tenants wait on brain B; brain A meanwhile serves one of them at once, many times. Told through the
+    shared events, B lets the other go first."""
+    from extproc.core.flow import tenant_key
+
+    a, t = _flow_router(4)
+    b, _ = _flow_router(4)
+    _busy(b, t)
+    for who in ("acme", "beta"):
+        held = b.select(dataclasses.replace(prof(session=f"w-{who}", tokens=3000), tenant=who), t, hold_key=who)
+        assert held.reason is Reason.HELD
+    assert [h.key for h in b.flow.queue.in_order(2)] == ["acme", "beta"]  # level: arrival
+    outbox = a.share()
+    for i in range(20):  # A's fleet is idle: placed at once, and counted
+        d = a.select(dataclasses.replace(prof(session=f"a{i}", tokens=3000), tenant="acme"), t, hold_key=f"a{i}")
+        assert d.replica is not None
+        a.release(d.reservation, t)
+    served = [ev for ev in outbox.events if ev[0] == "v"]
+    assert len(served) == 20 and all(ev[1] == tenant_key("acme") for ev in served)  # a hash, never the name
+    b.remote.apply(b, "brain-a", list(outbox.events), 0.0, t)
+    assert b.flow.queue.counters[tenant_key("acme")] >= 60_000
+    assert [h.key for h in b.flow.queue.in_order(2)] == ["beta", "acme"]

@@ -22,7 +22,7 @@ from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Rou
 from ..core.models import ModelCatalog
 from ..core.apis import Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
 from ..core.names import BodyStatus, Reason
-from ..core.flow import FlowControl, FlowQueue
+from ..core.flow import CLASSES, STANDARD, FlowControl, FlowQueue
 from ..core.profile import replace_model, tenant_of
 from ..envoy_config import CdsFile
 from . import logs
@@ -87,7 +87,7 @@ class Brain:
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)
         # flow control: what each held request needs to be answered (key -> headers, body, phase; body status)
         self.waiting: dict[object, tuple] = {}
-        self.held: dict[object, object] = {}
+        self._held_status: dict[object, object] = {}  # key -> its body status (for the decision stats)
         self._hold_keys = itertools.count(1)
         if cfg.flow_control.enabled:
             f = cfg.flow_control
@@ -187,10 +187,11 @@ class Brain:
         if self.models.is_adapter(res.model):
             profile = dataclasses.replace(profile, adapter=res.model)
         if hold_key is not None:
-            profile = dataclasses.replace(profile, tenant=tenant_of(headers, r.profile_cfg))
+            profile = dataclasses.replace(profile, tenant=tenant_of(headers, r.profile_cfg),
+                                          priority=self._priority(headers))
         d = r.select(profile, now, only, holder, hold_key)
         if d.reason is Reason.HELD:
-            self.held[hold_key] = profile.body_status
+            self._held_status[hold_key] = profile.body_status
             self.stats.record_decision(d, profile.body_status, now)
             return d
         d.model, d.rewrite_model = res.model, res.rewritten
@@ -232,6 +233,11 @@ class Brain:
         self._remember(headers.get(REQUEST_ID_HEADER), d)
         return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None, self._body_for(d, body))
 
+    def _priority(self, headers: dict[str, str]) -> int:
+        """The request's class from flow_control.priority_header (a name of CLASSES; anything else: standard)."""
+        v = headers.get(self.cfg.flow_control.priority_header.lower(), "").strip().lower()
+        return CLASSES.index(v) if v in CLASSES else STANDARD
+
     def _too_many(self, why: str) -> ep.ProcessingResponse:
         self.stats.flow_refused[why] += 1
         return too_many_response(why, self.cfg.flow_control.retry_after_s)
@@ -247,7 +253,7 @@ class Brain:
         out = []
         for key, d in self.router.offer(now):
             headers, body, phase = self.waiting.pop(key)
-            status = self.held.pop(key, None)
+            status = self._held_status.pop(key, None)
             if not answered(key):
                 self.router.release(d.reservation, now)
                 continue
@@ -257,7 +263,7 @@ class Brain:
             out.append((key, self._answer(d, headers, body, phase)))
         for key in flow.refused:
             if self.waiting.pop(key, None) is not None:
-                self.held.pop(key, None)
+                self._held_status.pop(key, None)
                 out.append((key, self._too_many("waited_too_long")))
         flow.refused.clear()
         return out
@@ -266,7 +272,7 @@ class Brain:
         """A held request's call ended (Envoy closed the stream: its client went away)."""
         self.router.cancel(key)
         self.waiting.pop(key, None)
-        self.held.pop(key, None)
+        self._held_status.pop(key, None)
 
     def _immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
         """The brain's own answer when no replica is to be asked (None: one is), in the shape the path's API

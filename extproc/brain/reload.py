@@ -2,8 +2,8 @@
 
 Added replicas join through the health machine (EJECTED, no cooldown); removed ones are
 forgotten (their reservations still release, pins to them rebind on next use); thresholds and
-TTLs change at once. Ports cannot change under a running server: the old ``brain`` section stays, and so does
-``shared_state`` (the Redis connection and the brain's name).
+TTLs change at once. Ports cannot change under a running server: the old ``brain`` section stays, and so do
+``shared_state`` (the Redis connection and the brain's name) and ``flow_control``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def apply_config(router: Router, old: AppConfig, new: AppConfig, now: float) -> 
                           "(set allow_no_replicas: true to empty the fleet on purpose)")
     # the Redis connection and this brain's name are the running process's, like its ports
     shared_changed = new.shared_state != old.shared_state
-    new = dataclasses.replace(new, brain=old.brain, shared_state=old.shared_state)
+    # flow control's queue and Envoy's extended timer (rendered at start) are the running process's too
+    flow_changed = new.flow_control != old.flow_control
+    new = dataclasses.replace(new, brain=old.brain, shared_state=old.shared_state, flow_control=old.flow_control)
     old_names = {r.name for r in old.replicas}
     new_names = {r.name for r in new.replicas}
     for r in new.replicas:
@@ -43,6 +45,8 @@ def apply_config(router: Router, old: AppConfig, new: AppConfig, now: float) -> 
         # Envoy sends only the headers its (static) ext_proc config names: until it runs a bootstrap rendered
         # from this file, a new session or tenant header never reaches the brain.
         info["envoy_config_stale"] = "profile.session_headers/tenant_header changed: re-render and restart Envoy"
-    if shared_changed:
-        info["restart_needed"] = "shared_state changed: it takes effect when the brain restarts (the old one stays)"
+    changed = [name for name, c in (("shared_state", shared_changed), ("flow_control", flow_changed)) if c]
+    if changed:
+        info["restart_needed"] = (f"{' and '.join(changed)} changed: it takes effect when the brain (and Envoy, "
+                                  "re-rendered) restarts; the old one stays")
     return new, info

@@ -15,10 +15,18 @@ critical one while a lower class is queued); otherwise the newcomer is refused.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 
 CLASSES = ("critical", "standard", "sheddable")
+
+
+def tenant_key(tenant: str | None) -> str | None:
+    """What the queue counts a tenant by: a hash (several brains share the counters; no tenant name leaves one)."""
+    if tenant is None:
+        return None
+    return hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 CRITICAL, STANDARD, SHEDDABLE = range(3)
 
 
@@ -227,4 +235,4 @@ class FlowControl:
         return len(self.queue)
 
 
-__all__ = ["CLASSES", "CRITICAL", "STANDARD", "SHEDDABLE", "FlowControl", "FlowQueue", "Held"]
+__all__ = ["CLASSES", "CRITICAL", "STANDARD", "SHEDDABLE", "FlowControl", "FlowQueue", "Held", "tenant_key"]

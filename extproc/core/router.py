@@ -21,7 +21,7 @@ from .names import Reason
 from .pins import PREFIX, SESSION, PinTable
 from .policy import Policy, make_policy
 from .profile import RequestProfile
-from .flow import CRITICAL, FlowControl, Held
+from .flow import CRITICAL, FlowControl, Held, tenant_key
 from .shared import Outbox, Remote
 from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
 
@@ -319,7 +319,7 @@ class Router:
             else:
                 d = self.policy.select(fleet, profile, now)
             if flow is not None:
-                flow.queue.charge(profile.tenant, profile.tokens)
+                self._charge(tenant_key(profile.tenant), profile.tokens)
         return self._place(d, profile, now, only)
 
     def _place(self, d: Decision | None, profile: RequestProfile, now: float,
@@ -342,7 +342,7 @@ class Router:
 
     def _hold(self, key: object, profile: RequestProfile, only: Collection[str] | None, now: float) -> Decision:
         flow = self.flow
-        queued, displaced = flow.queue.push(Held(key, profile.priority, profile.tenant, float(profile.tokens),
+        queued, displaced = flow.queue.push(Held(key, profile.priority, tenant_key(profile.tenant), float(profile.tokens),
                                                  arrived=now, deadline=flow.deadline(profile.priority, now)))
         if not queued:
             return Decision(None, Reason.QUEUE_FULL)
@@ -369,9 +369,17 @@ class Router:
             if d is not None and d.reason is Reason.HELD:
                 continue
             flow.queue.take(h)
+            if self.outbox is not None:
+                self.outbox.events.append(("v", h.tenant, h.tokens))
             del flow.held[h.key]
             out.append((h.key, self._place(d, profile, now, only)))
         return out
+
+    def _charge(self, tenant: str | None, tokens: float) -> None:
+        """Service a tenant got: counted here and, sharing state, by every brain (fairness across brains)."""
+        self.flow.queue.charge(tenant, tokens)
+        if self.outbox is not None:
+            self.outbox.events.append(("v", tenant, tokens))
 
     def cancel(self, key: object) -> bool:
         """A held request's client went away: out of the queue at once."""

@@ -14,6 +14,8 @@ shell, a delayed queue in the simulator, a shuffling list in the tests) ships th
 - ``("x", rid, digest)``: the end of a reservation reached this brain but not its owner (an Envoy's access log
   kept on a brain it failed over to, or one log stream for several processes behind one Envoy); the owner, whose
   id's digest it is, releases it. ``("a", rid, digest)``: the same for a periodic entry: the request is alive.
+- ``("v", tenant, tokens)``: flow control served a tenant (its hash) so many tokens: every brain's fairness
+  counters count it.
 - ``("c", rid)``: that reservation closed. Another brain's reservations also end when that brain stops
   being heard from (``forget_origin``) or after the safety timeout, so a lost close never holds load.
 - ``("i", replica, engine, tag, start, parent, blocks)``: blocks ``start..`` of the origin's chain ``tag`` were
@@ -136,6 +138,9 @@ class Remote:
                     self._home(router, ev, offset, now)
                 elif kind == "i":
                     self._indexed(router, origin, ev)
+                elif kind == "v":
+                    if router.flow is not None:  # another brain served a tenant: fairness holds across brains
+                        router.flow.queue.charge(None if ev[1] is None else str(ev[1]), float(ev[2]))
                 elif kind == "x" or kind == "a":
                     if self.on_foreign_end is not None:
                         self.on_foreign_end(int(ev[1]), str(ev[2]), kind == "x")

@@ -88,7 +88,10 @@ def _thresholds(max_requests: int = _BIG) -> dict:
 
 def brain_headers(cfg: AppConfig) -> list[str]:
     """The request headers this config's brain reads (see ``contract.brain_headers``)."""
-    return _brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_reads())
+    names = _brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_reads())
+    if cfg.flow_control.enabled:
+        names.append(cfg.flow_control.priority_header.lower())
+    return names
 
 
 def edge_headers_removed(cfg: AppConfig) -> list[str]:
@@ -101,6 +104,9 @@ def edge_headers_removed(cfg: AppConfig) -> list[str]:
     p = cfg.router.profile
     if p.tenant_source == "header" and p.tenant_header and not cfg.envoy.trust_downstream_tenant_header:
         names.append(p.tenant_header)
+    f = cfg.flow_control
+    if f.enabled and not f.trust_downstream_priority_header:
+        names.append(f.priority_header)
     return names
 
 

@@ -408,6 +408,9 @@ def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_i
     """SIGKILL on r0's engine while four streams run on tiny-llama: only requests that were on r0 fail; the rest and
     every later one succeed; r0 is ejected and, restarted on its port, comes back LIVE through its scrapes."""
     quiet(fleet, 30)
+    # a loaded machine (CI runs the no-process tests beside these) can leave r0 ejected by a slow scrape: the load
+    # would then never reach it
+    wait_for(lambda: fleet.replica_state("r0")["state"] == "LIVE", 60, "r0 LIVE before the load")
     results: list[int] = []
 
     async def load_and_kill() -> None:

@@ -157,6 +157,12 @@ class FlowWaits:
     def __init__(self, brain: Brain):
         self.brain = brain
         self.futures: dict[object, asyncio.Future] = {}
+        self.woken = asyncio.Event()  # a request ended: a held one may go now, not at the next tick
+
+    def on_log_entry(self, entry) -> None:
+        self.brain.on_log_entry(entry)
+        if self.brain.waiting:
+            self.woken.set()
 
     def wait(self, key: object) -> asyncio.Future:
         fut = self.futures[key] = asyncio.get_running_loop().create_future()
@@ -182,7 +188,11 @@ class FlowWaits:
                 self.let_go()
             except Exception as e:  # logged, and the queue goes on
                 logs.event("loop_error", loop="flow_control", error=f"{type(e).__name__}: {e}"[:200])
-            await asyncio.sleep(FLOW_TICK_S)
+            try:
+                await asyncio.wait_for(self.woken.wait(), FLOW_TICK_S)
+            except asyncio.TimeoutError:
+                pass
+            self.woken.clear()
 
 
 async def supervise(tasks: list[asyncio.Task], on_death) -> None:
@@ -199,6 +209,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
     server = grpc.aio.server(options=grpc_server_options(cfg))
     # not the generated add_*_to_server: a header of bytes that are not UTF-8 must not make Envoy's message unreadable
+    waits = None
     if b.protocol == "endpoint-picker":
         def reset() -> None:
             brain.stats.picker_streams_reset += 1
@@ -215,7 +226,9 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
                    open_reservations=brain.router.open_reservations)
 
     add_service(server, "envoy.service.accesslog.v3.AccessLogService", "StreamAccessLogs",
-                AccessLogService(brain.on_log_entry, brain.envoy, envoy_gone).StreamAccessLogs, "stream_unary",
+                AccessLogService(waits.on_log_entry if waits is not None and cfg.flow_control.enabled
+                                 else brain.on_log_entry, brain.envoy,
+                                 envoy_gone).StreamAccessLogs, "stream_unary",
                 als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

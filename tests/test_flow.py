@@ -338,3 +338,25 @@ def test_fairness_holds_across_brains_through_shared_state():
     b.remote.apply(b, "brain-a", list(outbox.events), 0.0, t)
     assert b.flow.queue.counters[tenant_key("acme")] >= 60_000
     assert [h.key for h in b.flow.queue.in_order(2)] == ["beta", "acme"]
+
+
+def test_a_noisy_tenant_adds_its_sessions_and_leaves_the_others_workload_as_it_was():
+    from extproc.tools.sim.workload import Workload, WorkloadConfig
+
+    def requests(x):
+        w = Workload(WorkloadConfig(minutes=5, noisy_tenant_x=x), seed=3)
+        out = []
+        for t, kind in w.arrivals():
+            s = w.new_noisy_session() if kind == "noisy_session" else w.new_session() if kind == "session" else None
+            r = w.next_turn(s, t) if s is not None else w.oneshot(t)
+            out.append(r)
+        return out
+
+    plain, noisy = requests(0.0), requests(5.0)
+    others = [r for r in noisy if r.tenant != "noisy"]
+    assert [(r.sid, r.prompt_tokens, r.tenant, r.klass) for r in others] == \
+        [(r.sid, r.prompt_tokens, r.tenant, r.klass) for r in plain]
+    extra = [r for r in noisy if r.tenant == "noisy"]
+    # five times an average project's sessions (a Poisson count: more than three times, and less than eight)
+    average = sum(not r.oneshot for r in plain) / 6
+    assert 3 * average < len(extra) < 8 * average

@@ -405,17 +405,22 @@ def test_a_vllm_without_log_stats_gives_the_documented_scrape_reason(fleet):
 
 
 def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_its_way_back(fleet):
-    """SIGKILL on r0's engine while four streams run on tiny-llama: only requests that were on r0 fail; the rest and
-    every later one succeed; r0 is ejected and, restarted on its port, comes back LIVE through its scrapes."""
+    """SIGKILL on a replica's engine (r0's when it holds a stream) while four streams run on tiny-llama: only requests
+    that were on it fail; the rest and every later one succeed; it is ejected and, restarted on its port, comes back
+    LIVE through its scrapes."""
     quiet(fleet, 30)
-    # a loaded machine (CI runs the no-process tests beside these) can leave r0 ejected by a slow scrape: the load
-    # would then never reach it
-    wait_for(lambda: fleet.replica_state("r0")["state"] == "LIVE", 60, "r0 LIVE before the load")
     results: list[int] = []
+    victim: list[str] = []
+    serving = ("r0", "r1")  # tiny-llama's replicas (r2 serves tiny-coder; r3 is ejected: no stats)
+
+    def holding() -> str | None:
+        # r0 when it holds a stream (its adapter is checked at the end); else r1: twice in CI the brain sent r0
+        # nothing for 90 s of a 4-stream load beside the no-process tests (learned rates there favour r1)
+        states = {n: fleet.replica_state(n)["in_flight_requests"] for n in serving}
+        return next((n for n in serving if states[n] > 0), None)
 
     async def load_and_kill() -> None:
-        # the load goes on until r0 holds a stream (on a busy machine the brain may send a few elsewhere first),
-        # then 8 more conversations start after the kill
+        # the load goes on until a replica holds a stream, then 8 more conversations start after the kill
         started_after: list[int] = []
 
         def enough() -> bool:
@@ -425,29 +430,31 @@ def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_i
             return False
 
         task = asyncio.ensure_future(_burst(fleet.url, 200, 4, random.Random(11), max_tokens=64, stop=enough))
-        await asyncio.to_thread(wait_for, lambda: fleet.replica_state("r0")["in_flight_requests"] > 0, 90,
-                                "a stream on r0")
-        in_flight = fleet.replica_state("r0")["in_flight_requests"]
-        fleet.kill_replica("r0")
+        name = await asyncio.to_thread(wait_for, holding, 90, "a stream on a replica")
+        victim.append(name)
+        in_flight = fleet.replica_state(name)["in_flight_requests"]
+        fleet.kill_replica(name)
         started_after.append(0)
-        # streams the brain sent to r0 between that reading and the kill died with it too: read again at once,
+        # streams the brain sent there between that reading and the kill died with it too: read again at once,
         # before the failed streams' access-log entries release them
-        in_flight = max(in_flight, fleet.replica_state("r0")["in_flight_requests"])
+        in_flight = max(in_flight, fleet.replica_state(name)["in_flight_requests"])
         results.extend(await task)
         results.append(-in_flight)
 
     asyncio.run(load_and_kill())
+    name = victim[0]
     in_flight = -results.pop()
     failed = sum(s != 200 for s in results)
-    print(f"\nkilled r0 with {in_flight} of its streams in flight: {failed} of {len(results)} requests failed")
+    print(f"\nkilled {name} with {in_flight} of its streams in flight: {failed} of {len(results)} requests failed")
     # + 1: twice in make test (real engines beside the no-process tests) one request more than r0's streams failed
     # (3 against 1, then 3 against 2): one dispatched to r0 while its front end was dying (vLLM's port outlives its
     # engine by 0.05-1.3 s), it seems, and not retried elsewhere. Open (closing note of 2026-12-02); the bound keeps
     # "a kill costs its own streams, not the fleet's" while that window is understood.
     assert failed <= in_flight + 1
-    wait_for(lambda: fleet.replica_state("r0")["state"] == "EJECTED", 20, "r0 EJECTED")
+    wait_for(lambda: fleet.replica_state(name)["state"] == "EJECTED", 20, f"{name} EJECTED")
     assert asyncio.run(_burst(fleet.url, 6, 3, random.Random(12))) == [200] * 6
-    fleet.restart_replica("r0")
-    wait_for(lambda: fleet.replica_state("r0")["state"] == "LIVE", 60, "r0 LIVE again")
-    assert "r0" in _served(fleet, "tiny-lora-b", 1)  # only r0 serves it: routed there again
+    fleet.restart_replica(name)
+    wait_for(lambda: fleet.replica_state(name)["state"] == "LIVE", 60, f"{name} LIVE again")
+    if name == "r0":
+        assert "r0" in _served(fleet, "tiny-lora-b", 1)  # only r0 serves it: routed there again
 

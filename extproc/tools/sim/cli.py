@@ -52,6 +52,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sessions-per-min", type=float, default=w.sessions_per_min)
     ap.add_argument("--oneshots-per-min", type=float, default=w.oneshots_per_min)
     ap.add_argument("--projects", type=int, default=w.projects)
+    ap.add_argument("--noisy-tenant", type=float, default=0.0, metavar="X",
+                    help="one more tenant whose sessions arrive at X times an average project's rate (flow control's "
+                         "fairness; the other tenants' workload stays the same)")
     ap.add_argument("--kill", action="append", default=[], metavar="R:START:DURATION")
     ap.add_argument("--flap", action="append", default=[], metavar="R:START:DOWN:EVERY:UNTIL")
     ap.add_argument("--capacity", action="store_true",
@@ -108,7 +111,8 @@ def _seeds(args) -> list[int]:
 def workload(args, load: float | None = None) -> WorkloadConfig:
     load = args.load if load is None else load
     return WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min,
-                          oneshots_per_min=args.oneshots_per_min, projects=args.projects).at_load(load)
+                          oneshots_per_min=args.oneshots_per_min, projects=args.projects,
+                          noisy_tenant_x=getattr(args, "noisy_tenant", 0.0)).at_load(load)
 
 
 def simulate(policy: str, args, seed: int, load: float | None = None, faults=()):

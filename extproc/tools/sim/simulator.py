@@ -319,6 +319,8 @@ class Simulation:
         for t, kind in self.workload.arrivals():
             if kind == "session":
                 self._at(t, "start_session", self.workload.new_session())
+            elif kind == "noisy_session":
+                self._at(t, "start_session", self.workload.new_noisy_session())
             else:
                 self._at(t, "oneshot", self.workload.oneshot(t))
         t = 0.0

@@ -50,6 +50,9 @@ class WorkloadConfig:
     long_user_tokens_median: float = 6_000.0
     max_context: int = 256_000
     oneshots_per_min: float = 6.0
+    # flow control's noisy tenant: one more tenant whose sessions arrive at this many times an average project's
+    # rate (0: none). Its draws come from a stream of their own: the other tenants' workload is the same with it
+    noisy_tenant_x: float = 0.0
 
     def at_load(self, load: float) -> "WorkloadConfig":
         """The load ladder (``--load L``): every arrival rate scaled by ``load``."""
@@ -123,6 +126,10 @@ class Workload:
         self.system_tokens = [self.rng.randint(*cfg.system_tokens) for _ in range(cfg.projects)]
         self._next_rid = 0
         self._next_sid = 0
+        self.noisy_rng = random.Random(seed * 7919 + 17)
+        self._next_noisy_sid = 10_000_000  # ids of its own: the others' sessions keep theirs
+        if cfg.noisy_tenant_x > 0:
+            self.system_tokens.append(self.noisy_rng.randint(*cfg.system_tokens))  # project index cfg.projects
 
     def _lognormal(self, median: float, sigma: float = 0.8, rng: random.Random | None = None) -> float:
         return median * math.exp((rng or self.rng).gauss(0.0, sigma))
@@ -146,8 +153,24 @@ class Workload:
                 if t >= end:
                     break
                 out.append((t, kind))
+        if self.cfg.noisy_tenant_x > 0:
+            t, per_min = 0.0, self.cfg.noisy_tenant_x * self.cfg.sessions_per_min / self.cfg.projects
+            while per_min > 0:
+                t += self.noisy_rng.expovariate(per_min / 60)
+                if t >= end:
+                    break
+                out.append((t, "noisy_session"))
         out.sort()
         return out
+
+    def new_noisy_session(self) -> Session:
+        """A session of the noisy tenant (project index ``cfg.projects``, tenant ``noisy``)."""
+        c, rng = self.cfg, self.noisy_rng
+        long = rng.random() < c.long_share
+        turns = max(2, min(c.turns_max, int(self._lognormal(c.turns_median, 0.7, rng))))
+        start = rng.randint(*c.long_start_tokens) if long else 0
+        self._next_noisy_sid += 1
+        return Session(self._next_noisy_sid, c.projects, turns, long, start, random.Random(rng.random()))
 
     def new_session(self) -> Session:
         c = self.cfg
@@ -173,7 +196,7 @@ class Workload:
         # workload's random stream stays what it was), one-shots sheddable; each project a tenant
         klass = 0 if (s.sid * 2654435761) % 100 < 5 else 1
         return Request(self._rid(), s.sid, s.project, sys_t + s.context, sys_t, out, now, session=s, klass=klass,
-                       tenant=f"p{s.project}")
+                       tenant="noisy" if s.project == c.projects else f"p{s.project}")
 
     def after_answer(self, s: Session, req: Request) -> float:
         """The answer joins the context; returns the think time before the next turn."""

@@ -360,3 +360,36 @@ def test_a_noisy_tenant_adds_its_sessions_and_leaves_the_others_workload_as_it_w
     # five times an average project's sessions (a Poisson count: more than three times, and less than eight)
     average = sum(not r.oneshot for r in plain) / 6
     assert 3 * average < len(extra) < 8 * average
+
+
+def test_a_held_request_keeps_its_body_s_bytes_within_the_bound_and_is_rewritten_like_any_once_it_goes():
+    b, clock = live({"flow_control": {"enabled": True, "wait_s": 5, "max_bytes": 40_000},
+                     "models": {"aliases": {"friendly": "m"}}})
+    for i in range(3):
+        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    alias = orjson.dumps({"model": "friendly", "messages": [{"role": "user", "content": "x" * 30_000}]})
+    held = b.decide({"x-request-id": "a"}, alias)
+    assert isinstance(held, HeldAnswer)
+    # its 30 KB body is held: another one would pass the 40 KB bound
+    full = b.decide({"x-request-id": "b"}, _body(30_000, "second"))
+    assert full.immediate_response.status.code == 429 and b.stats.flow_refused["queue_full"] == 1
+    b.router.release(b.router.reservation(1), clock.t)
+    [(key, answer)] = b.let_go(lambda key: True)
+    # the alias is rewritten to the served model, as for a request placed at once
+    assert orjson.loads(answer.request_body.response.body_mutation.body)["model"] == "m"
+
+
+def test_tenants_that_owe_nothing_are_forgotten_past_the_bound_and_those_that_do_are_kept(monkeypatch):
+    import extproc.core.flow as flow
+
+    monkeypatch.setattr(flow, "MAX_TENANTS", 5)
+    q = FlowQueue()
+    q.push(held("w", tenant="waiting"))
+    q.pop()
+    q.push(held("w2", tenant="waiting"))  # waiting: kept whatever it was served
+    for i in range(3):
+        q.charge("heavy", 10_000.0)  # served while "waiting" waited: ahead of the floor the others are lifted to
+    for i in range(20):  # one-off tenants (API keys seen once), each served once
+        q.charge(f"key{i}", 100.0)
+    assert len(q.counters) <= 5 + 1
+    assert "waiting" in q.counters and q.counters["heavy"] >= 30_000.0  # its debt stays

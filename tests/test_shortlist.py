@@ -99,7 +99,7 @@ def _agreement(n: int, load: float, seed: int, minutes: float, speeds=None) -> l
     (48, 12.0, 3, None),
     (40, 14.0, 4, tuple([1.0, 1.0, 0.7, 0.7, 0.4, 0.4][i % 6] for i in range(40))),  # three speeds, loaded
 ])
-def test_the_shortlist_chooses_what_full_pricing_chooses_on_the_simulator_s_workloads(n, load, seed, speeds):
+def test_C3_a_big_fleet_s_shortlist_chooses_what_full_pricing_chooses_on_the_simulator_s_workloads(n, load, seed, speeds):
     """Every shortlisted decision is priced once more over every candidate, under the same view of the fleet."""
     verify = _agreement(n, load, seed, 3.0, speeds)
     assert len(verify) > 300
@@ -108,7 +108,7 @@ def test_the_shortlist_chooses_what_full_pricing_chooses_on_the_simulator_s_work
     assert same >= 0.99 and tied >= 0.99, (same, tied)
 
 
-def test_a_small_fleet_prices_every_candidate_as_always():
+def test_C3_a_small_fleet_prices_every_candidate_as_always():
     router, t = live_router(SHORTLIST_FROM - 1, WARM)
     router.policy.verify = []
     router.policy.trace = []
@@ -136,3 +136,16 @@ def test_a_big_fleet_prices_a_shortlist_that_follows_the_pool_and_the_session():
     assert again.replica is not first.replica
     for d in held:
         router.release(d.reservation, t + 5)
+
+
+def test_the_requests_sampled_blocks_remembered_are_bounded(monkeypatch):
+    import extproc.core.prefix_index as pi
+
+    monkeypatch.setattr(pi, "_MAX_ANCHORS", 200)
+    hs = Holders()
+    rng = random.Random(3)
+    chains = [[rng.getrandbits(64) for _ in range(400)] for _ in range(30)]  # ~50 sampled blocks each
+    for c in chains:
+        assert hs.anchors(c) == [(i, h) for i, h in enumerate(c) if not h & _SAMPLE]
+    assert hs._anchored == sum(len(v[2]) for v in hs._anchors.values()) <= 200
+    assert len(hs._anchors) < 30

@@ -87,7 +87,7 @@ class Brain:
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)
         # flow control: what each held request needs to be answered (key -> headers, body, phase; body status)
         self.waiting: dict[object, tuple] = {}
-        self._held_status: dict[object, object] = {}  # key -> its body status (for the decision stats)
+        self._held_profile: dict[object, tuple] = {}  # key -> (its profile, its model's resolution)
         self._hold_keys = itertools.count(1)
         if cfg.flow_control.enabled:
             f = cfg.flow_control
@@ -189,18 +189,24 @@ class Brain:
         if hold_key is not None:
             profile = dataclasses.replace(profile, tenant=tenant_of(headers, r.profile_cfg),
                                           priority=self._priority(headers))
-        d = r.select(profile, now, only, holder, hold_key)
+        d = r.select(profile, now, only, holder, hold_key, len(body) if body else 0)
         if d.reason is Reason.HELD:
-            self._held_status[hold_key] = profile.body_status
+            self._held_profile[hold_key] = (profile, res)  # what its decision needs once it goes
             self.stats.record_decision(d, profile.body_status, now)
             return d
+        return self._decided(d, profile, res, now, t0)
+
+    def _decided(self, d: Decision, profile, res, now: float, t0: float | None = None) -> Decision:
+        """The brain's books on a placed decision, at once or after flow control held it: the served model, the
+        stored response's home, the metrics, the pin log."""
         d.model, d.rewrite_model = res.model, res.rewritten
         if profile.stores_response and d.replica is not None:  # "store": false: nothing to find later, no rewrite
             if profile.response_id is not None:  # the client named it: remember where it will live
                 self.response_homes.record(profile.response_id, d.replica.name, now)
             else:  # the brain names it, and the name says where it lives
                 d.response_id = mint_response_id(d.replica.name, profile.response_root)
-        self.decision_seconds.observe(time.perf_counter() - t0)
+        if t0 is not None:  # a held request's wait is not the decision's cost
+            self.decision_seconds.observe(time.perf_counter() - t0)
         self.stats.record_decision(d, profile.body_status, now)
         if d.predicted_ttft_s is not None:
             self.predicted_ttft.observe(d.predicted_ttft_s)
@@ -253,17 +259,14 @@ class Brain:
         out = []
         for key, d in self.router.offer(now):
             headers, body, phase = self.waiting.pop(key)
-            status = self._held_status.pop(key, None)
+            profile, res = self._held_profile.pop(key)
             if not answered(key):
                 self.router.release(d.reservation, now)
                 continue
-            self.stats.record_decision(d, status, now)
-            if d.predicted_ttft_s is not None:
-                self.predicted_ttft.observe(d.predicted_ttft_s)
-            out.append((key, self._answer(d, headers, body, phase)))
+            out.append((key, self._answer(self._decided(d, profile, res, now), headers, body, phase)))
         for key in flow.refused:
             if self.waiting.pop(key, None) is not None:
-                self._held_status.pop(key, None)
+                self._held_profile.pop(key, None)
                 out.append((key, self._too_many("waited_too_long")))
         flow.refused.clear()
         return out
@@ -272,7 +275,7 @@ class Brain:
         """A held request's call ended (Envoy closed the stream: its client went away)."""
         self.router.cancel(key)
         self.waiting.pop(key, None)
-        self._held_status.pop(key, None)
+        self._held_profile.pop(key, None)
 
     def _immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
         """The brain's own answer when no replica is to be asked (None: one is), in the shape the path's API

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 CLASSES = ("critical", "standard", "sheddable")
+MAX_TENANTS = 100_000  # fairness counters kept before those that owe nothing are forgotten
 
 
 def tenant_key(tenant: str | None) -> str | None:
@@ -152,6 +153,16 @@ class FlowQueue:
             self._lift(tenant)
         c = self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens
         self._last = c
+        if len(self.counters) > MAX_TENANTS:
+            self._forget_even()
+
+    def _forget_even(self) -> None:
+        """Tenants as many as API keys (tenant_source: credential): forget those not waiting that owe nothing (at
+        or below the counter a returning tenant is lifted to anyway)."""
+        floor = self._last
+        waiting = {t for per in self._queues for t in per}
+        for t in [t for t, c in self.counters.items() if c <= floor and t not in waiting]:
+            del self.counters[t]
 
     def _lift(self, tenant: str | None) -> None:
         """A tenant back from idle starts level with the least counter of those waiting (or, nobody waiting,
@@ -216,17 +227,22 @@ class FlowControl:
     decided again once a replica has room (``Router.offer``)."""
 
     def __init__(self, queue: FlowQueue | None = None, deadlines: tuple[float | None, ...] = DEADLINES_S):
-        self.queue = queue or FlowQueue()
+        self.queue = queue if queue is not None else FlowQueue()  # an empty queue is falsy
         self.held: dict[object, tuple] = {}  # key -> (profile, the replicas it may go to)
         # keys to be refused (429 with Retry-After): pushed out by a higher class, or past their class's deadline
         self.refused: list[object] = []
         self.deadlines = deadlines  # per class: how long a request may be held (None: as long as it takes)
+        self._expire_at = float("-inf")
 
     def deadline(self, klass: int, now: float) -> float | None:
         d = self.deadlines[klass]
         return None if d is None else now + d
 
     def expire(self, now: float) -> None:
+        # a scan of every held request: at most ten a second, however often offers run
+        if now < self._expire_at:
+            return
+        self._expire_at = now + 0.1
         for h in self.queue.expired(now):
             self.held.pop(h.key, None)
             self.refused.append(h.key)

@@ -27,20 +27,24 @@ from collections import OrderedDict
 _HEAD_BLOCKS = 512
 # a block is sampled into Holders when these hash bits are 0: one in 8 (a turn adds tens of blocks)
 _SAMPLE = 7
+_MAX_ANCHORS = 1_000_000  # requests' sampled blocks remembered (~100 MB at most), the least recently used dropped
 
 
 class Holders:
     """Sampled block -> bit mask of the prefix indexes holding it (see the module's note)."""
 
-    __slots__ = ("of", "_free", "_next", "_anchors")
+    __slots__ = ("of", "_free", "_next", "_anchors", "_anchored")
 
     def __init__(self) -> None:
         self.of: dict[int, int] = {}
         self._free: list[int] = []
         self._next = 0
-        # a request's chain -> (the chain, blocks scanned, [(position, block)] sampled): a session's next turn
-        # extends the same list, so only its new blocks are scanned
-        self._anchors: dict[int, tuple[list[int], int, list[tuple[int, int]]]] = {}
+        # id(a request's chain) -> (blocks scanned, the last of them, [(position, block)] sampled): a session's next
+        # turn extends the same list, so only its new blocks are scanned. The chain itself is not kept (a megabyte
+        # conversation is 17K ints): a block's hash covers everything before it, so a chain whose block at the same
+        # position is the same has the same prefix, whichever list it is
+        self._anchors: dict[int, tuple[int, int, list[tuple[int, int]]]] = {}
+        self._anchored = 0  # sampled blocks those lists hold, bounded by _MAX_ANCHORS
 
     def bit(self) -> int:
         """A bit for a new index (reused once its index is gone)."""
@@ -77,16 +81,17 @@ class Holders:
     def anchors(self, chain: list[int]) -> list[tuple[int, int]]:
         """The chain's sampled blocks with their positions, shallowest first."""
         got = self._anchors.get(id(chain))
-        if got is not None and got[0] is chain and got[1] <= len(chain):
-            _, done, out = got
+        if got is not None and 0 < got[0] <= len(chain) and chain[got[0] - 1] == got[1]:
+            done, _, out = got
         else:
             done, out = 0, []
-            if len(self._anchors) >= 8192:  # sessions' chains come and go: keep the recent ones
-                for k in list(self._anchors)[:4096]:
-                    del self._anchors[k]
         if done < len(chain):
             out = out + [(i, h) for i, h in enumerate(chain[done:], done) if not h & _SAMPLE]
-            self._anchors[id(chain)] = (chain, len(chain), out)
+            old = self._anchors.pop(id(chain), None)
+            self._anchored += len(out) - (len(old[2]) if old is not None else 0)
+            self._anchors[id(chain)] = (len(chain), chain[-1], out)
+            while self._anchored > _MAX_ANCHORS and len(self._anchors) > 1:  # the least recently extended first
+                self._anchored -= len(self._anchors.pop(next(iter(self._anchors)))[2])
         return out
 
     def levels(self, chain: list[int], most: int = 8) -> list[tuple[int, int]]:

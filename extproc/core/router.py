@@ -284,7 +284,7 @@ class Router:
         return live, probing
 
     def select(self, profile: RequestProfile, now: float, only: Collection[str] | None = None,
-               holder: str | None = None, hold_key: object = None) -> Decision:
+               holder: str | None = None, hold_key: object = None, hold_bytes: int = 0) -> Decision:
         """Choose a replica for ``profile`` and reserve its weight: one synchronous call (A1 atomic reserve).
 
         ``only``: the replicas a gateway allows for this request (the endpoint picker's subset hint); the
@@ -293,7 +293,8 @@ class Router:
         answer; the policy still prices it and keeps its books. ``hold_key``: with flow control on
         (``self.flow``), the caller can hold the request under this key: a request every candidate is saturated
         for, or one that would overtake queued requests of its class or above, is queued (Reason.HELD) and comes
-        back from ``offer``; Reason.QUEUE_FULL when the queue is full of its class and above."""
+        back from ``offer``; Reason.QUEUE_FULL when the queue is full of its class and above. ``hold_bytes``: what
+        holding it keeps in memory (its body), counted against the queue's byte bound."""
         if now >= self._next_due or now >= self._housekeeping_at:
             self.tick(now)
         self.selects += 1
@@ -312,10 +313,10 @@ class Router:
                 if flow.queue.ahead(profile.priority)[0]:
                     self._ready.extend(self.offer(now))  # whatever can go now goes before it
                 if flow.queue.ahead(profile.priority)[0]:
-                    return self._hold(hold_key, profile, only, now)  # never ahead of its class or above
+                    return self._hold(hold_key, profile, only, now, hold_bytes)  # never ahead of its class or above
                 d = self._select_may_hold(fleet, profile, now)
                 if d is not None and d.reason is Reason.HELD:
-                    return self._hold(hold_key, profile, only, now)
+                    return self._hold(hold_key, profile, only, now, hold_bytes)
             else:
                 d = self.policy.select(fleet, profile, now)
             if flow is not None:
@@ -340,10 +341,11 @@ class Router:
         finally:
             self.policy.may_hold = False
 
-    def _hold(self, key: object, profile: RequestProfile, only: Collection[str] | None, now: float) -> Decision:
+    def _hold(self, key: object, profile: RequestProfile, only: Collection[str] | None, now: float,
+              size: int) -> Decision:
         flow = self.flow
-        queued, displaced = flow.queue.push(Held(key, profile.priority, tenant_key(profile.tenant), float(profile.tokens),
-                                                 arrived=now, deadline=flow.deadline(profile.priority, now)))
+        queued, displaced = flow.queue.push(Held(key, profile.priority, tenant_key(profile.tenant),
+                                                 float(profile.tokens), size, now, flow.deadline(profile.priority, now)))
         if not queued:
             return Decision(None, Reason.QUEUE_FULL)
         for v in displaced:

@@ -68,3 +68,33 @@ def test_warmroute_up_restarts_a_killed_brain_and_says_so():
             import shutil
 
             shutil.rmtree(workdir, ignore_errors=True)  # up keeps its logs for a person; a test does not
+
+
+def test_a_process_a_stack_started_dies_with_its_starter_however_that_one_dies(tmp_path):
+    """up (or a test runner) killed with -9 cannot stop its replicas and brain: they get SIGTERM from the kernel
+    (setpriv --pdeathsig) instead of running on orphaned."""
+    script = ("import sys, time; from pathlib import Path; from extproc.tools.procs import Proc; "
+              "p = Proc('sleeper', [sys.executable, '-c', 'import time; time.sleep(120)'], Path(sys.argv[1])); "
+              "print(p.popen.pid, flush=True); time.sleep(120)")
+    starter = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    child = int(starter.stdout.readline())
+    try:
+        # setpriv sets the signal, then execs the command: a starter killed before that leaves nothing armed
+        wait_for(lambda: "setpriv" not in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"), 10,
+                 "the child to run its command")
+        assert _alive(child)
+        os.kill(starter.pid, signal.SIGKILL)  # the child is in a session of its own: only its starter dies
+        starter.wait(10)
+        wait_for(lambda: not _alive(child), 10, "the child to die with its starter")
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has ended; only its parent's reaping is left

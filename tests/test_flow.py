@@ -393,3 +393,61 @@ def test_tenants_that_owe_nothing_are_forgotten_past_the_bound_and_those_that_do
         q.charge(f"key{i}", 100.0)
     assert len(q.counters) <= 5 + 1
     assert "waiting" in q.counters and q.counters["heavy"] >= 30_000.0  # its debt stays
+
+
+# ------------------------------------------------------------------ the simulator's numbers and llm-d's flow control
+
+
+def test_goodput_counts_a_class_s_requests_that_met_its_deadline_per_minute_from_their_first_attempt():
+    from extproc.tools.sim.measure import GOODPUT_TTFT_S, per_class
+    from extproc.tools.sim.workload import Request
+
+    def req(klass, arrival, ttft, error=None):
+        return Request(0, 0, 0, 100, 0, 10, arrival, klass=klass, ttft=ttft, error=error)
+
+    rs = [req(STANDARD, 70, GOODPUT_TTFT_S[STANDARD] - 0.1), req(STANDARD, 80, GOODPUT_TTFT_S[STANDARD] + 0.1),
+          req(STANDARD, 90, None), req(STANDARD, 95, 0.1, error="lost"), req(STANDARD, 30, 0.1),  # before the window
+          req(SHEDDABLE, 100, GOODPUT_TTFT_S[SHEDDABLE] - 1), req(CRITICAL, 110, GOODPUT_TTFT_S[CRITICAL] + 0.5)]
+    got = per_class(rs, 60, 180)
+    assert got["standard_requests"] == 4 and got["standard_goodput"] == 0.5 and got["standard_met"] == 0.25
+    assert got["sheddable_goodput"] == 0.5 and got["critical_goodput"] == 0.0
+    assert got["goodput"] == 1.0
+
+
+def _sample(waiting, kv):
+    from extproc.core import LoadSample
+
+    return LoadSample(running=1, waiting=waiting, kv_usage=kv)
+
+
+def test_llm_d_flow_control_holds_while_the_mean_saturation_is_one_and_lets_go_by_band_then_arrival():
+    from extproc.tools.sim.policies import HOLD, REFUSED, LlmdFlowControl
+    from extproc.tools.sim.workload import Request
+
+    p = LlmdFlowControl(2, 1)
+    for i in range(2):
+        p.on_load(i, _sample(0, 0.1), 0.0)
+    first = Request(1, 1, 0, 64, 0, 8, 0.0)
+    assert p.choose(first, 0.01) in (0, 1)  # nothing saturated: placed at once, as llm-d's picker places it
+    p.on_load(0, _sample(8, 0.1), 0.015)  # one endpoint over its threshold (8/5), the mean not: (1.6 + 0.125) / 2
+    assert p.choose(Request(6, 6, 0, 64, 0, 8, 0.015), 0.015) in (0, 1)
+    # mean of max(waiting / 5, KV / 0.8): (10/5 + 0) / 2 = 1: saturated
+    p.on_load(0, _sample(10, 0.1), 0.02)
+    p.on_load(1, _sample(0, 0.1), 0.02)
+    bulk, turn, pager = (Request(k, k, 0, 64, 0, 8, 0.03, klass=c) for k, c in ((2, SHEDDABLE), (3, STANDARD),
+                                                                             (4, CRITICAL)))
+    assert [p.choose(r, 0.03) for r in (bulk, turn, pager)] == [HOLD] * 3 and p.holds()
+    assert p.take_ready(0.04) == []
+    # metrics older than 200 ms count as saturated, whatever they said
+    p.on_load(0, _sample(0, 0.1), 0.05)
+    assert p.take_ready(0.3) == []
+    p.on_load(0, _sample(0, 0.1), 0.31)
+    p.on_load(1, _sample(0, 0.1), 0.31)
+    assert [r.rid for r, i in p.take_ready(0.31) if i in (0, 1)] == [4, 3, 2]  # critical, standard, sheddable
+    # past the 60 s TTL: refused (429 rejected-ttl-expired)
+    p.on_load(0, _sample(10, 0.9), 0.4)
+    late = Request(5, 5, 0, 64, 0, 8, 0.4)
+    assert p.choose(late, 0.4) == HOLD
+    p.on_load(0, _sample(10, 0.9), 61)
+    p.on_load(1, _sample(10, 0.9), 61)
+    assert p.take_ready(61) == [(late, REFUSED)] and not p.holds()

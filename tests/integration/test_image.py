@@ -20,7 +20,9 @@ from extproc.tools.stack import Stack, wait_for
 from ..helpers import stop_group
 from .conftest import FAST
 
-pytestmark = pytest.mark.integration
+# both tests on one worker of make test: one image, built once (two workers built the same tag at once, and
+# one's teardown removed it under the other's inspect)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("image")]
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "localhost/warmroute:test"
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .policies import COMPARE, PEERS, POLICIES
+from .policies import COMPARE, FLOW, FLOW_PEERS, PEERS, POLICIES
 from .report import share_plot, table
 from .simulator import Fault, Simulation
 from .workload import WorkloadConfig
@@ -68,6 +68,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "or peers is not reused)")
     ap.add_argument("--mine", default="warmroute,warmroute_seed,oracle",
                     help="--versus-peers: the rows compared with the peers (e.g. just warmroute while iterating)")
+    ap.add_argument("--flow-versus", default=None, metavar="1,1.5,2",
+                    help="at these loads, warmroute_flow and warmroute against the best peer and llm-d's flow control "
+                         "on issue 34's numbers: standard TTFT p99, goodput, tokens/s, per seed and the median")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
     ap.add_argument("--png", default=None, help="write traffic share over time per policy to this PNG")
     ap.add_argument("--transitions", action="store_true", help="print every health state change (warmroute)")
@@ -148,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
           f"seed{'s' if len(seeds) > 1 else ''} {seeds_text(seeds)}" + (f", faults {faults}" if faults else ""))
     if args.versus_peers:
         return versus_peers(args, [float(x) for x in args.versus_peers.split(",")], seeds)
+    if args.flow_versus:
+        return flow_versus(args, [float(x) for x in args.flow_versus.split(",")], seeds)
     if args.capacity:
         print(f"capacity = highest load with TTFT p90 <= {CAPACITY_TTFT_P90_S:g} s, per seed")
         jobs = [(p, args, s) for p in policies for s in seeds]
@@ -288,6 +293,44 @@ def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
               f"{statistics.median(o['imbalance_floor_max'] for o in own):.2f} (no router below these; imbalance: none "
               "that keeps a session on one replica within a minute) | per seed: "
               + " ".join(f"[{a:.2f} {b:.2f}]" for a, b in floors))
+    return 0
+
+
+def flow_versus(args, loads: list[float], seeds: list[int]) -> int:
+    """Issue 34's targets: standard TTFT p99 against the best peer's (as shipped: no flow control) and against
+    llm-d's flow control, goodput and output tokens/s against the best of them; refused requests (429s, each sent
+    again after Retry-After) beside."""
+    mine = [FLOW, "warmroute"]
+    peers = [*PEERS, *FLOW_PEERS]
+    jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *peers]]
+    if args.jobs > 1:
+        from multiprocessing import Pool
+
+        with Pool(args.jobs) as pool:
+            flat = pool.starmap(_summary_at, jobs)
+    else:
+        flat = [_summary_at(*j) for j in jobs]
+    got = {(j[0], j[3], j[2]): r for j, r in zip(jobs, flat)}
+    fc = next(iter(FLOW_PEERS))
+    print("standard TTFT p99 / the best peer's (p99 best) and / llm-d flow control's (p99 fc); goodput (requests that "
+          "met their class's TTFT deadline: 1 s critical, 2 s standard, 10 s sheddable) and output tok/s / the best "
+          f"of the peers and {fc}; peers: {', '.join(PEERS)}")
+    for L in loads:
+        print(f"L={L:g}")
+        for p in [*mine, fc]:
+            rows = []
+            for s in seeds:
+                m, pe = got[(p, L, s)], [got[(q, L, s)] for q in PEERS]
+                allp = pe + [got[(fc, L, s)]]
+                rows.append((m["standard_ttft_p99"] / min(x["standard_ttft_p99"] for x in pe),
+                             m["standard_ttft_p99"] / got[(fc, L, s)]["standard_ttft_p99"],
+                             m["goodput"] / max(x["goodput"] for x in allp),
+                             m["output_tok_s"] / max(x["output_tok_s"] for x in allp),
+                             m["standard_ttft_p99"], m["refused"]))
+            med = [statistics.median(r[i] for r in rows) for i in range(6)]
+            print(f"  {p:<21} median p99 best {med[0]:.2f} fc {med[1]:.2f} goodput {med[2]:.2f} tok/s {med[3]:.3f} "
+                  f"p99 {med[4]:.1f} s refused {med[5]:g} | per seed [p99/best goodput tok/s]: "
+                  + " ".join(f"[{r[0]:.2f} {r[2]:.2f} {r[3]:.2f}]" for r in rows))
     return 0
 
 

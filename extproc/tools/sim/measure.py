@@ -10,6 +10,13 @@ from __future__ import annotations
 from .workload import Request
 
 
+# what a class's request must meet to count in goodput: its time to first token, per class (critical, standard,
+# sheddable). Standard's is the 2 s TTFT the capacity target buys hardware by; an interactive critical turn's half
+# that; a sheddable one-shot's what a batch caller still waits for
+GOODPUT_TTFT_S = (1.0, 2.0, 10.0)
+CLASS_NAMES = ("critical", "standard", "sheddable")
+
+
 def pct(xs: list[float], p: float) -> float:
     """The p-quantile of ``xs`` by rank (nan for none), the same rule everywhere."""
     if not xs:
@@ -37,4 +44,25 @@ def window_numbers(requests: list[Request], minutes: float, warmup_min: float, s
         out["engine_ttft_p50"] = pct([e for _, e in engine], 0.5)
         out["overhead_p50"] = pct([c - e for c, e in engine], 0.5)
         out["overhead_p99"] = pct([c - e for c, e in engine], 0.99)
+    return out
+
+
+def per_class(requests: list[Request], lo: float, hi: float) -> dict:
+    """Per class, of the requests that arrived in [lo, hi): TTFT p50/p99 of those answered (from their first
+    attempt), and goodput: those whose TTFT met their class's deadline, per minute. A request refused and never
+    answered, or failed, is counted in the class but not in goodput."""
+    out: dict = {}
+    minutes = (hi - lo) / 60 if hi > lo else float("nan")
+    good_all = 0
+    for k, name in enumerate(CLASS_NAMES):
+        rs = [r for r in requests if r.klass == k and lo <= r.arrival < hi]
+        ttft = [r.ttft for r in rs if r.error is None and r.ttft is not None]
+        good = sum(1 for t in ttft if t <= GOODPUT_TTFT_S[k])
+        good_all += good
+        out[f"{name}_requests"] = len(rs)
+        out[f"{name}_ttft_p50"] = pct(ttft, 0.5)
+        out[f"{name}_ttft_p99"] = pct(ttft, 0.99)
+        out[f"{name}_goodput"] = good / minutes
+        out[f"{name}_met"] = good / len(rs) if rs else float("nan")
+    out["goodput"] = good_all / minutes
     return out

@@ -317,6 +317,71 @@ class LlmdEndpointPicker(Policy):
         return i
 
 
+class LlmdFlowControl(LlmdEndpointPicker):
+    """llm-d's flow control in front of its default picker, with its shipped defaults (GIE
+    ``pkg/epp/flowcontrol/``: ``controller/internal/processor.go``, ``filter.go``; ``saturationdetector``; PEERS.md
+    "Flow control as the peers ship it"). Every request enters the queue; a dispatch loop takes the head of the
+    highest non-empty priority band (global-strict fairness: one FCFS queue per band) whenever the pool is not
+    saturated, and the picker then scores the endpoints as ``llmd_epp`` does. Saturation: per endpoint
+    max(waiting / 5, KV usage / 0.8), 1 for an endpoint whose metrics are older than 200 ms; the pool's is the mean,
+    saturated at >= 1. Dispatches between two 50 ms metric refreshes are not counted (the detector reads scraped
+    queues only). Queued past the 60 s TTL: 429 ``rejected-ttl-expired`` (the client retries after Retry-After
+    like every client here); band capacity (5,000 requests, 1 GB) is never reached by these workloads. Bands:
+    critical above standard above sheddable (priority < 0)."""
+
+    name = "llmd_epp_flowcontrol"
+    QUEUE_DEPTH, KV_UTIL, STALE_S, TTL_S = 5, 0.8, 0.2, 60.0
+
+    def __init__(self, n: int, seed: int):
+        super().__init__(n, seed)
+        self.seen = [float("-inf")] * n  # when each endpoint's metrics were last refreshed
+        self.bands: list[list[tuple[float, Request, frozenset[int]]]] = [[], [], []]  # per class, FCFS
+        self._out: list[tuple[Request, int | None]] = []
+
+    def on_load(self, i, sample, now):
+        super().on_load(i, sample, now)
+        self.seen[i] = now
+
+    def saturated(self, now: float, exclude: frozenset[int] = frozenset()) -> bool:
+        pool = self.pool(exclude)
+        if not pool:
+            return True
+        score = sum(1.0 if now - self.seen[i] > self.STALE_S
+                    else max(self.waiting[i] / self.QUEUE_DEPTH, self.kv[i] / self.KV_UTIL) for i in pool)
+        return score / len(pool) >= 1.0
+
+    def choose(self, req, now, exclude=frozenset()):
+        if not any(self.bands) and not self.saturated(now, exclude):
+            return super().choose(req, now, exclude)
+        self.bands[req.klass].append((now, req, exclude))
+        self._dispatch(now)
+        for k, (r, i) in enumerate(self._out):
+            if r is req:  # dispatched at once after all: answered here, not from take_ready
+                del self._out[k]
+                return i
+        return HOLD
+
+    def _dispatch(self, now: float) -> None:
+        for band in self.bands:
+            while band and now - band[0][0] > self.TTL_S:
+                self._out.append((band.pop(0)[1], REFUSED))
+        while any(self.bands):
+            band = next(b for b in self.bands if b)
+            _, req, exclude = band[0]
+            if self.saturated(now, exclude):
+                return
+            band.pop(0)
+            self._out.append((req, super().choose(req, now, exclude)))
+
+    def holds(self) -> bool:
+        return any(self.bands) or bool(self._out)
+
+    def take_ready(self, now):
+        self._dispatch(now)
+        out, self._out = self._out, []
+        return out
+
+
 class DynamoKvRouter(Policy):
     """NVIDIA Dynamo's KV router (ai-dynamo/dynamo, ``lib/llm/src/kv_router/``,
     ``docs/architecture/kv_cache_routing.md``): ``logit = overlap_score_weight x prefill_blocks +
@@ -538,11 +603,13 @@ PEERS = {
 REFERENCE = {"oracle": Oracle}
 # peers as configured for a fleet that serves LoRA adapters (bench_fleet --simulated); not in COMPARE
 LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_weight=4.0)}
+# peers with flow control, as shipped but opt-in (issue 34's extra peer row); not in COMPARE
+FLOW_PEERS = {"llmd_epp_flowcontrol": LlmdFlowControl}
 FLOW = "warmroute_flow"
 # `warmroute` is the default policy; `warmroute_<core policy>` any other the core's registry holds
 WARMROUTE = ["warmroute"] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW, *PEERS, *LORA_PEERS, *REFERENCE]
+POLICIES = [*WARMROUTE, FLOW, *PEERS, *LORA_PEERS, *FLOW_PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
@@ -552,11 +619,11 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
         return Warmroute(n, seed, router_cfg, FLOW, flow=True)
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
-    factory = PEERS.get(name) or LORA_PEERS.get(name) or REFERENCE.get(name)
+    factory = PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) or REFERENCE.get(name)
     if factory is None:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
     return factory(n, seed)
 
 
 __all__ = ["Policy", "RoundRobin", "LeastRequest", "RingHash", "SGLangCacheAware", "LlmdEndpointPicker",
-           "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "COMPARE", "DEFAULT"]
+           "LlmdFlowControl", "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "COMPARE", "DEFAULT"]

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ...core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
-from .measure import pct
+from .measure import pct, per_class
 from .engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 from .brains import make as make_policy
 from .policies import HOLD, REFUSED, RETRY_AFTER_S, Policy
@@ -90,7 +90,8 @@ class SimResult:
             "max_share": max(tot) / sum(tot) if sum(tot) else 0.0,
             "preemptions": self.preemptions,
             "to_ejected": self.to_ejected,
-        } | self._prediction_error(ok)
+            "refused": sum(r.extra.get("refused", 0) for r in self.requests),
+        } | per_class(self.requests, warmup_min * 60, self.minutes * 60) | self._prediction_error(ok)
 
     def _prediction_error(self, ok: list[Request]) -> dict:
         errs = [abs(r.extra["predicted_ttft"] - r.ttft) for r in ok if "predicted_ttft" in r.extra]
@@ -380,6 +381,8 @@ class Simulation:
                 for i in range(self.n):
                     if self.alive[i]:
                         self.policy.on_load(i, self._sample(i), now)
+                if self.policy.holds():  # a load refresh can end saturation (late binding at that moment)
+                    self._let_go(now)
             elif kind == "retry":
                 self._dispatch(args[0], now)
             elif kind == "flow":

@@ -268,12 +268,25 @@ def test_the_brain_holds_a_saturated_request_and_answers_it_once_a_replica_has_r
     held = b.decide({"x-request-id": "small", "x-session-id": "s"}, _body(3000, "small"))
     assert isinstance(held, HeldAnswer) and b.router.open_reservations == 3
     assert b.let_go(lambda key: True) == []  # still saturated
+    assert _family(b, "warmroute_flow_queue_depth") == {"critical": 0, "standard": 1, "sheddable": 0}
     first = b.router.reservation(1)
+    clock.t += 1.5
     b.router.release(first, clock.t)  # one long request ends: its replica has room
     [(key, answer)] = b.let_go(lambda key: True)
     assert key == held.key
+    assert _family(b, "warmroute_flow_queue_depth")["standard"] == 0
+    assert _family(b, "warmroute_flow_released")["standard"] == 1
+    assert _family(b, "warmroute_flow_wait_seconds")["standard"] == pytest.approx(1.5)
     meta = answer.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
     assert meta["cluster"].string_value == first.replica.name and b.router.open_reservations == 3
+
+
+def _family(b, name: str) -> dict[str, float]:
+    """One of the brain's metric families, by its ``class`` label."""
+    from extproc.brain.metrics import make_registry
+
+    fam = next(m for m in make_registry(b.router, b.stats, b.clock).registry.collect() if m.name == name)
+    return {s.labels["class"]: s.value for s in fam.samples if not s.name.endswith("_created")}
 
 
 def test_a_held_request_nobody_waits_for_any_more_is_released_and_one_held_too_long_gets_429():

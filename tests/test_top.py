@@ -60,3 +60,23 @@ def test_the_router_counts_the_decisions_each_replica_could_have_taken():
     router.drain("r1", False)
     router.select(prof(session="s9", tokens=100), t)
     assert [router.candidate_decisions(r) for r in router.replicas] == [10, 6, 5]
+
+
+def test_flow_control_gets_a_line_with_each_class_held_and_its_mean_wait_and_none_while_off():
+    from .test_flow import _body, _flow_brain
+
+    b, clock = _flow_brain()
+    assert b.state()["flow_control"]["held"] == 0
+    for i in range(3):
+        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    b.decide({"x-request-id": "small"}, _body(3000, "small"))
+    snap = _snap()
+    snap.flow = b.state()["flow_control"]
+    line = next(x for x in text_table(snap, 400).splitlines() if x.startswith("flow control:"))
+    assert "held 1 (critical 0, standard 1, sheddable 0)" in line and "waited_too_long 0" in line
+    clock.t += 2
+    b.router.release(b.router.reservation(1), clock.t)
+    b.let_go(lambda key: True)
+    snap.flow = b.state()["flow_control"]
+    assert "standard 0 (mean wait 2.0s)" in text_table(snap, 400)
+    assert "flow control" not in text_table(_snap(), 400)

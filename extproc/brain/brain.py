@@ -87,7 +87,7 @@ class Brain:
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)
         # flow control: what each held request needs to be answered (key -> headers, body, phase; body status)
         self.waiting: dict[object, tuple] = {}
-        self._held_profile: dict[object, tuple] = {}  # key -> (its profile, its model's resolution)
+        self._held_profile: dict[object, tuple] = {}  # key -> (its profile, its model's resolution, held since)
         self._hold_keys = itertools.count(1)
         if cfg.flow_control.enabled:
             f = cfg.flow_control
@@ -191,7 +191,7 @@ class Brain:
                                           priority=self._priority(headers))
         d = r.select(profile, now, only, holder, hold_key, len(body) if body else 0)
         if d.reason is Reason.HELD:
-            self._held_profile[hold_key] = (profile, res)  # what its decision needs once it goes
+            self._held_profile[hold_key] = (profile, res, now)  # what its decision needs once it goes
             self.stats.record_decision(d, profile.body_status, now)
             return d
         return self._decided(d, profile, res, now, t0)
@@ -259,7 +259,9 @@ class Brain:
         out = []
         for key, d in self.router.offer(now):
             headers, body, phase = self.waiting.pop(key)
-            profile, res = self._held_profile.pop(key)
+            profile, res, held_at = self._held_profile.pop(key)
+            self.stats.flow_released[CLASSES[profile.priority]] += 1
+            self.stats.flow_wait_s[CLASSES[profile.priority]] += now - held_at
             if not answered(key):
                 self.router.release(d.reservation, now)
                 continue
@@ -469,7 +471,20 @@ class Brain:
             "discovery": {"source": self.cfg.discovery.source, "synced": self.discovered,
                           "error": self.discovery_error, "changes": self.stats.discovery_changes,
                           "failures": self.stats.discovery_failures},
+            "flow_control": self._flow_state(),
         }
+
+    def _flow_state(self) -> dict | None:
+        """Flow control per class: held now, let go and their mean wait; refusals by reason (None: off)."""
+        flow = self.router.flow
+        if flow is None:
+            return None
+        released, waited = self.stats.flow_released, self.stats.flow_wait_s
+        return {"held": len(flow), "held_bytes": flow.queue.bytes,
+                "classes": {name: {"held": flow.queue.depth(k), "released": released[name],
+                                   "mean_wait_s": round(waited[name] / released[name], 3) if released[name] else None}
+                            for k, name in enumerate(CLASSES)},
+                "refused": dict(self.stats.flow_refused)}
 
 
 __all__ = ["Brain", "Pick", "endpoint"]

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..core import PinAction, Router, State, imbalance_index
+from ..core.flow import CLASSES
 from .stats import BrainStats
 
 # One family per pin action; spill and pin are labelled by kind only (their cause is fixed).
@@ -170,6 +171,17 @@ class BrainCollector(Collector):
         for why, n in sorted(b.flow_refused.items()):
             refused.add_metric([why], n)
         yield refused
+        depth = GaugeMetricFamily("warmroute_flow_queue_depth", "Requests held, by class (critical, standard, "
+                                  "sheddable)", labels=["class"])
+        released = CounterMetricFamily("warmroute_flow_released", "Held requests let go to a replica (or whose "
+                                       "client had gone by then), by class", labels=["class"])
+        waited = CounterMetricFamily("warmroute_flow_wait_seconds", "Seconds the released requests were held, by "
+                                     "class (over warmroute_flow_released_total: the mean wait)", labels=["class"])
+        for k, name in enumerate(CLASSES):
+            depth.add_metric([name], r.flow.queue.depth(k) if r.flow is not None else 0)
+            released.add_metric([name], b.flow_released[name])
+            waited.add_metric([name], b.flow_wait_s[name])
+        yield from (depth, released, waited)
 
 
 def _shared_state(s, r: Router) -> Iterable[Metric]:

@@ -10,6 +10,7 @@ from collections import Counter, deque
 from typing import Iterable
 
 from ..core import BodyStatus, Decision, PinKind, Reason
+from ..core.flow import CLASSES
 from ..core.names import PIN_EVENTS
 
 IMBALANCE_WINDOW_S = 300.0  # SPEC A5: the imbalance alert looks at 5 minutes
@@ -73,6 +74,9 @@ class BrainStats:
         self.releases_by_response = 0  # endpoint picker: released at the response's end, or its stream's
         self.picker_streams_reset = 0  # endpoint picker: a stream that ended before its response did
         self.flow_refused: Counter[str] = Counter({"queue_full": 0, "waited_too_long": 0})  # flow control's 429s
+        # flow control: held requests let go, and the seconds they waited, per class (a name of core.flow.CLASSES)
+        self.flow_released: Counter[str] = Counter({k: 0 for k in CLASSES})
+        self.flow_wait_s: Counter[str] = Counter({k: 0.0 for k in CLASSES})
         self.discovery_failures = 0  # discovery lookups that failed (the last good replica set stayed)
         self.discovery_changes = 0  # replica sets discovery applied
         self.discovery_up = 1  # 0 while the discovery source's last lookup failed

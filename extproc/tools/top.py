@@ -48,6 +48,7 @@ class Snapshot:
     transitions: list[dict] = field(default_factory=list)
     policy: str = "warm"
     selects: int = 0  # decisions the router made (fallbacks included)
+    flow: dict | None = None  # flow control's state (None: off)
 
 
 def _get_json(url: str, timeout: float = 2.0, token: str | None = None) -> dict:
@@ -78,7 +79,7 @@ def snapshot(brain_admin: str, envoy_admin: str | None, token: str | None = None
     allowed = sum(v for k, v in stats.items() if k.endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
     return Snapshot(rows, tot_d, tot_e, stats.get(f"cluster.{FALLBACK_CLUSTER}.upstream_rq_total", 0), allowed,
                     st["open_reservations"], st["decisions_by_reason"], st.get("recent_transitions", []),
-                    st.get("policy", "warm"), st.get("selects", tot_d))
+                    st.get("policy", "warm"), st.get("selects", tot_d), st.get("flow_control"))
 
 
 HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share", "envoy share",
@@ -108,6 +109,17 @@ def _totals(s: Snapshot) -> str:
     bodyless = max(0, s.fail_open - s.failure_mode_allowed)
     return (f"decisions {s.decisions}; Envoy upstream requests {s.envoy_requests}; fail-open (brain did not answer) "
             f"{s.failure_mode_allowed}; without a body (brain not asked) {bodyless}; open reservations {s.open_reservations}")
+
+
+def flow_line(s: Snapshot) -> str | None:
+    """Flow control in one line: held now and mean wait per class, refusals by reason."""
+    f = s.flow
+    if f is None:
+        return None
+    per = ", ".join(f"{name} {c['held']}" + (f" (mean wait {c['mean_wait_s']:.1f}s)" if c["mean_wait_s"] is not None
+                                             else "") for name, c in f["classes"].items())
+    refused = ", ".join(f"{why} {n}" for why, n in sorted(f["refused"].items()))
+    return f"flow control: held {f['held']} ({per}); refused {refused}"
 
 
 def low_share_reasons(s: Snapshot) -> list[str]:
@@ -156,6 +168,8 @@ def text_table(s: Snapshot, width: int | None = None) -> str:
         legend = True
     notes = [f"{r.name} last scrape error: {r.scrape_error}" for r in s.rows if r.scrape_error]
     notes.append(_totals(s) + ("  (* drained)" if any(r.drained for r in s.rows) else ""))
+    if s.flow is not None:
+        notes.append(flow_line(s))
     notes += low_share_reasons(s)
     if legend:
         notes.append(LEGEND)
@@ -185,7 +199,8 @@ def rich_view(s: Snapshot, title: str):
     for tr in reversed(s.transitions[-8:]):
         changes.add_row(f"{tr['at_s_ago']:.0f}s", tr["replica"], f"{tr['old']} -> {tr['new']}", tr["reason"],
                         f"{tr['cooldown_s']:.0f}s" if tr["new"] == "EJECTED" else "")
-    return Group(t, Text(_totals(s)), *(Text(x) for x in low_share_reasons(s)), changes)
+    flow = [Text(flow_line(s))] if s.flow is not None else []
+    return Group(t, Text(_totals(s)), *flow, *(Text(x) for x in low_share_reasons(s)), changes)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

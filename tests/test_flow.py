@@ -189,6 +189,7 @@ def test_a_request_every_replica_is_saturated_for_is_held_with_nothing_booked_an
 def test_a_newcomer_never_overtakes_its_class_and_a_critical_one_is_never_held():
     router, t = _flow_router()
     _busy(router, t)
+    router.flow.deadlines = (None, None, None)  # ~40 s predicted: a sheddable request would be refused at once
     assert router.select(prof(session="a", tokens=2000), t, hold_key="a").reason is Reason.HELD
     crit = dataclasses.replace(prof(session="c", tokens=2000), priority=CRITICAL)
     d = router.select(crit, t, hold_key="c")
@@ -218,12 +219,35 @@ def test_a_held_request_whose_replica_is_busy_does_not_block_one_that_has_room_e
 def test_a_request_held_past_its_class_s_deadline_is_refused_and_a_gone_client_leaves():
     router, t = _flow_router()
     _busy(router, t, tokens=2_000_000)
+    router.flow.deadlines = (None, None, 1e5)  # predicted to make it when held (see the admission test below)
     shed = dataclasses.replace(prof(session="b", tokens=2000), priority=SHEDDABLE)
     assert router.select(shed, t, hold_key="late").reason is Reason.HELD
     assert router.select(prof(session="g", tokens=2000), t, hold_key="gone").reason is Reason.HELD
     assert router.cancel("gone") and not router.cancel("gone")
-    router.offer(t + router.flow.deadlines[SHEDDABLE] + 0.1)
+    router.offer(t + 1e5 + 0.1)
     assert router.flow.refused == ["late"] and len(router.flow) == 0
+
+
+def test_a_request_predicted_past_its_deadline_is_refused_at_once_and_one_that_can_make_it_waits():
+    router, t = _flow_router()
+    _busy(router, t, tokens=200_000)  # ~10 s of prefill ahead on each replica at the default rates
+    wait = router.select(prof(session="w", tokens=2000), t, hold_key="w")
+    assert wait.reason is Reason.HELD  # standard: it may be held a minute
+    predicted = wait.predicted_ttft_s
+    assert 1 < predicted < router.flow.deadlines[STANDARD]
+    # its own deadline (x-warmroute-ttft-slo-ms) below the predicted first token: refused now, nothing queued
+    hurry = dataclasses.replace(prof(session="h", tokens=2000), ttft_slo_s=predicted / 2)
+    d = router.select(hurry, t, hold_key="h")
+    assert d.reason is Reason.DEADLINE and d.reservation is None and "h" not in router.flow.queue
+    # one behind the queue: refused by the queue's wait alone, without being priced
+    late = dataclasses.replace(prof(session="l", tokens=2000), ttft_slo_s=1e-3)
+    assert router.select(late, t, hold_key="l").reason is Reason.DEADLINE
+    # a deadline it can make: held, and refused only if held past it
+    easy = dataclasses.replace(prof(session="e", tokens=2000), ttft_slo_s=predicted * 10)
+    assert router.select(easy, t, hold_key="e").reason is Reason.HELD and "e" in router.flow.queue
+    # critical work is never held nor refused, whatever its deadline
+    pager = dataclasses.replace(prof(session="p", tokens=2000), priority=CRITICAL, ttft_slo_s=1e-3)
+    assert router.select(pager, t, hold_key="p").replica is not None
 
 
 def test_the_simulator_holds_and_lets_go_every_request_and_counts_its_wait_from_arrival():
@@ -257,7 +281,8 @@ def _body(chars: int, who: str) -> bytes:
 
 
 def _flow_brain(**flow):
-    return live({"flow_control": {"enabled": True, "wait_s": 5, **flow}})
+    # held a long while: a 2 MB prefill ahead is predicted to take minutes, and a shorter wait refuses at once
+    return live({"flow_control": {"enabled": True, "wait_s": 3600, **flow}})
 
 
 def test_the_brain_holds_a_saturated_request_and_answers_it_once_a_replica_has_room():
@@ -296,7 +321,7 @@ def test_a_held_request_nobody_waits_for_any_more_is_released_and_one_held_too_l
     gone = b.decide({"x-request-id": "gone"}, _body(3000, "gone"))
     late = b.decide({"x-request-id": "late"}, _body(3000, "late"))
     b.cancel(gone.key)
-    clock.t += 6  # past flow_control.wait_s: the big prefills are still predicted to run
+    clock.t += 3601  # past flow_control.wait_s: the big prefills are still predicted to run
     [(key, answer)] = b.let_go(lambda key: True)
     assert key == late.key and answer.immediate_response.status.code == 429
     headers = {h.header.key: h.header.raw_value.decode() for h in answer.immediate_response.headers.set_headers}
@@ -376,7 +401,7 @@ def test_a_noisy_tenant_adds_its_sessions_and_leaves_the_others_workload_as_it_w
 
 
 def test_a_held_request_keeps_its_body_s_bytes_within_the_bound_and_is_rewritten_like_any_once_it_goes():
-    b, clock = live({"flow_control": {"enabled": True, "wait_s": 5, "max_bytes": 40_000},
+    b, clock = live({"flow_control": {"enabled": True, "wait_s": 3600, "max_bytes": 40_000},
                      "models": {"aliases": {"friendly": "m"}}})
     for i in range(3):
         b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
@@ -464,3 +489,20 @@ def test_llm_d_flow_control_holds_while_the_mean_saturation_is_one_and_lets_go_b
     p.on_load(0, _sample(10, 0.9), 61)
     p.on_load(1, _sample(10, 0.9), 61)
     assert p.take_ready(61) == [(late, REFUSED)] and not p.holds()
+
+
+def test_a_client_s_ttft_deadline_header_refuses_at_once_what_cannot_make_it_and_a_bad_one_is_ignored():
+    from extproc.brain.brain import ttft_slo_of
+
+    assert ttft_slo_of({"x-warmroute-ttft-slo-ms": "1500"}) == 1.5 and ttft_slo_of({"x-llm-d-slo-ttft-ms": "20"}) == 0.02
+    for bad in ("soon", "-5", "0", "inf", "nan"):
+        assert ttft_slo_of({"x-warmroute-ttft-slo-ms": bad}) is None
+    b, clock = _flow_brain()
+    for i in range(3):
+        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    hurry = b.decide({"x-request-id": "h", "x-llm-d-slo-ttft-ms": "2000"}, _body(3000, "h"))
+    assert hurry.immediate_response.status.code == 429
+    headers = {h.header.key: h.header.raw_value.decode() for h in hurry.immediate_response.headers.set_headers}
+    assert headers[DROPPED_REASON_HEADER] == "deadline_unmeetable" and headers["retry-after"] == "2"
+    assert b.stats.flow_refused["deadline_unmeetable"] == 1 and len(b.router.flow) == 0
+    assert isinstance(b.decide({"x-request-id": "w", "x-warmroute-ttft-slo-ms": "soon"}, _body(3000, "w")), HeldAnswer)

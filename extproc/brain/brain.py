@@ -188,7 +188,7 @@ class Brain:
             profile = dataclasses.replace(profile, adapter=res.model)
         if hold_key is not None:
             profile = dataclasses.replace(profile, tenant=tenant_of(headers, r.profile_cfg),
-                                          priority=self._priority(headers))
+                                          priority=self._priority(headers), ttft_slo_s=ttft_slo_of(headers))
         d = r.select(profile, now, only, holder, hold_key, len(body) if body else 0)
         if d.reason is Reason.HELD:
             self._held_profile[hold_key] = (profile, res, now)  # what its decision needs once it goes
@@ -227,8 +227,8 @@ class Brain:
         if d.reason is Reason.HELD:
             self.waiting[key] = (headers, body, phase)
             return Held(key)
-        if d.reason is Reason.QUEUE_FULL:
-            return self._too_many("queue_full")
+        if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE):
+            return self._too_many(d.reason.value)
         return self._answer(d, headers, body, phase)
 
     def _answer(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str) -> ep.ProcessingResponse:
@@ -487,4 +487,23 @@ class Brain:
                 "refused": dict(self.stats.flow_refused)}
 
 
-__all__ = ["Brain", "Pick", "endpoint"]
+# a request's own time-to-first-token deadline in milliseconds; llm-d's name too, so that a gateway set up for llm-d
+# works unchanged. A client may set it: a deadline only ever gets its own request refused sooner
+TTFT_SLO_HEADERS = ("x-warmroute-ttft-slo-ms", "x-llm-d-slo-ttft-ms")
+
+
+def ttft_slo_of(headers: dict[str, str]) -> float | None:
+    """The request's deadline in seconds (None: none, or not a positive number of milliseconds: its class's)."""
+    for name in TTFT_SLO_HEADERS:
+        v = headers.get(name)
+        if v is None:
+            continue
+        try:
+            ms = float(v.strip())
+        except ValueError:
+            return None
+        return ms / 1000 if 0 < ms < float("inf") else None
+    return None
+
+
+__all__ = ["Brain", "Pick", "TTFT_SLO_HEADERS", "endpoint", "ttft_slo_of"]

@@ -72,10 +72,17 @@ class Held:
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 
 
+_REFUSED_WHY = {
+    "waited_too_long": "every replica is saturated; retry after the time given",
+    "queue_full": "the queue of requests waiting for a replica is full",
+    "deadline_unmeetable": "every replica is saturated: the first token would come after the request's deadline "
+                           "(x-warmroute-ttft-slo-ms, or its class's); retry after the time given",
+}
+
+
 def too_many_response(why: str, retry_after_s: int) -> ep.ProcessingResponse:
     """Flow control refuses the request: 429 in OpenAI's error shape, with Retry-After and the reason."""
-    out = openai_error(http_status_pb2.TooManyRequests, "every replica is saturated; retry after the time given"
-                       if why == "waited_too_long" else "the queue of requests waiting for a replica is full",
+    out = openai_error(http_status_pb2.TooManyRequests, _REFUSED_WHY.get(why, _REFUSED_WHY["queue_full"]),
                        "rate_limit_error", why, f"warmroute_flow_{why}", retry_after_s)
     out.immediate_response.headers.set_headers.append(header_value(DROPPED_REASON_HEADER, why))
     return out

@@ -167,7 +167,7 @@ class BrainCollector(Collector):
                                 "replica saturated for them); 0 while flow_control is off",
                                 value=len(r.flow) if r.flow is not None else 0)
         refused = CounterMetricFamily("warmroute_flow_refused", "Requests flow control answered 429 with Retry-After, "
-                                      "by reason (queue_full, waited_too_long)", labels=["reason"])
+                                      "by reason (queue_full, waited_too_long, deadline_unmeetable)", labels=["reason"])
         for why, n in sorted(b.flow_refused.items()):
             refused.add_metric([why], n)
         yield refused

@@ -73,7 +73,8 @@ class BrainStats:
         self.releases_by_log = 0
         self.releases_by_response = 0  # endpoint picker: released at the response's end, or its stream's
         self.picker_streams_reset = 0  # endpoint picker: a stream that ended before its response did
-        self.flow_refused: Counter[str] = Counter({"queue_full": 0, "waited_too_long": 0})  # flow control's 429s
+        self.flow_refused: Counter[str] = Counter({"queue_full": 0, "waited_too_long": 0,
+                                                            "deadline_unmeetable": 0})  # flow control's 429s
         # flow control: held requests let go, and the seconds they waited, per class (a name of core.flow.CLASSES)
         self.flow_released: Counter[str] = Counter({k: 0 for k in CLASSES})
         self.flow_wait_s: Counter[str] = Counter({k: 0.0 for k in CLASSES})
@@ -100,7 +101,8 @@ class BrainStats:
         for name in replica_names:
             for reason in Reason:
                 if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT,
-                                  Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL):
+                                  Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL,
+                                  Reason.DEADLINE):
                     self.decisions[(name, reason)] += 0
             for result in SCRAPE_RESULTS:
                 self.scrapes[(name, result)] += 0

@@ -234,9 +234,13 @@ class FlowControl:
         self.deadlines = deadlines  # per class: how long a request may be held (None: as long as it takes)
         self._expire_at = float("-inf")
 
-    def deadline(self, klass: int, now: float) -> float | None:
+    def within(self, klass: int, slo_s: float | None) -> float | None:
+        """How long a request may take to its first token, from now (None: as long as it takes): the client's own
+        deadline, never longer than its class may be held; critical work's alone."""
         d = self.deadlines[klass]
-        return None if d is None else now + d
+        if slo_s is None:
+            return d
+        return slo_s if d is None else min(slo_s, d)
 
     def expire(self, now: float) -> None:
         # a scan of every held request: at most ten a second, however often offers run

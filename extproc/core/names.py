@@ -29,6 +29,9 @@ class Reason(enum.StrEnum):
     # queue is full of its class and above
     HELD = "held"
     QUEUE_FULL = "queue_full"
+    # flow control's admission: held, its predicted time to first token (the queue ahead of it, then the best
+    # replica's wait and prefill) passes its deadline: refused at once rather than when the deadline passes
+    DEADLINE = "deadline_unmeetable"
 
 
 class PinKind(enum.StrEnum):

@@ -57,6 +57,7 @@ class RequestProfile:
     # flow control (core.flow): its priority class (0 critical, 1 standard, 2 sheddable) and whose fairness it counts to
     priority: int = 1
     tenant: str | None = None
+    ttft_slo_s: float | None = None  # the client's time-to-first-token deadline (None: its class's)
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:

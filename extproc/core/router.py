@@ -312,11 +312,16 @@ class Router:
             if flow is not None and hold_key is not None and profile.priority != CRITICAL:
                 if flow.queue.ahead(profile.priority)[0]:
                     self._ready.extend(self.offer(now))  # whatever can go now goes before it
-                if flow.queue.ahead(profile.priority)[0]:
-                    return self._hold(hold_key, profile, only, now, hold_bytes)  # never ahead of its class or above
+                n_ahead, tokens_ahead = flow.queue.ahead(profile.priority)
+                if n_ahead:  # never ahead of its class or above. Its wait: until the replica the last request
+                    # held was priced for has room, then the queue before it (not priced: a wait, not a choice)
+                    drain = getattr(self.policy, "held_drain_tps", 0.0)
+                    wait = max(0.0, getattr(self.policy, "held_free_at", 0.0) - now) + tokens_ahead / drain \
+                        if drain > 0 else None
+                    return self._hold(hold_key, profile, only, now, hold_bytes, wait)
                 d = self._select_may_hold(fleet, profile, now)
                 if d is not None and d.reason is Reason.HELD:
-                    return self._hold(hold_key, profile, only, now, hold_bytes)
+                    return self._hold(hold_key, profile, only, now, hold_bytes, d.predicted_ttft_s)
             else:
                 d = self.policy.select(fleet, profile, now)
             if flow is not None:
@@ -342,17 +347,23 @@ class Router:
             self.policy.may_hold = False
 
     def _hold(self, key: object, profile: RequestProfile, only: Collection[str] | None, now: float,
-              size: int) -> Decision:
+              size: int, predicted_s: float | None) -> Decision:
+        """Queue it, or refuse it at once (Reason.DEADLINE) when its predicted time to first token already passes
+        its deadline: the client learns now, with Retry-After, what it would learn when the deadline passed."""
         flow = self.flow
+        within = flow.within(profile.priority, profile.ttft_slo_s)
+        if within is not None and predicted_s is not None and predicted_s > within:
+            return Decision(None, Reason.DEADLINE, predicted_ttft_s=predicted_s)
         queued, displaced = flow.queue.push(Held(key, profile.priority, tenant_key(profile.tenant),
-                                                 float(profile.tokens), size, now, flow.deadline(profile.priority, now)))
+                                                 float(profile.tokens), size, now,
+                                                 None if within is None else now + within))
         if not queued:
             return Decision(None, Reason.QUEUE_FULL)
         for v in displaced:
             flow.held.pop(v.key, None)
             flow.refused.append(v.key)
         flow.held[key] = (profile, only)
-        return Decision(None, Reason.HELD)
+        return Decision(None, Reason.HELD, predicted_ttft_s=predicted_s)
 
     def offer(self, now: float) -> list[tuple[object, Decision]]:
         """Held requests that can go now, in the queue's order, each placed by the policy at this moment (late

@@ -157,6 +157,8 @@ class WarmPolicy:
         # set by the router for one select (flow control on, the request not critical): a request that every
         # candidate is saturated for is not placed but held (Reason.HELD), nothing booked
         self.may_hold = False
+        self.held_drain_tps = 0.0  # the prompt tokens per second the candidates prefilled at the last hold
+        self.held_free_at = 0.0
         self.outbox = None  # shared state: the router's Outbox while sharing is on (core.shared)
         self.trace: list | None = None  # a list: each candidate's (name, cost, ttft, cached, wait, work) is appended
         self.update_config(cfg)
@@ -441,6 +443,10 @@ class WarmPolicy:
             self.verify.append(((best.replica.name, best.engine), (ref.replica.name, ref.engine),
                                 any(e.st is best.st for e in full), mine_full - min(e.cost for e in full)))
         if self.may_hold and self._saturated(best, profile):
+            # what drains the router's queue: every candidate's prefill rate (of the shortlist's, in a big fleet: a
+            # wait overestimated there refuses a little early, never late)
+            self.held_drain_tps = sum(rate / st.scale.value for (_, st, _), rate, _ in rows)
+            self.held_free_at = now + best.wait + best.lora  # when its best replica was predicted to have room
             return Decision(None, Reason.HELD, predicted_ttft_s=best.ttft)
         self._rr, self._per = best.replica.index * per + (best.engine or 0) + 1, per
         if self.trace is not None:

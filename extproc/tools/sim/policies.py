@@ -529,7 +529,7 @@ class Warmroute(Policy):
                 self.held_total += 1
                 req.extra["held_at"] = now
                 return HOLD
-            if d.reason is Reason.QUEUE_FULL:
+            if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE):
                 return REFUSED
         else:
             d = self.router.select(self._profile(req), now, only)

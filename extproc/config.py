@@ -275,13 +275,18 @@ class SharedStateConfig:
 class FlowControlConfig:
     """Flow control (issue 34; experimental, off): a request that every replica is saturated for (even the best
     would make it wait longer than its own prefill there) waits in the brain, which holds Envoy's ext_proc call
-    open, and goes to the replica that has room first, in the queue's order (tenants by the tokens they were
-    served, then arrival). Measured in the simulator only so far (docs/routing.md "Flow control")."""
+    (or, as an endpoint picker, the gateway's pick) open, and goes to the replica that has room first, in the
+    queue's order (tenants by the tokens they were served, then arrival); one predicted to miss its deadline
+    (x-warmroute-ttft-slo-ms, or its class's) is refused at once. Measured in the simulator only so far
+    (docs/routing.md "Flow control")."""
 
     enabled: bool = False  # experimental: hold what every replica is saturated for (not yet better everywhere)
     max_requests: int = 10_000  # requests held at most; past it a newcomer gets 429 with Retry-After
     max_bytes: int = 1 << 30  # their bodies' bytes at most
-    wait_s: float = 30.0  # a request held this long is answered 429 with Retry-After (Envoy's timer is extended so)
+    # a request held this long is answered 429 with Retry-After (Envoy's timer is extended so). As an endpoint
+    # picker, keep it below the gateway's ext_proc message timeout unless the gateway sets max_message_timeout
+    # (the pick asks for this long, + 5 s): a gateway that gives up first fails the request itself
+    wait_s: float = 30.0
     retry_after_s: int = 2  # what a 429 tells the client to wait
     # the request's class, "critical" (never held), "standard" (the default) or "sheddable" (held sooner), from a
     # header only a trusted filter sets: Envoy strips it from what clients send unless trusted below
@@ -552,9 +557,6 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("envoy.brain_failover: another brain knows this one's sessions only through shared_state "
                           "(set shared_state.redis_url)")
     flow = _flow_control(doc.get("flow_control"))
-    if flow.enabled and brain.protocol != "envoy":
-        raise ConfigError("flow_control.enabled: the endpoint-picker shape does not hold requests yet (the default "
-                          "ext_proc shape does)")
     return AppConfig(replicas, router, brain, envoy, discovery, shared, flow, _aliases(doc.get("models")), source,
                      allow)
 

@@ -140,7 +140,7 @@ async def _picker_answer(brain, body: bytes) -> list:
     from extproc.picker.front import _Stream
 
     st = _Stream()
-    return [*picker._step(st, st_headers), *picker._step(st, st_body)]
+    return [*await picker._step(st, st_headers, None), *await picker._step(st, st_body, None)]
 
 
 def test_the_picker_answers_404_for_an_unknown_model_and_sends_the_rewritten_body():
@@ -244,7 +244,8 @@ def test_the_picker_answers_404_for_a_path_no_replica_serves():
         hs = ep.HttpHeaders(end_of_stream=False, headers=base_pb2.HeaderMap(headers=[
             base_pb2.HeaderValue(key=":path", raw_value=path.encode())]))
         body = ep.ProcessingRequest(request_body=ep.HttpBody(body=b'{"input": "x"}', end_of_stream=True))
-        return [*picker._step(st, ep.ProcessingRequest(request_headers=hs)), *picker._step(st, body)]
+        head = await picker._step(st, ep.ProcessingRequest(request_headers=hs), None)
+        return [*head, *await picker._step(st, body, None)]
 
     out = asyncio.run(ask("/v1/embeddings"))
     assert out[-1].immediate_response.status.code == 404

@@ -341,3 +341,50 @@ def _status(code: str) -> ep.ProcessingRequest:
     rh.response_headers.headers.headers.add(key=":status", raw_value=code.encode())
     rh.response_headers.end_of_stream = True
     return rh
+
+
+def test_with_flow_control_a_saturated_pick_waits_until_a_response_ends_and_a_gateway_gone_leaves_the_queue():
+    from extproc.brain.server import FlowWaits
+
+    cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(2)],
+                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True, "wait_s": 3600}})
+    brain = live_brain(cfg)
+    waits = FlowWaits(brain)
+
+    def big(i):
+        return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": f"big{i} " + "x" * 2_000_000}]})
+
+    async def scenario():
+        front = EndpointPicker(brain.pick, brain.end_picked, 1 << 24, brain.clock, wait=waits.wait,
+                               cancel=waits.cancel, hold_s=3605)
+        busy = [QueueCtx() for _ in range(2)]
+        tasks = [asyncio.ensure_future(front.Process(None, c)) for c in busy]
+        for i, c in enumerate(busy):  # a long prefill on each replica
+            for m in request(big(i)):
+                c.q.put_nowait(m)
+        while not all(c.out for c in busy):
+            await asyncio.sleep(0.001)
+        small, gone = QueueCtx(), QueueCtx()
+        held = asyncio.ensure_future(front.Process(None, small))
+        left = asyncio.ensure_future(front.Process(None, gone))
+        for c, who in ((small, b"small"), (gone, b"gone")):
+            for m in request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": who.decode()}]})):
+                c.q.put_nowait(m)
+        while len(brain.router.flow) < 2:
+            await asyncio.sleep(0.001)
+        waits.let_go()
+        assert small.out == []  # still saturated: no pick yet (full duplex: the gateway has no message timer to move)
+        left.cancel()  # the gateway closed that stream: it leaves the queue at once
+        while len(brain.router.flow) > 1:
+            await asyncio.sleep(0.001)
+        for m in response(served=picked(busy[0].out)[0].split(",")[0]):  # one long response ends
+            busy[0].q.put_nowait(m)
+        await asyncio.wait_for(tasks[0], 5)
+        waits.let_go()
+        while not any(o.HasField("request_headers") for o in small.out):
+            await asyncio.sleep(0.001)
+        return picked([o for o in small.out if o.HasField("request_headers")])[0], busy
+
+    endpoint, busy = asyncio.run(scenario())
+    assert endpoint.split(",")[0] == picked(busy[0].out)[0].split(",")[0]  # where the room was
+    assert len(brain.router.flow) == 0 and brain.stats.flow_released["standard"] == 1

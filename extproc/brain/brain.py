@@ -53,11 +53,15 @@ class Pick:
     unknown_model: str | None = None  # no replica serves the model the body names: answer 404
     unserved_path: str | None = None  # no replica (of the model) serves the request's path: answer 404
     immediate: "ep.ProcessingResponse | None" = None  # the answer to give at once instead (a 413)
+    held: object = None  # flow control holds it: the pick comes later from ``let_go`` under this key
 
 
 def _path(headers: dict[str, str]) -> str:
     """The request's path without its query (Envoy's ``request.url_path`` attribute, or the ``:path`` header)."""
     return headers.get(":path", "").split("?", 1)[0]
+
+
+PICK = "pick"  # a held request's phase when the endpoint picker's front waits for it (its answer is a Pick)
 
 
 class Brain:
@@ -225,7 +229,7 @@ class Brain:
         key = next(self._hold_keys) if self.router.flow is not None else None
         d = self.choose(headers, body, hold_key=key)
         if d.reason is Reason.HELD:
-            self.waiting[key] = (headers, body, phase)
+            self.waiting[key] = (headers, body, phase, None)
             return Held(key)
         if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE):
             return self._too_many(d.reason.value)
@@ -258,18 +262,22 @@ class Brain:
         now = self.clock()
         out = []
         for key, d in self.router.offer(now):
-            headers, body, phase = self.waiting.pop(key)
+            headers, body, phase, only = self.waiting.pop(key)
             profile, res, held_at = self._held_profile.pop(key)
             self.stats.flow_released[CLASSES[profile.priority]] += 1
             self.stats.flow_wait_s[CLASSES[profile.priority]] += now - held_at
             if not answered(key):
                 self.router.release(d.reservation, now)
                 continue
-            out.append((key, self._answer(self._decided(d, profile, res, now), headers, body, phase)))
+            d = self._decided(d, profile, res, now)
+            out.append((key, self._pick_of(d, headers, body, only) if phase == PICK
+                        else self._answer(d, headers, body, phase)))
         for key in flow.refused:
-            if self.waiting.pop(key, None) is not None:
+            held = self.waiting.pop(key, None)
+            if held is not None:
                 self._held_profile.pop(key, None)
-                out.append((key, self._too_many("waited_too_long")))
+                answer = self._too_many("waited_too_long")
+                out.append((key, Pick([], None, immediate=answer) if held[2] == PICK else answer))
         flow.refused.clear()
         return out
 
@@ -307,7 +315,18 @@ class Brain:
             only = {self.releaser.by_address[a] for a in subset if a in self.releaser.by_address}
             if not only:
                 return Pick([], None, None, subset_empty=True)
-        d = self.choose(headers, body, only)
+        key = next(self._hold_keys) if self.router.flow is not None else None
+        d = self.choose(headers, body, only, hold_key=key)
+        if d.reason is Reason.HELD:
+            self.waiting[key] = (headers, body, PICK, only)
+            return Pick([], None, held=key)
+        if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE):
+            return Pick([], None, immediate=self._too_many(d.reason.value))
+        return self._pick_of(d, headers, body, only)
+
+    def _pick_of(self, d: Decision, headers: dict[str, str], body: bytes | None,
+                 only: "set[str] | None") -> Pick:
+        """A placed decision as the endpoint picker's answer."""
         if d.reason == Reason.UNKNOWN_MODEL:
             return Pick([], None, unknown_model=d.model or "", immediate=self._immediate(d, headers))
         if d.reason == Reason.UNSERVED_PATH:

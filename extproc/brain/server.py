@@ -213,14 +213,19 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
     server = grpc.aio.server(options=grpc_server_options(cfg))
     # not the generated add_*_to_server: a header of bytes that are not UTF-8 must not make Envoy's message unreadable
-    waits = None
+    waits = FlowWaits(brain)
     if b.protocol == "endpoint-picker":
         def reset() -> None:
             brain.stats.picker_streams_reset += 1
 
-        front = EndpointPicker(brain.pick, brain.end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset).Process
+        def end_picked(*args) -> None:  # a response's end: a held request may go now
+            brain.end_picked(*args)
+            if brain.waiting:
+                waits.woken.set()
+
+        front = EndpointPicker(brain.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,
+                               wait=waits.wait, cancel=waits.cancel, hold_s=cfg.flow_control.wait_s + 5).Process
     else:
-        waits = FlowWaits(brain)
         front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
                                   cfg.flow_control.wait_s + 5).Process
     add_service(server, EXT_PROC_SERVICE, "Process", front, "stream_stream", ep.ProcessingRequest,
@@ -230,7 +235,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
                    open_reservations=brain.router.open_reservations)
 
     add_service(server, "envoy.service.accesslog.v3.AccessLogService", "StreamAccessLogs",
-                AccessLogService(waits.on_log_entry if waits is not None and cfg.flow_control.enabled
+                AccessLogService(waits.on_log_entry if cfg.flow_control.enabled
                                  else brain.on_log_entry, brain.envoy,
                                  envoy_gone).StreamAccessLogs, "stream_unary",
                 als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse)
@@ -305,7 +310,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
                                                 brain.discovery_ok), name="discovery"))
     if shared is not None:
         tasks.append(asyncio.create_task(shared.run(), name="shared_state"))
-    if cfg.flow_control.enabled and b.protocol != "endpoint-picker":
+    if cfg.flow_control.enabled:
         tasks.append(asyncio.create_task(waits.loop(), name="flow_control"))
     # a static fleet is known now; the scraper runs, so the wait for a LIVE replica (shared state) can end
     readying = asyncio.create_task(become_ready(), name="ready") if brain.discovered else None  # held: not collected

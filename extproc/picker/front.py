@@ -23,9 +23,10 @@ import itertools
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
+from google.protobuf.duration_pb2 import Duration
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -56,6 +57,7 @@ class PickResult(Protocol):
     unknown_model: "str | None"  # the body names a model no endpoint serves (answered 404), or None
     unserved_path: "str | None"  # no endpoint (of the model) serves the request's path (answered 404), or None
     immediate: "ep.ProcessingResponse | None"  # an answer to give at once instead (a 413), or None
+    held: Any  # flow control holds it: ``wait(held)`` gives the pick later; None: this is the pick
 
 
 # (headers, body or None, the gateway's subset or None) -> the pick
@@ -179,8 +181,13 @@ class _Stream:
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def __init__(self, pick: Pick, end: End, body_max_bytes: int, clock: Callable[[], float] = time.monotonic,
-                 on_reset: Callable[[], None] | None = None, buffered_max_bytes: int | None = None):
+                 on_reset: Callable[[], None] | None = None, buffered_max_bytes: int | None = None,
+                 wait: "Callable[[object], Awaitable[Any]] | None" = None,
+                 cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0):
         self.pick = pick
+        # flow control: how to wait for a held request's pick (a future, registered at once), to give it up when the
+        # gateway closes the stream, and how long to ask the gateway's message timer to wait
+        self.wait, self.cancel, self.hold_s = wait, cancel, hold_s
         self.end = end
         self.body_max_bytes = body_max_bytes  # larger bodies: decided on the headers, streamed through
         # bodies held across every stream at once: past it a body is decided on its headers and streamed through, so
@@ -200,7 +207,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 if req.HasField("protocol_config"):
                     st.request_mode = req.protocol_config.request_body_mode
                     st.response_duplex = req.protocol_config.response_body_mode == _DUPLEX
-                for out in self._step(st, req):
+                for out in await self._step(st, req, context):
                     await context.write(out)
                     if out.HasField("immediate_response"):
                         return
@@ -221,9 +228,22 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         st.size = 0
         return held
 
-    def _decide(self, st: _Stream, body: bytes | None, phase: str = "request_headers") -> ep.ProcessingResponse:
+    async def _decide(self, st: _Stream, body: bytes | None, context,
+                      phase: str = "request_headers") -> ep.ProcessingResponse:
         st.answered = True
         p = self.pick(st.headers, body, st.subset)
+        if p.held is not None:  # flow control holds it: the pick comes once a replica has room (or a 429)
+            answer = self.wait(p.held)  # registered before any await: the pick may come at the next tick
+            try:
+                if st.request_mode != _DUPLEX:
+                    # a gateway whose ext_proc filter sets max_message_timeout waits this long for the answer; one
+                    # that does not ignores it, and its own message timeout bounds the wait
+                    await context.write(ep.ProcessingResponse(override_message_timeout=Duration(
+                        seconds=int(self.hold_s), nanos=int(self.hold_s % 1 * 1e9))))
+                p = await answer
+            except BaseException:
+                self.cancel(p.held)
+                raise
         if p.immediate is not None:
             return p.immediate
         if p.unknown_model is not None:
@@ -239,22 +259,22 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         return destination_answer(p.endpoints, len(sent) if sent is not None and phase == "request_headers" else None,
                                   phase, p.dp_rank, p.body if phase == "request_body" else None)
 
-    def _step(self, st: _Stream, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+    async def _step(self, st: _Stream, req: ep.ProcessingRequest, context) -> list[ep.ProcessingResponse]:
         kind = req.WhichOneof("request")
         if kind == "request_headers":
             st.headers = headers_of(req.request_headers)
             st.subset = subset_of(req)
             if req.request_headers.end_of_stream:
-                return [self._decide(st, None)]
+                return [await self._decide(st, None, context)]
             if st.request_mode in _BUFFERED:
                 return [_PASS[kind]]  # the decision rides on the body's answer
             if st.request_mode != _DUPLEX:
-                return [self._decide(st, None)]  # STREAMED: Envoy waits for this answer before any body
+                return [await self._decide(st, None, context)]  # STREAMED: Envoy waits for this answer before any body
             return []  # full duplex: the answer waits for the body
         if kind == "request_body":
             chunk = req.request_body
             if st.request_mode in _BUFFERED:
-                return [self._decide(st, chunk.body, "request_body")] if not st.answered else [_PASS[kind]]
+                return [await self._decide(st, chunk.body, context, "request_body")] if not st.answered else [_PASS[kind]]
             if st.request_mode != _DUPLEX:
                 return [_PASS[kind]]
             if st.answered:  # a big body, decided on its headers: pass it on as it comes
@@ -264,12 +284,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             self.buffered += len(chunk.body)
             if chunk.end_of_stream:
                 body = self._drop_held(st)
-                answer = self._decide(st, body)
+                answer = await self._decide(st, body, context)
                 if answer.HasField("immediate_response"):
                     return [answer]
                 return [answer, *body_chunks(st.new_body if st.new_body is not None else body, True)]
             if st.size > self.body_max_bytes or self.buffered > self.buffered_max_bytes:
-                answer = self._decide(st, None)
+                answer = await self._decide(st, None, context)
                 held = self._drop_held(st)
                 if answer.HasField("immediate_response"):
                     return [answer]
@@ -279,7 +299,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             out: list[ep.ProcessingResponse] = []
             if not st.answered:  # a body that ended in trailers: decide on what came
                 body = self._drop_held(st)
-                answer = self._decide(st, body)
+                answer = await self._decide(st, body, context)
                 if answer.HasField("immediate_response"):
                     return [answer]
                 out += [answer, *body_chunks(st.new_body if st.new_body is not None else body, False)]

@@ -245,14 +245,14 @@ def _load_peers_cache(path: str, fingerprint: str) -> dict:
     return doc["runs"]
 
 
-def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
-    """Ratios to the best peer on each number separately (the best p50 and the best p99 may be two peers)."""
-    mine = [p for p in args.mine.split(",") if p]
-    shape = (args.minutes, args.replicas, args.replica_speeds, args.sessions_per_min, args.oneshots_per_min, args.projects)
+def _runs(args, loads: list[float], seeds: list[int], mine: list[str], peers) -> dict:
+    """Every (policy, load, seed)'s summary; the peers' from --peers-cache where it holds them."""
+    shape = (args.minutes, args.replicas, args.replica_speeds, args.sessions_per_min, args.oneshots_per_min,
+             args.projects, getattr(args, "noisy_tenant", 0.0))
     fingerprint = simulator_fingerprint()
     cached: dict = _load_peers_cache(args.peers_cache, fingerprint) if args.peers_cache else {}
-    jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *PEERS]
-            if p not in PEERS or (shape, p, L, s) not in cached]
+    jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *peers]
+            if p not in peers or (shape, p, L, s) not in cached]
     if args.jobs > 1:
         from multiprocessing import Pool
 
@@ -263,11 +263,18 @@ def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
     got = {(p, L, s): r for (shape_, p, L, s), r in cached.items() if shape_ == shape}
     got.update({(j[0], j[3], j[2]): r for j, r in zip(jobs, flat)})
     if args.peers_cache:
-        cached.update({(shape, p, L, s): r for (p, L, s), r in got.items() if p in PEERS})
+        cached.update({(shape, p, L, s): r for (p, L, s), r in got.items() if p in peers})
         tmp = f"{args.peers_cache}.tmp"
         with open(tmp, "wb") as f:
             pickle.dump({"fingerprint": fingerprint, "runs": cached}, f)
         os.replace(tmp, args.peers_cache)  # an interrupted run leaves the old cache whole
+    return got
+
+
+def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
+    """Ratios to the best peer on each number separately (the best p50 and the best p99 may be two peers)."""
+    mine = [p for p in args.mine.split(",") if p]
+    got = _runs(args, loads, seeds, mine, PEERS)
     print("ratios to the best peer on each number: TTFT p50, TTFT p99, prefix hits (points), output tok/s; "
           f"peers: {', '.join(PEERS)}")
     for L in loads:
@@ -302,15 +309,7 @@ def flow_versus(args, loads: list[float], seeds: list[int]) -> int:
     again after Retry-After) beside."""
     mine = [FLOW, "warmroute"]
     peers = [*PEERS, *FLOW_PEERS]
-    jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *peers]]
-    if args.jobs > 1:
-        from multiprocessing import Pool
-
-        with Pool(args.jobs) as pool:
-            flat = pool.starmap(_summary_at, jobs)
-    else:
-        flat = [_summary_at(*j) for j in jobs]
-    got = {(j[0], j[3], j[2]): r for j, r in zip(jobs, flat)}
+    got = _runs(args, loads, seeds, mine, peers)
     fc = next(iter(FLOW_PEERS))
     print("standard TTFT p99 / the best peer's (p99 best) and / llm-d flow control's (p99 fc); goodput (requests that "
           "met their class's TTFT deadline: 1 s critical, 2 s standard, 10 s sheddable) and output tok/s / the best "

@@ -1,6 +1,7 @@
 """Flow control with a real Envoy (issue 34, experimental): the brain holds a request every replica is saturated
 for past Envoy's ext_proc message timeout (override_message_timeout), and answers it once a replica has room;
-Envoy does not fail open meanwhile."""
+Envoy does not fail open meanwhile. In both shapes: the brain as Envoy's ext_proc service, and as the endpoint
+picker of a gateway (buffered bodies, and full duplex as GIE gateways run it)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,17 @@ def _metric(s, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def test_a_saturated_fleet_holds_the_request_in_the_brain_past_envoy_s_timeout_and_then_serves_it(own_stack):
-    s = own_stack(2, config={"flow_control": {"enabled": True, "wait_s": 30},
-                             "envoy": {**FAST["envoy"], "ext_proc_timeout_s": 1.0}}, mock_args=["--speedup", "1"])
+SHAPES = pytest.mark.parametrize("shape", [{}, {"brain": {"protocol": "endpoint-picker"}},
+                                            {"brain": {"protocol": "endpoint-picker"},
+                                             "envoy": {"picker_body_mode": "full-duplex"}}],
+                                   ids=["ext_proc", "picker-buffered", "picker-full-duplex"])
+
+
+@SHAPES
+def test_a_saturated_fleet_holds_the_request_in_the_brain_past_envoy_s_timeout_and_then_serves_it(own_stack, shape):
+    s = own_stack(2, config={**shape, "flow_control": {"enabled": True, "wait_s": 30},
+                             "envoy": {**FAST["envoy"], **shape.get("envoy", {}), "ext_proc_timeout_s": 1.0}},
+                  mock_args=["--speedup", "1"])
     s.wait_all_live(30)
     out: dict = {}
     # a long prompt on each replica: seconds of prefill ahead of anything that comes next
@@ -59,5 +68,6 @@ def test_a_saturated_fleet_holds_the_request_in_the_brain_past_envoy_s_timeout_a
     # ... without Envoy failing open: the brain placed it (a decision of its own) once a replica had room
     assert s.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) == failed_open
     assert sum(r["decisions"] for r in s.state()["replicas"]) == 3
+    assert s.state()["flow_control"]["classes"]["standard"]["released"] == 1
     wait_for(lambda: s.state()["open_reservations"] == 0, 20, "every request released")
     assert _metric(s, "warmroute_flow_held_requests") == 0

@@ -77,7 +77,7 @@ test: install system-deps
 	install=$$!; \
 	( nice -n 10 $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not integration" > $(ENGINE_DIR)/unit.log 2>&1; echo $$? > $(ENGINE_DIR)/unit.rc ) & \
 	unit=$$!; \
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "integration and not real_engine"; rc=$$?; wait $$install; \
+	$(PY) -m pytest -q -n 2 -m "integration and not real_engine"; rc=$$?; wait $$install; \
 	if [ "$$(cat $(ENGINE_DIR)/install.rc)" != 0 ]; then echo "make engines failed:"; grep -v "^WARNING: Location" $(ENGINE_DIR)/install.log | tail -30; wait; exit 1; fi; \
 	$(PY) -m pytest -q -p no:cacheprovider -m real_engine || rc=1; wait $$unit; \
 	echo "--- no process: pytest -m 'not integration' ($(ENGINE_DIR)/unit.log)"; tail -30 $(ENGINE_DIR)/unit.log; \

@@ -20,9 +20,9 @@ from extproc.tools.stack import Stack, wait_for
 from ..helpers import stop_group
 from .conftest import FAST
 
-# both tests on one worker of make test: one image, built once (two workers built the same tag at once, and
-# one's teardown removed it under the other's inspect)
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("image")]
+# one test, so one worker of make test builds the image (two workers built the same tag at once and one's
+# teardown removed it under the other's build; xdist's loadgroup does not group tests under pytest 9)
+pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "localhost/warmroute:test"
 
@@ -53,14 +53,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_image_runs_as_non_root_with_a_grpc_health_check(image):
-    cfg = image["OCIv1"]["config"]
-    assert cfg["User"] == "10001:10001"
-    assert cfg["Entrypoint"][:2] == ["warmroute", "brain"]
+def test_the_brain_started_from_the_image_runs_as_non_root_and_routes_a_request(image, tmp_path):
+    conf = image["OCIv1"]["config"]
+    assert conf["User"] == "10001:10001"
+    assert conf["Entrypoint"][:2] == ["warmroute", "brain"]
     assert image["Docker"]["config"]["Healthcheck"]["Test"][:3] == ["CMD", "warmroute", "health"]
-
-
-def test_the_brain_started_from_the_image_routes_a_request(image, tmp_path):
     grpc_port = free_port()
     cfg = {k: dict(v) for k, v in FAST.items()}
     cfg["brain"] = {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": grpc_port, "insecure": True,

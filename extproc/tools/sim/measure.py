@@ -49,8 +49,8 @@ def window_numbers(requests: list[Request], minutes: float, warmup_min: float, s
 
 def per_class(requests: list[Request], lo: float, hi: float) -> dict:
     """Per class, of the requests that arrived in [lo, hi): TTFT p50/p99 of those answered (from their first
-    attempt), and goodput: those whose TTFT met their class's deadline, per minute. A request refused and never
-    answered, or failed, is counted in the class but not in goodput."""
+    attempt; absent when none was), and goodput: those whose TTFT met their class's deadline, per minute. A request
+    refused and never answered, or failed, is counted in the class but not in goodput."""
     out: dict = {}
     minutes = (hi - lo) / 60 if hi > lo else float("nan")
     good_all = 0
@@ -60,9 +60,10 @@ def per_class(requests: list[Request], lo: float, hi: float) -> dict:
         good = sum(1 for t in ttft if t <= GOODPUT_TTFT_S[k])
         good_all += good
         out[f"{name}_requests"] = len(rs)
-        out[f"{name}_ttft_p50"] = pct(ttft, 0.5)
-        out[f"{name}_ttft_p99"] = pct(ttft, 0.99)
         out[f"{name}_goodput"] = good / minutes
-        out[f"{name}_met"] = good / len(rs) if rs else float("nan")
+        if ttft:  # a class with nothing answered has no percentiles (not nan: a summary equals itself)
+            out[f"{name}_ttft_p50"] = pct(ttft, 0.5)
+            out[f"{name}_ttft_p99"] = pct(ttft, 0.99)
+            out[f"{name}_met"] = good / len(rs)
     out["goodput"] = good_all / minutes
     return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
-from google.protobuf.duration_pb2 import Duration
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -33,7 +32,7 @@ from ..core.apis import Api, api_of, response_not_found_body
 from ..core.names import Reason
 from ..core.profile import declared_size
 from ..picker.messages import (anthropic_shaped, header_value, headers_of, json_response, model_not_found_response,
-                               openai_error, path_not_served_response)
+                               openai_error, path_not_served_response, wait_longer)
 
 # (headers, body or None, the ext_proc phase being answered) -> the answer
 Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]
@@ -169,8 +168,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             answer = self.wait(out.key)  # registered before any await: the answer may come at the next tick
             try:
                 # Envoy gives up on the call (and fails open) after its message_timeout: held, it waits longer
-                await context.write(ep.ProcessingResponse(override_message_timeout=Duration(
-                    seconds=int(self.hold_s), nanos=int(self.hold_s % 1 * 1e9))))
+                await context.write(wait_longer(self.hold_s))
                 out = await answer
             except BaseException:
                 self.cancel(out.key)

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
-from google.protobuf.duration_pb2 import Duration
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
@@ -42,7 +41,8 @@ from ..contract import (
     SUBSET_NAMESPACE,
 )
 from ..core.profile import CONTENT_LENGTH
-from .messages import header_value, headers_of, model_not_found_response, openai_error, path_not_served_response
+from .messages import (header_value, headers_of, model_not_found_response, openai_error, path_not_served_response,
+                       wait_longer)
 
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"  # Envoy's attribute: the endpoint that served (response side)
 _FAULT_CODES = frozenset({502, 503, 504})
@@ -238,8 +238,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 if st.request_mode != _DUPLEX:
                     # a gateway whose ext_proc filter sets max_message_timeout waits this long for the answer; one
                     # that does not ignores it, and its own message timeout bounds the wait
-                    await context.write(ep.ProcessingResponse(override_message_timeout=Duration(
-                        seconds=int(self.hold_s), nanos=int(self.hold_s % 1 * 1e9))))
+                    await context.write(wait_longer(self.hold_s))
                 p = await answer
             except BaseException:
                 self.cancel(p.held)

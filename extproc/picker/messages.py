@@ -6,6 +6,7 @@ import json
 from typing import Collection
 
 from envoy.config.core.v3 import base_pb2
+from google.protobuf.duration_pb2 import Duration
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
@@ -25,6 +26,13 @@ def headers_of(msg: ep.HttpHeaders) -> dict[str, str]:
     for h in msg.headers.headers:
         out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
     return out
+
+
+def wait_longer(seconds: float) -> ep.ProcessingResponse:
+    """Flow control holds the request: Envoy's message timer for this call, extended to ``seconds`` (within the
+    filter's max_message_timeout; a filter without one ignores it), so that Envoy neither fails open nor gives up."""
+    return ep.ProcessingResponse(override_message_timeout=Duration(seconds=int(seconds),
+                                                                   nanos=int(seconds % 1 * 1e9)))
 
 
 def json_response(status: int, doc: dict, details: str) -> ep.ProcessingResponse:

@@ -257,11 +257,23 @@ def main(argv: list[str] | None = None) -> int:
             wait_for(lambda: sready2.exists() and json.loads(sready2.read_text()), 30, "the second process", second)
             cfg_two = dataclasses.replace(cfg_shared, envoy=dataclasses.replace(
                 cfg_shared.envoy, brain_endpoints=(f"unix:{work / 'shared2.sock'}",)))
+        # a brain with flow control on (issue 34): what a request that is not held pays for the queue's checks
+        flow_doc = {**cfg_doc, "brain": {**cfg_doc["brain"], "grpc_port": None, "grpc_socket": str(work / "flow.sock"),
+                                         "admin_port": 0, "admin_token_file": str(work / "flow.token")},
+                    "flow_control": {"enabled": True}}
+        (work / "flow.yaml").write_text(yaml.safe_dump(flow_doc))
+        fready = work / "flow.ready.json"
+        flow_brain = Proc("brain-flow", _cli("brain", "--config", str(work / "flow.yaml"), "--ready-file", str(fready)),
+                          work)
+        procs.append(flow_brain)
+        finfo = wait_for(lambda: fready.exists() and json.loads(fready.read_text()), 30, "the flow brain", flow_brain)
+        cfg_flow = load_config(work / "flow.yaml")
         # one brain, two Envoys in front of it: one reaches it over TCP loopback, one over its Unix socket
         fronts = {"direct": Envoy("direct", direct_front(fleet.ports), work),
                   "do-nothing, TCP": Envoy("floor", bootstrap(cfg_floor), work),
                   "brain over TCP": Envoy("warmroute-tcp", bootstrap(cfg_tcp), work),
                   "brain over unix": Envoy("warmroute-unix", bootstrap(cfg_unix), work),
+                  "brain, flow ctl": Envoy("warmroute-flow", bootstrap(cfg_flow), work),
                   **({"brain shared, unix": Envoy("warmroute-shared", bootstrap(cfg_shared), work),
                       "2 brains, unix": Envoy("warmroute-two", bootstrap(cfg_two), work)}
                      if cfg_shared is not None else {})}
@@ -286,9 +298,21 @@ def main(argv: list[str] | None = None) -> int:
             added = f"{(p50 - d50) * 1e3:>11.2f}{(p99 - d99) * 1e3:>11.2f}" if name != "direct" else ""
             print(f"{name:<17}{p50 * 1e3:>8.2f}{p99 * 1e3:>8.2f}{added}")
         print("targets: added p50 <= 0.6 ms, p99 <= 2.0 ms")
+        flow_state = f"http://127.0.0.1:{finfo['admin_port']}/state"
+        flow_auth = {"Authorization": "Bearer " + (work / "flow.token").read_text().strip()}
+
+        def held_by_flow() -> int:
+            f = json.loads(admin_http.request(flow_state, headers=flow_auth))["flow_control"]
+            return sum(c["released"] for c in f["classes"].values()) + sum(f["refused"].values())
+
+        print(f"flow control on (issue 34; nothing is held at this rate: {held_by_flow()} held so far): p50 "
+              f"{pct(res['brain, flow ctl'], 0.5) / pct(res['brain over unix'], 0.5):.2f}x, p99 "
+              f"{pct(res['brain, flow ctl'], 0.99) / pct(res['brain over unix'], 0.99):.2f}x the same brain without it "
+              "(target: nothing measurable)")
 
         print(f"\nmaximum req/s (wrk, 1 thread, {args.wrk_connections} connections, {args.wrk_seconds} s, 2 KB bodies)")
-        serving = {"do-nothing, TCP": [floor], "brain over TCP": [brain], "brain over unix": [brain]}
+        serving = {"do-nothing, TCP": [floor], "brain over TCP": [brain], "brain over unix": [brain],
+                   "brain, flow ctl": [flow_brain]}
         if cfg_shared is not None:
             serving["brain shared, unix"] = serving["2 brains, unix"] = [shared_brain, second]
         rps, cpu = {}, {}
@@ -307,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
             print("through the brain against the do-nothing server in front of the same Envoy: " + ", ".join(
                 f"{name} {rps[name] / floor_rps:.2f}x" for name in ("brain over TCP", "brain over unix"))
                 + " (target: >= 0.6x with one process)")
+            print(f"flow control on: {rps['brain, flow ctl'] / rps['brain over unix']:.2f}x the requests/s of the "
+                  f"same brain without it ({held_by_flow()} requests held or refused over both runs: wrk's 32 "
+                  "connections on 4 replicas saturate them in the brain's model)")
             if "2 brains, unix" in rps:
                 print(f"two brain processes sharing state behind one Envoy (envoy.brain_endpoints), against the "
                       f"do-nothing server: {rps['2 brains, unix'] / floor_rps:.2f}x, against one brain over unix: "
@@ -341,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                       "(target: >= 0.95x)")
 
         print("\nadded latency by body size (sequential, median of n)")
-        short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix",
+        short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix", "brain, flow ctl": "flow ctl",
                  "brain shared, unix": "shared unix", "2 brains, unix": "2 brains"}
         print(f"{'body':<8}{'n':>5}{'direct ms':>11}" + "".join(f"{'+' + short[n]:>14}" for n in names[1:]))
         for label, size, n in (("1 KB", 1024, 200), ("1 MB", 2**20, 30), ("16 MB", 16 * 2**20, 6)):

@@ -148,6 +148,10 @@ def test_the_queue_keeps_its_bounds_its_books_and_its_class_order(ops):
             inside.pop(op[1], None)
         assert len(q) == len(inside) <= 12
         assert q.bytes == sum(x.size for x in inside.values()) <= 1500
+        for k in (CRITICAL, STANDARD, SHEDDABLE):  # the counts kept as requests come and go, against the truth
+            mine = [x for x in inside.values() if x.klass <= k]
+            assert q.depth(k) == sum(x.klass == k for x in inside.values())
+            assert q.ahead(k) == (len(mine), pytest.approx(sum(x.tokens for x in mine)))
 
 
 # ------------------------------------------------------------------ the router's side (Router.flow)

@@ -354,6 +354,12 @@ def test_with_flow_control_a_saturated_pick_waits_until_a_response_ends_and_a_ga
     def big(i):
         return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": f"big{i} " + "x" * 2_000_000}]})
 
+    async def until(cond, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + 10
+        while not cond():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.001)
+
     async def scenario():
         front = EndpointPicker(brain.pick, brain.end_picked, 1 << 24, brain.clock, wait=waits.wait,
                                cancel=waits.cancel, hold_s=3605)
@@ -362,29 +368,58 @@ def test_with_flow_control_a_saturated_pick_waits_until_a_response_ends_and_a_ga
         for i, c in enumerate(busy):  # a long prefill on each replica
             for m in request(big(i)):
                 c.q.put_nowait(m)
-        while not all(c.out for c in busy):
-            await asyncio.sleep(0.001)
+        await until(lambda: all(c.out for c in busy), "both long requests picked")
         small, gone = QueueCtx(), QueueCtx()
         held = asyncio.ensure_future(front.Process(None, small))
         left = asyncio.ensure_future(front.Process(None, gone))
         for c, who in ((small, b"small"), (gone, b"gone")):
             for m in request(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": who.decode()}]})):
                 c.q.put_nowait(m)
-        while len(brain.router.flow) < 2:
-            await asyncio.sleep(0.001)
+        await until(lambda: len(brain.router.flow) == 2, "two picks held")
         waits.let_go()
         assert small.out == []  # still saturated: no pick yet (full duplex: the gateway has no message timer to move)
         left.cancel()  # the gateway closed that stream: it leaves the queue at once
-        while len(brain.router.flow) > 1:
-            await asyncio.sleep(0.001)
+        await until(lambda: len(brain.router.flow) == 1, "the closed stream out of the queue")
         for m in response(served=picked(busy[0].out)[0].split(",")[0]):  # one long response ends
             busy[0].q.put_nowait(m)
         await asyncio.wait_for(tasks[0], 5)
         waits.let_go()
-        while not any(o.HasField("request_headers") for o in small.out):
-            await asyncio.sleep(0.001)
+        await until(lambda: any(o.HasField("request_headers") for o in small.out), "the held pick answered")
         return picked([o for o in small.out if o.HasField("request_headers")])[0], busy
 
     endpoint, busy = asyncio.run(scenario())
     assert endpoint.split(",")[0] == picked(busy[0].out)[0].split(",")[0]  # where the room was
     assert len(brain.router.flow) == 0 and brain.stats.flow_released["standard"] == 1
+
+
+def test_a_held_pick_placed_as_the_gateway_leaves_gives_its_reservation_back():
+    from extproc.brain.server import FlowWaits
+
+    cfg = parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:8000"}],
+                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True, "wait_s": 3600}})
+    brain = live_brain(cfg)
+    waits = FlowWaits(brain)
+    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "big " + "x" * 2_000_000}]})
+    small = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "small"}]})
+
+    async def scenario():
+        front = EndpointPicker(brain.pick, brain.end_picked, 1 << 24, brain.clock, wait=waits.wait,
+                               cancel=waits.cancel, hold_s=3605)
+        first = brain.pick({":path": "/v1/chat/completions"}, big, None)
+        ctx = QueueCtx()
+        task = asyncio.ensure_future(front.Process(None, ctx))
+        for m in request(small):
+            ctx.q.put_nowait(m)
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(brain.router.flow) < 1:
+            assert asyncio.get_running_loop().time() < deadline, "the pick held"
+            await asyncio.sleep(0.001)
+        brain.router.release(first.reservation, brain.clock())
+        waits.let_go()  # placed: its answer is ready ...
+        assert brain.router.open_reservations == 1
+        task.cancel()  # ... and the gateway closes the stream before the front takes it
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert brain.router.open_reservations == 0 and len(brain.router.flow) == 0

@@ -51,6 +51,9 @@ class FlowQueue:
         self._by_key: dict[object, Held] = {}
         self.counters: dict[str | None, float] = {}  # the virtual token counter of every tenant seen
         self.bytes = 0
+        # per class: requests and tokens queued, kept as they come and go (asked on every arrival while any wait)
+        self._n = [0] * len(CLASSES)
+        self._tokens = [0.0] * len(CLASSES)
         self._seq = 0
         self._last = 0.0  # the counter of the tenant served last
 
@@ -61,7 +64,7 @@ class FlowQueue:
         return key in self._by_key
 
     def depth(self, klass: int) -> int:
-        return sum(len(q) for q in self._queues[klass].values())
+        return self._n[klass]
 
     # ------------------------------------------------------------- admission
 
@@ -100,6 +103,8 @@ class FlowQueue:
         q.append(h)
         self._by_key[h.key] = h
         self.bytes += h.size
+        self._n[h.klass] += 1
+        self._tokens[h.klass] += h.tokens
 
     # ---------------------------------------------------------------- release
 
@@ -189,12 +194,7 @@ class FlowQueue:
     def ahead(self, klass: int) -> tuple[int, float]:
         """Requests and tokens that would go before a newcomer of ``klass`` (its class and above, fairness
         aside): what its wait in the queue is made of."""
-        n, tokens = 0, 0.0
-        for per in self._queues[:klass + 1]:
-            for q in per.values():
-                n += len(q)
-                tokens += sum(h.tokens for h in q)
-        return n, tokens
+        return sum(self._n[:klass + 1]), sum(self._tokens[:klass + 1])
 
     # ------------------------------------------------------------- internals
 
@@ -206,6 +206,10 @@ class FlowQueue:
             del per[h.tenant]
         del self._by_key[h.key]
         self.bytes -= h.size
+        self._n[h.klass] -= 1
+        self._tokens[h.klass] -= h.tokens
+        if not self._n[h.klass]:
+            self._tokens[h.klass] = 0.0  # no float drift left behind an empty class
 
     def _waiting(self, tenant: str | None) -> bool:
         return any(tenant in per for per in self._queues)

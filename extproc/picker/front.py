@@ -242,6 +242,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 p = await answer
             except BaseException:
                 self.cancel(p.held)
+                if answer.done() and not answer.cancelled() and answer.result().reservation is not None:
+                    # placed as the gateway left: nobody will end that response, so its reservation ends here
+                    self.end(answer.result().reservation, None, None, None)
                 raise
         if p.immediate is not None:
             return p.immediate

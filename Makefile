@@ -122,6 +122,10 @@ bench-quick: install  ## the plain workload only, at 5x, warmroute and the five 
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m extproc.tools.bench_live --quick --seed $${SEED:-1} --out /tmp/warmroute-bench-quick
 
+bench-flow: install  ## flow control under a 2x burst and a noisy tenant, warmroute with and without it beside the closest peers (~25 min)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m extproc.tools.bench_live --flow --out /tmp/warmroute-bench-flow
+
 bench-agree: install  ## live vs simulated on one workload at 20x, 10x and 5x compression, ratios to ring hash (~15 min); docs/bench-agree.md
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m extproc.tools.bench_agree

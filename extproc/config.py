@@ -287,6 +287,7 @@ class FlowControlConfig:
     # picker, keep it below the gateway's ext_proc message timeout unless the gateway sets max_message_timeout
     # (the pick asks for this long, + 5 s): a gateway that gives up first fails the request itself
     wait_s: float = 30.0
+    sheddable_wait_s: float = 10.0  # a sheddable request is held this long at most (never longer than wait_s)
     retry_after_s: int = 2  # what a 429 tells the client to wait
     # the request's class, "critical" (never held), "standard" (the default) or "sheddable" (held sooner), from a
     # header only a trusted filter sets: Envoy strips it from what clients send unless trusted below
@@ -567,6 +568,9 @@ def _flow_control(raw: Any) -> FlowControlConfig:
         raise ConfigError("flow_control.max_requests, max_bytes: expected whole numbers >= 1")
     if not 0 < c.wait_s <= 3600:
         raise ConfigError(f"flow_control.wait_s: expected a number of seconds in (0, 3600], got {c.wait_s}")
+    if not 0 < c.sheddable_wait_s <= 3600:
+        raise ConfigError(f"flow_control.sheddable_wait_s: expected a number of seconds in (0, 3600], got "
+                          f"{c.sheddable_wait_s}")
     if c.retry_after_s < 1:
         raise ConfigError("flow_control.retry_after_s: expected a whole number >= 1")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]*", c.priority_header or ""):

@@ -24,3 +24,59 @@ def test_every_time_constant_is_divided_by_the_speedup(section, cls):
 def test_the_access_log_flush_that_releases_reservations_shrinks_too():
     assert scaled_warmroute_config(5.0)["envoy"]["access_log_flush_s"] == pytest.approx(0.002)
     assert scaled_warmroute_config(20.0)["envoy"]["access_log_flush_s"] == pytest.approx(0.001)  # Envoy's floor: 1 ms
+
+
+def test_flow_control_s_holds_shrink_too_and_only_warmroute_flow_turns_it_on():
+    from extproc.tools.bench_live import PICKER_SHAPES
+
+    scaled = scaled_warmroute_config(5.0)["flow_control"]
+    assert scaled == {"wait_s": pytest.approx(6.0), "sheddable_wait_s": pytest.approx(2.0)}
+    assert PICKER_SHAPES["warmroute_flow"]["flow_control"]["enabled"] is True
+
+
+def test_the_replay_sends_a_429_again_after_its_retry_after_and_counts_from_the_first_attempt():
+    import asyncio
+    import json
+    import time
+
+    from aiohttp import web
+
+    from extproc.tools.sim.http_replay import replay
+    from extproc.tools.sim.workload import WorkloadConfig
+
+    calls: list[tuple[float, dict]] = []
+
+    async def chat(request):
+        calls.append((time.monotonic(), dict(request.headers)))
+        if len(calls) == 1:
+            return web.json_response({"error": {"type": "rate_limit_error"}}, status=429, headers={"Retry-After": "1"})
+        if len(calls) == 3:  # no Retry-After: a client cannot know when to come back, an error
+            return web.json_response({"error": {}}, status=429)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"delta": {"content": "hi"}}], "system_fingerprint": "r0"}
+        last = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
+        await resp.write(f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            # three one-shots, nothing else, ~1 s apart at 10x: Retry-After 1 s of workload time is 0.1 s of it
+            cfg = WorkloadConfig(minutes=0.5, sessions_per_min=0, oneshots_per_min=6)
+            return await replay(url, cfg, seed=2, speedup=10.0, timeout=30,
+                                extra_headers=lambda r: {"x-warmroute-tenant": r.tenant}, retry_429=True)
+        finally:
+            await runner.cleanup()
+
+    res = asyncio.run(main())
+    assert res.refused == 1 and res.errors == {"429 without Retry-After": 1}
+    first = next(r for r in res.requests if r.extra.get("refused"))
+    assert first.error is None and first.ttft is not None
+    assert first.ttft >= 0.1 - 0.02  # from its first attempt: the Retry-After wait is in it
+    assert calls[1][0] - calls[0][0] >= 0.1 - 0.02 and calls[0][1]["x-warmroute-tenant"].startswith("p")

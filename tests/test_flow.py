@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.flow import CRITICAL, SHEDDABLE, STANDARD, FlowQueue, Held
+from extproc.tools.sim.workload import Request
 
 
 def held(key, klass=STANDARD, tenant="a", tokens=100.0, size=0, arrived=0.0, deadline=None):
@@ -203,6 +204,19 @@ def test_a_newcomer_never_overtakes_its_class_and_a_critical_one_is_never_held()
     assert [h.key for h in router.flow.queue.in_order(10)] == ["a", "b"]
 
 
+def test_a_held_request_a_newcomer_lets_go_comes_back_from_the_next_offer():
+    # a newcomer first lets go what can go before it (it never overtakes its class): those decisions wait for the
+    # next offer. Once lost there, a live request was held until Envoy's timer failed it open
+    router, t = _flow_router()
+    big = _busy(router, t)
+    assert router.select(prof(session="a", tokens=2000), t, hold_key="a").reason is Reason.HELD
+    router.release(big[0].reservation, t + 0.1)  # r0 has room: "a" can go, and goes before the newcomer
+    router.select(prof(session="n", tokens=2000), t + 0.1, hold_key="n")
+    out = dict(router.offer(t + 0.1))
+    assert out["a"].replica is big[0].replica and out["a"].reservation is not None
+    assert "a" not in router.flow.queue
+
+
 def test_a_held_request_whose_replica_is_busy_does_not_block_one_that_has_room_elsewhere():
     router, t = _flow_router()
     # the session lives on r0 (its cache): r0's queue (~2 s) costs it less than its whole context again on r1
@@ -267,6 +281,11 @@ def test_the_simulator_holds_and_lets_go_every_request_and_counts_its_wait_from_
     # a held request started when it was let go: its time to first token includes the wait in the router
     waited = [r for r in held if r.replica is not None]
     assert waited and max(r.ttft for r in waited) > 0.5
+    # and none is lost in the router: what the simulator still holds, the router's queue still holds
+    for seed in (1, 3):
+        sim = Simulation("warmroute_flow", replicas=4, workload=WorkloadConfig(minutes=6).at_load(1.5), seed=seed)
+        sim.run()
+        assert [k for k in sim.policy._held if k not in sim.policy.router.flow.queue] == []
 
 
 # ------------------------------------------------------------------ the brain's side (flow_control in the config)
@@ -389,9 +408,8 @@ def test_a_noisy_tenant_adds_its_sessions_and_leaves_the_others_workload_as_it_w
         w = Workload(WorkloadConfig(minutes=5, noisy_tenant_x=x), seed=3)
         out = []
         for t, kind in w.arrivals():
-            s = w.new_noisy_session() if kind == "noisy_session" else w.new_session() if kind == "session" else None
-            r = w.next_turn(s, t) if s is not None else w.oneshot(t)
-            out.append(r)
+            x = w.start(kind, t)
+            out.append(x if isinstance(x, Request) else w.next_turn(x, t))
         return out
 
     plain, noisy = requests(0.0), requests(5.0)
@@ -402,6 +420,29 @@ def test_a_noisy_tenant_adds_its_sessions_and_leaves_the_others_workload_as_it_w
     # five times an average project's sessions (a Poisson count: more than three times, and less than eight)
     average = sum(not r.oneshot for r in plain) / 6
     assert 3 * average < len(extra) < 8 * average
+
+
+def test_a_burst_adds_arrivals_in_its_window_only_and_leaves_the_rest_of_the_workload_as_it_was():
+    from extproc.tools.sim.workload import Workload, WorkloadConfig
+
+    def arrivals(burst):
+        w = Workload(WorkloadConfig(minutes=10, sessions_per_min=6, burst=burst), seed=4)
+        out = []
+        for t, kind in w.arrivals():
+            x = w.start(kind, t)
+            r = x if isinstance(x, Request) else w.next_turn(x, t)
+            out.append((t, kind, r.sid, r.prompt_tokens, r.tenant, r.klass))
+        return out
+
+    plain, burst = arrivals(None), arrivals((3.0, 2.0, 2.0))
+    assert [a for a in burst if not a[1].startswith("burst_")] == plain
+    extra = [a for a in burst if a[1].startswith("burst_")]
+    assert extra and all(180 <= a[0] < 300 for a in extra)
+    assert {a[1] for a in extra} == {"burst_session", "burst_oneshot"}
+    assert all(a[4] != "noisy" and a[2] >= 20_000_000 for a in extra)  # ordinary tenants, ids of their own
+    # twice the rate over those two minutes: about as many more as the window held (Poisson: a wide band)
+    window = sum(1 for a in plain if 180 <= a[0] < 300)
+    assert 0.4 * window < len(extra) < 2.5 * window
 
 
 def test_a_held_request_keeps_its_body_s_bytes_within_the_bound_and_is_rewritten_like_any_once_it_goes():

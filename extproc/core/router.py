@@ -311,7 +311,9 @@ class Router:
             flow = self.flow
             if flow is not None and hold_key is not None and profile.priority != CRITICAL:
                 if flow.queue.ahead(profile.priority)[0]:
-                    self._ready.extend(self.offer(now))  # whatever can go now goes before it
+                    # whatever can go now goes before it. offer() replaces self._ready: read it after the call
+                    ready = self.offer(now)
+                    self._ready.extend(ready)
                 n_ahead, tokens_ahead = flow.queue.ahead(profile.priority)
                 if n_ahead:  # never ahead of its class or above. Its wait: until the replica the last request
                     # held was priced for has room, then the queue before it (not priced: a wait, not a choice)

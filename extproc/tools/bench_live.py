@@ -14,7 +14,10 @@ header (with active /health checks, as one would deploy them), Envoy +
 warmroute, vllm-router (cache_aware, consistent_hash, power_of_two) and
 sglang-router (cache_aware) from PyPI (``pip install '.[bench]'``).
 Scenarios: the plain workload, a replica that dies and returns mid-run, a
-flapping replica.
+flapping replica; and, for flow control (issue 34), the plain workload with
+a 2x burst for 2 minutes, and with a noisy tenant (one more tenant at 5x an
+average project's rate), each request carrying its class and tenant and
+each 429 sent again after its Retry-After.
 """
 
 from __future__ import annotations
@@ -37,32 +40,43 @@ from ..core import imbalance_index
 from .bench_harness import (ENVOY_POLICIES, ROUTERS, brain_decision_mean, engine_counters, pace_check, start_peer,
                             wait_answering)
 from .sim.http_replay import ReplayResult, replay
-from .sim.measure import pct, window_numbers
+from .sim.measure import CLASS_NAMES, pct, per_class, window_numbers
 from .sim.workload import WorkloadConfig
 from .stack import Stack, http_get
 
 # warmroute contenders: the default policy, and the seed's pipeline; the default policy as the endpoint picker of
 # Envoy in a Gateway API Inference Extension gateway's shape (`envoy-config --mode endpoint-picker`)
 WARMROUTE = {"warmroute": None, "warmroute_seed": "seed", "warmroute_endpoint_picker": None,
-             "warmroute_endpoint_picker_duplex": None, "warmroute_dp_unsteered": None}
+             "warmroute_endpoint_picker_duplex": None, "warmroute_dp_unsteered": None, "warmroute_flow": None}
 # (brain, envoy) settings of those that run in the endpoint-picker shape: buffered bodies (the rendered default),
 # and full duplex, as Inference Extension gateways send them
 PICKER_SHAPES = {"warmroute_endpoint_picker": {"brain": {"protocol": "endpoint-picker"}},
                  "warmroute_endpoint_picker_duplex": {"brain": {"protocol": "endpoint-picker"},
                                                       "envoy": {"picker_body_mode": "full-duplex"}},
                  # data-parallel replicas (--data-parallel): the engine left to the replica's front end
-                 "warmroute_dp_unsteered": {"warm": {"steer_data_parallel": False}}}
+                 "warmroute_dp_unsteered": {"warm": {"steer_data_parallel": False}},
+                 # flow control on; the bench's clients set their class and tenant themselves (a trusted network)
+                 "warmroute_flow": {"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
+                                    "envoy": {"trust_downstream_tenant_header": True}}}
 CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]
 # make bench-quick: warmroute and the contenders that come closest to it on the plain workload
 QUICK = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_ring_hash", "envoy_least_request",
          "sglang_router_cache_aware", "vllm_router_consistent_hash"]
-SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica", "brain_killed"]
+SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica", "brain_killed", "burst", "noisy_tenant"]
+# flow control's scenarios (issue 34), at the plain workload's pace, and who runs them: warmroute with and without
+# flow control beside the peers that come closest under load; warmroute_flow runs these and the plain workload only
+FLOW_SCENARIOS = ("burst", "noisy_tenant")
+FLOW_CONTENDERS = ["warmroute_flow", "warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request",
+                   "sglang_router_cache_aware"]
+BURST = (1.0, 2.0, 2.0)  # minutes after the warm-up it starts, minutes it lasts, times the arrival rates
+NOISY_X = 5.0
 
 
 def scaled_warmroute_config(speedup: float, policy: str | None = None) -> dict:
     """SPEC's time constants divided by the speed-up, so they keep their proportion to the traffic."""
     k = 1.0 / speedup
     return {
+        "flow_control": {"wait_s": 30.0 * k, "sheddable_wait_s": 10.0 * k},
         **({"routing": {"policy": policy, "reservation_timeout_s": 3600.0 * k}} if policy else {}),
         "warm": {"load_refresh_s": 0.5 * k, "active_session_s": 60.0 * k, "rate_fresh_s": 60.0 * k,
                  "arrival_window_s": 60.0 * k, "busy_wait_s": 1.0 * k, "lora_load_s": 0.5 * k,
@@ -95,6 +109,8 @@ def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Runni
         config = scaled_warmroute_config(speedup, WARMROUTE[contender])
         for section, values in PICKER_SHAPES.get(contender, {}).items():
             config.setdefault(section, {}).update(values)
+        if not config["flow_control"].get("enabled"):
+            del config["flow_control"]
         s = Stack(n, config=config, mock_args=mock_args)
         s.start()
         s.wait_all_live(60)
@@ -151,7 +167,20 @@ def faults(scenario: str, run: "Running", speedup: float, duration: float, stop:
 
 
 def speedup_of(scenario: str, args) -> float:
-    return args.speedup if scenario == "workload" else args.fault_speedup
+    return args.speedup if scenario in ("workload", *FLOW_SCENARIOS) else args.fault_speedup
+
+
+def runs(contender: str, scenario: str) -> bool:
+    """Whether ``contender`` has a row in ``scenario``: flow control's scenarios are for FLOW_CONTENDERS, and
+    warmroute_flow is measured there and on the plain workload."""
+    if scenario in FLOW_SCENARIOS:
+        return contender in FLOW_CONTENDERS
+    return contender != "warmroute_flow" or scenario == "workload"
+
+
+def class_headers(req) -> dict:
+    """A request's flow-control class and tenant, as a trusted client sends them (peers ignore both)."""
+    return {"x-warmroute-priority": CLASS_NAMES[req.klass], "x-warmroute-tenant": req.tenant or ""}
 
 
 def bench_workload(minutes: float, sessions_per_min: float = 6.0, oneshots_per_min: float = 6.0,
@@ -183,6 +212,9 @@ class Row:
     client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99, wall ms
     pace: str = ""  # why this run measured the machine, not the replicas (bench_harness.pace_check); "": it did not
     paces: list[str] = field(default_factory=list)  # the faster paces tried before this one, and why each was left
+    refused: int = 0  # 429s with Retry-After, each sent again
+    classes: dict = field(default_factory=dict)  # sim.measure.per_class of the measured window
+    others_p99: float = float("nan")  # noisy_tenant: the other tenants' TTFT p99
     note: str = ""
     ttfts: list[float] = field(default_factory=list)
     share: list[list[float]] = field(default_factory=list)
@@ -197,7 +229,7 @@ def measure_paced(contender: str, scenario: str, args) -> Row:
         row = measure(contender, scenario, args, sp)
         if row.note or not row.pace:
             break
-        if scenario != "workload":  # the fault scenarios count errors and lost requests: the row stays, flagged
+        if scenario != "workload":  # the other scenarios count errors and 429s: the row stays, flagged
             break
         tried.append(f"{sp:g}x: {row.pace}")
         if sp / 2 < getattr(args, "min_speedup", 1.0):
@@ -212,6 +244,10 @@ def measure(contender: str, scenario: str, args, speedup: float | None = None) -
     if scenario == "brain_killed" and contender not in WARMROUTE:
         return Row(contender, scenario, note="n/a: no brain to kill")
     w = bench_workload(args.minutes, args.sessions_per_min, args.oneshots_per_min, args.projects)
+    if scenario == "burst":
+        w = dataclasses.replace(w, burst=(args.warmup_min + BURST[0], BURST[1], BURST[2]))
+    elif scenario == "noisy_tenant":
+        w = dataclasses.replace(w, noisy_tenant_x=NOISY_X)
     sp = speedup or speedup_of(scenario, args)
     mock_args = ["--speedup", str(sp)]
     replicas = args.replicas
@@ -228,7 +264,8 @@ def measure(contender: str, scenario: str, args, speedup: float | None = None) -
         c0 = engine_counters(urls)
         duration = args.minutes * 60 / sp
         f = faults(scenario, run, sp, duration, stop)
-        res: ReplayResult = asyncio.run(replay(run.url, w, seed=args.seed, speedup=sp, timeout=max(60.0, duration)))
+        res: ReplayResult = asyncio.run(replay(run.url, w, seed=args.seed, speedup=sp, timeout=max(60.0, duration),
+                                               extra_headers=class_headers, retry_429=True))
         stop.set()
         if f:
             f.join(5)
@@ -255,7 +292,9 @@ def measure(contender: str, scenario: str, args, speedup: float | None = None) -
     row.client_lag_ms = res.client_lag_p99 * 1000
     row.pace = pace_check(row.ttft_p50, res.client_lag_p99, row.not_engine_p50, sp) or ""
     row.brain_ms = decision * 1000 * sp if decision else float("nan")
-    row.sent, row.lost = res.sent, res.lost
+    row.sent, row.lost, row.refused = res.sent, res.lost, res.refused
+    row.classes = per_class(res.requests, args.warmup_min * 60, args.minutes * 60, scale=s)
+    row.others_p99 = pct([r.ttft * s for r in ok if r.tenant != "noisy"], 0.99)
     row.errors = sum(res.errors.values())
     minutes = int(args.minutes) + 1
     per_min: list[Counter] = [Counter() for _ in range(minutes)]
@@ -288,6 +327,34 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def flow_table(rows: list[Row]) -> str:
+    """Flow control's scenarios, per class (issue 34): TTFT from a request's first attempt, goodput (requests per
+    minute that met their class's deadline: sim.measure.GOODPUT_TTFT_S), 429s; with the noisy tenant, the other
+    tenants' p99 over the same contender's on the plain workload (the same requests without the noisy tenant)."""
+    plain = {r.contender: r for r in rows if r.scenario == "workload" and not r.note}
+    head = ("| contender | scenario | pace | standard TTFT p50 s | standard p99 s | critical p99 s | sheddable p99 s | "
+            "goodput /min | 429s | errors | lost | other tenants' p99 s (/ without the noisy tenant) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        if r.scenario not in FLOW_SCENARIOS:
+            continue
+        if r.note:
+            lines.append(f"| {r.contender} | {r.scenario} | {r.note} |||||||||| ")
+            continue
+        c = r.classes
+        num = lambda k, f="{:.1f}": f.format(c[k]) if k in c else "—"  # noqa: E731
+        others = "—"
+        if r.scenario == "noisy_tenant":
+            base = plain.get(r.contender)
+            others = f"{r.others_p99:.1f}" + (f" ({r.others_p99 / base.ttft_p99:.2f}x)" if base else "")
+        lines.append(f"| {r.contender} | {r.scenario} | {r.speedup:g}x{' (' + r.pace + ')' if r.pace else ''} | "
+                     f"{num('standard_ttft_p50', '{:.2f}')} | {num('standard_ttft_p99')} | {num('critical_ttft_p99')} | "
+                     f"{num('sheddable_ttft_p99')} | {c.get('goodput', 0.0):.1f} | {r.refused} | {r.errors} | {r.lost} | "
+                     f"{others} |")
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
 def plots(rows: list[Row], out: Path) -> list[str]:
     import matplotlib
 
@@ -296,6 +363,8 @@ def plots(rows: list[Row], out: Path) -> list[str]:
 
     files = []
     main = [r for r in rows if r.scenario == "workload" and r.ttfts]
+    if not main:
+        return files
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in main:
         ys = [(i + 1) / len(r.ttfts) for i in range(len(r.ttfts))]
@@ -338,6 +407,9 @@ def plots(rows: list[Row], out: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the plain workload only, the strongest contenders (~6 min)")
+    ap.add_argument("--flow", action="store_true",
+                    help="flow control's scenarios only: the plain workload, the burst and the noisy tenant, for "
+                         "warmroute with and without flow control and the closest peers (~25 min)")
     ap.add_argument("--minutes", type=float, default=None, help="workload minutes per run (workload time)")
     ap.add_argument("--speedup", type=float, default=5.0,
                     help="time compression of the plain workload: at 5x the HTTP path and the brain are a few percent "
@@ -366,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         args.scenarios = args.scenarios or ["workload"]
         if args.contenders == CONTENDERS:
             args.contenders = QUICK
+    elif args.flow:
+        args.minutes = args.minutes or 6.0
+        args.scenarios = args.scenarios or ["workload", *FLOW_SCENARIOS]
+        if args.contenders == CONTENDERS:
+            args.contenders = FLOW_CONTENDERS
     else:
         args.minutes = args.minutes or 6.0
         args.scenarios = args.scenarios or SCENARIOS
@@ -375,17 +452,28 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for scenario in args.scenarios:
         for c in args.contenders:
+            if not runs(c, scenario):
+                continue
             t = time.monotonic()
             r = measure_paced(c, scenario, args)
             rows.append(r)
             print(f"{c:<28} {scenario:<26} {time.monotonic() - t:5.1f}s  "
                   + (r.note or f"TTFT p50 {r.ttft_p50:.2f}s p99 {r.ttft_p99:.1f}s, hit {r.prefix_hit:.0%}, "
-                               f"imbalance {r.imbalance:.2f}, errors {r.errors}, lost {r.lost}"), flush=True)
+                               f"imbalance {r.imbalance:.2f}, errors {r.errors}, lost {r.lost}"
+                               + (f", standard p99 {r.classes.get('standard_ttft_p99', float('nan')):.1f}s, "
+                                  f"goodput {r.classes.get('goodput', 0):.1f}/min, 429s {r.refused}"
+                                  if scenario in FLOW_SCENARIOS else "")), flush=True)
     wall = time.monotonic() - t0
-    md = table(rows)
+    md = table([r for r in rows if r.scenario not in FLOW_SCENARIOS])
+    flow = flow_table(rows)
+    if flow:
+        md += ("\n\nUnder overload (flow control, issue 34): a 2x burst for 2 minutes from minute "
+               f"{args.warmup_min + BURST[0]:g}, and a noisy tenant at {NOISY_X:g}x an average project's rate; "
+               "every request carries its class and tenant, every 429 is sent again after its Retry-After and "
+               "counts from its first attempt.\n\n" + flow)
     files = plots(rows, out)
     cpu = os.cpu_count()
-    header = (f"# warmroute benchmark\n\nCommand: `make bench{'-quick' if args.quick else ''}` "
+    header = (f"# warmroute benchmark\n\nCommand: `make bench{'-quick' if args.quick else '-flow' if args.flow else ''}` "
               f"(`python -m extproc.tools.bench_live {' '.join(argv or sys.argv[1:])}`)\n\n"
               f"Machine: {cpu} cores, loopback only. Each contender got a fresh fleet of {args.replicas} mock vLLM replicas "
               f"(engine model, same seed), the same workload ({args.minutes:g} workload minutes, {args.sessions_per_min:g} agent "

@@ -55,6 +55,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--noisy-tenant", type=float, default=0.0, metavar="X",
                     help="one more tenant whose sessions arrive at X times an average project's rate (flow control's "
                          "fairness; the other tenants' workload stays the same)")
+    ap.add_argument("--burst", default=None, metavar="START:MINUTES:FACTOR",
+                    help="every arrival rate times FACTOR for MINUTES from minute START (e.g. 6:2:2, flow control's "
+                         "burst); the rest of the workload stays the same")
     ap.add_argument("--kill", action="append", default=[], metavar="R:START:DURATION")
     ap.add_argument("--flap", action="append", default=[], metavar="R:START:DOWN:EVERY:UNTIL")
     ap.add_argument("--capacity", action="store_true",
@@ -115,7 +118,16 @@ def workload(args, load: float | None = None) -> WorkloadConfig:
     load = args.load if load is None else load
     return WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min,
                           oneshots_per_min=args.oneshots_per_min, projects=args.projects,
-                          noisy_tenant_x=getattr(args, "noisy_tenant", 0.0)).at_load(load)
+                          noisy_tenant_x=getattr(args, "noisy_tenant", 0.0),
+                          burst=_burst(getattr(args, "burst", None))).at_load(load)
+
+
+def _burst(text: str | None) -> tuple[float, float, float] | None:
+    """--burst START:MINUTES:FACTOR (minutes, minutes, times the arrival rates)."""
+    if not text:
+        return None
+    start, minutes, factor = (float(x) for x in text.split(":"))
+    return start, minutes, factor
 
 
 def simulate(policy: str, args, seed: int, load: float | None = None, faults=()):
@@ -248,7 +260,7 @@ def _load_peers_cache(path: str, fingerprint: str) -> dict:
 def _runs(args, loads: list[float], seeds: list[int], mine: list[str], peers) -> dict:
     """Every (policy, load, seed)'s summary; the peers' from --peers-cache where it holds them."""
     shape = (args.minutes, args.replicas, args.replica_speeds, args.sessions_per_min, args.oneshots_per_min,
-             args.projects, getattr(args, "noisy_tenant", 0.0))
+             args.projects, getattr(args, "noisy_tenant", 0.0), getattr(args, "burst", None))
     fingerprint = simulator_fingerprint()
     cached: dict = _load_peers_cache(args.peers_cache, fingerprint) if args.peers_cache else {}
     jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *peers]

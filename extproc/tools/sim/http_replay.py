@@ -33,6 +33,7 @@ class ReplayResult:
     sent: int = 0
     answered: int = 0
     lost: int = 0
+    refused: int = 0  # 429s with Retry-After, each sent again (replay's retry_429)
     errors: dict[str, int] = field(default_factory=dict)
     served_by: dict[str, int] = field(default_factory=dict)
     timeline: list[tuple[float, str]] = field(default_factory=list)  # (seconds since start, replica)
@@ -87,7 +88,7 @@ def _read_event(chunk: dict) -> tuple[bool, int | None]:
 
 async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[str], model: "str | Callable",
                res: ReplayResult, t0: float, timeout: float, extra_headers: "Callable | None" = None,
-               api: "str | Callable[[Request], str]" = "chat") -> None:
+               api: "str | Callable[[Request], str]" = "chat", retry_speedup: float = 0.0) -> None:
     system, user = text_for(req, texts)
     path, body = _request(api if isinstance(api, str) else api(req), model if isinstance(model, str) else model(req),
                           req, system, user)
@@ -97,46 +98,69 @@ async def _one(http: aiohttp.ClientSession, url: str, req: Request, texts: list[
     start = time.monotonic()
     res.sent += 1
     try:
-        async with http.post(url + path, json=body, headers=headers,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            if r.status != 200:
-                await r.read()
-                req.error = str(r.status)
-                res.errors[req.error] = res.errors.get(req.error, 0) + 1
-                res.answered += 1
-                return
-            async for line in r.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+        while True:
+            async with http.post(url + path, json=body, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status == 429 and retry_speedup and time.monotonic() - start < timeout:
+                    # flow control's refusal: a client sends it again after Retry-After (workload seconds, as the
+                    # simulator's clients do), its times counted from the first attempt
+                    await r.read()
+                    after = r.headers.get("retry-after", "")
+                    if not after.isdigit():
+                        res.errors["429 without Retry-After"] = res.errors.get("429 without Retry-After", 0) + 1
+                        req.error = "429"
+                        res.answered += 1
+                        return
+                    res.refused += 1
+                    req.extra["refused"] = req.extra.get("refused", 0) + 1
+                    await asyncio.sleep(int(after) / retry_speedup)
                     continue
-                chunk = json.loads(line[6:])
-                text, cached = _read_event(chunk)
-                if cached is not None:  # the last event: what the replica cached, and (a mock) what its engine took
-                    req.cached_tokens = cached
-                    req.extra["engine"] = chunk.get("x_mock_engine")
-                # who served: chat's system_fingerprint, or the mock's header on the other APIs (no engine says)
-                fp = chunk.get("system_fingerprint") or r.headers.get(REPLICA_HEADER)
-                if fp and req.replica is None:
-                    req.extra["served_by"] = fp
-                    res.served_by[fp] = res.served_by.get(fp, 0) + 1
-                    res.timeline.append((start - t0, fp))
-                    req.replica = -1
-                if req.ttft is None and text:
-                    req.ttft = time.monotonic() - start
-            req.e2e = time.monotonic() - start
-            res.answered += 1
+                if r.status != 200:
+                    await r.read()
+                    req.error = str(r.status)
+                    res.errors[req.error] = res.errors.get(req.error, 0) + 1
+                    res.answered += 1
+                    return
+                await _stream(r, req, res, start, t0)
+                return
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         req.error = "lost:" + type(e).__name__
         res.lost += 1
 
 
+async def _stream(r: aiohttp.ClientResponse, req: Request, res: ReplayResult, start: float, t0: float) -> None:
+    async for line in r.content:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        text, cached = _read_event(chunk)
+        if cached is not None:  # the last event: what the replica cached, and (a mock) what its engine took
+            req.cached_tokens = cached
+            req.extra["engine"] = chunk.get("x_mock_engine")
+        # who served: chat's system_fingerprint, or the mock's header on the other APIs (no engine says)
+        fp = chunk.get("system_fingerprint") or r.headers.get(REPLICA_HEADER)
+        if fp and req.replica is None:
+            req.extra["served_by"] = fp
+            res.served_by[fp] = res.served_by.get(fp, 0) + 1
+            res.timeline.append((start - t0, fp))
+            req.replica = -1
+        if req.ttft is None and text:
+            req.ttft = time.monotonic() - start
+    req.e2e = time.monotonic() - start
+    res.answered += 1
+
+
 async def replay(url: "str | list[str]", cfg: WorkloadConfig, seed: int = 1, speedup: float = 10.0,
                  model: "str | Callable[[Request], str]" = "mock-coder-30b", timeout: float = 300.0,
                  concurrency_limit: int = 512, extra_headers: "Callable[[Request], dict] | None" = None,
-                 api: "str | Callable[[Request], str]" = "chat") -> ReplayResult:
+                 api: "str | Callable[[Request], str]" = "chat", retry_429: bool = False) -> ReplayResult:
     """Run the workload of ``cfg`` (its minutes divided by ``speedup``) against ``url``. ``model``: one name, or
     each request's (a fleet of several models); ``extra_headers``: each request's more headers; ``api``: the API
     every request speaks (``APIS``), or each request's (a session keeps one, as a client does). ``url``: a list
-    spreads the requests over several Envoys in turn, request by request (clients of several gateways)."""
+    spreads the requests over several Envoys in turn, request by request (clients of several gateways).
+    ``retry_429``: a 429 with Retry-After is sent again after it (in workload seconds), as flow control's clients
+    do; one without Retry-After counts as an error."""
+    retry = speedup if retry_429 else 0.0
     urls = [url] if isinstance(url, str) else list(url)
     sent = itertools.count()
 
@@ -158,20 +182,20 @@ async def replay(url: "str | list[str]", cfg: WorkloadConfig, seed: int = 1, spe
                 if req is None:
                     return
                 res.requests.append(req)
-                await _one(http, pick(), req, texts, model, res, t0, timeout, extra_headers, api)
+                await _one(http, pick(), req, texts, model, res, t0, timeout, extra_headers, api, retry)
                 think = wl.after_answer(s, req) / speedup
                 await asyncio.sleep(think)
 
         async def oneshot(start_at: float, req: Request) -> None:
             await asyncio.sleep(max(0.0, start_at - (time.monotonic() - t0)))
             res.requests.append(req)
-            await _one(http, pick(), req, texts, model, res, t0, timeout, extra_headers, api)
+            await _one(http, pick(), req, texts, model, res, t0, timeout, extra_headers, api, retry)
 
         # sessions and one-shots are drawn up front, in arrival order: every contender gets the same stream
         jobs = []
         for t, kind in wl.arrivals():
-            at = t / speedup
-            jobs.append(session_loop(at, wl.new_session()) if kind == "session" else oneshot(at, wl.oneshot(t)))
+            x = wl.start(kind, t)
+            jobs.append(oneshot(t / speedup, x) if isinstance(x, Request) else session_loop(t / speedup, x))
         lags: list[float] = []
         watch = asyncio.ensure_future(_loop_lag(lags))
         try:

@@ -47,16 +47,17 @@ def window_numbers(requests: list[Request], minutes: float, warmup_min: float, s
     return out
 
 
-def per_class(requests: list[Request], lo: float, hi: float) -> dict:
+def per_class(requests: list[Request], lo: float, hi: float, scale: float = 1.0) -> dict:
     """Per class, of the requests that arrived in [lo, hi): TTFT p50/p99 of those answered (from their first
     attempt; absent when none was), and goodput: those whose TTFT met their class's deadline, per minute. A request
-    refused and never answered, or failed, is counted in the class but not in goodput."""
+    refused and never answered, or failed, is counted in the class but not in goodput. ``scale``: as
+    ``window_numbers``'s."""
     out: dict = {}
     minutes = (hi - lo) / 60 if hi > lo else float("nan")
     good_all = 0
     for k, name in enumerate(CLASS_NAMES):
         rs = [r for r in requests if r.klass == k and lo <= r.arrival < hi]
-        ttft = [r.ttft for r in rs if r.error is None and r.ttft is not None]
+        ttft = [r.ttft * scale for r in rs if r.error is None and r.ttft is not None]
         good = sum(1 for t in ttft if t <= GOODPUT_TTFT_S[k])
         good_all += good
         out[f"{name}_requests"] = len(rs)

@@ -318,12 +318,8 @@ class Simulation:
     def run(self) -> SimResult:
         end = self.wcfg.minutes * 60
         for t, kind in self.workload.arrivals():
-            if kind == "session":
-                self._at(t, "start_session", self.workload.new_session())
-            elif kind == "noisy_session":
-                self._at(t, "start_session", self.workload.new_noisy_session())
-            else:
-                self._at(t, "oneshot", self.workload.oneshot(t))
+            x = self.workload.start(kind, t)
+            self._at(t, "oneshot" if isinstance(x, Request) else "start_session", x)
         t = 0.0
         while t < end:
             self._at(t, "scrape")

@@ -53,6 +53,9 @@ class WorkloadConfig:
     # flow control's noisy tenant: one more tenant whose sessions arrive at this many times an average project's
     # rate (0: none). Its draws come from a stream of their own: the other tenants' workload is the same with it
     noisy_tenant_x: float = 0.0
+    # a burst: (start minute, minutes, factor), every arrival rate times ``factor`` over that window. The extra
+    # arrivals draw from a stream of their own, so the rest of the workload is the same with it or without
+    burst: tuple[float, float, float] | None = None
 
     def at_load(self, load: float) -> "WorkloadConfig":
         """The load ladder (``--load L``): every arrival rate scaled by ``load``."""
@@ -130,6 +133,8 @@ class Workload:
         self._next_noisy_sid = 10_000_000  # ids of its own: the others' sessions keep theirs
         if cfg.noisy_tenant_x > 0:
             self.system_tokens.append(self.noisy_rng.randint(*cfg.system_tokens))  # project index cfg.projects
+        self.burst_rng = random.Random(seed * 7927 + 29)
+        self._next_burst_sid = 20_000_000
 
     def _lognormal(self, median: float, sigma: float = 0.8, rng: random.Random | None = None) -> float:
         return median * math.exp((rng or self.rng).gauss(0.0, sigma))
@@ -143,42 +148,72 @@ class Workload:
         return self._next_sid
 
     def arrivals(self) -> list[tuple[float, str]]:
-        """Start times of sessions and one-shots over the run: [(t, "session" | "oneshot")]."""
-        out = []
-        end = self.cfg.minutes * 60
-        for kind, per_min in (("session", self.cfg.sessions_per_min), ("oneshot", self.cfg.oneshots_per_min)):
-            t = 0.0
-            while per_min > 0:
-                t += self.rng.expovariate(per_min / 60)
-                if t >= end:
-                    break
-                out.append((t, kind))
-        if self.cfg.noisy_tenant_x > 0:
-            t, per_min = 0.0, self.cfg.noisy_tenant_x * self.cfg.sessions_per_min / self.cfg.projects
-            while per_min > 0:
-                t += self.noisy_rng.expovariate(per_min / 60)
-                if t >= end:
-                    break
-                out.append((t, "noisy_session"))
+        """Start times of sessions and one-shots over the run: [(t, kind)], kind one of ``KINDS``; ``start``
+        makes each."""
+        c, out, end = self.cfg, [], self.cfg.minutes * 60
+        out += self._poisson(self.rng, c.sessions_per_min, 0.0, end, "session")
+        out += self._poisson(self.rng, c.oneshots_per_min, 0.0, end, "oneshot")
+        if c.noisy_tenant_x > 0:
+            out += self._poisson(self.noisy_rng, c.noisy_tenant_x * c.sessions_per_min / c.projects, 0.0, end,
+                                 "noisy_session")
+        if c.burst is not None:
+            start_min, minutes, factor = c.burst
+            lo, hi = start_min * 60, min(end, (start_min + minutes) * 60)
+            out += self._poisson(self.burst_rng, (factor - 1) * c.sessions_per_min, lo, hi, "burst_session")
+            out += self._poisson(self.burst_rng, (factor - 1) * c.oneshots_per_min, lo, hi, "burst_oneshot")
         out.sort()
         return out
 
+    @staticmethod
+    def _poisson(rng: random.Random, per_min: float, lo: float, hi: float, kind: str) -> list[tuple[float, str]]:
+        out, t = [], lo
+        while per_min > 0:
+            t += rng.expovariate(per_min / 60)
+            if t >= hi:
+                break
+            out.append((t, kind))
+        return out
+
+    def start(self, kind: str, t: float) -> "Session | Request":
+        """What an arrival of ``arrivals`` starts at ``t``: a session (its turns come from ``next_turn``) or a
+        one-shot request."""
+        if kind == "session":
+            return self.new_session()
+        if kind == "noisy_session":
+            return self.new_noisy_session()
+        if kind == "burst_session":
+            return self._session_of(self.burst_rng, self._burst_sid(), self._project(self.burst_rng))
+        if kind == "burst_oneshot":
+            return self._oneshot_of(self.burst_rng, self._burst_sid(), self._project(self.burst_rng), t)
+        return self.oneshot(t)
+
+    def _burst_sid(self) -> int:
+        self._next_burst_sid += 1
+        return self._next_burst_sid
+
+    def _project(self, rng: random.Random) -> int:
+        return rng.choices(range(self.cfg.projects), self.project_weights)[0]
+
     def new_noisy_session(self) -> Session:
         """A session of the noisy tenant (project index ``cfg.projects``, tenant ``noisy``)."""
-        c, rng = self.cfg, self.noisy_rng
-        long = rng.random() < c.long_share
-        turns = max(2, min(c.turns_max, int(self._lognormal(c.turns_median, 0.7, rng))))
-        start = rng.randint(*c.long_start_tokens) if long else 0
         self._next_noisy_sid += 1
-        return Session(self._next_noisy_sid, c.projects, turns, long, start, random.Random(rng.random()))
+        return self._session_of(self.noisy_rng, self._next_noisy_sid, self.cfg.projects)
 
     def new_session(self) -> Session:
         c = self.cfg
         long = self.rng.random() < c.long_share
         turns = max(2, min(c.turns_max, int(self._lognormal(c.turns_median, 0.7))))
         start = self.rng.randint(*c.long_start_tokens) if long else 0
-        project = self.rng.choices(range(c.projects), self.project_weights)[0]
+        project = self._project(self.rng)
         return Session(self._sid(), project, turns, long, start, random.Random(self.rng.random()))
+
+    def _session_of(self, rng: random.Random, sid: int, project: int) -> Session:
+        """A session drawn from a stream of its own (the noisy tenant's, the burst's)."""
+        c = self.cfg
+        long = rng.random() < c.long_share
+        turns = max(2, min(c.turns_max, int(self._lognormal(c.turns_median, 0.7, rng))))
+        start = rng.randint(*c.long_start_tokens) if long else 0
+        return Session(sid, project, turns, long, start, random.Random(rng.random()))
 
     def next_turn(self, s: Session, now: float) -> Request | None:
         """The session's next request, or None when it is over (turns done or context full)."""
@@ -204,12 +239,14 @@ class Workload:
         return s.rng.expovariate(1 / self.cfg.think_s_mean)
 
     def oneshot(self, now: float) -> Request:
+        return self._oneshot_of(self.rng, self._sid(), self._project(self.rng), now)
+
+    def _oneshot_of(self, rng: random.Random, sid: int, project: int, now: float) -> Request:
         c = self.cfg
-        project = self.rng.choices(range(c.projects), self.project_weights)[0]
         sys_t = self.system_tokens[project]
-        user = int(self._lognormal(c.user_tokens_median))
-        out = max(16, min(c.output_tokens_max, int(self._lognormal(c.output_tokens_median, 0.6))))
-        return Request(self._rid(), self._sid(), project, sys_t + user, sys_t, out, now, oneshot=True, klass=2,
+        user = int(self._lognormal(c.user_tokens_median, rng=rng))
+        out = max(16, min(c.output_tokens_max, int(self._lognormal(c.output_tokens_median, 0.6, rng))))
+        return Request(self._rid(), sid, project, sys_t + user, sys_t, out, now, oneshot=True, klass=2,
                        tenant=f"p{project}")
 
 

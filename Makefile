@@ -48,6 +48,10 @@ bench-real: install engines  ## warmroute vs ring hash, least request and SGLang
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m extproc.tools.bench_real
 
+bench-real-burst: install engines  ## flow control's 2x burst on 3 real vLLMs, real time: warmroute with and without it, bounded ring hash (~15 min)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m extproc.tools.bench_real --burst --seeds 1
+
 bench-apis: install engines  ## chat, Anthropic Messages and stored Responses through warmroute on 3 real vLLMs, by the real SDKs (~6 min)
 	$(PY) -m extproc.tools.bench_apis
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..envoy_config import dump
 from .procs import Proc, http_get, wait_for
+from .sim.measure import CLASS_NAMES
 from .stack import envoy_binary
 
 ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH",
@@ -237,3 +238,8 @@ def pace_check(ttft_p50: float, client_lag_p99: float, not_engine_p50: float | N
         return (f"{not_engine_p50:.2f} s of the TTFT p50 of {ttft_p50:.2f} s was not the engines' "
                 f"(client, Envoy, router, the replicas' HTTP)")
     return None
+
+
+def class_headers(req) -> dict:
+    """A request's flow-control class and tenant, as a trusted client sends them (peers ignore both)."""
+    return {"x-warmroute-priority": CLASS_NAMES[req.klass], "x-warmroute-tenant": req.tenant or ""}

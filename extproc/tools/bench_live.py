@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core import imbalance_index
-from .bench_harness import (ENVOY_POLICIES, ROUTERS, brain_decision_mean, engine_counters, pace_check, start_peer,
-                            wait_answering)
+from .bench_harness import (ENVOY_POLICIES, ROUTERS, brain_decision_mean, class_headers, engine_counters, pace_check,
+                            start_peer, wait_answering)
 from .sim.http_replay import ReplayResult, replay
-from .sim.measure import CLASS_NAMES, pct, per_class, window_numbers
+from .sim.measure import pct, per_class, window_numbers
 from .sim.workload import WorkloadConfig
 from .stack import Stack, http_get
 
@@ -177,10 +177,6 @@ def runs(contender: str, scenario: str) -> bool:
         return contender in FLOW_CONTENDERS
     return contender != "warmroute_flow" or scenario == "workload"
 
-
-def class_headers(req) -> dict:
-    """A request's flow-control class and tenant, as a trusted client sends them (peers ignore both)."""
-    return {"x-warmroute-priority": CLASS_NAMES[req.klass], "x-warmroute-tenant": req.tenant or ""}
 
 
 def bench_workload(minutes: float, sessions_per_min: float = 6.0, oneshots_per_min: float = 6.0,

@@ -12,6 +12,10 @@ runs, ratios in one run much less.
 
 Routers: Envoy + warmroute; Envoy's RING_HASH on the session header with ``hash_balance_factor: 150`` and
 LEAST_REQUEST (as ``make bench`` configures them); SGLang's router (``cache_aware``, from PyPI).
+
+``--burst`` (``make bench-real-burst``): flow control's burst in real time (issue 34): every arrival rate 2x for
+2 minutes of a 4-minute run, each request carrying its class and tenant and each 429 sent again after its
+Retry-After; warmroute with flow control (``warmroute_flow``) and without, beside bounded ring hash; per class.
 """
 
 from __future__ import annotations
@@ -26,13 +30,16 @@ import urllib.request
 from dataclasses import dataclass
 
 from . import real_vllm
-from .bench_harness import (brain_decision_mean, engine_counters, histogram_sums, pace_check, start_peer,
+from .bench_harness import (brain_decision_mean, class_headers, engine_counters, histogram_sums, pace_check, start_peer,
                             wait_answering)
 from .sim.http_replay import replay
+from .sim.measure import per_class
 from .sim.workload import WorkloadConfig
 from .stack import Replica, Stack, http_get
 
 CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_router_cache_aware"]
+BURST_CONTENDERS = ["warmroute_flow", "warmroute", "envoy_ring_hash_bounded_150"]
+BURST = (1.0, 2.0, 2.0)  # from minute 1, for 2 minutes, twice the arrival rates (of a 4-minute run)
 # what the tiny model reads (8K tokens; the workload counts 4 characters a token, the model's tokenizer ~3) and two
 # shared cores decode (~30 tokens/s a stream)
 WORKLOAD = WorkloadConfig(minutes=1.0, projects=3, system_tokens=(800, 1600), sessions_per_min=8.0,
@@ -58,6 +65,8 @@ class Row:
     # warmroute: per replica, the brain's learned prefill tokens/s and decode s/token at the end of the run against
     # the engine's own histograms over the run: (learned prefill, true prefill, learned decode, true decode)
     rates: list[tuple[float, float, float, float]] = dataclasses.field(default_factory=list)
+    refused: int = 0  # 429s with Retry-After, each sent again (flow control)
+    classes: dict = dataclasses.field(default_factory=dict)  # sim.measure.per_class over the run
     note: str = ""
 
 
@@ -69,10 +78,14 @@ def reset_caches(replicas: list[Replica]) -> None:
 
 def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
     """The router in front of the running replicas: its URL, and a stack that stops what it started."""
-    s = Stack(0, config={"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0}})
+    config: dict = {"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0}}
+    if contender == "warmroute_flow":  # the bench's clients set their class and tenant (a trusted network)
+        config.update({"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
+                       "envoy": {"trust_downstream_tenant_header": True}})
+    s = Stack(0, config=config)
     try:
         proc = None
-        if contender == "warmroute":
+        if contender in ("warmroute", "warmroute_flow"):
             s.replicas = list(replicas)
             s.write_config()
             s.start_brain()
@@ -102,11 +115,12 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         h0 = [histogram_sums(http_get(u + "/metrics", 5).decode()) for u in urls]
         c0 = engine_counters(urls)
         t0 = time.monotonic()
-        res = asyncio.run(replay(url, w, seed=seed, speedup=1.0, model=model, timeout=120.0))
+        res = asyncio.run(replay(url, w, seed=seed, speedup=1.0, model=model, timeout=120.0,
+                                 extra_headers=class_headers, retry_429=True))
         elapsed = time.monotonic() - t0
         c = engine_counters(urls) - c0
         decision = None
-        if contender == "warmroute":
+        if contender in ("warmroute", "warmroute_flow"):
             decision = brain_decision_mean(http_get(s.brain_metrics).decode())
             learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
             for rep, before in zip(replicas, h0):
@@ -119,7 +133,8 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
     finally:
         s.stop()
     ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
-    row.sent, row.errors = res.sent, sum(res.errors.values()) + res.lost
+    row.sent, row.errors, row.refused = res.sent, sum(res.errors.values()) + res.lost, res.refused
+    row.classes = per_class(res.requests, 0.0, w.minutes * 60)
     if ok:
         q = statistics.quantiles(ok, n=100, method="inclusive")
         row.ttft_p50, row.ttft_p99 = statistics.median(ok), q[98]
@@ -140,13 +155,13 @@ def table(rows: list[Row]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed in sorted({r.seed for r in rows}):
         mine = [r for r in rows if r.seed == seed]
-        peers = [r for r in mine if r.contender != "warmroute" and not r.note]
+        peers = [r for r in mine if not r.contender.startswith("warmroute") and not r.note]
         for r in mine:
             if r.note:
                 lines.append(f"| {seed} | {r.contender} | | | | | | | | | | {r.note} |")
                 continue
             vs = ""
-            if peers and r.contender == "warmroute":
+            if peers and r.contender.startswith("warmroute"):
                 vs = (f"{r.hit - max(p.hit for p in peers):+.1%}, {r.ttft_p50 / min(p.ttft_p50 for p in peers):.2f}x, "
                       f"{r.ttft_p99 / min(p.ttft_p99 for p in peers):.2f}x")
             share = f"{r.brain_share:.1%}" if r.brain_share is not None else "-"
@@ -171,13 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--minutes", type=float, default=WORKLOAD.minutes, help="workload minutes per run (real time)")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=None, help=f"default {','.join(CONTENDERS)}; with --burst "
+                    f"{','.join(BURST_CONTENDERS)}")
+    ap.add_argument("--burst", action="store_true", help="flow control's burst: 2x arrivals for 2 of 4 minutes")
     args = ap.parse_args(argv)
+    if args.burst and args.minutes == WORKLOAD.minutes:
+        args.minutes = 4.0
+    args.contenders = args.contenders or ",".join(BURST_CONTENDERS if args.burst else CONTENDERS)
     why = real_vllm.available()
     if why:
         print(f"bench-real: {why}", file=sys.stderr)
         return 1
-    w = dataclasses.replace(WORKLOAD, minutes=args.minutes)
+    w = dataclasses.replace(WORKLOAD, minutes=args.minutes, burst=BURST if args.burst else None)
     model = real_vllm.model_info()["served_name"]
     print(f"bench-real: {args.replicas} real vLLM {real_vllm.VERSION} replicas (tiny model, CPU), real time, "
           f"{args.minutes:g} min a run, seeds {args.seeds}; routers: {args.contenders}", flush=True)
@@ -191,7 +211,28 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  seed {seed} {c}: sent {row.sent}, errors {row.errors}, TTFT p50 {row.ttft_p50 * 1000:.0f} ms "
                       f"p99 {row.ttft_p99 * 1000:.0f} ms, engine hit {row.hit:.1%} {row.note}", flush=True)
     print(table(rows))
+    if args.burst:
+        print("\n" + class_table(rows))
     return 0
+
+
+def class_table(rows: list[Row]) -> str:
+    """Per class, over the run (flow control's burst): TTFT from a request's first attempt, goodput (requests per
+    minute that met their class's deadline), 429s; standard p99 over bounded ring hash's in the same seed."""
+    lines = ["| seed | router | standard TTFT p50 ms | standard p99 ms | sheddable p99 ms | goodput /min | 429s | "
+             "errors | standard p99 / ring hash's |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.note:
+            continue
+        c = r.classes
+        ring = next((x for x in rows if x.seed == r.seed and x.contender == "envoy_ring_hash_bounded_150"
+                     and "standard_ttft_p99" in x.classes), None)
+        ms = lambda k: f"{c[k] * 1000:.0f}" if k in c else "—"  # noqa: E731
+        vs = f"{c['standard_ttft_p99'] / ring.classes['standard_ttft_p99']:.2f}x" \
+            if ring is not None and "standard_ttft_p99" in c else ""
+        lines.append(f"| {r.seed} | {r.contender} | {ms('standard_ttft_p50')} | {ms('standard_ttft_p99')} | "
+                     f"{ms('sheddable_ttft_p99')} | {c.get('goodput', 0.0):.1f} | {r.refused} | {r.errors} | {vs} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

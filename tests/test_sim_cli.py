@@ -119,3 +119,20 @@ def test_sim_brains_prints_one_brain_each_k_and_delay_and_llmds_pickers_and_shar
     hits = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s+(\S+)\s+hits\s+([-+]\d+\.\d)", p.stdout, re.M)}
     # four brains that share lose nothing of one brain's hits; alone, each knows a quarter of each session
     assert hits["warmroute:4:10"] > -3.0 and hits["warmroute:4:off"] < -10.0
+
+
+def test_noisy_versus_prints_each_policy_s_ratio_of_the_others_tail_with_and_without_the_noisy_tenant(capsys):
+    from extproc.tools.sim import cli
+
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    # L=2: the noisy tenant's flood lands on a busy fleet, so the others feel it under some policy
+    rc = cli.run(ap.parse_args(["--noisy-versus", "5", "--seeds", "2", "--minutes", "5", "--load", "2"]))
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: float(line.split()[2].rstrip("x")) for line in out.splitlines()
+            if line.startswith("  ") and "median" in line}
+    assert set(rows) >= {"warmroute_flow", "warmroute", "llmd_epp", "llmd_epp_flowcontrol"}
+    assert all(r > 0 for r in rows.values()) and max(rows.values()) > 1.0  # the flood is felt somewhere

@@ -17,7 +17,8 @@ from .report import share_plot, table
 from .simulator import Fault, Simulation
 from .workload import WorkloadConfig
 
-CAPACITY_TTFT_P90_S = 2.0  # the latency target a fleet owner buys hardware by
+CAPACITY_TTFT_P90_S = 2.0
+WARM_UP_S = 120.0  # as the simulator's summaries  # the latency target a fleet owner buys hardware by
 
 
 def _fault(spec: str, flap: bool) -> Fault:
@@ -74,6 +75,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flow-versus", default=None, metavar="1,1.5,2",
                     help="at these loads, warmroute_flow and warmroute against the best peer and llm-d's flow control "
                          "on issue 34's numbers: standard TTFT p99, goodput, tokens/s, per seed and the median")
+    ap.add_argument("--noisy-versus", type=float, default=None, metavar="X",
+                    help="per policy (warmroute_flow, warmroute, the peers and llm-d's flow control), the other "
+                         "tenants' TTFT p99 with a noisy tenant at X times an average project's rate over theirs "
+                         "without it (issue 34's fairness target: <= 1.25x), per seed and the median")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
     ap.add_argument("--png", default=None, help="write traffic share over time per policy to this PNG")
     ap.add_argument("--transitions", action="store_true", help="print every health state change (warmroute)")
@@ -165,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         return versus_peers(args, [float(x) for x in args.versus_peers.split(",")], seeds)
     if args.flow_versus:
         return flow_versus(args, [float(x) for x in args.flow_versus.split(",")], seeds)
+    if args.noisy_versus:
+        return noisy_versus(args, args.noisy_versus, seeds)
     if args.capacity:
         print(f"capacity = highest load with TTFT p90 <= {CAPACITY_TTFT_P90_S:g} s, per seed")
         jobs = [(p, args, s) for p in policies for s in seeds]
@@ -342,6 +349,41 @@ def flow_versus(args, loads: list[float], seeds: list[int]) -> int:
             print(f"  {p:<21} median p99 best {med[0]:.2f} fc {med[1]:.2f} goodput {med[2]:.2f} tok/s {med[3]:.3f} "
                   f"p99 {med[4]:.1f} s refused {med[5]:g} | per seed [p99/best goodput tok/s]: "
                   + " ".join(f"[{r[0]:.2f} {r[2]:.2f} {r[3]:.2f}]" for r in rows))
+    return 0
+
+
+def _others_p99(policy: str, args, seed: int, noisy_x: float) -> float:
+    """The TTFT p99 (from the first attempt) of the requests of every tenant but the noisy one, after the
+    warm-up."""
+    from .measure import pct
+
+    w = dataclasses.replace(workload(args), noisy_tenant_x=noisy_x)
+    speeds = _speeds(args.replica_speeds)
+    res = Simulation(policy, replicas=len(speeds) if speeds else args.replicas, workload=w, seed=seed,
+                     replica_speeds=speeds).run()
+    return pct([r.ttft for r in res.requests if r.tenant != "noisy" and r.arrival >= WARM_UP_S
+                and r.error is None and r.ttft is not None], 0.99)
+
+
+def noisy_versus(args, x: float, seeds: list[int]) -> int:
+    """Issue 34's fairness target: a noisy tenant must not hurt the others (their p99 within 1.25x of theirs
+    without it). The others' workload is the same in both runs (the noisy tenant draws from its own stream)."""
+    policies = [FLOW, "warmroute", *PEERS, *FLOW_PEERS]
+    jobs = [(p, args, s, nx) for p in policies for s in seeds for nx in (0.0, x)]
+    if args.jobs > 1:
+        from multiprocessing import Pool
+
+        with Pool(args.jobs) as pool:
+            flat = pool.starmap(_others_p99, jobs)
+    else:
+        flat = [_others_p99(*j) for j in jobs]
+    got = {(p, s, nx): v for (p, _, s, nx), v in zip(jobs, flat)}
+    print(f"the other tenants' TTFT p99 with a noisy tenant at {x:g}x an average project's rate / theirs without it "
+          f"(target <= 1.25x)")
+    for p in policies:
+        ratios = [got[(p, s, x)] / got[(p, s, 0.0)] for s in seeds]
+        print(f"  {p:<28} median {statistics.median(ratios):.2f}x | per seed: "
+              + " ".join(f"{r:.2f} ({got[(p, s, x)]:.1f}/{got[(p, s, 0.0)]:.1f} s)" for r, s in zip(ratios, seeds)))
     return 0
 
 

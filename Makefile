@@ -117,7 +117,7 @@ clean:
 envoy-files: install  ## re-render envoy/*.yaml and envoy/snippets/ from the shipped configs
 	$(PY) -c "from pathlib import Path; from extproc.envoy_config import shipped_files; [Path(p).write_text(t) for p, t in shipped_files('.').items()]"
 
-bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (~30 min: plain workload at 5x, faults at 20x, then the several-models fleet); results in docs/
+bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (~45 min: plain workload at 5x, faults at 20x, a burst and a noisy tenant at 5x, then the several-models fleet); results in docs/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m extproc.tools.bench_live
 	$(PY) -m extproc.tools.bench_fleet

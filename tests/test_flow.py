@@ -344,6 +344,8 @@ def test_a_held_request_nobody_waits_for_any_more_is_released_and_one_held_too_l
     gone = b.decide({"x-request-id": "gone"}, _body(3000, "gone"))
     late = b.decide({"x-request-id": "late"}, _body(3000, "late"))
     b.cancel(gone.key)
+    assert _family(b, "warmroute_flow_abandoned")["standard"] == 1  # its call ended before an answer
+    assert b.state()["flow_control"]["abandoned"]["standard"] == 1
     clock.t += 3601  # past flow_control.wait_s: the big prefills are still predicted to run
     [(key, answer)] = b.let_go(lambda key: True)
     assert key == late.key and answer.immediate_response.status.code == 429

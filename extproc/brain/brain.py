@@ -283,10 +283,13 @@ class Brain:
         return out
 
     def cancel(self, key: object) -> None:
-        """A held request's call ended (Envoy closed the stream: its client went away)."""
+        """A held request's call ended before its answer (Envoy closed the stream: its client went away, or its
+        message timer ran out)."""
         self.router.cancel(key)
         self.waiting.pop(key, None)
-        self._held_profile.pop(key, None)
+        held = self._held_profile.pop(key, None)
+        if held is not None:
+            self.stats.flow_abandoned[CLASSES[held[0].priority]] += 1
 
     def _immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
         """The brain's own answer when no replica is to be asked (None: one is), in the shape the path's API
@@ -504,7 +507,7 @@ class Brain:
                 "classes": {name: {"held": flow.queue.depth(k), "released": released[name],
                                    "mean_wait_s": round(waited[name] / released[name], 3) if released[name] else None}
                             for k, name in enumerate(CLASSES)},
-                "refused": dict(self.stats.flow_refused)}
+                "refused": dict(self.stats.flow_refused), "abandoned": dict(self.stats.flow_abandoned)}
 
 
 # a request's own time-to-first-token deadline in milliseconds; llm-d's name too, so that a gateway set up for llm-d

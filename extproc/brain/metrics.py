@@ -177,11 +177,15 @@ class BrainCollector(Collector):
                                        "client had gone by then), by class", labels=["class"])
         waited = CounterMetricFamily("warmroute_flow_wait_seconds", "Seconds the released requests were held, by "
                                      "class (over warmroute_flow_released_total: the mean wait)", labels=["class"])
+        abandoned = CounterMetricFamily("warmroute_flow_abandoned", "Held requests whose call ended before the brain "
+                                        "answered: the client went away, or Envoy's message timer ran out and it "
+                                        "failed the request open, by class", labels=["class"])
         for k, name in enumerate(CLASSES):
             depth.add_metric([name], r.flow.queue.depth(k) if r.flow is not None else 0)
             released.add_metric([name], b.flow_released[name])
             waited.add_metric([name], b.flow_wait_s[name])
-        yield from (depth, released, waited)
+            abandoned.add_metric([name], b.flow_abandoned[name])
+        yield from (depth, released, waited, abandoned)
 
 
 def _shared_state(s, r: Router) -> Iterable[Metric]:

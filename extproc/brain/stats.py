@@ -78,6 +78,9 @@ class BrainStats:
         # flow control: held requests let go, and the seconds they waited, per class (a name of core.flow.CLASSES)
         self.flow_released: Counter[str] = Counter({k: 0 for k in CLASSES})
         self.flow_wait_s: Counter[str] = Counter({k: 0.0 for k in CLASSES})
+        # held requests whose call ended before the brain answered: the client went away, or Envoy's message timer
+        # ran out and it failed the request open (a held request the brain lost shows here)
+        self.flow_abandoned: Counter[str] = Counter({k: 0 for k in CLASSES})
         self.discovery_failures = 0  # discovery lookups that failed (the last good replica set stayed)
         self.discovery_changes = 0  # replica sets discovery applied
         self.discovery_up = 1  # 0 while the discovery source's last lookup failed

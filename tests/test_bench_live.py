@@ -34,14 +34,65 @@ def test_flow_control_s_holds_shrink_too_and_only_warmroute_flow_turns_it_on():
     assert PICKER_SHAPES["warmroute_flow"]["flow_control"]["enabled"] is True
 
 
-def test_the_replay_sends_a_429_again_after_its_retry_after_and_counts_from_the_first_attempt():
+def _replay_against(chat, cfg, **kw):
+    """``replay`` of ``cfg`` at 10x against a fake chat endpoint ``chat`` on a port the OS picks."""
     import asyncio
-    import json
-    import time
 
     from aiohttp import web
 
     from extproc.tools.sim.http_replay import replay
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            return await replay(f"http://127.0.0.1:{runner.addresses[0][1]}", cfg, seed=2, speedup=10.0, timeout=30,
+                                **kw)
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+async def _answer(request):
+    import json
+
+    from aiohttp import web
+
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+    chunk = {"choices": [{"delta": {"content": "hi"}}], "system_fingerprint": "r0"}
+    last = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
+    await resp.write(f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+    return resp
+
+
+def test_the_replay_sends_the_noisy_tenant_s_sessions_as_sessions_with_a_system_prompt_of_their_own():
+    from extproc.tools.sim.workload import WorkloadConfig
+
+    seen = []
+
+    async def chat(request):
+        doc = await request.json()
+        seen.append((request.headers.get("x-session-id"), request.headers.get("x-warmroute-tenant"),
+                     doc["messages"][0]["content"][:40]))
+        return await _answer(request)
+
+    cfg = WorkloadConfig(minutes=1.0, sessions_per_min=6, oneshots_per_min=0, noisy_tenant_x=30)
+    res = _replay_against(chat, cfg, extra_headers=lambda r: {"x-warmroute-tenant": r.tenant})
+    noisy = [x for x in seen if x[1] == "noisy"]
+    assert noisy and all(x[0] for x in noisy) and res.lost == 0 and not res.errors  # session turns, answered
+    assert {x[2] for x in noisy}.isdisjoint({x[2] for x in seen if x[1] != "noisy"})  # its own project's prompt
+
+
+def test_the_replay_sends_a_429_again_after_its_retry_after_and_counts_from_the_first_attempt():
+    import time
+
+    from aiohttp import web
+
     from extproc.tools.sim.workload import WorkloadConfig
 
     calls: list[tuple[float, dict]] = []
@@ -52,29 +103,11 @@ def test_the_replay_sends_a_429_again_after_its_retry_after_and_counts_from_the_
             return web.json_response({"error": {"type": "rate_limit_error"}}, status=429, headers={"Retry-After": "1"})
         if len(calls) == 3:  # no Retry-After: a client cannot know when to come back, an error
             return web.json_response({"error": {}}, status=429)
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
-        chunk = {"choices": [{"delta": {"content": "hi"}}], "system_fingerprint": "r0"}
-        last = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
-        await resp.write(f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
-        return resp
+        return await _answer(request)
 
-    async def main():
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            # three one-shots, nothing else, ~1 s apart at 10x: Retry-After 1 s of workload time is 0.1 s of it
-            cfg = WorkloadConfig(minutes=0.5, sessions_per_min=0, oneshots_per_min=6)
-            return await replay(url, cfg, seed=2, speedup=10.0, timeout=30,
-                                extra_headers=lambda r: {"x-warmroute-tenant": r.tenant}, retry_429=True)
-        finally:
-            await runner.cleanup()
-
-    res = asyncio.run(main())
+    # three one-shots, nothing else, ~1 s apart at 10x: Retry-After 1 s of workload time is 0.1 s of it
+    cfg = WorkloadConfig(minutes=0.5, sessions_per_min=0, oneshots_per_min=6)
+    res = _replay_against(chat, cfg, extra_headers=lambda r: {"x-warmroute-tenant": r.tenant}, retry_429=True)
     assert res.refused == 1 and res.errors == {"429 without Retry-After": 1}
     first = next(r for r in res.requests if r.extra.get("refused"))
     assert first.error is None and first.ttft is not None

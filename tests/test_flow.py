@@ -217,6 +217,20 @@ def test_a_held_request_a_newcomer_lets_go_comes_back_from_the_next_offer():
     assert "a" not in router.flow.queue
 
 
+def test_a_held_request_let_go_but_not_yet_handed_out_gives_its_reservation_back_when_its_client_leaves():
+    router, t = _flow_router()
+    big = _busy(router, t)
+    assert router.select(prof(session="a", tokens=2000), t, hold_key="a").reason is Reason.HELD
+    router.release(big[0].reservation, t + 0.1)
+    before = router.open_reservations
+    router.select(prof(session="n", tokens=2000), t + 0.1, hold_key="n")  # lets "a" go first, booked on r0
+    assert router.open_reservations >= before + 1
+    booked = router.open_reservations
+    assert router.cancel("a", t + 0.1) and not router.cancel("a", t + 0.1)
+    assert router.open_reservations == booked - 1  # given back
+    assert "a" not in dict(router.offer(t + 0.1))
+
+
 def test_a_held_request_whose_replica_is_busy_does_not_block_one_that_has_room_elsewhere():
     router, t = _flow_router()
     # the session lives on r0 (its cache): r0's queue (~2 s) costs it less than its whole context again on r1

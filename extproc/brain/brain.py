@@ -285,7 +285,7 @@ class Brain:
     def cancel(self, key: object) -> None:
         """A held request's call ended before its answer (Envoy closed the stream: its client went away, or its
         message timer ran out)."""
-        self.router.cancel(key)
+        self.router.cancel(key, self.clock())
         self.waiting.pop(key, None)
         held = self._held_profile.pop(key, None)
         if held is not None:

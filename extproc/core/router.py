@@ -396,9 +396,17 @@ class Router:
         if self.outbox is not None:
             self.outbox.events.append(("v", tenant, tokens))
 
-    def cancel(self, key: object) -> bool:
-        """A held request's client went away: out of the queue at once."""
-        if self.flow is None or self.flow.queue.remove(key) is None:
+    def cancel(self, key: object, now: float = 0.0) -> bool:
+        """A held request's client went away: out of the queue at once. One already let go by a newcomer and
+        waiting for the next offer gives its reservation back."""
+        if self.flow is None:
+            return False
+        for i, (k, d) in enumerate(self._ready):
+            if k == key:
+                del self._ready[i]
+                self.release(d.reservation, now)
+                return True
+        if self.flow.queue.remove(key) is None:
             return False
         self.flow.held.pop(key, None)
         return True

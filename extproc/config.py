@@ -273,20 +273,25 @@ class SharedStateConfig:
 
 @dataclass(frozen=True, slots=True)
 class FlowControlConfig:
-    """Flow control (issue 34; experimental, off): a request that every replica is saturated for (even the best
-    would make it wait longer than its own prefill there) waits in the brain, which holds Envoy's ext_proc call
-    (or, as an endpoint picker, the gateway's pick) open, and goes to the replica that has room first, in the
-    queue's order (tenants by the tokens they were served, then arrival); one predicted to miss its deadline
-    (x-warmroute-ttft-slo-ms, or its class's) is refused at once. Measured in the simulator only so far
-    (docs/routing.md "Flow control")."""
+    """Flow control (issue 34; on): a new session whose context fits on no replica beside the active sessions'
+    contexts waits in the brain, which holds Envoy's ext_proc call (or, as an endpoint picker, the gateway's pick)
+    open, and goes to the first replica where it fits, in the queue's order (class, tenants by the tokens they were
+    served, then arrival); a session under way, a one-shot and critical work are never held. One predicted to miss
+    its deadline (x-warmroute-ttft-slo-ms, or its class's) is refused at once; held too long, 429 with Retry-After.
+    With hold_on_wait, a request is also held while every replica would make it wait longer than its own prefill.
+    Measured in the simulator (docs/routing.md "Flow control")."""
 
-    enabled: bool = False  # experimental: hold what every replica is saturated for (not yet better everywhere)
+    enabled: bool = True  # false: every request is placed at once, as before flow control
     max_requests: int = 10_000  # requests held at most; past it a newcomer gets 429 with Retry-After
     max_bytes: int = 1 << 30  # their bodies' bytes at most
     # a request held this long is answered 429 with Retry-After (Envoy's timer is extended so). As an endpoint
     # picker, keep it below the gateway's ext_proc message timeout unless the gateway sets max_message_timeout
     # (the pick asks for this long, + 5 s): a gateway that gives up first fails the request itself
     wait_s: float = 30.0
+    # also hold a request whose wait on the best replica passes its own prefill there (half of it, sheddable),
+    # not only a new session that fits nowhere: shortens a burst's tail on some fleets, costs throughput in lasting
+    # overload (docs/routing.md "Flow control")
+    hold_on_wait: bool = False
     sheddable_wait_s: float = 10.0  # a sheddable request is held this long at most (never longer than wait_s)
     retry_after_s: int = 2  # what a 429 tells the client to wait
     # the request's class, "critical" (never held), "standard" (the default) or "sheddable" (held sooner), from a
@@ -303,7 +308,7 @@ class AppConfig:
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
-    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)  # issue 34: off by default
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)  # issue 34: on; holds new sessions that fit nowhere
     # models.aliases: a client's model name -> the served names it goes to, with weights (a canary's share)
     aliases: tuple[tuple[str, tuple[Target, ...]], ...] = ()
     source: str = "<defaults>"

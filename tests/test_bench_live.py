@@ -26,12 +26,15 @@ def test_the_access_log_flush_that_releases_reservations_shrinks_too():
     assert scaled_warmroute_config(20.0)["envoy"]["access_log_flush_s"] == pytest.approx(0.001)  # Envoy's floor: 1 ms
 
 
-def test_flow_control_s_holds_shrink_too_and_only_warmroute_flow_turns_it_on():
-    from extproc.tools.bench_live import PICKER_SHAPES
+def test_flow_control_s_holds_shrink_too_and_only_warmroute_no_flow_turns_it_off():
+    from extproc.tools.bench_live import FLOW_CONTENDERS, PICKER_SHAPES, WARMROUTE
 
     scaled = scaled_warmroute_config(5.0)["flow_control"]
     assert scaled == {"wait_s": pytest.approx(6.0), "sheddable_wait_s": pytest.approx(2.0)}
     assert PICKER_SHAPES["warmroute_flow"]["flow_control"]["enabled"] is True
+    # the default (on) everywhere else; its scenarios' baseline is warmroute without it
+    off = [c for c in WARMROUTE if PICKER_SHAPES.get(c, {}).get("flow_control", {}).get("enabled") is False]
+    assert off == ["warmroute_no_flow"] and "warmroute_no_flow" in FLOW_CONTENDERS
 
 
 def _replay_against(chat, cfg, **kw):

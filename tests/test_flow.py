@@ -164,9 +164,10 @@ from .helpers import chain, live_router, prof  # noqa: E402
 from .test_warm import WARM  # noqa: E402
 
 
-def _flow_router(n=2):
+def _flow_router(n=2, hold_on_wait=True):
+    """Held by wait (flow_control.hold_on_wait): most of these tests saturate replicas with long prefills."""
     router, t = live_router(n, WARM)
-    router.flow = FlowControl()
+    router.flow = FlowControl(hold_on_wait=hold_on_wait)
     return router, t
 
 
@@ -286,7 +287,7 @@ def test_the_simulator_holds_and_lets_go_every_request_and_counts_its_wait_from_
     from extproc.tools.sim.simulator import Simulation
     from extproc.tools.sim.workload import WorkloadConfig
 
-    sim = Simulation("warmroute_flow", replicas=4, workload=WorkloadConfig(minutes=4).at_load(2.0), seed=1)
+    sim = Simulation("warmroute_flow_wait", replicas=4, workload=WorkloadConfig(minutes=4).at_load(2.0), seed=1)
     res = sim.run()
     assert sim.policy.held_total >= 5  # requests were held, and the run went on
     held = [r for r in res.requests if "held_at" in r.extra and r.ttft is not None]
@@ -297,7 +298,7 @@ def test_the_simulator_holds_and_lets_go_every_request_and_counts_its_wait_from_
     assert waited and max(r.ttft for r in waited) > 0.5
     # and none is lost in the router: what the simulator still holds, the router's queue still holds
     for seed in (1, 3):
-        sim = Simulation("warmroute_flow", replicas=4, workload=WorkloadConfig(minutes=6).at_load(1.5), seed=seed)
+        sim = Simulation("warmroute_flow_wait", replicas=4, workload=WorkloadConfig(minutes=6).at_load(1.5), seed=seed)
         sim.run()
         assert [k for k in sim.policy._held if k not in sim.policy.router.flow.queue] == []
 
@@ -319,13 +320,13 @@ def _body(chars: int, who: str) -> bytes:
 
 def _flow_brain(**flow):
     # held a long while: a 2 MB prefill ahead is predicted to take minutes, and a shorter wait refuses at once
-    return live({"flow_control": {"enabled": True, "wait_s": 3600, **flow}})
+    return live({"flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600, **flow}})
 
 
 def test_the_brain_holds_a_saturated_request_and_answers_it_once_a_replica_has_room():
     b, clock = _flow_brain()
-    bigs = [b.decide({"x-request-id": f"big{i}", "x-session-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
-            for i in range(3)]  # a long prefill on each of the three replicas
+    bigs = [b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+            for i in range(3)]  # a long prefill on each of the three replicas (one-shots: no context stays)
     assert not any(isinstance(x, HeldAnswer) for x in bigs)
     held = b.decide({"x-request-id": "small", "x-session-id": "s"}, _body(3000, "small"))
     assert isinstance(held, HeldAnswer) and b.router.open_reservations == 3
@@ -368,8 +369,9 @@ def test_a_held_request_nobody_waits_for_any_more_is_released_and_one_held_too_l
     assert b.stats.flow_refused["waited_too_long"] == 1 and not b.waiting and len(b.router.flow) == 0
 
 
-def test_flow_control_config_is_checked_and_off_by_default():
-    assert parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}]}).flow_control.enabled is False
+def test_flow_control_config_is_checked_and_on_by_default_holding_by_kv_only():
+    f = parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}]}).flow_control
+    assert f.enabled is True and f.hold_on_wait is False
     for doc, field in (({"wait_s": 0}, "flow_control.wait_s"), ({"max_requests": 0}, "flow_control.max_requests")):
         with pytest.raises(ConfigError, match=field):
             parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}], "flow_control": doc})
@@ -387,9 +389,9 @@ def test_the_class_comes_from_the_trusted_header_and_envoy_strips_it_from_client
     assert isinstance(other, HeldAnswer)  # a name it does not know is standard
     assert b.router.flow.queue.in_order(5)[0].klass == STANDARD
     assert "x-warmroute-priority" in edge_headers_removed(b.cfg) and "x-warmroute-priority" in brain_headers(b.cfg)
-    trusted, _ = live({"flow_control": {"enabled": True, "trust_downstream_priority_header": True}})
+    trusted, _ = live({"flow_control": {"enabled": True, "hold_on_wait": True, "trust_downstream_priority_header": True}})
     assert "x-warmroute-priority" not in edge_headers_removed(trusted.cfg)
-    off, _ = live()
+    off, _ = live({"flow_control": {"enabled": False}})
     assert "x-warmroute-priority" not in edge_headers_removed(off.cfg) + brain_headers(off.cfg)
 
 
@@ -462,7 +464,7 @@ def test_a_burst_adds_arrivals_in_its_window_only_and_leaves_the_rest_of_the_wor
 
 
 def test_a_held_request_keeps_its_body_s_bytes_within_the_bound_and_is_rewritten_like_any_once_it_goes():
-    b, clock = live({"flow_control": {"enabled": True, "wait_s": 3600, "max_bytes": 40_000},
+    b, clock = live({"flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600, "max_bytes": 40_000},
                      "models": {"aliases": {"friendly": "m"}}})
     for i in range(3):
         b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
@@ -567,3 +569,92 @@ def test_a_client_s_ttft_deadline_header_refuses_at_once_what_cannot_make_it_and
     assert headers[DROPPED_REASON_HEADER] == "deadline_unmeetable" and headers["retry-after"] == "2"
     assert b.stats.flow_refused["deadline_unmeetable"] == 1 and len(b.router.flow) == 0
     assert isinstance(b.decide({"x-request-id": "w", "x-warmroute-ttft-slo-ms": "soon"}, _body(3000, "w")), HeldAnswer)
+
+
+# ------------------------------------------------------------------ saturation by KV (the default)
+
+def test_a_new_session_that_fits_nowhere_beside_the_active_sessions_waits_and_goes_once_a_context_leaves():
+    from extproc.core.config import WarmConfig
+
+    # sessions quiet for 20 s leave the active set: within standard's 60 s in the queue
+    router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=20)))
+    router.flow = FlowControl()  # hold_on_wait off: only KV saturates
+
+    def turn(session, tokens, at, key=None):
+        return router.select(prof(session=session, tokens=tokens, blocks=chain(session, session, tokens)), at,
+                             hold_key=key)
+
+    a = turn("a", 200_000, t)
+    b = turn("b", 200_000, t + 1)
+    assert {a.replica.name, b.replica.name} == {"r0", "r1"}  # the second does not fit beside the first
+    router.release(a.reservation, t + 2)
+    router.release(b.reservation, t + 2)
+    # a third long context fits beside neither: held, nothing booked, though both replicas are idle
+    c = turn("c", 150_000, t + 3, key="c")
+    assert c.reason is Reason.HELD and c.reservation is None and router.open_reservations == 0
+    # a session under way is not held (its context is counted already), nor a one-shot
+    a2 = turn("a", 201_000, t + 4, key="a2")
+    assert a2.replica is a.replica
+    router.release(a2.reservation, t + 5)
+    one = router.select(prof(tokens=150_000, blocks=chain("o", None, 150_000)), t + 4, hold_key="one")
+    assert one.replica is not None
+    router.release(one.reservation, t + 5)
+    assert router.offer(t + 10) == []  # still nowhere to fit
+    # b's session went quiet for active_session_s: its context may be evicted, and c goes there
+    later = t + 1 + router.cfg.warm.active_session_s + 5
+    a3 = turn("a", 202_000, later - 1)  # a stays active
+    router.release(a3.reservation, later - 1)
+    out = router.offer(later)
+    assert [k for k, _ in out] == ["c"] and out[0][1].replica is b.replica
+
+
+def test_a_new_session_too_big_for_an_empty_replica_is_placed_as_without_flow_control():
+    from extproc.core.config import WarmConfig
+
+    router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000)))
+    router.flow = FlowControl()
+    first = router.select(prof(session="a", tokens=200_000, blocks=chain("a", "a", 200_000)), t, hold_key="a")
+    second = router.select(prof(session="b", tokens=200_000, blocks=chain("b", "b", 200_000)), t + 1, hold_key="b")
+    assert first.replica is not None and second.replica is not None
+    # it fits nowhere beside the others, nor alone (past kv_pressure of 300K): waiting would not make it fit
+    huge = router.select(prof(session="h", tokens=290_000, blocks=chain("h", "h", 290_000)), t + 2, hold_key="h")
+    assert huge.replica is not None and huge.reason is not Reason.HELD
+
+
+def test_the_simulator_holds_new_sessions_only_when_the_fleet_s_caches_are_full_of_active_contexts():
+    from extproc.tools.sim.simulator import Simulation
+    from extproc.tools.sim.workload import WorkloadConfig
+
+    def run(load):
+        sim = Simulation("warmroute_flow", replicas=4, workload=WorkloadConfig(minutes=8).at_load(load), seed=1)
+        res = sim.run()
+        # none lost: what the simulator still holds at the end, the router's queue still holds
+        assert [k for k in sim.policy._held if k not in sim.policy.router.flow.queue] == []
+        firsts, seen = set(), set()
+        for r in sorted(res.requests, key=lambda r: r.arrival):
+            if r.sid not in seen:
+                firsts.add(r.rid)
+                seen.add(r.sid)
+        return [r for r in res.requests if "held_at" in r.extra], firsts
+
+    held, firsts = run(3.0)
+    assert held and {r.rid for r in held} <= firsts  # sessions' first turns, nothing else
+    assert any(r.ttft is not None for r in held)
+    assert run(0.5)[0] == []  # a fleet with room holds nothing
+
+
+def test_by_default_the_brain_holds_a_new_session_that_fits_nowhere_and_never_one_under_way():
+    b, clock = live({"flow_control": {"enabled": True}})  # hold_on_wait off: KV alone saturates
+    # three sessions, each with a context of ~250K tokens (of a replica's 300K), one on each replica
+    homes = [b.decide({"x-request-id": f"s{i}", "x-session-id": f"s{i}"}, _body(1_000_000, f"s{i}"))
+             for i in range(3)]
+    assert not any(isinstance(x, HeldAnswer) for x in homes)
+    clock.t += 1
+    for i in range(3):
+        b.router.release(b.router.reservation(i + 1), clock.t)
+    new = b.decide({"x-request-id": "n", "x-session-id": "new"}, _body(400_000, "new"))
+    assert isinstance(new, HeldAnswer) and b.router.open_reservations == 0  # idle replicas, caches full
+    later = b.decide({"x-request-id": "s0b", "x-session-id": "s0"}, _body(1_000_100, "s0"))
+    assert not isinstance(later, HeldAnswer)  # a session under way goes, past the new one waiting
+    one_shot = b.decide({"x-request-id": "o"}, _body(400_000, "o"))
+    assert not isinstance(one_shot, HeldAnswer)

@@ -347,7 +347,7 @@ def test_with_flow_control_a_saturated_pick_waits_until_a_response_ends_and_a_ga
     from extproc.brain.server import FlowWaits
 
     cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(2)],
-                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True, "wait_s": 3600}})
+                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600}})
     brain = live_brain(cfg)
     waits = FlowWaits(brain)
 
@@ -396,7 +396,7 @@ def test_a_held_pick_placed_as_the_gateway_leaves_gives_its_reservation_back():
     from extproc.brain.server import FlowWaits
 
     cfg = parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:8000"}],
-                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True, "wait_s": 3600}})
+                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600}})
     brain = live_brain(cfg)
     waits = FlowWaits(brain)
     big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "big " + "x" * 2_000_000}]})

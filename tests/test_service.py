@@ -251,10 +251,10 @@ def test_a_reload_keeps_the_running_brains_shared_state_and_says_a_restart_appli
     assert "shared_state" in info["restart_needed"]
     assert b.cfg.shared_state.redis_url is None and b.router.outbox is None  # still alone
     assert b.cfg.router.pins.session_ttl_s == 90  # the rest applied
-    doc["flow_control"] = {"enabled": True}  # the same for flow control: its queue and Envoy's timer are rendered
+    doc["flow_control"] = {"enabled": False}  # the same for flow control: its queue and Envoy's timer are rendered
     path.write_text(yaml.safe_dump(doc))
     info = b.reload()
-    assert "flow_control" in info["restart_needed"] and b.router.flow is None and not b.cfg.flow_control.enabled
+    assert "flow_control" in info["restart_needed"] and b.router.flow is not None and b.cfg.flow_control.enabled
 
 
 def test_every_pin_action_has_a_metric_family_and_every_series_starts_at_zero():

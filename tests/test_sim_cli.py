@@ -107,6 +107,32 @@ def test_anatomy_counts_sessions_moved_between_replicas():
     assert n > 20 and carried > 0
 
 
+def test_anatomy_tail_sorts_the_slowest_turns_by_what_made_them():
+    from extproc.tools.sim.anatomy import WARM_UP_S, tail_kinds
+    from extproc.tools.sim.workload import Request
+
+    t0 = WARM_UP_S + 1
+    reqs = []
+
+    def turn(sid, replica, ttft, prompt, cached, at, oneshot=False):
+        r = Request(len(reqs), sid, 0, prompt, 100, 10, at, oneshot=oneshot)
+        r.replica, r.ttft, r.cached_tokens = replica, ttft, cached
+        reqs.append(r)
+
+    for sid in range(1, 5):  # each session's first turn, quick
+        turn(sid, 0, 0.1, 1000, 0, t0 + sid)
+    turn(1, 1, 40.0, 50_000, 100, t0 + 10)  # moved: slowest
+    turn(2, 0, 30.0, 50_000, 100, t0 + 11)  # same replica, its context gone: lost at home
+    turn(3, 0, 20.0, 50_000, 49_000, t0 + 12)  # same replica, cached: it only waited
+    turn(9, 2, 99.0, 50_000, 0, t0 + 13, oneshot=True)  # one-shots are not session turns
+    turn(4, 0, 0.2, 2000, 1000, t0 + 14)
+    got = tail_kinds(reqs, share=0.5)  # 8 session turns: the slowest 4
+    assert [t for t, _ in got["moved"]] == [40.0] and got["moved"][0][1] == 49_900
+    assert [t for t, _ in got["lost_at_home"]] == [30.0]
+    assert sorted(t for t, _ in got["cached"]) == [0.2, 20.0]
+    assert sum(len(v) for v in got.values()) == 4 and got["first"] == []
+
+
 def test_sim_brains_prints_one_brain_each_k_and_delay_and_llmds_pickers_and_sharing_keeps_hits():
     import re
 

@@ -95,7 +95,8 @@ class Brain:
         self._hold_keys = itertools.count(1)
         if cfg.flow_control.enabled:
             f = cfg.flow_control
-            self.router.flow = FlowControl(FlowQueue(f.max_requests, f.max_bytes), (None, f.wait_s, min(f.wait_s, f.sheddable_wait_s)))
+            self.router.flow = FlowControl(FlowQueue(f.max_requests, f.max_bytes),
+                                           (None, f.wait_s, min(f.wait_s, f.sheddable_wait_s)), f.hold_on_wait)
         self.scraper.on_models = self._on_models
         self.scraper.on_paths = self._on_paths
         self._set_replicas(cfg)

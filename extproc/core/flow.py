@@ -230,12 +230,15 @@ class FlowControl:
     """The router's side of flow control (``Router.flow``): the queue, and what each held request needs to be
     decided again once a replica has room (``Router.offer``)."""
 
-    def __init__(self, queue: FlowQueue | None = None, deadlines: tuple[float | None, ...] = DEADLINES_S):
+    def __init__(self, queue: FlowQueue | None = None, deadlines: tuple[float | None, ...] = DEADLINES_S,
+                 hold_on_wait: bool = False):
         self.queue = queue if queue is not None else FlowQueue()  # an empty queue is falsy
         self.held: dict[object, tuple] = {}  # key -> (profile, the replicas it may go to)
         # keys to be refused (429 with Retry-After): pushed out by a higher class, or past their class's deadline
         self.refused: list[object] = []
         self.deadlines = deadlines  # per class: how long a request may be held (None: as long as it takes)
+        # saturation by wait too, not only by KV (WarmPolicy._saturated): flow_control.hold_on_wait
+        self.hold_on_wait = hold_on_wait
         self._expire_at = float("-inf")
 
     def within(self, klass: int, slo_s: float | None) -> float | None:

@@ -315,8 +315,12 @@ class Router:
                     ready = self.offer(now)
                     self._ready.extend(ready)
                 n_ahead, tokens_ahead = flow.queue.ahead(profile.priority)
-                if n_ahead:  # never ahead of its class or above. Its wait: until the replica the last request
-                    # held was priced for has room, then the queue before it (not priced: a wait, not a choice)
+                # never ahead of its class or above, when it competes for what they wait for: engine time (held by
+                # wait), or room for a new context (a new session). A session under way or a one-shot takes no
+                # new room in the caches: with KV the only saturation, it goes past new sessions waiting for it
+                if n_ahead and (flow.hold_on_wait or self._new_session(profile, now)):
+                    # its wait: until the replica the last request held was priced for has room, then the queue
+                    # before it (not priced: a wait, not a choice)
                     drain = getattr(self.policy, "held_drain_tps", 0.0)
                     wait = max(0.0, getattr(self.policy, "held_free_at", 0.0) - now) + tokens_ahead / drain \
                         if drain > 0 else None
@@ -341,8 +345,12 @@ class Router:
 
     # ------------------------------------------------------------ flow control
 
+    def _new_session(self, profile: RequestProfile, now: float) -> bool:
+        return profile.session_key is not None and self.session_pins.get(profile.session_key, now) is None
+
     def _select_may_hold(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
         self.policy.may_hold = True
+        self.policy.hold_on_wait = self.flow.hold_on_wait
         try:
             return self.policy.select(fleet, profile, now)
         finally:

@@ -155,8 +155,10 @@ class WarmPolicy:
         # view; tests compare the two
         self.verify: list | None = None
         # set by the router for one select (flow control on, the request not critical): a request that every
-        # candidate is saturated for is not placed but held (Reason.HELD), nothing booked
+        # candidate is saturated for is not placed but held (Reason.HELD), nothing booked. hold_on_wait: a wait
+        # longer than the request's own prefill saturates too (flow_control.hold_on_wait), not only KV
         self.may_hold = False
+        self.hold_on_wait = False
         self.held_drain_tps = 0.0  # the prompt tokens per second the candidates prefilled at the last hold
         self.held_free_at = 0.0
         self.outbox = None  # shared state: the router's Outbox while sharing is on (core.shared)
@@ -442,7 +444,7 @@ class WarmPolicy:
             mine_full = next(e.cost for e in all_ests if e.st is best.st)
             self.verify.append(((best.replica.name, best.engine), (ref.replica.name, ref.engine),
                                 any(e.st is best.st for e in full), mine_full - min(e.cost for e in full)))
-        if self.may_hold and self._saturated(best, profile):
+        if self.may_hold and self._saturated(best, profile, pin):
             # what drains the router's queue: every candidate's prefill rate (of the shortlist's, in a big fleet: a
             # wait overestimated there refuses a little early, never late)
             self.held_drain_tps = sum(rate / st.scale.value for (_, st, _), rate, _ in rows)
@@ -455,10 +457,20 @@ class WarmPolicy:
         self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
 
-    def _saturated(self, best: "_Estimate", profile: RequestProfile) -> bool:
-        """Flow control's saturation, with nothing to tune: even the best candidate makes the request wait longer
-        than its own prefill there (half of it, sheddable), so holding it in the router loses no engine time while
-        it keeps the choice of replica, and the order between requests, open until a replica has room."""
+    def _saturated(self, best: "_Estimate", profile: RequestProfile, pin: Pin | None) -> bool:
+        """Flow control's saturation, with nothing to tune. A new session (no home yet) whose context fits on no
+        candidate beside the active sessions' contexts (C3's fit rule, the best not fitting: none does) waits in
+        the router for a replica where it fits: placed now, the engine's LRU would evict active sessions' contexts
+        while they think, and their next turns would prefill them again (the tail of every router in lasting
+        overload, docs/routing.md). A context too big for an empty replica is placed as today: waiting would not
+        make it fit. Sessions under way are never held (their contexts are counted already), nor one-shots.
+        With hold_on_wait, also: even the best candidate makes the request wait longer than its own prefill there
+        (half of it, sheddable), so holding it loses no engine time while it keeps the choice of replica open."""
+        if (pin is None and profile.session_key is not None and not best.fits
+                and best.prompt <= self.cfg.warm.kv_pressure * best.st.cache_tokens):
+            return True
+        if not self.hold_on_wait:
+            return False
         afford = max(best.prefill, _TIE_S) * (0.5 if profile.priority >= 2 else 1.0)
         return best.wait + best.lora > afford
 

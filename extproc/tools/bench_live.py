@@ -47,7 +47,8 @@ from .stack import Stack, http_get
 # warmroute contenders: the default policy, and the seed's pipeline; the default policy as the endpoint picker of
 # Envoy in a Gateway API Inference Extension gateway's shape (`envoy-config --mode endpoint-picker`)
 WARMROUTE = {"warmroute": None, "warmroute_seed": "seed", "warmroute_endpoint_picker": None,
-             "warmroute_endpoint_picker_duplex": None, "warmroute_dp_unsteered": None, "warmroute_flow": None}
+             "warmroute_endpoint_picker_duplex": None, "warmroute_dp_unsteered": None, "warmroute_flow": None,
+             "warmroute_no_flow": None}
 # (brain, envoy) settings of those that run in the endpoint-picker shape: buffered bodies (the rendered default),
 # and full duplex, as Inference Extension gateways send them
 PICKER_SHAPES = {"warmroute_endpoint_picker": {"brain": {"protocol": "endpoint-picker"}},
@@ -55,9 +56,11 @@ PICKER_SHAPES = {"warmroute_endpoint_picker": {"brain": {"protocol": "endpoint-p
                                                       "envoy": {"picker_body_mode": "full-duplex"}},
                  # data-parallel replicas (--data-parallel): the engine left to the replica's front end
                  "warmroute_dp_unsteered": {"warm": {"steer_data_parallel": False}},
-                 # flow control on; the bench's clients set their class and tenant themselves (a trusted network)
+                 # flow control (on by default) with the class and tenant the bench's clients set themselves (a
+                 # trusted network); and warmroute without flow control, the baseline of its scenarios
                  "warmroute_flow": {"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
-                                    "envoy": {"trust_downstream_tenant_header": True}}}
+                                    "envoy": {"trust_downstream_tenant_header": True}},
+                 "warmroute_no_flow": {"flow_control": {"enabled": False}}}
 CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]
 # make bench-quick: warmroute and the contenders that come closest to it on the plain workload
 QUICK = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_ring_hash", "envoy_least_request",
@@ -66,7 +69,7 @@ SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica", "brain_
 # flow control's scenarios (issue 34), at the plain workload's pace, and who runs them: warmroute with and without
 # flow control beside the peers that come closest under load; warmroute_flow runs these and the plain workload only
 FLOW_SCENARIOS = ("burst", "noisy_tenant")
-FLOW_CONTENDERS = ["warmroute_flow", "warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request",
+FLOW_CONTENDERS = ["warmroute_flow", "warmroute_no_flow", "envoy_ring_hash_bounded_150", "envoy_least_request",
                    "sglang_router_cache_aware"]
 BURST = (1.0, 2.0, 2.0)  # minutes after the warm-up it starts, minutes it lasts, times the arrival rates
 NOISY_X = 5.0
@@ -109,8 +112,6 @@ def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Runni
         config = scaled_warmroute_config(speedup, WARMROUTE[contender])
         for section, values in PICKER_SHAPES.get(contender, {}).items():
             config.setdefault(section, {}).update(values)
-        if not config["flow_control"].get("enabled"):
-            del config["flow_control"]
         s = Stack(n, config=config, mock_args=mock_args)
         s.start()
         s.wait_all_live(60)

@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg_doc = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(fleet.ports)],
                    "brain": {"host": "127.0.0.1", "grpc_port": 0, "insecure": True, "admin_port": 0, "metrics_port": 0,
                              "grpc_socket": str(work / "brain.sock"), "admin_token_file": str(work / "admin.token")},
-                   "envoy": {"listen_host": "127.0.0.1", "listen_port": 0}}
+                   "envoy": {"listen_host": "127.0.0.1", "listen_port": 0},
+                   # flow control off in every brain row but its own (on by default): its cost is a row of its own
+                   "flow_control": {"enabled": False}}
         (work / "warmroute.yaml").write_text(yaml.safe_dump(cfg_doc))
         ready = work / "brain.ready.json"
         brain = Proc("brain", _cli("brain", "--config", str(work / "warmroute.yaml"), "--ready-file", str(ready)), work)
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_for(lambda: sready2.exists() and json.loads(sready2.read_text()), 30, "the second process", second)
             cfg_two = dataclasses.replace(cfg_shared, envoy=dataclasses.replace(
                 cfg_shared.envoy, brain_endpoints=(f"unix:{work / 'shared2.sock'}",)))
-        # a brain with flow control on (issue 34): what a request that is not held pays for the queue's checks
+        # a brain with flow control on (issue 34, the default): what a request that is not held pays for its checks
         flow_doc = {**cfg_doc, "brain": {**cfg_doc["brain"], "grpc_port": None, "grpc_socket": str(work / "flow.sock"),
                                          "admin_port": 0, "admin_token_file": str(work / "flow.token")},
                     "flow_control": {"enabled": True}}

@@ -38,7 +38,7 @@ from .sim.workload import WorkloadConfig
 from .stack import Replica, Stack, http_get
 
 CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_router_cache_aware"]
-BURST_CONTENDERS = ["warmroute_flow", "warmroute", "envoy_ring_hash_bounded_150"]
+BURST_CONTENDERS = ["warmroute_flow", "warmroute_no_flow", "envoy_ring_hash_bounded_150"]
 BURST = (1.0, 2.0, 2.0)  # from minute 1, for 2 minutes, twice the arrival rates (of a 4-minute run)
 # what the tiny model reads (8K tokens; the workload counts 4 characters a token, the model's tokenizer ~3) and two
 # shared cores decode (~30 tokens/s a stream)
@@ -82,10 +82,12 @@ def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[s
     if contender == "warmroute_flow":  # the bench's clients set their class and tenant (a trusted network)
         config.update({"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
                        "envoy": {"trust_downstream_tenant_header": True}})
+    elif contender == "warmroute_no_flow":  # flow control is on by default
+        config["flow_control"] = {"enabled": False}
     s = Stack(0, config=config)
     try:
         proc = None
-        if contender in ("warmroute", "warmroute_flow"):
+        if contender in ("warmroute", "warmroute_flow", "warmroute_no_flow"):
             s.replicas = list(replicas)
             s.write_config()
             s.start_brain()
@@ -120,7 +122,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         elapsed = time.monotonic() - t0
         c = engine_counters(urls) - c0
         decision = None
-        if contender in ("warmroute", "warmroute_flow"):
+        if contender in ("warmroute", "warmroute_flow", "warmroute_no_flow"):
             decision = brain_decision_mean(http_get(s.brain_metrics).decode())
             learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
             for rep, before in zip(replicas, h0):

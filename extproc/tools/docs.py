@@ -186,9 +186,9 @@ def _not_metrics() -> set[str]:
     from ..contract import BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER
     from ..core.policy import POLICIES
     from .bench_live import WARMROUTE
-    from .sim.policies import FLOW
+    from .sim.policies import FLOW, FLOW_WAIT
 
-    return {f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | {FLOW, BRAIN_CLUSTER, FALLBACK_CLUSTER,
+    return {f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | {FLOW, FLOW_WAIT, BRAIN_CLUSTER, FALLBACK_CLUSTER,
                                                                     PICKER_CLUSTER}
 
 

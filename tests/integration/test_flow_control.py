@@ -44,7 +44,7 @@ SHAPES = pytest.mark.parametrize("shape", [{}, {"brain": {"protocol": "endpoint-
 
 @SHAPES
 def test_a_saturated_fleet_holds_the_request_in_the_brain_past_envoy_s_timeout_and_then_serves_it(own_stack, shape):
-    s = own_stack(2, config={**shape, "flow_control": {"enabled": True, "wait_s": 30},
+    s = own_stack(2, config={**shape, "flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 30},
                              "envoy": {**FAST["envoy"], **shape.get("envoy", {}), "ext_proc_timeout_s": 1.0}},
                   mock_args=["--speedup", "1"])
     s.wait_all_live(30)

@@ -4,6 +4,9 @@
 e.g. whether it is the prefix placement of new sessions or the step time of their later turns.
 ``--moves`` instead prints, per 2 minutes of one seed, the sessions moved to another replica, the context
 they carried and the fleet's uncached prefill: how a surge turns into a cascade of re-prefills.
+``--tail`` sorts the slowest 2% of session turns by what made them: a session's first turn, a turn moved to
+another replica than its last, a turn whose context its own replica had lost (evicted), or one that kept its
+cache (it only waited): whether a queue in the router could shorten the tail, or only fewer re-prefills can.
 """
 
 from __future__ import annotations
@@ -64,6 +67,33 @@ def moves(policy: str, load: float, seed: int, replicas: int, every_s: float = 1
     return [(k * every_s / 60, *rows[k]) for k in sorted(rows)]
 
 
+TAIL_KINDS = ("first", "moved", "lost_at_home", "cached")
+
+
+def tail_kinds(requests, share: float = 0.02) -> dict[str, list[tuple[float, int]]]:
+    """The slowest ``share`` of session turns answered after the warm-up, by kind: (TTFT, uncached prompt tokens)
+    each. Kinds (``TAIL_KINDS``): the session's first request; moved (another replica than its previous turn's);
+    lost_at_home (same replica, but more than half its prompt prefilled again: evicted there); cached."""
+    last: dict[int, int] = {}
+    turns = []
+    for r in sorted(requests, key=lambda x: x.arrival):
+        if r.oneshot or r.replica is None:
+            continue
+        prev = last.get(r.sid)
+        last[r.sid] = r.replica
+        if r.ttft is None or r.arrival < WARM_UP_S:
+            continue
+        uncached = r.prompt_tokens - r.cached_tokens
+        kind = ("first" if prev is None else "moved" if prev != r.replica
+                else "lost_at_home" if uncached > r.prompt_tokens / 2 else "cached")
+        turns.append((r.ttft, uncached, kind))
+    turns.sort(key=lambda t: -t[0])
+    out: dict[str, list[tuple[float, int]]] = {k: [] for k in TAIL_KINDS}
+    for ttft, uncached, kind in turns[:max(1, round(len(turns) * share))] if turns else ():
+        out[kind].append((ttft, uncached))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m extproc.tools.sim.anatomy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", type=float, default=0.25)
@@ -71,8 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--moves", action="store_true", help="sessions moved between replicas over time (first seed)")
+    ap.add_argument("--tail", action="store_true", help="what the slowest 2%% of session turns are made of")
+    ap.add_argument("--minutes", type=float, default=None)
     args = ap.parse_args(argv)
     seeds = seed_list(args.seeds)
+    if args.tail:
+        print(f"the slowest 2% of session turns (each seed's), load {args.load:g}, {args.replicas} replicas, seeds "
+              f"{args.seeds}: share of the tail, median TTFT and uncached prompt tokens, by kind")
+        w = _workload(args.load, args.minutes)
+        for p in args.policies.split(","):
+            kinds: dict[str, list[tuple[float, int]]] = {k: [] for k in TAIL_KINDS}
+            for seed in seeds:
+                for k, v in tail_kinds(Simulation(p, replicas=args.replicas, workload=w, seed=seed).run().requests).items():
+                    kinds[k] += v
+            n = sum(len(v) for v in kinds.values()) or 1
+            print(f"{p:<30} " + " | ".join(
+                f"{k} {100 * len(v) / n:3.0f}% ({_q([t for t, _ in v], .5):5.1f} s, {_q([u for _, u in v], .5) / 1e3:5.1f}K)"
+                for k, v in kinds.items()))
+        return 0
     if args.moves:
         print(f"per 2 minutes, load {args.load:g}, {args.replicas} replicas, seed {seeds[0]}: requests, sessions moved to "
               "another replica than their last turn's, the context they carried, uncached prompt tokens of the fleet")

@@ -487,7 +487,7 @@ class Warmroute(Policy):
     uses_health = True
 
     def __init__(self, n: int, seed: int, cfg: RouterConfig | None = None, name: str | None = None,
-                 core_policy: str | None = None, flow: bool = False):
+                 core_policy: str | None = None, flow: bool = False, hold_on_wait: bool = False):
         super().__init__(n, seed)
         import dataclasses
 
@@ -505,7 +505,7 @@ class Warmroute(Policy):
         self._held: dict[int, Request] = {}  # flow control: held requests by id
         self.held_total = 0
         if flow:
-            self.router.flow = FlowControl()
+            self.router.flow = FlowControl(hold_on_wait=hold_on_wait)
 
     def _profile(self, req: Request) -> RequestProfile:
         sk = None
@@ -606,17 +606,18 @@ LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_
 # peers with flow control, as shipped but opt-in (issue 34's extra peer row); not in COMPARE
 FLOW_PEERS = {"llmd_epp_flowcontrol": LlmdFlowControl}
 FLOW = "warmroute_flow"
+FLOW_WAIT = "warmroute_flow_wait"  # flow control that also holds by wait (flow_control.hold_on_wait)
 # `warmroute` is the default policy; `warmroute_<core policy>` any other the core's registry holds
 WARMROUTE = ["warmroute"] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW, *PEERS, *LORA_PEERS, *FLOW_PEERS, *REFERENCE]
+POLICIES = [*WARMROUTE, FLOW, FLOW_WAIT, *PEERS, *LORA_PEERS, *FLOW_PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
     if name == "warmroute":
         return Warmroute(n, seed, router_cfg)
-    if name == FLOW:  # the default policy with flow control (issue 34; not yet the default)
-        return Warmroute(n, seed, router_cfg, FLOW, flow=True)
+    if name in (FLOW, FLOW_WAIT):  # the default policy with flow control (issue 34)
+        return Warmroute(n, seed, router_cfg, name, flow=True, hold_on_wait=name == FLOW_WAIT)
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
     factory = PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) or REFERENCE.get(name)

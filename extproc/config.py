@@ -273,10 +273,11 @@ class SharedStateConfig:
 
 @dataclass(frozen=True, slots=True)
 class FlowControlConfig:
-    """Flow control (issue 34; on): a new session whose context fits on no replica beside the active sessions'
-    contexts waits in the brain, which holds Envoy's ext_proc call (or, as an endpoint picker, the gateway's pick)
-    open, and goes to the first replica where it fits, in the queue's order (class, tenants by the tokens they were
-    served, then arrival); a session under way, a one-shot and critical work are never held. One predicted to miss
+    """Flow control (issue 34; on): a session turn that needs new room in a cache (a new session, or one that must
+    prefill most of its context again) and fits on no replica beside the active sessions' contexts waits in the
+    brain, which holds Envoy's ext_proc call (or, as an endpoint picker, the gateway's pick) open, and goes to the
+    first replica where it fits, in the queue's order (class, tenants by the tokens they were served, then
+    arrival); a turn that keeps its cache, a one-shot and critical work are never held. One predicted to miss
     its deadline (x-warmroute-ttft-slo-ms, or its class's) is refused at once; held too long, 429 with Retry-After.
     With hold_on_wait, a request is also held while every replica would make it wait longer than its own prefill.
     Measured in the simulator (docs/routing.md "Flow control")."""

@@ -601,6 +601,12 @@ def test_a_new_session_that_fits_nowhere_beside_the_active_sessions_waits_and_go
     router.release(one.reservation, t + 5)
     assert router.offer(t + 10) == []  # still nowhere to fit
     # b's session went quiet for active_session_s: its context may be evicted, and c goes there
+    # a session under way that pastes a long file must prefill most of its prompt: it needs new room, held too
+    e = turn("e", 8_000, t + 4.5)
+    router.release(e.reservation, t + 4.6)
+    paste = turn("e", 150_000, t + 4.7, key="paste")
+    assert paste.reason is Reason.HELD and paste.reservation is None
+    assert router.cancel("paste", t + 4.8)
     later = t + 1 + router.cfg.warm.active_session_s + 5
     a3 = turn("a", 202_000, later - 1)  # a stays active
     router.release(a3.reservation, later - 1)
@@ -621,7 +627,7 @@ def test_a_new_session_too_big_for_an_empty_replica_is_placed_as_without_flow_co
     assert huge.replica is not None and huge.reason is not Reason.HELD
 
 
-def test_the_simulator_holds_new_sessions_only_when_the_fleet_s_caches_are_full_of_active_contexts():
+def test_the_simulator_holds_session_turns_only_when_the_fleet_s_caches_are_full_of_active_contexts():
     from extproc.tools.sim.simulator import Simulation
     from extproc.tools.sim.workload import WorkloadConfig
 
@@ -638,7 +644,8 @@ def test_the_simulator_holds_new_sessions_only_when_the_fleet_s_caches_are_full_
         return [r for r in res.requests if "held_at" in r.extra], firsts
 
     held, firsts = run(3.0)
-    assert held and {r.rid for r in held} <= firsts  # sessions' first turns, nothing else
+    assert held and not any(r.oneshot for r in held)  # session turns that need new room, never a one-shot
+    assert {r.rid for r in held} & firsts  # first turns among them
     assert any(r.ttft is not None for r in held)
     assert run(0.5)[0] == []  # a fleet with room holds nothing
 

@@ -458,15 +458,17 @@ class WarmPolicy:
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
 
     def _saturated(self, best: "_Estimate", profile: RequestProfile, pin: Pin | None) -> bool:
-        """Flow control's saturation, with nothing to tune. A new session (no home yet) whose context fits on no
-        candidate beside the active sessions' contexts (C3's fit rule, the best not fitting: none does) waits in
-        the router for a replica where it fits: placed now, the engine's LRU would evict active sessions' contexts
-        while they think, and their next turns would prefill them again (the tail of every router in lasting
-        overload, docs/routing.md). A context too big for an empty replica is placed as today: waiting would not
-        make it fit. Sessions under way are never held (their contexts are counted already), nor one-shots.
+        """Flow control's saturation, with nothing to tune. A turn that needs new room in a cache (a new session, or
+        one that must prefill most of its context again: no home yet, or less than half of it cached on the best
+        candidate) and fits on no candidate beside the active sessions' contexts (C3's fit rule, the best not
+        fitting: none does) waits in the router for a replica where it fits: placed now, the engine's LRU would
+        evict active sessions' contexts while they think, and their next turns would prefill them again (the tail
+        of every router in lasting overload, docs/routing.md). A context too big for an empty replica is placed as
+        today: waiting would not make it fit. Turns that keep their cache are never held, nor one-shots.
         With hold_on_wait, also: even the best candidate makes the request wait longer than its own prefill there
         (half of it, sheddable), so holding it loses no engine time while it keeps the choice of replica open."""
-        if (pin is None and profile.session_key is not None and not best.fits
+        fresh = pin is None or best.cached < best.prompt / 2
+        if (fresh and profile.session_key is not None and not best.fits
                 and best.prompt <= self.cfg.warm.kv_pressure * best.st.cache_tokens):
             return True
         if not self.hold_on_wait:

@@ -284,7 +284,9 @@ class FlowControlConfig:
 
     enabled: bool = True  # false: every request is placed at once, as before flow control
     max_requests: int = 10_000  # requests held at most; past it a newcomer gets 429 with Retry-After
-    max_bytes: int = 1 << 30  # their bodies' bytes at most
+    # their bodies' bytes at most. On by default, so sized for the shipped pod (2 GiB limit): each held body also
+    # keeps its parsed profile (its block hashes, about half the body's size again)
+    max_bytes: int = 256 << 20
     # a request held this long is answered 429 with Retry-After (Envoy's timer is extended so). As an endpoint
     # picker, keep it below the gateway's ext_proc message timeout unless the gateway sets max_message_timeout
     # (the pick asks for this long, + 5 s): a gateway that gives up first fails the request itself

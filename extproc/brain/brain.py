@@ -460,7 +460,8 @@ class Brain:
             if predicted is not None:  # what routing believes is queued there: all of it goes when requests end
                 v = predicted(self.router.replica(r["name"]), now)
                 r["predicted"] = {k: round(v[k], 3) for k in ("predicted_wait_seconds", "in_flight_work_seconds",
-                                                              "pending_kv_tokens")}
+                                                              "pending_kv_tokens", "active_session_tokens",
+                                                              "cache_tokens")}
                 r["learned"] = {k: round(v[k], 6) for k in ("prefill_tokens_per_second", "decode_seconds_per_token",
                                                             "engine_tokens_per_estimated_token")}
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)

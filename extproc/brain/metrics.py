@@ -36,6 +36,7 @@ WARM_VIEW = {
     "predicted_wait_seconds": "Prefill work ahead on the replica, as the warm policy sees it (C3)",
     "in_flight_work_seconds": "Predicted engine seconds of this router's requests in flight (C1, C5)",
     "active_session_tokens": "Context of the sessions active on the replica (its working set)",
+    "cache_tokens": "The replica's KV cache in tokens (scraped blocks x block size; warm.cache_tokens until scraped)",
     "pending_kv_tokens": "Prompt tokens of requests still in their predicted prefill: KV not yet in the scraped usage",
     "engine_tokens_per_estimated_token": "The engine's prompt tokens per token the profile estimated (its tokenizer "
                                          "and chat template, learned from its prompt_tokens; 1 until learned)",

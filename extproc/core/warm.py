@@ -219,6 +219,7 @@ class WarmPolicy:
         parts = self._engines.get(r.name) or [st]
         for p in parts:
             p.kv_ahead(now, 0.0)  # prefills predicted done by now leave the pending KV
+        self._expire_active(now)  # sessions quiet for warm.active_session_s left the working set, asked or not
         return {
             "prefill_tokens_per_second": st.rates.prefill_tokens_per_s,
             "decode_seconds_per_token": st.rates.decode_s_per_token,
@@ -227,6 +228,7 @@ class WarmPolicy:
             "predicted_wait_seconds": max(max(0.0, p.prefill_busy_until - now) for p in parts),
             "in_flight_work_seconds": sum(p.work_s for p in parts),
             "active_session_tokens": sum(p.active_tokens for p in parts),
+            "cache_tokens": sum(p.cache_tokens for p in parts),
             "pending_kv_tokens": sum(p.pending_tokens for p in parts),
             "engine_tokens_per_estimated_token": st.scale.value,
         }

@@ -500,7 +500,7 @@ def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_i
 
 
 def _reload_warm(fleet, **warm) -> None:
-    fleet.overrides["warm"] = {**fleet.overrides.get("warm", {}), **warm}
+    fleet.overrides = {**fleet.overrides, "warm": {**fleet.overrides.get("warm", {}), **warm}}
     fleet.write_config()
     fleet.admin_post("/reload")
 
@@ -527,6 +527,7 @@ def test_a_new_session_waits_in_the_brain_while_active_sessions_fill_the_real_ca
     quiet(fleet, 30)
     rng = random.Random(34)
     held_thread: list[threading.Thread] = []
+    config = fleet.overrides
 
     def scales() -> list[float]:
         return [r["learned"]["engine_tokens_per_estimated_token"] for r in fleet.state()["replicas"]
@@ -608,7 +609,7 @@ def test_a_new_session_waits_in_the_brain_while_active_sessions_fill_the_real_ca
         status, _, doc = held_out["answer"]
         assert status == 200, _error_code(json.dumps(doc).encode())
     finally:
-        fleet.overrides.get("warm", {}).pop("active_session_s", None)
+        fleet.overrides = config
         fleet.write_config()
         fleet.admin_post("/reload")
         for t in held_thread:

@@ -80,3 +80,24 @@ def test_flow_control_gets_a_line_with_each_class_held_and_its_mean_wait_and_non
     snap.flow = b.state()["flow_control"]
     assert "standard 0 (mean wait 2.0s)" in text_table(snap, 400)
     assert "flow control" not in text_table(_snap(), 400)
+
+
+def test_the_flow_line_shows_each_replica_s_active_contexts_against_its_cache():
+    """What a held new session waits for, as /state counts it: the sessions placed fill their replicas' working
+    sets, and the flow line says so per replica."""
+    from extproc.tools.top import _working_set
+
+    from .test_flow import _body, _flow_brain
+
+    b, _ = _flow_brain()
+    b.decide({"x-request-id": "s1", "x-session-id": "one"}, _body(40_000, "first turn"))
+    reps = b.state()["replicas"]
+    sets = {r["name"]: _working_set(r["predicted"]) for r in reps}
+    assert sum(a for a, _ in sets.values()) > 0 and all(c > 0 for _, c in sets.values())
+    snap = _snap(shares=(0.5,) * len(reps))
+    for row, r in zip(snap.rows, reps):
+        row.name, row.working_set = r["name"], sets[r["name"]]
+    snap.flow = b.state()["flow_control"]
+    line = next(x for x in text_table(snap, 400).splitlines() if x.startswith("flow control:"))
+    busy = next(n for n, (a, _) in sets.items() if a > 0)
+    assert f"{busy} {sets[busy][0] / 1000:.1f}K/{sets[busy][1] / 1000:.1f}K" in line

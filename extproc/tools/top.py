@@ -34,6 +34,9 @@ class Row:
     scrape_error: str | None
     engine: str = "vllm"
     candidate_decisions: int = 0  # decisions made while it was LIVE or PROBING and not drained
+    # the active sessions' context and the cache it must fit in (engine tokens; None: not the warm policy). Flow
+    # control holds a new session that fits beside no replica's
+    working_set: tuple[float, float] | None = None
 
 
 @dataclass
@@ -73,13 +76,23 @@ def snapshot(brain_admin: str, envoy_admin: str | None, token: str | None = None
         Row(r["name"], r["state"], r["drained"], r["cooldown_remaining_s"], r["effective_running"], r["effective_waiting"],
             r["wlc_in_flight"], r["session_pins"], r["prefix_pins"], r["decisions"] / tot_d if tot_d else 0.0,
             envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"), r.get("engine", "vllm"),
-            r.get("candidate_decisions", 0))
+            r.get("candidate_decisions", 0), _working_set(r.get("predicted")))
         for r in st["replicas"]
     ]
     allowed = sum(v for k, v in stats.items() if k.endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
     return Snapshot(rows, tot_d, tot_e, stats.get(f"cluster.{FALLBACK_CLUSTER}.upstream_rq_total", 0), allowed,
                     st["open_reservations"], st["decisions_by_reason"], st.get("recent_transitions", []),
                     st.get("policy", "warm"), st.get("selects", tot_d), st.get("flow_control"))
+
+
+def _working_set(predicted: dict | None) -> tuple[float, float] | None:
+    if not predicted or "active_session_tokens" not in predicted:
+        return None
+    return predicted["active_session_tokens"], predicted["cache_tokens"]
+
+
+def _k(tokens: float) -> str:
+    return f"{tokens / 1000:.1f}K"
 
 
 HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share", "envoy share",
@@ -119,7 +132,9 @@ def flow_line(s: Snapshot) -> str | None:
     per = ", ".join(f"{name} {c['held']}" + (f" (mean wait {c['mean_wait_s']:.1f}s)" if c["mean_wait_s"] is not None
                                              else "") for name, c in f["classes"].items())
     refused = ", ".join(f"{why} {n}" for why, n in sorted(f["refused"].items()))
-    return f"flow control: held {f['held']} ({per}); refused {refused}"
+    sets = ", ".join(f"{r.name} {_k(r.working_set[0])}/{_k(r.working_set[1])}" for r in s.rows if r.working_set)
+    return f"flow control: held {f['held']} ({per}); refused {refused}" + (
+        f"; active contexts / cache: {sets}" if sets else "")
 
 
 def low_share_reasons(s: Snapshot) -> list[str]:

@@ -31,7 +31,7 @@ def test_alert_rules_are_valid_and_each_alert_fires_and_stays_quiet_in_promtool_
         for a in t["alert_rule_test"]:
             by_alert.setdefault(a["alertname"], set()).add(bool(a["exp_alerts"]))
     rules = [r["alert"] for g in yaml.safe_load((OPS / "alerts.yaml").read_text())["groups"] for r in g["rules"]]
-    assert len(rules) == 8
+    assert len(rules) == 9
     for name in rules:
         assert by_alert.get(name) == {True, False}, f"{name} must be tested both fired and not fired"
 
@@ -62,3 +62,31 @@ def test_the_dashboard_covers_what_operators_watch():
               "warmroute_decision_duration_seconds_bucket", "envoy_cluster_upstream_rq_total",
               "envoy_http_ext_proc_warmroute_failure_mode_allowed"]:
         assert m in names, m
+
+
+def test_the_brain_exports_the_cached_tokens_it_predicted_beside_the_engine_s_own_hits():
+    """What WarmrouteCacheBeliefShort compares: per replica, the cached tokens routing predicted for the requests it
+    placed there, and the engine's prefix-cache hits as last scraped; both in /state too."""
+    import orjson
+    from prometheus_client import generate_latest
+
+    from extproc.core import LoadSample
+
+    from .test_brain_access import live
+
+    b, clock = live({"routing": {"policy": "warm"}})
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "shared context " * 4000}]})
+    first = b.decide({"x-request-id": "a", "x-session-id": "s"}, body)
+    assert first is not None
+    b.router.release(b.router.reservation(1), clock.t)
+    b.decide({"x-request-id": "b", "x-session-id": "s"}, body + b" ")
+    d = b.recent_decisions("b")[-1]
+    assert d["predicted_cached_tokens"] > 0
+    home = d["replica"]
+    b.router.on_load(home, LoadSample(cached_tokens=12_345.0), clock.t)
+    reps = {r["name"]: r["cached_tokens"] for r in b.state()["replicas"]}
+    assert reps[home] == {"predicted": d["predicted_cached_tokens"], "engine": 12_345.0}
+    assert all(v["engine"] is None for n, v in reps.items() if n != home)  # never scraped: not made up
+    text = generate_latest(b.registry).decode()
+    assert f'warmroute_predicted_cached_tokens_total{{replica="{home}"}} {float(d["predicted_cached_tokens"])}' in text
+    assert f'warmroute_engine_cached_tokens_total{{replica="{home}"}} 12345.0' in text

@@ -465,6 +465,10 @@ class Brain:
                 r["learned"] = {k: round(v[k], 6) for k in ("prefill_tokens_per_second", "decode_seconds_per_token",
                                                             "engine_tokens_per_estimated_token")}
             r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
+            # routing's predicted cached tokens beside the engine's own hits: a shortfall is context the brain
+            # counted as held that the engine had evicted
+            r["cached_tokens"] = {"predicted": self.stats.predicted_cached[r["name"]],
+                                  "engine": self.router.replica(r["name"]).engine_cached_tokens}
         return {
             "policy": self.router.cfg.policy,
             "selects": self.router.selects,

@@ -59,6 +59,18 @@ class BrainCollector(Collector):
         for (name, reason), n in sorted(b.decisions.items()):
             c.add_metric([name, reason], n)
         yield c
+        c = CounterMetricFamily("warmroute_predicted_cached_tokens", "Prompt tokens routing predicted the chosen replica "
+                                "held, over the requests placed (engine tokens): against warmroute_engine_cached_tokens, "
+                                "how far the brain's belief of the caches holds", labels=["replica"])
+        for name, n in sorted(b.predicted_cached.items()):
+            c.add_metric([name], n)
+        yield c
+        c = CounterMetricFamily("warmroute_engine_cached_tokens", "The replica's own prefix-cache hits in tokens since it "
+                                "started (vllm:prefix_cache_hits), as last scraped", labels=["replica"])
+        for rep in reps:
+            if rep.engine_cached_tokens is not None:
+                c.add_metric([rep.name], rep.engine_cached_tokens)
+        yield c
         c = CounterMetricFamily("warmroute_decision_pins", "Decisions by the pin kind that was resolved (none: no pin)", labels=["kind"])
         for kind, n in sorted(b.decisions_by_pin.items()):
             c.add_metric([kind], n)

@@ -87,6 +87,9 @@ class BrainStats:
         self.released_envoy_gone = 0  # reservations of an Envoy whose access-log streams all closed
         self.unmatched_log_entries = 0  # access-log entries that named no reservation and no replica
         self.reloads = 0
+        # the cached tokens routing predicted for the requests it placed, per replica (engine tokens): set beside
+        # the engine's own prefix-cache hits, how far the brain's belief of the caches holds
+        self.predicted_cached: Counter[str] = Counter()
         self.shared = SharedStats()
         self.zero_series(replica_names)
 
@@ -96,12 +99,15 @@ class BrainStats:
         self.decisions_by_pin[d.pin_kind or "none"] += 1
         self.bodies[body_status] += 1
         self.window.add(name, now)
+        if d.replica_name is not None and d.cached_tokens is not None:
+            self.predicted_cached[d.replica_name] += d.cached_tokens
         for e in d.events:
             self.pin_events[(e.action, e.kind, e.cause)] += 1
 
     def zero_series(self, replica_names: Iterable[str]) -> None:
         """Export every series from the start: rate() and alerts see 0, not an absent series."""
         for name in replica_names:
+            self.predicted_cached[name] += 0
             for reason in Reason:
                 if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT,
                                   Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL,

@@ -178,6 +178,7 @@ class Replica:
         "scraped_running",
         "scraped_waiting",
         "kv_usage",
+        "engine_cached_tokens",
         "wlc_milli",
         "in_flight_requests",
         "count_wlc",
@@ -194,6 +195,9 @@ class Replica:
         self.scraped_running = 0
         self.scraped_waiting = 0
         self.kv_usage = 0.0
+        # the engine's prefix-cache hits (tokens) since it started, as last scraped (None: not exported): against
+        # the cached tokens routing predicted, the engine's word on what its cache really held
+        self.engine_cached_tokens: float | None = None
         # Token weights are kept in thousandths as an int so that releasing
         # every reservation brings wlc_in_flight back to exactly 0.
         self.wlc_milli = 0

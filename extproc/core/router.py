@@ -207,6 +207,8 @@ class Router:
         r.scraped_running = s.running
         r.scraped_waiting = s.waiting
         r.kv_usage = s.kv_usage
+        if s.cached_tokens is not None:
+            r.engine_cached_tokens = s.cached_tokens
         self.policy.on_load(r, s, now)
 
     def passive_ejection_allowed(self) -> bool:

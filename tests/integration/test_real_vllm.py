@@ -592,6 +592,11 @@ def test_a_new_session_waits_in_the_brain_while_active_sessions_fill_the_real_ca
         placed = sum(u["prompt_tokens"] for _, u in sessions)
         assert placed >= len(serving) * 0.95 * cache - 2 * cache / 5, (placed, cache)
         # while it waits, each placed session's next turn keeps its whole context in its engine
+        def belief() -> dict[str, tuple[float, float]]:
+            return {r["name"]: (r["cached_tokens"]["predicted"], r["cached_tokens"]["engine"] or 0.0)
+                    for r in fleet.state()["replicas"] if r["name"] in serving}
+
+        before = belief()
         cached = []
         for k, (msgs, first) in enumerate(sessions):
             msgs.append({"role": "user", "content": f"and then {k}?"})
@@ -602,6 +607,16 @@ def test_a_new_session_waits_in_the_brain_while_active_sessions_fill_the_real_ca
             cached.append((doc["usage"]["prompt_tokens_details"]["cached_tokens"], first["prompt_tokens"]))
         print(f"next turns' cached tokens against their first turns' prompts: {cached}")
         assert all(c >= p - 128 for c, p in cached), cached  # all but the last, partial, 128-token block
+        # and the brain's metrics say so: per replica, the engine's own hits (scraped) are what routing predicted
+        def served() -> dict[str, tuple[float, float]]:
+            now = belief()
+            return {n: (now[n][0] - before[n][0], now[n][1] - before[n][1]) for n in serving}
+
+        try:
+            wait_for(lambda: all(e >= 0.97 * p > 0 for p, e in served().values()), 15,
+                     "the engines' hits (scraped) at the brain's predicted cached tokens")
+        finally:
+            print(f"per replica, (predicted, engine) cached tokens over the next turns: {served()}")
         assert fleet.state()["flow_control"]["held"] == 1 and "answer" not in held_out
         # the sessions go quiet: their contexts may go, and the held session is served
         _reload_warm(fleet, active_session_s=0.5)

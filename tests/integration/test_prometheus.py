@@ -20,7 +20,7 @@ from extproc.tools.stack import Proc, http_get, wait_for
 pytestmark = pytest.mark.integration
 
 OPS = Path(__file__).resolve().parents[2] / "extproc" / "ops"
-SHORTER = {"10m": "8s", "5m": "6s", "2m": "4s", "1m": "4s"}
+SHORTER = {"15m": "8s", "10m": "8s", "5m": "6s", "2m": "4s", "1m": "4s"}
 
 
 def shortened_rules() -> str:

@@ -99,7 +99,7 @@ class BrainStats:
         self.decisions_by_pin[d.pin_kind or "none"] += 1
         self.bodies[body_status] += 1
         self.window.add(name, now)
-        if d.replica_name is not None and d.cached_tokens is not None:
+        if d.replica_name is not None:
             self.predicted_cached[d.replica_name] += d.cached_tokens
         for e in d.events:
             self.pin_events[(e.action, e.kind, e.cause)] += 1

@@ -605,7 +605,7 @@ def test_a_new_session_waits_in_the_brain_while_active_sessions_fill_the_real_ca
                                   {"x-session-id": f"fill-{k}"})
             assert status == 200, _error_code(json.dumps(doc).encode())
             cached.append((doc["usage"]["prompt_tokens_details"]["cached_tokens"], first["prompt_tokens"]))
-        print(f"next turns' cached tokens against their first turns' prompts: {cached}")
+        print(f"next turns' cached tokens against their first turns' prompt tokens (counts only): {cached}")
         assert all(c >= p - 128 for c, p in cached), cached  # all but the last, partial, 128-token block
         # and the brain's metrics say so: per replica, the engine's own hits (scraped) are what routing predicted
         def served() -> dict[str, tuple[float, float]]:

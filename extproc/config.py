@@ -500,6 +500,9 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
             raise ConfigError(f"warm.{f}: expected a number > 0")
     if router.health.scrape_interval_s <= 0:
         raise ConfigError("health.scrape_interval_s: expected a number > 0")
+    for f in ("max_metrics_bytes", "max_metrics_series", "max_engines"):
+        if getattr(router.health, f) < 1:
+            raise ConfigError(f"health.{f}: expected a whole number >= 1")
     brain = BrainConfig(**_fill("brain", BrainConfig, doc.get("brain")))
     if isinstance(doc.get("envoy"), dict) and "admin_port" in doc["envoy"]:
         raise ConfigError("envoy.admin_port: Envoy's admin listens on a Unix socket now (envoy.admin_path, mode 0600: "

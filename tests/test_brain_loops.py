@@ -185,3 +185,89 @@ def test_a_metrics_page_past_the_size_cap_is_a_failed_scrape_read_no_further():
 
     r = asyncio.run(main())
     assert not r.ok and "larger than 1048576 bytes" in r.error
+
+
+def _engines_page(n: int) -> str:
+    return "".join(f'vllm:num_requests_running{{engine="{i}",model_name="m"}} 1\n'
+                   f'vllm:num_requests_waiting{{engine="{i}",model_name="m"}} 0\n' for i in range(n))
+
+
+def test_a_page_naming_more_engines_or_series_than_the_caps_fails_its_scrape_with_the_cap_named():
+    from extproc.brain.scraper import VLLM, parse_metrics
+
+    assert parse_metrics(_engines_page(4), VLLM, max_engines=4).ok
+    many = parse_metrics(_engines_page(5), VLLM, max_engines=4)
+    assert not many.ok and "health.max_engines" in many.error
+    # the finding's page: 90,000 engines in ~4 MB, under the byte cap; refused at the default cap
+    huge = parse_metrics(_engines_page(90_000)[: 4 * 2**20], VLLM)
+    assert not huge.ok and "more than 128 engines" in huge.error
+    lines = _engines_page(1) + "".join(f'vllm:prompt_tokens_total{{x="{i}"}} 1\n' for i in range(50))
+    assert parse_metrics(lines, VLLM, max_series=60).ok
+    over = parse_metrics(lines, VLLM, max_series=40)
+    assert not over.ok and "health.max_metrics_series" in over.error
+    # comment lines are not series
+    assert parse_metrics("# HELP x\n# TYPE x gauge\n" * 40 + lines, VLLM, max_series=60).ok
+
+
+def test_the_caps_come_from_the_config():
+    cfg = parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}],
+                        "health": {"max_engines": 2, "max_metrics_series": 7}})
+    brain = Brain(cfg)
+    assert (brain.scraper.max_engines, brain.scraper.max_series) == (2, 7)
+
+
+def test_a_large_page_is_parsed_off_the_event_loop(monkeypatch):
+    import threading
+
+    from extproc.brain import scraper as sc
+
+    seen = []
+    real = sc.parse_metrics
+
+    def spy(*a, **kw):
+        seen.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sc, "parse_metrics", spy)
+    page = _engines_page(1) + "# padding\n" * 40_000  # ~400 KB
+
+    async def main():
+        s = sc.Scraper(None, None, lambda: 0.0, 3.0)
+        small = await s._parse(_engines_page(1), sc.VLLM)
+        large = await s._parse(page, sc.VLLM)
+        return small, large
+
+    small, large = asyncio.run(main())
+    assert small.ok and large.ok
+    assert seen[0] == threading.main_thread().name and seen[1].startswith("scrape-parse"), seen
+
+
+def test_a_deadline_that_ran_out_while_the_event_loop_stood_still_is_tried_again_not_counted():
+    import time
+
+    async def main():
+        async def slowish(_):
+            await asyncio.sleep(0.05)
+            return web.Response(text=METRICS)
+
+        runner, port = await serve_metrics(slowish)
+        cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}]})
+        brain = Brain(cfg)
+        watch = asyncio.create_task(brain.scraper.watch_loop(0.01))
+        await asyncio.sleep(0.05)
+
+        def neighbour_holds_the_loop():
+            time.sleep(1.5)  # what a 4 MB page parsed on the loop did (4.2 s in the finding)
+
+        from aiohttp import ClientSession
+
+        async with ClientSession() as s:
+            asyncio.get_running_loop().call_later(0.01, neighbour_holds_the_loop)
+            r = await brain.scraper.scrape_once(s, "r0", cfg.replicas[0].url, timeout=0.5)
+        watch.cancel()
+        await runner.cleanup()
+        return r, brain.scraper.deferred, brain.stats.scrapes
+
+    r, deferred, scrapes = asyncio.run(main())
+    assert r.ok, r.error
+    assert deferred == 1 and scrapes[("r0", "deferred")] == 1 and scrapes[("r0", "ok")] == 1

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import ssl
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -175,9 +176,25 @@ def parse_vllm_metrics(text: str) -> ScrapeResult:
     return parse_metrics(text, VLLM)
 
 
-def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
-    """The load signals of one replica, or a failed result saying what was wrong with the text."""
+MAX_SERIES = 100_000  # health.max_metrics_series
+MAX_ENGINES = 128  # health.max_engines
+# a page this small parses in well under a millisecond: on the event loop; a larger one in the parse thread
+INLINE_PARSE_BYTES = 256 * 1024
+
+
+def parse_metrics(text: str, d: Dialect, max_series: int = MAX_SERIES, max_engines: int = MAX_ENGINES) -> ScrapeResult:
+    """The load signals of one replica, or a failed result saying what was wrong with the text.
+
+    Bounded in what it costs, not only in bytes: more than ``max_series`` sample lines, or more than
+    ``max_engines`` data-parallel engines, fail the scrape at once with the cap named (90,000 engines took the
+    brain to 937 MB and each decision to 80 ms)."""
     wanted = _WANTED.get(d) or _WANTED.setdefault(d, d.wanted())
+    lines = text.count("\n")
+    if lines > max_series:  # counted in C before any line is split: an upper bound on the series
+        comments = text.count("\n#") + text.startswith("#")
+        if lines - comments > max_series:
+            return ScrapeResult(False, error=f"/metrics has {lines - comments:,} series: more than {max_series:,} "
+                                             f"(health.max_metrics_series)")
     engines: dict[str, _Engine] = {}
     counters: dict[str, float] = {}
     fallback: dict[str, float] = {}
@@ -216,6 +233,9 @@ def parse_metrics(text: str, d: Dialect) -> ScrapeResult:
             key = lab.get(d.engine_label, "0") if d.engine_label else "0"
             e = engines.get(key)
             if e is None:
+                if len(engines) >= max_engines:
+                    return ScrapeResult(False, error=f"/metrics names more than {max_engines} engines "
+                                                     f"({d.engine_label} label; health.max_engines)")
                 e = engines[key] = _Engine()
             if name == d.running:
                 e.running += value
@@ -364,6 +384,29 @@ class Scraper:
         self._still: dict[str, tuple[float, tuple[int, int], float]] = {}
         self.loop_errors = 0
         self.seconds = None  # a prometheus Histogram, set by the brain
+        self.max_series, self.max_engines = MAX_SERIES, MAX_ENGINES  # health.max_metrics_series, max_engines
+        # One thread parses the large pages: a replica's 4 MiB page never holds the event loop (decisions, the other
+        # replicas' scrapes), and a flood of them queues behind each other, not beside the loop
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="scrape-parse")
+        # seconds the event loop was seen stalled (LoopWatch): a deadline that expired while the loop stood still
+        # says nothing about the replica
+        self.stalled_s = 0.0
+        self.deferred = 0  # timeouts not counted against a replica because the loop had stalled meanwhile
+
+    async def _parse(self, text: str, d: Dialect) -> ScrapeResult:
+        if len(text) <= INLINE_PARSE_BYTES:
+            return parse_metrics(text, d, self.max_series, self.max_engines)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._parser, parse_metrics, text, d, self.max_series, self.max_engines)
+
+    async def watch_loop(self, tick_s: float = 0.05) -> None:
+        """Measure how long the event loop stood still (a tick that came late): what scrape deadlines discount."""
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(tick_s)
+            late = time.monotonic() - t0 - tick_s
+            if late > 0.02:
+                self.stalled_s += late
 
     def engine_of(self, name: str) -> str:
         """The engine whose metrics the replica exports: the configured one, or what "auto" found."""
@@ -373,7 +416,13 @@ class Scraper:
     async def scrape_once(self, session: ClientSession, name: str, url: str, timeout: float | None = None) -> ScrapeResult:
         t0 = time.perf_counter()
         engine = self.engines.get(name, "vllm")
+        stalled = self.stalled_s
         r = await self._fetch(session, url, timeout, engine, self.tls.get(name), self.detected.get(name))
+        if timeout and not r.ok and r.error.startswith("timeout") and self.stalled_s - stalled > 0.25 * timeout:
+            # the deadline ran out while the loop stood still (whatever held it): once more, on a fresh deadline
+            self.deferred += 1
+            self.stats.scrapes[(name, "deferred")] += 1
+            r = await self._fetch(session, url, timeout, engine, self.tls.get(name), self.detected.get(name))
         if engine == "auto" and r.ok:
             if self.detected.get(name) != r.engine:
                 logs.event("engine_detected", replica=name, engine=r.engine)
@@ -390,13 +439,13 @@ class Scraper:
             return got if isinstance(got, ScrapeResult) else ScrapeResult(True)  # alive; its load is the brain's own
         got = await self._get(session, url, "/metrics", timeout, tls, engine)
         if engine != "auto":
-            return got if isinstance(got, ScrapeResult) else parse_metrics(got, DIALECTS[engine])
+            return got if isinstance(got, ScrapeResult) else await self._parse(got, DIALECTS[engine])
         # engine "auto": one read of /metrics, parsed as the engine found last first; with neither engine's
         # metrics in it (or no /metrics at all) the replica runs as "none", on /health
         if isinstance(got, str):
             order = [prefer] if prefer in DIALECTS else []
             for d in (*order, *(k for k in DIALECTS if k not in order)):
-                r = parse_metrics(got, DIALECTS[d])
+                r = await self._parse(got, DIALECTS[d])
                 if not r.missing:
                     return r
         elif not got.error.startswith("HTTP 404 from /metrics"):
@@ -486,10 +535,10 @@ class Scraper:
         """One task per replica, so that a slow or huge /metrics delays only its own replica's scrapes; the
         set of tasks follows the replica list (a reload adds and removes replicas)."""
         async with ClientSession() as session:
-            tasks: dict[str, asyncio.Task] = {}
+            tasks: dict[str, asyncio.Task] = {"": asyncio.create_task(self.watch_loop(), name="scrape-loop-watch")}
             try:
                 while True:
-                    for name in [n for n in tasks if n not in self.urls]:
+                    for name in [n for n in tasks if n and n not in self.urls]:
                         tasks.pop(name).cancel()
                         self._still.pop(name, None)
                     for name in self.urls:

@@ -68,7 +68,7 @@ class BrainStats:
         self.decisions_by_pin: Counter[str] = Counter()  # pin kind resolved, or "none"
         self.pin_events: Counter[tuple[str, str, str]] = Counter()  # (action, kind, cause)
         self.bodies: Counter[str] = Counter()  # body status: how much traffic is routed by headers only
-        self.scrapes: Counter[tuple[str, str]] = Counter()  # (replica, ok|failed)
+        self.scrapes: Counter[tuple[str, str]] = Counter()  # (replica, ok|failed|deferred: timed out while the loop stalled, retried)
         self.window = DecisionWindow()
         self.releases_by_log = 0
         self.releases_by_response = 0  # endpoint picker: released at the response's end, or its stream's

@@ -24,6 +24,12 @@ class HealthConfig:
     max_passive_ejection_percent: float = 25.0
     # A replica's /metrics larger than this is a failed scrape, read no further (vLLM's is tens to hundreds of KiB)
     max_metrics_bytes: int = 4 * 1024 * 1024
+    # What a /metrics may cost past its bytes: series (sample lines) and data-parallel engines (values of the engine
+    # label). One replica exporting 90,000 engines in 3.9 MB stalled the event loop 4.2 s and ejected the healthy
+    # fleet. vLLM 0.32 exports ~500 lines with two engines; a front end with 128 engines ~30,000. Past either the
+    # scrape fails and says which, and that replica alone is ejected
+    max_metrics_series: int = 100_000
+    max_engines: int = 128
 
     def cooldown_s(self, streak: int) -> float:
         """Cooldown for the ``streak``-th ejection in a row (A2): 30, 60, 120, 240, 300, 300..."""

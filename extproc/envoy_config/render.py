@@ -146,7 +146,7 @@ def ext_proc_filter(cfg: AppConfig, processing_mode: dict, **more: Any) -> dict:
 
 
 def http_filters(cfg: AppConfig) -> list[dict]:
-    """The four filters to put before the router filter, in this order.
+    """The five filters to put before the router filter, in this order.
 
     One ext_proc message per request instead of two (headers, then body)
     halves the brain's gRPC work. The price is that ext_proc cannot mutate
@@ -172,6 +172,28 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                     "default_value": True, "runtime_key": "warmroute.inflate_gzip_requests"}}},
                 "response_direction_config": {"common_config": {"enabled": {
                     "default_value": False, "runtime_key": "warmroute.inflate_gzip_responses"}}},
+            },
+        },
+        {
+            # What a compressed upload inflates to, counted as it streams (nothing buffered): past the brain's body
+            # limit Envoy answers 413 and resets the upload, so the decompressor inflates no more of it (Envoy's
+            # buffer limit alone answered 413 but inflated all the rest of the upload: 62 MB for a 1 MB one)
+            "name": INFLATED_LIMIT_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+                "extension_config": {"name": "envoy.filters.http.body_size_limit", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.body_size_limit.v3.BodySizeLimit",
+                    "max_request_bytes": e.brain_body_max_bytes}},
+                # skipped for a request that came uncompressed (no inflated-from header): its limit is max_body_bytes
+                "xds_matcher": {"matcher_list": {"matchers": [{
+                    "predicate": {"not_matcher": {"single_predicate": {
+                        "input": {"name": "inflated", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
+                            "header_name": INFLATED_FROM_HEADER}},
+                        "value_match": {"safe_regex": {"google_re2": {}, "regex": ".*"}}}}},
+                    "on_match": {"action": {"name": "skip", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}},
+                }]}},
             },
         },
         ext_proc_filter(cfg, {
@@ -451,6 +473,9 @@ def routes(cfg: AppConfig) -> list[dict]:
     ]
 
 
+INFLATED_LIMIT_FILTER = "warmroute.inflated_body_limit"
+LISTENER_READ_BYTES = 64 * 1024  # x max_inflate_ratio (100): at most 6.4 MB inflated per upload at a time
+
 STORED_RESPONSE_PATH = "^/v1/responses/[^/]+(/cancel)?$"  # Envoy matches a route's regex without the query
 
 
@@ -659,8 +684,11 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
                 {
                     "name": "warmroute_ingress",
                     "address": _address(e.listen_host, e.listen_port),
-                    # the ext_proc BUFFERED body and retries live within this limit (default 1 MiB -> 413)
-                    "per_connection_buffer_limit_bytes": e.max_body_bytes,
+                    # How much Envoy reads from a client before it stops reading: each piece read is what the gzip
+                    # decompressor inflates at once (up to max_inflate_ratio times it), before any body limit is
+                    # seen. At max_body_bytes a 1 MB upload read in one piece became 62 MB, sixteen took Envoy
+                    # past 1 GiB. Bodies still reach max_body_bytes: the virtual host's request_body_buffer_limit bounds them
+                    "per_connection_buffer_limit_bytes": LISTENER_READ_BYTES,
                     "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
                 },
                 *stats_listeners,

@@ -32,6 +32,30 @@ async def main():
 asyncio.run(main())
 '''
 
+# A replica whose /metrics names argv[1] data-parallel engines (90,000: ~3.9 MB, under the byte cap); it prints
+# {"port": N} once it listens.
+MANY_ENGINES_METRICS = r'''
+import asyncio, json, sys
+from aiohttp import web
+
+n = int(sys.argv[1])
+page = "".join(f'vllm:num_requests_running{{engine="{i}"}} 0\n' for i in range(n)).encode()
+
+async def metrics(request):
+    return web.Response(body=page, content_type="text/plain")
+
+async def main():
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    print(json.dumps({"port": runner.addresses[0][1], "bytes": len(page)}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+'''
+
 
 def rss_mib(pid: int) -> float:
     """A process's resident memory, MiB."""

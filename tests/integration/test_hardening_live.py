@@ -133,6 +133,54 @@ def test_twenty_gzip_bombs_at_once_cost_envoy_a_bounded_amount_and_other_clients
     wait_for(lambda: [r["state"] for r in s.state()["replicas"]] == ["LIVE", "LIVE"], 30, "both replicas LIVE")
 
 
+def _ordinary_json_62_to_1() -> bytes:
+    """~62 MB of chat JSON that gzip makes ~1 MB of: inside max_inflate_ratio (100), an ordinary long context."""
+    import gzip
+    import random
+
+    rng = random.Random(43)
+    words = ["def", "return", "self", "value", "index", "for", "in", "range", "if", "else", "import", "class", "x"]
+    block = " ".join(rng.choice(words) for _ in range(300))
+    msgs = [{"role": "user" if i % 2 else "assistant",
+             "content": block + " " + " ".join(str(rng.randrange(10**6)) for _ in range(4))} for i in range(44_000)]
+    return gzip.compress(json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": msgs}).encode(), 6)
+
+
+def test_sixteen_compressed_uploads_inside_the_ratio_are_refused_at_the_edge_and_cost_envoy_a_bounded_amount(own_stack):
+    """Issue 43: sixteen 1 MB uploads of ordinary JSON compressed ~62:1 took Envoy from 72 MB to 3.2 GB (three times
+    max_heap_bytes), its overload manager answered other clients 503, and each 60 MiB body failed open past the
+    brain to a replica. An upload now inflates no further than the brain accepts (envoy.brain_body_max_bytes):
+    Envoy answers 413 in the API's shape, nothing reaches a replica, and the clients beside them are all served."""
+    s = own_stack(2)
+    s.wait_all_live(30)
+    upload = _ordinary_json_62_to_1()
+    assert 0.7 * 2**20 < len(upload) < 1.3 * 2**20
+    before = _peak_rss_mib(s.envoy.popen.pid)
+    decided = sum(r["decisions"] for r in s.state()["replicas"])
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            async def one(data: bytes, headers: dict) -> tuple[int, dict]:
+                async with http.post(s.url + CHAT, data=data, headers={"content-type": "application/json", **headers}) as r:
+                    return r.status, json.loads(await r.read())
+
+            uploads = [one(upload, {"content-encoding": "gzip", "x-session-id": f"u{i}"}) for i in range(16)]
+            normal = [one(_body(f"n{i}"), {"x-session-id": f"n{i}"}) for i in range(40)]
+            return await asyncio.gather(*uploads, *normal)
+
+    got = asyncio.run(run())
+    assert [st for st, _ in got[16:]] == [200] * 40, [st for st, _ in got[16:]]
+    assert [st for st, _ in got[:16]] == [413] * 16, [st for st, _ in got[:16]]
+    assert all(doc["error"]["code"] and doc["error"]["message"] for _, doc in got[:16]), got[0]
+    grown = _peak_rss_mib(s.envoy.popen.pid) - before
+    print(f"Envoy's peak memory grew {grown:.0f} MiB under sixteen 62:1 uploads")
+    assert grown < 400, f"Envoy's peak memory grew {grown:.0f} MiB"
+    # no upload was decided for (nor failed open to a replica): the brain placed the 40 clients, nothing else
+    assert sum(r["decisions"] for r in s.state()["replicas"]) - decided == 40
+    assert not any(v for k, v in s.envoy_stats().items() if k.endswith("ext_proc.failure_mode_allowed")
+                   or k.endswith("ext_proc.failure_mode_allowed_total"))
+
+
 def test_every_probe_at_once_beside_normal_clients_leaves_no_reservation_and_drops_no_log_entry(own_stack):
     """Normal clients (a third streamed) beside every probe of the round for 12 s. On the ext_proc connection the
     bodies the probes send filled the write buffer, Envoy's access logger dropped entries it could not flush

@@ -269,6 +269,12 @@ class SharedStateConfig:
     snapshot_every_s: float = 30.0  # one brain writes the whole view this often (a starting brain reads it)
     warm_start_timeout_s: float = 20.0  # a starting brain reports ready after this at most, warmed or not
     timeout_s: float = 2.0  # a Redis command slower than this counts as Redis down (reconnect with backoff)
+    # A file (mode 0600) holding the secret every brain of the fleet signs its entries and snapshots with (HMAC-SHA256):
+    # what does not verify is dropped and counted, so whoever can write to Redis cannot steer routing or speak as
+    # another brain. null: unsigned (logged at start; then only Redis's own authentication guards the stream)
+    secret_file: str | None = None
+    # a snapshot inflates to at most this many bytes (100K sessions: ~30 MB); a larger one is refused, not read
+    snapshot_max_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

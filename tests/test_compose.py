@@ -85,6 +85,11 @@ def test_the_brains_profile_runs_two_envoy_brain_pairs_sharing_one_redis():
         cfg = load_config(path)
         u = urlsplit(cfg.shared_state.redis_url)
         assert u.hostname == "redis" and "redis" in SERVICES[name]["depends_on"]
+        # Redis wants the password the brains read from compose's secrets; they sign with the fleet's secret
+        assert cfg.shared_state.password_file == "/run/secrets/redis_password" and "--requirepass" in \
+            SERVICES["redis"]["command"][-1] and "/run/secrets/redis_password" in SERVICES["redis"]["command"][-1]
+        assert cfg.shared_state.secret_file == "/run/secrets/shared_secret"
+        assert set(SERVICES[name]["secrets"]) == {"redis_password", "shared_secret"}
         assert cfg.brain.host == name and [r.name for r in cfg.replicas] == ["r0", "r1", "r2", "r3"]
         ids.add(cfg.shared_state.brain_id)
         envoy = SERVICES[f"envoy-{i}"]

@@ -445,6 +445,13 @@ class Brain:
         self.router.tick(now)
         self.pin_log.flush(now)
 
+    def _shared_view(self, now: float) -> dict:
+        sh = self.stats.shared
+        return {"enabled": bool(sh.enabled), "up": bool(sh.up), "signed": bool(sh.signed),
+                "peers": {p: round(now - seen, 1) for p, seen in sorted(sh.peer_seen.items())},
+                "peers_gone": sh.peers_gone, "rejected": dict(sorted(sh.rejected.items())),
+                "stream_stuck": sh.stream_stuck, "future_ids": sh.future_ids}
+
     def state(self) -> dict:
         per = self.stats.decisions_per_replica()
         now = self.clock()
@@ -504,6 +511,7 @@ class Brain:
                           "error": self.discovery_error, "changes": self.stats.discovery_changes,
                           "failures": self.stats.discovery_failures},
             "flow_control": self._flow_state(),
+            "shared_state": self._shared_view(now),
         }
 
     def _flow_state(self) -> dict | None:

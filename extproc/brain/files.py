@@ -64,4 +64,28 @@ def write_private_file(path: str, text: str, field: str) -> None:
         raise
 
 
-__all__ = ["check_private_dir", "make_private_dir", "write_private_file"]
+def read_secret_file(path: str, field: str) -> bytes:
+    """A secret's bytes (surrounding white space dropped), or a ConfigError naming ``field``: the file must exist, hold
+    at least 16 bytes, and be neither readable nor writable by every user (a Kubernetes Secret mounted 0440 is fine)."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            secret = f.read(4096).strip()
+    except OSError as e:
+        raise ConfigError(f"{field}: cannot read {path} ({e.strerror})") from None
+    if st.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
+        raise ConfigError(f"{field}: {path} may be read or written by other users (mode {oct(st.st_mode & 0o777)}): "
+                          "chmod 600 it")
+    if len(secret) < 16:
+        raise ConfigError(f"{field}: {path} holds {len(secret)} bytes; a secret needs at least 16 (openssl rand -hex 32)")
+    return secret
+
+
+def secret_in(path: str, field: str) -> bytes:
+    """The secret in ``path``, made (32 random bytes, hex, mode 0600) if the file does not exist yet."""
+    if not os.path.lexists(path):
+        write_private_file(path, secrets.token_hex(32) + "\n", field)
+    return read_secret_file(path, field)
+
+
+__all__ = ["check_private_dir", "make_private_dir", "read_secret_file", "secret_in", "write_private_file"]

@@ -175,7 +175,7 @@ class BrainCollector(Collector):
                     fams[k].add_metric([rep.name], v)
             yield from fams.values()
         yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
-        yield from _shared_state(b.shared, r)
+        yield from _shared_state(b.shared, r, now)
         yield GaugeMetricFamily("warmroute_flow_held_requests", "Requests flow control holds in the brain (every "
                                 "replica saturated for them); 0 while flow_control is off",
                                 value=len(r.flow) if r.flow is not None else 0)
@@ -201,10 +201,28 @@ class BrainCollector(Collector):
         yield from (depth, released, waited, abandoned)
 
 
-def _shared_state(s, r: Router) -> Iterable[Metric]:
+def _shared_state(s, r: Router, now: float) -> Iterable[Metric]:
     """Several brains (shared_state): every series exists, 0 while sharing is off."""
     p = "warmroute_shared_state_"
     yield GaugeMetricFamily(p + "enabled", "1 when shared_state.redis_url is set", value=s.enabled)
+    yield GaugeMetricFamily(p + "signed", "1 when entries and snapshots carry a MAC under shared_state.secret_file",
+                            value=s.signed)
+    rej = CounterMetricFamily(p + "rejected", "Entries and snapshots from Redis not applied, by reason (not signed, "
+                              "malformed, too large, from the future)", labels=["reason"])
+    for reason, n in sorted(s.rejected.items()):
+        rej.add_metric([reason], n)
+    yield rej
+    yield CounterMetricFamily(p + "stream_stuck", "The stream could not advance (an entry with the largest id): "
+                              "deleted and started again", value=s.stream_stuck)
+    yield CounterMetricFamily(p + "future_ids", "This brain's last entry id or a snapshot's was past the stream's "
+                              "newest: resynchronised from the snapshot", value=s.future_ids)
+    yield CounterMetricFamily(p + "peers_gone", "Other brains that fell silent past shared_state.peer_timeout_s",
+                              value=s.peers_gone)
+    silence = GaugeMetricFamily(p + "peer_silence_seconds", "Seconds since each other brain was last heard from "
+                                "(until it is gone, at shared_state.peer_timeout_s)", labels=["peer"])
+    for peer, seen in sorted(s.peer_seen.items()):
+        silence.add_metric([peer], max(0.0, now - seen))
+    yield silence
     yield GaugeMetricFamily(p + "up", "1 while Redis answers; 0: routing on this brain's own view", value=s.up)
     yield GaugeMetricFamily(p + "peers", "Other brains heard from within shared_state.peer_timeout_s", value=s.peers)
     yield GaugeMetricFamily(p + "remote_reservations", "Other brains' requests in flight, counted on the replicas here",

@@ -17,11 +17,19 @@ path touches the network. Here, off the request path:
 - **Redis down, slow, refusing the password**: counted, logged once per change, retried with backoff up to
   30 s; meanwhile the brain routes on its own view and drops what it would have shipped (counted). When
   Redis is back the brain replays what it missed, or resynchronises from the snapshot.
+- **Trusting nobody** (issue 43): with ``secret_file`` every entry and snapshot carries an HMAC-SHA256 under the
+  fleet's secret, and what does not verify is dropped and counted (whoever can write to Redis cannot steer routing
+  or speak as another brain); entries and snapshots are bounded in size before they are parsed; a stream that
+  cannot advance (an entry planted with the largest id) is deleted and started again, and a brain whose last id is
+  ahead of the stream (or a snapshot that claims a future id) resynchronises instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import math
 import os
 import random
 import socket
@@ -40,6 +48,29 @@ _BACKOFF_MAX_S = 30.0
 _READ_BLOCK_MS = 1000
 _READ_COUNT = 2000
 _SNAPSHOT_MAX_BYTES = 512 * 1024 * 1024  # Redis's own limit for a string
+_ENTRY_MAX_BYTES = 8 * 1024 * 1024  # one flush's events (20 ms of decisions: tens of KiB); larger is not parsed
+_ENTRY_MAX_EVENTS = 100_000
+_ORIGIN_MAX_CHARS = 200
+_SIGNED = b"wr1s"  # a signed snapshot: this, then its 32-byte MAC, then the compressed view
+# Redis's answers to an XADD after the largest id (7.x: "exhausted"; others: "equal or smaller")
+_STUCK = ("exhausted the last possible ID", "equal or smaller than the target stream top item")
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:  # each part's length first: no two different splits of the same bytes sign alike
+        h.update(len(p).to_bytes(8, "big"))
+        h.update(p)
+    return h.digest()
+
+
+def inflate_bounded(raw: bytes, limit: int) -> bytes:
+    """``zlib.decompress`` that stops at ``limit`` bytes: a 400 KB "bomb" took a starting brain to 1.28 GB."""
+    d = zlib.decompressobj()
+    out = d.decompress(raw, limit)
+    if d.unconsumed_tail or not d.eof:
+        raise ValueError(f"inflates past {limit} bytes (shared_state.snapshot_max_bytes)")
+    return out
 
 
 def brain_id(cfg: SharedStateConfig) -> str:
@@ -86,6 +117,18 @@ class SharedState:
         self._last_flush = 0.0
         self._synced = False  # a snapshot was imported (or found absent) once: later gaps replay or resync
         self.started = asyncio.Event()  # warm_start is over, warmed or not: run() may begin
+        self.key: bytes | None = None  # the fleet's signing secret (secret_file); None: unsigned
+        if cfg.secret_file:
+            from .files import read_secret_file
+
+            self.key = read_secret_file(cfg.secret_file, "shared_state.secret_file")
+        else:
+            logs.event("shared_state_unsigned", advice="set shared_state.secret_file: without it whoever can write to "
+                                                       "Redis can steer routing")
+        self.stats.signed = int(self.key is not None)
+        self.stats.peer_seen = self.peers
+        self._rejected_logged: dict[str, float] = {}  # reason -> when last logged (one line a minute per reason)
+        self._last_check = 0.0
 
     # ---------------------------------------------------------------- connection
 
@@ -170,13 +213,23 @@ class SharedState:
         missed = not self._synced or (first and _id_lt(self.last_id, first[0][0].decode()))
         if missed:
             raw = await r.get(self.snapshot_key)
-            if raw:
-                doc = await asyncio.to_thread(lambda: orjson.loads(zlib.decompress(raw)))
-                import_state(self.router, doc.get("state", {}), self.clock())
-                if self._synced:
-                    self.stats.resyncs += 1
-                if _id_lt(self.last_id, doc.get("stream_id", "0-0")):
-                    self.last_id = doc["stream_id"]
+            doc = await asyncio.to_thread(self._read_snapshot, raw) if raw else None
+            if doc is not None:
+                top = await self._top_id(r)
+                sid = doc["stream_id"]
+                if _id_lt(top, sid):
+                    # it claims entries the stream never had: adopting its id would skip every entry until then
+                    self._reject("snapshot_from_the_future", f"snapshot at {sid}, stream at {top}")
+                    self.stats.future_ids += 1
+                else:
+                    try:
+                        import_state(self.router, doc["state"], self.clock())
+                    except Exception as e:  # noqa: BLE001 - a snapshot we cannot read changes what it changed so far
+                        self._reject("snapshot_unreadable", type(e).__name__)
+                    if self._synced:
+                        self.stats.resyncs += 1
+                    if _id_lt(self.last_id, sid):
+                        self.last_id = sid
             self._synced = True
         while True:  # replay in chunks; each chunk is applied before the next is read
             entries = await r.xrange(self.stream, min=f"({self.last_id}" if self.last_id != "0-0" else "-",
@@ -244,6 +297,21 @@ class SharedState:
             for _, entries in got or ():
                 self._apply_entries(entries)
             self._forget_silent()
+            now = self.clock()
+            if not got and now - self._last_check >= self.cfg.heartbeat_s:
+                self._last_check = now
+                top = await self._top_id(r)
+                if _id_lt(top, self.last_id):
+                    # this brain's last id is past the stream's newest (a planted entry deleted, Redis restarted empty,
+                    # a snapshot's claim): nothing after it would ever come. Start again from the snapshot
+                    self.stats.future_ids += 1
+                    logs.event("shared_state_rewound", last_id=self.last_id[:40], stream_top=top[:40])
+                    self.last_id, self._synced = "0-0", False
+                    await self._sync()
+
+    async def _top_id(self, r) -> str:
+        top = await asyncio.wait_for(r.xrevrange(self.stream, count=1), self.cfg.timeout_s)
+        return top[0][0].decode() if top else "0-0"
 
     def _apply_entries(self, entries, replay: bool = False) -> None:
         now = self.clock()
@@ -251,15 +319,27 @@ class SharedState:
         for eid, fields in entries:
             self.last_id = eid.decode() if isinstance(eid, bytes) else eid
             try:
-                origin = fields[b"o"].decode()
+                o, t, w, e = fields[b"o"], fields[b"t"], fields[b"w"], fields.get(b"e", b"")
+                if len(o) > _ORIGIN_MAX_CHARS or len(e) > _ENTRY_MAX_BYTES:
+                    self._reject("entry_too_large", f"{len(e)} bytes")
+                    continue
+                if self.key is not None and not hmac.compare_digest(fields.get(b"m", b""), _mac(self.key, o, t, w, e)):
+                    self._reject("entry_not_signed", "no valid MAC under shared_state.secret_file")
+                    continue
+                origin = o.decode()
                 if origin == self.id:
                     continue
-                sent_wall = float(fields[b"w"])
+                sent_wall, sent_clock = float(w), float(t)
+                if not (math.isfinite(sent_wall) and math.isfinite(sent_clock)):
+                    raise ValueError("time")
                 transit = min(max(0.0, wall - sent_wall), self.cfg.peer_timeout_s)
                 # the origin's clock at the flush was now - transit here: that is the offset between the two
-                offset = now - transit - float(fields[b"t"])
-                events = orjson.loads(fields[b"e"]) if fields.get(b"e") else []
-            except (KeyError, ValueError, TypeError, orjson.JSONDecodeError):
+                offset = now - transit - sent_clock
+                events = orjson.loads(e) if e else []
+                if not isinstance(events, list) or len(events) > _ENTRY_MAX_EVENTS:
+                    raise ValueError("events")
+            except (KeyError, ValueError, TypeError, UnicodeDecodeError, orjson.JSONDecodeError):
+                self._reject("entry_malformed", "")
                 continue  # an entry from another version or a stranger: skipped
             if replay and transit >= self.cfg.peer_timeout_s:
                 # an old entry: its pins and index count, its reservations ended long ago (or soon will)
@@ -273,11 +353,40 @@ class SharedState:
         self.stats.index_gaps = self.router.remote.index_gaps
         self.stats.peers = len(self.peers)
 
+    def _reject(self, reason: str, detail: str) -> None:
+        """An entry or snapshot not applied: counted by reason, one log line a minute per reason."""
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._rejected_logged.get(reason, -1e9) >= 60:
+            self._rejected_logged[reason] = now
+            logs.event("shared_state_rejected", reason=reason, detail=detail[:120], count=self.stats.rejected[reason])
+
+    def _read_snapshot(self, raw: bytes) -> dict | None:
+        """The snapshot's document, verified and bounded; None (counted) when it cannot be trusted or read."""
+        if self.key is not None:
+            if not raw.startswith(_SIGNED) or not hmac.compare_digest(raw[4:36], _mac(self.key, raw[36:])):
+                self._reject("snapshot_not_signed", "no valid MAC under shared_state.secret_file")
+                return None
+            raw = raw[36:]
+        elif raw.startswith(_SIGNED):
+            self._reject("snapshot_not_signed", "signed by a fleet with shared_state.secret_file; this brain has none")
+            return None
+        try:
+            doc = orjson.loads(inflate_bounded(raw, self.cfg.snapshot_max_bytes))
+            if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
+                raise ValueError("not a snapshot")
+            _id_lt("0-0", doc.setdefault("stream_id", "0-0"))  # a stream id, or ValueError
+            return doc
+        except (ValueError, TypeError, zlib.error, orjson.JSONDecodeError) as e:
+            self._reject("snapshot_unreadable", str(e))
+            return None
+
     def _forget_silent(self) -> None:
         now = self.clock()
         for origin, seen in list(self.peers.items()):
             if now - seen > self.cfg.peer_timeout_s:
                 del self.peers[origin]
+                self.stats.peers_gone += 1
                 n = self.router.remote.forget_origin(self.router, origin, now)
                 logs.event("shared_state_peer_gone", peer=origin, released_reservations=n)
         if not self.stats.up:  # nobody is heard from while Redis is away: their load is not known any more
@@ -294,9 +403,23 @@ class SharedState:
             now = self.clock()
             if not events and now - self._last_flush < self.cfg.heartbeat_s:
                 continue
-            fields = {"o": self.id, "t": repr(now), "w": repr(time.time()), "e": orjson.dumps(events, default=_hex)}
-            await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries, approximate=True),
-                                   self.cfg.timeout_s)
+            o, t, w, e = self.id.encode(), repr(now).encode(), repr(time.time()).encode(), orjson.dumps(events, default=_hex)
+            fields = {"o": o, "t": t, "w": w, "e": e}
+            if self.key is not None:
+                fields["m"] = _mac(self.key, o, t, w, e)
+            try:
+                await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
+                                              approximate=True), self.cfg.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - only Redis's "cannot advance" is ours to mend here
+                if not any(m in str(exc) for m in _STUCK):
+                    raise
+                # an entry with the largest id sits on top: no XADD can follow it, sharing would stop for good.
+                # The stream goes (its entries are applied, or a snapshot covers them) and starts again
+                self.stats.stream_stuck += 1
+                logs.event("shared_state_stream_stuck", stream=self.stream, action="deleted and started again")
+                await asyncio.wait_for(r.delete(self.stream), self.cfg.timeout_s)
+                await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
+                                              approximate=True), self.cfg.timeout_s)
             self._last_flush = now
             self.stats.published_events += len(events)
             self.stats.published_entries += 1
@@ -316,6 +439,8 @@ class SharedState:
         # the copy runs off the loop (a large view takes ~0.1 s to walk): requests are not held behind it
         state = await asyncio.to_thread(export_state, self.router, now)
         blob = await asyncio.to_thread(lambda: zlib.compress(orjson.dumps({"stream_id": stream_id, "state": state}), 1))
+        if self.key is not None:
+            blob = _SIGNED + _mac(self.key, blob) + blob
         if len(blob) > _SNAPSHOT_MAX_BYTES:
             logs.event("shared_state_snapshot_too_large", bytes=len(blob))
             return 0
@@ -335,6 +460,9 @@ def _hex(x):
 
 
 def _id_lt(a: str, b: str) -> bool:
+    """Stream ids in order; a ValueError for anything that is not one (a snapshot's claim is not trusted)."""
+    if not isinstance(a, str) or not isinstance(b, str) or len(a) > 41 or len(b) > 41:
+        raise ValueError("not a stream id")
     am, _, asq = a.partition("-")
     bm, _, bsq = b.partition("-")
     return (int(am), int(asq or 0)) < (int(bm), int(bsq or 0))

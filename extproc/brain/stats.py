@@ -60,6 +60,12 @@ class SharedStats:
         self.lag_seconds = 0.0  # wall time from another brain's flush to its entry being applied here
         self.warm_start_seconds = 0.0
         self.index_gaps = 0
+        self.signed = 0  # 1: entries and snapshots carry a MAC under shared_state.secret_file
+        self.rejected: dict[str, int] = {}  # entries and snapshots not applied, by reason
+        self.stream_stuck = 0  # the stream could not advance (a planted largest id): deleted and started again
+        self.future_ids = 0  # this brain's last id, or a snapshot's, was past the stream's newest: resynchronised
+        self.peers_gone = 0  # other brains that fell silent past peer_timeout_s
+        self.peer_seen: dict[str, float] = {}  # brain id -> when last heard (the brain's clock)
 
 
 class BrainStats:

@@ -40,6 +40,9 @@ from .pins import SESSION, PinTable
 if TYPE_CHECKING:
     from .profile import RequestProfile
 
+_MAX_WORK_S = 3600.0  # predicted seconds of one request's work (a 1M-token prefill on a slow engine: ~10 min)
+_MAX_WEIGHT_MILLI = 10_000_000  # one request's load weight, in thousandths
+_MAX_TOKENS = 10_000_000  # one request's prompt or pending tokens
 _MAX_CHAINS = 200_000  # chains whose published length each side remembers (a turn of a known chain sends its delta)
 
 
@@ -158,6 +161,11 @@ class Remote:
 
     def _opened(self, router, origin: str, ev: tuple, offset: float, now: float) -> None:
         _, rid, name, engine, weight, provisional, work_s, prefill_s, pending, sk, prompt, at = ev
+        # what one request can be: nine forged reservations put 29,996 s of predicted wait on three replicas
+        if not (0 <= float(work_s) <= _MAX_WORK_S and 0 <= float(prefill_s) <= _MAX_WORK_S
+                and 0 <= int(weight) <= _MAX_WEIGHT_MILLI and 0 <= int(pending) <= _MAX_TOKENS
+                and 0 <= int(prompt) <= _MAX_TOKENS):
+            raise ValueError("a reservation no request can make")
         r = self._replica(router, name)
         if r is None or (origin, rid) in self.reservations:
             return
@@ -259,21 +267,26 @@ def export_state(router, now: float) -> dict:
 def import_state(router, state: dict, now: float) -> None:
     """Fold another brain's ``export_state`` into this view (pins: the newest use wins; the index: its batches
     are added, oldest first). Unknown replicas and malformed entries are skipped."""
-    for kind, key, name, engine, tokens, age in state.get("pins", ()):
+    for entry in state.get("pins", ()):
         try:
+            kind, key, name, engine, tokens, age = entry
             table, r = _table(router, kind), router.find(name)
             if table is not None and r is not None:
                 table.apply(bytes.fromhex(key), r, None if engine is None else int(engine), int(tokens),
                             now - float(age))
         except (TypeError, ValueError):
             continue
-    for name, engine, batches in state.get("index", ()):
-        r = router.find(name) if isinstance(name, str) else None
-        idx = router.policy.index_of(r, engine) if r is not None else None
-        if idx is None:
+    for entry in state.get("index", ()):
+        try:
+            name, engine, batches = entry
+            r = router.find(name) if isinstance(name, str) else None
+            idx = router.policy.index_of(r, None if engine is None else int(engine)) if r is not None else None
+        except (TypeError, ValueError):
+            continue
+        if idx is None or not isinstance(batches, list):
             continue
         for b in batches:
-            if isinstance(b, list) and b:
+            if isinstance(b, list) and b and all(isinstance(h, int) for h in b):
                 idx.insert(list(b))
 
 

@@ -51,6 +51,20 @@ class BrainsStack:
         self.dir = Path(workdir)
         self.stacks: list[Stack] = []
 
+    def _secrets(self) -> None:
+        """Redis as an operator should run it: an ACL user whose password is in a 0600 file (the default user off),
+        and the fleet's signing secret in another; the brains read both from their files."""
+        from ..brain.files import secret_in
+
+        self.shared_state.setdefault("secret_file", str((self.dir / "shared.secret").resolve()))
+        secret_in(self.shared_state["secret_file"], "shared_state.secret_file")
+        if self.own_redis and not {"password", "acl_user"} & set(self.redis_kw):
+            pw_file = str((self.dir / "redis.password").resolve())
+            password = secret_in(pw_file, "shared_state.password_file").decode()
+            self.redis_kw = {**self.redis_kw, "acl_user": ("warmroute", password)}
+            self.shared_state.setdefault("username", "warmroute")
+            self.shared_state.setdefault("password_file", pw_file)
+
     def _config(self, i: int) -> dict:
         cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.config.items()}
         if self.shared:
@@ -64,6 +78,8 @@ class BrainsStack:
 
     def start(self) -> "BrainsStack":
         try:
+            if self.shared:
+                self._secrets()
             if self.shared and self.own_redis:
                 self.redis = RedisServer(self.dir, **self.redis_kw).start()
             first = Stack(self.n, config=self._config(0), mock_args=self.mock_args, workdir=self.dir / "pair-0",

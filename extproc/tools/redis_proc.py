@@ -6,11 +6,17 @@ is one the OS picked a moment before (redis-server cannot report a port it chose
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 from pathlib import Path
 
 from .procs import Proc, StackError, wait_for
+
+
+# the commands a brain's ACL user needs (docs/brains.md lists the same)
+BRAIN_COMMANDS = ("ping", "hello", "auth", "client", "xadd", "xread", "xrange", "xrevrange", "xtrim", "del", "get",
+                  "set", "info")
 
 
 def free_port() -> int:
@@ -44,20 +50,34 @@ class RedisServer:
     def url(self) -> str:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
-    def argv(self) -> list[str]:
-        ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls["cert"], "--tls-key-file",
-                 self.tls["key"], "--tls-ca-cert-file", self.tls["ca"], "--tls-auth-clients",
-                 "yes" if self.tls_auth_clients else "no"] if self.tls else ["--port", str(self.port)]
-        a = [redis_binary(), *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--protected-mode", "no", "--loglevel", "notice"]
+    def conf(self) -> str:
+        """redis.conf: the secrets go in this file (mode 0600), never in argv, which every local user can read."""
+        lines = [f"bind 127.0.0.1", "protected-mode yes", 'save ""', "appendonly no", f"dir {self.workdir.resolve()}",
+                 "loglevel notice"]
+        if self.tls:
+            lines += ["port 0", f"tls-port {self.port}", f"tls-cert-file {self.tls['cert']}",
+                      f"tls-key-file {self.tls['key']}", f"tls-ca-cert-file {self.tls['ca']}",
+                      f"tls-auth-clients {'yes' if self.tls_auth_clients else 'no'}"]
+        else:
+            lines.append(f"port {self.port}")
         if self.password:
-            a += ["--requirepass", self.password]
+            lines.append(f"requirepass {self.password}")
         if self.acl_user:
             user, pw = self.acl_user
-            # what a brain needs and nothing more: its own keys, streams, strings and a lock
-            a += ["--user", user, "on", f">{pw}", f"~{self.key_prefix}*", "-@all", "+ping", "+hello", "+auth",
-                  "+client", "+xadd", "+xread", "+xrange", "+xtrim", "+get", "+set", "+info"]
-        return a
+            # what a brain needs and nothing more: its own keys, streams, strings and a lock (DEL: a stream that
+            # cannot advance is started again; XREVRANGE: a brain checks it is not ahead of the stream)
+            lines.append(f"user {user} on >{pw} ~{self.key_prefix}* -@all " + " ".join(f"+{c}" for c in BRAIN_COMMANDS))
+            if not self.password:
+                lines.append("user default off")  # nobody without the ACL user's password gets in
+        return "\n".join(lines) + "\n"
+
+    def argv(self) -> list[str]:
+        path = self.workdir / f"{self.name}.conf"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.conf())
+        return [redis_binary(), str(path)]
 
     def start(self) -> "RedisServer":
         self.proc = Proc(self.name, self.argv(), self.workdir)

@@ -265,3 +265,56 @@ def test_warmroute_up_with_two_brains_serves_the_demo_load_and_stops_everything(
     assert "errors none" in out.stdout and "brain 0:" in out.stdout and "brain 1:" in out.stdout
     sent = re.search(r"done: (\d+)/(\d+) ok", out.stdout)
     assert sent and sent.group(1) == sent.group(2) and int(sent.group(1)) > 0
+
+
+_RESP_AS_ANOTHER_USER = r'''
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5)
+out = []
+for cmd in (b"*1\r\n$4\r\nPING\r\n", b"*5\r\n$4\r\nXADD\r\n$16\r\nwarmroute:events\r\n$1\r\n*\r\n$1\r\no\r\n$1\r\nx\r\n"):
+    s.sendall(cmd)
+    out.append(s.recv(200).decode(errors="replace").split(" ")[0])
+print(" ".join(out))
+'''
+
+
+def test_shared_state_trusts_nobody_another_user_a_forger_with_the_password_and_a_planted_largest_id(tmp_path):
+    """Issue 43: `warmroute up --brains` started Redis open to every local user: forged reservations steered 40 of 40
+    new sessions to one replica, and one XADD with the largest id stopped sharing for good. Now Redis wants the ACL
+    user's password (a 0600 file; the default user is off), entries not signed with the fleet's secret are dropped
+    and counted, and a stream that cannot advance is started again: sessions still alternate Envoys and stay home."""
+    import os
+    import subprocess
+
+    import redis
+
+    with BrainsStack(4, 2, config=FAST, mock_args=["--speedup", "20"], workdir=tmp_path / "b") as b:
+        b.wait_all_live(30)
+        for s in b.stacks:
+            wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 30, "the other brain heard from")
+        pw_file, secret_file = b.dir / "redis.password", b.dir / "shared.secret"
+        assert oct(os.stat(pw_file).st_mode & 0o777) == "0o600" and oct(os.stat(secret_file).st_mode & 0o777) == "0o600"
+        assert pw_file.read_text().strip() not in " ".join(b.redis.proc.popen.args)  # never in argv (ps shows it)
+        # another local user reaches the port and is refused every command
+        got = subprocess.run(["/usr/bin/python3", "-c", _RESP_AS_ANOTHER_USER, str(b.redis.port)], user="nobody",
+                             capture_output=True, text=True, timeout=30, cwd="/").stdout.split()
+        assert got == ["-NOAUTH", "-NOAUTH"], got
+        # one who has the password but not the fleet's secret writes forged reservations: none is applied
+        r = redis.Redis(host="127.0.0.1", port=b.redis.port, username="warmroute", password=pw_file.read_text().strip())
+        forged = json.dumps([["o", k, f"r{k % 3}", None, 1000, False, 3333.0, 3333.0, 0, None, 0, 0.0]
+                             for k in range(9)])
+        for _ in range(3):
+            r.xadd("warmroute:events", {"o": "brain-9~00000000", "t": "0.0", "w": repr(time.time()), "e": forged})
+        for s in b.stacks:
+            wait_for(lambda s=s: metric(s, 'warmroute_shared_state_rejected_total{reason="entry_not_signed"}') >= 3,
+                     20, "the forged entries rejected")
+            assert metric(s, "warmroute_shared_state_remote_reservations") == 0
+        # the largest id: no XADD can follow it. The brains delete the stream, start it again and go on sharing
+        r.xadd("warmroute:events", {"o": "x"}, id="18446744073709551615-18446744073709551615")
+        for s in b.stacks:
+            wait_for(lambda s=s: metric(s, "warmroute_shared_state_stream_stuck_total") >= 1
+                     or metric(s, "warmroute_shared_state_future_ids_total") >= 1, 30, "the stuck stream mended")
+        for s in b.stacks:
+            wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 30, "sharing again")
+        assert conversations(b.urls, "after", sessions=5, turns=3) == 0
+        r.close()

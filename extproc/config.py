@@ -119,6 +119,10 @@ class BrainConfig:
     # as "Authorization: Bearer <token>", so a local user who reaches the loopback port cannot drain the fleet.
     # null: those endpoints take any caller on loopback
     admin_token_file: str | None = "/run/warmroute/admin.token"
+    # The key stored-response ids are signed with (made at first start, mode 0600): an id without its MAC never picks
+    # a replica. Keep it across restarts (a Secret in Kubernetes) or follow-ups to earlier responses get 404. With
+    # several brains, the key comes from shared_state.secret_file instead. null: a new key each start
+    response_key_file: str | None = "/run/warmroute/response.key"
     metrics_host: str = "127.0.0.1"  # read-only /metrics for Prometheus; 0.0.0.0 to scrape from elsewhere
     metrics_port: int = 9102  # the port of the read-only Prometheus /metrics
     # Envoy on the same host connects here (about 0.1 ms a request less than TCP loopback). Mode 0600, or 0660

@@ -257,3 +257,69 @@ def test_two_users_identical_first_turns_are_two_conversations():
     a = _profile("/v1/responses", doc, {"x-request-id": "r-1"})
     b = _profile("/v1/responses", doc, {"x-request-id": "r-2"})
     assert a.response_root != b.response_root and a.session_key != b.session_key
+
+
+# --- issue 43: stored-response ids cannot be forged ------------------------------------------------------------
+
+def _forged(replica: str) -> str:
+    """What anybody could write with the public layout: the prefix, the replica's public tag, random bits."""
+    return mint_response_id(replica, None, key=b"not the fleet's key" * 2)
+
+
+def test_an_id_without_the_fleet_s_mac_reaches_no_replica_its_bytes_name_and_is_not_found():
+    brain = _brain()
+    for target in ("r0", "r1", "r2"):
+        forged = _forged(target)
+        assert parse_minted(forged)[0] == replica_tag(target)  # it names the replica, in the public layout
+        for headers, body in (({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x",
+                                                                         "previous_response_id": forged})),
+                              ({":path": "/v1/responses/" + forged, ":method": "GET"}, None)):
+            out = brain.decide(headers, body, "request_body" if body else "request_headers")
+            assert out.immediate_response.status.code == 404, target
+            assert json.loads(out.immediate_response.body)["error"]["message"] == f"Response with id '{forged}' not found."
+    assert brain.stats.forged_response_ids == 6 and sum(r["decisions"] for r in brain.state()["replicas"]) == 0
+    # one character of a real id changed is forged too
+    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
+    rid = json.loads(out.request_body.response.body_mutation.body)["request_id"]
+    tampered = rid[:-1] + ("0" if rid[-1] != "0" else "1")
+    assert holder_of(tampered, ["r0", "r1", "r2"], ResponseHomes(), 0.0, brain.response_key) is Holder.FORGED
+    assert holder_of(rid, ["r0", "r1", "r2"], ResponseHomes(), 0.0, brain.response_key) == _cluster(out)
+
+
+def test_a_drained_replica_gets_its_own_responses_follow_ups_and_an_ejected_one_no_forged_ids():
+    brain = _brain()
+    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
+    rid, home = json.loads(out.request_body.response.body_mutation.body)["request_id"], _cluster(out)
+    brain.router.drain(home)
+    follow = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
+                                                                     "previous_response_id": rid}))
+    assert _cluster(follow) == home  # only it holds the conversation
+    forged = brain.decide({":path": "/v1/responses/" + _forged(home), ":method": "GET"}, None, "request_headers")
+    assert forged.immediate_response.status.code == 404
+    other = next(n for n in ("r0", "r1", "r2") if n != home)
+    brain.router.on_scrape(other, False, brain.clock(), 0, 0, 0.0)  # a failed scrape: EJECTED
+    assert brain.router.replica(other).state.value == "EJECTED"
+    forged = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x",
+                                                                     "previous_response_id": _forged(other)}))
+    assert forged.immediate_response.status.code == 404
+
+
+def test_a_client_s_own_request_id_cannot_be_re_homed_by_another_client():
+    brain = _brain()
+
+    def create(tenant_headers: dict) -> str:
+        out = brain.decide({":path": "/v1/responses", **tenant_headers},
+                           orjson.dumps({"model": "m", "input": "x" * 3000, "request_id": "shared-id"}))
+        return _cluster(out)
+
+    victim_home = create({})
+    for _ in range(10):  # the other client sends creates under the same id; whatever replica they land on...
+        create({"x-session-id": "attacker"})
+    for _ in range(3):  # ...the victim's follow-ups still reach its response
+        follow = brain.decide({":path": "/v1/responses/shared-id", ":method": "GET"}, None, "request_headers")
+        assert _cluster(follow) == victim_home
+    homes = ResponseHomes()
+    assert homes.record("x", "r0", 0.0) and not homes.record("x", "r1", 1.0) and homes.get("x", 2.0) == "r0"
+    # tenants are apart: the same id in another tenant is that tenant's own
+    assert homes.record("x", "r2", 1.0, tenant="t2") and homes.get("x", 2.0, tenant="t2") == "r2"
+    assert homes.get("x", 2.0) == "r0"

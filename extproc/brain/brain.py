@@ -20,7 +20,7 @@ from ..config import AppConfig, ConfigError, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
 from ..core.models import ModelCatalog
-from ..core.apis import Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
+from ..core.apis import PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
 from ..core.names import BodyStatus, Reason
 from ..core.flow import CLASSES, STANDARD, FlowControl, FlowQueue
 from ..core.profile import replace_model, tenant_of
@@ -82,6 +82,9 @@ class Brain:
         self.cds = CdsFile(cfg.envoy.cds_path)
         self.chains = ChainCache()  # C2: a session's next turn hashes only what is new
         self.response_homes = ResponseHomes()  # stored responses whose ids clients chose (minted ones say it)
+        # what minted response ids are signed with: this process's key until the server sets the fleet's (or its
+        # key file's) at start, so that a restarted brain, or another brain, still reads the ids it made
+        self.response_key = PROCESS_KEY
         # a static fleet is known at start; a discovered one once its source first answered (readiness)
         self.discovered = cfg.discovery.source == "static"
         self.discovery_error: str | None = None
@@ -169,9 +172,16 @@ class Brain:
             self.stats.record_decision(d, profile.body_status, now)
             return d
         holder = None
+        if (profile.stored_ref is not None or profile.stores_response) and profile.tenant is None:
+            tenant = tenant_of(headers, r.profile_cfg)  # a client-named response's home is the tenant's alone
+            if tenant is not None:
+                profile = dataclasses.replace(profile, tenant=tenant)
         if profile.stored_ref is not None:  # it follows, reads or cancels a stored response: only its holder has it
-            held = holder_of(profile.stored_ref, (x.name for x in r.replicas), self.response_homes, now)
-            if held is Holder.GONE:
+            held = holder_of(profile.stored_ref, (x.name for x in r.replicas), self.response_homes, now,
+                             self.response_key, profile.tenant)
+            if held is Holder.FORGED:
+                self.stats.forged_response_ids += 1
+            if held is Holder.GONE or held is Holder.FORGED:
                 d = Decision(None, Reason.RESPONSE_GONE, response_id=profile.stored_ref)
                 self.stats.record_decision(d, profile.body_status, now)
                 return d
@@ -208,10 +218,10 @@ class Brain:
         stored response's home, the metrics, the pin log."""
         d.model, d.rewrite_model = res.model, res.rewritten
         if profile.stores_response and d.replica is not None:  # "store": false: nothing to find later, no rewrite
-            if profile.response_id is not None:  # the client named it: remember where it will live
-                self.response_homes.record(profile.response_id, d.replica.name, now)
+            if profile.response_id is not None:  # the client named it: remember where it will live (first writer)
+                self.response_homes.record(profile.response_id, d.replica.name, now, profile.tenant)
             else:  # the brain names it, and the name says where it lives
-                d.response_id = mint_response_id(d.replica.name, profile.response_root)
+                d.response_id = mint_response_id(d.replica.name, profile.response_root, self.response_key)
         if t0 is not None:  # a held request's wait is not the decision's cost
             self.decision_seconds.observe(time.perf_counter() - t0)
         self.stats.record_decision(d, profile.body_status, now)

@@ -144,6 +144,8 @@ class BrainCollector(Collector):
         yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released", value=r.open_reservations)
         yield CounterMetricFamily("warmroute_access_log_releases", "Reservations released by Envoy's access log",
                                   value=b.releases_by_log)
+        yield CounterMetricFamily("warmroute_forged_response_ids", "Stored-response ids in the brain's minted form "
+                                  "whose MAC did not verify: answered 404, no replica asked", value=b.forged_response_ids)
         yield CounterMetricFamily("warmroute_response_releases", "Reservations released by the endpoint picker at "
                                   "the response's end (or its stream's)", value=b.releases_by_response)
         yield CounterMetricFamily("warmroute_picker_streams_reset", "Endpoint-picker streams that ended before their "

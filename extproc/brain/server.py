@@ -41,6 +41,24 @@ GRPC_SERVER_OPTIONS = [
 ENVELOPE_BYTES = 1024 * 1024  # a body's message also carries the attributes and the protobuf framing
 
 
+
+def response_key(cfg) -> bytes:
+    """What minted stored-response ids are signed with: derived from the fleet's shared secret when brains share state
+    (every brain reads every brain's ids), else the key in brain.response_key_file (made once, so a restarted brain
+    still reads the ids it made), else this process's own."""
+    import hashlib
+    import hmac
+
+    from ..core.apis import PROCESS_KEY
+    from .files import read_secret_file, secret_in
+
+    if cfg.shared_state.redis_url and cfg.shared_state.secret_file:
+        secret = read_secret_file(cfg.shared_state.secret_file, "shared_state.secret_file")
+        return hmac.new(secret, b"warmroute stored-response ids", hashlib.sha256).digest()
+    if cfg.brain.response_key_file:
+        return secret_in(cfg.brain.response_key_file, "brain.response_key_file")
+    return PROCESS_KEY
+
 def grpc_server_options(cfg: AppConfig) -> list[tuple[str, int]]:
     """The rendered Envoy's brain never needs a body above envoy.brain_body_max_bytes (larger ones take the
     headers-only route), so a larger message is refused by gRPC before it is read: an inflated gzip body, which
@@ -249,6 +267,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
         for name in READY_SERVICES:
             await health_servicer.set(name, status)
 
+    brain.response_key = response_key(cfg)
     shared = None
     if cfg.shared_state.redis_url:
         shared = SharedState(cfg.shared_state, brain.router, brain.clock, brain.stats.shared)

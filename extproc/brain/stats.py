@@ -77,6 +77,7 @@ class BrainStats:
         self.scrapes: Counter[tuple[str, str]] = Counter()  # (replica, ok|failed|deferred: timed out while the loop stalled, retried)
         self.window = DecisionWindow()
         self.releases_by_log = 0
+        self.forged_response_ids = 0  # stored-response ids in the minted form whose MAC did not verify: answered 404
         self.releases_by_response = 0  # endpoint picker: released at the response's end, or its stream's
         self.picker_streams_reset = 0  # endpoint picker: a stream that ended before its response did
         self.flow_refused: Counter[str] = Counter({"queue_full": 0, "waited_too_long": 0,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import hmac
 import os
 from collections import OrderedDict
 from typing import Any, Iterable, Mapping
@@ -147,8 +148,11 @@ def session_of_messages(doc: Mapping[str, Any]) -> str | None:
 
 # --- stored responses ----------------------------------------------------------------------------------------
 
-_MINTED = "resp_wr1"  # a version digit: another layout later keeps reading this one
-_TAG, _ROOT, _RAND = 12, 16, 16  # hex characters
+_MINTED = "resp_wr2"  # a version digit: wr1 ids carried no MAC, so anybody could write one naming any replica
+_TAG, _ROOT, _RAND, _MAC = 12, 16, 16, 16  # hex characters
+# the key ids are signed with when the caller names none: this process's own (the brain is given the fleet's, or
+# its key file's, at start: brain.response_key_file, shared_state.secret_file)
+PROCESS_KEY = os.urandom(32)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -156,12 +160,19 @@ def replica_tag(name: str) -> str:
     return hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=_TAG // 2).hexdigest()
 
 
-def mint_response_id(replica: str, root: str | None) -> str:
+def _id_mac(key: bytes, body: str) -> str:
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()[:_MAC]
+
+
+def mint_response_id(replica: str, root: str | None, key: bytes = PROCESS_KEY) -> str:
     """A new response's id: the replica that will hold it, the conversation it belongs to (``root``: from the
-    response it follows; None: a new conversation) and 64 random bits. Only a hash of the replica's name is in it."""
+    response it follows; None: a new conversation), 64 random bits and a MAC of them under ``key``, so that no
+    client can write an id that sends its request to a replica of its choosing. Only a hash of the replica's name
+    is in it."""
     if root is None or len(root) != _ROOT:
         root = os.urandom(_ROOT // 2).hex()
-    return f"{_MINTED}{replica_tag(replica)}{root}{os.urandom(_RAND // 2).hex()}"
+    body = f"{replica_tag(replica)}{root}{os.urandom(_RAND // 2).hex()}"
+    return f"{_MINTED}{body}{_id_mac(key, body)}"
 
 
 def with_request_id(body: bytes, response_id: str) -> bytes:
@@ -177,13 +188,20 @@ def _is_hex(s: str) -> bool:
 
 
 def parse_minted(response_id: str) -> tuple[str, str] | None:
-    """(replica tag, conversation root) of an id the brain minted; None for any other id."""
-    if not response_id.startswith(_MINTED) or len(response_id) != len(_MINTED) + _TAG + _ROOT + _RAND:
+    """(replica tag, conversation root) of an id in the brain's minted form (its MAC not checked: ``verify_minted``);
+    None for any other id."""
+    if not response_id.startswith(_MINTED) or len(response_id) != len(_MINTED) + _TAG + _ROOT + _RAND + _MAC:
         return None
     rest = response_id[len(_MINTED):]
     if not _is_hex(rest):
         return None
     return rest[:_TAG], rest[_TAG:_TAG + _ROOT]
+
+
+def verify_minted(response_id: str, key: bytes) -> bool:
+    """An id in the minted form whose MAC is ``key``'s."""
+    body, mac = response_id[len(_MINTED):-_MAC], response_id[-_MAC:]
+    return parse_minted(response_id) is not None and hmac.compare_digest(mac, _id_mac(key, body))
 
 
 def conversation_root(response_id: str) -> str:
@@ -207,17 +225,26 @@ class ResponseHomes:
         return len(self._homes)
 
     @staticmethod
-    def _key(response_id: str) -> bytes:
-        # a client's id may be anything it chose: kept as a hash, like every other key
-        return hashlib.blake2b(response_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    def _key(response_id: str, tenant: str | None = None) -> bytes:
+        # a client's id may be anything it chose: kept as a hash, like every other key; scoped by the tenant
+        # (when one is known), so one tenant's id never names another's response
+        h = hashlib.blake2b(response_id.encode("utf-8", "surrogatepass"), digest_size=16)
+        if tenant:
+            h.update(b"\0" + tenant.encode("utf-8", "surrogatepass"))
+        return h.digest()
 
-    def record(self, response_id: str, replica: str, now: float) -> None:
-        key = self._key(response_id)
-        self._homes.pop(key, None)
-        self._homes[key] = (replica, now)
+    def record(self, response_id: str, replica: str, now: float, tenant: str | None = None) -> bool:
+        """Remember where a client-named response lives. The first writer wins: a create that reuses an id whose
+        response is still remembered does not move it (another client re-homed its victim's follow-ups so).
+        False when the id was taken."""
+        key = self._key(response_id, tenant)
         self.expire(now)
+        if key in self._homes:
+            return False
+        self._homes[key] = (replica, now)
         while len(self._homes) > self.max_entries:
             self._homes.popitem(last=False)
+        return True
 
     def expire(self, now: float) -> None:
         while self._homes:
@@ -226,8 +253,8 @@ class ResponseHomes:
                 break
             self._homes.popitem(last=False)
 
-    def get(self, response_id: str, now: float) -> str | None:
-        entry = self._homes.get(self._key(response_id))
+    def get(self, response_id: str, now: float, tenant: str | None = None) -> str | None:
+        entry = self._homes.get(self._key(response_id, tenant))
         if entry is None or now - entry[1] > self.max_age_s:
             return None
         return entry[0]
@@ -236,18 +263,25 @@ class ResponseHomes:
 class Holder(enum.Enum):
     UNKNOWN = "unknown"  # an id neither minted nor remembered: any replica may hold it
     GONE = "gone"  # the replica that held it is no longer in the fleet: the response went with it
+    # in the minted form without this fleet's MAC: no brain made it, no replica is chosen by its bytes; answered
+    # as the replica it names would answer an id it never stored (404). An old unsigned wr1 id is no longer read
+    # as minted: it is any client's id (UNKNOWN), routed as any request is
+    FORGED = "forged"
 
 
-def holder_of(response_id: str, replicas: Iterable[str], homes: ResponseHomes, now: float) -> "str | Holder":
+def holder_of(response_id: str, replicas: Iterable[str], homes: ResponseHomes, now: float,
+              key: bytes = PROCESS_KEY, tenant: str | None = None) -> "str | Holder":
     """The replica holding a stored response (a name), or why none can be named."""
     minted = parse_minted(response_id)
     names = list(replicas)
     if minted is not None:
+        if not verify_minted(response_id, key):
+            return Holder.FORGED
         for name in names:
             if replica_tag(name) == minted[0]:
                 return name
         return Holder.GONE
-    home = homes.get(response_id, now)
+    home = homes.get(response_id, now, tenant)
     if home is None:
         return Holder.UNKNOWN
     return home if home in names else Holder.GONE

@@ -253,6 +253,7 @@ class Stack:
                           **self.replica_config.get(r.name, {})} for r in self.replicas],
             "brain": {"host": "127.0.0.1", "admin_port": 0, "metrics_port": 0,
                       "admin_token_file": str(self.dir.resolve() / "admin.token"),
+                      "response_key_file": str(self.dir.resolve() / "response.key"),
                       "grpc_socket": sock if len(sock.encode()) <= 100 else None},
             "envoy": {"listen_host": "127.0.0.1", "listen_port": self.listen_port,
                       "admin_path": self._admin_path(),

@@ -61,7 +61,7 @@ def test_the_brain_started_from_the_image_runs_as_non_root_and_routes_a_request(
     grpc_port = free_port()
     cfg = {k: dict(v) for k, v in FAST.items()}
     cfg["brain"] = {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": grpc_port, "insecure": True,
-                    "admin_token_file": "/tmp/warmroute/admin.token"}
+                    "admin_token_file": "/tmp/warmroute/admin.token", "response_key_file": "/tmp/warmroute/response.key"}
     cfg["envoy"]["cds_path"] = None  # the brain in the container cannot write Envoy's CDS file on this host
     s = Stack(2, config=cfg, mock_args=["--speedup", "20"])
     ctr = proc = None

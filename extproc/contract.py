@@ -15,6 +15,8 @@ CONTENT_ENCODING_HEADER = "content-encoding"  # a body Envoy did not inflate is 
 # inflated body that does not read is one cut off at envoy.max_inflate_ratio, answered 413
 INFLATED_FROM_HEADER = "x-warmroute-inflated-from"
 METADATA_NAMESPACE = "warmroute"  # the brain's answer {cluster, reservation} travels as dynamic metadata here
+# a body too big to send to the brain: Envoy reads its top-level "model" into this namespace and forwards it
+BODY_METADATA_NAMESPACE = "warmroute.body"
 ANSWER_CLUSTER = "cluster"
 ANSWER_RESERVATION = "reservation"
 ANSWER_DP_RANK = "dp_rank"  # the data-parallel engine chosen, when the replica has several (empty: none)

@@ -19,6 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ..contract import (
+    BODY_METADATA_NAMESPACE,
     ANSWER_CLUSTER,
     ANSWER_DP_RANK,
     DP_RANK_HEADER,
@@ -30,7 +31,7 @@ from ..contract import (
 )
 from ..core.apis import Api, api_of, response_not_found_body
 from ..core.names import Reason
-from ..core.profile import declared_size
+from ..core.profile import BODY_MODEL_KEY, declared_size
 from ..picker.messages import (anthropic_shaped, header_value, headers_of, json_response, model_not_found_response,
                                openai_error, path_not_served_response, wait_longer)
 
@@ -125,6 +126,13 @@ def models_response(models: list[dict]) -> ep.ProcessingResponse:
     return json_response(http_status_pb2.OK, {"object": "list", "data": models}, "warmroute_models")
 
 
+def body_model(req: ep.ProcessingRequest) -> str | None:
+    """The top-level "model" Envoy read from a body too big to send (json_to_metadata), when it did."""
+    ns = req.metadata_context.filter_metadata.get(BODY_METADATA_NAMESPACE)
+    v = ns.fields.get("model") if ns is not None else None
+    return v.string_value[:256] if v is not None and v.string_value else None
+
+
 def headers_from_attributes(req: ep.ProcessingRequest) -> dict[str, str]:
     """Headers Envoy sent as ``request.headers['name']`` attributes (absent headers are absent keys)."""
     out = {}
@@ -189,8 +197,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 return
             if kind == "request_headers":
                 headers.update(headers_of(req.request_headers))
+                model = body_model(req)
+                if model:
+                    headers[BODY_MODEL_KEY] = model
                 size = declared_size(headers)
-                big = self.big_body_bytes is not None and size is not None and size > self.big_body_bytes
+                # a body too big to send, or one of no declared size (chunked): the route sends headers alone (after
+                # the whole body arrived, with its model read by Envoy)
+                big = self.big_body_bytes is not None and (size is None or size > self.big_body_bytes)
                 # no body follows, or one Envoy does not send (the big-body route): decide on the headers
                 if req.request_headers.end_of_stream or big:
                     await self._answer(self.decide(headers, None, "request_headers"), context)

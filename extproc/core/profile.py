@@ -225,6 +225,11 @@ def replace_model(body: bytes, model: str) -> bytes | None:
 _DIGITS = frozenset(b"0123456789")
 
 
+# the model Envoy read from a body too big to send (contract.BODY_METADATA_NAMESPACE), as the front hands it on among
+# the headers: a pseudo-header, which no client can send
+BODY_MODEL_KEY = ":warmroute-body-model"
+
+
 def declared_size(headers: Mapping[str, str]) -> int | None:
     """The body size a request's Content-Length declares (None: none, or not a number). Whatever a client writes
     there: ASCII digits only, and a number of 16 digits or more is read as 10^15 (no body is that big)."""
@@ -277,10 +282,13 @@ def build_profile(
 
     if body is None:
         size = declared_size(headers)
-        if size:  # Envoy sent the headers of a body too big to send (routes.big_body)
-            # a declared size: a guess until the body is read, bounded by max_prompt_tokens, its model unknown
-            return RequestProfile(session_key, None, min(int(size / cfg.chars_per_token), cfg.max_prompt_tokens),
-                                  BodyStatus.HEADERS_ONLY, session_source, candidates=(), provisional=True)
+        model = headers.get(BODY_MODEL_KEY) or None
+        if size or model:  # Envoy sent the headers of a body too big to send (routes.big_body)
+            # a declared size: a guess until the body is read, bounded by max_prompt_tokens; its model as Envoy read
+            # it from the body (json_to_metadata), or unknown
+            tokens = min(int((size or 0) / cfg.chars_per_token), cfg.max_prompt_tokens)
+            return RequestProfile(session_key, None, tokens, BodyStatus.HEADERS_ONLY, session_source,
+                                  candidates=None if model else (), provisional=True, model=model)
         return RequestProfile(session_key, None, 0, BODY_ABSENT, session_source)
     size = len(body)
     bytes_estimate = min(int(size / cfg.chars_per_token), cfg.max_prompt_tokens)

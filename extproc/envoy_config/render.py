@@ -43,6 +43,7 @@ from ..contract import (
     BRAIN_LOG_CLUSTER,
     DP_RANK_HEADER,
     INFLATED_FROM_HEADER,
+    BODY_METADATA_NAMESPACE,
     EXT_PROC_FILTER,
     EXT_PROC_STAT_PREFIX,
     FALLBACK_CLUSTER,
@@ -145,8 +146,32 @@ def ext_proc_filter(cfg: AppConfig, processing_mode: dict, **more: Any) -> dict:
     }
 
 
+_SKIP_FILTER = {"action": {"name": "skip", "typed_config": {
+    "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}}
+
+
+def _header_predicate(header: str, regex: str) -> dict:
+    """An xDS matcher predicate: the request header is present and matches ``regex``."""
+    return {"single_predicate": {
+        "input": {"name": header, "typed_config": {
+            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput", "header_name": header}},
+        "value_match": {"safe_regex": {"google_re2": {}, "regex": regex}}}}
+
+
+def greater_than_regex(n: int) -> str:
+    """An RE2 regex of the decimal numbers greater than ``n`` (leading zeros allowed): a header matcher has no
+    numeric comparison."""
+    d = str(n)
+    alts = [f"[1-9][0-9]{{{len(d)},}}"]  # more digits
+    for i, c in enumerate(d):  # as many digits: the same up to i, then a larger digit, then anything
+        if c != "9":
+            rest = len(d) - i - 1
+            alts.append(f"{d[:i]}[{int(c) + 1}-9]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return "^0*(" + "|".join(alts) + ")$"
+
+
 def http_filters(cfg: AppConfig) -> list[dict]:
-    """The five filters to put before the router filter, in this order.
+    """The six filters to put before the router filter, in this order.
 
     One ext_proc message per request instead of two (headers, then body)
     halves the brain's gRPC work. The price is that ext_proc cannot mutate
@@ -186,13 +211,39 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                     "max_request_bytes": e.brain_body_max_bytes}},
                 # skipped for a request that came uncompressed (no inflated-from header): its limit is max_body_bytes
                 "xds_matcher": {"matcher_list": {"matchers": [{
-                    "predicate": {"not_matcher": {"single_predicate": {
-                        "input": {"name": "inflated", "typed_config": {
-                            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
-                            "header_name": INFLATED_FROM_HEADER}},
-                        "value_match": {"safe_regex": {"google_re2": {}, "regex": ".*"}}}}},
-                    "on_match": {"action": {"name": "skip", "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}},
+                    "predicate": {"not_matcher": _header_predicate(INFLATED_FROM_HEADER, ".*")},
+                    "on_match": _SKIP_FILTER,
+                }]}},
+            },
+        },
+        {
+            # A body too big to send to the brain is decided on its headers; its model (the top-level "model", read
+            # as JSON by Envoy) travels with them as metadata, so it goes to a replica that serves it. It also holds
+            # the headers until the whole body is here: a declaration held open charges nothing
+            "name": BODY_MODEL_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+                "extension_config": {"name": "envoy.filters.http.json_to_metadata", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+                    "request_rules": {"rules": [{
+                        "selectors": [{"key": "model"}],
+                        "on_present": {"metadata_namespace": BODY_METADATA_NAMESPACE, "key": "model",
+                                       "type": "STRING"},
+                    }]},
+                }},
+                # only for what the brain will not read itself: a Content-Length above brain_body_max_bytes, or
+                # none (chunked). A body the brain reads whole is not parsed twice
+                # (an inflated upload has no Content-Length once inflated, and is bounded at the brain's limit)
+                "xds_matcher": {"matcher_list": {"matchers": [{
+                    "predicate": {"or_matcher": {"predicate": [
+                        {"and_matcher": {"predicate": [
+                            _header_predicate(CONTENT_LENGTH, ".*"),
+                            {"not_matcher": _header_predicate(CONTENT_LENGTH,
+                                                              greater_than_regex(e.brain_body_max_bytes))},
+                        ]}},
+                        _header_predicate(INFLATED_FROM_HEADER, ".*"),
+                    ]}},
+                    "on_match": _SKIP_FILTER,
                 }]}},
             },
         },
@@ -204,7 +255,8 @@ def http_filters(cfg: AppConfig) -> list[dict]:
             "request_trailer_mode": "SKIP",
             "response_trailer_mode": "SKIP",
         }, request_attributes=[header_attribute(h) for h in brain_headers(cfg)] + [PATH_ATTRIBUTE],
-            metadata_options={"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}}),
+            metadata_options={"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]},
+                              "forwarding_namespaces": {"untyped": [BODY_METADATA_NAMESPACE]}}),
         {
             # Holds the request headers until the whole body has passed ext_proc: without it the router
             # picks a route as soon as the headers arrive, before the brain has said anything.
@@ -466,6 +518,17 @@ def routes(cfg: AppConfig) -> list[dict]:
             "typed_per_filter_config": big_body_ext_proc(),
         },
         {
+            # A body of no declared size (chunked): it may be larger than the brain accepts (a 4 MB one failed open
+            # to a replica of another model), so it is decided as a big body is, on its headers and its model
+            "name": "warmroute_unsized_body",
+            # (an inflated upload lost its Content-Length to the decompressor: it is bounded at the brain's limit)
+            "match": {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "POST"}},
+                                                 {"name": CONTENT_LENGTH, "present_match": False},
+                                                 {"name": INFLATED_FROM_HEADER, "present_match": False}]},
+            "route": fail_open,
+            "typed_per_filter_config": big_body_ext_proc(),
+        },
+        {
             "name": "warmroute_fail_open",
             "match": {"prefix": "/"},
             "route": fail_open,
@@ -474,6 +537,7 @@ def routes(cfg: AppConfig) -> list[dict]:
 
 
 INFLATED_LIMIT_FILTER = "warmroute.inflated_body_limit"
+BODY_MODEL_FILTER = "warmroute.big_body_model"
 LISTENER_READ_BYTES = 64 * 1024  # x max_inflate_ratio (100): at most 6.4 MB inflated per upload at a time
 
 STORED_RESPONSE_PATH = "^/v1/responses/[^/]+(/cancel)?$"  # Envoy matches a route's regex without the query

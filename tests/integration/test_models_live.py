@@ -70,3 +70,68 @@ def test_requests_reach_only_replicas_serving_their_model_and_path():
         assert upstream_requests(s) == after  # refused at the edge: no replica was asked
         listed = json.loads(http_get(s.url + "/v1/models"))
         assert [m["id"] for m in listed["data"]] == ["assistant", "chat", "coder"]
+
+
+def test_bodies_above_the_brain_s_limit_reach_only_replicas_of_their_model_and_charge_nothing_until_they_arrive():
+    """Issue 43: a 3 MB body (Content-Length, its model last as the OpenAI SDK writes it) went to the other model's
+    replicas 2-8 times in 8 (engine 404), a 4 MB chunked one failed open (1 in 8: 404), and a declaration whose body
+    never came steered routing for as long as its connection stayed open. Envoy now reads such a body's model into
+    metadata for the brain, and holds the headers until the body is all there."""
+    import asyncio
+
+    import aiohttp
+
+    s = Stack(4, config=FAST, mock_args=["--speedup", "20"])
+    s.replica_args = {"r0": ["--model", "coder"], "r1": ["--model", "coder"], "r2": ["--model", "chat"],
+                      "r3": ["--model", "chat"]}
+    with s:
+        wait_for(lambda: all(r["state"] == "LIVE" for r in s.state()["replicas"]), 30, "all LIVE")
+        wait_for(lambda: all(r.get("models") for r in s.state()["replicas"]), 10, "every replica's models read")
+
+        def body(model: str, size: int) -> bytes:  # the SDK's key order: messages first, model after
+            return json.dumps({"messages": [{"role": "user", "content": "def f(x):\n    return x\n" * (size // 24)}],
+                              "model": model, "max_tokens": 2}).encode()
+
+        decided = lambda: sum(r["decisions"] for r in s.state()["replicas"])  # noqa: E731
+
+        async def run():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+                async def one(data, chunked: bool, model: str) -> int:
+                    if chunked:
+                        raw = data
+
+                        async def gen():
+                            for i in range(0, len(raw), 256 * 1024):
+                                yield raw[i:i + 256 * 1024]
+                        data = gen()
+                    async with http.post(s.url + "/v1/chat/completions", data=data, headers={
+                            "content-type": "application/json", "x-session-id": f"{model}-{chunked}"}) as r:
+                        await r.read()
+                        return r.status
+
+                # a declaration whose body stops halfway and stays open: the brain is not asked meanwhile
+                half = body("chat", 3_000_000)
+                before = decided()
+
+                async def held():
+                    yield half[: len(half) // 2]
+                    await asyncio.sleep(3600)
+
+                stalled = asyncio.ensure_future(http.post(s.url + "/v1/chat/completions", data=held(), headers={
+                    "content-type": "application/json", "content-length": str(len(half))}))
+                got = []
+                for model in ("chat", "coder"):
+                    for chunked, size in ((False, 3_000_000), (True, 4_000_000)):
+                        got += await asyncio.gather(*(one(body(model, size), chunked, model) for _ in range(4)))
+                charged_while_held = decided() - before - 16
+                stalled.cancel()
+                return got, charged_while_held
+
+        mark = upstream_requests(s)
+        got, charged = asyncio.run(run())
+        after = upstream_requests(s)
+        sent = {r: after.get(r, 0) - mark.get(r, 0) for r in ("r0", "r1", "r2", "r3")}
+        # every one answered by its model's engine (the mock answers 400 for a prompt past its context, never 404)
+        assert 404 not in got, got
+        assert sent["r0"] + sent["r1"] == 8 and sent["r2"] + sent["r3"] == 8, sent
+        assert charged == 0, f"the held declaration was decided ({charged})"

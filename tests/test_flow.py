@@ -665,3 +665,68 @@ def test_by_default_the_brain_holds_a_new_session_that_fits_nowhere_and_never_on
     assert not isinstance(later, HeldAnswer)  # a session under way goes, past the new one waiting
     one_shot = b.decide({"x-request-id": "o"}, _body(400_000, "o"))
     assert not isinstance(one_shot, HeldAnswer)
+
+
+def test_a_session_under_way_that_keeps_half_its_prompt_cached_is_not_held_one_that_keeps_less_is():
+    """The "less than half cached" line of flow control's KV rule, pinned from both sides (issue 43: set to a tenth,
+    every flow test still passed)."""
+    from extproc.core.config import WarmConfig
+
+    router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=60)))
+    router.flow = FlowControl()
+
+    def turn(session, tokens, at, key=None, system=None):
+        return router.select(prof(session=session, tokens=tokens, blocks=chain(system or session, session, tokens,
+                                                                                tokens)), at, hold_key=key)
+
+    for s, at in (("a", t), ("b", t + 1)):  # 200K contexts, active, one on each replica
+        router.release(turn(s, 200_000, at).reservation, at + 0.5)
+    # sessions of 40K and 60K (they fit beside), whose next turn is 100K: 40% and 60% of it cached at home
+    for s, first, at in (("e40", 40_000, t + 2), ("e60", 60_000, t + 3)):
+        router.release(turn(s, first, at, system=s).reservation, at + 0.5)
+    less = turn("e40", 100_000, t + 4, key="e40", system="e40")
+    more = turn("e60", 100_000, t + 5, key="e60", system="e60")
+    assert less.reason is Reason.HELD  # 60K of it to prefill again beside 200K: it needs new room
+    assert more.replica is not None and more.reason is not Reason.HELD  # keeps most of its cache: never held
+
+
+def _flood_router(under_way: bool):
+    router, t = live_router(2, WARM)
+    router.flow = FlowControl()  # hold_on_wait off: the shipped default
+    if under_way:  # one short session under way on each replica, between turns
+        for i, name in enumerate(("r0", "r1")):
+            d = router.select(prof(session=f"u{i}", tokens=2000, blocks=chain(f"u{i}", f"u{i}", 2000)), t, only=[name])
+            router.release(d.reservation, t + 0.5)
+    return router, t + 1
+
+
+def test_a_flood_of_new_sessions_waits_in_the_router_not_in_the_engines_ahead_of_sessions_under_way():
+    """Issue 43: 2,000 new 25K-token sessions at once; 73 were admitted into the engines' queues, and the sessions
+    under way went from TTFT 0.08 s to 20 s behind them. A new session now goes to a replica with sessions under
+    way only while less than its own prefill is queued there: the engine is never idle for it, and a cached turn
+    finds at most about one new session's prefill ahead of it."""
+    router, t = _flood_router(under_way=True)
+    placed, held = [], []
+    for k in range(40):
+        d = router.select(prof(session=f"new{k}", tokens=25_000, blocks=chain(f"n{k}", f"new{k}", 25_000)), t,
+                          hold_key=f"n{k}")
+        if d.reason is Reason.HELD:
+            held.append(d)
+        elif d.replica is not None:
+            placed.append(d)
+    per_replica = {n: sum(d.replica.name == n for d in placed) for n in ("r0", "r1")}
+    assert held and max(per_replica.values()) <= 2, per_replica
+    # a turn of a session under way is never held, and finds no more than about one prefill queued ahead
+    turn = router.select(prof(session="u0", tokens=2500, blocks=chain("u0", "u0", 2500)), t + 0.1, hold_key="u0b")
+    assert turn.replica is not None and turn.reason is not Reason.HELD
+    one_prefill = 25_000 / router.policy.state_of(turn.replica).rates.prefill_tokens_per_s
+    assert turn.predicted_ttft_s < 2.5 * one_prefill, (turn.predicted_ttft_s, one_prefill)
+    # one-shots take no new room and have no next turn: a flood of them queues in the engines as before
+    router, t = _flood_router(under_way=True)
+    flood = [router.select(prof(tokens=25_000, blocks=chain(f"o{k}", None, 25_000)), t, hold_key=f"o{k}")
+             for k in range(10)]
+    assert not any(d.reason is Reason.HELD for d in flood)
+    # the first new session on an idle fleet goes at once, whatever the flood behind it
+    router, t = _flood_router(under_way=False)
+    first = router.select(prof(session="n", tokens=25_000, blocks=chain("n", "n", 25_000)), t, hold_key="n")
+    assert first.replica is not None

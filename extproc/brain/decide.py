@@ -153,6 +153,9 @@ _PASS = {
 }
 
 
+BEHIND = 16  # calls read and not yet answered beyond which the brain extends Envoy's timer before it decides
+
+
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """Decides on the first message that can be decided on, then ends the stream.
 
@@ -168,6 +171,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0):
         self.decide = decide
         self.big_body_bytes = big_body_bytes  # envoy.brain_body_max_bytes: such bodies are never sent
+        self.open_calls = 0  # calls read and not yet answered: past BEHIND, the brain is behind a burst
         # flow control: how to wait for a held request's answer, and to give it up when Envoy closes the call
         self.wait, self.cancel, self.hold_s = wait, cancel, hold_s
 
@@ -184,6 +188,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         await context.write(out)
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
+        self.open_calls += 1
+        try:
+            await self._process(context)
+        finally:
+            self.open_calls -= 1
+
+    async def _process(self, context) -> None:
         headers: dict[str, str] = {}
         while True:
             req = await context.read()
@@ -193,6 +204,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             if req.attributes:
                 headers.update(headers_from_attributes(req))
             if kind == "request_body":
+                if self.hold_s and self.open_calls > BEHIND:
+                    # a burst: the decisions queued ahead of this one may outlast Envoy's timer, and a call that
+                    # times out fails open into the engines. Flow control may hold it anyway: the timer first
+                    await context.write(wait_longer(self.hold_s))
                 await self._answer(self.decide(headers, req.request_body.body, "request_body"), context)
                 return
             if kind == "request_headers":

@@ -446,7 +446,7 @@ class WarmPolicy:
             mine_full = next(e.cost for e in all_ests if e.st is best.st)
             self.verify.append(((best.replica.name, best.engine), (ref.replica.name, ref.engine),
                                 any(e.st is best.st for e in full), mine_full - min(e.cost for e in full)))
-        if self.may_hold and self._saturated(best, profile, pin):
+        if self.may_hold and self._saturated(best, profile, pin, ests):
             # what drains the router's queue: every candidate's prefill rate (of the shortlist's, in a big fleet: a
             # wait overestimated there refuses a little early, never late)
             self.held_drain_tps = sum(rate / st.scale.value for (_, st, _), rate, _ in rows)
@@ -459,7 +459,8 @@ class WarmPolicy:
         self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
 
-    def _saturated(self, best: "_Estimate", profile: RequestProfile, pin: Pin | None) -> bool:
+    def _saturated(self, best: "_Estimate", profile: RequestProfile, pin: Pin | None,
+                   ests: "list[_Estimate] | None" = None) -> bool:
         """Flow control's saturation, with nothing to tune. A turn that needs new room in a cache (a new session, or
         one that must prefill most of its context again: no home yet, or less than half of it cached on the best
         candidate) and fits on no candidate beside the active sessions' contexts (C3's fit rule, the best not
@@ -470,9 +471,17 @@ class WarmPolicy:
         With hold_on_wait, also: even the best candidate makes the request wait longer than its own prefill there
         (half of it, sheddable), so holding it loses no engine time while it keeps the choice of replica open."""
         fresh = pin is None or best.cached < best.prompt / 2
-        if (fresh and profile.session_key is not None and not best.fits
-                and best.prompt <= self.cfg.warm.kv_pressure * best.st.cache_tokens):
-            return True
+        if fresh and profile.session_key is not None:
+            if not best.fits and best.prompt <= self.cfg.warm.kv_pressure * best.st.cache_tokens:
+                return True
+            # Sessions under way on it (active contexts) come back for their next turns, and an engine runs its
+            # queue in order: each new session placed behind a queue longer than its own prefill only lengthens
+            # what their cached turns wait (a flood of 2,000 new sessions took them from 0.08 s to 20 s). A new
+            # session (no home yet) waits here instead while every candidate with sessions under way has more than
+            # its prefill queued: no engine time lost. A session under way is never held for this
+            if pin is None and all(e.st.active_tokens > 0 and e.wait + e.lora > max(e.prefill, _TIE_S)
+                                   for e in (ests or (best,))):
+                return True
         if not self.hold_on_wait:
             return False
         afford = max(best.prefill, _TIE_S) * (0.5 if profile.priority >= 2 else 1.0)

@@ -589,8 +589,12 @@ def brain_cluster(cfg: AppConfig) -> dict:
             }
         },
         # a burst the brain cannot decide within ext_proc_timeout_s fails open at once past this many calls in
-        # flight, instead of queueing work for requests Envoy will have given up on by the time it is done
-        "circuit_breakers": _thresholds(e.brain_max_in_flight),
+        # flight, instead of queueing work for requests Envoy will have given up on by the time it is done. With
+        # flow control the brain holds what it cannot place, and extends Envoy's timer for a call it reads while
+        # behind: calls it may hold count on top (a flood of new sessions failed open past it, 205 of 400, straight
+        # into the engines ahead of the sessions under way)
+        "circuit_breakers": _thresholds(e.brain_max_in_flight + (cfg.flow_control.max_requests
+                                                                 if cfg.flow_control.enabled else 0)),
         "health_checks": [
             {
                 "timeout": _dur(max(0.1, hc / 2)),

@@ -84,11 +84,13 @@ class Load:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="warmroute soak", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=20.0, help="load duration (at most 30)")
+    ap.add_argument("--minutes", type=float, default=20.0, help="load duration (at most 90)")
+    ap.add_argument("--probes", action="store_true", help="every hardening probe beside the load (make chaos's round): "
+                    "the brain's RSS must stay flat after its first step")
     ap.add_argument("--rate", type=float, default=20.0, help="new sessions (requests) per second")
     ap.add_argument("--out", default="docs/soak.md", help="where the table is written ('': print only)")
     args = ap.parse_args(argv)
-    minutes = min(args.minutes, 30.0)
+    minutes = min(args.minutes, 90.0)
     config = {"pins": {"session_ttl_s": SESSION_TTL_S, "prefix_ttl_s": PREFIX_TTL_S}}
     rows = []
     with Stack(4, config=config, mock_args=["--speedup", "20", "--kv-tokens", "200000"]) as stack:
@@ -96,8 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         rows.append(sample(stack, "start", args.rate, t0))
         load = Load(stack.url, args.rate).start()
+        probes = None
+        if args.probes:
+            from .probes import Probes, unexpected
+
+            probes = Probes(stack.url, stack.envoy_admin_path, stack.brain_admin).start()
         end = t0 + minutes * 60
-        marks = {"middle": t0 + minutes * 30, "end": end}
+        # the first step (caches, tables and allocator arenas filling) is over by a tenth of the run; flat after it
+        marks = {"first step": t0 + minutes * 6, "middle": t0 + minutes * 30, "end": end}
         for label, at in marks.items():
             while time.monotonic() < at:
                 time.sleep(min(30.0, max(0.0, at - time.monotonic())))  # the soak's own clock, not synchronisation
@@ -105,13 +113,25 @@ def main(argv: list[str] | None = None) -> int:
                       f"{sample(stack, 'now', args.rate, t0)}", flush=True)
             if label == "end":
                 load.stop()
+                if probes is not None:
+                    probes.stop()
             rows.append(sample(stack, label, args.rate, t0))
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     grown = [c for c, b in (("session_pins", "session_pin_bound"), ("index_blocks", "index_bound"),
                             ("chain_sessions", "chain_bound")) if any(r[c] > r[b] for r in rows)]
-    verdict = ("nothing grew past its bound" if not grown else f"PAST ITS BOUND: {', '.join(grown)}")
+    first, last = next(r for r in rows if r["at"] == "first step"), rows[-1]
+    # flat: what the brain holds past its first step grew by less than a tenth (allocator noise is a few MiB)
+    if last["rss_mib"] > first["rss_mib"] * 1.10 + 4:
+        grown.append(f"rss_mib ({first['rss_mib']} after the first step, {last['rss_mib']} at the end)")
+    verdict = ("nothing grew past its bound, RSS flat after the first step" if not grown
+               else f"PAST ITS BOUND: {', '.join(grown)}")
+    if probes is not None:
+        bad = unexpected(probes.counts)
+        verdict += f"; probes: {sum(sum(c.values()) for c in probes.counts.values())} answered, " + (
+            "each as designed" if not bad else f"UNEXPECTED {bad}")
+        grown += ["probes"] if bad else []
     text = "\n".join(lines) + f"\n\n{load.sent} requests ({load.ok} ok, {load.failed} failed) in {minutes:g} min: {verdict}.\n"
     write_report(args.out, "`make soak`: unique sessions at a steady rate",
                  f"{args.rate:g} new sessions/s for {minutes:g} min through Envoy + brain + 4 mock replicas (pin TTLs "

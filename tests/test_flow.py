@@ -730,3 +730,65 @@ def test_a_flood_of_new_sessions_waits_in_the_router_not_in_the_engines_ahead_of
     router, t = _flood_router(under_way=False)
     first = router.select(prof(session="n", tokens=25_000, blocks=chain("n", "n", 25_000)), t, hold_key="n")
     assert first.replica is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["push", "pop", "remove", "charge"]), st.integers(0, 5),
+                          st.integers(0, 2), st.integers(1, 500)), max_size=80))
+def test_the_queue_s_order_is_the_fair_order_a_walk_over_every_tenant_gives(ops):
+    """FlowQueue keeps heaps so that an arrival or a look costs O(log n), not a walk over every waiting tenant
+    (57 ms a look at 10,000 tenants): its order is still exactly the walk's."""
+    q = FlowQueue(max_requests=1000, max_bytes=1 << 30)
+    keys = 0
+    for op, tenant, klass, tokens in ops:
+        t = f"t{tenant}" if tenant else None
+        if op == "push":
+            keys += 1
+            q.push(Held(keys, klass, t, float(tokens)))
+        elif op == "pop":
+            q.pop()
+        elif op == "remove" and keys:
+            q.remove(1 + tokens % keys)
+        else:
+            q.charge(t, float(tokens))
+        # the walk: the highest class, the waiting tenant with the least counter, its oldest
+        walk = []
+        for per in q._queues:
+            counters = {x: q.counters.get(x, 0.0) for x in per}
+            heads = {x: 0 for x in per}
+            while heads:
+                x = min(heads, key=lambda x: (counters[x], per[x][heads[x]].seq))
+                h = per[x][heads[x]]
+                walk.append(h)
+                counters[x] += h.tokens
+                heads[x] += 1
+                if heads[x] == len(per[x]):
+                    del heads[x]
+        assert q.in_order(10_000) == walk
+        assert q.peek() is (walk[0] if walk else None)
+        waiting = {x for per in q._queues for x in per}
+        assert q._least_waiting_counter() == min((q.counters.get(x, 0.0) for x in waiting), default=None)
+
+
+def test_a_look_at_the_queue_with_ten_thousand_tenants_walks_none_of_them(monkeypatch):
+    q = FlowQueue(max_requests=20_000, max_bytes=1 << 40)
+    for k in range(10_000):
+        q.push(Held(k, STANDARD, f"tenant-{k}", 100.0))
+    walked = []
+    real_items = dict.items
+
+    class Counting(dict):
+        def items(self):
+            walked.append(len(self))
+            return real_items(self)
+
+        def __iter__(self):
+            walked.append(len(self))
+            return dict.__iter__(self)
+
+    q._queues = [Counting(per) for per in q._queues]
+    for k in range(100):
+        q.push(Held(f"n{k}", STANDARD, f"tenant-{k % 50}", 100.0))
+        assert q.peek() is not None
+        q.charge(f"tenant-{k}", 5.0)
+    assert walked == []  # neither an arrival, a charge nor a look went over the tenants

@@ -16,6 +16,7 @@ critical one while a lower class is queued); otherwise the newcomer is refused.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,6 +57,13 @@ class FlowQueue:
         self._tokens = [0.0] * len(CLASSES)
         self._seq = 0
         self._last = 0.0  # the counter of the tenant served last
+        # what every arrival and every look needs, kept as it changes (it was a walk over every waiting tenant:
+        # 57 ms a look at 10,000 tenants): each tenant's requests queued over all classes, and heaps with stale
+        # entries skipped when they reach the top (a tenant's counter or head changed since)
+        self._queued: dict[str | None, int] = {}
+        self._least: list[tuple[float, int, str | None]] = []  # (counter, tie, tenant) of waiting tenants
+        self._heads: list[list[tuple[float, int, str | None]]] = [[] for _ in CLASSES]  # (counter, head seq, tenant)
+        self._tie = 0
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -101,6 +109,11 @@ class FlowQueue:
         self._seq += 1
         h.seq = self._seq
         q.append(h)
+        if len(q) == 1:
+            self._push_head(h.klass, h.tenant)
+        if self._queued.get(h.tenant, 0) == 0:
+            self._push_least(h.tenant)
+        self._queued[h.tenant] = self._queued.get(h.tenant, 0) + 1
         self._by_key[h.key] = h
         self.bytes += h.size
         self._n[h.klass] += 1
@@ -110,21 +123,21 @@ class FlowQueue:
 
     def in_order(self, most: int) -> list[Held]:
         """Up to ``most`` queued requests in the order they would go (as ``peek`` then ``pop`` would give them,
-        counters as they stand)."""
+        counters as they stand): per class, the tenants' next requests in a heap of their own (one heapify, then
+        ``most`` pops), never a walk over every tenant for each request."""
         out: list[Held] = []
         for per in self._queues:
-            heads = {t: 0 for t, q in per.items() if q}
-            counters = {t: self.counters.get(t, 0.0) for t in heads}
-            while heads and len(out) < most:
-                t = min(heads, key=lambda x: (counters[x], per[x][heads[x]].seq))
-                h = per[t][heads[t]]
-                out.append(h)
-                counters[t] += h.tokens
-                heads[t] += 1
-                if heads[t] == len(per[t]):
-                    del heads[t]
             if len(out) >= most:
                 break
+            heap = [(self.counters.get(t, 0.0), q[0].seq, t, 0) for t, q in per.items()]
+            heapq.heapify(heap)
+            while heap and len(out) < most:
+                counter, _, t, i = heapq.heappop(heap)
+                q = per[t]
+                h = q[i]
+                out.append(h)
+                if i + 1 < len(q):
+                    heapq.heappush(heap, (counter + h.tokens, q[i + 1].seq, t, i + 1))
         return out
 
     def take(self, h: Held) -> None:
@@ -134,14 +147,14 @@ class FlowQueue:
 
     def peek(self) -> Held | None:
         """The request that goes next: the highest class with any, its tenant with the least counter, its oldest."""
-        for per in self._queues:
-            best = None
-            for tenant, q in per.items():
-                if q and (best is None or (self.counters.get(tenant, 0.0), q[0].seq)
-                          < (self.counters.get(best[0].tenant, 0.0), best[0].seq)):
-                    best = q
-            if best is not None:
-                return best[0]
+        for klass, per in enumerate(self._queues):
+            heap = self._heads[klass]
+            while heap:
+                counter, seq, tenant = heap[0]
+                q = per.get(tenant)
+                if q and q[0].seq == seq and self.counters.get(tenant, 0.0) == counter:
+                    return q[0]
+                heapq.heappop(heap)  # stale: its head went, or its counter moved (a fresh entry was pushed then)
         return None
 
     def pop(self) -> Held | None:
@@ -158,6 +171,7 @@ class FlowQueue:
             self._lift(tenant)
         c = self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens
         self._last = c
+        self._moved(tenant)
         if len(self.counters) > MAX_TENANTS:
             self._forget_even()
 
@@ -165,8 +179,7 @@ class FlowQueue:
         """Tenants as many as API keys (tenant_source: credential): forget those not waiting that owe nothing (at
         or below the counter a returning tenant is lifted to anyway)."""
         floor = self._last
-        waiting = {t for per in self._queues for t in per}
-        for t in [t for t, c in self.counters.items() if c <= floor and t not in waiting]:
+        for t in [t for t, c in self.counters.items() if c <= floor and not self._queued.get(t)]:
             del self.counters[t]
 
     def _lift(self, tenant: str | None) -> None:
@@ -176,6 +189,7 @@ class FlowQueue:
         floor = least if least is not None else self._last
         if self.counters.get(tenant, 0.0) < floor:
             self.counters[tenant] = floor
+            self._moved(tenant)
 
     def remove(self, key: object) -> Held | None:
         """The request left (its client went away): gone from the queue at once."""
@@ -201,9 +215,17 @@ class FlowQueue:
     def _take(self, h: Held) -> None:
         per = self._queues[h.klass]
         q = per[h.tenant]
+        head = q[0] is h
         q.remove(h)
         if not q:
             del per[h.tenant]
+        elif head:
+            self._push_head(h.klass, h.tenant)
+        n = self._queued[h.tenant] - 1
+        if n:
+            self._queued[h.tenant] = n
+        else:
+            del self._queued[h.tenant]
         del self._by_key[h.key]
         self.bytes -= h.size
         self._n[h.klass] -= 1
@@ -212,11 +234,38 @@ class FlowQueue:
             self._tokens[h.klass] = 0.0  # no float drift left behind an empty class
 
     def _waiting(self, tenant: str | None) -> bool:
-        return any(tenant in per for per in self._queues)
+        return tenant in self._queued
 
     def _least_waiting_counter(self) -> float | None:
-        waiting = {t for per in self._queues for t in per}
-        return min((self.counters.get(t, 0.0) for t in waiting), default=None)
+        heap = self._least
+        while heap:
+            counter, _, tenant = heap[0]
+            if tenant in self._queued and self.counters.get(tenant, 0.0) == counter:
+                return counter
+            heapq.heappop(heap)  # stale: the tenant stopped waiting, or its counter moved
+        return None
+
+    def _push_least(self, tenant: str | None) -> None:
+        self._tie += 1
+        heapq.heappush(self._least, (self.counters.get(tenant, 0.0), self._tie, tenant))
+        if len(self._least) > 4 * len(self._queued) + 64:  # mostly stale: rebuilt from what waits (amortised O(1))
+            self._least = [(self.counters.get(t, 0.0), i, t) for i, t in enumerate(self._queued)]
+            heapq.heapify(self._least)
+
+    def _push_head(self, klass: int, tenant: str | None) -> None:
+        per, heap = self._queues[klass], self._heads[klass]
+        heapq.heappush(heap, (self.counters.get(tenant, 0.0), per[tenant][0].seq, tenant))
+        if len(heap) > 4 * len(per) + 64:
+            heap[:] = [(self.counters.get(t, 0.0), q[0].seq, t) for t, q in per.items()]
+            heapq.heapify(heap)
+
+    def _moved(self, tenant: str | None) -> None:
+        """A tenant's counter changed: fresh entries where it waits (the old ones go stale)."""
+        if tenant in self._queued:
+            self._push_least(tenant)
+            for klass, per in enumerate(self._queues):
+                if tenant in per:
+                    self._push_head(klass, tenant)
 
 
 

@@ -119,6 +119,11 @@ class BrainConfig:
     # as "Authorization: Bearer <token>", so a local user who reaches the loopback port cannot drain the fleet.
     # null: those endpoints take any caller on loopback
     admin_token_file: str | None = "/run/warmroute/admin.token"
+    # endpoint-picker: true when the gateway in front strips flow_control.priority_header and the tenant header from
+    # what clients send and sets them itself. Else the brain ignores both as a picker (behind a foreign gateway
+    # nobody strips them: any client could make itself critical, or another tenant), unless the trust_downstream_*
+    # settings say clients may set them
+    trust_gateway_headers: bool = False
     # The key stored-response ids are signed with (made at first start, mode 0600): an id without its MAC never picks
     # a replica. Keep it across restarts (a Secret in Kubernetes) or follow-ups to earlier responses get 404. With
     # several brains, the key comes from shared_state.secret_file instead. null: a new key each start

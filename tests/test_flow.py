@@ -792,3 +792,24 @@ def test_a_look_at_the_queue_with_ten_thousand_tenants_walks_none_of_them(monkey
         assert q.peek() is not None
         q.charge(f"tenant-{k}", 5.0)
     assert walked == []  # neither an arrival, a charge nor a look went over the tenants
+
+
+def test_as_a_picker_behind_a_foreign_gateway_a_client_s_own_class_and_tenant_are_ignored_unless_trusted():
+    """Issue 43: behind a Gateway API gateway nobody strips x-warmroute-priority or the tenant header, so any client
+    could make itself critical (never held) or charge another tenant's share."""
+    def brain(**more):
+        b, clock = live({"brain": {"protocol": "endpoint-picker", **more.pop("brain", {})},
+                         "flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600}, **more})
+        for i in range(3):  # a long prefill on every replica: a standard request is held
+            b.pick({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"), None)
+        return b
+
+    b = brain()
+    sneaky = b.pick({"x-request-id": "c", "x-warmroute-priority": "critical", "x-warmroute-tenant": "victim"},
+                    _body(3000, "crit"), None)
+    assert sneaky.held is not None  # held as the standard request it is
+    [h] = [h for h in b.router.flow.queue.in_order(5) if h.key == sneaky.held]
+    assert h.klass == STANDARD and h.tenant is None
+    trusted = brain(brain={"trust_gateway_headers": True})
+    crit = trusted.pick({"x-request-id": "c", "x-warmroute-priority": "critical"}, _body(3000, "crit"), None)
+    assert crit.held is None and crit.endpoints  # the gateway set it: placed at once

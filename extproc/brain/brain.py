@@ -256,6 +256,21 @@ class Brain:
         self._remember(headers.get(REQUEST_ID_HEADER), d)
         return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None, self._body_for(d, body))
 
+    @property
+    def _picker_untrusted(self) -> frozenset[str]:
+        """Headers a picker ignores: what the gateway in front may pass from clients unstripped (brain.trust_gateway_
+        headers, or the trust_downstream_* settings, say otherwise)."""
+        cfg = self.cfg
+        if cfg.brain.trust_gateway_headers:
+            return frozenset()
+        out = set()
+        if cfg.flow_control.enabled and not cfg.flow_control.trust_downstream_priority_header:
+            out.add(cfg.flow_control.priority_header.lower())
+        p = cfg.router.profile
+        if p.tenant_source == "header" and p.tenant_header and not cfg.envoy.trust_downstream_tenant_header:
+            out.add(p.tenant_header.lower())
+        return frozenset(out)
+
     def _priority(self, headers: dict[str, str]) -> int:
         """The request's class from flow_control.priority_header (a name of CLASSES; anything else: standard)."""
         v = headers.get(self.cfg.flow_control.priority_header.lower(), "").strip().lower()
@@ -331,6 +346,9 @@ class Brain:
             only = {self.releaser.by_address[a] for a in subset if a in self.releaser.by_address}
             if not only:
                 return Pick([], None, None, subset_empty=True)
+        untrusted = self._picker_untrusted
+        if untrusted and any(h in headers for h in untrusted):  # a client's own class or tenant: nobody stripped it
+            headers = {k: v for k, v in headers.items() if k not in untrusted}
         key = next(self._hold_keys) if self.router.flow is not None else None
         d = self.choose(headers, body, only, hold_key=key)
         if d.reason is Reason.HELD:

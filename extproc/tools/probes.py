@@ -45,6 +45,7 @@ class Probes:
                          threading.Thread(target=self._local_user, daemon=True)]
         self._bomb = gzip.compress(b"0" * (60 * 2**20), 9)
         self._long = sdk_body(300_000)
+        self._ordinary = ordinary_upload()
 
     def start(self) -> "Probes":
         for t in self._threads:
@@ -59,9 +60,10 @@ class Probes:
     def _count(self, probe: str, outcome) -> None:
         self.counts.setdefault(probe, Counter())[str(outcome)] += 1
 
-    async def _post(self, http: aiohttp.ClientSession, probe: str, data: bytes, headers: dict | None = None) -> None:
+    async def _post(self, http: aiohttp.ClientSession, probe: str, data: bytes, headers: dict | None = None,
+                    path: str = CHAT) -> None:
         try:
-            async with http.post(self.url + CHAT, data=data, headers={"content-type": "application/json",
+            async with http.post(self.url + path, data=data, headers={"content-type": "application/json",
                                                                       **(headers or {})}) as r:
                 await r.read()
                 self._count(probe, r.status)
@@ -99,6 +101,10 @@ class Probes:
                     self._post(http, "client_data_parallel_rank", json.dumps(
                         {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "r"}]}).encode(),
                         {"x-data-parallel-rank": "7"}),
+                    self._post(http, "compressed_inside_the_ratio", self._ordinary, {"content-encoding": "gzip"}),
+                    self._post(http, "forged_response_id", json.dumps(
+                        {"model": MODEL, "input": "x", "previous_response_id": forged_response_id(f"r{i % 4}")}).encode(),
+                        path="/v1/responses"),
                     self._post(http, "invented_session_ids", json.dumps(
                         {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "s"}]}).encode(),
                         {"x-session-id": f"invented-{rnd.random()}"}),
@@ -125,10 +131,30 @@ class Probes:
                 self._count("local_user_brain_state", type(e).__name__)
 
 
+def ordinary_upload() -> bytes:
+    """~62 MB of chat JSON that gzip makes ~1 MB of: inside max_inflate_ratio (100), an ordinary long context
+    (issue 43: sixteen of these took Envoy to 3.2 GB and reached replicas whole)."""
+    rng = random.Random(43)
+    words = ["def", "return", "self", "value", "index", "for", "in", "range", "if", "else", "import", "class", "x"]
+    block = " ".join(rng.choice(words) for _ in range(300))
+    msgs = [{"role": "user" if i % 2 else "assistant",
+             "content": block + " " + " ".join(str(rng.randrange(10**6)) for _ in range(4))} for i in range(44_000)]
+    return gzip.compress(json.dumps({"model": MODEL, "max_tokens": 2, "messages": msgs}).encode(), 6)
+
+
+def forged_response_id(replica: str) -> str:
+    """A stored-response id in the brain's public layout, naming ``replica``, signed with a key no brain has."""
+    from ..core.apis import mint_response_id
+
+    return mint_response_id(replica, None, key=b"a key no brain of the fleet has")
+
+
 # what a probe must never get: a normal answer where it should be refused, or an error where it should be served
 EXPECTED: dict[str, Callable[[str], bool]] = {
     "declared_size_then_gone": lambda o: o == "sent",
     "gzip_bomb": lambda o: o in ("400", "413"),
+    "compressed_inside_the_ratio": lambda o: o == "413",  # inflates past the brain's limit: refused at the edge
+    "forged_response_id": lambda o: o == "404",  # the layout without the fleet's MAC: no replica is asked
     "long_sdk_body_300kb": lambda o: o == "200",
     "duplicate_nested_nan_model": lambda o: o == "200",
     "client_data_parallel_rank": lambda o: o == "200",
@@ -143,4 +169,4 @@ def unexpected(counts: dict[str, Counter]) -> dict[str, dict[str, int]]:
             if any(not EXPECTED[p](o) for o in c)}
 
 
-__all__ = ["EXPECTED", "Probes", "sdk_body", "unexpected"]
+__all__ = ["EXPECTED", "Probes", "forged_response_id", "ordinary_upload", "sdk_body", "unexpected"]

@@ -133,19 +133,6 @@ def test_twenty_gzip_bombs_at_once_cost_envoy_a_bounded_amount_and_other_clients
     wait_for(lambda: [r["state"] for r in s.state()["replicas"]] == ["LIVE", "LIVE"], 30, "both replicas LIVE")
 
 
-def _ordinary_json_62_to_1() -> bytes:
-    """~62 MB of chat JSON that gzip makes ~1 MB of: inside max_inflate_ratio (100), an ordinary long context."""
-    import gzip
-    import random
-
-    rng = random.Random(43)
-    words = ["def", "return", "self", "value", "index", "for", "in", "range", "if", "else", "import", "class", "x"]
-    block = " ".join(rng.choice(words) for _ in range(300))
-    msgs = [{"role": "user" if i % 2 else "assistant",
-             "content": block + " " + " ".join(str(rng.randrange(10**6)) for _ in range(4))} for i in range(44_000)]
-    return gzip.compress(json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": msgs}).encode(), 6)
-
-
 def test_sixteen_compressed_uploads_inside_the_ratio_are_refused_at_the_edge_and_cost_envoy_a_bounded_amount(own_stack):
     """Issue 43: sixteen 1 MB uploads of ordinary JSON compressed ~62:1 took Envoy from 72 MB to 3.2 GB (three times
     max_heap_bytes), its overload manager answered other clients 503, and each 60 MiB body failed open past the
@@ -153,7 +140,9 @@ def test_sixteen_compressed_uploads_inside_the_ratio_are_refused_at_the_edge_and
     Envoy answers 413 in the API's shape, nothing reaches a replica, and the clients beside them are all served."""
     s = own_stack(2)
     s.wait_all_live(30)
-    upload = _ordinary_json_62_to_1()
+    from extproc.tools.probes import ordinary_upload
+
+    upload = ordinary_upload()
     assert 0.7 * 2**20 < len(upload) < 1.3 * 2**20
     before = _peak_rss_mib(s.envoy.popen.pid)
     decided = sum(r["decisions"] for r in s.state()["replicas"])

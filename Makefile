@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: bench-brains engines engines-freeze bench-real bench-apis bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: bench-flood bench-brains engines engines-freeze bench-real bench-apis bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -136,6 +136,9 @@ bench-agree: install  ## live vs simulated on one workload at 20x, 10x and 5x co
 
 bench-overhead: install  ## Envoy direct vs Envoy + brain (needs wrk: apt-get install wrk)
 	$(PY) -m extproc.tools.bench_overhead
+
+bench-flood: install  ## a flood of new sessions (FLOOD, default 2000) beside 4 sessions under way: their TTFT with the flood / alone (~3 min)
+	$(PY) -m extproc.tools.bench_flood --flood $${FLOOD:-2000}
 
 chaos: install  ## faults injected into a live stack under load, then every hardening probe at once beside normal clients (~25 min; CHAOS_MIXED_MINUTES, default 5); results in docs/chaos.md
 	$(PY) -m extproc.tools.chaos --mixed-minutes $${CHAOS_MIXED_MINUTES:-5}

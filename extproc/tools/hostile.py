@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import os
 
-# A replica whose /metrics never ends: run with ``python -c``; it prints {"port": N} once it listens.
+# How each hostile replica below serves its /metrics (its handler is ``metrics``): on a port the OS picks, printing
+# {"port": N, **INFO} once it listens
+_SERVE = r'''
+async def main():
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    print(json.dumps({"port": runner.addresses[0][1], **INFO}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+'''
+
+# A replica whose /metrics never ends: run with ``python -c``.
 ENDLESS_METRICS = r'''
 import asyncio, json
 from aiohttp import web
 
-async def endless(request):
+INFO = {}
+
+async def metrics(request):
     resp = web.StreamResponse()
     await resp.prepare(request)
     line = b'vllm:num_requests_running{model_name="m"} 1\n' * 2000
@@ -19,42 +36,20 @@ async def endless(request):
     except Exception:
         pass
     return resp
+''' + _SERVE
 
-async def main():
-    app = web.Application()
-    app.router.add_get("/metrics", endless)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    print(json.dumps({"port": runner.addresses[0][1]}), flush=True)
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-'''
-
-# A replica whose /metrics names argv[1] data-parallel engines (90,000: ~3.9 MB, under the byte cap); it prints
-# {"port": N} once it listens.
+# A replica whose /metrics names argv[1] data-parallel engines (90,000: ~3.9 MB, under the byte cap).
 MANY_ENGINES_METRICS = r'''
 import asyncio, json, sys
 from aiohttp import web
 
 n = int(sys.argv[1])
 page = "".join(f'vllm:num_requests_running{{engine="{i}"}} 0\n' for i in range(n)).encode()
+INFO = {"bytes": len(page)}
 
 async def metrics(request):
     return web.Response(body=page, content_type="text/plain")
-
-async def main():
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    print(json.dumps({"port": runner.addresses[0][1], "bytes": len(page)}), flush=True)
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-'''
+''' + _SERVE
 
 
 def rss_mib(pid: int) -> float:

@@ -100,7 +100,9 @@ def test_aliases_in_the_config_and_their_errors():
 def _brain(**models_cfg):
     reps = [{**REPLICAS[0], "models": ["coder"]}, {**REPLICAS[1], "models": ["coder"]},
             {**REPLICAS[2], "models": ["chat"]}, {**REPLICAS[3], "models": ["chat", "chat-ft"]}]
-    return live_brain(parse_config({"replicas": reps, **({"models": models_cfg} if models_cfg else {})}))
+    # flow control off: these requests never end, and a new session behind a queue on every replica would wait
+    return live_brain(parse_config({"replicas": reps, "flow_control": {"enabled": False},
+                                    **({"models": models_cfg} if models_cfg else {})}))
 
 
 def _cluster(out) -> str:

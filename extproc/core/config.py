@@ -28,8 +28,8 @@ class HealthConfig:
     # label). One replica exporting 90,000 engines in 3.9 MB stalled the event loop 4.2 s and ejected the healthy
     # fleet. vLLM 0.32 exports ~500 lines with two engines; a front end with 128 engines ~30,000. Past either the
     # scrape fails and says which, and that replica alone is ejected
-    max_metrics_series: int = 100_000
-    max_engines: int = 128
+    max_metrics_series: int = 100_000  # sample lines (comments aside) a /metrics may have
+    max_engines: int = 128  # data-parallel engines (engine / dp_rank label values) one replica may name
 
     def cooldown_s(self, streak: int) -> float:
         """Cooldown for the ``streak``-th ejection in a row (A2): 30, 60, 120, 240, 300, 300..."""

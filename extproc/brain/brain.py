@@ -193,6 +193,9 @@ class Brain:
         bound = self.models.max_model_len(res.model)
         if bound is not None and profile.tokens > bound:  # no replica of it reads more: never price it as more
             profile = dataclasses.replace(profile, tokens=bound)
+            # past the model's context the engine answers 400 at once: flow control neither holds it nor refuses
+            # it as a deadline it could never meet (a 429 would tell the client to retry what cannot succeed)
+            hold_key = None
         if res.replicas is not None and not res.replicas:
             d = Decision(None, Reason.UNSERVED_PATH if res.unserved_path else Reason.UNKNOWN_MODEL,
                          model=profile.model)

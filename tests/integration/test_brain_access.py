@@ -129,6 +129,8 @@ def test_over_tcp_the_brain_wants_mutual_tls_and_envoy_presents_its_certificate(
     for _ in range(3):
         c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert sum(r["decisions"] for r in s.state()["replicas"]) == before + 3  # Envoy got through, over mTLS
+    # their reservations end with Envoy's access-log entries, a moment after the responses (later on a busy machine)
+    wait_for(lambda: s.state()["open_reservations"] == 0, 30, "the three requests released")
     target = f"127.0.0.1:{s.brain_ports['grpc_port']}"
     ca = Path(pki["ca.pem"]).read_bytes()
     for creds in (None, grpc.ssl_channel_credentials(root_certificates=ca)):  # plaintext; TLS without a client cert

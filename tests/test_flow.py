@@ -813,3 +813,37 @@ def test_as_a_picker_behind_a_foreign_gateway_a_client_s_own_class_and_tenant_ar
     trusted = brain(brain={"trust_gateway_headers": True})
     crit = trusted.pick({"x-request-id": "c", "x-warmroute-priority": "critical"}, _body(3000, "crit"), None)
     assert crit.held is None and crit.endpoints  # the gateway set it: placed at once
+
+
+def test_sessions_that_never_come_back_stop_filling_the_working_set_flow_control_protects():
+    """A session id per call (a bot, a soak) made every new session wait: caches "full" of active contexts that would
+    never be asked for again (~1,100 requests held until their clients gave up). A first turn's context now counts at
+    the learned share of new sessions that come back; a session that came back counts in full."""
+    from extproc.core.config import WarmConfig
+
+    router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=5)))
+    router.flow = FlowControl()
+    pol = router.policy
+    assert pol.return_share == 1.0  # nothing seen yet: new sessions are expected back, as before
+
+    def turn(session, tokens, at, key=None):
+        d = router.select(prof(session=session, tokens=tokens, blocks=chain(session, session, tokens)), at,
+                          hold_key=key)
+        if d.reservation is not None:
+            router.release(d.reservation, at + 0.1)
+        return d
+
+    for k in range(30):  # one turn each, never back: each leaves the active set unreturned
+        turn(f"once{k}", 10_000, t + 6 * k)
+    now = t + 6 * 31
+    turn("probe", 1000, now)  # expires the last of them
+    assert pol.return_share < 0.5
+    # twelve new 50K sessions at once: 600K counted in full would not fit two caches of 300K beside each other
+    placed = [turn(f"new{k}", 50_000, now + 0.01 * k, key=f"n{k}") for k in range(12)]
+    assert not any(d.reason is Reason.HELD for d in placed)
+    # a session that comes back counts its whole context from then on
+    st = pol.state_of(placed[0].replica)
+    before = st.active_tokens
+    again = turn("new0", 51_000, now + 1)
+    assert again.replica is placed[0].replica and st.active_tokens >= before + 51_000 - int(50_000 * pol.return_share) - 1
+    assert pol.return_share > 0.0

@@ -57,7 +57,8 @@ from .replica import LIVE, Replica
 
 _INF = float("inf")
 _DECODE_NOISE = 0.2  # decode-rate differences below 20% are the estimate's noise, not a slower replica
-_TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
+_TIE_S, _TIE_SHARE = 0.01, 0.02
+_RETURN_PRIOR = 20.0  # new sessions assumed to come back before any is seen not to  # cost differences below a decode step or 2% are ties
 # A fleet of this many candidates or more prices a shortlist (``_View``): the replicas holding most of the
 # request's chain, the least loaded, the least busy, the fastest, the next in round-robin, the session's home
 # and whatever was released since the fleet was last looked at whole. Below it every candidate is priced.
@@ -137,7 +138,10 @@ class WarmPolicy:
         # than warm.active_session_s leave their replica's working set (C3: a cache thrashes when the
         # working set of its active sessions outgrows it)
         self._active: deque[tuple[float, bytes, WarmReplica, int]] = deque()
-        self._active_of: dict[bytes, tuple[float, WarmReplica, int]] = {}
+        # session -> (when it was last used, where, the tokens its context counts, whether it ever came back)
+        self._active_of: dict[bytes, tuple[float, WarmReplica, int, bool]] = {}
+        # first turns whose session came back within warm.active_session_s, and those that went quiet first (decayed)
+        self._returns, self._no_returns = 0.0, 0.0
         self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
         self._chosen_prompt = 1
         self._rr = 0  # round-robin pointer for ties
@@ -320,14 +324,37 @@ class WarmPolicy:
             if cur is not None and cur[0] == t:
                 del self._active_of[key]
                 st.active_tokens -= tokens
+                if not cur[3]:
+                    self._came_back(False)
+
+    def _came_back(self, yes: bool) -> None:
+        if yes:
+            self._returns += 1.0
+        else:
+            self._no_returns += 1.0
+        if self._returns + self._no_returns > 2000:  # the recent traffic's share, not all time's
+            self._returns, self._no_returns = self._returns / 2, self._no_returns / 2
+
+    @property
+    def return_share(self) -> float:
+        """The share of new sessions whose next turn comes within warm.active_session_s, learned (a prior of 20
+        that do: until traffic says otherwise, a new session is expected back, as before)."""
+        return (self._returns + _RETURN_PRIOR) / (self._returns + self._no_returns + _RETURN_PRIOR)
 
     def _set_active(self, key: bytes, st: WarmReplica, tokens: int, now: float) -> None:
+        """The session's context now lives on ``st``. A first turn counts at the share of new sessions that come
+        back: traffic of sessions that never return (a session id per call) does not fill the working set that
+        flow control protects (a soak of one-turn sessions held ~1,100 requests until their clients gave up)."""
         old = self._active_of.get(key)
-        if old is not None:
+        back = old is not None
+        if back:
             old[1].active_tokens -= old[2]
-        self._active_of[key] = (now, st, tokens)
-        st.active_tokens += tokens
-        self._active.append((now, key, st, tokens))
+            if not old[3]:
+                self._came_back(True)
+        counted = tokens if back else int(tokens * self.return_share)
+        self._active_of[key] = (now, st, counted, back)
+        st.active_tokens += counted
+        self._active.append((now, key, st, counted))
 
     def _pool(self, fleet: FleetView) -> list[Replica]:
         live, probing = fleet.pool()

@@ -441,3 +441,41 @@ def test_pin_changes_are_logged_once_per_kind_per_window_then_summarised(caplog)
     lines = [_json.loads(r.getMessage()) for r in caplog.records]
     assert [x["event"] for x in lines] == ["pin_change", "pin_change", "pin_change_summary"]
     assert lines[2]["not_logged_one_by_one"] == {"unpin/prefix/spills/r1": 499}
+
+
+def test_behind_a_burst_the_brain_extends_envoy_s_timer_before_it_decides():
+    """Issue 43: a call Envoy's 1 s timer gave up on failed open into the engines. Read while more than BEHIND calls
+    are open, a call's first answer is the timer's extension, then the decision; an ordinary call gets the decision
+    alone."""
+    import asyncio
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from extproc.brain import decide as dc
+
+    decided = ep.ProcessingResponse(request_body=ep.BodyResponse())
+
+    class Ctx:
+        def __init__(self):
+            self.msgs = [ep.ProcessingRequest(request_body=ep.HttpBody(body=b"{}", end_of_stream=True))]
+            self.written = []
+
+        async def read(self):
+            return self.msgs.pop(0) if self.msgs else grpc.aio.EOF
+
+        async def write(self, m):
+            self.written.append(m)
+
+    def run(open_before: int, hold_s: float) -> list:
+        front = dc.ExternalProcessor(lambda h, b, phase: decided, 2 * 2**20, hold_s=hold_s)
+        front.open_calls = open_before  # calls of the burst read before this one, not yet answered
+        ctx = Ctx()
+        asyncio.run(front.Process(None, ctx))
+        return ctx.written
+
+    burst = run(dc.BEHIND, 35.0)
+    assert [m.WhichOneof("response") for m in burst] == [None, "request_body"]
+    assert burst[0].override_message_timeout.seconds == 35
+    assert run(0, 35.0) == [decided]  # not behind: one message, as before
+    assert run(dc.BEHIND, 0.0) == [decided]  # no flow control (no max_message_timeout in Envoy): nothing to extend

@@ -262,8 +262,15 @@ class Brain:
     @property
     def _picker_untrusted(self) -> frozenset[str]:
         """Headers a picker ignores: what the gateway in front may pass from clients unstripped (brain.trust_gateway_
-        headers, or the trust_downstream_* settings, say otherwise)."""
-        cfg = self.cfg
+        headers, or the trust_downstream_* settings, say otherwise). Worked out once per config, not per pick."""
+        cached = getattr(self, "_untrusted_of", None)
+        if cached is not None and cached[0] is self.cfg:
+            return cached[1]
+        self._untrusted_of = (self.cfg, self._untrusted(self.cfg))
+        return self._untrusted_of[1]
+
+    @staticmethod
+    def _untrusted(cfg) -> frozenset[str]:
         if cfg.brain.trust_gateway_headers:
             return frozenset()
         out = set()

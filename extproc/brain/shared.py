@@ -378,7 +378,8 @@ class SharedState:
             _id_lt("0-0", doc.setdefault("stream_id", "0-0"))  # a stream id, or ValueError
             return doc
         except (ValueError, TypeError, zlib.error, orjson.JSONDecodeError) as e:
-            self._reject("snapshot_unreadable", str(e))
+            # the kind only: a foreign document's text is never echoed into the log
+            self._reject("snapshot_unreadable", type(e).__name__)
             return None
 
     def _forget_silent(self) -> None:

@@ -186,7 +186,10 @@ class EnvoyConfig:
     stats_port: int | None = None
     stats_host: str = "127.0.0.1"  # where stats_port listens (0.0.0.0 to scrape from elsewhere)
     max_body_bytes: int = 64 * 1024 * 1024  # Envoy's 1 MiB default answers 413 to long contexts
-    ext_proc_timeout_s: float = 1.0  # past this Envoy fails open to the bounded ring-hash route
+    # past this Envoy fails open to the bounded ring-hash route. With flow control on, at least FLOW_FIRST_ANSWER_S:
+    # in a burst the brain reads each call late, and one that fails open lands in the engines ahead of the sessions
+    # under way (flow control exists to keep them there); a hung brain leaves Envoy's cluster at its health checks
+    ext_proc_timeout_s: float = 1.0
     # ext_proc calls (and access-log streams) in flight to the brain at most; past it Envoy fails open at once. The
     # brain decides ~1,000 requests a second on a core: more than this waiting would outlast ext_proc_timeout_s
     brain_max_in_flight: int = 256
@@ -316,6 +319,9 @@ class FlowControlConfig:
     # header only a trusted filter sets: Envoy strips it from what clients send unless trusted below
     priority_header: str = "x-warmroute-priority"
     trust_downstream_priority_header: bool = False  # true: clients may set it themselves (a trusted network)
+
+
+FLOW_FIRST_ANSWER_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,6 +454,18 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
 
 
 _LOOPBACK = ("127.", "localhost", "::1")
+
+
+def first_answer_s(cfg: "AppConfig") -> float:
+    """How long Envoy waits for the brain's first answer to a call (envoy.ext_proc_timeout_s, see there)."""
+    t = cfg.envoy.ext_proc_timeout_s
+    return max(t, FLOW_FIRST_ANSWER_S) if cfg.flow_control.enabled else t
+
+
+def brain_calls_max(cfg: "AppConfig") -> int:
+    """Envoy's calls in flight to one brain at most (its circuit breaker): with flow control, the calls it may hold
+    count on top of brain_max_in_flight."""
+    return cfg.envoy.brain_max_in_flight + (cfg.flow_control.max_requests if cfg.flow_control.enabled else 0)
 
 
 def is_loopback(host: str) -> bool:

@@ -7,7 +7,7 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 
 from extproc.brain.brain import Brain
-from extproc.config import ConfigError, parse_config
+from extproc.config import FLOW_FIRST_ANSWER_S, ConfigError, parse_config
 from extproc.contract import RESERVATION_HEADER
 from extproc.core import LIVE
 
@@ -72,7 +72,8 @@ def test_B_completion_a_reservation_no_entry_ever_names_expires_after_the_livene
     b.decide({"x-request-id": "rogue"}, BODY)  # an ext_proc call no request follows
     live_rid = headers_of(b.decide({"x-request-id": "real"}, BODY))[RESERVATION_HEADER]
     bound = b.liveness_bound_s()
-    assert bound == pytest.approx(2 * 10 + 1 + 3 * 1 + 1)
+    # the first answer: envoy.ext_proc_timeout_s, at least FLOW_FIRST_ANSWER_S with flow control on (the default)
+    assert bound == pytest.approx(2 * 10 + FLOW_FIRST_ANSWER_S + 3 * 1 + 1)
     t0 = clock.t
     while clock.t < t0 + bound + 2:
         clock.t += 1

@@ -67,7 +67,8 @@ def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_a
 
 def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
     names = [f["name"] for f in hcm(bootstrap(CFG))["http_filters"]]
-    assert names == ["warmroute.inflate_gzip_requests", "warmroute.inflated_body_limit", "warmroute.big_body_model",
+    assert names == ["warmroute.inflate_gzip_requests", "warmroute.inflated_body_limit", "warmroute.look",
+                     "warmroute.big_body_model",
                      "envoy.filters.http.ext_proc", HOLD_FILTER, ROUTE_FROM_BRAIN_FILTER, "envoy.filters.http.router"]
     (early,) = hcm(bootstrap(CFG))["early_header_mutation_extensions"]
     removed = {m["remove"] for m in early["typed_config"]["mutations"] if "remove" in m}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import ssl
 import time
 from collections import deque
@@ -16,13 +17,13 @@ from typing import Callable, Collection
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from ..config import AppConfig, ConfigError, load_config
+from ..config import AppConfig, ConfigError, first_answer_s, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
 from ..core.models import ModelCatalog
 from ..core.apis import PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
-from ..core.names import BodyStatus, Reason
-from ..core.flow import CLASSES, STANDARD, FlowControl, FlowQueue
+from ..core.names import BodyStatus, PinKind, Reason
+from ..core.flow import CLASSES, CRITICAL, STANDARD, FlowControl, FlowQueue
 from ..core.profile import replace_model, tenant_of
 from ..envoy_config import CdsFile
 from . import logs
@@ -97,6 +98,8 @@ class Brain:
         self.waiting: dict[object, tuple] = {}
         self._held_profile: dict[object, tuple] = {}  # key -> (its profile, its model's resolution, held since)
         self._hold_keys = itertools.count(1)
+        # the quickest first token predicted for a turn of a session under way lately (and when), and the last turn
+        self._turn_ttft_s, self._turn_least_at, self._turn_at = 0.0, -math.inf, -math.inf
         if cfg.flow_control.enabled:
             f = cfg.flow_control
             self.router.flow = FlowControl(FlowQueue(f.max_requests, f.max_bytes),
@@ -150,7 +153,7 @@ class Brain:
         e = self.cfg.envoy
         if not e.access_log_periodic_s:
             return None
-        return 2 * e.access_log_periodic_s + e.ext_proc_timeout_s + (e.retries + 1) * e.upstream_connect_timeout_s + 1.0
+        return 2 * e.access_log_periodic_s + first_answer_s(self.cfg) + (e.retries + 1) * e.upstream_connect_timeout_s + 1.0
 
     def _on_transition(self, t: Transition) -> None:
         logs.event("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
@@ -230,6 +233,14 @@ class Brain:
         self.stats.record_decision(d, profile.body_status, now)
         if d.predicted_ttft_s is not None:
             self.predicted_ttft.observe(d.predicted_ttft_s)
+            if profile.session_key is not None and not any(e.action is PinAction.PIN and e.kind is PinKind.SESSION
+                                                           for e in d.events):  # a turn of a session under way
+                # the quickest lately: a burst's own queues make later turns' predictions long, which must not
+                # loosen the bound the look holds the burst to
+                if now - self._turn_least_at > self.cfg.router.warm.active_session_s \
+                        or d.predicted_ttft_s <= self._turn_ttft_s:
+                    self._turn_ttft_s, self._turn_least_at = d.predicted_ttft_s, now
+                self._turn_at = now
         for e in d.events:
             if e.action in _LOGGED_ACTIONS:
                 self.pin_log.add(now, (e.action, e.kind, e.cause, d.replica_name), action=e.action, kind=e.kind,
@@ -250,6 +261,32 @@ class Brain:
         if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE):
             return self._too_many(d.reason.value)
         return self._answer(d, headers, body, phase)
+
+    def look(self, headers: dict[str, str], read_wait_s: float) -> "ep.ProcessingResponse | None":
+        """The look at a large body's headers before its upload (flow control on; ``envoy_config`` renders it): a
+        request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
+        than a turn of the sessions under way takes (``_look_bound_s``), is refused with 429 before it is sent, instead of delaying their turns behind it or timing
+        out and failing open into the engines ahead of them. Critical work is never refused. None: let it come."""
+        if self.router.flow is None:
+            return None
+        now = self.clock()
+        if read_wait_s <= self._look_bound_s(now) or self._priority(headers) == CRITICAL:
+            return None
+        profile = build_profile(headers, None, self.router.profile_cfg, None)
+        if profile.session_key is not None and self.router.session_pins.get(profile.session_key, now) is not None:
+            return None
+        self.stats.flow_refused["router_behind"] += 1
+        return too_many_response("router_behind", max(self.cfg.flow_control.retry_after_s, math.ceil(read_wait_s)))
+
+    def _look_bound_s(self, now: float) -> float:
+        """How far behind the brain may read before the look refuses new sessions (see ``look``): the quickest turn
+        of a session under way lately, at least half of envoy.ext_proc_timeout_s (what a brain that late costs a
+        request is what its operator already accepts; below it is a busy brain's jitter, not a burst), half
+        Envoy's first timer with no session under way."""
+        bound = first_answer_s(self.cfg) / 2
+        if now - self._turn_at <= self.cfg.router.warm.active_session_s:
+            bound = min(bound, max(self._turn_ttft_s, self.cfg.envoy.ext_proc_timeout_s / 2))
+        return bound
 
     def _answer(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str) -> ep.ProcessingResponse:
         answer = self._immediate(d, headers)
@@ -562,7 +599,10 @@ class Brain:
                 "classes": {name: {"held": flow.queue.depth(k), "released": released[name],
                                    "mean_wait_s": round(waited[name] / released[name], 3) if released[name] else None}
                             for k, name in enumerate(CLASSES)},
-                "refused": dict(self.stats.flow_refused), "abandoned": dict(self.stats.flow_abandoned)}
+                "refused": dict(self.stats.flow_refused), "abandoned": dict(self.stats.flow_abandoned),
+                # the look before a large body's upload: how far behind the brain may read before it refuses new
+                # sessions (a turn of the sessions under way, predicted; half Envoy's first timer with none)
+                "look_bound_s": round(self._look_bound_s(self.clock()), 4)}
 
 
 # a request's own time-to-first-token deadline in milliseconds; llm-d's name too, so that a gateway set up for llm-d

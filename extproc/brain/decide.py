@@ -24,14 +24,18 @@ from ..contract import (
     ANSWER_DP_RANK,
     DP_RANK_HEADER,
     ANSWER_RESERVATION,
+    LOOK_METADATA,
     METADATA_NAMESPACE,
+    REQUEST_ID_HEADER,
     RESERVATION_HEADER,
+    TIME_ATTRIBUTE,
     ROUTING_HEADER,
     header_of_attribute,
 )
 from ..core.apis import Api, api_of, response_not_found_body
 from ..core.names import Reason
 from ..core.profile import BODY_MODEL_KEY, declared_size
+from .intake import Intake
 from ..picker.messages import (anthropic_shaped, header_value, headers_of, json_response, model_not_found_response,
                                openai_error, path_not_served_response, wait_longer)
 
@@ -77,6 +81,8 @@ _REFUSED_WHY = {
     "queue_full": "the queue of requests waiting for a replica is full",
     "deadline_unmeetable": "every replica is saturated: the first token would come after the request's deadline "
                            "(x-warmroute-ttft-slo-ms, or its class's); retry after the time given",
+    "router_behind": "the router is behind a burst of new requests: this body would wait to be read longer than the "
+                     "sessions under way can afford; retry after the time given",
 }
 
 
@@ -133,6 +139,14 @@ def body_model(req: ep.ProcessingRequest) -> str | None:
     return v.string_value[:256] if v is not None and v.string_value else None
 
 
+def _attribute(req: ep.ProcessingRequest, name: str) -> str | None:
+    for attrs in req.attributes.values():
+        v = attrs.fields.get(name)
+        if v is not None and v.HasField("string_value"):
+            return v.string_value
+    return None
+
+
 def headers_from_attributes(req: ep.ProcessingRequest) -> dict[str, str]:
     """Headers Envoy sent as ``request.headers['name']`` attributes (absent headers are absent keys)."""
     out = {}
@@ -168,12 +182,17 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     def __init__(self, decide: Decide, big_body_bytes: int | None = None,
                  wait: "Callable[[object], Awaitable[ep.ProcessingResponse]] | None" = None,  # a future, at once
-                 cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0):
+                 cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
+                 look: "Callable[[dict[str, str], float], ep.ProcessingResponse | None] | None" = None,
+                 intake: Intake | None = None):
         self.decide = decide
         self.big_body_bytes = big_body_bytes  # envoy.brain_body_max_bytes: such bodies are never sent
         self.open_calls = 0  # calls read and not yet answered: past BEHIND, the brain is behind a burst
         # flow control: how to wait for a held request's answer, and to give it up when Envoy closes the call
         self.wait, self.cancel, self.hold_s = wait, cancel, hold_s
+        # the look before a large body (headers, before the upload): (headers, how long its body would wait to be
+        # read) -> None to let it come, or the answer instead; and how far behind the brain reads
+        self.look, self.intake = look, intake
 
     async def _answer(self, out, context) -> None:
         if isinstance(out, Held):
@@ -188,11 +207,33 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         await context.write(out)
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
+        if self.look is not None and LOOK_METADATA in (context.invocation_metadata() or ()):
+            await self._look(context)
+            return
         self.open_calls += 1
+        if self.intake is not None:
+            self.intake.opened(context)
         try:
             await self._process(context)
         finally:
             self.open_calls -= 1
+            if self.intake is not None:
+                self.intake.closed(context)
+
+    async def _look(self, context) -> None:
+        """``warmroute.look``: a large body's headers, sent before the client uploads it. Answered at once: let it
+        come (the body call follows), or the brain's answer instead (then Envoy never sends the body)."""
+        req = await context.read()
+        if req is grpc.aio.EOF or req.WhichOneof("request") != "request_headers":
+            return
+        headers = headers_of(req.request_headers)
+        size = declared_size(headers) or 0
+        late = self.intake.late_s(_attribute(req, TIME_ATTRIBUTE))
+        out = self.look(headers, max(late, self.intake.behind_s() + self.intake.own_s(size)))
+        if out is None:
+            self.intake.let_through(headers.get(REQUEST_ID_HEADER), size)
+            out = _PASS["request_headers"]
+        await context.write(out)
 
     async def _process(self, context) -> None:
         headers: dict[str, str] = {}
@@ -204,6 +245,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             if req.attributes:
                 headers.update(headers_from_attributes(req))
             if kind == "request_body":
+                if self.intake is not None:
+                    self.intake.read(context, headers.get(REQUEST_ID_HEADER))
                 if self.hold_s and self.open_calls > BEHIND:
                     # a burst: the decisions queued ahead of this one may outlast Envoy's timer, and a call that
                     # times out fails open into the engines. Flow control may hold it anyway: the timer first

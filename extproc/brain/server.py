@@ -19,12 +19,13 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..config import AppConfig, ConfigError
+from ..config import AppConfig, ConfigError, brain_calls_max, first_answer_s
 from ..core import State
 from . import logs
 from .admin import admin_app, metrics_app, write_admin_token
 from .files import check_private_dir
 from .brain import Brain
+from .intake import Intake
 from .decide import ExternalProcessor
 from .release import AccessLogService
 from .shared import SharedState
@@ -63,11 +64,19 @@ def grpc_server_options(cfg: AppConfig) -> list[tuple[str, int]]:
     """The rendered Envoy's brain never needs a body above envoy.brain_body_max_bytes (larger ones take the
     headers-only route), so a larger message is refused by gRPC before it is read: an inflated gzip body, which
     carries no Content-Length to route by, cost the brain 670 ms of copying at 60 MiB. The endpoint picker's
-    buffered gateways send whole bodies, up to envoy.max_body_bytes."""
+    buffered gateways send whole bodies, up to envoy.max_body_bytes.
+    gRPC also refuses calls the application has not taken yet past 1,000 (at random, CANCELLED), which Envoy fails
+    open into the engines: in a burst the brain takes them late but takes them all, as many as Envoy's circuit
+    breaker lets be."""
+    calls = brain_calls_max(cfg)
+    out = [*GRPC_SERVER_OPTIONS, ("grpc.server.max_pending_requests", calls),
+           ("grpc.server.max_pending_requests_hard_limit", calls)]
     if cfg.brain.protocol == "endpoint-picker":
-        return GRPC_SERVER_OPTIONS
+        return out
     cap = cfg.envoy.brain_body_max_bytes + ENVELOPE_BYTES
-    return [(k, cap if k == "grpc.max_receive_message_length" else v) for k, v in GRPC_SERVER_OPTIONS]
+    return [(k, cap if k == "grpc.max_receive_message_length" else v) for k, v in out]
+
+
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)  # "liveness" is SERVING for the process's whole life
 TICK_S = 0.25  # health timers and housekeeping; the request path ticks too when something is due
@@ -245,7 +254,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
                                wait=waits.wait, cancel=waits.cancel, hold_s=cfg.flow_control.wait_s + 5).Process
     else:
         front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
-                                  cfg.flow_control.wait_s + 5).Process
+                                  cfg.flow_control.wait_s + 5, brain.look,
+                                  Intake(first_answer_s(cfg), brain.clock)).Process
     add_service(server, EXT_PROC_SERVICE, "Process", front, "stream_stream", ep.ProcessingRequest,
                 ep.ProcessingResponse)
     def envoy_gone(released: int) -> None:

@@ -81,7 +81,7 @@ class BrainStats:
         self.releases_by_response = 0  # endpoint picker: released at the response's end, or its stream's
         self.picker_streams_reset = 0  # endpoint picker: a stream that ended before its response did
         self.flow_refused: Counter[str] = Counter({"queue_full": 0, "waited_too_long": 0,
-                                                            "deadline_unmeetable": 0})  # flow control's 429s
+                                                            "deadline_unmeetable": 0, "router_behind": 0})  # 429s
         # flow control: held requests let go, and the seconds they waited, per class (a name of core.flow.CLASSES)
         self.flow_released: Counter[str] = Counter({k: 0 for k in CLASSES})
         self.flow_wait_s: Counter[str] = Counter({k: 0.0 for k in CLASSES})

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from ..config import AppConfig, ReplicaSpec
+from ..config import AppConfig, ReplicaSpec, brain_calls_max, first_answer_s
 from ..core.profile import CONTENT_LENGTH
 from ..contract import (
     ACCESS_LOG_NAME,
@@ -46,6 +46,8 @@ from ..contract import (
     BODY_METADATA_NAMESPACE,
     EXT_PROC_FILTER,
     EXT_PROC_STAT_PREFIX,
+    LOOK_METADATA,
+    TIME_ATTRIBUTE,
     FALLBACK_CLUSTER,
     HOLD_FILTER,
     METADATA_NAMESPACE,
@@ -137,7 +139,7 @@ def ext_proc_filter(cfg: AppConfig, processing_mode: dict, **more: Any) -> dict:
             # endpoint-picker shape: the override_host fallback policy; InferencePool failureMode FailOpen)
             "failure_mode_allow": True,
             # in the full-duplex picker shape the answer waits for the whole body: this bounds its upload too
-            "message_timeout": _dur(cfg.envoy.ext_proc_timeout_s),
+            "message_timeout": _dur(first_answer_s(cfg)),
             # flow control: the brain holds a request by extending this call's timer (override_message_timeout)
             **({"max_message_timeout": _dur(cfg.flow_control.wait_s + 5)} if cfg.flow_control.enabled else {}),
             "processing_mode": processing_mode,
@@ -168,6 +170,41 @@ def greater_than_regex(n: int) -> str:
             rest = len(d) - i - 1
             alts.append(f"{d[:i]}[{int(c) + 1}-9]" + (f"[0-9]{{{rest}}}" if rest else ""))
     return "^0*(" + "|".join(alts) + ")$"
+
+
+def look_filter(cfg: AppConfig) -> dict:
+    """``warmroute.look``: a large body's headers go to the brain before the client uploads it (flow control on,
+    issue 43). The brain lets it come, or refuses a new session with 429 while it is behind a burst: 2,000 new
+    sessions of 100 KB are seconds of reading for one process, which Envoy's timer would fail open into the engines,
+    and behind which the turns of sessions under way would wait. Only bodies of more than
+    LOOK_BYTES that the brain will read (a bigger one takes the headers-only route): a look costs the brain about a
+    fifth of reading such a body."""
+    e = cfg.envoy
+    look = ext_proc_filter(cfg, {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SKIP",
+        "request_body_mode": "NONE",
+        "response_body_mode": "NONE",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }, request_attributes=[TIME_ATTRIBUTE])
+    look["typed_config"]["grpc_service"]["initial_metadata"] = [{"key": LOOK_METADATA[0], "value": LOOK_METADATA[1]}]
+    look["typed_config"]["stat_prefix"] = LOOK_STAT_PREFIX
+    look["typed_config"].pop("max_message_timeout", None)  # the brain answers a look at once, never holds it
+    return {
+        "name": LOOK_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+            "extension_config": look,
+            "xds_matcher": {"matcher_list": {"matchers": [{
+                "predicate": {"or_matcher": {"predicate": [
+                    {"not_matcher": _header_predicate(CONTENT_LENGTH, greater_than_regex(LOOK_BYTES))},
+                    _header_predicate(CONTENT_LENGTH, greater_than_regex(e.brain_body_max_bytes)),
+                ]}},
+                "on_match": _SKIP_FILTER,
+            }]}},
+        },
+    }
 
 
 def http_filters(cfg: AppConfig) -> list[dict]:
@@ -216,6 +253,7 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                 }]}},
             },
         },
+        *([look_filter(cfg)] if cfg.flow_control.enabled else []),
         {
             # A body too big to send to the brain is decided on its headers; its model (the top-level "model", read
             # as JSON by Envoy) travels with them as metadata, so it goes to a replica that serves it. It also holds
@@ -537,6 +575,9 @@ def routes(cfg: AppConfig) -> list[dict]:
 
 
 INFLATED_LIMIT_FILTER = "warmroute.inflated_body_limit"
+LOOK_FILTER = "warmroute.look"
+LOOK_STAT_PREFIX = "warmroute_look"  # http.<hcm>.ext_proc.warmroute_look.*
+LOOK_BYTES = 64 * 1024  # ~16K tokens; below it a body is read without a look (a look costs what ~12 KB of body does)
 BODY_MODEL_FILTER = "warmroute.big_body_model"
 LISTENER_READ_BYTES = 64 * 1024  # x max_inflate_ratio (100): at most 6.4 MB inflated per upload at a time
 
@@ -593,8 +634,7 @@ def brain_cluster(cfg: AppConfig) -> dict:
         # flow control the brain holds what it cannot place, and extends Envoy's timer for a call it reads while
         # behind: calls it may hold count on top (a flood of new sessions failed open past it, 205 of 400, straight
         # into the engines ahead of the sessions under way)
-        "circuit_breakers": _thresholds(e.brain_max_in_flight + (cfg.flow_control.max_requests
-                                                                 if cfg.flow_control.enabled else 0)),
+        "circuit_breakers": _thresholds(brain_calls_max(cfg)),
         "health_checks": [
             {
                 "timeout": _dur(max(0.1, hc / 2)),
@@ -799,6 +839,10 @@ def ext_proc_off_for_route() -> dict:
     and their bodies are not held back."""
     return {
         EXT_PROC_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True,
+        },
+        LOOK_FILTER: {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
             "disabled": True,
         },

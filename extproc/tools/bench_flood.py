@@ -110,11 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         histories: list[list[dict]] = [[] for _ in range(args.sessions)]
         asyncio.run(_phase(s.url, 5.0, args.think, 0, args.tokens, histories))  # the sessions get under way
         for label, flood in (("alone", 0), (f"{args.flood} new sessions", args.flood)):
+            before = s.envoy_stats()
             ttfts, failed, outcome = asyncio.run(_phase(s.url, args.seconds, args.think, flood, args.tokens, histories))
+            after = s.envoy_stats()
+            opened = {k.rsplit(".", 2)[-2]: after[k] - before.get(k, 0) for k in after
+                      if k.endswith(".failure_mode_allowed") and ".ext_proc." in k}
             rows.append((label, ttfts, failed, outcome))
             print(f"{label:>24}: {len(ttfts)} turns, TTFT p50 {_pct(ttfts, 0.5):.3f} s p99 {_pct(ttfts, 0.99):.3f} s, "
-                  f"{failed} failed; the flood got {dict(sorted(outcome.items())) or '-'}", flush=True)
+                  f"{failed} failed; the flood got {dict(sorted(outcome.items())) or '-'}; failed open past the brain "
+                  f"(by ext_proc filter): {opened or 0}", flush=True)
     (_, a, _, _), (_, b, _, _) = rows
+    slow = sorted(t for t in b if t > 2 * _pct(a, 0.99))
+    print(f"turns under way slower than twice the alone phase's p99: {len(slow)} of {len(b)}"
+          + (f" ({', '.join(f'{t:.2f}' for t in slow[-8:])} s)" if slow else ""))
     print(f"sessions under way with the flood / alone: p50 {_pct(b, 0.5) / _pct(a, 0.5):.2f}x, "
           f"p99 {_pct(b, 0.99) / _pct(a, 0.99):.2f}x (mocks at {args.speedup:g}x)")
     return 0

@@ -15,6 +15,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from extproc.config import first_answer_s
 from extproc.tools.hostile import connect_as
 from extproc.tools.stack import wait_for
 
@@ -147,12 +148,12 @@ def test_a_reservation_no_request_follows_expires_and_a_long_stream_keeps_its_ow
     s.wait_all_live(30)
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
     stream = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "write a long story"}],
-                                       max_tokens=700, stream=True)
+                                       max_tokens=1500, stream=True)  # outlasts the bound (~10 s)
     it = iter(stream)
     next(it)  # streaming: Envoy logs it every 0.5 s from now on
     bound = wait_for(lambda: s.state()["liveness_bound_s"], 10, "Envoy's first periodic entry")
     # twice the log period, Envoy's wait for the brain, a connect timeout per try, and a second's slack
-    assert bound == pytest.approx(2 * 0.5 + s.cfg.envoy.ext_proc_timeout_s + 3 * 1 + 1)
+    assert bound == pytest.approx(2 * 0.5 + first_answer_s(s.cfg) + 3 * 1 + 1)
     _process("unix:" + s.cfg.brain.grpc_socket)  # an ext_proc call whose request never comes
     assert s.state()["open_reservations"] == 2
     wait_for(lambda: s.state()["liveness_timeouts"] == 1, bound + 10, "the rogue reservation to expire", every=0.2)

@@ -194,3 +194,44 @@ def test_every_probe_at_once_beside_normal_clients_leaves_no_reservation_and_dro
     wait_for(lambda: s.state()["open_reservations"] == 0, 20, "every reservation released by its entry")
     assert s.envoy_stats().get("access_logs.grpc_access_log.logs_dropped", 0) == 0
     assert all(r["ejections"] == 0 for r in s.state()["replicas"])
+
+
+def test_a_flood_of_new_sessions_is_refused_before_its_upload_and_nothing_fails_open_into_the_engines(own_stack):
+    """Issue 43, finding 5: 1,500 new sessions of ~100 KB at once are more than one brain reads within Envoy's
+    timer; those it could not read failed open into the engines, ahead of the sessions under way (at 1,000 and 2,000
+    at once, 411 and 1,996 did). The look at their headers refuses new sessions while the brain is behind: every
+    flood request gets 200 or 429 from the brain, none fails open past it, and a session under way keeps every turn."""
+    from extproc.tools.bench_flood import _flood, _turn
+
+    s = own_stack(4, mock_args=["--speedup", "10"])
+    s.wait_all_live(30)
+
+    async def scene() -> tuple[dict, list]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            history: list[dict] = []
+
+            async def turns(n: int) -> list:
+                out = []
+                for k in range(n):
+                    history.append({"role": "user", "content": f"step {k}: fix the failing test " * 40})
+                    out.append(await _turn(http, s.url, "under-way", history))
+                    history.append({"role": "assistant", "content": "done " * 20})
+                return out
+
+            assert None not in await turns(2)  # under way before the flood
+            flood, during = await asyncio.gather(_flood(s.url, 1500, 25_000), turns(4))
+            return flood, during
+
+    before = s.envoy_stats()
+    flood, during = asyncio.run(scene())
+    after = s.envoy_stats()
+    failed_open = {k: after[k] - before.get(k, 0) for k in after if k.endswith(".failure_mode_allowed")}
+    assert set(flood) <= {"200", "429"} and sum(flood.values()) == 1500, flood
+    assert flood.get("429", 0) > 0
+    assert not any(failed_open.values()), failed_open  # nothing passed the brain unseen
+    assert None not in during  # the session under way: every turn answered
+    looked = sum(after[k] - before.get(k, 0) for k in after if ".ext_proc.warmroute_look.stream_msgs_received" in k)
+    bodies = sum(after[k] - before.get(k, 0) for k in after if ".ext_proc.warmroute.stream_msgs_sent" in k)
+    assert looked >= 1500  # each flood request's headers were looked at before its upload ...
+    assert bodies < 1500 / 2  # ... and most were refused there: their bodies never reached the brain (seen: 24)
+    assert s.state()["flow_control"]["refused"]["router_behind"] > 1500 / 2

@@ -52,9 +52,13 @@ def up(args: argparse.Namespace) -> int:
         if why:
             print(f"warmroute up --engine vllm: {why}", file=sys.stderr)
             return 1
-        options, model = real_vllm.VllmOptions(), real_vllm.model_info()["served_name"]
-    stack = Stack(n_replicas=n, listen_port=args.port, keep_logs=True, real_vllm=options)
+        # as an operator who enabled vLLM's store runs it: Responses follow-ups (previous_response_id) work
+        options, model = real_vllm.VllmOptions(responses_store=True), real_vllm.model_info()["served_name"]
+    stack = Stack(n_replicas=n, listen_port=args.port, keep_logs=True, real_vllm=options, mock_args=MOCK_ARGS)
     return _guarded(stack, lambda: _up(args, stack, n, real, model))
+
+
+MOCK_ARGS = ["--responses-store"]  # the mocks keep stored responses, as vLLM with its store enabled does
 
 
 def _guarded(stack, body) -> int:
@@ -144,7 +148,7 @@ def up_brains(args: argparse.Namespace, n: int) -> int:
 
     k, shape = args.brains, args.shape
     ports = [args.port + i if args.port else 0 for i in range(k)]
-    stack = BrainsStack(n, k, mock_args=[], shape=shape, workdir=tempfile.mkdtemp(prefix="warmroute-brains-"),
+    stack = BrainsStack(n, k, mock_args=MOCK_ARGS, shape=shape, workdir=tempfile.mkdtemp(prefix="warmroute-brains-"),
                         listen_ports=ports)
     return _guarded(stack, lambda: _up_brains(args, stack, n))
 

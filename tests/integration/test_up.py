@@ -35,6 +35,16 @@ def test_warmroute_up_restarts_a_killed_brain_and_says_so():
         text = "".join(lines)
         workdir = Path(re.search(r"logs \(kept after exit\): (\S+)/", text).group(1))
         url = re.search(r"serving on (http://\S+)", text).group(1)
+
+        def respond(doc: dict) -> dict:
+            req = urllib.request.Request(url + "/v1/responses", data=json.dumps(doc).encode(),
+                                         headers={"content-type": "application/json"})
+            return json.loads(urllib.request.urlopen(req, timeout=30).read())
+
+        # a Responses follow-up on the demo stack, as the README says it works (the mocks keep what they stored)
+        first = respond({"model": "mock-coder-30b", "input": "hello", "max_output_tokens": 4})
+        assert respond({"model": "mock-coder-30b", "input": "and then?", "max_output_tokens": 4,
+                        "previous_response_id": first["id"]})["status"] == "completed"
         admin = re.search(r"brain admin (http://\S+)\)", text).group(1)
         pid = json.loads((workdir / "brain.ready.json").read_text())["pid"]
         os.kill(pid, signal.SIGKILL)

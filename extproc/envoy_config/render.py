@@ -172,6 +172,11 @@ def greater_than_regex(n: int) -> str:
     return "^0*(" + "|".join(alts) + ")$"
 
 
+# ext_proc's processing mode that sends the request headers alone
+HEADERS_ONLY = {"request_header_mode": "SEND", "response_header_mode": "SKIP", "request_body_mode": "NONE",
+                "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+
+
 def look_filter(cfg: AppConfig) -> dict:
     """``warmroute.look``: a large body's headers go to the brain before the client uploads it (flow control on,
     issue 43). The brain lets it come, or refuses a new session with 429 while it is behind a burst: 2,000 new
@@ -180,14 +185,7 @@ def look_filter(cfg: AppConfig) -> dict:
     LOOK_BYTES that the brain will read (a bigger one takes the headers-only route): a look costs the brain about a
     fifth of reading such a body."""
     e = cfg.envoy
-    look = ext_proc_filter(cfg, {
-        "request_header_mode": "SEND",
-        "response_header_mode": "SKIP",
-        "request_body_mode": "NONE",
-        "response_body_mode": "NONE",
-        "request_trailer_mode": "SKIP",
-        "response_trailer_mode": "SKIP",
-    }, request_attributes=[TIME_ATTRIBUTE])
+    look = ext_proc_filter(cfg, dict(HEADERS_ONLY), request_attributes=[TIME_ATTRIBUTE])
     look["typed_config"]["grpc_service"]["initial_metadata"] = [{"key": LOOK_METADATA[0], "value": LOOK_METADATA[1]}]
     look["typed_config"]["stat_prefix"] = LOOK_STAT_PREFIX
     look["typed_config"].pop("max_message_timeout", None)  # the brain answers a look at once, never holds it
@@ -822,14 +820,7 @@ def big_body_ext_proc() -> dict:
     return {
         EXT_PROC_FILTER: {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-            "overrides": {"processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SKIP",
-                "request_body_mode": "NONE",
-                "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                "response_trailer_mode": "SKIP",
-            }},
+            "overrides": {"processing_mode": dict(HEADERS_ONLY)},
         },
     }
 

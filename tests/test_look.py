@@ -97,7 +97,7 @@ def test_behind_a_burst_a_new_session_is_refused_before_its_upload_and_a_session
     assert b._turn_at == t and b._turn_ttft_s > 0
     bound = b._look_bound_s(t)  # a turn of the session under way, at least half Envoy's configured timer
     assert bound == pytest.approx(min(2.5, max(b._turn_ttft_s, 0.5)))
-    assert b._flow_state()["look_bound_s"] == pytest.approx(bound, abs=1e-4)
+    assert b.state()["flow_control"]["look_bound_s"] == pytest.approx(bound, abs=1e-4)
     behind = bound * 1.5
     out = b.look(_headers("someone-new"), behind)
     assert out is not None and out.immediate_response.status.code == 429

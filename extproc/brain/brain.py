@@ -33,6 +33,7 @@ from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
 from .scraper import Scraper, tls_context
 from .stats import BrainStats
+from .view import state_of
 
 _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
 RECENT_DECISIONS = 2000  # GET /decisions keeps this many (a few hundred bytes each)
@@ -520,89 +521,9 @@ class Brain:
         self.router.tick(now)
         self.pin_log.flush(now)
 
-    def _shared_view(self, now: float) -> dict:
-        sh = self.stats.shared
-        return {"enabled": bool(sh.enabled), "up": bool(sh.up), "signed": bool(sh.signed),
-                "peers": {p: round(now - seen, 1) for p, seen in sorted(sh.peer_seen.items())},
-                "peers_gone": sh.peers_gone, "rejected": dict(sorted(sh.rejected.items())),
-                "stream_stuck": sh.stream_stuck, "future_ids": sh.future_ids}
-
     def state(self) -> dict:
-        per = self.stats.decisions_per_replica()
-        now = self.clock()
-        reps = self.router.snapshot()
-        for r in reps:
-            r["decisions"] = per.get(r["name"], 0)
-            r["url"] = self.scraper.urls.get(r["name"])
-            engine = self.scraper.engines.get(r["name"], "vllm")
-            r["engine"] = f"auto ({self.scraper.detected.get(r['name'], '?')})" if engine == "auto" else engine
-            r["scrape_error"] = self.scraper.errors.get(r["name"])
-            r["models"] = self.models.served_by(r["name"])
-            r["paths"] = self.models.paths_of(r["name"])
-            view = getattr(self.router.policy, "engines_view", None)
-            r["engines"] = view(r["name"]) if view is not None else None
-            predicted = getattr(self.router.policy, "replica_view", None)
-            if predicted is not None:  # what routing believes is queued there: all of it goes when requests end
-                v = predicted(self.router.replica(r["name"]), now)
-                r["predicted"] = {k: round(v[k], 3) for k in ("predicted_wait_seconds", "in_flight_work_seconds",
-                                                              "pending_kv_tokens", "active_session_tokens",
-                                                              "cache_tokens")}
-                r["learned"] = {k: round(v[k], 6) for k in ("prefill_tokens_per_second", "decode_seconds_per_token",
-                                                            "engine_tokens_per_estimated_token")}
-            r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
-            # routing's predicted cached tokens beside the engine's own hits: a shortfall is context the brain
-            # counted as held that the engine had evicted
-            r["cached_tokens"] = {"predicted": self.stats.predicted_cached[r["name"]],
-                                  "engine": self.router.replica(r["name"]).engine_cached_tokens}
-        return {
-            "policy": self.router.cfg.policy,
-            "selects": self.router.selects,
-            "replicas": reps,
-            "recent_transitions": [
-                {"at_s_ago": round(now - t.at, 1), "replica": t.replica, "old": t.old.value, "new": t.new.value,
-                 "reason": t.reason, "cooldown_s": t.cooldown_s}
-                for t in list(self.router.transitions)[-20:]
-            ],
-            "decisions_by_reason": {f"{k[0]}/{k[1]}": v for k, v in sorted(self.stats.decisions.items())},
-            "bodies": {k: v for k, v in sorted(self.stats.bodies.items()) if v},
-            "open_reservations": self.router.open_reservations,
-            "oldest_open_reservations": self.router.oldest_reservations(now),
-            "releases_by_access_log": self.stats.releases_by_log,
-            "unmatched_access_log_entries": self.stats.unmatched_log_entries,
-            "safety_timeouts": self.router.safety_timeouts,
-            "liveness_timeouts": self.router.liveness_timeouts,
-            "liveness_bound_s": self.router.liveness_timeout_s,
-            "released_envoy_gone": self.stats.released_envoy_gone,
-            "access_log_streams": self.envoy.open_streams,
-            "session_pins": len(self.router.session_pins),
-            "prefix_pins": len(self.router.prefix_pins),
-            "chain_cache": {"sessions": len(self.chains), "blocks": self.chains.blocks,
-                            "max_sessions": self.chains.max_sessions, "max_blocks": self.chains.max_blocks},
-            "request_ids_held": len(self.ledger.by_request_id),
-            "released_at_issue": self.ledger.released_at_issue,
-            "protocol": self.cfg.brain.protocol,
-            "releases_by_response": self.stats.releases_by_response,
-            "discovery": {"source": self.cfg.discovery.source, "synced": self.discovered,
-                          "error": self.discovery_error, "changes": self.stats.discovery_changes,
-                          "failures": self.stats.discovery_failures},
-            "flow_control": self._flow_state(),
-            "shared_state": self._shared_view(now),
-        }
-
-    def _flow_state(self) -> dict | None:
-        """Flow control per class: held now, let go and their mean wait; refusals by reason (None: off)."""
-        flow = self.router.flow
-        if flow is None:
-            return None
-        released, waited = self.stats.flow_released, self.stats.flow_wait_s
-        return {"held": len(flow), "held_bytes": flow.queue.bytes,
-                "classes": {name: {"held": flow.queue.depth(k), "released": released[name],
-                                   "mean_wait_s": round(waited[name] / released[name], 3) if released[name] else None}
-                            for k, name in enumerate(CLASSES)},
-                "refused": dict(self.stats.flow_refused), "abandoned": dict(self.stats.flow_abandoned),
-                # the look before a large body's upload: how far behind the brain may read before it refuses new
-                # sessions (a turn of the sessions under way, predicted; half Envoy's first timer with none)
-                "look_bound_s": round(self._look_bound_s(self.clock()), 4)}
+        """GET /state (``view.state_of``)."""
+        return state_of(self)
 
 
 # a request's own time-to-first-token deadline in milliseconds; llm-d's name too, so that a gateway set up for llm-d

@@ -1,7 +1,8 @@
 """The brain: owns the router, the wall clock and the counters; every network handler is a thin shell on it.
 
-Each concern lives in a file of its own: ``decide`` (the ext_proc answer), ``release`` (the
-access log), ``scraper``, ``reload``, ``admin``, ``metrics``; ``server`` starts them all.
+Each concern lives in a file of its own: ``decide`` (the ext_proc answer; ``intake``: how far behind it reads),
+``release`` (the
+access log), ``scraper``, ``reload``, ``admin`` (``view``: /state), ``metrics``; ``server`` starts them all.
 """
 
 from __future__ import annotations

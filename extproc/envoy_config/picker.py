@@ -27,24 +27,11 @@ from ..contract import (
     PICKER_CLUSTER,
     SUBSET_NAMESPACE,
 )
-from .render import (
-    _address,
-    _dur,
-    _is_ip,
-    _lb_endpoint,
-    _retry_policy,
-    upstream_http_options,
-    _thresholds,
-    _tls_matches,
-    admin_section,
-    brain_cluster,
-    overload_manager,
-    early_header_mutation,
-    ext_proc_filter,
-    local_reply_config,
-    routes,
-    stats_listener,
-)
+from .clusters import brain_cluster, lb_endpoint, tls_matches, upstream_http_options
+from .common import socket_address, dur, is_ip, thresholds
+from .filters import early_header_mutation, ext_proc_filter, local_reply_config
+from .render import admin_section, overload_manager, stats_listener
+from .routes import retry_policy, routes
 
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
 
@@ -77,7 +64,7 @@ def pool_cluster(cfg: AppConfig) -> dict:
     """Every replica, for override_host to pick from. With DNS discovery and no CDS file, Envoy resolves the
     same name as the brain itself (a headless Service: one host per ready pod), so the two see one set."""
     e, d = cfg.envoy, cfg.discovery
-    all_ip = all(_is_ip(r.host) for r in cfg.replicas)
+    all_ip = all(is_ip(r.host) for r in cfg.replicas)
     dns = d.source == "dns" and not e.cds_path
     ring_hash = {"name": "envoy.load_balancing_policies.ring_hash", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash",
@@ -85,9 +72,9 @@ def pool_cluster(cfg: AppConfig) -> dict:
     return {
         "name": PICKER_CLUSTER,
         "type": "STRICT_DNS" if dns or not all_ip else "STATIC",
-        **({"dns_refresh_rate": _dur(d.interval_s), "respect_dns_ttl": False} if dns else {}),
-        "connect_timeout": _dur(e.upstream_connect_timeout_s),
-        "circuit_breakers": _thresholds(),
+        **({"dns_refresh_rate": dur(d.interval_s), "respect_dns_ttl": False} if dns else {}),
+        "connect_timeout": dur(e.upstream_connect_timeout_s),
+        "circuit_breakers": thresholds(),
         "per_connection_buffer_limit_bytes": e.max_body_bytes,
         "load_balancing_policy": {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.override_host",
@@ -101,10 +88,10 @@ def pool_cluster(cfg: AppConfig) -> dict:
             },
         }}]},
         "load_assignment": {"cluster_name": PICKER_CLUSTER, "endpoints": [{"lb_endpoints": (
-            [{"endpoint": {"address": _address(d.dns_name, d.port)}}] if dns
-            else [_lb_endpoint(r) for r in cfg.replicas])}]},
+            [{"endpoint": {"address": socket_address(d.dns_name, d.port)}}] if dns
+            else [lb_endpoint(r) for r in cfg.replicas])}]},
         **upstream_http_options(cfg),
-        **_tls_matches(cfg.replicas),
+        **tls_matches(cfg.replicas),
     }
 
 def picker_routes(cfg: AppConfig) -> list[dict]:
@@ -117,7 +104,7 @@ def picker_routes(cfg: AppConfig) -> list[dict]:
         "route": {
             "cluster": PICKER_CLUSTER,
             "timeout": "0s",
-            "retry_policy": {k: v for k, v in _retry_policy(cfg).items() if k != "retry_priority"},
+            "retry_policy": {k: v for k, v in retry_policy(cfg).items() if k != "retry_priority"},
             "hash_policy": [
                 *({"header": {"header_name": h}, "terminal": True} for h in cfg.router.profile.session_headers),
                 {"connection_properties": {"source_ip": True}},
@@ -153,7 +140,7 @@ def picker_bootstrap(cfg: AppConfig) -> dict[str, Any]:
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
-        "stream_idle_timeout": _dur(e.stream_idle_timeout_s),
+        "stream_idle_timeout": dur(e.stream_idle_timeout_s),
         "early_header_mutation_extensions": mutation,
         "always_set_request_id_in_response": True,
         "local_reply_config": local_reply_config(),
@@ -174,7 +161,7 @@ def picker_bootstrap(cfg: AppConfig) -> dict[str, Any]:
         "static_resources": {
             "listeners": [{
                 "name": "warmroute_ingress",
-                "address": _address(e.listen_host, e.listen_port),
+                "address": socket_address(e.listen_host, e.listen_port),
                 "per_connection_buffer_limit_bytes": e.max_body_bytes,
                 "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                 "typed_config": hcm}]}],

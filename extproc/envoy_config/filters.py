@@ -1,0 +1,377 @@
+"""The HTTP filters warmroute puts before Envoy's router, and what the other routes switch off of them.
+
+- ``early_header_mutation``: the connection manager drops client-sent copies of the headers only
+  Envoy or the brain may set (routing, reservation, request id, tenant) before anything is routed;
+- ``http_filters``: gzip request bodies inflated (and bounded by what they inflate to); the look before a large
+  upload (flow control on); the model of a body too big for the brain, read by Envoy; ext_proc, which sends the
+  brain one message per request (the buffered body, with the few request headers the brain reads as attributes);
+  a buffer filter that holds the request headers back from the router until the brain has answered; a header
+  mutation that turns the brain's answer (dynamic metadata) into the routing header, so the route is chosen from it;
+- ``access_log``: the gRPC access-log entry that tells the brain each request's end and outcome;
+- ``local_reply_config``: Envoy's own replies in the API's error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import AppConfig, first_answer_s
+from ..core.profile import CONTENT_LENGTH
+from ..contract import (
+    ACCESS_LOG_NAME,
+    ANSWER_CLUSTER,
+    ANSWER_DP_RANK,
+    ANSWER_RESERVATION,
+    BODY_METADATA_NAMESPACE,
+    BRAIN_CLUSTER,
+    BRAIN_LOG_CLUSTER,
+    DP_RANK_HEADER,
+    EXT_PROC_FILTER,
+    EXT_PROC_STAT_PREFIX,
+    HOLD_FILTER,
+    INFLATED_FROM_HEADER,
+    LOOK_METADATA,
+    METADATA_NAMESPACE,
+    PATH_ATTRIBUTE,
+    REQUEST_ID_HEADER,
+    RESERVATION_HEADER,
+    ROUTE_FROM_BRAIN_FILTER,
+    ROUTING_HEADER,
+    TIME_ATTRIBUTE,
+    header_attribute,
+)
+from ..contract import brain_headers as _brain_headers
+from .common import dur
+
+
+def brain_headers(cfg: AppConfig) -> list[str]:
+    """The request headers this config's brain reads (see ``contract.brain_headers``)."""
+    names = _brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_reads())
+    if cfg.flow_control.enabled:
+        names.append(cfg.flow_control.priority_header.lower())
+    return names
+
+
+def edge_headers_removed(cfg: AppConfig) -> list[str]:
+    """Request headers only Envoy or the brain may set: what a client sends under these names is dropped
+    before any route is matched or filter runs (a header filter would be too late: the route is matched
+    on the client's headers at the first filter that asks for it, and stays cached unless the brain
+    answers). The request id is Envoy's own, so a client cannot release another request's reservation; the
+    data-parallel engine is the brain's to name (a client's would pass wherever the brain names none)."""
+    names = [ROUTING_HEADER, RESERVATION_HEADER, REQUEST_ID_HEADER, DP_RANK_HEADER, INFLATED_FROM_HEADER]
+    p = cfg.router.profile
+    if p.tenant_source == "header" and p.tenant_header and not cfg.envoy.trust_downstream_tenant_header:
+        names.append(p.tenant_header)
+    f = cfg.flow_control
+    if f.enabled and not f.trust_downstream_priority_header:
+        names.append(f.priority_header)
+    return names
+
+
+def early_header_mutation(cfg: AppConfig) -> list[dict]:
+    """The connection manager's ``early_header_mutation_extensions`` (see ``edge_headers_removed``)."""
+    return [{
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [*({"remove": h} for h in edge_headers_removed(cfg)),
+                          # the encoding the body came in, before the decompressor inflates it and drops the header
+                          {"append": {"header": {"key": INFLATED_FROM_HEADER, "value": "%REQ(content-encoding)%"},
+                                      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False}}],
+        },
+    }]
+
+
+def ext_proc_filter(cfg: AppConfig, processing_mode: dict, **more: Any) -> dict:
+    """The ext_proc filter to the brain, in either shape: ``processing_mode`` and the shape's ``more`` fields."""
+    return {
+        "name": EXT_PROC_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_CLUSTER}},
+            "stat_prefix": EXT_PROC_STAT_PREFIX,
+            # Brain down or slow: the request goes on without an answer, to the fallback route (in the
+            # endpoint-picker shape: the override_host fallback policy; InferencePool failureMode FailOpen)
+            "failure_mode_allow": True,
+            # in the full-duplex picker shape the answer waits for the whole body: this bounds its upload too
+            "message_timeout": dur(first_answer_s(cfg)),
+            # flow control: the brain holds a request by extending this call's timer (override_message_timeout)
+            **({"max_message_timeout": dur(cfg.flow_control.wait_s + 5)} if cfg.flow_control.enabled else {}),
+            "processing_mode": processing_mode,
+            **more,
+        },
+    }
+
+
+SKIP_FILTER = {"action": {"name": "skip", "typed_config": {
+    "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}}
+
+
+def header_predicate(header: str, regex: str) -> dict:
+    """An xDS matcher predicate: the request header is present and matches ``regex``."""
+    return {"single_predicate": {
+        "input": {"name": header, "typed_config": {
+            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput", "header_name": header}},
+        "value_match": {"safe_regex": {"google_re2": {}, "regex": regex}}}}
+
+
+def greater_than_regex(n: int) -> str:
+    """An RE2 regex of the decimal numbers greater than ``n`` (leading zeros allowed): a header matcher has no
+    numeric comparison."""
+    d = str(n)
+    alts = [f"[1-9][0-9]{{{len(d)},}}"]  # more digits
+    for i, c in enumerate(d):  # as many digits: the same up to i, then a larger digit, then anything
+        if c != "9":
+            rest = len(d) - i - 1
+            alts.append(f"{d[:i]}[{int(c) + 1}-9]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return "^0*(" + "|".join(alts) + ")$"
+
+
+# ext_proc's processing mode that sends the request headers alone
+HEADERS_ONLY = {"request_header_mode": "SEND", "response_header_mode": "SKIP", "request_body_mode": "NONE",
+                "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+
+
+def look_filter(cfg: AppConfig) -> dict:
+    """``warmroute.look``: a large body's headers go to the brain before the client uploads it (flow control on,
+    issue 43). The brain lets it come, or refuses a new session with 429 while it is behind a burst: 2,000 new
+    sessions of 100 KB are seconds of reading for one process, which Envoy's timer would fail open into the engines,
+    and behind which the turns of sessions under way would wait. Only bodies of more than
+    LOOK_BYTES that the brain will read (a bigger one takes the headers-only route): a look costs the brain about a
+    fifth of reading such a body."""
+    e = cfg.envoy
+    look = ext_proc_filter(cfg, dict(HEADERS_ONLY), request_attributes=[TIME_ATTRIBUTE])
+    look["typed_config"]["grpc_service"]["initial_metadata"] = [{"key": LOOK_METADATA[0], "value": LOOK_METADATA[1]}]
+    look["typed_config"]["stat_prefix"] = LOOK_STAT_PREFIX
+    look["typed_config"].pop("max_message_timeout", None)  # the brain answers a look at once, never holds it
+    return {
+        "name": LOOK_FILTER,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+            "extension_config": look,
+            "xds_matcher": {"matcher_list": {"matchers": [{
+                "predicate": {"or_matcher": {"predicate": [
+                    {"not_matcher": header_predicate(CONTENT_LENGTH, greater_than_regex(LOOK_BYTES))},
+                    header_predicate(CONTENT_LENGTH, greater_than_regex(e.brain_body_max_bytes)),
+                ]}},
+                "on_match": SKIP_FILTER,
+            }]}},
+        },
+    }
+
+
+def http_filters(cfg: AppConfig) -> list[dict]:
+    """The six filters to put before the router filter, in this order.
+
+    One ext_proc message per request instead of two (headers, then body)
+    halves the brain's gRPC work. The price is that ext_proc cannot mutate
+    headers it did not send, so the brain answers with dynamic metadata and
+    ``route_from_brain`` copies it into the routing header; ``hold_for_brain``
+    keeps the router from choosing a route before that answer exists.
+    Requests without a body (GET /v1/models, probes) never reach the brain:
+    they carry no session or prompt, and take the fail-open route.
+    """
+    e = cfg.envoy
+    return [
+        {
+            # A gzip body is inflated before the brain and the replica see it (vLLM reads no compressed body);
+            # an inflated body past the buffer limit is Envoy's 413, so a decompression bomb costs nothing.
+            "name": "warmroute.inflate_gzip_requests",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.decompressor.v3.Decompressor",
+                "decompressor_library": {"name": "gzip", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.compression.gzip.decompressor.v3.Gzip",
+                    # past it Envoy stops inflating and passes the body on cut off: the brain answers that 413
+                    "max_inflate_ratio": e.max_inflate_ratio}},
+                "request_direction_config": {"common_config": {"enabled": {
+                    "default_value": True, "runtime_key": "warmroute.inflate_gzip_requests"}}},
+                "response_direction_config": {"common_config": {"enabled": {
+                    "default_value": False, "runtime_key": "warmroute.inflate_gzip_responses"}}},
+            },
+        },
+        {
+            # What a compressed upload inflates to, counted as it streams (nothing buffered): past the brain's body
+            # limit Envoy answers 413 and resets the upload, so the decompressor inflates no more of it (Envoy's
+            # buffer limit alone answered 413 but inflated all the rest of the upload: 62 MB for a 1 MB one)
+            "name": INFLATED_LIMIT_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+                "extension_config": {"name": "envoy.filters.http.body_size_limit", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.body_size_limit.v3.BodySizeLimit",
+                    "max_request_bytes": e.brain_body_max_bytes}},
+                # skipped for a request that came uncompressed (no inflated-from header): its limit is max_body_bytes
+                "xds_matcher": {"matcher_list": {"matchers": [{
+                    "predicate": {"not_matcher": header_predicate(INFLATED_FROM_HEADER, ".*")},
+                    "on_match": SKIP_FILTER,
+                }]}},
+            },
+        },
+        *([look_filter(cfg)] if cfg.flow_control.enabled else []),
+        {
+            # A body too big to send to the brain is decided on its headers; its model (the top-level "model", read
+            # as JSON by Envoy) travels with them as metadata, so it goes to a replica that serves it. It also holds
+            # the headers until the whole body is here: a declaration held open charges nothing
+            "name": BODY_MODEL_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+                "extension_config": {"name": "envoy.filters.http.json_to_metadata", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+                    "request_rules": {"rules": [{
+                        "selectors": [{"key": "model"}],
+                        "on_present": {"metadata_namespace": BODY_METADATA_NAMESPACE, "key": "model",
+                                       "type": "STRING"},
+                    }]},
+                }},
+                # only for what the brain will not read itself: a Content-Length above brain_body_max_bytes, or
+                # none (chunked). A body the brain reads whole is not parsed twice
+                # (an inflated upload has no Content-Length once inflated, and is bounded at the brain's limit)
+                "xds_matcher": {"matcher_list": {"matchers": [{
+                    "predicate": {"or_matcher": {"predicate": [
+                        {"and_matcher": {"predicate": [
+                            header_predicate(CONTENT_LENGTH, ".*"),
+                            {"not_matcher": header_predicate(CONTENT_LENGTH,
+                                                              greater_than_regex(e.brain_body_max_bytes))},
+                        ]}},
+                        header_predicate(INFLATED_FROM_HEADER, ".*"),
+                    ]}},
+                    "on_match": SKIP_FILTER,
+                }]}},
+            },
+        },
+        ext_proc_filter(cfg, {
+            "request_header_mode": "SKIP",
+            "response_header_mode": "SKIP",
+            "request_body_mode": "BUFFERED",
+            "response_body_mode": "NONE",
+            "request_trailer_mode": "SKIP",
+            "response_trailer_mode": "SKIP",
+        }, request_attributes=[header_attribute(h) for h in brain_headers(cfg)] + [PATH_ATTRIBUTE],
+            metadata_options={"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]},
+                              "forwarding_namespaces": {"untyped": [BODY_METADATA_NAMESPACE]}}),
+        {
+            # Holds the request headers until the whole body has passed ext_proc: without it the router
+            # picks a route as soon as the headers arrive, before the brain has said anything.
+            "name": HOLD_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                "max_request_bytes": e.max_body_bytes,
+            },
+        },
+        {
+            # Runs after the brain's answer; the mutation happens before this filter looks up its route
+            # config, so the route is computed with the header in place (ext_proc cleared the cache).
+            # No answer (brain down, no body): no metadata, empty value, no header, fail-open route.
+            "name": ROUTE_FROM_BRAIN_FILTER,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                "mutations": {"request_mutations": [
+                    *({"append": {"header": {"key": header, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{field})%"},
+                                  "append_action": "ADD_IF_ABSENT", "keep_empty_value": False}}
+                      for header, field in ((ROUTING_HEADER, ANSWER_CLUSTER), (RESERVATION_HEADER, ANSWER_RESERVATION))),
+                    # the data-parallel engine the brain priced, when it chose one: its header replaces a client's
+                    {"append": {"header": {"key": DP_RANK_HEADER,
+                                           "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{ANSWER_DP_RANK})%"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False}},
+                ]},
+            },
+        },
+    ]
+
+
+def access_log(cfg: AppConfig) -> list[dict]:
+    return [
+        {
+            "name": "envoy.access_loggers.http_grpc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                "common_config": {
+                    "log_name": ACCESS_LOG_NAME,
+                    "transport_api_version": "V3",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_LOG_CLUSTER}},
+                    # each entry releases a reservation: flushed every access_log_flush_s (10 ms). The buffer is also the
+                    # most Envoy holds while its stream is not writable: at 1 byte, every entry logged while one
+                    # flush waited was dropped (logs_dropped), each a reservation open for an hour
+                    "buffer_flush_interval": dur(cfg.envoy.access_log_flush_s),
+                    "buffer_size_bytes": 1024 * 1024,
+                },
+                "additional_request_headers_to_log": [RESERVATION_HEADER, ROUTING_HEADER],
+                # a 200 that is an HTML page is a replica (or a proxy in front of it) gone wrong
+                "additional_response_headers_to_log": ["content-type"],
+            },
+        }
+    ]
+
+
+def hcm_access_log_options(cfg: AppConfig) -> dict:
+    """The connection manager logs each request in flight every ``access_log_periodic_s``: the brain keeps
+    the reservations Envoy names and releases those no entry names (a lost or rogue ext_proc call)."""
+    if not cfg.envoy.access_log_periodic_s:
+        return {}
+    return {"access_log_options": {"access_log_flush_interval": dur(cfg.envoy.access_log_periodic_s)}}
+
+
+def local_reply_config() -> dict:
+    """Envoy's own replies (413, 431, 503 no healthy upstream, 504 ...) in the OpenAI error shape the rest of
+    the API uses, with the status and a machine-readable code (Envoy's response code details); the JSON
+    answers warmroute already shapes (the 404 of paths not served, the brain's no_healthy_instances) pass
+    through as they are."""
+    return {
+        "mappers": [{
+            "filter": {"extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                                 "expression": "response.code_details == 'direct_response' || "
+                                               "response.code_details.startsWith('warmroute_')"}}},
+            "body_format_override": {"text_format": "%LOCAL_REPLY_BODY%", "content_type": "application/json"},
+        }],
+        "body_format": {"json_format": {"error": {
+            "message": "%LOCAL_REPLY_BODY%",
+            "type": "envoy_local_reply",
+            "code": "%RESPONSE_CODE_DETAILS%",
+            "status": "%RESPONSE_CODE%",
+        }}},
+    }
+
+
+INFLATED_LIMIT_FILTER = "warmroute.inflated_body_limit"
+
+
+LOOK_FILTER = "warmroute.look"
+
+
+LOOK_STAT_PREFIX = "warmroute_look"  # http.<hcm>.ext_proc.warmroute_look.*
+
+
+LOOK_BYTES = 64 * 1024  # ~16K tokens; below it a body is read without a look (a look costs what ~12 KB of body does)
+
+
+BODY_MODEL_FILTER = "warmroute.big_body_model"
+
+
+def big_body_ext_proc() -> dict:
+    """``typed_per_filter_config`` of the big-body and models routes: ext_proc sends the headers, not the body."""
+    return {
+        EXT_PROC_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {"processing_mode": dict(HEADERS_ONLY)},
+        },
+    }
+
+
+def ext_proc_off_for_route() -> dict:
+    """``typed_per_filter_config`` for a user's other routes, so the brain sees only model traffic
+    and their bodies are not held back."""
+    return {
+        EXT_PROC_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True,
+        },
+        LOOK_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True,
+        },
+        HOLD_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
+            "disabled": True,
+        },
+    }

@@ -42,11 +42,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from .config import RouterConfig
+from .cost import decode_penalty, fair_share, interference, recent
 from .decision import Decision, FleetView, PinEvent
 from .load import LoadSample, Rates, TokenScale, effective_rates
 from .names import Cause, PinAction, Reason
@@ -56,7 +56,6 @@ from .profile import RequestProfile
 from .replica import LIVE, Replica
 
 _INF = float("inf")
-_DECODE_NOISE = 0.2  # decode-rate differences below 20% are the estimate's noise, not a slower replica
 _TIE_S, _TIE_SHARE = 0.01, 0.02
 _RETURN_PRIOR = 20.0  # new sessions assumed to come back before any is seen not to  # cost differences below a decode step or 2% are ties
 # A fleet of this many candidates or more prices a shortlist (``_View``): the replicas holding most of the
@@ -541,9 +540,7 @@ class WarmPolicy:
                 self._kv(e, out_tokens, mine, profile.session_key is not None, now)
             e.cost += e.ttft + e.stall
             if self.use_decode:
-                slower = e.dec - fastest_decode
-                if slower > _DECODE_NOISE * fastest_decode:
-                    e.cost += w.decode_weight * out_tokens * slower
+                e.cost += decode_penalty(w.decode_weight, out_tokens, e.dec, fastest_decode)
             e.work = e.lora + e.prefill + out_tokens * e.dec
         busy = agg.busy if agg.busy is not None else min(1.0, sum(e.wait for e in ests) / len(ests) / w.busy_wait_s)
         if self.use_interference:
@@ -554,10 +551,7 @@ class WarmPolicy:
             idle = 1.0 - busy
             since = now - w.arrival_window_s
             for e in ests:
-                a = e.st.arrivals
-                while a and a[0] < since:
-                    a.popleft()
-                e.cost += idle * len(a) / w.arrival_window_s * e.prefill * e.prefill / 2
+                e.cost += interference(idle, recent(e.st.arrivals, since), w.arrival_window_s, e.prefill)
         if self.use_externality:
             # the re-prefill is work the fleet does instead of serving someone: counted once always, and once more
             # as the fleet fills up (with queues everywhere it delays everybody behind it)
@@ -650,20 +644,16 @@ class WarmPolicy:
         since = now - w.arrival_window_s
         k, work_total = max(1, agg.in_flight), agg.total_work
         unit = work_total / k if work_total > 0 and agg.in_flight else typical / prefill_rate[0] + out_tokens * fastest
-        bound = max(1, math.ceil(math.ceil((work_total / unit + 1) * w.balance_factor) / n_live)) * unit
+        bound = fair_share(work_total, unit, w.balance_factor, n_live)
         rr, n_all = self._rr // self._per, max(1, len(fleet.replicas_view))
         load = []
         for i in range(n_live):
             st = states[i]
             p = typical * st.scale.value / prefill_rate[i]
-            slower = decode_s[i] - fastest
-            a = st.arrivals
-            while a and a[0] < since:
-                a.popleft()
             pressure = (st.active_tokens + 2 * typical) / st.cache_tokens
             load.append((waits[i] + p
-                         + (w.decode_weight * out_tokens * slower if slower > _DECODE_NOISE * fastest else 0.0)
-                         + idle * len(a) / w.arrival_window_s * p * p / 2
+                         + decode_penalty(w.decode_weight, out_tokens, decode_s[i], fastest)
+                         + interference(idle, recent(st.arrivals, since), w.arrival_window_s, p)
                          + (p * min(1.0, (pressure - w.evict_start) / (w.kv_pressure - w.evict_start))
                             if pressure > w.evict_start else 0.0)
                          + max(0.0, st.work_s - bound),
@@ -736,7 +726,7 @@ class WarmPolicy:
         if n < 2:
             return ests
         unit = total / in_flight if in_flight and total > 0 else ests[0].prompt / ests[0].rate + out_tokens * fastest_decode
-        bound = max(1, math.ceil(math.ceil((total / unit + 1) * w.balance_factor) / n)) * unit
+        bound = fair_share(total, unit, w.balance_factor, n)
         kept = []
         for e in ests:
             over = e.st.work_s - bound

@@ -56,8 +56,8 @@ from .profile import RequestProfile
 from .replica import LIVE, Replica
 
 _INF = float("inf")
-_TIE_S, _TIE_SHARE = 0.01, 0.02
-_RETURN_PRIOR = 20.0  # new sessions assumed to come back before any is seen not to  # cost differences below a decode step or 2% are ties
+_TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
+_RETURN_PRIOR = 20.0  # new sessions assumed to come back before any is seen not to
 # A fleet of this many candidates or more prices a shortlist (``_View``): the replicas holding most of the
 # request's chain, the least loaded, the least busy, the fastest, the next in round-robin, the session's home
 # and whatever was released since the fleet was last looked at whole. Below it every candidate is priced.

@@ -443,10 +443,14 @@ def _memory(stack: Stack) -> tuple[float, float]:
     return rss_mib(stack.brain.popen.pid), rss_mib(stack.envoy.popen.pid)
 
 
+QUEUED = ("predicted_wait_seconds", "in_flight_work_seconds", "pending_kv_tokens")  # what requests leave behind
+
+
 def _predicted_left(stack: Stack) -> dict[str, dict]:
-    """Per replica, what routing still believes is queued there once nothing is in flight (all must be 0)."""
-    return {r["name"]: r.get("predicted", {}) for r in stack.state()["replicas"]
-            if any(v for v in r.get("predicted", {}).values())}
+    """Per replica, what routing still believes is queued there once nothing is in flight (all must be 0; the
+    active sessions' contexts and the cache's size are no queue)."""
+    return {r["name"]: {k: r["predicted"][k] for k in QUEUED} for r in stack.state()["replicas"]
+            if any(r.get("predicted", {}).get(k) for k in QUEUED)}
 
 
 def _probe_phase(stack: Stack, rate: float, minutes: float) -> tuple[Load, Probes, int]:

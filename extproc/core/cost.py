@@ -1,4 +1,4 @@
-"""The cost terms of the warm policy, written once: the price of a request on a replica (``WarmPolicy._price``) and
+"""The cost terms of the warm policy, written once, and a row's price (``Estimate``): the price of a request on a replica (``WarmPolicy._price``) and
 the big-fleet shortlist's price of a typical request on each replica (``WarmPolicy._look``) add the same terms, so
 that the shortlist ranks replicas as the price will. What each term means and why is in ``warm``'s docstring and
 docs/routing.md."""
@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
+
+from .replica import Replica
+from .warm_replica import WarmReplica
 
 DECODE_NOISE = 0.2  # decode-rate differences below 20% are the estimate's noise, not a slower replica
 
@@ -35,3 +39,34 @@ def fair_share(total_s: float, unit_s: float, balance_factor: float, n: int) -> 
     """C5's bound in work: with ``total_s / unit_s`` typical requests in flight a replica may hold
     max(1, ceil(ceil((k + 1) x c) / n)) of them (Envoy's bounded load, in work units)."""
     return max(1, math.ceil(math.ceil((total_s / unit_s + 1) * balance_factor) / n)) * unit_s
+
+
+@dataclass(slots=True)
+class Estimate:
+    replica: Replica
+    st: WarmReplica
+    rate: float  # prefill tokens/s
+    dec: float  # decode s/token
+    cached: int
+    wait: float
+    prefill: float
+    engine: int | None = None  # the data-parallel engine priced (None: the replica has one)
+    lora: float = 0.0  # seconds to bring the request's LoRA adapter in
+    stall: float = 0.0  # seconds the others on the replica lose to that load
+    fits: bool = True  # beside the active sessions' contexts, in the replica's cache
+    prompt: int = 1  # the request's prompt in this replica's engine tokens (TokenScale)
+    ttft: float = 0.0
+    cost: float = 0.0
+    work: float = 0.0
+
+
+@dataclass(slots=True)
+class Aggregates:
+    """What pricing needs of the whole pool; None: computed from the priced rows (every candidate priced)."""
+    out_tokens: float
+    fastest_decode: float
+    peer_scale: float
+    busy: float | None = None
+    total_work: float | None = None
+    in_flight: int = 0
+    n: int = 0

@@ -40,83 +40,27 @@ ablations are compositions (``make_policy("warm_no_guard")``).
 
 from __future__ import annotations
 
-import bisect
 import itertools
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections import deque
 
 from .config import RouterConfig
-from .cost import decode_penalty, fair_share, interference, recent
+from .cost import Aggregates, Estimate, decode_penalty, fair_share, interference, recent
 from .decision import Decision, FleetView, PinEvent
-from .load import LoadSample, Rates, TokenScale, effective_rates
+from .load import LoadSample, effective_rates
 from .names import Cause, PinAction, Reason
 from .pins import SESSION, Pin, PinTable
-from .prefix_index import Holders, PrefixIndex
+from .prefix_index import Holders
 from .profile import RequestProfile
 from .replica import LIVE, Replica
+from .shortlist import SHORTLIST_FROM, Shortlist, View  # noqa: F401 (SHORTLIST_FROM: read from here)
+from .warm_replica import WarmReplica, peer_scale
 
 _INF = float("inf")
 _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
 _RETURN_PRIOR = 20.0  # new sessions assumed to come back before any is seen not to
-# A fleet of this many candidates or more prices a shortlist (``_View``): the replicas holding most of the
-# request's chain, the least loaded, the least busy, the fastest, the next in round-robin, the session's home
-# and whatever was released since the fleet was last looked at whole. Below it every candidate is priced.
-SHORTLIST_FROM = 24
-_DEEP, _LEVEL_LEAST, _LEAST_LOADED, _LEAST_WORK, _NEXT_RR, _FASTEST = 4, 8, 8, 3, 3, 2
-# the fleet as a whole (its mean wait, rates, totals, the orders above) is looked at again after a 16th of the
-# fleet's count in decisions, 50 ms, or a change of the pool
-_VIEW_DECISIONS_SHARE, _VIEW_MAX_AGE_S, _VIEW_MAX_EASED = 16, 0.05, 16
 
 
-class WarmReplica:
-    """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
-
-    __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent", "scale",
-                 "engine_block")
-
-    def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
-                 scale: TokenScale | None = None, holders: Holders | None = None):
-        w = cfg.warm
-        self.cache_tokens = w.cache_tokens
-        self.index = PrefixIndex(int(w.cache_tokens / tokens_per_block), holders)
-        # one data-parallel engine shares its replica's rates (same GPUs, same model)
-        self.rates = rates or Rates(w.prefill_tokens_per_s, w.decode_s_per_token, w.output_tokens)
-        # the engine's tokens per estimated token (its tokenizer and chat template); shared like the rates
-        self.scale = scale or TokenScale()
-        self.engine_block: int | None = None  # the engine caches whole blocks of this many tokens
-        self.prefill_busy_until = 0.0  # when this router's predicted prefills on the replica are done
-        self.work_s = 0.0  # predicted engine seconds of this router's requests in flight on it
-        self.uncached_ewma = 0.0  # typical uncached prompt tokens of a request here (prices the scraped queue)
-        # requests routed here still in their predicted prefill: (predicted first token, prompt tokens); their
-        # KV is not yet in the scraped usage but will be taken before a request routed now gets any
-        self.pending: deque[tuple[float, int]] = deque()
-        self.pending_tokens = 0
-        self.active_tokens = 0  # context of the sessions that used this replica within warm.active_session_s
-        self.arrivals: deque[float] = deque()  # when requests were routed here, over warm.arrival_window_s
-        # False once the replica says it runs without prefix caching: nothing it served is there to be hit
-        self.prefix_caching = True
-        self.scraped: LoadSample | None = None  # one data-parallel engine's own gauges (None: the replica's)
-        self.lora: LoadSample | None = None  # the last scrape that said which LoRA adapters it runs (None: no LoRA)
-        # adapters this router sent here -> when, least recently first: the last max_lora of them are likely in its
-        # slots, and those sent within warm.active_session_s have sessions that will be back for them
-        self.lora_sent: OrderedDict[str, float] = OrderedDict()
-
-    def waiting(self, r: Replica) -> int:
-        return self.scraped.waiting if self.scraped is not None else r.scraped_waiting
-
-    def kv_usage(self, r: Replica) -> float:
-        return self.scraped.kv_usage if self.scraped is not None else r.kv_usage
-
-    def kv_ahead(self, now: float, kv_usage: float) -> float:
-        """Tokens of KV the requests ahead will hold: the scraped usage plus our pending prefills."""
-        p = self.pending
-        while p and p[0][0] <= now:
-            self.pending_tokens -= p.popleft()[1]
-        return kv_usage * self.cache_tokens + self.pending_tokens
-
-
-class WarmPolicy:
+class WarmPolicy(Shortlist):
     needs_blocks = True
     parse_max_bytes = 256 * 1024  # larger bodies: headers, size and the raw block chain suffice (C2)
 
@@ -149,7 +93,7 @@ class WarmPolicy:
         # (a small fleet does not pay for it: a megabyte's first turn adds ~17K blocks)
         self.holders: Holders | None = None
         self.shortlist = True  # False: every candidate priced whatever the fleet's size (the reference)
-        self._view: _View | None = None
+        self._view: View | None = None
         self._eased: set[int] = set()  # id() of the states released since the view was taken
         self._work_delta = 0.0  # work and requests booked or released since the view was taken
         self._flight_delta = 0
@@ -380,7 +324,7 @@ class WarmPolicy:
         return out
 
     def _estimate(self, r: Replica, st: WarmReplica, rate: float, dec: float, profile: RequestProfile,
-                  pin: Pin | None, now: float, engine: int | None = None, peer_scale: float = 1.0) -> "_Estimate":
+                  pin: Pin | None, now: float, engine: int | None = None, peer_scale: float = 1.0) -> "Estimate":
         """Cached tokens, wait and prefill on one candidate (C2, C3, C4), in the engine's tokens."""
         scale = st.scale.value if st.scale.learned else peer_scale
         prompt = max(1, round(profile.tokens * scale))
@@ -395,7 +339,7 @@ class WarmPolicy:
         waiting = st.waiting(r)
         if waiting:
             wait = max(wait, waiting * max(st.uncached_ewma, 1.0) / rate)
-        e = _Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine, prompt=prompt)
+        e = Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine, prompt=prompt)
         if profile.adapter is not None:
             loads, lora_wait = self._lora_s(self.state_of(r), profile.adapter, dec, now)
             e.lora = loads + lora_wait
@@ -423,7 +367,7 @@ class WarmPolicy:
         hosted = sum(1 for a, t in st.lora_sent.items() if t >= since and a != adapter)
         return load * (2 if hosted >= cap else 1), (0.0 if len(busy) < cap else st.rates.output_tokens * dec)
 
-    def _kv(self, e: "_Estimate", out_tokens: float, mine, session: bool, now: float) -> None:
+    def _kv(self, e: "Estimate", out_tokens: float, mine, session: bool, now: float) -> None:
         """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
         w = self.cfg.warm
         st, cap, prompt = e.st, e.st.cache_tokens, e.prompt
@@ -453,7 +397,7 @@ class WarmPolicy:
             out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
             prefill_rate, decode_s = effective_rates([st.rates for st in states], now, self.cfg.warm.rate_fresh_s)
             rows = list(zip(cands, prefill_rate, decode_s))
-            fleet_view = _Aggregates(out_tokens, min(decode_s), _peer_scale(states))
+            fleet_view = Aggregates(out_tokens, min(decode_s), peer_scale(states))
         else:
             rows, fleet_view = self._shortlist(view, profile, pin), view.aggregates
         self._expire_active(now)
@@ -485,8 +429,8 @@ class WarmPolicy:
         self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
 
-    def _saturated(self, best: "_Estimate", profile: RequestProfile, pin: Pin | None,
-                   ests: "list[_Estimate] | None" = None) -> bool:
+    def _saturated(self, best: "Estimate", profile: RequestProfile, pin: Pin | None,
+                   ests: "list[Estimate] | None" = None) -> bool:
         """Flow control's saturation, with nothing to tune. A turn that needs new room in a cache (a new session, or
         one that must prefill most of its context again: no home yet, or less than half of it cached on the best
         candidate) and fits on no candidate beside the active sessions' contexts (C3's fit rule, the best not
@@ -513,8 +457,8 @@ class WarmPolicy:
         afford = max(best.prefill, _TIE_S) * (0.5 if profile.priority >= 2 else 1.0)
         return best.wait + best.lora > afford
 
-    def _break_tie(self, tied: list["_Estimate"], home: Replica | None, home_engine: int | None, per: int,
-                   n_replicas: int) -> "_Estimate":
+    def _break_tie(self, tied: list["Estimate"], home: Replica | None, home_engine: int | None, per: int,
+                   n_replicas: int) -> "Estimate":
         """Costs within a decode step (or 2%) of the least are a tie, below what the estimates can tell apart:
         then the session's own replica (where anything of it may still be), the least in-flight work, and
         round-robin, so that an idle fleet does not send every new conversation to its first replica.
@@ -524,8 +468,8 @@ class WarmPolicy:
         return min(tied, key=lambda e: (e.replica is not home or e.engine != home_engine, round(e.st.work_s, 3),
                                         (e.replica.index * per + (e.engine or 0) - rr) % slots))
 
-    def _price(self, rows, agg: "_Aggregates", profile: RequestProfile, pin: Pin | None, mine,
-               now: float) -> tuple[list["_Estimate"], list["_Estimate"]]:
+    def _price(self, rows, agg: "Aggregates", profile: RequestProfile, pin: Pin | None, mine,
+               now: float) -> tuple[list["Estimate"], list["Estimate"]]:
         """Every row's estimate, and those tied for the least cost once the guard and the fit rule had their say."""
         w = self.cfg.warm
         out_tokens, fastest_decode = agg.out_tokens, agg.fastest_decode
@@ -579,145 +523,8 @@ class WarmPolicy:
         least_cost = min(e.cost for e in candidates)
         return ests, [e for e in candidates if e.cost <= least_cost + max(_TIE_S, _TIE_SHARE * least_cost)]
 
-    # ------------------------------------------------------------- big fleets
-
-    def _view_of(self, fleet: FleetView, now: float) -> "_View | None":
-        """The fleet looked at whole, when it is big enough to price a shortlist and the pool is the router's own
-        (a gateway's subset or a holder's one replica price every candidate)."""
-        epoch = getattr(fleet, "pool_epoch", None)
-        if epoch is None or not self.use_index:
-            return None
-        only = getattr(fleet, "only", None)
-        v = self._view
-        if v is not None and v.epoch == epoch and (v.only is only or v.only == only):
-            if v.rows is None:
-                return None  # a small pool, until it changes
-            if v.left > 0 and 0 <= now - v.at < _VIEW_MAX_AGE_S and len(self._eased) <= _VIEW_MAX_EASED:
-                v.left -= 1
-                return v
-        self._view = v = self._look(fleet, epoch, now)
-        v.only = only
-        return v if v.rows is not None else None
-
-    def _look(self, fleet: FleetView, epoch: int, now: float) -> "_View | None":
-        v = _View()
-        v.epoch, v.at, v.rows = epoch, now, None
-        live, probing = fleet.pool()
-        if not live or (self._engines and not self.cfg.warm.steer_data_parallel):
-            return v  # nothing LIVE (the PROBING pool is uncapped, and small), or engines chosen per request
-        cands = self._candidates(live + probing)
-        if len(cands) < SHORTLIST_FROM:
-            return v
-        if self.holders is None:
-            self.holders = Holders()
-            for st in itertools.chain(self._state.values(), *self._engines.values()):
-                self.holders.track(st.index)
-        w = self.cfg.warm
-        states = [st for _, st, _ in cands]
-        prefill_rate, decode_s = effective_rates([st.rates for st in states], now, w.rate_fresh_s)
-        rows = list(zip(cands, prefill_rate, decode_s))
-        out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
-        waits = []
-        for (r, st, _), rate in zip(cands, prefill_rate):
-            wait = st.prefill_busy_until - now
-            queued = st.waiting(r)
-            if queued:
-                wait = max(wait, queued * max(st.uncached_ewma, 1.0) / rate)
-            waits.append(max(0.0, wait))
-        n_live = sum(1 for r, _, _ in cands if r.health.state is LIVE)
-        live_waits = waits[:n_live]  # _candidates keeps the pool's order: LIVE first
-        typical = max(1.0, sum(st.uncached_ewma for st in states) / len(states))
-        v.left = max(0, len(cands) // _VIEW_DECISIONS_SHARE - 1)
-        v.rows = rows
-        v.n_live = n_live
-        v.cap = self.cfg.probing_max_in_flight
-        v.aggregates = _Aggregates(out_tokens, min(decode_s), _peer_scale(states),
-                                   busy=min(1.0, sum(live_waits) / n_live / w.busy_wait_s),
-                                   total_work=sum(st.work_s for st in states[:n_live]),
-                                   in_flight=sum({id(r): r.in_flight_requests
-                                                  for r, _, _ in cands[:n_live]}.values()), n=n_live)
-        # what a typical request, its cache left aside, would cost on each LIVE candidate: the terms of _price
-        # that depend on the replica alone (wait, prefill at its rate, decode slower than the fastest, arrivals'
-        # interference, eviction risk, the guard's overload); equal keys go round-robin, as ties do
-        agg = v.aggregates
-        fastest, idle = agg.fastest_decode, 1.0 - agg.busy
-        since = now - w.arrival_window_s
-        k, work_total = max(1, agg.in_flight), agg.total_work
-        unit = work_total / k if work_total > 0 and agg.in_flight else typical / prefill_rate[0] + out_tokens * fastest
-        bound = fair_share(work_total, unit, w.balance_factor, n_live)
-        rr, n_all = self._rr // self._per, max(1, len(fleet.replicas_view))
-        load = []
-        for i in range(n_live):
-            st = states[i]
-            p = typical * st.scale.value / prefill_rate[i]
-            pressure = (st.active_tokens + 2 * typical) / st.cache_tokens
-            load.append((waits[i] + p
-                         + decode_penalty(w.decode_weight, out_tokens, decode_s[i], fastest)
-                         + interference(idle, recent(st.arrivals, since), w.arrival_window_s, p)
-                         + (p * min(1.0, (pressure - w.evict_start) / (w.kv_pressure - w.evict_start))
-                            if pressure > w.evict_start else 0.0)
-                         + max(0.0, st.work_s - bound),
-                         st.work_s, (cands[i][0].index - rr) % n_all))
-        order = range(n_live)
-        v.by_load = sorted(order, key=load.__getitem__)
-        v.bit_at = [st.index.bit for st in states[:n_live]]
-        v.picks = sorted(set(
-            v.by_load[:_LEAST_LOADED]
-            + sorted(order, key=lambda i: load[i][1:])[:_LEAST_WORK]
-            # a long prompt's cost is mostly what it makes others wait (interference): where few arrive
-            + sorted(order, key=lambda i: (len(states[i].arrivals), load[i][1:]))[:_LEAST_WORK]
-            + sorted(order, key=lambda i: states[i].scale.value / prefill_rate[i])[:_FASTEST]))
-        v.pos_of_bit = {st.index.bit: i for i, st in enumerate(states[:n_live])}
-        v.pos_of_state = {id(st): i for i, st in enumerate(states[:n_live])}
-        v.pos_of = {(r.name, k): i for i, (r, _, k) in enumerate(cands[:n_live])}
-        v.index_at = [r.index for r, _, _ in cands[:n_live]]
-        self._eased.clear()
-        self._work_delta, self._flight_delta = 0.0, 0
-        return v
-
-    def _shortlist(self, v: "_View", profile: RequestProfile, pin: Pin | None) -> list:
-        """The rows that can win: see SHORTLIST_FROM."""
-        picks = set(v.picks)
-        if profile.blocks and self.use_index:
-            # at each depth the chain is held at, the least loaded few of those holding it there: the deepest win
-            # on cache, a shared system prompt's holders on cache and load together
-            pos_of_bit = v.pos_of_bit
-            for mask, _ in self.holders.levels(profile.blocks):
-                if mask.bit_count() <= _DEEP:
-                    while mask:
-                        low = mask & -mask
-                        mask ^= low
-                        i = pos_of_bit.get(low)
-                        if i is not None:
-                            picks.add(i)
-                else:
-                    found = 0
-                    bit_at = v.bit_at
-                    for i in v.by_load:
-                        if bit_at[i] & mask:
-                            picks.add(i)
-                            found += 1
-                            if found == _LEVEL_LEAST:
-                                break
-        if pin is not None:
-            i = v.pos_of.get((pin.replica.name, pin.engine))
-            if i is not None:
-                picks.add(i)
-        for key in self._eased:
-            i = v.pos_of_state.get(key)
-            if i is not None:
-                picks.add(i)
-        n = len(v.index_at)
-        start = bisect.bisect_left(v.index_at, self._rr // self._per)
-        for j in range(_NEXT_RR):
-            picks.add((start + j) % n)
-        rows = [v.rows[i] for i in sorted(picks)]
-        cap = v.cap
-        rows += [row for row in v.rows[v.n_live:] if row[0][0].in_flight_requests < cap]
-        return rows
-
-    def _guard(self, ests: list["_Estimate"], out_tokens: float, fastest_decode: float, total: float,
-               in_flight: int, n: int) -> list["_Estimate"]:
+    def _guard(self, ests: list["Estimate"], out_tokens: float, fastest_decode: float, total: float,
+               in_flight: int, n: int) -> list["Estimate"]:
         """C5: Envoy's bounded-load rule in work units. With k typical requests in flight a replica may hold
         max(1, ceil(ceil((k + 1) x c) / n)) of them; what it holds beyond counts as waiting, and beyond
         hard_bound_factor x that it takes nothing (unless every replica is that far over). ``total``, ``in_flight``
@@ -737,7 +544,7 @@ class WarmPolicy:
             kept.append(e)
         return kept or ests
 
-    def _decide(self, best: "_Estimate", profile: RequestProfile, pin: Pin | None, prompt: int, now: float) -> Decision:
+    def _decide(self, best: "Estimate", profile: RequestProfile, pin: Pin | None, prompt: int, now: float) -> Decision:
         """C4: the session pin records where the session's context now lives."""
         chosen = best.replica
         events: list[PinEvent] = []
@@ -830,49 +637,6 @@ class WarmPolicy:
             return None
         st = self.engine_state(r.name, engine) if engine is not None else self.state_of(r)
         return st.index if st is not None and st.prefix_caching else None
-
-
-@dataclass(slots=True)
-class _Estimate:
-    replica: Replica
-    st: WarmReplica
-    rate: float  # prefill tokens/s
-    dec: float  # decode s/token
-    cached: int
-    wait: float
-    prefill: float
-    engine: int | None = None  # the data-parallel engine priced (None: the replica has one)
-    lora: float = 0.0  # seconds to bring the request's LoRA adapter in
-    stall: float = 0.0  # seconds the others on the replica lose to that load
-    fits: bool = True  # beside the active sessions' contexts, in the replica's cache
-    prompt: int = 1  # the request's prompt in this replica's engine tokens (TokenScale)
-    ttft: float = 0.0
-    cost: float = 0.0
-    work: float = 0.0
-
-
-@dataclass(slots=True)
-class _Aggregates:
-    """What pricing needs of the whole pool; None: computed from the priced rows (every candidate priced)."""
-    out_tokens: float
-    fastest_decode: float
-    peer_scale: float
-    busy: float | None = None
-    total_work: float | None = None
-    in_flight: int = 0
-    n: int = 0
-
-
-class _View:
-    """A big fleet looked at whole (``WarmPolicy._look``): rows, aggregates and the shortlist's standing picks."""
-
-    __slots__ = ("epoch", "only", "at", "left", "rows", "n_live", "cap", "aggregates", "picks", "pos_of_bit", "pos_of_state",
-                 "pos_of", "index_at", "by_load", "bit_at")
-
-
-def _peer_scale(states: list[WarmReplica]) -> float:
-    learned = [st.scale.value for st in states if st.scale.learned]
-    return sum(learned) / len(learned) if learned else 1.0
 
 
 WARM_VARIANTS = {

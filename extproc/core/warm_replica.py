@@ -1,0 +1,64 @@
+"""The warm policy's state of one replica (or data-parallel engine): its prefix index, learned rates, predicted
+work, active sessions' contexts and arrivals."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from .config import RouterConfig
+from .load import LoadSample, Rates, TokenScale
+from .prefix_index import Holders, PrefixIndex
+from .replica import Replica
+
+
+class WarmReplica:
+    """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
+
+    __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
+                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent", "scale",
+                 "engine_block")
+
+    def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
+                 scale: TokenScale | None = None, holders: Holders | None = None):
+        w = cfg.warm
+        self.cache_tokens = w.cache_tokens
+        self.index = PrefixIndex(int(w.cache_tokens / tokens_per_block), holders)
+        # one data-parallel engine shares its replica's rates (same GPUs, same model)
+        self.rates = rates or Rates(w.prefill_tokens_per_s, w.decode_s_per_token, w.output_tokens)
+        # the engine's tokens per estimated token (its tokenizer and chat template); shared like the rates
+        self.scale = scale or TokenScale()
+        self.engine_block: int | None = None  # the engine caches whole blocks of this many tokens
+        self.prefill_busy_until = 0.0  # when this router's predicted prefills on the replica are done
+        self.work_s = 0.0  # predicted engine seconds of this router's requests in flight on it
+        self.uncached_ewma = 0.0  # typical uncached prompt tokens of a request here (prices the scraped queue)
+        # requests routed here still in their predicted prefill: (predicted first token, prompt tokens); their
+        # KV is not yet in the scraped usage but will be taken before a request routed now gets any
+        self.pending: deque[tuple[float, int]] = deque()
+        self.pending_tokens = 0
+        self.active_tokens = 0  # context of the sessions that used this replica within warm.active_session_s
+        self.arrivals: deque[float] = deque()  # when requests were routed here, over warm.arrival_window_s
+        # False once the replica says it runs without prefix caching: nothing it served is there to be hit
+        self.prefix_caching = True
+        self.scraped: LoadSample | None = None  # one data-parallel engine's own gauges (None: the replica's)
+        self.lora: LoadSample | None = None  # the last scrape that said which LoRA adapters it runs (None: no LoRA)
+        # adapters this router sent here -> when, least recently first: the last max_lora of them are likely in its
+        # slots, and those sent within warm.active_session_s have sessions that will be back for them
+        self.lora_sent: OrderedDict[str, float] = OrderedDict()
+
+    def waiting(self, r: Replica) -> int:
+        return self.scraped.waiting if self.scraped is not None else r.scraped_waiting
+
+    def kv_usage(self, r: Replica) -> float:
+        return self.scraped.kv_usage if self.scraped is not None else r.kv_usage
+
+    def kv_ahead(self, now: float, kv_usage: float) -> float:
+        """Tokens of KV the requests ahead will hold: the scraped usage plus our pending prefills."""
+        p = self.pending
+        while p and p[0][0] <= now:
+            self.pending_tokens -= p.popleft()[1]
+        return kv_usage * self.cache_tokens + self.pending_tokens
+
+
+def peer_scale(states: list[WarmReplica]) -> float:
+    learned = [st.scale.value for st in states if st.scale.learned]
+    return sum(learned) / len(learned) if learned else 1.0

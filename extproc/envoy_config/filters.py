@@ -137,8 +137,9 @@ def look_filter(cfg: AppConfig) -> dict:
     issue 43). The brain lets it come, or refuses a new session with 429 while it is behind a burst: 2,000 new
     sessions of 100 KB are seconds of reading for one process, which Envoy's timer would fail open into the engines,
     and behind which the turns of sessions under way would wait. Only bodies of more than
-    LOOK_BYTES that the brain will read (a bigger one takes the headers-only route): a look costs the brain about a
-    fifth of reading such a body."""
+    LOOK_BYTES that the brain will read (a bigger one takes the headers-only route) and Envoy will take: a body past
+    its buffer limit (max_body_bytes) is Envoy's 413, and one that overran the limit while its look was out left
+    the client without an answer (1 run in 3). A look costs the brain about a fifth of reading such a body."""
     e = cfg.envoy
     look = ext_proc_filter(cfg, dict(HEADERS_ONLY), request_attributes=[TIME_ATTRIBUTE])
     look["typed_config"]["grpc_service"]["initial_metadata"] = [{"key": LOOK_METADATA[0], "value": LOOK_METADATA[1]}]
@@ -152,7 +153,8 @@ def look_filter(cfg: AppConfig) -> dict:
             "xds_matcher": {"matcher_list": {"matchers": [{
                 "predicate": {"or_matcher": {"predicate": [
                     {"not_matcher": header_predicate(CONTENT_LENGTH, greater_than_regex(LOOK_BYTES))},
-                    header_predicate(CONTENT_LENGTH, greater_than_regex(e.brain_body_max_bytes)),
+                    header_predicate(CONTENT_LENGTH,
+                                     greater_than_regex(min(e.brain_body_max_bytes, e.max_body_bytes))),
                 ]}},
                 "on_match": SKIP_FILTER,
             }]}},

@@ -534,7 +534,9 @@ def test_a_new_session_waits_in_the_brain_while_active_sessions_fill_the_real_ca
                 if r["name"] in serving]
 
     before = scales()
-    for _ in range(8):  # until both replicas learned this text: scales steady and level
+    # until both replicas learned this text: scales steady and level (8 rounds were not always enough: one run
+    # ended at 1.86 and 1.62, and a fifth session got in beside four on the replica counted 13% short)
+    for _ in range(16):
         statuses = asyncio.run(_burst(fleet.url, 60, 4, rng, max_tokens=1, words=(300, 600)))
         assert statuses == [200] * len(statuses)
         quiet(fleet, 30)

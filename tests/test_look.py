@@ -164,3 +164,34 @@ def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_unt
     ctx = Ctx([_look_request()], [LOOK_METADATA])
     asyncio.run(front.Process(None, ctx))
     assert ctx.written == [refuse] and intake.looked_bytes == 0  # refused: no body will come
+
+
+def test_the_bound_is_the_quickest_turn_lately_so_a_burst_s_own_queues_do_not_loosen_it():
+    # a floor below any turn here; flow control off so that the burst is placed, not held (the bound is kept either way)
+    b = live_brain(parse_config({**CFG, "envoy": {"ext_proc_timeout_s": 0.002}, "flow_control": {"enabled": False}}))
+    b.decide(_headers("mine"), _body("my context "))
+    b.decide(_headers("mine"), _body("my context "))
+    quick = b._turn_ttft_s
+    assert quick > 0
+    for k in range(6):  # new sessions' prefills queue on both replicas (nothing is released)
+        b.decide(_headers(f"burst-{k}"), _body(f"burst {k} ") * 10)
+    b.decide(_headers("mine"), _body("my context "))  # its next turn is predicted behind them
+    assert b.recent_decisions(last=1)[0]["predicted_ttft_s"] > 2 * quick
+    assert b._turn_ttft_s == pytest.approx(quick)  # what _look_bound_s reads
+
+
+def test_with_flow_control_envoy_waits_at_least_five_seconds_for_the_brain_s_first_answer():
+    from extproc.envoy_config import bootstrap
+
+    def timeouts(doc: dict) -> dict[str, str]:
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        out = {}
+        for f in hcm["http_filters"]:
+            tc = f["typed_config"]
+            tc = tc.get("extension_config", {}).get("typed_config", tc)
+            if "message_timeout" in tc:
+                out[f["name"]] = tc["message_timeout"]
+        return out
+
+    assert set(timeouts(bootstrap(parse_config(CFG))).values()) == {"5.000s"}
+    assert set(timeouts(bootstrap(parse_config({**CFG, "flow_control": {"enabled": False}}))).values()) == {"1.000s"}

@@ -9,7 +9,8 @@ file, where a bad one raises ``ConfigError`` whose message is one line naming th
 from __future__ import annotations
 
 from ..core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
-from .load import MAX_ALIASES, MAX_CONFIG_BYTES, check_brain_access, is_loopback, load_config, parse_config
+from .load import (MAX_ALIASES, MAX_CONFIG_BYTES, check_brain_access, is_ip, is_loopback, load_config,
+                   parse_config)
 from .schema import (
     DISCOVERY_SOURCES,
     ENGINES,
@@ -31,5 +32,5 @@ __all__ = [
     "DISCOVERY_SOURCES", "ENGINES", "FLOW_FIRST_ANSWER_S", "MAX_ALIASES", "MAX_CONFIG_BYTES", "PROTOCOLS", "AppConfig",
     "BrainConfig", "ConfigError", "DiscoveryConfig", "EnvoyConfig", "FlowControlConfig", "HealthConfig", "PinConfig",
     "ProfileConfig", "ReplicaSpec", "RouterConfig", "SharedStateConfig", "WarmConfig", "brain_calls_max",
-    "check_brain_access", "first_answer_s", "is_loopback", "load_config", "parse_config",
+    "check_brain_access", "first_answer_s", "is_ip", "is_loopback", "load_config", "parse_config",
 ]

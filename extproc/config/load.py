@@ -299,7 +299,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     for field_ in ("brain_endpoints", "brain_failover"):
         for i, ep in enumerate(getattr(envoy, field_)):
             host, _, port = ep.rpartition(":")
-            if not (ep.startswith("unix:/") or (_is_ip(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536)):
+            if not (ep.startswith("unix:/") or (is_ip(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536)):
                 raise ConfigError(f"envoy.{field_}[{i}]: expected unix:/path.sock or ip:port, got {_short(ep)}")
     if brain.protocol not in PROTOCOLS:
         raise ConfigError(f"brain.protocol: expected one of {', '.join(PROTOCOLS)}, got {_short(brain.protocol)}")
@@ -307,7 +307,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     replicas = _replicas(doc.get("replicas"))
     if brain.protocol == "endpoint-picker" and discovery.source == "static":
         for i, r in enumerate(replicas):
-            if not _is_ip(r.host):
+            if not is_ip(r.host):
                 # the gateway is told "ip:port" and matches it against its own endpoints: a name would match none
                 raise ConfigError(f"replicas[{i}].url: brain.protocol endpoint-picker answers ip:port; give the "
                                   f"replica's IP address (or discovery: dns), got {_short(r.url)}")
@@ -374,7 +374,8 @@ def _aliases(raw: Any) -> tuple[tuple[str, tuple[Target, ...]], ...]:
     return tuple(out)
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """A literal IPv4 or IPv6 address (not a name to resolve)."""
     import ipaddress
 
     try:
@@ -426,7 +427,7 @@ def _discovery(raw: Any) -> DiscoveryConfig:
         raise ConfigError("discovery.dns_name: source dns needs the name to resolve (e.g. a headless Service)")
     for i, s in enumerate(d.dns_servers):
         host, _, port = s.rpartition(":") if s.count(":") == 1 else (s, "", "")
-        if not _is_ip(host or s) or (port and not (port.isdigit() and 0 < int(port) <= 65535)):
+        if not is_ip(host or s) or (port and not (port.isdigit() and 0 < int(port) <= 65535)):
             raise ConfigError(f"discovery.dns_servers[{i}]: expected an IP address or ip:port, got {_short(s)}")
     if d.source == "kubernetes" and (d.inference_pool is None) == (d.service is None):
         raise ConfigError("discovery.inference_pool: source kubernetes follows one InferencePool or one service; "

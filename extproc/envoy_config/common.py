@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import ipaddress
-
-
-
+from ..config import is_ip  # noqa: F401 (read from here by the other parts)
 
 BIG = 1_000_000  # circuit-breaker ceilings: LLM requests are long, Envoy's 1024 defaults are not for them
 
@@ -16,14 +13,6 @@ def dur(seconds: float) -> str:
 
 def socket_address(host: str, port: int) -> dict:
     return {"socket_address": {"address": host, "port_value": port}}
-
-
-def is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
 
 
 def thresholds(max_requests: int = BIG) -> dict:

@@ -46,20 +46,20 @@ engines: $(ENGINE_STAMP)  ## vLLM 0.32 (CPU) in .engines/ and the tiny model wit
 
 bench-real: install engines  ## warmroute vs ring hash, least request and SGLang's router on 3 real vLLMs, real time, 3 seeds (~15 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.tools.bench_real
+	$(PY) -m bench real
 
 bench-real-burst: install engines  ## flow control's 2x burst on 3 real vLLMs, real time: warmroute with and without it, bounded ring hash (~15 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.tools.bench_real --burst --seeds 1
+	$(PY) -m bench real-burst
 
 bench-apis: install engines  ## chat, Anthropic Messages and stored Responses through warmroute on 3 real vLLMs, by the real SDKs (~6 min)
-	$(PY) -m extproc.tools.bench_apis
+	$(PY) -m bench apis
 
 bench-serve: install engines  ## vllm bench serve (vLLM's own client) through Envoy + warmroute, on mocks and on 2 real vLLMs (~3 min)
-	$(PY) -m extproc.tools.bench_serve
+	$(PY) -m bench serve
 
 fixtures-vllm: engines  ## capture a real vLLM 0.32's /metrics, /v1/models, /openapi.json and errors into tests/fixtures/vllm-0.32/
-	$(PY) -m extproc.tools.capture_vllm
+	$(PY) -m bench fixtures-vllm
 
 engines-freeze:  ## rewrite engines/vllm-constraints.txt from a fresh resolve
 	rm -rf $(ENGINE_DIR)/freeze && $(PYTHON) -m venv $(ENGINE_DIR)/freeze
@@ -87,29 +87,29 @@ test: install system-deps
 	echo "--- no process: pytest -m 'not integration' ($(ENGINE_DIR)/unit.log)"; tail -30 $(ENGINE_DIR)/unit.log; \
 	[ "$$(cat $(ENGINE_DIR)/unit.rc)" = 0 ] || rc=1; exit $$rc
 
-test-unit: install  ## everything but the tests that start Envoy, brains and replicas (~4 min on 2 cores)
-	$(PY) -m pytest -q -m "not integration"
+test-unit: install  ## everything but the tests that start Envoy, brains and replicas, two at a time (~2 min on 2 cores)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not integration"
 
 docs: install  ## regenerate docs/configuration.md from the config dataclasses, then check every document
-	$(PY) -c "import sys; from extproc.cli import build_parser; from extproc.tools.docs import main; sys.exit(main(build_parser()))"
+	$(PY) -c "import sys; from extproc.cli import build_parser; from bench.docs import main; sys.exit(main(build_parser()))"
 
 image:  ## the brain's image (Dockerfile) with docker, podman or buildah; BASE=<image> to choose the base
 	deploy/image.sh $${TAG:-localhost/warmroute:latest}
 
 bench-discovery: install system-deps  ## replicas added and removed through DNS mid-load (dnsmasq on loopback, ~1 min)
-	$(PY) -m extproc.tools.bench_discovery
+	$(PY) -m bench discovery
 
 bench-rates: install  ## learned prefill/decode rates vs the engine's truth through a load ramp, per engine dialect (~7 min)
-	$(PY) -m extproc.tools.bench_rates
+	$(PY) -m bench rates
 
 bench-fleet: install  ## several models and LoRA adapters in one fleet, warmroute vs per-model Envoy pools (~4 min)
-	$(PY) -m extproc.tools.bench_fleet
+	$(PY) -m bench fleet
 
 bench-brains: install system-deps  ## several brains over a real Redis: warm start with 100K sessions, a decision's cost with sharing on, clients alternating Envoys, a brain and Redis killed (~8 min)
-	$(PY) -m extproc.tools.bench_brains
+	$(PY) -m bench brains
 
 bench-core: install
-	$(PY) -m extproc.tools.bench_core
+	$(PY) -m bench core
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
@@ -119,32 +119,36 @@ envoy-files: install  ## re-render envoy/*.yaml and envoy/snippets/ from the shi
 
 bench: install  ## warmroute vs Envoy built-ins, vllm-router, sglang-router (~45 min: plain workload at 5x, faults at 20x, a burst and a noisy tenant at 5x, then the several-models fleet); results in docs/
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.tools.bench_live
-	$(PY) -m extproc.tools.bench_fleet
+	$(PY) -m bench live
+	$(PY) -m bench fleet
 
 bench-quick: install  ## the plain workload only, at 5x, warmroute and the five closest contenders (~7 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.tools.bench_live --quick --seed $${SEED:-1} --out /tmp/warmroute-bench-quick
+	$(PY) -m bench quick $(if $(SEED),--seed $(SEED))
 
 bench-flow: install  ## flow control under a 2x burst and a noisy tenant, warmroute with and without it beside the closest peers (~25 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.tools.bench_live --flow --out /tmp/warmroute-bench-flow
+	$(PY) -m bench flow
 
 bench-agree: install  ## live vs simulated on one workload at 20x, 10x and 5x compression, ratios to ring hash (~15 min); docs/bench-agree.md
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
-	$(PY) -m extproc.tools.bench_agree
+	$(PY) -m bench agree
 
 bench-overhead: install  ## Envoy direct vs Envoy + brain (needs wrk: apt-get install wrk)
-	$(PY) -m extproc.tools.bench_overhead
+	$(PY) -m bench overhead
 
 bench-flood: install  ## a flood of new sessions (FLOOD, default 2000) beside 4 sessions under way: their TTFT with the flood / alone (~3 min)
-	$(PY) -m extproc.tools.bench_flood --flood $${FLOOD:-2000}
+	$(PY) -m bench flood $(if $(FLOOD),--flood $(FLOOD))
 
 chaos: install  ## faults injected into a live stack under load, then every hardening probe at once beside normal clients (~25 min; CHAOS_MIXED_MINUTES, default 5); results in docs/chaos.md
-	$(PY) -m extproc.tools.chaos --mixed-minutes $${CHAOS_MIXED_MINUTES:-5}
+	$(PY) -m bench chaos $(if $(CHAOS_MIXED_MINUTES),--mixed-minutes $(CHAOS_MIXED_MINUTES))
 
 fuzz: install  ## the generated-input tests with fresh randomness and ~10x the cases of make test (~6 min)
 	WARMROUTE_FUZZ_EXAMPLES=100000 WARMROUTE_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py
 
 soak: install  ## steady load with unique sessions and every hardening probe beside it, bounded (SOAK_MINUTES, default 60, at most 90): nothing grows past its bound, the brain's RSS flat after its first step
-	$(PY) -m extproc.tools.soak --probes --minutes $${SOAK_MINUTES:-60}
+	$(PY) -m bench soak $(if $(SOAK_MINUTES),--minutes $(SOAK_MINUTES))
+
+# any other scenario file: make bench-NAME runs bench/scenarios/NAME.yaml (python -m bench lists them)
+bench-%: install
+	$(PY) -m bench $*

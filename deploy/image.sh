@@ -42,7 +42,8 @@ fi
 
 # the wheels, built here with this machine's pip settings (index, mirror, CA); the build then needs no network
 PIP=${PIP:-$( [ -x .venv/bin/pip ] && echo .venv/bin/pip || echo "python3 -m pip" )}
-rm -rf build/wheels
+# setuptools builds in build/lib and never empties it: a file moved or deleted since the last build would ship
+rm -rf build/wheels build/lib build/bdist.*
 $PIP wheel --quiet --disable-pip-version-check --wheel-dir build/wheels '.[kubernetes]'
 # what a dependency needs only on the image's Python (Debian's 3.11.2: redis wants async-timeout below 3.11.3),
 # which this machine's Python did not ask for

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tls-name", default=None, help="the name to check in the brain's certificate")
 
     m = command("mock-vllm")
-    from .tools.mock_vllm import add_arguments
+    from .tools.mock.vllm import add_arguments
 
     add_arguments(m)
 
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_arguments(sm)
 
     tp = command("top")
-    from .tools.top import add_arguments as top_arguments
+    from .tools.stack.top import add_arguments as top_arguments
 
     top_arguments(tp)
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         return 0 if ok else 1
     if args.cmd == "mock-vllm":
-        from .tools.mock_vllm import serve
+        from .tools.mock.vllm import serve
 
         try:
             asyncio.run(serve(args))
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.cmd == "top":
-        from .tools.top import run as top_run
+        from .tools.stack.top import run as top_run
 
         return top_run(args)
     if args.cmd == "sim":
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_run(args)
     if args.cmd == "up":
-        from .tools.up import up
+        from .tools.stack.up import up
 
         return up(args)
     return 2  # pragma: no cover

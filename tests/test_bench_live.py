@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from extproc.core.config import HealthConfig, PinConfig, WarmConfig
-from extproc.tools.bench_live import scaled_warmroute_config
+from bench.harness import scaled_warmroute_config
 
 
 @pytest.mark.parametrize("section,cls", [("warm", WarmConfig), ("health", HealthConfig), ("pins", PinConfig)])
@@ -27,13 +27,15 @@ def test_the_access_log_flush_that_releases_reservations_shrinks_too():
 
 
 def test_flow_control_s_holds_shrink_too_and_only_warmroute_no_flow_turns_it_off():
-    from extproc.tools.bench_live import FLOW_CONTENDERS, PICKER_SHAPES, WARMROUTE
+    from bench.contenders import WARMROUTE
+    from bench.runs.live import FLOW_CONTENDERS
 
     scaled = scaled_warmroute_config(5.0)["flow_control"]
     assert scaled == {"wait_s": pytest.approx(6.0), "sheddable_wait_s": pytest.approx(2.0)}
-    assert PICKER_SHAPES["warmroute_flow"]["flow_control"]["enabled"] is True
-    # the default (on) everywhere else; its scenarios' baseline is warmroute without it
-    off = [c for c in WARMROUTE if PICKER_SHAPES.get(c, {}).get("flow_control", {}).get("enabled") is False]
+    assert WARMROUTE["warmroute_flow"]["flow_control"]["enabled"] is True
+    # the default (on) everywhere else, "warmroute" as shipped; its scenarios' baseline is warmroute without it
+    assert WARMROUTE["warmroute"] == {}
+    off = [c for c in WARMROUTE if WARMROUTE[c].get("flow_control", {}).get("enabled") is False]
     assert off == ["warmroute_no_flow"] and "warmroute_no_flow" in FLOW_CONTENDERS
 
 
@@ -43,7 +45,7 @@ def _replay_against(chat, cfg, **kw):
 
     from aiohttp import web
 
-    from extproc.tools.sim.http_replay import replay
+    from extproc.tools.workload.http_replay import replay
 
     async def main():
         app = web.Application()
@@ -74,7 +76,7 @@ async def _answer(request):
 
 
 def test_the_replay_sends_the_noisy_tenant_s_sessions_as_sessions_with_a_system_prompt_of_their_own():
-    from extproc.tools.sim.workload import WorkloadConfig
+    from extproc.tools.workload.generate import WorkloadConfig
 
     seen = []
 
@@ -96,7 +98,7 @@ def test_the_replay_sends_a_429_again_after_its_retry_after_and_counts_from_the_
 
     from aiohttp import web
 
-    from extproc.tools.sim.workload import WorkloadConfig
+    from extproc.tools.workload.generate import WorkloadConfig
 
     calls: list[tuple[float, dict]] = []
 

@@ -8,9 +8,9 @@ from argparse import Namespace
 
 import pytest
 
-from extproc.tools import bench_live
-from extproc.tools.bench_harness import EngineCounters, pace_check
-from extproc.tools.sim.http_replay import _loop_lag
+from bench.runs import live as bench_live
+from bench.harness import EngineCounters, pace_check
+from extproc.tools.workload.http_replay import _loop_lag
 
 
 def test_a_client_that_lags_or_a_path_that_takes_a_quarter_of_the_ttft_is_named():

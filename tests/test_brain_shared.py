@@ -10,7 +10,7 @@ import orjson
 from extproc.brain.shared import SharedState
 from extproc.config import SharedStateConfig
 from extproc.core import RouterConfig
-from extproc.tools.redis_proc import free_port
+from extproc.tools.stack.redis_server import free_port
 
 from .helpers import live_router
 from .test_shared import _turn

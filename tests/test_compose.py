@@ -10,8 +10,8 @@ import yaml
 
 from extproc.config import load_config
 from extproc.envoy_config import SHIPPED
-from extproc.tools.mock_vllm import add_arguments
-from extproc.tools.stack import mock_argv
+from extproc.tools.mock.vllm import add_arguments
+from extproc.tools.stack.local import mock_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from extproc.cli import COMMANDS, build_parser
-from extproc.tools import docs
+from bench import docs
 
 ROOT = Path(__file__).resolve().parents[1]
 

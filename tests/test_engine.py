@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.tools.sim.engine import BLOCK, Engine, EngineConfig, EngineRequest
+from extproc.tools.engine.model import BLOCK, Engine, EngineConfig, EngineRequest
 
 
 def req(rid, shared_blocks, own_blocks, max_tokens=20, t=0.0, salt=0):

@@ -1,5 +1,5 @@
 """The scraper against /metrics texts in each engine's exact shape: names, types, label sets and buckets as
-vLLM's and SGLang's code defines them (extproc/tools/engine_metrics.py, which cites where each comes from),
+vLLM's and SGLang's code defines them (extproc/tools/engine/metrics.py, which cites where each comes from),
 rendered after a known history of requests, so every number the parser reads is checked against what put it
 there."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from extproc.brain.scraper import SGLANG, VLLM, parse_metrics
-from extproc.tools.engine_metrics import FIXTURES, fixture
+from extproc.tools.engine.metrics import FIXTURES, fixture
 
 DIR = Path(__file__).parent / "fixtures" / "metrics"
 DIALECT = {"vllm": VLLM, "vllm-old": VLLM, "sglang": SGLANG}
@@ -18,7 +18,7 @@ DIALECT = {"vllm": VLLM, "vllm-old": VLLM, "sglang": SGLANG}
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_the_fixture_files_are_what_the_engine_definitions_render(name):
-    """A definition changed without `python -m extproc.tools.engine_metrics --write` fails here."""
+    """A definition changed without `python -m extproc.tools.engine.metrics --write` fails here."""
     assert (DIR / name).read_bytes() == fixture(*FIXTURES[name])[0]
 
 
@@ -96,8 +96,8 @@ def test_the_mock_s_text_is_prometheus_client_s_byte_for_byte(dialect):
     own exporter's, `_created` series and odd label values included."""
     from prometheus_client import generate_latest
 
-    from extproc.tools.engine_metrics import CacheInfo, Exporter
-    from extproc.tools.sim.engine import EngineRequest
+    from extproc.tools.engine.metrics import CacheInfo, Exporter
+    from extproc.tools.engine.model import EngineRequest
 
     ex = Exporter(dialect, 'odd "model"\\name\n', 2, CacheInfo(16, 100, True), max_loras=2)
     for k in range(2):

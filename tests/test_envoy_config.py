@@ -19,7 +19,7 @@ from extproc.contract import (
     ROUTING_HEADER,
 )
 from extproc.envoy_config import bootstrap, shipped_files
-from extproc.tools.stack import envoy_binary
+from extproc.tools.stack.local import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = load_config(ROOT / "envoy/warmroute.yaml")

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.flow import CRITICAL, SHEDDABLE, STANDARD, FlowQueue, Held
-from extproc.tools.sim.workload import Request
+from extproc.tools.workload.generate import Request
 
 
 def held(key, klass=STANDARD, tenant="a", tokens=100.0, size=0, arrived=0.0, deadline=None):
@@ -285,7 +285,7 @@ def test_a_request_predicted_past_its_deadline_is_refused_at_once_and_one_that_c
 
 def test_the_simulator_holds_and_lets_go_every_request_and_counts_its_wait_from_arrival():
     from extproc.tools.sim.simulator import Simulation
-    from extproc.tools.sim.workload import WorkloadConfig
+    from extproc.tools.workload.generate import WorkloadConfig
 
     sim = Simulation("warmroute_flow_wait", replicas=4, workload=WorkloadConfig(minutes=4).at_load(2.0), seed=1)
     res = sim.run()
@@ -420,7 +420,7 @@ def test_fairness_holds_across_brains_through_shared_state():
 
 
 def test_a_noisy_tenant_adds_its_sessions_and_leaves_the_others_workload_as_it_was():
-    from extproc.tools.sim.workload import Workload, WorkloadConfig
+    from extproc.tools.workload.generate import Workload, WorkloadConfig
 
     def requests(x):
         w = Workload(WorkloadConfig(minutes=5, noisy_tenant_x=x), seed=3)
@@ -441,7 +441,7 @@ def test_a_noisy_tenant_adds_its_sessions_and_leaves_the_others_workload_as_it_w
 
 
 def test_a_burst_adds_arrivals_in_its_window_only_and_leaves_the_rest_of_the_workload_as_it_was():
-    from extproc.tools.sim.workload import Workload, WorkloadConfig
+    from extproc.tools.workload.generate import Workload, WorkloadConfig
 
     def arrivals(burst):
         w = Workload(WorkloadConfig(minutes=10, sessions_per_min=6, burst=burst), seed=4)
@@ -500,8 +500,8 @@ def test_tenants_that_owe_nothing_are_forgotten_past_the_bound_and_those_that_do
 
 
 def test_goodput_counts_a_class_s_requests_that_met_its_deadline_per_minute_from_their_first_attempt():
-    from extproc.tools.sim.measure import GOODPUT_TTFT_S, per_class
-    from extproc.tools.sim.workload import Request
+    from extproc.tools.workload.measure import GOODPUT_TTFT_S, per_class
+    from extproc.tools.workload.generate import Request
 
     def req(klass, arrival, ttft, error=None):
         return Request(0, 0, 0, 100, 0, 10, arrival, klass=klass, ttft=ttft, error=error)
@@ -523,7 +523,7 @@ def _sample(waiting, kv):
 
 def test_llm_d_flow_control_holds_while_the_mean_saturation_is_one_and_lets_go_by_band_then_arrival():
     from extproc.tools.sim.policies import HOLD, REFUSED, LlmdFlowControl
-    from extproc.tools.sim.workload import Request
+    from extproc.tools.workload.generate import Request
 
     p = LlmdFlowControl(2, 1)
     for i in range(2):
@@ -629,7 +629,7 @@ def test_a_new_session_too_big_for_an_empty_replica_is_placed_as_without_flow_co
 
 def test_the_simulator_holds_session_turns_only_when_the_fleet_s_caches_are_full_of_active_contexts():
     from extproc.tools.sim.simulator import Simulation
-    from extproc.tools.sim.workload import WorkloadConfig
+    from extproc.tools.workload.generate import WorkloadConfig
 
     def run(load):
         sim = Simulation("warmroute_flow", replicas=4, workload=WorkloadConfig(minutes=8).at_load(load), seed=1)

@@ -9,7 +9,8 @@ from collections import Counter
 
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.config import parse_config
 from extproc.contract import METADATA_NAMESPACE

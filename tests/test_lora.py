@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from extproc.core import HealthConfig, LoadSample, RouterConfig
-from extproc.tools.sim.engine import Engine, EngineConfig, EngineRequest
+from extproc.tools.engine.model import Engine, EngineConfig, EngineRequest
 
 from .helpers import chain, live_router, prof
 
@@ -113,9 +113,9 @@ def test_C3_a_load_is_priced_for_every_request_it_stalls():
 
 
 def test_the_simulated_fleet_keeps_each_model_in_its_pool_and_counts_adapter_loads():
-    from extproc.tools.bench_fleet import ADAPTERS, MODELS, model_of
+    from bench.runs.fleet import ADAPTERS, MODELS, model_of
     from extproc.tools.sim.simulator import Simulation
-    from extproc.tools.sim.workload import WorkloadConfig
+    from extproc.tools.workload.generate import WorkloadConfig
 
     pools = tuple(p for p, n in MODELS.items() for _ in range(n))
 
@@ -135,7 +135,7 @@ def test_the_simulated_fleet_keeps_each_model_in_its_pool_and_counts_adapter_loa
 def test_the_fleet_bench_pools_seeds_and_prints_the_floor_of_adapter_loads(capsys):
     """One seed's few hundred requests move a percentile by tens of per cent: --seeds pools them; the loads of
     the pooled run are the seeds' loads summed, and never below the adapters the workload asked for."""
-    from extproc.tools import bench_fleet
+    from bench.runs import fleet as bench_fleet
 
     argv = ["--simulated", "--contenders", "envoy_least_request", "--minutes", "1", "--warmup-min", "0.2"]
     loads = []

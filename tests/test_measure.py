@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from extproc.tools.sim.measure import window_numbers
-from extproc.tools.sim.workload import Request
+from extproc.tools.workload.measure import window_numbers
+from extproc.tools.workload.generate import Request
 
 
 def req(arrival, ttft, e2e, prompt=1000, cached=0, out=100, error=None, engine=None):

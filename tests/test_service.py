@@ -9,10 +9,8 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from extproc.config import parse_config
-from extproc.core import LIVE
+from extproc.config import ConfigError, parse_config
 from extproc.contract import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER
-from extproc.config import ConfigError
 from extproc.brain.brain import Brain
 from extproc.brain.decide import headers_from_attributes
 from extproc.brain.scraper import parse_vllm_metrics

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from extproc.core.prefix_index import _SAMPLE, Holders, PrefixIndex
 from extproc.core.warm import SHORTLIST_FROM
 from extproc.tools.sim.simulator import Simulation
-from extproc.tools.sim.workload import WorkloadConfig
+from extproc.tools.workload.generate import WorkloadConfig
 
 from .helpers import chain, live_router, prof
 from .test_warm import WARM

@@ -109,7 +109,7 @@ def test_anatomy_counts_sessions_moved_between_replicas():
 
 def test_anatomy_tail_sorts_the_slowest_turns_by_what_made_them():
     from extproc.tools.sim.anatomy import WARM_UP_S, tail_kinds
-    from extproc.tools.sim.workload import Request
+    from extproc.tools.workload.generate import Request
 
     t0 = WARM_UP_S + 1
     reqs = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.tools.stack import Supervisor
+from extproc.tools.stack.local import Supervisor
 
 
 class Fake:

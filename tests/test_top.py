@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.tools.top import HEAD, SHORT, Row, Snapshot, text_table
+from extproc.tools.stack.top import HEAD, SHORT, Row, Snapshot, text_table
 
 from .helpers import live_router, prof, scrape_until
 
@@ -85,7 +85,7 @@ def test_flow_control_gets_a_line_with_each_class_held_and_its_mean_wait_and_non
 def test_the_flow_line_shows_each_replica_s_active_contexts_against_its_cache():
     """What a held new session waits for, as /state counts it: the sessions placed fill their replicas' working
     sets, and the flow line says so per replica."""
-    from extproc.tools.top import _working_set
+    from extproc.tools.stack.top import _working_set
 
     from .test_flow import _body, _flow_brain
 

@@ -20,6 +20,8 @@ from collections import OrderedDict
 import numpy as np
 
 BLOCK_CHARS = 64
+# vLLM's default --block-size: the tokens of one cache block (the engine caches and evicts whole blocks)
+BLOCK_TOKENS = 16
 _WORDS = BLOCK_CHARS // 8
 _U64 = np.uint64
 _P = 0x9E3779B97F4A7C15  # odd, so P^-1 exists mod 2^64

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
-from ..core import ChainCache, RouterConfig, Router, Transition, build_profile
+from extproc.core import ChainCache, Router, RouterConfig, Transition, build_profile
 
 
 @dataclass

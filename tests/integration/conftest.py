@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from extproc.tools.stack import Stack, wait_for
+from extproc.tools.stack.local import Stack, wait_for
 
 # Shortened SPEC timings so that health transitions happen within seconds in tests.
 FAST = {

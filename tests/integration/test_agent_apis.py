@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from extproc.core.apis import parse_minted, replica_tag
-from extproc.tools.stack import Stack, wait_for
+from extproc.tools.stack.local import Stack, wait_for
 
 from .conftest import FAST
 
@@ -111,8 +111,8 @@ def test_the_live_replay_mixes_the_three_apis_and_reads_each_one_s_answers(stack
     replica and its cached tokens read from that API's own events."""
     import asyncio
 
-    from extproc.tools.sim.http_replay import APIS, replay
-    from extproc.tools.sim.workload import WorkloadConfig
+    from extproc.tools.workload.http_replay import APIS, replay
+    from extproc.tools.workload.generate import WorkloadConfig
 
     w = WorkloadConfig(minutes=1.0, sessions_per_min=12, oneshots_per_min=0, projects=2, long_share=0.0,
                        system_tokens=(800, 1200), turns_median=4, think_s_mean=1.0)

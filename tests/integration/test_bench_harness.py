@@ -6,7 +6,7 @@ from argparse import Namespace
 
 import pytest
 
-from extproc.tools.bench_live import measure, table
+from bench.runs.live import measure, table
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ def test_the_harness_measures_a_contender(contender, scenario):
 
 
 def test_a_router_that_is_not_installed_is_a_row_that_says_so(monkeypatch):
-    import extproc.tools.bench_harness as h
+    import bench.harness as h
 
     monkeypatch.setattr(h, "find_bin", lambda name: None)
     row = measure("vllm_router_cache_aware", "workload", ARGS)

@@ -16,8 +16,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from extproc.config import first_answer_s
-from extproc.tools.hostile import connect_as
-from extproc.tools.stack import wait_for
+from bench.faults.hostile import connect_as
+from extproc.tools.stack.local import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -169,7 +169,7 @@ def test_the_admin_api_changes_nothing_without_the_token_only_the_brain_s_user_r
     import json
     import urllib.error
 
-    from extproc.tools.stack import http_post_json
+    from extproc.tools.stack.local import http_post_json
 
     s = own_stack(2, envoy=False)
     token_file = s.cfg.brain.admin_token_file

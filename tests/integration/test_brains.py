@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from extproc.tools.brains_stack import BrainsStack
-from extproc.tools.procs import wait_for
-from extproc.tools.redis_proc import RedisServer
-from extproc.tools.stack import Stack
+from extproc.tools.stack.brains import BrainsStack
+from extproc.tools.stack.procs import wait_for
+from extproc.tools.stack.redis_server import RedisServer
+from extproc.tools.stack.local import Stack
 
 from .conftest import FAST
 from .test_brain_access import make_pki

@@ -11,9 +11,9 @@ import pytest
 from extproc.config import DiscoveryConfig
 from extproc.discovery import DiscoveryError
 from extproc.discovery.dns import DnsSource
-from extproc.tools import bench_discovery
-from extproc.tools.bench_discovery import NAME, Dnsmasq, free_dns_port, free_port
-from extproc.tools.stack import Stack, wait_for
+from bench.runs import discovery as bench_discovery
+from bench.runs.discovery import NAME, Dnsmasq, free_dns_port, free_port
+from extproc.tools.stack.local import Stack, wait_for
 
 from .conftest import FAST
 

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from extproc.tools.bench_agree import compare_streams
-from extproc.tools.bench_live import bench_workload
-from extproc.tools.engine_agree import engine_trace, replay_trace, simulate_trace
-from extproc.tools.sim.http_replay import replay
+from bench.runs.agree import compare_streams
+from bench.harness import bench_workload
+from bench.runs.engine_agree import engine_trace, replay_trace, simulate_trace
+from extproc.tools.workload.http_replay import replay
 from extproc.tools.sim.simulator import Simulation
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from extproc.tools.stack import Stack, wait_for
+from extproc.tools.stack.local import Stack, wait_for
 
 from .conftest import FAST
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from extproc.contract import FALLBACK_CLUSTER
-from extproc.tools.stack import wait_for
+from extproc.tools.stack.local import wait_for
 
 from .conftest import quiet
 

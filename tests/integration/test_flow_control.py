@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from extproc.tools.procs import wait_for
+from extproc.tools.stack.procs import wait_for
 
 from .conftest import FAST
 

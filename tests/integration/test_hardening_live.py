@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 
-from extproc.tools.stack import http_post_json, wait_for
+from extproc.tools.stack.local import http_post_json, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -140,7 +140,7 @@ def test_sixteen_compressed_uploads_inside_the_ratio_are_refused_at_the_edge_and
     Envoy answers 413 in the API's shape, nothing reaches a replica, and the clients beside them are all served."""
     s = own_stack(2)
     s.wait_all_live(30)
-    from extproc.tools.probes import ordinary_upload
+    from bench.faults.probes import ordinary_upload
 
     upload = ordinary_upload()
     assert 0.7 * 2**20 < len(upload) < 1.3 * 2**20
@@ -177,9 +177,9 @@ def test_every_probe_at_once_beside_normal_clients_leaves_no_reservation_and_dro
     of its own now (warmroute_brain_log). The normal clients are all served."""
     import time
 
-    from extproc.tools.chaos import Load
-    from extproc.tools.probes import Probes, unexpected
-    from extproc.tools.stack import wait_for
+    from bench.faults.chaos import Load
+    from bench.faults.probes import Probes, unexpected
+    from extproc.tools.stack.local import wait_for
 
     s = own_stack(4, mock_args=["--speedup", "10"])
     s.wait_all_live(30)
@@ -201,7 +201,7 @@ def test_a_flood_of_new_sessions_is_refused_before_its_upload_and_nothing_fails_
     timer; those it could not read failed open into the engines, ahead of the sessions under way (at 1,000 and 2,000
     at once, 411 and 1,996 did). The look at their headers refuses new sessions while the brain is behind: every
     flood request gets 200 or 429 from the brain, none fails open past it, and a session under way keeps every turn."""
-    from extproc.tools.bench_flood import _flood, _turn
+    from bench.runs.flood import _flood, _turn
 
     s = own_stack(4, mock_args=["--speedup", "10"])
     s.wait_all_live(30)

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from extproc.contract import EXT_PROC_STAT_PREFIX
-from extproc.tools.stack import http_get, http_post_json, wait_for
+from extproc.tools.stack.local import http_get, http_post_json, wait_for
 
 pytestmark = pytest.mark.integration
 

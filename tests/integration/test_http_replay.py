@@ -7,9 +7,9 @@ from collections import defaultdict
 
 import pytest
 
-from extproc.tools.sim.http_replay import replay
-from extproc.tools.sim.workload import WorkloadConfig
-from extproc.tools.stack import Stack
+from extproc.tools.workload.http_replay import replay
+from extproc.tools.workload.generate import WorkloadConfig
+from extproc.tools.stack.local import Stack
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
-from extproc.tools.stack import Stack, wait_for
+from extproc.tools.stack.local import Stack, wait_for
 
 from ..helpers import stop_group
 from .conftest import FAST

@@ -11,14 +11,13 @@ purpose are listed in docs/simulator.md.
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from extproc.brain.scraper import VLLM, parse_metrics
-from extproc.tools.capture_vllm import ADAPTERS, ERRORS, HISTORY, send
-from extproc.tools.stack import http_get
+from bench.runs.capture_vllm import ADAPTERS, ERRORS, HISTORY, send
+from extproc.tools.stack.local import http_get
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +66,7 @@ def read_names() -> set[str]:
 @pytest.fixture(scope="module")
 def mock():
     """A mock replica sent the capture's history; its answers by name."""
-    from extproc.tools.stack import Stack
+    from extproc.tools.stack.local import Stack
 
     s = Stack(0)
     try:

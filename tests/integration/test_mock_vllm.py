@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.tools.stack import http_get, http_post_json, wait_for
+from extproc.tools.stack.local import http_get, http_post_json, wait_for
 
 pytestmark = pytest.mark.integration
 

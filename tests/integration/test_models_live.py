@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from extproc.tools.stack import Stack, http_get, wait_for
+from extproc.tools.stack.local import Stack, http_get, wait_for
 
 from .conftest import FAST
 

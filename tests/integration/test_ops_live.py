@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.tools.stack import http_get
+from extproc.tools.stack.local import http_get
 
 from ..test_ops import metric_names
 

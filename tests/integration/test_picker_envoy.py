@@ -8,7 +8,7 @@ import json
 import pytest
 
 from extproc.contract import PICKER_CLUSTER
-from extproc.tools.stack import http_get, wait_for
+from extproc.tools.stack.local import http_get, wait_for
 
 from .test_envoy_stack import chat, client, raw_post
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.tools.stack import Proc, http_get, wait_for
+from extproc.tools.stack.local import Proc, http_get, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -28,10 +28,10 @@ import aiohttp
 import pytest
 
 from extproc.brain.scraper import VLLM, parse_metrics
-from extproc.tools import real_vllm
-from extproc.tools.real_vllm import VllmOptions
-from extproc.tools.sim.http_replay import system_texts
-from extproc.tools.stack import Stack, http_get, wait_for
+from extproc.tools.stack import real_vllm
+from extproc.tools.stack.real_vllm import VllmOptions
+from extproc.tools.workload.http_replay import system_texts
+from extproc.tools.stack.local import Stack, http_get, wait_for
 
 from .conftest import FAST, quiet
 
@@ -382,7 +382,7 @@ def test_the_real_servers_openapi_is_the_path_catalog(fleet):
 
 def test_vllm_bench_serve_through_warmroute_fails_nothing(fleet, tmp_path):
     """vLLM's own load generator, a client we did not write, on the real fleet: every request completes."""
-    from extproc.tools.bench_serve import vllm_bench_serve
+    from bench.runs.serve import vllm_bench_serve
 
     r = vllm_bench_serve(fleet.url, MODEL, tmp_path, prompts=16, concurrency=4, prefix_len=512, output_len=16)
     print(f"\nvllm bench serve: {r['completed']} completed, {r['failed']} failed, TTFT p50 {r['median_ttft_ms']:.0f} ms")

@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from extproc.tools.stack import http_get, wait_for
+from extproc.tools.stack.local import http_get, wait_for
 
 from .conftest import quiet
 

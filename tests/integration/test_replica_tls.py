@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from extproc.tools.stack import Stack, wait_for
+from extproc.tools.stack.local import Stack, wait_for
 
 from .conftest import FAST
 from .test_brain_access import make_pki

@@ -9,8 +9,9 @@ import sys
 import pytest
 import yaml
 
-from extproc.tools.hostile import ENDLESS_METRICS, rss_mib
-from extproc.tools.stack import Proc, Stack, http_get, wait_for
+from bench.faults.hostile import ENDLESS_METRICS
+from extproc.tools.stack.procs import rss_mib
+from extproc.tools.stack.local import Proc, Stack, http_get, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +51,7 @@ def test_one_replica_naming_90000_engines_is_ejected_alone_and_the_healthy_fleet
     """Issue 43: a replica whose /metrics named 90,000 engines (3.9 MB) took the brain from 83 to 937 MB, stalled its
     loop 4.2 s and got the three healthy replicas EJECTED. Now that page fails at health.max_engines, its parse runs
     off the event loop, and the others never leave LIVE."""
-    from extproc.tools.hostile import MANY_ENGINES_METRICS
+    from bench.faults.hostile import MANY_ENGINES_METRICS
 
     with Stack(3, config={"health": {"scrape_interval_s": 0.5, "probing_clean_window_s": 1.0}},
                mock_args=["--speedup", "20"]) as s:

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from extproc.envoy_config import snippets
-from extproc.tools.stack import wait_for
+from extproc.tools.stack.local import wait_for
 
 from .conftest import quiet
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from extproc.tools.stack import wait_for
+from extproc.tools.stack.local import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.tools import admin_http
-from extproc.tools.stack import wait_for
+from extproc.tools.stack import admin_http
+from extproc.tools.stack.local import wait_for
 
 from ..helpers import stop_group
 
@@ -83,7 +83,7 @@ def test_warmroute_up_restarts_a_killed_brain_and_says_so():
 def test_a_process_a_stack_started_dies_with_its_starter_however_that_one_dies(tmp_path):
     """up (or a test runner) killed with -9 cannot stop its replicas and brain: they get SIGTERM from the kernel
     (setpriv --pdeathsig) instead of running on orphaned."""
-    script = ("import sys, time; from pathlib import Path; from extproc.tools.procs import Proc; "
+    script = ("import sys, time; from pathlib import Path; from extproc.tools.stack.procs import Proc; "
               "p = Proc('sleeper', [sys.executable, '-c', 'import time; time.sleep(120)'], Path(sys.argv[1])); "
               "print(p.popen.pid, flush=True); time.sleep(120)")
     starter = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,

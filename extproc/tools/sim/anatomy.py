@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import seed_list
-from .simulator import Simulation
-from .workload import WorkloadConfig
+from extproc.tools.sim.cli import seed_list
+from extproc.tools.sim.simulator import Simulation
+from extproc.tools.workload.generate import WorkloadConfig
 
 POLICIES = ["warmroute", "envoy_ring_hash_bounded_150", "llmd_epp", "oracle"]
 WARM_UP_S = 120.0  # as the simulator's summaries

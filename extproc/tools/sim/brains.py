@@ -14,9 +14,9 @@ import random
 from collections import deque
 from typing import Callable
 
-from ...core import RouterConfig
-from .policies import Policy, Warmroute, make_policy
-from .workload import Request
+from extproc.core import RouterConfig
+from extproc.tools.sim.policies import Policy, Warmroute, make_policy
+from extproc.tools.workload.generate import Request
 
 
 class Brains(Policy):

@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from .policies import COMPARE, FLOW, FLOW_PEERS, PEERS, POLICIES
-from .report import share_plot, table
-from .simulator import Fault, Simulation
-from .workload import WorkloadConfig
+from extproc.tools.sim.policies import COMPARE, FLOW, FLOW_PEERS, PEERS, POLICIES
+from extproc.tools.sim.report import share_plot, table
+from extproc.tools.sim.simulator import Fault, Simulation
+from extproc.tools.workload.generate import WorkloadConfig
 
 CAPACITY_TTFT_P90_S = 2.0
 WARM_UP_S = 120.0  # as the simulator's summaries  # the latency target a fleet owner buys hardware by
@@ -239,8 +239,10 @@ def simulator_fingerprint() -> str:
     """What the peers' results depend on: the engine model, the simulator, the workload, the peers' models and the
     parts of the core they use (prefix index, key hash, outcome verdicts, imbalance index). A peers cache made from
     other sources is not reused; the warm and seed policies are not among them, so iterating on those keeps it."""
-    from ...core import outcome, prefix_index, profile, stats
-    from . import engine, policies, simulator, workload
+    from extproc.core import outcome, prefix_index, profile, stats
+    from extproc.tools.engine import model as engine
+    from extproc.tools.sim import policies, simulator
+    from extproc.tools.workload import generate as workload
 
     h = hashlib.sha256()
     for mod in (engine, simulator, workload, policies, prefix_index, profile, stats, outcome):
@@ -355,7 +357,7 @@ def flow_versus(args, loads: list[float], seeds: list[int]) -> int:
 def _others_p99(policy: str, args, seed: int, noisy_x: float) -> float:
     """The TTFT p99 (from the first attempt) of the requests of every tenant but the noisy one, after the
     warm-up."""
-    from .measure import pct
+    from extproc.tools.workload.measure import pct
 
     w = dataclasses.replace(workload(args), noisy_tenant_x=noisy_x)
     speeds = _speeds(args.replica_speeds)

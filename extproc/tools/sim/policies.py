@@ -15,12 +15,12 @@ import bisect
 import hashlib
 import math
 import random
-from ...core import LoadSample, Reason, RequestProfile, Router, RouterConfig, hash_key
-from ...core.flow import FlowControl
-from ...core.policy import POLICIES as CORE_POLICIES
-from .engine import BLOCK
-from .workload import Request
 
+from extproc.core import LoadSample, Reason, RequestProfile, Router, RouterConfig, hash_key
+from extproc.core.blocks import BLOCK_TOKENS as BLOCK
+from extproc.core.flow import FlowControl
+from extproc.core.policy import POLICIES as CORE_POLICIES
+from extproc.tools.workload.generate import Request
 
 HOLD = -1  # choose(): flow control holds the request (it comes back from take_ready)
 REFUSED = -2  # choose() or take_ready(): 429 with Retry-After: the client sends it again after RETRY_AFTER_S
@@ -262,7 +262,7 @@ class LlmdEndpointPicker(Policy):
 
     def __init__(self, n: int, seed: int, cache_tokens: int = 300_000, lora_weight: float = 0.0):
         super().__init__(n, seed)
-        from ...core import PrefixIndex
+        from extproc.core import PrefixIndex
 
         self.index = [PrefixIndex(cache_tokens // BLOCK) for _ in range(n)]
         self.waiting = [0] * n

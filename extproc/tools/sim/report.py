@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .simulator import SimResult
+from extproc.tools.sim.simulator import SimResult
 
 COLUMNS = [
     ("policy", "policy", "{:<30}"),

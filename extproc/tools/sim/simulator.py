@@ -14,12 +14,12 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ...core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
-from .measure import pct, per_class
-from .engine import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
-from .brains import make as make_policy
-from .policies import HOLD, REFUSED, RETRY_AFTER_S, Policy
-from .workload import Request, Workload, WorkloadConfig
+from extproc.core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
+from extproc.tools.engine.model import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
+from extproc.tools.sim.brains import make as make_policy
+from extproc.tools.sim.policies import HOLD, REFUSED, RETRY_AFTER_S, Policy
+from extproc.tools.workload.generate import Request, Workload, WorkloadConfig
+from extproc.tools.workload.measure import pct, per_class
 
 FLOW_TICK_S = 0.05  # while requests are held, the router looks again this often (besides at every release)
 

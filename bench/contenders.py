@@ -1,0 +1,40 @@
+"""Who a bench measures, as data: a new contender is an entry here, not code.
+
+- the peers as their users deploy them: Envoy's own load balancers (``ENVOY_POLICIES``: the cluster's lb_policy)
+  and the routers from PyPI (``ROUTERS``: binary and policy), started by ``harness.start_peer``;
+- warmroute's variants (``WARMROUTE``): config overlays over the shipped default, which ``warmroute`` is as it
+  ships (flow control on), started by ``harness.start``.
+"""
+
+from __future__ import annotations
+
+ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH",
+                  "envoy_ring_hash_bounded_150": "RING_HASH"}
+ROUTERS = {
+    "vllm_router_cache_aware": ("vllm-router", "cache_aware"),
+    "vllm_router_consistent_hash": ("vllm-router", "consistent_hash"),
+    "vllm_router_power_of_two": ("vllm-router", "power_of_two"),
+    "sglang_router_cache_aware": ("sglang-router", "cache_aware"),
+}
+PEERS = [*ENVOY_POLICIES, *ROUTERS]
+
+# warmroute's variants: each a config overlay on the shipped default (scaled to the bench's pace by
+# harness.scaled_warmroute_config). "warmroute" is the default as shipped; the seed's pipeline; the default as the
+# endpoint picker of Envoy in a Gateway API Inference Extension gateway's shape (`envoy-config --mode
+# endpoint-picker`), with buffered bodies (the rendered default) and full duplex, as Inference Extension gateways
+# send them
+WARMROUTE: dict[str, dict] = {
+    "warmroute": {},
+    "warmroute_seed": {"routing": {"policy": "seed"}},
+    "warmroute_endpoint_picker": {"brain": {"protocol": "endpoint-picker"}},
+    "warmroute_endpoint_picker_duplex": {"brain": {"protocol": "endpoint-picker"},
+                                         "envoy": {"picker_body_mode": "full-duplex"}},
+    # data-parallel replicas (--data-parallel): the engine left to the replica's front end
+    "warmroute_dp_unsteered": {"warm": {"steer_data_parallel": False}},
+    # flow control (on by default) with the class and tenant the bench's clients set themselves (a trusted
+    # network); and warmroute without flow control, the baseline of its scenarios
+    "warmroute_flow": {"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
+                       "envoy": {"trust_downstream_tenant_header": True}},
+    "warmroute_no_flow": {"flow_control": {"enabled": False}},
+}
+CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]

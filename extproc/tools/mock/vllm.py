@@ -1,0 +1,846 @@
+"""``warmroute mock-vllm``: an OpenAI-compatible vLLM replica driven by the engine model in real time.
+
+The simulator's engine (``extproc.tools.engine.model``: continuous batching,
+paged KV with prefix caching, queueing, chunked prefill, preemption) runs
+here against the wall clock, optionally sped up. Prompts are real text;
+the model derives 16-token blocks from it deterministically (4 characters
+a token, chained hashes of 64-character chunks), so two prompts sharing a
+prefix share cached blocks without any tokenizer download.
+
+It exports vLLM's own metric names and types on ``/metrics`` and takes
+faults by flags or ``POST /admin/fault``: ``{"healthy": false}``,
+``{"fail_rate": 0.3}`` (503s), ``{"stall_s": 5}`` (slow /metrics and
+requests), ``{"die_for_s": 10}`` (stop listening, lose in-flight work,
+come back with a cold cache), ``{"die_slowly_s": 1.3, "die_for_s": 10}``
+(first a process that still accepts connections but resets every request
+before answering, as a SIGKILLed vLLM does while its port closes);
+``--flap-every/--flap-down`` make it die and return on a timer. Like
+vLLM's uvicorn server it closes a keep-alive connection idle for
+``--keep-alive-s`` (5 s, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import random
+import sys
+import time
+import uuid
+import zlib
+from dataclasses import replace
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from extproc.core.apis import anthropic_error_body
+from extproc.core.blocks import BLOCK_CHARS, block_hashes
+from extproc.core.models import not_found_body
+from extproc.tools.engine.metrics import DIALECTS, SGLANG_DECODE_LOG_INTERVAL, CacheInfo, Exporter
+from extproc.tools.engine.model import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
+from extproc.tools.mock.apis import (
+    MessagesShape,
+    ResponsesShape,
+    ResponseStore,
+    messages_prompt,
+    not_found,
+    responses_input,
+)
+
+CHARS_PER_TOKEN = 4
+ENGINE_HEADER = "x-mock-engine"  # which data-parallel engine served (not vLLM's; for tests and benchmarks)
+REPLICA_HEADER = "x-mock-replica"  # which replica served (chat has its system_fingerprint; the other APIs this)
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
+POOLING_PATHS = ("/v1/embeddings", "/pooling")
+MIN_EMIT_WALL_S = 0.002  # a decode run's tokens go out at most this often (wall time); at real speed, every step
+
+
+def text_blocks(text: str) -> list[int]:
+    """The prefix cache's view of a prompt: the router's own block hashes (``extproc.core.blocks``), so a
+    "cache hit" means the same thing to the mock, the router and the simulator. The last, partial block
+    gets a hash of its own (the engine never shares it)."""
+    data = text.encode("utf-8", "replace")
+    out = block_hashes(data)
+    if len(data) % BLOCK_CHARS:
+        out.append(zlib.crc32(data) << 32 | len(data))
+    return out
+
+
+class _Aborted(Exception):
+    pass
+
+
+class Waiter:
+    """Token events of one request from the engine loop to its HTTP handler."""
+
+    __slots__ = ("queue", "req", "first_at", "last_at")
+
+    def __init__(self, req: EngineRequest):
+        self.req = req
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.first_at: float | None = None  # engine time of the first token (a preempted request keeps its first)
+        self.last_at: float | None = None  # engine time of its last tokens (inter-token latency)
+
+
+class Driver:
+    """Runs the engine in workload time, with the simulator's stepping, against the wall clock.
+
+    The engine's clock is workload time: a step starts where the previous one
+    ended (or at the arrival that woke an idle engine), and a client is
+    answered when the wall clock reaches that step's end divided by
+    ``speedup``. A late event loop therefore delays the answer but never the
+    engine, so the simulator and the mock compute the same schedule, and the
+    mock's own lateness (asyncio, HTTP, a busy machine) is measured per
+    request as ``lag`` instead of silently inflating every later step.
+    Pure-decode steps are run ``horizon_s`` at a time, as the simulator does
+    (an arrival cuts the run at the next step boundary), so a 20x-compressed
+    14 ms step is not a 0.7 ms timer the event loop cannot keep.
+    """
+
+    def __init__(self, cfg: EngineConfig, speedup: float, horizon_s: float = DECODE_HORIZON_S, index: int = 0):
+        self.engine = Engine(cfg)
+        self.index = index  # its data-parallel rank
+        self.speedup = speedup
+        self.horizon_s = horizon_s
+        self.w0 = time.monotonic()
+        self.clock = 0.0  # workload time where the next step starts
+        self.waiters: dict[int, Waiter] = {}
+        self.prefilled: set[int] = set()
+        # the moments an engine's metrics move (engine_metrics.Exporter): first token, tokens streamed, finish, step
+        self.on_first = lambda k, er: None
+        self.on_chunk = lambda k, n, interval_s: None  # n tokens of one request, interval_s wall after its last
+        self.on_done = lambda k, er: None
+        self.on_step = lambda k: None
+        self.on_lag = lambda lag_s: None  # wall seconds a first token reached its client after its due time
+        self._wake = asyncio.Event()
+        self._end: float | None = None  # workload time the step (or decode run) in progress ends
+        self._next_rid = 0
+        self.task: asyncio.Task | None = None
+
+    def now(self) -> float:
+        return (time.monotonic() - self.w0) * self.speedup
+
+    def wall(self, t: float) -> float:
+        return self.w0 + t / self.speedup
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def _emit(self, w: Waiter, n: int, first: bool, at: float) -> None:
+        if not first and w.last_at is not None:
+            self.on_chunk(self.index, n, (at - w.last_at) / self.speedup)
+        elif first and n > 1:
+            self.on_chunk(self.index, n - 1, 0.0)
+        w.last_at = at
+        w.queue.put_nowait((n, first))
+
+    def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int, lora: str | None = None) -> Waiter:
+        self._next_rid += 1
+        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, self.now(), lora=lora)
+        w = Waiter(er)
+        self.waiters[er.rid] = w
+        self.engine.add(er)
+        if self._end is None:
+            self._wake.set()
+        else:
+            cut = self.engine.cut_run(er.arrival)  # vLLM admits it at the next step boundary
+            if cut is not None:
+                self._end = cut
+                self._wake.set()
+        return w
+
+    def abort(self, w: Waiter) -> None:
+        self.waiters.pop(w.req.rid, None)
+        self.prefilled.discard(w.req.rid)
+        self.engine.abort(w.req)
+
+    def abort_all(self) -> None:
+        self.engine.abort_all()
+        self.prefilled.clear()
+        for w in self.waiters.values():
+            w.queue.put_nowait(_Aborted())
+        self.waiters.clear()
+
+    async def _sleep_until(self, t: float) -> None:
+        """Until the wall clock reaches engine time ``t``, or the step in progress ends earlier (an arrival cut it)."""
+        while (delay := self.wall(min(t, self._end)) - time.monotonic()) > 0:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run(self) -> None:
+        e = self.engine
+        while True:
+            if not e.busy:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if e.waiting and not e.running:  # idle until now: the step starts at the arrival
+                self.clock = max(self.clock, e.waiting[0].arrival)
+            before = {r.rid: r.generated for r in e.running}
+            dur, first, done = e.step(self.clock, self.horizon_s)
+            if dur <= 0:
+                await asyncio.sleep(0.001)
+                continue
+            self._end = self.clock + dur
+            emitted = dict(before)
+            run = e._run  # a run of pure-decode steps: each of its requests gets one token per step
+            if run is not None:
+                start, step_s, _, decoding = run
+                # stream as vLLM does, a token per step, but not more often than the event loop can keep at high
+                # compression (the schedule is the engine's either way; only the chunking changes)
+                every = max(1, math.ceil(MIN_EMIT_WALL_S * self.speedup / step_s))
+                k = every
+                while start + k * step_s < self._end - 1e-12:
+                    await self._sleep_until(start + k * step_s)
+                    if start + k * step_s >= self._end - 1e-12:  # an arrival cut the run before this boundary
+                        break
+                    for r in decoding:
+                        w = self.waiters.get(r.rid)
+                        upto = min(r.generated, before.get(r.rid, 0) + k)
+                        if w is not None and upto > emitted.get(r.rid, 0):
+                            self._emit(w, upto - emitted.get(r.rid, 0), False, start + k * step_s)
+                            emitted[r.rid] = upto
+                    k += every
+            await self._sleep_until(self._end)
+            self.clock, self._end = self._end, None
+            late = time.monotonic() - self.wall(self.clock)
+            self.on_step(self.index)
+            for r in first:
+                if r.rid not in self.prefilled:  # once per request, as vLLM counts it (not again after preemption)
+                    self.prefilled.add(r.rid)
+                    self.on_first(self.index, r)
+                    self.on_lag(late)
+            firsts = {r.rid for r in first}
+            for r in [*e.running, *done]:
+                w = self.waiters.get(r.rid)
+                new = r.generated - emitted.get(r.rid, 0)
+                if w is not None and new > 0:
+                    if w.first_at is None:
+                        w.first_at = self.clock
+                    self._emit(w, new, r.rid in firsts, self.clock)
+            for r in done:
+                self.prefilled.discard(r.rid)
+                self.on_done(self.index, r)
+                w = self.waiters.pop(r.rid, None)
+                if w is not None:
+                    w.queue.put_nowait(None)
+
+
+class MockReplica:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.dying = False  # die_slowly_s: the port accepts, every request is reset unanswered
+        self.metrics_fault: str | None = None  # "nan": /metrics reports NaN (POST /admin/fault {"metrics": "nan"})
+        self.model = args.model
+        self.started = int(time.time())  # /v1/models' "created"
+        self.healthy = True
+        self.fail_rate = args.fail_rate
+        self.html = False
+        self.stall_s = 0.0
+        self.rng = random.Random(args.seed)
+        # --speed scales prefill and decode alike (a slower GPU); --speedup only compresses time for tests
+        # LoRA adapters it serves (vLLM --lora-modules), each listed in /v1/models with this model as parent
+        self.adapters = [a for a in (getattr(args, "lora_adapters", "") or "").split(",") if a]
+        max_loras = max(1, getattr(args, "max_loras", 1)) if self.adapters else 0
+        self.engine_cfg = replace(EngineConfig(max_num_seqs=args.max_num_seqs).scaled(args.speed, args.kv_tokens),
+                                  prefix_caching=getattr(args, "prefix_caching", "on") == "on", max_loras=max_loras,
+                                  lora_load_s=getattr(args, "lora_load_s", 0.0) if self.adapters else 0.0)
+        self.dp = max(1, getattr(args, "data_parallel", 1))
+        # vLLM's --max-model-len: the longest prompt + output one request may have (default here: the KV cache's size)
+        self.max_model_len = getattr(args, "max_model_len", None) or self.engine_cfg.kv_tokens
+        self.store = ResponseStore() if getattr(args, "responses_store", False) else None
+        self.background: dict[str, asyncio.Task] = {}  # background responses still generating, by id
+        self.drivers = [self._driver(k) for k in range(self.dp)]
+        self.site: web.TCPSite | None = None
+        self.runner: web.AppRunner | None = None
+        self.port = args.port
+        self.dialect = "none" if getattr(args, "no_metrics", False) else args.metrics
+        cache = CacheInfo(16, self.engine_cfg.num_blocks, self.engine_cfg.prefix_caching)
+        self.exporter = Exporter(self.dialect if self.dialect != "none" else "vllm", self.model, self.dp, cache,
+                                 tp=getattr(args, "tp", 1), all_ranks=getattr(args, "metrics_all_ranks", False),
+                                 max_model_len=self.max_model_len, max_loras=max_loras)
+        self._logged: list[tuple[int, int, int, float]] = [(0, 0, 0, 0.0)] * self.dp  # SGLang: last stats log
+        # not an engine's metric: how late the mock's event loop delivered first tokens (wall seconds), so a
+        # benchmark can tell the engine's time from the mock's own overhead; and the engine's true speeds
+        # (counted as they happen, in wall seconds), the ground truth for the rates a router learns
+        reg = self.registry = CollectorRegistry()
+        self.h_lag = Histogram("mock:first_token_lag_seconds", "Wall time a first token reached its client after "
+                               "its due time", registry=reg,
+                               buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        self.c_not_found = Counter("mock:model_not_found", "Requests refused for a model it does not serve",
+                                   registry=reg)
+        self.g_truth = Gauge("mock:engine_truth", "The engine's true prefill and decode work, counted when done",
+                             ["engine", "quantity"], registry=reg)
+        for d in self.drivers:
+            d.start_wall = time.monotonic()
+            self._wire(d)
+
+    def _driver(self, k: int = 0) -> "Driver":
+        return Driver(self.engine_cfg, self.args.speedup, self.args.decode_horizon_s, index=k)
+
+    def _wire(self, d: "Driver") -> None:
+        ex, sp = self.exporter, self.args.speedup
+
+        def first(k, er):
+            ex.first_token(k, er, (er.first_token_at - er.arrival) / sp, (er.first_token_at - er.scheduled_at) / sp)
+
+        def done(k, er):
+            ex.finished(k, er, queued_s=(er.scheduled_at - er.arrival) / sp,
+                        prefill_s=(er.first_token_at - er.scheduled_at) / sp,
+                        decode_s=(er.finished_at - er.first_token_at) / sp, e2e_s=(er.finished_at - er.arrival) / sp)
+
+        d.on_first, d.on_done, d.on_chunk, d.on_lag = first, done, ex.chunk, self.h_lag.observe
+        d.on_step = self._stepped
+
+    def _stepped(self, k: int) -> None:
+        """SGLang logs its scheduler stats (the gauges) on every prefill batch and every decode_log_interval
+        decode steps, and at no other time. vLLM records lora_requests_info at every step's stats."""
+        if self.dialect != "sglang":
+            self.exporter.lora_info(self.drivers[k].engine)
+            return
+        e = self.drivers[k].engine
+        steps, prefills, tokens, at = self._logged[k]
+        if e.prefill_steps == prefills and e.steps // SGLANG_DECODE_LOG_INTERVAL == steps // SGLANG_DECODE_LOG_INTERVAL:
+            return
+        now = time.monotonic()
+        produced = e.true_decode_tokens + e.finished
+        rate = (produced - tokens) / (now - at) if at and now > at else 0.0
+        self._logged[k] = (e.steps, e.prefill_steps, produced, now)
+        self.exporter.log_stats(k, e, rate)
+
+    def pick_engine(self, rank: str | None) -> "Driver":
+        """vLLM's data-parallel front end: the rank a client names (X-data-parallel-rank), else the engine with the
+        least waiting x 4 + running (DPLBAsyncMPClient.get_core_engine_for_request; it reads the engines' counts
+        from its coordinator every 100 ms and counts its own sends meanwhile: here the engines' state itself)."""
+        if rank is not None:
+            return self.drivers[int(rank)]
+        return min(self.drivers, key=lambda d: (d.engine.num_waiting * 4 + d.engine.num_running, d.index))
+
+    @property
+    def driver(self) -> "Driver":
+        return self.drivers[0]
+
+    def _sync_metrics(self) -> None:
+        for d in self.drivers:
+            self.exporter.scheduled(d.index, d.engine)
+            e, lv = d.engine, str(d.index)
+            sp = self.args.speedup
+            for q, v in (("prefill_tokens", e.true_prefill_tokens), ("prefill_seconds", e.true_prefill_seconds / sp),
+                         ("decode_tokens", e.true_decode_tokens), ("decode_seconds", e.true_decode_seconds / sp),
+                         ("lora_loads", e.lora_loads)):
+                self.g_truth.labels(engine=lv, quantity=q).set(v)
+
+    # ------------------------------------------------------------------ http
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if not self.healthy:
+            raise web.HTTPServiceUnavailable(text="engine is down")
+        if self.stall_s:
+            await asyncio.sleep(self.stall_s)
+        self._sync_metrics()
+        text = self.exporter.text() + generate_latest(self.registry)
+        if self.metrics_fault == "nan":  # a broken exporter: the gauge the router reads first turns NaN
+            running = b"sglang:num_running_reqs{" if self.dialect == "sglang" else b"vllm:num_requests_running{"
+            text = b"\n".join(ln.rsplit(b" ", 1)[0] + b" NaN" if ln.startswith(running) else ln
+                               for ln in text.split(b"\n"))
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.healthy:
+            raise web.HTTPServiceUnavailable(text="engine is down")
+        return web.Response(text="")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """vLLM 0.32's list (``OpenAIServingModels.show_available_models``): an adapter has its parent and no
+        max_model_len of its own."""
+        def card(mid: str, root: str, parent: str | None, max_len: int | None) -> dict:
+            return {"id": mid, "object": "model", "created": self.started, "owned_by": "warmroute-mock", "root": root,
+                    "parent": parent, "max_model_len": max_len, "permission": [{
+                        "id": f"modelperm-{hashlib.blake2b(mid.encode(), digest_size=8).hexdigest()}",
+                        "object": "model_permission", "created": self.started, "allow_create_engine": False,
+                        "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+                        "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None,
+                        "is_blocking": False}]}
+
+        return web.json_response({"object": "list", "data": [
+            card(self.model, self.model, None, self.max_model_len),
+            *(card(a, f"/adapters/{a}", self.model, None) for a in self.adapters)]})
+
+    # ---- what other routers ask of a replica (vllm-router, sglang-router) --------------------
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model, "served_model_name": self.model, "tp_size": getattr(self.args, "tp", 1),
+                                  "dp_size": self.dp,
+                                  "max_total_num_tokens": self.engine_cfg.kv_tokens, "page_size": 16, "version": "mock"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model, "tokenizer_path": self.model, "is_generation": True,
+                                  "model_type": "mock"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        doc = await _json_object(request)
+        if doc is None:
+            return _error(400, "expected a JSON object")
+        text = _prompt_text(doc)
+        ids = text_token_ids(text)
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+
+    async def render(self, request: web.Request) -> web.Response:
+        doc = await _json_object(request)
+        if doc is None:
+            return _error(400, "expected a JSON object")
+        text = _prompt_text(doc)
+        return web.json_response({"prompt": text, "prompt_token_ids": text_token_ids(text)})
+
+    async def fault(self, request: web.Request) -> web.Response:
+        doc = await _json_object(request)
+        if doc is None:
+            return _error(400, "expected a JSON object")
+        if "healthy" in doc:
+            self.healthy = bool(doc["healthy"])
+        if "fail_rate" in doc:
+            self.fail_rate = float(doc["fail_rate"])
+        if "stall_s" in doc:
+            self.stall_s = float(doc["stall_s"])
+        if "metrics" in doc:
+            self.metrics_fault = "nan" if doc["metrics"] == "nan" else None
+        if "die_slowly_s" in doc or "die_for_s" in doc:
+            asyncio.get_running_loop().create_task(self.die_for(float(doc.get("die_for_s", 0.0)),
+                                                                float(doc.get("die_slowly_s", 0.0))))
+        if "html" in doc:  # a misconfigured proxy or portal in front of the engine: 200 with an HTML page
+            self.html = bool(doc["html"])
+        return web.json_response({"healthy": self.healthy, "fail_rate": self.fail_rate, "stall_s": self.stall_s})
+
+    async def die_for(self, seconds: float, slowly_s: float = 0.0) -> None:
+        """Stop listening (connections are refused), lose in-flight work, return with a cold cache. ``slowly_s``:
+        first that long of a dying process whose port still accepts and whose every request is reset unanswered
+        (a killed vLLM's port closes 0.05-1.3 s after the kill: its front end outlives the engine a moment)."""
+        if self.site is None:
+            return
+        if slowly_s > 0:
+            self.dying = True
+            for d in self.drivers:  # the engine is gone first: what ran is lost
+                d.abort_all()
+            await asyncio.sleep(slowly_s)
+            self.dying = False
+        await self.site.stop()
+        # a crashed process takes its established (keep-alive) connections with it
+        for conn in list(getattr(self.runner.server, "connections", [])):
+            conn.force_close()
+            if conn.transport is not None:
+                conn.transport.abort()
+        for d in self.drivers:
+            d.abort_all()
+            d.task.cancel()
+        self.exporter.restarted()  # a new process: its counters start from 0
+        self.drivers = [self._driver(k) for k in range(self.dp)]
+        self._logged = [(0, 0, 0, 0.0)] * self.dp
+        for d in self.drivers:
+            self._wire(d)
+            d.start()
+        print(f"mock-vllm {self.args.name}: down for {seconds:g}s", flush=True)
+        await asyncio.sleep(seconds)
+        self.site = web.TCPSite(self.runner, self.args.host, self.port, reuse_address=True, ssl_context=self.ssl)
+        await self.site.start()
+        print(f"mock-vllm {self.args.name}: back", flush=True)
+
+    async def flap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.0, self.args.flap_every - self.args.flap_down))
+            await self.die_for(self.args.flap_down)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        embed = request.path in POOLING_PATHS  # a pooling runner: one forward pass, a vector instead of tokens
+        doc = await _json_object(request)
+        if doc is None:
+            return _error(400, "request body is not a JSON object")
+        if not self.healthy or (self.fail_rate and self.rng.random() < self.fail_rate):
+            return _error(503, "injected failure", "ServiceUnavailableError")
+        if self.html:
+            return web.Response(text="<html><body>Welcome to nginx!</body></html>", content_type="text/html")
+        if self.stall_s:
+            await asyncio.sleep(self.stall_s)
+        messages_api, responses_api = request.path == "/v1/messages", request.path == "/v1/responses"
+        if (chat or messages_api) and not isinstance(doc.get("messages"), list):
+            return _error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
+        model = doc.get("model")
+        if model is not None and model != self.model and model not in self.adapters:  # OpenAIServing._check_model
+            self.c_not_found.inc()
+            body = not_found_body(str(model), [self.model])
+            return web.json_response(anthropic_error_body(body) if messages_api else body, status=404)
+        lora = model if model in self.adapters else None
+        text = _prompt_text(doc)
+        shape = history = None
+        if messages_api:
+            text, shape = messages_prompt(doc), MessagesShape(self.model)
+        elif responses_api:
+            prev = doc.get("previous_response_id")
+            if prev is not None:
+                if self.store is None or self.store.get(str(prev)) is None:
+                    status, body = not_found(str(prev))
+                    return web.json_response(body, status=status)
+                history = self.store.history[str(prev)]
+            history = (history or "") + responses_input(doc)  # the conversation so far without the instructions
+            text = (doc.get("instructions") or "") + history
+            rid = doc.get("request_id") if isinstance(doc.get("request_id"), str) else f"resp_{uuid.uuid4().hex}"
+            shape = ResponsesShape(self.model, rid, doc)
+        max_tokens = 1 if embed else (doc.get("max_completion_tokens") or doc.get("max_tokens")
+                                      or doc.get("max_output_tokens") or self.args.default_max_tokens)
+        try:
+            max_tokens = max(1, min(int(max_tokens), 32_768))
+        except (TypeError, ValueError):
+            return _error(400, "1 validation error: max_tokens: Input should be a valid integer", param="body.max_tokens")
+        prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
+        rank = request.headers.get("X-data-parallel-rank")  # vLLM and SGLang read it case-insensitively
+        if rank is not None and not (rank.isdigit() and int(rank) < self.dp):
+            return _error(400, f"X-data-parallel-rank {rank[:20]!r} is not a rank of this server's {self.dp} engines")
+        if prompt_tokens > self.max_model_len:  # vLLM's renderer refuses it before the engine sees it
+            return _error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                          f"prompt contains at least {prompt_tokens} input tokens, which exceeds this limit even without "
+                          "any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                          f"value={prompt_tokens})", "BadRequestError", "input_tokens")
+        if not self.driver.engine.fits(prompt_tokens, max_tokens):
+            return _error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
+        stream = bool(doc.get("stream")) and not embed
+        include_usage = bool((doc.get("stream_options") or {}).get("include_usage"))
+        keep = None
+        if responses_api and self.store is not None and doc.get("store", True) is not False:
+            keep = lambda response, out: self.store.put(response, history + out)  # noqa: E731
+        if responses_api and doc.get("background"):
+            if keep is None:  # vLLM: background mode needs the store
+                return _error(400, "This vLLM engine does not support `store=True` and therefore does not support "
+                              "the background mode.", "invalid_request_error", "background")
+            queued = shape.response("queued")
+            self.store.put(queued, history)
+            task = asyncio.get_running_loop().create_task(self._generate(
+                request, chat, text, prompt_tokens, max_tokens, False, False, self.pick_engine(rank), lora, embed,
+                shape, keep))
+            self.background[shape.id] = task
+            task.add_done_callback(lambda _: self.background.pop(shape.id, None))
+            return web.json_response(queued)
+        return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage,
+                                    self.pick_engine(rank), lora, embed, shape, keep)
+
+    async def stored(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel: only the process that made it has it."""
+        rid = request.match_info["response_id"]
+        response = self.store.get(rid) if self.store is not None else None
+        if response is None:
+            status, body = not_found(rid)
+            return web.json_response(body, status=status)
+        if request.method == "POST":
+            if response.get("status") not in ("queued", "in_progress"):
+                return _error(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
+            response["status"] = "cancelled"
+            task = self.background.pop(rid, None)
+            if task is not None:
+                task.cancel()
+        return web.json_response(response)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        doc = await _json_object(request)
+        text = messages_prompt(doc) if doc is not None else None
+        if text is None:
+            return _error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
+        return web.json_response({"input_tokens": max(1, len(text) // CHARS_PER_TOKEN)})
+
+    async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver, lora=None,
+                        embed=False, shape=None, keep=None):
+        t0 = time.monotonic()
+        blocks = text_blocks(text)
+        if lora is not None:  # vLLM puts the adapter in its block hashes: an adapter's prefix is its own
+            salt = zlib.crc32(lora.encode()) << 16
+            blocks = [b ^ salt for b in blocks]
+        waiter = driver.submit(blocks, prompt_tokens, max_tokens, lora)
+        rid = "cmpl-" + hashlib.md5(f"{t0}{self.rng.random()}".encode()).hexdigest()[:16]
+        created = int(time.time())
+        fp = self.args.name
+        resp = None
+        produced = 0
+        try:
+            if stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   ENGINE_HEADER: str(driver.index), REPLICA_HEADER: self.args.name})
+                await resp.prepare(request)
+                if shape is not None:
+                    for event in shape.start(prompt_tokens):
+                        await resp.write(event)
+            while True:
+                ev = await waiter.queue.get()
+                if isinstance(ev, _Aborted):
+                    raise ConnectionResetError("replica died")
+                if ev is None:
+                    break
+                n, is_first = ev
+                if stream:
+                    piece = "".join(("" if produced + k == 0 else " ") + "tok" for k in range(n))
+                    await resp.write(shape.piece(piece) if shape is not None
+                                     else _sse(_chunk(chat, rid, created, self.model, piece, None, fp)))
+                produced += n
+            cached = waiter.req.cached_tokens
+            if embed:
+                vector = [round(b / 255 - 0.5, 6) for b in hashlib.blake2b(text.encode(), digest_size=8).digest()]
+                return web.json_response({"id": rid, "object": "list", "created": created, "model": self.model,
+                                          "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+                                          "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}},
+                                         headers={ENGINE_HEADER: str(driver.index)})
+            if shape is not None:
+                out = " ".join(["tok"] * max_tokens)
+                if keep is not None:
+                    keep(shape.body(out, prompt_tokens, max_tokens, cached), out)
+                if not stream:
+                    return web.json_response(shape.body(out, prompt_tokens, max_tokens, cached),
+                                             headers={ENGINE_HEADER: str(driver.index), REPLICA_HEADER: self.args.name})
+                for event in shape.end(out, prompt_tokens, max_tokens, cached):
+                    await resp.write(event)
+                await resp.write_eof()
+                return resp
+            if not stream:
+                body = _final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens), prompt_tokens,
+                                   max_tokens, cached, fp)
+                return web.json_response(body, headers={ENGINE_HEADER: str(driver.index)})
+            await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length", fp)))
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                # beside the usage, what the engine alone took (workload seconds): a benchmark subtracts nothing, but
+                # can tell the engine's time to first token from the time the HTTP path and routers added
+                er = waiter.req
+                engine = {"ttft_s": round(waiter.first_at - er.arrival, 6), "e2e_s": round(er.finished_at - er.arrival, 6)}
+                await resp.write(_sse({"id": rid, "object": obj, "created": created, "model": self.model,
+                                       "system_fingerprint": fp, "choices": [],
+                                       "usage": _usage(prompt_tokens, max_tokens, cached), "x_mock_engine": engine}))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except ConnectionResetError:
+            # the replica died under the request: the client sees the connection cut, as with a real crash
+            if request.transport is not None:
+                request.transport.abort()
+            raise
+        finally:
+            driver.abort(waiter)  # no-op once finished; frees KV when the client left early
+
+
+def text_token_ids(text: str) -> list[int]:
+    """Deterministic token ids, 4 characters a token: equal prefixes give equal ids."""
+    return [int.from_bytes(hashlib.blake2b(text[i : i + 4].encode("utf-8", "replace"), digest_size=2).digest(), "big")
+            for i in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def _prompt_text(doc: dict) -> str:
+    msgs = doc.get("messages")
+    if isinstance(msgs, list):
+        return "".join(_content_text(m.get("content")) for m in msgs if isinstance(m, dict))
+    p = doc.get("prompt", doc.get("input", doc.get("text", "")))
+    if isinstance(p, str):
+        return p
+    return "".join(x for x in p if isinstance(x, str)) if isinstance(p, list) else ""
+
+
+async def _json_object(request: web.Request) -> dict | None:
+    try:
+        doc = await request.json()
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _content_text(c) -> str:
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _usage(p: int, c: int, cached: int) -> dict:
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _final_body(chat, rid, created, model, text, p, c, cached, fp) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length", "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fp,
+            "choices": [choice], "usage": _usage(p, c, cached)}
+
+
+def _chunk(chat, rid, created, model, piece, finish, fp) -> dict:
+    if chat:
+        delta = {"content": piece} if piece or finish is None else {}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": fp, "choices": [choice]}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fp,
+            "choices": [{"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}]}
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error(status: int, message: str, typ: str = "Bad Request", param: str | None = None) -> web.Response:
+    """vLLM 0.32's error body (``ErrorResponse``): message, type, param, code; a request that fails validation
+    is "Bad Request" with the field's location as param."""
+    return web.json_response({"error": {"message": message, "type": typ, "param": param, "code": status}}, status=status)
+
+
+def build_app(rep: MockReplica) -> web.Application:
+    @web.middleware
+    async def dying(request: web.Request, handler):
+        if rep.dying and request.transport is not None:
+            request.transport.abort()  # the connection is reset before any byte of an answer
+            raise asyncio.CancelledError
+        return await handler(request)
+
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[dying])
+    app["replica"] = rep
+    # vLLM registers its routes by the model's tasks (api_server.build_app: the generate routers only if "generate"
+    # is supported, the pooling ones only for a pooling model): a path a replica lacks is FastAPI's 404
+    for path in GENERATE_PATHS if rep.args.runner == "generate" else POOLING_PATHS:
+        app.router.add_post(path, rep.completions)
+    app.router.add_get("/v1/models", rep.models)
+    app.router.add_get("/health", rep.health)
+    if rep.dialect != "none":  # "none": a third-party OpenAI server, or vLLM with --disable-log-stats
+        app.router.add_get("/metrics", rep.metrics)
+    app.router.add_post("/admin/fault", rep.fault)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, rep.server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, rep.model_info)
+    app.router.add_post("/tokenize", rep.tokenize)
+    if rep.args.runner == "generate":
+        app.router.add_post("/v1/messages/count_tokens", rep.count_tokens)
+        app.router.add_get("/v1/responses/{response_id}", rep.stored)
+        app.router.add_post("/v1/responses/{response_id}/cancel", rep.stored)
+    app.router.add_post("/v1/chat/completions/render", rep.render)
+    if not rep.args.disable_fastapi_docs:
+        listed = sorted({(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"})
+
+        async def openapi(request: web.Request) -> web.Response:
+            paths: dict[str, dict] = {}
+            for method, path in listed:
+                paths.setdefault(path, {})[method] = {"responses": {"200": {"description": "Successful Response"}}}
+            return web.json_response({"openapi": "3.1.0", "info": {"title": "FastAPI", "version": "0.1.0"},
+                                      "paths": paths})
+
+        app.router.add_get("/openapi.json", openapi)
+
+    async def unknown(request: web.Request) -> web.Response:
+        print(f"mock-vllm {rep.args.name}: no route for {request.method} {request.path}", flush=True)
+        return web.json_response({"detail": "Not Found"}, status=404)  # FastAPI's own answer
+
+    app.router.add_route("*", "/{tail:.*}", unknown)
+    return app
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 lets the OS pick; the bound port is printed")
+    ap.add_argument("--model", default="mock-coder-30b")
+    ap.add_argument("--name", default="mock", help="reported as system_fingerprint, so a client can see who served it")
+    ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens, help="KV cache size in tokens")
+    ap.add_argument("--speed", type=float, default=1.0, help="prefill and decode speed against the default engine "
+                    "(0.5: a GPU half as fast); exported cache size and rates follow")
+    ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    ap.add_argument("--max-model-len", type=int, default=None, help="the longest request it reads (vLLM's flag; "
+                    "default: the KV cache's size); a longer prompt is vLLM's 400")
+    ap.add_argument("--default-max-tokens", type=int, default=64)
+    ap.add_argument("--speedup", type=float, default=1.0, help="divide every engine step time by this")
+    ap.add_argument("--decode-horizon-s", type=float, default=DECODE_HORIZON_S,
+                    help="pure-decode steps are run and streamed this much engine time at a time (0: token by token)")
+    ap.add_argument("--fail-rate", type=float, default=0.0, help="share of requests answered 503")
+    ap.add_argument("--flap-every", type=float, default=0.0, help="die every this many seconds (0: never)")
+    ap.add_argument("--flap-down", type=float, default=5.0, help="and stay down this long")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-alive-s", type=float, default=5.0, help="close a keep-alive connection idle this long, as "
+                    "vLLM's uvicorn does (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)")
+    ap.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
+    ap.add_argument("--tls-key", default=None)
+    ap.add_argument("--prefix-caching", choices=("on", "off"), default="on",
+                    help="off: vLLM's --no-enable-prefix-caching (every prompt computed whole; cache_config_info says so)")
+    ap.add_argument("--metrics", choices=(*DIALECTS, "none"), default="vllm",
+                    help="whose /metrics to export, as that engine's code defines and moves them: vllm (0.11+), "
+                    "vllm-old (0.8-0.10), sglang (none: no /metrics at all, like a foreign OpenAI server)")
+    ap.add_argument("--no-metrics", action="store_true", help="no /metrics (vLLM --disable-log-stats; SGLang without "
+                    "--enable-metrics)")
+    ap.add_argument("--data-parallel", type=int, default=1, help="engines behind one front end (vLLM "
+                    "--data-parallel-size): each its own scheduler and KV cache of --kv-tokens, spread by vLLM's rule "
+                    "or the X-data-parallel-rank header")
+    ap.add_argument("--lora-adapters", default="", help="comma-separated LoRA adapter names it serves (vLLM "
+                    "--lora-modules); a request names one as its model")
+    ap.add_argument("--max-loras", type=int, default=1, help="adapters on the GPU at once (vLLM --max-loras)")
+    ap.add_argument("--lora-load-s", type=float, default=0.5, help="engine seconds a step pays to bring an adapter "
+                    "into a GPU slot")
+    ap.add_argument("--runner", choices=("generate", "pooling"), default="generate",
+                    help="vLLM --runner: generate serves completions, pooling serves /v1/embeddings and /pooling")
+    ap.add_argument("--responses-store", action="store_true", help="keep Responses API responses in memory for "
+                    "previous_response_id, retrieval and cancel (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
+    ap.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json (vLLM's flag of that name)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only what /metrics and /server_info say)")
+    ap.add_argument("--metrics-all-ranks", action="store_true", help="SGLang --enable-metrics-for-all-schedulers: "
+                    "every tensor-parallel rank exports a copy of its scheduler's gauges")
+
+
+def _no_request_content(record: logging.LogRecord) -> bool:
+    """A log record of aiohttp's server, without the request bytes its exception quotes."""
+    if record.exc_info and record.exc_info[1] is not None:
+        kind = type(record.exc_info[1]).__name__
+        record.msg, record.args, record.exc_info, record.exc_text = f"bad request refused: {kind}", (), None, None
+    return True
+
+
+async def serve(args: argparse.Namespace) -> None:
+    rep = MockReplica(args)
+    for d in rep.drivers:
+        d.start()
+    # aiohttp's parser logged a header it refused with its value (a session id in a replica log): accept what Envoy
+    # lets through (60 KiB of headers), and log a refusal by its kind alone
+    logging.getLogger("aiohttp.server").addFilter(_no_request_content)
+    rep.runner = web.AppRunner(build_app(rep), access_log=None, max_line_size=65536, max_field_size=65536,
+                               keepalive_timeout=args.keep_alive_s)
+    await rep.runner.setup()
+    rep.ssl = None
+    if args.tls_cert:
+        import ssl
+
+        rep.ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        rep.ssl.load_cert_chain(args.tls_cert, args.tls_key)
+    rep.site = web.TCPSite(rep.runner, args.host, args.port, reuse_address=True, ssl_context=rep.ssl)
+    await rep.site.start()
+    rep.port = rep.runner.addresses[0][1]
+    print(f"mock-vllm listening on {'https' if rep.ssl else 'http'}://{args.host}:{rep.port}", flush=True)
+    if args.flap_every > 0:
+        asyncio.get_running_loop().create_task(rep.flap_loop())
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await rep.runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="warmroute mock-vllm")
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Start a real vLLM replica (0.32, CPU) on this machine: one helper for the tests, the benchmarks and
+``warmroute up --engine vllm``.
+
+The engine is a test dependency, never a product one: ``make engines`` installs it into a venv of its own
+(``.engines/vllm-0.32``) and builds the tiny random-weight model with two LoRA adapters
+(``engines/build_model.py``). Nothing here imports vLLM; it runs that venv's Python as a child process.
+``WARMROUTE_ENGINE_DIR`` points elsewhere than ``.engines`` (the repository's).
+
+The flags are what makes vLLM run on two shared cores: eager mode (no compile), a small KV cache given in bytes,
+one OpenMP thread unbound (vLLM binds threads to cores by default, and several replicas would share them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from extproc.tools.stack.procs import Proc, StackError, free_port, http_get, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+VERSION = "0.32.0"
+READY_TIMEOUT_S = 300.0  # ~35 s alone; four at once on two shared cores ~2 min
+
+
+def engine_dir() -> Path:
+    return Path(os.environ.get("WARMROUTE_ENGINE_DIR", REPO / ".engines"))
+
+
+def engine_python() -> Path:
+    return engine_dir() / "vllm-0.32" / "bin" / "python"
+
+
+def model_dir() -> Path:
+    return (engine_dir() / "models" / "current").resolve()
+
+
+def model_info() -> dict:
+    """The built model's served name and adapters (``warmroute-model.json``)."""
+    return json.loads((model_dir() / "warmroute-model.json").read_text())
+
+
+def available() -> str | None:
+    """Why a real vLLM cannot start here (None: it can)."""
+    if not engine_python().exists():
+        return f"no vLLM venv at {engine_python().parent.parent} (make engines)"
+    if not (model_dir() / "warmroute-model.json").exists():
+        return f"no tiny model under {engine_dir() / 'models'} (make engines)"
+    return None
+
+
+
+@dataclasses.dataclass
+class VllmOptions:
+    served_name: str | None = None  # --served-model-name (default: the model's)
+    kv_bytes: int = 64 << 20  # --kv-cache-memory-bytes: 64 MiB is 32K tokens of the tiny model
+    max_model_len: int = 8192
+    max_num_seqs: int | None = None
+    lora: tuple[str, ...] | None = None  # adapters served from the start (None: the model's two; (): LoRA off)
+    max_loras: int = 2
+    data_parallel: int = 1
+    log_stats: bool = True  # False: --disable-log-stats (no vllm:* engine metrics)
+    runtime_lora: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and unload
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache (benchmarks start each run cold)
+    # VLLM_ENABLE_RESPONSES_API_STORE: Responses kept in this process's memory (previous_response_id, GET, cancel)
+    responses_store: bool = False
+    # the model runs inside the engine core's process (vLLM's "uni" executor, VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    # rather than in a worker process of its own, which vLLM's CPU platform picks by default: one process and
+    # one torch import less, ~50 s -> ~30 s to start here. The API server, the engine core and everything
+    # warmroute reads (routes, metrics, cache) are the same; data-parallel engines keep their own processes.
+    uniproc: bool = True
+    extra: tuple[str, ...] = ()
+
+
+def vllm_argv(port: int, o: VllmOptions) -> list[str]:
+    model = model_dir()
+    info = model_info()
+    argv = [str(engine_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", o.served_name or info["served_name"], "--host", "127.0.0.1", "--port", str(port),
+            "--enforce-eager", "--kv-cache-memory-bytes", str(o.kv_bytes), "--max-model-len", str(o.max_model_len),
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    if o.max_num_seqs:
+        argv += ["--max-num-seqs", str(o.max_num_seqs)]
+    adapters = info["adapters"] if o.lora is None else list(o.lora)
+    if adapters or o.runtime_lora:
+        argv += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", str(o.max_loras)]
+        if adapters:
+            argv += ["--lora-modules", *[f"{a}={model / 'adapters' / a}" for a in adapters]]
+    if o.data_parallel > 1:
+        argv += ["--data-parallel-size", str(o.data_parallel), "--data-parallel-rpc-port", str(free_port())]
+    if not o.log_stats:
+        argv += ["--disable-log-stats"]
+    return argv + list(o.extra)
+
+
+def vllm_env(o: VllmOptions) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if o.runtime_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if o.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if o.uniproc:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if o.responses_store:
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
+    env.pop("PYTHONPATH", None)  # the engine's venv alone: our package must not shadow its dependencies
+    # the engine's venv is a cache we own: the modules make engines' import did not compile are written on the first
+    # start rather than compiled again by every start of every replica
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def start_vllm(name: str, workdir: Path, options: VllmOptions | None = None, port: int = 0,
+               wait: bool = True) -> tuple[Proc, int]:
+    """A real vLLM replica on 127.0.0.1 (``port`` 0: a free one), ready when this returns (``wait``)."""
+    why = available()
+    if why:
+        raise StackError(why)
+    o = options or VllmOptions()
+    port = port or free_port()
+    proc = Proc(name, vllm_argv(port, o), workdir, env=vllm_env(o))
+    if wait:
+        wait_ready(proc, port)
+    return proc, port
+
+
+def wait_ready(proc: Proc, port: int, timeout: float = READY_TIMEOUT_S) -> None:
+    try:
+        wait_for(lambda: http_get(f"http://127.0.0.1:{port}/health", 2.0) is not None, timeout,
+                 f"vLLM {proc.name} on port {port}", proc, every=0.5)
+    except BaseException:
+        proc.stop()
+        raise
+
+
+if __name__ == "__main__":  # python -m extproc.tools.stack.real_vllm: is the engine here?
+    print(available() or f"vLLM {VERSION}: {engine_python()}; model {model_dir()}")
+    sys.exit(1 if available() else 0)

@@ -824,7 +824,7 @@ def test_sessions_that_never_come_back_stop_filling_the_working_set_flow_control
     router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=5)))
     router.flow = FlowControl()
     pol = router.policy
-    assert pol.return_share == 1.0  # nothing seen yet: new sessions are expected back, as before
+    assert pol.sessions.return_share == 1.0  # nothing seen yet: new sessions are expected back, as before
 
     def turn(session, tokens, at, key=None):
         d = router.select(prof(session=session, tokens=tokens, blocks=chain(session, session, tokens)), at,
@@ -837,7 +837,7 @@ def test_sessions_that_never_come_back_stop_filling_the_working_set_flow_control
         turn(f"once{k}", 10_000, t + 6 * k)
     now = t + 6 * 31
     turn("probe", 1000, now)  # expires the last of them
-    assert pol.return_share < 0.5
+    assert pol.sessions.return_share < 0.5
     # twelve new 50K sessions at once: 600K counted in full would not fit two caches of 300K beside each other
     placed = [turn(f"new{k}", 50_000, now + 0.01 * k, key=f"n{k}") for k in range(12)]
     assert not any(d.reason is Reason.HELD for d in placed)
@@ -845,5 +845,5 @@ def test_sessions_that_never_come_back_stop_filling_the_working_set_flow_control
     st = pol.state_of(placed[0].replica)
     before = st.active_tokens
     again = turn("new0", 51_000, now + 1)
-    assert again.replica is placed[0].replica and st.active_tokens >= before + 51_000 - int(50_000 * pol.return_share) - 1
-    assert pol.return_share > 0.0
+    assert again.replica is placed[0].replica and st.active_tokens >= before + 51_000 - int(50_000 * pol.sessions.return_share) - 1
+    assert pol.sessions.return_share > 0.0

@@ -41,7 +41,6 @@ ablations are compositions (``make_policy("warm_no_guard")``).
 from __future__ import annotations
 
 import itertools
-from collections import deque
 
 from .config import RouterConfig
 from .cost import Aggregates, Estimate, decode_penalty, fair_share, interference, recent
@@ -54,10 +53,10 @@ from .profile import RequestProfile
 from .replica import LIVE, Replica
 from .shortlist import SHORTLIST_FROM, Shortlist, View  # noqa: F401 (SHORTLIST_FROM: read from here)
 from .warm_replica import WarmReplica, peer_scale
+from .working_set import WorkingSet
 
 _INF = float("inf")
 _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
-_RETURN_PRIOR = 20.0  # new sessions assumed to come back before any is seen not to
 
 
 class WarmPolicy(Shortlist):
@@ -77,14 +76,7 @@ class WarmPolicy(Shortlist):
         self._state: dict[str, WarmReplica] = {}
         # replicas that export several data-parallel engines: one state per engine, in rank order
         self._engines: dict[str, list[WarmReplica]] = {}
-        # (time, session key, replica state, tokens) per session turn, oldest first: sessions idle for longer
-        # than warm.active_session_s leave their replica's working set (C3: a cache thrashes when the
-        # working set of its active sessions outgrows it)
-        self._active: deque[tuple[float, bytes, WarmReplica, int]] = deque()
-        # session -> (when it was last used, where, the tokens its context counts, whether it ever came back)
-        self._active_of: dict[bytes, tuple[float, WarmReplica, int, bool]] = {}
-        # first turns whose session came back within warm.active_session_s, and those that went quiet first (decayed)
-        self._returns, self._no_returns = 0.0, 0.0
+        self.sessions = WorkingSet()  # where each active session's context lives (C3)
         self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
         self._chosen_prompt = 1
         self._rr = 0  # round-robin pointer for ties
@@ -148,10 +140,7 @@ class WarmPolicy(Shortlist):
         subs = self._engines.get(name)
         if not subs:
             return None
-        return [{"rank": k, "running": s.scraped.running, "waiting": s.scraped.waiting,
-                 "kv_usage": round(s.scraped.kv_usage, 4), "cache_tokens": s.cache_tokens,
-                 "prefix_index_blocks": len(s.index), "in_flight_work_s": round(s.work_s, 3)}
-                for k, s in enumerate(subs)]
+        return [s.engine_view(k) for k, s in enumerate(subs)]
 
     def forget(self, name: str) -> None:
         for st in (self._state.pop(name, None), *self._engines.pop(name, ())):
@@ -166,7 +155,7 @@ class WarmPolicy(Shortlist):
         parts = self._engines.get(r.name) or [st]
         for p in parts:
             p.kv_ahead(now, 0.0)  # prefills predicted done by now leave the pending KV
-        self._expire_active(now)  # sessions quiet for warm.active_session_s left the working set, asked or not
+        self.sessions.expire(now, self.cfg.warm.active_session_s)  # sessions quiet for warm.active_session_s left the working set, asked or not
         return {
             "prefill_tokens_per_second": st.rates.prefill_tokens_per_s,
             "decode_seconds_per_token": st.rates.decode_s_per_token,
@@ -193,9 +182,7 @@ class WarmPolicy(Shortlist):
         st.engine_block = s.engine_block
         if s.max_lora is not None:
             st.lora = s
-        if s.cache_tokens:  # the index holds blocks of the profile's characters: so many fit the engine's tokens
-            st.cache_tokens = s.cache_tokens
-            st.index.resize(int(s.cache_tokens / (self.tokens_per_block * st.scale.value)))
+        st.hold_cache(s.cache_tokens, self.tokens_per_block)
         if s.prefix_caching is not None and s.prefix_caching != st.prefix_caching:
             st.prefix_caching = s.prefix_caching
             st.index.clear()
@@ -215,9 +202,7 @@ class WarmPolicy(Shortlist):
             sub.scraped = es
             sub.prefix_caching = st.prefix_caching
             sub.engine_block = st.engine_block
-            if es.cache_tokens:
-                sub.cache_tokens = es.cache_tokens
-                sub.index.resize(int(es.cache_tokens / (self.tokens_per_block * st.scale.value)))
+            sub.hold_cache(es.cache_tokens, self.tokens_per_block)
 
     def on_health(self, r: Replica, ejected: bool) -> None:
         """An ejected replica may come back restarted, with a cold cache: forget what we thought it held."""
@@ -257,47 +242,6 @@ class WarmPolicy(Shortlist):
                     pass
 
     # ------------------------------------------------------------------ choice
-
-    def _expire_active(self, now: float) -> None:
-        limit = now - self.cfg.warm.active_session_s
-        a = self._active
-        while a and a[0][0] < limit:
-            t, key, st, tokens = a.popleft()
-            cur = self._active_of.get(key)
-            if cur is not None and cur[0] == t:
-                del self._active_of[key]
-                st.active_tokens -= tokens
-                if not cur[3]:
-                    self._came_back(False)
-
-    def _came_back(self, yes: bool) -> None:
-        if yes:
-            self._returns += 1.0
-        else:
-            self._no_returns += 1.0
-        if self._returns + self._no_returns > 2000:  # the recent traffic's share, not all time's
-            self._returns, self._no_returns = self._returns / 2, self._no_returns / 2
-
-    @property
-    def return_share(self) -> float:
-        """The share of new sessions whose next turn comes within warm.active_session_s, learned (a prior of 20
-        that do: until traffic says otherwise, a new session is expected back, as before)."""
-        return (self._returns + _RETURN_PRIOR) / (self._returns + self._no_returns + _RETURN_PRIOR)
-
-    def _set_active(self, key: bytes, st: WarmReplica, tokens: int, now: float) -> None:
-        """The session's context now lives on ``st``. A first turn counts at the share of new sessions that come
-        back: traffic of sessions that never return (a session id per call) does not fill the working set that
-        flow control protects (a soak of one-turn sessions held ~1,100 requests until their clients gave up)."""
-        old = self._active_of.get(key)
-        back = old is not None
-        if back:
-            old[1].active_tokens -= old[2]
-            if not old[3]:
-                self._came_back(True)
-        counted = tokens if back else int(tokens * self.return_share)
-        self._active_of[key] = (now, st, counted, back)
-        st.active_tokens += counted
-        self._active.append((now, key, st, counted))
 
     def _pool(self, fleet: FleetView) -> list[Replica]:
         live, probing = fleet.pool()
@@ -400,8 +344,8 @@ class WarmPolicy(Shortlist):
             fleet_view = Aggregates(out_tokens, min(decode_s), peer_scale(states))
         else:
             rows, fleet_view = self._shortlist(view, profile, pin), view.aggregates
-        self._expire_active(now)
-        mine = self._active_of.get(profile.session_key) if profile.session_key is not None else None
+        self.sessions.expire(now, self.cfg.warm.active_session_s)
+        mine = self.sessions.of(profile.session_key) if profile.session_key is not None else None
         ests, tied = self._price(rows, fleet_view, profile, pin, mine, now)
         per = max((e.engine or 0) for e in tied) + 1
         home = pin.replica if pin is not None else None
@@ -609,7 +553,7 @@ class WarmPolicy(Shortlist):
             while len(sent) > 64:  # far more than any replica's slots
                 sent.popitem(last=False)
         if profile.session_key is not None and not profile.provisional:
-            self._set_active(profile.session_key, st, prompt, now)
+            self.sessions.place(profile.session_key, st, prompt, now)
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
                            prompt: int, at: float, now: float) -> None:
@@ -628,8 +572,8 @@ class WarmPolicy(Shortlist):
             st.arrivals.append(now)
             res.arrived_at = now
         if session_key is not None:
-            self._expire_active(now)
-            self._set_active(session_key, st, prompt, now)
+            self.sessions.expire(now, self.cfg.warm.active_session_s)
+            self.sessions.place(session_key, st, prompt, now)
 
     def index_of(self, r: Replica, engine: int | None):
         """The prefix index of a replica (or one of its data-parallel engines), for another brain's chains."""

@@ -51,6 +51,19 @@ class WarmReplica:
     def kv_usage(self, r: Replica) -> float:
         return self.scraped.kv_usage if self.scraped is not None else r.kv_usage
 
+    def hold_cache(self, cache_tokens: int | None, tokens_per_block: float) -> None:
+        """The engine's cache size as scraped: the index holds blocks of the profile's characters, so many of them
+        fit the engine's tokens at the learned scale."""
+        if cache_tokens:
+            self.cache_tokens = cache_tokens
+            self.index.resize(int(cache_tokens / (tokens_per_block * self.scale.value)))
+
+    def engine_view(self, rank: int) -> dict:
+        """One data-parallel engine as the policy sees it (/state)."""
+        return {"rank": rank, "running": self.scraped.running, "waiting": self.scraped.waiting,
+                "kv_usage": round(self.scraped.kv_usage, 4), "cache_tokens": self.cache_tokens,
+                "prefix_index_blocks": len(self.index), "in_flight_work_s": round(self.work_s, 3)}
+
     def kv_ahead(self, now: float, kv_usage: float) -> float:
         """Tokens of KV the requests ahead will hold: the scraped usage plus our pending prefills."""
         p = self.pending

@@ -186,10 +186,10 @@ def _not_metrics() -> set[str]:
     from bench.contenders import WARMROUTE
     from extproc.contract import BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER
     from extproc.core.policy import POLICIES
-    from extproc.tools.sim.policies import FLOW, FLOW_WAIT
+    from extproc.tools.sim.policies import WARMROUTE as SIMULATED
 
-    return {f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | {FLOW, FLOW_WAIT, BRAIN_CLUSTER, FALLBACK_CLUSTER,
-                                                                    PICKER_CLUSTER}
+    return ({f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | set(SIMULATED) | {"warmroute_flow_wait"}
+            | {BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER})
 
 
 NOT_METRICS = _not_metrics()

@@ -632,7 +632,7 @@ def test_the_simulator_holds_session_turns_only_when_the_fleet_s_caches_are_full
     from extproc.tools.workload.generate import WorkloadConfig
 
     def run(load):
-        sim = Simulation("warmroute_flow", replicas=4, workload=WorkloadConfig(minutes=8).at_load(load), seed=1)
+        sim = Simulation("warmroute", replicas=4, workload=WorkloadConfig(minutes=8).at_load(load), seed=1)
         res = sim.run()
         # none lost: what the simulator still holds at the end, the router's queue still holds
         assert [k for k in sim.policy._held if k not in sim.policy.router.flow.queue] == []

@@ -160,5 +160,5 @@ def test_noisy_versus_prints_each_policy_s_ratio_of_the_others_tail_with_and_wit
     out = capsys.readouterr().out
     rows = {line.split()[0]: float(line.split()[2].rstrip("x")) for line in out.splitlines()
             if line.startswith("  ") and "median" in line}
-    assert set(rows) >= {"warmroute_flow", "warmroute", "llmd_epp", "llmd_epp_flowcontrol"}
+    assert set(rows) >= {"warmroute", "warmroute_no_flow", "llmd_epp", "llmd_epp_flowcontrol"}
     assert all(r > 0 for r in rows.values()) and max(rows.values()) > 1.0  # the flood is felt somewhere

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from extproc.tools.sim.policies import COMPARE, FLOW, FLOW_PEERS, PEERS, POLICIES
+from extproc.tools.sim.policies import COMPARE, FLOW_PEERS, NO_FLOW, PEERS, POLICIES
 from extproc.tools.sim.report import share_plot, table
 from extproc.tools.sim.simulator import Fault, Simulation
 from extproc.tools.workload.generate import WorkloadConfig
@@ -328,7 +328,7 @@ def flow_versus(args, loads: list[float], seeds: list[int]) -> int:
     """Issue 34's targets: standard TTFT p99 against the best peer's (as shipped: no flow control) and against
     llm-d's flow control, goodput and output tokens/s against the best of them; refused requests (429s, each sent
     again after Retry-After) beside."""
-    mine = [FLOW, "warmroute"]
+    mine = ["warmroute", NO_FLOW]
     peers = [*PEERS, *FLOW_PEERS]
     got = _runs(args, loads, seeds, mine, peers)
     fc = next(iter(FLOW_PEERS))
@@ -370,7 +370,7 @@ def _others_p99(policy: str, args, seed: int, noisy_x: float) -> float:
 def noisy_versus(args, x: float, seeds: list[int]) -> int:
     """Issue 34's fairness target: a noisy tenant must not hurt the others (their p99 within 1.25x of theirs
     without it). The others' workload is the same in both runs (the noisy tenant draws from its own stream)."""
-    policies = [FLOW, "warmroute", *PEERS, *FLOW_PEERS]
+    policies = ["warmroute", NO_FLOW, *PEERS, *FLOW_PEERS]
     jobs = [(p, args, s, nx) for p in policies for s in seeds for nx in (0.0, x)]
     if args.jobs > 1:
         from multiprocessing import Pool

@@ -605,19 +605,21 @@ REFERENCE = {"oracle": Oracle}
 LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_weight=4.0)}
 # peers with flow control, as shipped but opt-in (issue 34's extra peer row); not in COMPARE
 FLOW_PEERS = {"llmd_epp_flowcontrol": LlmdFlowControl}
-FLOW = "warmroute_flow"
-FLOW_WAIT = "warmroute_flow_wait"  # flow control that also holds by wait (flow_control.hold_on_wait)
-# `warmroute` is the default policy; `warmroute_<core policy>` any other the core's registry holds
-WARMROUTE = ["warmroute"] + [f"warmroute_{p}" for p in CORE_POLICIES]
+# `warmroute` is what ships: the default policy with flow control (on by default since issue 34); the same
+# without flow control (flow_control.enabled: false) and with it holding by wait too (flow_control.hold_on_wait)
+# have names of their own; `warmroute_<core policy>` is any other policy the core's registry holds, alone
+NO_FLOW = "warmroute_no_flow"
+FLOW_WAIT = "warmroute_flow_wait"
+WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW, FLOW_WAIT, *PEERS, *LORA_PEERS, *FLOW_PEERS, *REFERENCE]
+POLICIES = [*WARMROUTE, FLOW_WAIT, *PEERS, *LORA_PEERS, *FLOW_PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
-    if name == "warmroute":
-        return Warmroute(n, seed, router_cfg)
-    if name in (FLOW, FLOW_WAIT):  # the default policy with flow control (issue 34)
+    if name in ("warmroute", FLOW_WAIT):
         return Warmroute(n, seed, router_cfg, name, flow=True, hold_on_wait=name == FLOW_WAIT)
+    if name == NO_FLOW:
+        return Warmroute(n, seed, router_cfg, name)
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
     factory = PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) or REFERENCE.get(name)
@@ -627,4 +629,5 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
 
 
 __all__ = ["Policy", "RoundRobin", "LeastRequest", "RingHash", "SGLangCacheAware", "LlmdEndpointPicker",
-           "LlmdFlowControl", "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "COMPARE", "DEFAULT"]
+           "LlmdFlowControl", "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "COMPARE", "DEFAULT",
+           "NO_FLOW"]

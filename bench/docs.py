@@ -21,7 +21,7 @@ from pathlib import Path
 from extproc.config import AppConfig, BrainConfig, DiscoveryConfig, EnvoyConfig, ReplicaSpec, SharedStateConfig
 from extproc.core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DOC = "docs/configuration.md"
 # the YAML sections in the order a reader meets them; "routing" is RouterConfig's own scalar fields
 SECTIONS: tuple[tuple[str, type, str], ...] = (

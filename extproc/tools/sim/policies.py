@@ -611,7 +611,7 @@ FLOW_PEERS = {"llmd_epp_flowcontrol": LlmdFlowControl}
 NO_FLOW = "warmroute_no_flow"
 FLOW_WAIT = "warmroute_flow_wait"
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
-COMPARE = ["warmroute", f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
+COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
 POLICIES = [*WARMROUTE, FLOW_WAIT, *PEERS, *LORA_PEERS, *FLOW_PEERS, *REFERENCE]
 
 

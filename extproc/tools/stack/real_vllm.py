@@ -20,7 +20,7 @@ from pathlib import Path
 
 from extproc.tools.stack.procs import Proc, StackError, free_port, http_get, wait_for
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VERSION = "0.32.0"
 READY_TIMEOUT_S = 300.0  # ~35 s alone; four at once on two shared cores ~2 min
 

@@ -32,6 +32,7 @@ from .decide import Held, immediate_answer, models_response, route_answer, too_m
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
+from .exact import Exact
 from .scraper import Scraper, tls_context
 from .stats import BrainStats
 from .view import state_of
@@ -108,6 +109,7 @@ class Brain:
                                            (None, f.wait_s, min(f.wait_s, f.sheddable_wait_s)), f.hold_on_wait)
         self.scraper.on_models = self._on_models
         self.scraper.on_paths = self._on_paths
+        self.exact = Exact(cfg, self.router, self.scraper, self.clock)  # the engines' own word (issue 45)
         self._set_replicas(cfg)
         m = make_registry(self.router, self.stats, self.clock)
         self.registry, self.decision_seconds, self.scraper.seconds = m.registry, m.decision, m.scrape
@@ -130,6 +132,7 @@ class Brain:
         # a replica no longer configured with paths, or new: its /openapi.json at its next good scrape
         self.scraper.paths_due = (self.scraper.paths_due | {n for n in self.scraper.paths_wanted
                                                              if self.models.paths_of(n) is None}) & self.scraper.paths_wanted
+        self.exact.configure(cfg)
 
     def _on_models(self, name: str, models: "list[dict] | None") -> bool:
         if self.models.learned(name, models):
@@ -210,6 +213,7 @@ class Brain:
             only = res.replicas if only is None else res.replicas.intersection(only)
         if self.models.is_adapter(res.model):
             profile = dataclasses.replace(profile, adapter=res.model)
+        profile = self.exact.price(profile, body, res.model or profile.model)
         if hold_key is not None:
             flow = (tenant_of(headers, r.profile_cfg), self._priority(headers), ttft_slo_of(headers))
             if flow != (profile.tenant, profile.priority, profile.ttft_slo_s):  # a copy costs ~20 µs: only if needed

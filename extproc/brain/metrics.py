@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core import PinAction, Router, State, imbalance_index
+from ..core import PinAction, Router, State, exact, imbalance_index
 from ..core.flow import CLASSES
 from .stats import BrainStats
 
@@ -176,6 +176,21 @@ class BrainCollector(Collector):
                 for k, v in view(rep, now).items():
                     fams[k].add_metric([rep.name], v)
             yield from fams.values()
+        count = getattr(r.policy, "engine_count", None)
+        if count is not None:  # issue 45: each replica's cache mode and what re-hashing its engines' events said
+            mode = GaugeMetricFamily("warmroute_cache_exact", "1 when the replica's engines' KV events verified (its "
+                                     "cached tokens are the engine's own word), 0 when it is estimated", labels=["replica"])
+            blocks = CounterMetricFamily("warmroute_kv_event_blocks", "Blocks the replica's engines reported stored, "
+                                         "by what re-hashing them said (verified, mismatched, unverifiable)",
+                                         labels=["replica", "result"])
+            for rep in reps:
+                engines = exact.view(r.policy, rep.name, count(rep.name)) or []
+                mode.add_metric([rep.name], 1.0 if exact.mode_of(r.policy, rep.name, count(rep.name))[0] == "exact"
+                                else 0.0)
+                for res in ("verified", "mismatched", "unverifiable"):
+                    blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines))
+            yield mode
+            yield blocks
         yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
         yield from _shared_state(b.shared, r, now)
         yield GaugeMetricFamily("warmroute_flow_held_requests", "Requests flow control holds in the brain (every "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,8 @@ from .exposition import (  # noqa: F401 (also read from here by tools and tests)
     INLINE_PARSE_BYTES, parse_metrics, parse_models, parse_openapi_paths,
 )
 from .stats import BrainStats
+
+KV_SOURCES_PATH = "/kv_event_sources"  # vLLM 0.32: each engine's KV events publisher
 
 
 def tls_context(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None) -> ssl.SSLContext:
@@ -55,6 +58,10 @@ class Scraper:
         self.paths_wanted: set[str] = set()
         self.paths_due: set[str] = set()  # ... and whose paths are to be read at the next good health scrape
         self.on_paths: Callable[[str, "list[str] | None"], None] = lambda name, paths: None
+        # replicas whose KV event publishers are read from /kv_event_sources after each start (exact_cache)
+        self.kv_wanted: set[str] = set()
+        self.kv_due: set[str] = set()
+        self.on_kv_sources: Callable[[str, str, "dict | None"], None] = lambda name, url, listed: None
         # lazy gauges: replica -> (activity counters, gauges, since when both stood still)
         self._still: dict[str, tuple[float, tuple[int, int], float]] = {}
         self.loop_errors = 0
@@ -233,6 +240,20 @@ class Scraper:
             return True, parse_openapi_paths(got)
         return got.error.startswith("HTTP 4"), None
 
+    async def fetch_kv_sources(self, session: ClientSession, name: str, url: str,
+                               timeout: float) -> "tuple[bool, dict | None]":
+        """(read, sources): what its GET /kv_event_sources lists (vLLM 0.32: rank -> its KV events config);
+        (True, None) when it has none (a 4xx: an engine without the route, or events off); (False, None) when it
+        could not be asked (ask again)."""
+        got = await self._get(session, url, KV_SOURCES_PATH, timeout, self.tls.get(name), "kv")
+        if isinstance(got, str):
+            try:
+                listed = json.loads(got)
+            except ValueError:
+                return True, None
+            return True, listed if isinstance(listed, dict) else None
+        return got.error.startswith("HTTP 4"), None
+
     async def _replica_loop(self, session: ClientSession, name: str) -> None:
         next_health = self.clock()
         was_ok = False  # a replica's routes are read at its first good scrape, and again after a failed one
@@ -263,7 +284,17 @@ class Scraper:
             if health:
                 if r.ok and not was_ok:
                     self.paths_due.add(name)
+                    self.kv_due.add(name)
                 was_ok = r.ok
+            if health and r.ok and name in self.kv_due and name in self.kv_wanted and name in self.urls:
+                read, listed = await self.fetch_kv_sources(session, name, self.urls[name], health_timeout)
+                if read:
+                    self.kv_due.discard(name)
+                    try:
+                        self.on_kv_sources(name, self.urls[name], listed)
+                    except Exception as e:
+                        self.loop_errors += 1
+                        logs.event("loop_error", loop="kv_sources", replica=name, error=f"{type(e).__name__}: {e}"[:200])
             if health and r.ok and name in self.paths_due and name in self.paths_wanted and name in self.urls:
                 read, paths = await self.fetch_paths(session, name, self.urls[name], health_timeout)
                 if read:

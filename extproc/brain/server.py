@@ -322,7 +322,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
         loop.create_task(hup())
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"), asyncio.create_task(_tick_loop(brain), name="tick")]
+    tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"), asyncio.create_task(_tick_loop(brain), name="tick"),
+             asyncio.create_task(brain.exact.kv.loop(), name="kv_events")]
     source = None
     if cfg.discovery.source != "static":
         source = make_source(cfg)

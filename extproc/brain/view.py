@@ -30,6 +30,7 @@ def state_of(brain) -> dict:
         r["paths"] = brain.models.paths_of(r["name"])
         view = getattr(brain.router.policy, "engines_view", None)
         r["engines"] = view(r["name"]) if view is not None else None
+        r["cache"] = brain.exact.replica_view(r["name"])  # exact (the engine's own events, verified) or estimated
         predicted = getattr(brain.router.policy, "replica_view", None)
         if predicted is not None:  # what routing believes is queued there: all of it goes when requests end
             v = predicted(brain.router.replica(r["name"]), now)

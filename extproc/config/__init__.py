@@ -21,6 +21,7 @@ from .schema import (
     ConfigError,
     DiscoveryConfig,
     EnvoyConfig,
+    ExactCacheConfig,
     FlowControlConfig,
     ReplicaSpec,
     SharedStateConfig,
@@ -30,7 +31,7 @@ from .schema import (
 
 __all__ = [
     "DISCOVERY_SOURCES", "ENGINES", "FLOW_FIRST_ANSWER_S", "MAX_ALIASES", "MAX_CONFIG_BYTES", "PROTOCOLS", "AppConfig",
-    "BrainConfig", "ConfigError", "DiscoveryConfig", "EnvoyConfig", "FlowControlConfig", "HealthConfig", "PinConfig",
+    "BrainConfig", "ConfigError", "DiscoveryConfig", "EnvoyConfig", "ExactCacheConfig", "FlowControlConfig", "HealthConfig", "PinConfig",
     "ProfileConfig", "ReplicaSpec", "RouterConfig", "SharedStateConfig", "WarmConfig", "brain_calls_max",
     "check_brain_access", "first_answer_s", "is_ip", "is_loopback", "load_config", "parse_config",
 ]

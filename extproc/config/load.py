@@ -26,6 +26,7 @@ from .schema import (
     DiscoveryConfig,
     ENGINES,
     EnvoyConfig,
+    ExactCacheConfig,
     FlowControlConfig,
     PROTOCOLS,
     ReplicaSpec,
@@ -217,7 +218,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
     known = {"replicas", "routing", "brain", "envoy", "discovery", "models", "allow_no_replicas", "shared_state",
-             "flow_control", *_SECTIONS}
+             "flow_control", "exact_cache", *_SECTIONS}
     for key in doc:
         if key not in known:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(known))})")
@@ -320,7 +321,34 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
                           "(set shared_state.redis_url)")
     flow = _flow_control(doc.get("flow_control"))
     return AppConfig(replicas, router, brain, envoy, discovery, shared, flow, _aliases(doc.get("models")), source,
-                     allow)
+                     allow, exact_cache=_exact_cache(doc.get("exact_cache")))
+
+
+VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def _exact_cache(raw: Any) -> ExactCacheConfig:
+    raw = dict(raw) if isinstance(raw, dict) else raw
+    tokenizers = raw.pop("tokenizers", None) if isinstance(raw, dict) else None
+    c = ExactCacheConfig(**_fill("exact_cache", ExactCacheConfig, raw, {"enabled", "hash_seed", "hash_algo",
+                                                                           "max_body_bytes", "tokenizers"}))
+    if c.hash_algo not in VLLM_HASH_ALGOS:
+        raise ConfigError(f"exact_cache.hash_algo: expected one of vLLM's {', '.join(VLLM_HASH_ALGOS)}, got "
+                          f"{_short(c.hash_algo)}")
+    if c.max_body_bytes < 1:
+        raise ConfigError("exact_cache.max_body_bytes: expected a whole number >= 1")
+    if tokenizers is None:
+        return c
+    if not isinstance(tokenizers, dict):
+        raise ConfigError("exact_cache.tokenizers: expected a mapping of served model name to the model's directory")
+    pairs = []
+    for model, path in tokenizers.items():
+        if not isinstance(model, str) or not isinstance(path, str) or not path:
+            raise ConfigError(f"exact_cache.tokenizers.{_short(str(model))}: expected the model's directory as a string")
+        if not (Path(path) / "tokenizer.json").is_file():
+            raise ConfigError(f"exact_cache.tokenizers.{model}: no tokenizer.json in {_short(path)}")
+        pairs.append((model, path))
+    return dataclasses.replace(c, tokenizers=tuple(pairs))
 
 
 def _flow_control(raw: Any) -> FlowControlConfig:

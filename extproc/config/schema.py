@@ -280,6 +280,28 @@ FLOW_FIRST_ANSWER_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
+class ExactCacheConfig:
+    """The engines' own word on their caches (issue 45; on): the brain subscribes to the KV events each vLLM
+    replica lists at GET /kv_event_sources (vLLM started with --kv-events-config), re-hashes every stored block
+    and, for an engine whose hashes verify, prices a request's cached tokens by what that engine holds rather than
+    by the brain's own model of its cache. A request is priced so when its model's tokenizer is listed below; an
+    engine whose hashes do not verify, or that publishes nothing, is estimated as before (/state says which and
+    why). docs/routing.md "The engine's own word"."""
+
+    enabled: bool = True
+    # the engines' seed for a chain's first parent: their PYTHONHASHSEED if they run with one (it must match)
+    hash_seed: str = "vllm-none-hash"
+    # the engines' --prefix-caching-hash-algo: sha256 (vLLM's default) is reproduced; any other is estimated
+    hash_algo: str = "sha256"
+    # served model -> the directory the engine loads it from (its tokenizer.json and chat template): that model's
+    # chat requests are tokenized as the engine does. A model not listed here is estimated
+    tokenizers: tuple[tuple[str, str], ...] = ()
+    # a larger body is estimated: this tokenizes each request whole, on the event loop (~1.5 µs a token with the
+    # tiny model's tokenizer: a 2K-token chat ~3 ms, a 129K-token one ~0.4 s)
+    max_body_bytes: int = 256 << 10
+
+
+@dataclass(frozen=True, slots=True)
 class AppConfig:
     replicas: tuple[ReplicaSpec, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -294,6 +316,7 @@ class AppConfig:
     # A reload that would leave no replica is refused unless the file says so: a config caught half-written
     # (an empty file) must not take the fleet out.
     allow_no_replicas: bool = False
+    exact_cache: ExactCacheConfig = field(default_factory=ExactCacheConfig)  # issue 45: on where engines publish
 
 
 def first_answer_s(cfg: "AppConfig") -> float:

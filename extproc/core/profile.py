@@ -58,6 +58,10 @@ class RequestProfile:
     priority: int = 1
     tenant: str | None = None
     ttft_slo_s: float | None = None  # the client's time-to-first-token deadline (None: its class's)
+    # the prompt as the engine tokenizes it (issue 45; 0: not known, the estimate prices it) and the hashes vLLM
+    # publishes for its full blocks, per block size: (block_size, hashes)
+    engine_tokens: int = 0
+    engine_hashes: tuple[int, tuple[int, ...]] | None = None
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:

@@ -52,7 +52,7 @@ from .prefix_index import Holders
 from .profile import RequestProfile
 from .replica import LIVE, Replica
 from .shortlist import SHORTLIST_FROM, Shortlist, View  # noqa: F401 (SHORTLIST_FROM: read from here)
-from .warm_replica import WarmReplica, peer_scale
+from .warm_replica import WarmReplica, peer_scale, replica_view
 from .working_set import WorkingSet
 
 _INF = float("inf")
@@ -156,18 +156,7 @@ class WarmPolicy(Shortlist):
         for p in parts:
             p.kv_ahead(now, 0.0)  # prefills predicted done by now leave the pending KV
         self.sessions.expire(now, self.cfg.warm.active_session_s)  # sessions quiet for warm.active_session_s left the working set, asked or not
-        return {
-            "prefill_tokens_per_second": st.rates.prefill_tokens_per_s,
-            "decode_seconds_per_token": st.rates.decode_s_per_token,
-            "prefix_index_blocks": sum(len(p.index) for p in parts),
-            "prefix_index_capacity_blocks": sum(p.index.capacity for p in parts),
-            "predicted_wait_seconds": max(max(0.0, p.prefill_busy_until - now) for p in parts),
-            "in_flight_work_seconds": sum(p.work_s for p in parts),
-            "active_session_tokens": sum(p.active_tokens for p in parts),
-            "cache_tokens": sum(p.cache_tokens for p in parts),
-            "pending_kv_tokens": sum(p.pending_tokens for p in parts),
-            "engine_tokens_per_estimated_token": st.scale.value,
-        }
+        return replica_view(st, parts, now)
 
     def pin_tables(self) -> tuple[PinTable, ...]:
         return (self.session_pins,)
@@ -270,13 +259,18 @@ class WarmPolicy(Shortlist):
     def _estimate(self, r: Replica, st: WarmReplica, rate: float, dec: float, profile: RequestProfile,
                   pin: Pin | None, now: float, engine: int | None = None, peer_scale: float = 1.0) -> "Estimate":
         """Cached tokens, wait and prefill on one candidate (C2, C3, C4), in the engine's tokens."""
-        scale = st.scale.value if st.scale.learned else peer_scale
-        prompt = max(1, round(profile.tokens * scale))
-        chain = profile.blocks if self.use_index and st.prefix_caching else ()
-        matched = st.index.match(chain) if chain else 0
-        cached = min(prompt - 1, int(matched * self.tokens_per_block * scale)) if matched else 0
-        if not chain and pin is not None and pin.replica is r and pin.engine == engine and st.prefix_caching:
-            cached = min(prompt - 1, int(pin.tokens * scale))  # C4: the session's context lives here
+        ex, hashes = st.exact, profile.engine_hashes
+        if ex is not None and ex.exact and hashes is not None and hashes[0] == ex.block_size and profile.engine_tokens:
+            prompt = profile.engine_tokens  # the engine's own tokens and its own word on what it holds (issue 45)
+            cached = min(prompt - 1, ex.cached_tokens(hashes[1])) if self.use_index else 0
+        else:
+            scale = st.scale.value if st.scale.learned else peer_scale
+            prompt = profile.engine_tokens or max(1, round(profile.tokens * scale))
+            chain = profile.blocks if self.use_index and st.prefix_caching else ()
+            matched = st.index.match(chain) if chain else 0
+            cached = min(prompt - 1, int(matched * self.tokens_per_block * scale)) if matched else 0
+            if not chain and pin is not None and pin.replica is r and pin.engine == engine and st.prefix_caching:
+                cached = min(prompt - 1, int(pin.tokens * scale))  # C4: the session's context lives here
         if st.engine_block and cached:  # vLLM hits whole blocks only, and never the prompt's last token
             cached -= cached % st.engine_block
         wait = max(0.0, st.prefill_busy_until - now)

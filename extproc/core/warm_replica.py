@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from .config import RouterConfig
+from .engine_cache import EngineCache
 from .load import LoadSample, Rates, TokenScale
 from .prefix_index import Holders, PrefixIndex
 from .replica import Replica
@@ -16,7 +17,7 @@ class WarmReplica:
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
                  "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent", "scale",
-                 "engine_block")
+                 "engine_block", "exact")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
                  scale: TokenScale | None = None, holders: Holders | None = None):
@@ -44,6 +45,8 @@ class WarmReplica:
         # adapters this router sent here -> when, least recently first: the last max_lora of them are likely in its
         # slots, and those sent within warm.active_session_s have sessions that will be back for them
         self.lora_sent: OrderedDict[str, float] = OrderedDict()
+        # what the engine's own KV events say it holds (issue 45), None until its first batch
+        self.exact: EngineCache | None = None
 
     def waiting(self, r: Replica) -> int:
         return self.scraped.waiting if self.scraped is not None else r.scraped_waiting
@@ -70,6 +73,23 @@ class WarmReplica:
         while p and p[0][0] <= now:
             self.pending_tokens -= p.popleft()[1]
         return kv_usage * self.cache_tokens + self.pending_tokens
+
+
+def replica_view(st: WarmReplica, parts: list[WarmReplica], now: float) -> dict[str, float]:
+    """What the policy believes of one replica, for metrics (keys: brain.metrics.WARM_VIEW); a replica with
+    data-parallel engines: their sums (the longest predicted wait)."""
+    return {
+        "prefill_tokens_per_second": st.rates.prefill_tokens_per_s,
+        "decode_seconds_per_token": st.rates.decode_s_per_token,
+        "prefix_index_blocks": sum(len(p.index) for p in parts),
+        "prefix_index_capacity_blocks": sum(p.index.capacity for p in parts),
+        "predicted_wait_seconds": max(max(0.0, p.prefill_busy_until - now) for p in parts),
+        "in_flight_work_seconds": sum(p.work_s for p in parts),
+        "active_session_tokens": sum(p.active_tokens for p in parts),
+        "cache_tokens": sum(p.cache_tokens for p in parts),
+        "pending_kv_tokens": sum(p.pending_tokens for p in parts),
+        "engine_tokens_per_estimated_token": st.scale.value,
+    }
 
 
 def peer_scale(states: list[WarmReplica]) -> float:

@@ -8,7 +8,8 @@ its 404 for an unknown model, its routes in /openapi.json, and what a SIGKILL do
 One fleet for the module, started side by side (~100 s on two cores: each engine's processes import torch and
 vLLM anew): r0 serves tiny-llama with both adapters, r1 tiny-llama with one adapter and run-time LoRA updating,
 r2 the same weights as another model (tiny-coder) on two data-parallel engines behind one port (~3.9 GB), r3
-tiny-llama started with --disable-log-stats. r0-r2's engine is "auto"; r3 is configured as vllm, so that it
+tiny-llama started with --disable-log-stats. r0 and r1 publish KV events (r1 with another PYTHONHASHSEED), and the
+brain has tiny-llama's tokenizer: r0 is priced in exact mode, r1 estimated. r0-r2's engine is "auto"; r3 is configured as vllm, so that it
 says what is missing. The tiny-llama replicas keep stored Responses (VLLM_ENABLE_RESPONSES_API_STORE=1).
 """
 
@@ -87,8 +88,11 @@ def fleet():
     why = real_vllm.available()
     if why:
         pytest.fail(f"the real-engine tests need the engine: {why}")
-    s = Stack(4, config=CONFIG, real_vllm=VllmOptions(responses_store=True))
-    s.vllm_options = {"r1": VllmOptions(lora=("tiny-lora-a",), runtime_lora=True, responses_store=True),
+    s = Stack(4, config={**CONFIG, "exact_cache": {"tokenizers": {MODEL: str(real_vllm.model_dir())}}},
+              real_vllm=VllmOptions(responses_store=True, kv_events=True))
+    # r1's engine hashes its blocks with another seed (PYTHONHASHSEED): its events cannot verify, it stays estimated
+    s.vllm_options = {"r1": VllmOptions(lora=("tiny-lora-a",), runtime_lora=True, responses_store=True,
+                                        kv_events=True, hash_seed="7"),
                       "r2": VllmOptions(served_name="tiny-coder", lora=(), data_parallel=2),
                       "r3": VllmOptions(lora=(), log_stats=False, responses_store=True)}
     s.engines = {f"r{i}": "auto" for i in range(3)}
@@ -158,6 +162,28 @@ def test_predicted_cached_tokens_are_what_the_engine_reports(fleet):
     assert share >= 0.9, rows
     # the scale the brain learned is the engine's tokens per estimated token: prompts agree too
     assert sum(abs(r[3] - r[2]) <= 0.1 * r[2] for r in rows[-12:]) >= 10, rows[-12:]
+
+
+def test_exact_mode_predicts_the_engine_s_cached_and_prompt_tokens_and_a_foreign_seed_is_estimated(fleet):
+    """Issue 45: on the replica whose KV events verify, the brain's predicted cached tokens and prompt tokens are the
+    engine's own for every request (a chat workload of growing conversations); the replica whose engine hashes
+    with another seed says so in /state and serves as before."""
+    got = _conversation(fleet, random.Random(11), sessions=6, turns=4)
+    by = {r["name"]: r for r in fleet.state()["replicas"]}
+    assert by["r0"]["cache"]["mode"] == "exact", by["r0"]["cache"]
+    [eng] = by["r0"]["cache"]["engines"]
+    assert eng["verified_blocks"] > 0 and eng["mismatched_blocks"] == 0 and eng["block_size"] == 128, eng
+    assert by["r1"]["cache"]["mode"] == "estimated" and "mismatch" in by["r1"]["cache"]["reason"], by["r1"]["cache"]
+    exact = [(g["decision"]["predicted_cached_tokens"], g["usage"]["prompt_tokens_details"]["cached_tokens"],
+              g["decision"]["predicted_prompt_tokens"], g["usage"]["prompt_tokens"])
+             for g in got if g["decision"]["replica"] == "r0"]
+    print(f"\nexact mode on r0: {len(exact)} requests")
+    for row in exact:
+        print("  predicted %5d cached of %5d | engine %5d cached of %5d" % (row[0], row[2], row[1], row[3]))
+    assert len(exact) >= 6, got
+    assert all(p == e for p, e, _, _ in exact), exact
+    assert all(pp == ep for _, _, pp, ep in exact), exact
+    assert sum(e for _, e, _, _ in exact) > 0, "some turn hit the cache"
 
 
 def _error_code(body: bytes) -> str:

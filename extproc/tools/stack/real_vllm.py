@@ -71,10 +71,20 @@ class VllmOptions:
     # one torch import less, ~50 s -> ~30 s to start here. The API server, the engine core and everything
     # warmroute reads (routes, metrics, cache) are the same; data-parallel engines keep their own processes.
     uniproc: bool = True
+    # KV events (issue 45): published on an ipc:// socket in the engine's work directory (local only; vLLM binds
+    # it), with a replay socket beside it; GET /kv_event_sources names both
+    kv_events: bool = False
+    hash_seed: str | None = None  # PYTHONHASHSEED for the engine: another seed for its block hashes
     extra: tuple[str, ...] = ()
 
 
-def vllm_argv(port: int, o: VllmOptions) -> list[str]:
+def kv_events_config(workdir: Path, port: int) -> str:
+    base = f"ipc://{workdir / f'kv-{port}'}"
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": base + ".pub",
+                       "replay_endpoint": base + ".replay"})
+
+
+def vllm_argv(port: int, o: VllmOptions, workdir: Path | None = None) -> list[str]:
     model = model_dir()
     info = model_info()
     argv = [str(engine_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -92,6 +102,8 @@ def vllm_argv(port: int, o: VllmOptions) -> list[str]:
         argv += ["--data-parallel-size", str(o.data_parallel), "--data-parallel-rpc-port", str(free_port())]
     if not o.log_stats:
         argv += ["--disable-log-stats"]
+    if o.kv_events:
+        argv += ["--kv-events-config", kv_events_config(workdir or Path("/tmp"), port)]
     return argv + list(o.extra)
 
 
@@ -107,6 +119,9 @@ def vllm_env(o: VllmOptions) -> dict[str, str]:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if o.responses_store:
         env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
+    env.pop("PYTHONHASHSEED", None)  # the engine's block hashes take their seed from it: only when asked
+    if o.hash_seed is not None:
+        env["PYTHONHASHSEED"] = o.hash_seed
     env.pop("PYTHONPATH", None)  # the engine's venv alone: our package must not shadow its dependencies
     # the engine's venv is a cache we own: the modules make engines' import did not compile are written on the first
     # start rather than compiled again by every start of every replica
@@ -122,7 +137,7 @@ def start_vllm(name: str, workdir: Path, options: VllmOptions | None = None, por
         raise StackError(why)
     o = options or VllmOptions()
     port = port or free_port()
-    proc = Proc(name, vllm_argv(port, o), workdir, env=vllm_env(o))
+    proc = Proc(name, vllm_argv(port, o, workdir), workdir, env=vllm_env(o))
     if wait:
         wait_ready(proc, port)
     return proc, port

@@ -1,0 +1,94 @@
+"""The brain's side of exact mode (issue 45): the engines' event readers, the models' tokenizers, and each
+request's prompt hashed as the engine will hash it. Exactness is a state per engine, like health: an engine whose
+events verify is priced by what it holds; every other engine, and every request this cannot tokenize, by the
+estimate as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import orjson
+
+from ..config import AppConfig
+from ..core import exact
+from ..core.apis import Api
+from ..core.engine_cache import EngineCache, none_hash
+from . import logs
+from .engine_tokens import ChatTokens, TokenizerError, block_hashes
+from .kv_events import KvEvents
+
+log = logging.getLogger("warmroute.exact")
+
+
+class Exact:
+    def __init__(self, cfg: AppConfig, router, scraper, clock):
+        self.router, self.scraper, self.clock = router, scraper, clock
+        self.kv = KvEvents(self._on_batch, self._on_lost, clock)
+        scraper.on_kv_sources = self.kv.on_sources
+        self.tokenizers: dict[str, ChatTokens] = {}
+        self.block_size: int | None = None  # of the engines that verified (vLLM: one per fleet in practice)
+        self.tokenized = self.untokenized = 0
+        self.configure(cfg)
+
+    def configure(self, cfg: AppConfig) -> None:
+        c = self.cfg = cfg.exact_cache
+        self.root = none_hash(c.hash_seed)
+        self.scraper.kv_wanted = {r.name for r in cfg.replicas if r.engine in ("vllm", "auto")} if c.enabled else set()
+        for name in list(self.kv.sources):
+            if name not in self.scraper.kv_wanted:
+                self.kv.forget(name)
+        self.scraper.kv_due |= self.scraper.kv_wanted
+        wanted = dict(c.tokenizers) if c.enabled else {}
+        for model in [m for m in self.tokenizers if m not in wanted]:
+            del self.tokenizers[model]
+        for model, path in wanted.items():
+            if model not in self.tokenizers:
+                try:
+                    self.tokenizers[model] = ChatTokens(path)
+                except (TokenizerError, OSError, ValueError) as e:  # that model is estimated; the brain says why
+                    logs.event("tokenizer_error", model=model, error=f"{type(e).__name__}: {e}"[:200])
+
+    def _make(self) -> EngineCache:
+        return EngineCache(self.cfg.hash_seed, self.cfg.hash_algo)
+
+    def _on_batch(self, name: str, rank: int, events: list, now: float) -> None:
+        if not exact.apply_events(self.router.policy, name, rank, events, now, self._make):
+            return
+        st = self.router.policy.engine_state(name, rank)
+        if st is not None and st.exact is not None and st.exact.exact:
+            self.block_size = st.exact.block_size
+
+    def _on_lost(self, name: str, rank: int, why: str) -> None:
+        exact.events_lost(self.router.policy, name, rank, why)
+        logs.event("kv_events_lost", replica=name, rank=rank, reason=why[:120])
+
+    def forget(self, name: str) -> None:
+        self.kv.forget(name)
+
+    def price(self, profile, body: bytes | None, model: str | None):
+        """``profile`` with the engine's tokens and block hashes when this can make them, else as it came."""
+        ct = self.tokenizers.get(model) if model is not None else None
+        if ct is None or not body or profile.api is not Api.CHAT or profile.adapter is not None \
+                or len(body) > self.cfg.max_body_bytes:
+            return profile
+        try:
+            doc = orjson.loads(body)
+            tokens = ct.tokens(doc) if isinstance(doc, dict) else None
+        except orjson.JSONDecodeError:
+            tokens = None
+        if not tokens:
+            self.untokenized += 1
+            return profile
+        self.tokenized += 1
+        bs = self.block_size  # known once an engine verified: before, the tokens alone (every replica estimated)
+        if bs is None:
+            return dataclasses.replace(profile, engine_tokens=len(tokens))
+        salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
+        return dataclasses.replace(profile, engine_tokens=len(tokens),
+                                   engine_hashes=(bs, block_hashes(tokens, bs, self.root, salt)))
+
+    def replica_view(self, name: str) -> dict:
+        ranks = self.router.policy.engine_count(name) if hasattr(self.router.policy, "engine_count") else 1
+        mode, why = exact.mode_of(self.router.policy, name, ranks)
+        return {"mode": mode, "reason": why, "engines": exact.view(self.router.policy, name, ranks)}

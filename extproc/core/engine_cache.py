@@ -1,0 +1,217 @@
+"""The engine's own word on its cache (issue 45): vLLM's block hash, and one engine's residency from its KV events,
+each event re-hashed and compared before the residency is believed.
+
+vLLM 0.32 hashes a prompt's full blocks as a chain (``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens``):
+``digest_i = H((digest_{i-1} or NONE_HASH, tuple(block_tokens_i), extra_keys_i or None))``, where ``H`` is SHA-256
+over ``pickle.dumps(obj, HIGHEST_PROTOCOL)`` with the default ``--prefix-caching-hash-algo sha256`` and ``NONE_HASH``
+is ``H`` of the seed (``$PYTHONHASHSEED`` if the engine has it, else ``"vllm-none-hash"``). Its KV events publish
+the low 64 bits of each digest (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, on by default), so a child's digest can
+only be recomputed from its parent's full digest: this keeps the full digest of every block it verified.
+
+An engine is **exact** once a stored block's published hash equals the one computed here from its tokens; one
+mismatch (another seed, another algorithm, a different block size in the hash) makes it **estimated** for good (until
+its events start again from a new engine), with the reason. Only what a hit needs counts as resident: blocks on the
+engine's GPU (``medium``) of full-attention cache groups (``kv_cache_spec_kind``: a sliding-window group's blocks do
+not make a prefix hit). No I/O here: a reader in the shell turns the wire into these values (``brain/kv_events.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+NONE_HASH_SEED = "vllm-none-hash"
+HASH_ALGOS = ("sha256",)  # sha256_cbor needs cbor2; xxhash seeds itself at random per process: never reproducible
+EXACT, ESTIMATED = "exact", "estimated"
+GPU = "GPU"
+FULL_ATTENTION = "full_attention"
+# more resident blocks than any engine's cache holds (an 80 GB cache of 16-token blocks is ~10^6): events were lost
+MAX_BLOCKS = 4_000_000
+
+
+def vllm_hash(obj: Any) -> bytes:
+    """vLLM's ``sha256``: SHA-256 over the object pickled with the highest protocol."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def none_hash(seed: str = NONE_HASH_SEED) -> bytes:
+    """The parent of every chain's first block."""
+    return vllm_hash(seed)
+
+
+def external(digest: bytes) -> int:
+    """The hash an event publishes for a digest: its low 64 bits, read big-endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def chain(tokens: Sequence[int], block_size: int, root: bytes, parent: bytes | None = None,
+          extra: Sequence[tuple | None] | None = None) -> list[bytes]:
+    """The digests of the full blocks of ``tokens`` (a partial last block is not cached), after ``parent`` (None: the
+    prompt's start, whose parent is ``root``). ``extra``: each block's tagged extra keys (LoRA, cache salt), or None."""
+    out = []
+    prev = parent or root
+    for k in range(len(tokens) // block_size):
+        prev = vllm_hash((prev, tuple(tokens[k * block_size:(k + 1) * block_size]), extra[k] if extra else None))
+        out.append(prev)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """vLLM's ``BlockStored``: consecutive blocks of one request, the first after ``parent`` (None: a prompt's start)."""
+
+    hashes: tuple[int, ...]
+    parent: int | None
+    tokens: tuple[int, ...]
+    block_size: int
+    medium: str | None = GPU
+    lora_name: str | None = None
+    extra_keys: tuple | None = None  # per block, untagged as events publish them
+    kind: str | None = FULL_ATTENTION  # kv_cache_spec_kind (None: a publisher older than 0.32, full attention)
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    hashes: tuple[int, ...]
+    medium: str | None = GPU
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+class Unverifiable(Exception):
+    pass
+
+
+class EngineCache:
+    """One engine's resident prefix blocks as its events say, and whether its events prove this module's hash."""
+
+    def __init__(self, seed: str = NONE_HASH_SEED, algo: str = "sha256", lora_paths: dict[str, str] | None = None):
+        self.root = none_hash(seed)
+        self.seed, self.algo = seed, algo
+        self.lora_paths = lora_paths or {}  # adapter name -> path: vLLM hashes both, its events name the first
+        self.gpu: dict[int, bytes | None] = {}  # published hash -> full digest (None: held, its chain unknown here)
+        self.offloaded = 0  # blocks stored to another medium (CPU): a cheaper miss, never a hit
+        self.block_size: int | None = None
+        self.mode, self.reason = ESTIMATED, "no KV events yet"
+        self.verified = self.mismatched = self.unverifiable = 0
+        self.stored = self.removed = self.cleared = 0
+        self.last_event_at: float | None = None
+        if algo not in HASH_ALGOS:
+            self.reason = f"--prefix-caching-hash-algo {algo} cannot be reproduced here (only {', '.join(HASH_ALGOS)})"
+
+    @property
+    def exact(self) -> bool:
+        return self.mode == EXACT
+
+    def _mismatch(self, why: str) -> None:
+        self.mismatched += 1
+        if self.mode == EXACT or not self.reason.startswith("block hash mismatch"):
+            self.mode = ESTIMATED
+            self.reason = f"block hash mismatch: {why}"
+
+    def _tagged(self, extra: tuple | None, lora_name: str | None, first: bool) -> tuple | None:
+        """An event's untagged extra keys for one block, tagged again as vLLM hashes them."""
+        if not extra:
+            return None
+        out: list[tuple] = []
+        rest = list(extra)
+        if lora_name is not None:
+            name = rest.pop(0) if rest else lora_name
+            path = self.lora_paths.get(name)
+            if path is None:
+                raise Unverifiable(f"adapter {name!r}: its path is not known here")
+            out.append(("lora", name, path))
+        for key in rest:
+            if first and isinstance(key, str):
+                out.append(("cache_salt", key))
+            else:  # multimodal placeholders and prompt embeddings: not reproduced
+                raise Unverifiable("multimodal or prompt-embeds keys")
+        return tuple(out) or None
+
+    def _store(self, ev: Stored) -> None:
+        if ev.kind not in (None, FULL_ATTENTION):
+            return  # a sliding-window or mamba group: its blocks make no prefix hit
+        if ev.medium not in (None, GPU):
+            self.offloaded += len(ev.hashes)
+            return
+        self.stored += len(ev.hashes)
+        if self.block_size is None:
+            self.block_size = ev.block_size
+        elif ev.block_size != self.block_size:
+            self._mismatch(f"block size {ev.block_size} after {self.block_size}")
+        digests: list[bytes | None] = [None] * len(ev.hashes)
+        if self.mode == EXACT or self.reason.startswith(("no KV events", "events lost")):
+            try:
+                if ev.parent is None:
+                    prev = self.root
+                else:
+                    prev = self.gpu.get(ev.parent)
+                    if prev is None:
+                        raise Unverifiable("parent block unknown here")
+                extra = ev.extra_keys or ()
+                bs = ev.block_size
+                if len(ev.tokens) < bs * len(ev.hashes):
+                    raise Unverifiable("fewer tokens than blocks")
+                for k, h in enumerate(ev.hashes):
+                    keys = self._tagged(extra[k] if k < len(extra) else None, ev.lora_name, ev.parent is None and k == 0)
+                    prev = vllm_hash((prev, tuple(ev.tokens[k * bs:(k + 1) * bs]), keys))
+                    if external(prev) != h:
+                        self._mismatch(f"the engine's hash of a block is not vLLM {self.algo} with seed {self.seed!r} "
+                                       "(another PYTHONHASHSEED or --prefix-caching-hash-algo?)")
+                        digests = [None] * len(ev.hashes)
+                        break
+                    digests[k] = prev
+                    self.verified += 1
+                else:
+                    if self.mode != EXACT and self.algo in HASH_ALGOS:
+                        self.mode, self.reason = EXACT, "every stored block verified"
+            except Unverifiable:
+                self.unverifiable += len(ev.hashes)
+        for h, d in zip(ev.hashes, digests):
+            self.gpu[h] = d if d is not None else self.gpu.get(h)
+        if len(self.gpu) > MAX_BLOCKS:
+            self.lost(f"more than {MAX_BLOCKS:,} blocks resident: removals were missed")
+
+    def apply(self, events: Sequence[Stored | Removed | Cleared], now: float) -> None:
+        """One batch of the engine's events, in its order."""
+        self.last_event_at = now
+        for ev in events:
+            if isinstance(ev, Stored):
+                self._store(ev)
+            elif isinstance(ev, Removed):
+                if ev.medium in (None, GPU):
+                    for h in ev.hashes:
+                        if self.gpu.pop(h, 0) != 0:
+                            self.removed += 1
+            elif isinstance(ev, Cleared):
+                self.gpu.clear()
+                self.cleared += 1
+
+    def lost(self, why: str = "events lost") -> None:
+        """Events were missed and not replayed: what is resident is unknown. Nothing is believed resident (the safe
+        error: a request is priced as uncached), and the engine is estimated until a stored block verifies again."""
+        self.gpu.clear()
+        if self.mode == EXACT or not self.reason.startswith("block hash mismatch"):
+            self.mode, self.reason = ESTIMATED, f"events lost: {why}" if not why.startswith("events lost") else why
+
+    def cached_tokens(self, hashes: Sequence[int]) -> int:
+        """The engine's cached tokens for a prompt whose full blocks publish ``hashes``: the longest run from its
+        start that the engine holds (vLLM reuses a prefix, never a block past a missing one)."""
+        n = 0
+        gpu = self.gpu
+        for h in hashes:
+            if h not in gpu:
+                break
+            n += 1
+        return n * (self.block_size or 0)
+
+    def view(self) -> dict:
+        return {"cache_mode": self.mode, "reason": self.reason, "resident_blocks": len(self.gpu),
+                "block_size": self.block_size, "verified_blocks": self.verified, "mismatched_blocks": self.mismatched,
+                "unverifiable_blocks": self.unverifiable, "offloaded_blocks": self.offloaded,
+                "cleared": self.cleared}

@@ -1,0 +1,159 @@
+"""vLLM's block hash reproduced, and one engine's residency believed only where its events prove the hash (issue 45).
+The fixture is what a real vLLM 0.32 published for one prompt (``tests/fixtures/vllm-0.32/kv-events.bin``: msgpack
+payloads, each after its 4-byte length; the prompt's tokens from its /tokenize)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.brain.kv_events import BadBatch, decode_batch, endpoint_for
+from extproc.core.engine_cache import (
+    ESTIMATED,
+    EXACT,
+    Cleared,
+    EngineCache,
+    Removed,
+    Stored,
+    chain,
+    external,
+    none_hash,
+)
+
+FIX = Path(__file__).parent / "fixtures" / "vllm-0.32"
+
+
+def recorded() -> list[list]:
+    data = (FIX / "kv-events.bin").read_bytes()
+    out, i = [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 4], "big")
+        out.append(decode_batch(data[i + 4:i + 4 + n])[1])
+        i += 4 + n
+    return out
+
+
+def test_the_real_engine_s_published_hashes_are_the_chain_of_its_tokens():
+    [[stored], *_] = recorded()
+    tokens = json.loads((FIX / "kv-events-prompt.json").read_text())["tokens"]
+    assert isinstance(stored, Stored) and stored.block_size == 128 and stored.parent is None
+    digests = chain(tokens, stored.block_size, none_hash())
+    assert [external(d) for d in digests] == list(stored.hashes)  # 5 full blocks of the 708-token prompt
+    cache = EngineCache()
+    cache.apply([stored], 0.0)
+    assert cache.mode == EXACT and cache.verified == 5 and cache.mismatched == 0
+    assert cache.cached_tokens([external(d) for d in digests]) == 640
+    assert cache.cached_tokens([external(d) for d in digests[:2]] + [123]) == 256
+
+
+def test_an_engine_with_another_seed_is_estimated_at_its_first_event_and_says_why():
+    [[stored], *_] = recorded()
+    cache = EngineCache(seed="42")  # as if the engines ran with PYTHONHASHSEED and the brain did not know it
+    cache.apply([stored], 0.0)
+    assert cache.mode == ESTIMATED and cache.mismatched == 1 and "PYTHONHASHSEED" in cache.reason
+    again = Stored(stored.hashes, None, stored.tokens, stored.block_size)
+    cache.apply([again], 1.0)
+    assert cache.mode == ESTIMATED, "one mismatch is enough: an engine does not change its hash"
+
+
+def synth(tokens, bs=4, parent_digest=None, cache_root=None, **kw):
+    root = cache_root or none_hash()
+    ds = chain(tokens, bs, root, parent_digest)
+    return ds, Stored(tuple(external(d) for d in ds), external(parent_digest) if parent_digest else None,
+                      tuple(tokens), bs, **kw)
+
+
+def test_residency_follows_stores_removals_and_clears_and_a_chain_continues_from_its_parent():
+    cache = EngineCache()
+    a, ev_a = synth(list(range(12)))
+    b, ev_b = synth(list(range(100, 108)), parent_digest=a[-1])
+    cache.apply([ev_a, ev_b], 0.0)
+    assert cache.exact and cache.verified == 5
+    whole = [external(d) for d in a + b]
+    assert cache.cached_tokens(whole) == 20
+    cache.apply([Removed((external(a[1]),))], 1.0)
+    assert cache.cached_tokens(whole) == 4, "a prefix stops at the first block the engine lost"
+    cache.apply([Cleared()], 2.0)
+    assert cache.cached_tokens(whole) == 0 and cache.exact
+
+
+def test_what_makes_no_hit_is_not_resident_and_an_unknown_parent_is_not_a_mismatch():
+    cache = EngineCache()
+    a, ev = synth(list(range(8)), medium="CPU")
+    cache.apply([ev], 0.0)
+    _, sw = synth(list(range(8)), kind="sliding_window")
+    cache.apply([sw], 0.0)
+    assert cache.cached_tokens([external(d) for d in a]) == 0 and cache.offloaded == 2
+    orphan_parent = none_hash("elsewhere")
+    o, ev = synth(list(range(8)), parent_digest=orphan_parent)
+    cache.apply([ev], 1.0)
+    assert cache.unverifiable == 2 and cache.mismatched == 0 and cache.mode == ESTIMATED
+    assert "no KV events" in cache.reason
+
+
+def test_lost_events_forget_residency_until_a_store_verifies_again():
+    cache = EngineCache()
+    a, ev = synth(list(range(8)))
+    cache.apply([ev], 0.0)
+    cache.lost("batches 3-5 missed")
+    assert cache.mode == ESTIMATED and cache.cached_tokens([external(d) for d in a]) == 0 and "3-5" in cache.reason
+    cache.apply([ev], 1.0)
+    assert cache.exact
+
+
+def test_lora_and_cache_salt_keys_are_tagged_again_as_vllm_hashes_them():
+    toks = list(range(8))
+    keys = [(("lora", "a", "/adapters/a"), ("cache_salt", "s")), (("lora", "a", "/adapters/a"),)]
+    ds = chain(toks, 4, none_hash(), extra=keys)
+    ev = Stored(tuple(external(d) for d in ds), None, tuple(toks), 4, lora_name="a", extra_keys=(("a", "s"), ("a",)))
+    known = EngineCache(lora_paths={"a": "/adapters/a"})
+    known.apply([ev], 0.0)
+    assert known.exact and known.verified == 2
+    unknown = EngineCache()
+    unknown.apply([ev], 0.0)
+    assert unknown.unverifiable == 2 and unknown.mismatched == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 50_000), min_size=0, max_size=90), st.integers(1, 9), st.integers(0, 3))
+def test_a_chain_cut_anywhere_and_published_in_pieces_verifies_whole(tokens, bs, cut):
+    digests = chain(tokens, bs, none_hash())
+    pieces = [digests[:cut], digests[cut:]]
+    cache = EngineCache()
+    parent = None
+    for piece in pieces:
+        if not piece:
+            continue
+        start = digests.index(piece[0])
+        cache.apply([Stored(tuple(external(d) for d in piece), external(parent) if parent else None,
+                            tuple(tokens[start * bs:(start + len(piece)) * bs]), bs)], 0.0)
+        parent = piece[-1]
+    assert cache.mismatched == 0 and cache.cached_tokens([external(d) for d in digests]) == len(digests) * bs
+    assert cache.exact == bool(digests)
+
+
+def test_both_wire_forms_decode_and_garbage_is_refused():
+    enc = msgspec.msgpack.encode
+    maps = enc([1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": [1] * 8,
+                       "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None},
+                      {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}, {"type": "AllBlocksCleared"}], 0])
+    arrays = enc([1.0, [["BlockStored", [1, 2], None, [1] * 8, 4, None, "GPU", None], ["BlockRemoved", [2], "GPU"],
+                        ["AllBlocksCleared"]], None])
+    for payload in (maps, arrays):
+        ts, evs, _ = decode_batch(payload)
+        assert [type(e) for e in evs] == [Stored, Removed, Cleared] and evs[0].hashes == (1, 2)
+    for bad in (b"\xc1", enc({"x": 1}), enc([1.0, [{"type": "BlockStored", "block_hashes": "no"}]]),
+                enc([1.0, [["BlockStored", [1], None, ["t"], 4]]])):
+        with pytest.raises(BadBatch):
+            decode_batch(bad)
+
+
+def test_a_wildcard_endpoint_is_the_replica_s_own_host():
+    assert endpoint_for("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
+    assert endpoint_for("tcp://10.1.1.1:5557", "http://10.0.0.7:8000") == "tcp://10.1.1.1:5557"
+    assert endpoint_for("ipc:///run/vllm/kv.pub", "http://10.0.0.7:8000") == "ipc:///run/vllm/kv.pub"

@@ -6,11 +6,20 @@ environment with ``trim_blocks`` and ``lstrip_blocks``, ``add_generation_prompt`
 otherwise, its ``tools`` and ``chat_template_kwargs`` passed in) and tokenizes the text without adding special
 tokens (the template writes them). What this cannot reproduce (images, audio, a template that fails here) gives
 None, and the estimate prices that request.
+
+A conversation's next turn re-renders the same text with more at its end, so only the new part is tokenized: the
+tokenizer splits text at its added special tokens before anything else, so the tokens of everything up to the end
+of the last special token are the same however the text goes on (a tokenizer whose special tokens strip the
+whitespace around them gets no such cut: it is tokenized whole). Per session: the prefix's length and digest and
+its tokens, least recently used first out past ``max_bytes``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from array import array
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +51,7 @@ def _template_of(model_dir: Path) -> str:
 class ChatTokens:
     """One model's template and tokenizer (``model_dir``: the directory the engine loads the model from)."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, max_bytes: int = 64 << 20):
         from jinja2 import ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer
@@ -64,9 +73,19 @@ class ChatTokens:
             config = json.loads((d / "tokenizer_config.json").read_text())
         self.specials = {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                          if isinstance(config.get(k), str)}
+        added = json.loads((d / "tokenizer.json").read_text()).get("added_tokens") or []
+        # the cut is safe only where an added token cannot take whitespace from what follows or precedes it
+        self.cuts = tuple(a["content"] for a in added if isinstance(a, dict) and isinstance(a.get("content"), str)
+                          and a.get("special") and not a.get("lstrip") and not a.get("rstrip"))
+        if any(a.get("lstrip") or a.get("rstrip") for a in added if isinstance(a, dict)):
+            self.cuts = ()
+        self.max_bytes = max_bytes
+        self._memo: OrderedDict[bytes, tuple[int, bytes, array]] = OrderedDict()
+        self._memo_bytes = 0
+        self.reused_tokens = self.encoded_tokens = 0
 
-    def tokens(self, body: dict) -> list[int] | None:
-        """The prompt's token ids for a chat completions body, or None when it cannot be rendered here."""
+    def render(self, body: dict) -> str | None:
+        """The chat completions body as the engine's prompt text, or None when it cannot be rendered here."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
@@ -81,10 +100,47 @@ class ChatTokens:
         if body.get("continue_final_message"):
             kwargs["add_generation_prompt"] = False
         try:
-            text = self.template.render(messages=messages, tools=body.get("tools"), **self.specials, **kwargs)
+            return self.template.render(messages=messages, tools=body.get("tools"), **self.specials, **kwargs)
         except Exception:  # a template error: vLLM would answer 400, and this request is estimated
             return None
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def tokens(self, body: dict, key: bytes | None = None) -> list[int] | None:
+        """The prompt's token ids for a chat completions body; ``key`` (its session) to tokenize only what is new
+        since that session's last turn."""
+        text = self.render(body)
+        if text is None:
+            return None
+        head: list[int] = []
+        start = 0
+        memo = self._memo.get(key) if key is not None else None
+        if memo is not None:
+            n, digest, toks = memo
+            if len(text) >= n and hashlib.blake2b(text[:n].encode(), digest_size=16).digest() == digest:
+                head, start = toks.tolist(), n
+        enc = self.tokenizer.encode(text[start:], add_special_tokens=False)
+        self.reused_tokens += len(head)
+        self.encoded_tokens += len(enc.ids)
+        out = head + enc.ids
+        if key is not None and self.cuts:
+            self._remember(key, text, start, head, enc)
+        return out
+
+    def _remember(self, key: bytes, text: str, start: int, head: list[int], enc) -> None:
+        cut = max((text.rfind(s) + len(s) if text.rfind(s) >= start else -1) for s in self.cuts)
+        if cut <= start:
+            return
+        upto = next((i + 1 for i in range(len(enc.offsets) - 1, -1, -1) if enc.offsets[i][1] + start == cut), None)
+        if upto is None:
+            return
+        toks = array("I", head + enc.ids[:upto])
+        old = self._memo.pop(key, None)
+        if old is not None:
+            self._memo_bytes -= old[2].itemsize * len(old[2]) + 64
+        self._memo[key] = (cut, hashlib.blake2b(text[:cut].encode(), digest_size=16).digest(), toks)
+        self._memo_bytes += toks.itemsize * len(toks) + 64
+        while self._memo_bytes > self.max_bytes and self._memo:
+            _, (_, _, gone) = self._memo.popitem(last=False)
+            self._memo_bytes -= gone.itemsize * len(gone) + 64
 
 
 def block_hashes(tokens: list[int], block_size: int, root: bytes, cache_salt: str | None = None) -> tuple[int, ...]:
@@ -92,3 +148,47 @@ def block_hashes(tokens: list[int], block_size: int, root: bytes, cache_salt: st
     n = len(tokens) // block_size
     extra = [(("cache_salt", cache_salt),)] + [None] * (n - 1) if cache_salt and n else None
     return tuple(external(d) for d in chain(tokens, block_size, root, extra=extra))
+
+
+def _digest_of(tokens: list[int]) -> bytes:
+    return hashlib.blake2b(array("I", tokens).tobytes(), digest_size=16).digest()
+
+
+class ChainMemo:
+    """Each session's block chain so far, so that a turn hashes only its new blocks: (block size, root, salt,
+    blocks, digest of their tokens, their published hashes, the last full digest), least recently used first out
+    past ``max_blocks`` hashes in all."""
+
+    def __init__(self, max_blocks: int = 2_000_000):
+        self.max_blocks = max_blocks
+        self._m: OrderedDict[bytes, tuple] = OrderedDict()
+        self._blocks = 0
+        self.reused_blocks = self.hashed_blocks = 0
+
+    def hashes(self, key: bytes | None, tokens: list[int], bs: int, root: bytes,
+               salt: str | None = None) -> tuple[int, ...]:
+        if key is None:
+            out = block_hashes(tokens, bs, root, salt)
+            self.hashed_blocks += len(out)
+            return out
+        n = len(tokens) // bs
+        memo = self._m.pop(key, None)
+        start, parent, head = 0, None, ()
+        if memo is not None:
+            self._blocks -= len(memo[5])
+            m_bs, m_root, m_salt, blocks, digest, hashes, last = memo
+            if (m_bs, m_root, m_salt) == (bs, root, salt) and blocks <= n and _digest_of(tokens[:blocks * bs]) == digest:
+                start, parent, head = blocks, last, hashes
+        extra = [(("cache_salt", salt),)] + [None] * (n - 1) if salt and n and start == 0 else None
+        digests = chain(tokens[start * bs:n * bs], bs, root, parent, extra=extra)
+        out = head + tuple(external(d) for d in digests)
+        self.reused_blocks += start
+        self.hashed_blocks += len(digests)
+        if n:
+            last = digests[-1] if digests else parent
+            self._m[key] = (bs, root, salt, n, _digest_of(tokens[:n * bs]), out, last)
+            self._blocks += n
+            while self._blocks > self.max_blocks and self._m:
+                _, gone = self._m.popitem(last=False)
+                self._blocks -= len(gone[5])
+        return out

@@ -15,7 +15,7 @@ from ..core import exact
 from ..core.apis import Api
 from ..core.engine_cache import EngineCache, none_hash
 from . import logs
-from .engine_tokens import ChatTokens, TokenizerError, block_hashes
+from .engine_tokens import ChainMemo, ChatTokens, TokenizerError
 from .kv_events import KvEvents
 
 log = logging.getLogger("warmroute.exact")
@@ -29,6 +29,7 @@ class Exact:
         self.tokenizers: dict[str, ChatTokens] = {}
         self.block_size: int | None = None  # of the engines that verified (vLLM: one per fleet in practice)
         self.tokenized = self.untokenized = 0
+        self.chains = ChainMemo()
         self.configure(cfg)
 
     def configure(self, cfg: AppConfig) -> None:
@@ -74,7 +75,7 @@ class Exact:
             return profile
         try:
             doc = orjson.loads(body)
-            tokens = ct.tokens(doc) if isinstance(doc, dict) else None
+            tokens = ct.tokens(doc, profile.session_key) if isinstance(doc, dict) else None
         except orjson.JSONDecodeError:
             tokens = None
         if not tokens:
@@ -86,7 +87,8 @@ class Exact:
             return dataclasses.replace(profile, engine_tokens=len(tokens))
         salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
         return dataclasses.replace(profile, engine_tokens=len(tokens),
-                                   engine_hashes=(bs, block_hashes(tokens, bs, self.root, salt)))
+                                   engine_hashes=(bs, self.chains.hashes(profile.session_key, tokens, bs, self.root,
+                                                                         salt)))
 
     def replica_view(self, name: str) -> dict:
         ranks = self.router.policy.engine_count(name) if hasattr(self.router.policy, "engine_count") else 1

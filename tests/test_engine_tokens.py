@@ -1,0 +1,92 @@
+"""A request's tokens as the engine makes them, and a conversation tokenized only where it is new (issue 45). The
+tokenizer and chat template are the tiny model's that `make engines` builds and vLLM loads (copied into
+tests/fixtures/tiny-llama-tokenizer); that vLLM counts them alike is checked against the real engine in
+tests/integration/test_real_vllm.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.brain.engine_tokens import ChainMemo, ChatTokens, block_hashes
+from extproc.core.engine_cache import chain, external, none_hash
+
+FIX = Path(__file__).parent / "fixtures"
+CT = ChatTokens(FIX / "tiny-llama-tokenizer")
+
+
+def test_a_prompt_renders_and_tokenizes_as_the_real_engine_did():
+    recorded = json.loads((FIX / "vllm-0.32" / "kv-events-prompt.json").read_text())
+    body = {"messages": [{"role": "user", "content": recorded["prompt"]}]}
+    assert CT.tokens(body) == recorded["tokens"]  # vLLM 0.32's /tokenize of the same request
+    assert block_hashes(recorded["tokens"], 128, none_hash()) == tuple(
+        external(d) for d in chain(recorded["tokens"], 128, none_hash()))
+
+
+def test_what_cannot_be_rendered_here_is_left_to_the_estimate():
+    assert CT.tokens({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}) is None
+    assert CT.tokens({"messages": []}) is None and CT.tokens({"prompt": "x"}) is None
+
+
+# pieces a chat carries, special tokens written inside a message included (the tokenizer splits at them too)
+text = st.lists(st.sampled_from(list("ab cd\n\té語<|>_") + ["<|im_end|>", "<|im_start|>", "  ", "def f():"]),
+                max_size=30).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]), text), min_size=1, max_size=8))
+def test_a_conversation_tokenized_turn_by_turn_is_the_whole_tokenized_at_once(turns):
+    inc = ChatTokens(FIX / "tiny-llama-tokenizer")
+    msgs: list[dict] = [{"role": "system", "content": "You are a coding agent."}]
+    for role, content in turns:
+        msgs.append({"role": role, "content": content})
+        body = {"messages": list(msgs)}
+        assert inc.tokens(body, b"session") == CT.tokens(body)
+    assert inc.reused_tokens > 0 or len(turns) == 1
+
+
+def test_a_turn_costs_what_is_new_and_a_different_history_is_tokenized_whole():
+    inc = ChatTokens(FIX / "tiny-llama-tokenizer")
+    msgs = [{"role": "system", "content": "tool output line. " * 2000}]
+    for k in range(5):
+        msgs.append({"role": "user", "content": f"turn {k}: " + "more context. " * 50})
+        inc.tokens({"messages": msgs}, b"s")
+    whole = len(CT.tokens({"messages": msgs}))
+    assert inc.encoded_tokens < whole * 1.5, (inc.encoded_tokens, whole)  # not five times the conversation
+    edited = [{"role": "system", "content": "another system prompt"}] + msgs[1:]
+    before = inc.encoded_tokens
+    assert inc.tokens({"messages": edited}, b"s") == CT.tokens({"messages": edited})
+    assert inc.encoded_tokens - before == len(CT.tokens({"messages": edited}))
+
+
+def test_the_memo_is_bounded_by_its_bytes():
+    small = ChatTokens(FIX / "tiny-llama-tokenizer", max_bytes=20_000)
+    for k in range(50):
+        small.tokens({"messages": [{"role": "user", "content": f"session {k} " * 200}]}, f"s{k}".encode())
+    assert small._memo_bytes <= 20_000 and 0 < len(small._memo) < 50
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4000), max_size=40), min_size=1, max_size=6), st.integers(1, 8),
+       st.booleans(), st.sampled_from([None, "salt"]))
+def test_a_session_s_chain_extended_turn_by_turn_is_the_chain_of_the_whole(pieces, bs, rewrite, salt):
+    memo = ChainMemo()
+    tokens: list[int] = []
+    for k, piece in enumerate(pieces):
+        tokens = tokens + piece
+        if rewrite and k == len(pieces) - 1 and tokens:
+            tokens = [tokens[0] + 1] + tokens[1:]  # an edited history: hashed whole again
+        assert memo.hashes(b"s", tokens, bs, none_hash(), salt) == block_hashes(tokens, bs, none_hash(), salt)
+    assert memo.hashed_blocks <= sum(len(block_hashes(tokens, bs, none_hash())) for _ in pieces) + 1
+
+
+def test_a_long_conversation_s_turn_hashes_its_new_blocks_only():
+    memo = ChainMemo()
+    tokens = list(range(128 * 100))
+    memo.hashes(b"s", tokens, 128, none_hash())
+    before = memo.hashed_blocks
+    memo.hashes(b"s", tokens + list(range(300)), 128, none_hash())
+    assert memo.hashed_blocks - before == 2 and memo.reused_blocks == 100

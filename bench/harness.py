@@ -266,6 +266,21 @@ def bench_workload(minutes: float, sessions_per_min: float = 6.0, oneshots_per_m
                           oneshots_per_min=oneshots_per_min)
 
 
+def workload_arguments(ap, minutes: float = 6.0) -> None:
+    """The live benches' workload and pace options, one set for all (``bench_workload`` reads them)."""
+    ap.add_argument("--minutes", type=float, default=minutes, help="workload minutes per run (workload time)")
+    ap.add_argument("--speedup", type=float, default=5.0,
+                    help="time compression: at 5x the HTTP path and the brain are a few percent of a TTFT, and live "
+                         "agrees with the simulator (make bench-agree)")
+    # more sessions per minute than the simulator's default: a short run must reach a busy fleet
+    ap.add_argument("--sessions-per-min", type=float, default=6.0)
+    ap.add_argument("--oneshots-per-min", type=float, default=6.0)
+    ap.add_argument("--projects", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--warmup-min", type=float, default=2.0,
+                    help="requests before this are not measured (cold caches), as in the simulator's summary")
+
+
 def scaled_warmroute_config(speedup: float) -> dict:
     """SPEC's time constants divided by the speed-up, so they keep their proportion to the traffic."""
     k = 1.0 / speedup

@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown scenario {n!r}")
     rows = []
     with Stack(4, mock_args=["--speedup", "10"]) as stack:
-        print(f"stack up; waiting for every replica to earn LIVE (2 scrapes + 15 s) ...", flush=True)
+        print("stack up; waiting for every replica to earn LIVE (2 scrapes + 15 s) ...", flush=True)
         for n in names:
             print(f"-- {n}", flush=True)
             row = run_scenario(stack, n, args.rate)

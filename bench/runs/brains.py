@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import bench_workload, live_router, scaled_warmroute_config
+from bench.harness import bench_workload, live_router, scaled_warmroute_config, workload_arguments
 from extproc.config import SharedStateConfig
 from extproc.core import Router, hash_key
 from extproc.core.blocks import chain_seed
@@ -246,13 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="overhead,warm,live")
     ap.add_argument("--sessions", type=int, default=100_000)
     ap.add_argument("--replicas", type=int, default=4)
-    ap.add_argument("--speedup", type=float, default=5.0)
-    ap.add_argument("--minutes", type=float, default=6.0)
-    ap.add_argument("--warmup-min", type=float, default=2.0)
-    ap.add_argument("--sessions-per-min", type=float, default=6.0)
-    ap.add_argument("--oneshots-per-min", type=float, default=6.0)
-    ap.add_argument("--projects", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=1)
+    workload_arguments(ap)
     args = ap.parse_args(argv)
     parts = args.parts.split(",")
     if "overhead" in parts:

@@ -35,6 +35,7 @@ from bench.harness import (
     pace_check,
     scaled_warmroute_config,
     wait_answering,
+    workload_arguments,
 )
 from extproc.tools.stack.local import Proc, Stack, http_get, wait_for
 from extproc.tools.workload.http_replay import replay
@@ -236,13 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contenders", nargs="+", default=None, choices=[*CONTENDERS, *ABLATIONS, *SIM_CONTENDERS])
     ap.add_argument("--simulated", action="store_true", help="the simulator instead of live mocks (every modelled peer)")
-    ap.add_argument("--minutes", type=float, default=5.0)
-    ap.add_argument("--speedup", type=float, default=5.0)
-    ap.add_argument("--sessions-per-min", type=float, default=6.0)
-    ap.add_argument("--oneshots-per-min", type=float, default=6.0)
-    ap.add_argument("--projects", type=int, default=6)
-    ap.add_argument("--warmup-min", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=1)
+    workload_arguments(ap, minutes=5.0)
     ap.add_argument("--seeds", default=None, help="with --simulated: a range like 1-10, every seed's requests pooled")
     args = ap.parse_args(argv)
     args.seed_list = [args.seed]

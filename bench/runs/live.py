@@ -44,6 +44,7 @@ from bench.harness import (
     invocation,
     pace_check,
     start,
+    workload_arguments,
 )
 from bench.report import FLOW_SCENARIOS, Row, flow_table, plots, table
 from extproc.core import imbalance_index
@@ -201,10 +202,7 @@ def measure(contender: str, scenario: str, args, speedup: float | None = None) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=6.0, help="workload minutes per run (workload time)")
-    ap.add_argument("--speedup", type=float, default=5.0,
-                    help="time compression of the plain workload: at 5x the HTTP path and the brain are a few percent "
-                         "of a TTFT, and live agrees with the simulator (make bench-agree)")
+    workload_arguments(ap)
     ap.add_argument("--fault-speedup", type=float, default=20.0,
                     help="time compression of the fault scenarios (they count errors and lost requests)")
     ap.add_argument("--min-speedup", type=float, default=1.0,
@@ -213,13 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--data-parallel", type=int, default=1, help="engines behind each mock's front end (vLLM "
                     "--data-parallel-size): --replicas // this many replicas, as many engines in all")
-    # more sessions per minute than the simulator's default: a short run must reach a busy fleet
-    ap.add_argument("--sessions-per-min", type=float, default=6.0)
-    ap.add_argument("--oneshots-per-min", type=float, default=6.0)
-    ap.add_argument("--projects", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--warmup-min", type=float, default=2.0,
-                    help="requests before this are not measured (cold caches), as in the simulator's summary")
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     ap.add_argument("--scenarios", nargs="+", default=None, choices=SCENARIOS)
     ap.add_argument("--out", default="docs", help="where bench-results.md and the PNGs go")

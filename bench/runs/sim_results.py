@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 return m.group(0)
             median = "median over seeds" + outputs[key].split("median over seeds", 1)[1]
             median = re.sub(r"\n\(\d+ s wall\)\n?$", "\n", median)
+            median = re.sub(r"\n*wrote [^\n]*\n?$", "\n", median)  # a file the command wrote, not a table row
             return m.group(0).replace(m.group(2), median)
 
         quoting.write_text(QUOTED.sub(quote, quoting.read_text()))

@@ -52,9 +52,12 @@ def up(args: argparse.Namespace) -> int:
         if why:
             print(f"warmroute up --engine vllm: {why}", file=sys.stderr)
             return 1
-        # as an operator who enabled vLLM's store runs it: Responses follow-ups (previous_response_id) work
-        options, model = real_vllm.VllmOptions(responses_store=True), real_vllm.model_info()["served_name"]
-    stack = Stack(n_replicas=n, listen_port=args.port, keep_logs=True, real_vllm=options, mock_args=MOCK_ARGS)
+        # as an operator who enabled vLLM's store runs it: Responses follow-ups (previous_response_id) work; and with
+        # its KV events on and the model's tokenizer given to the brain, in exact mode (docs/routing.md)
+        options, model = real_vllm.VllmOptions(responses_store=True, kv_events=True), real_vllm.model_info()["served_name"]
+    config = {"exact_cache": {"tokenizers": {model: str(real_vllm.model_dir())}}} if real else None
+    stack = Stack(n_replicas=n, listen_port=args.port, keep_logs=True, real_vllm=options, mock_args=MOCK_ARGS,
+                  config=config)
     return _guarded(stack, lambda: _up(args, stack, n, real, model))
 
 
@@ -114,6 +117,9 @@ def _up(args: argparse.Namespace, stack: Stack, n: int, real: bool, model: str |
     # the last access-log entries release their reservations just after the responses end
     wait_for(lambda: stack.state()["open_reservations"] == 0, 10, "the last releases")
     print(table(stack))
+    if real:  # exact: the engine's own KV events verified; estimated: why not (docs/routing.md)
+        print("cache: " + ", ".join(f"{r['name']} {r['cache']['mode']} ({r['cache']['reason']})"
+                                    for r in stack.state()["replicas"]))
     if args.no_serve:
         return 0
     print(f"\nserving on {stack.url}  (OpenAI-compatible: POST /v1/chat/completions). Ctrl-C stops everything.")

@@ -85,7 +85,7 @@ def bytes_per_pin(pins: int) -> float:
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    table = PinTable("session", 3600.0)
+    table = PinTable("session", 3600.0, max_pins=pins)  # pins.max_pins (500K) would evict past it
     for i in range(pins):
         table.put(_key("session", i), reps[i & 3], now + i * 1e-6)
     after = tracemalloc.get_traced_memory()[0]

@@ -11,6 +11,7 @@ With ``tcp://*:PORT`` vLLM binds and a subscriber connects; a data-parallel engi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -121,31 +122,60 @@ class EngineEvents:
         self.on_batch, self.on_lost, self.clock = on_batch, on_lost, clock
         self.silent_s = silent_s  # a publisher disconnected this long is lost (it may come back: replay then)
         self.next_seq: int | None = None
+        self._last_digest = b""  # of the last batch taken: a replay that does not start with it is another stream
         self.connected = False
         self.batches = self.bad = self.replayed = 0
         self._ctx = zmq.asyncio.Context.instance()
 
-    async def _replay_from(self, start: int) -> bool:
-        """Every buffered batch from ``start`` through the replay socket; False when it cannot say."""
+    async def _replayed(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Every batch the publisher still buffers from ``start``, through its replay socket; None when it cannot
+        say (no replay socket, no answer within 2 s)."""
         if self.replay is None:
-            return False
+            return None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay)
+        out: list[tuple[int, bytes]] = []
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 if not await sock.poll(2000):
-                    return False
+                    return None
                 frames = await sock.recv_multipart()
                 if len(frames) < 4:
-                    return False
-                seq_b, payload = frames[-2], frames[-1]
-                if seq_b == END_SEQ:
-                    return True
-                self._take(int.from_bytes(seq_b, "big"), payload, replayed=True)
+                    return None
+                if frames[-2] == END_SEQ:
+                    return out
+                out.append((int.from_bytes(frames[-2], "big"), frames[-1]))
         finally:
             sock.close(0)
+
+    async def _catch_up(self, upto: int | None, now: float) -> None:
+        """What was missed before batch ``upto`` (None: after a reconnect), from the replay: the same engine's
+        buffer carries on from the last batch taken (its payload the same), a new engine's starts again at 0."""
+        if self.next_seq is None:  # a first connection: whatever the engine still buffers
+            for seq, payload in await self._replayed(0) or ():
+                self._take(seq, payload, replayed=True)
+            return
+        last = self.next_seq - 1
+        got = await self._replayed(last)
+        if got is None:
+            self.on_lost("its replay did not answer" if upto is None else f"batches {self.next_seq}-{upto - 1} missed", now)
+            return
+        if upto is None and (not got or got[0][0] != last or hashlib.blake2b(got[0][1]).digest() != self._last_digest):
+            # not the stream it was: the engine started again (a new cache, a new sequence)
+            self.next_seq = None
+            self.on_lost("the engine restarted", now)
+            for seq, payload in await self._replayed(0) or ():
+                self._take(seq, payload, replayed=True)
+            return
+        first_new = next((s for s, _ in got if s > last), None)
+        if first_new is not None and first_new > self.next_seq:
+            self.on_lost(f"batches {self.next_seq}-{first_new - 1} no longer buffered", now)
+        elif first_new is None and upto is not None and upto > self.next_seq:
+            self.on_lost(f"batches {self.next_seq}-{upto - 1} missed", now)
+        for seq, payload in got:
+            self._take(seq, payload, replayed=True)
 
     def _take(self, seq: int, payload: bytes, replayed: bool = False) -> None:
         if self.next_seq is not None and seq < self.next_seq:
@@ -158,6 +188,7 @@ class EngineEvents:
         else:
             self.on_batch(events, self.clock())
         self.next_seq = seq + 1
+        self._last_digest = hashlib.blake2b(payload).digest()
         self.batches += 1
         self.replayed += replayed
 
@@ -179,19 +210,15 @@ class EngineEvents:
                         ev = parse_monitor_message(frames)["event"]
                         if ev == zmq.EVENT_CONNECTED:
                             self.connected, down_since, lost_said = True, None, False
-                            # from the start of its buffer: a new subscriber, or one back after a disconnect
-                            if not await self._replay_from(self.next_seq or 0) and self.next_seq is not None:
-                                self.on_lost("the publisher came back and its replay did not answer", now)
+                            await self._catch_up(None, now)
                         elif ev == zmq.EVENT_DISCONNECTED:
                             self.connected, down_since = False, now
                     elif len(frames) >= 3:
                         seq = int.from_bytes(frames[-2], "big")
-                        if self.next_seq is not None and seq < self.next_seq - 1 and seq == 0:
-                            self.next_seq = None  # the engine started again: a new cache, a new sequence
-                            self.on_lost("the engine restarted", now)
-                        elif self.next_seq is not None and seq > self.next_seq:
-                            if not await self._replay_from(self.next_seq):
-                                self.on_lost(f"batches {self.next_seq}-{seq - 1} missed", now)
+                        # a first batch past 0, or past the next one: what came before is in the replay (a PUB
+                        # drops what it sends before a new subscription reached it)
+                        if seq > (self.next_seq or 0):
+                            await self._catch_up(seq, now)
                         self._take(seq, frames[-1])
                 if down_since is not None and not lost_said and now - down_since >= self.silent_s:
                     lost_said = True

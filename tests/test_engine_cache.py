@@ -157,3 +157,31 @@ def test_a_wildcard_endpoint_is_the_replica_s_own_host():
     assert endpoint_for("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
     assert endpoint_for("tcp://10.1.1.1:5557", "http://10.0.0.7:8000") == "tcp://10.1.1.1:5557"
     assert endpoint_for("ipc:///run/vllm/kv.pub", "http://10.0.0.7:8000") == "ipc:///run/vllm/kv.pub"
+
+
+def test_achieved_and_reachable_cached_tokens_are_counted_per_replica():
+    """What the chosen replica's engine held of a prompt, beside the most any exact replica held of it."""
+    from extproc.brain.brain import Brain
+    from extproc.config import parse_config
+    from extproc.core import exact
+    from extproc.core.decision import Decision
+    from extproc.core.names import Reason
+    from extproc.core.profile import RequestProfile
+
+    b = Brain(parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"},
+                                         {"name": "r1", "url": "http://127.0.0.1:2"}]}))
+    tokens = list(range(40))
+    digests, ev = synth(tokens)  # 10 blocks of 4
+    held = {"r0": 3, "r1": 7}
+    for name, n in held.items():
+        part = Stored(ev.hashes[:n], None, ev.tokens[:n * 4], 4)
+        assert exact.apply_events(b.router.policy, name, 0, [part], 0.0, b.exact._make)
+    prompt = (4, ev.hashes)
+    assert exact.cached_on(b.router.policy, "r0", 1, prompt) == 12
+    assert exact.cached_on(b.router.policy, "r1", 1, prompt) == 28
+    assert exact.cached_on(b.router.policy, "r1", 1, (16, ev.hashes)) is None  # another block size: not exact
+    b.exact.observe(RequestProfile(engine_hashes=prompt), Decision(b.router.replica("r0"), Reason.LOAD))
+    b.exact.observe(RequestProfile(engine_hashes=prompt), Decision(b.router.replica("r1"), Reason.LOAD))
+    assert (b.stats.exact_achieved["r0"], b.stats.exact_reachable["r0"]) == (12, 28)
+    assert (b.stats.exact_achieved["r1"], b.stats.exact_reachable["r1"]) == (28, 28)
+    assert b.exact.replica_view("r0")["cached_tokens"] == {"achieved": 12, "reachable": 28}

@@ -109,7 +109,7 @@ class Brain:
                                            (None, f.wait_s, min(f.wait_s, f.sheddable_wait_s)), f.hold_on_wait)
         self.scraper.on_models = self._on_models
         self.scraper.on_paths = self._on_paths
-        self.exact = Exact(cfg, self.router, self.scraper, self.clock)  # the engines' own word (issue 45)
+        self.exact = Exact(cfg, self.router, self.scraper, self.clock, self.stats)  # the engines' own word (issue 45)
         self._set_replicas(cfg)
         m = make_registry(self.router, self.stats, self.clock)
         self.registry, self.decision_seconds, self.scraper.seconds = m.registry, m.decision, m.scrape
@@ -237,6 +237,7 @@ class Brain:
         if t0 is not None:  # a held request's wait is not the decision's cost
             self.decision_seconds.observe(time.perf_counter() - t0)
         self.stats.record_decision(d, profile.body_status, now)
+        self.exact.observe(profile, d)
         if d.predicted_ttft_s is not None:
             self.predicted_ttft.observe(d.predicted_ttft_s)
             if profile.session_key is not None and not any(e.action is PinAction.PIN and e.kind is PinKind.SESSION

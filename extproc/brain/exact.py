@@ -22,8 +22,8 @@ log = logging.getLogger("warmroute.exact")
 
 
 class Exact:
-    def __init__(self, cfg: AppConfig, router, scraper, clock):
-        self.router, self.scraper, self.clock = router, scraper, clock
+    def __init__(self, cfg: AppConfig, router, scraper, clock, stats):
+        self.router, self.scraper, self.clock, self.stats = router, scraper, clock, stats
         self.kv = KvEvents(self._on_batch, self._on_lost, clock)
         scraper.on_kv_sources = self.kv.on_sources
         self.tokenizers: dict[str, ChatTokens] = {}
@@ -90,7 +90,24 @@ class Exact:
                                    engine_hashes=(bs, self.chains.hashes(profile.session_key, tokens, bs, self.root,
                                                                          salt)))
 
+    def observe(self, profile, d) -> None:
+        """A placed decision on an exact replica: what it held of the prompt against the most any exact one held."""
+        if profile.engine_hashes is None or d.replica is None:
+            return
+        pol = self.router.policy
+        count = getattr(pol, "engine_count", None)
+        if count is None:
+            return
+        got = exact.cached_on(pol, d.replica.name, count(d.replica.name), profile.engine_hashes)
+        if got is None:
+            return
+        best = max((exact.cached_on(pol, r.name, count(r.name), profile.engine_hashes) or 0) for r in self.router.replicas)
+        self.stats.exact_achieved[d.replica.name] += got
+        self.stats.exact_reachable[d.replica.name] += max(best, got)
+
     def replica_view(self, name: str) -> dict:
         ranks = self.router.policy.engine_count(name) if hasattr(self.router.policy, "engine_count") else 1
         mode, why = exact.mode_of(self.router.policy, name, ranks)
-        return {"mode": mode, "reason": why, "engines": exact.view(self.router.policy, name, ranks)}
+        return {"mode": mode, "reason": why, "engines": exact.view(self.router.policy, name, ranks),
+                "cached_tokens": {"achieved": self.stats.exact_achieved[name],
+                                  "reachable": self.stats.exact_reachable[name]}}

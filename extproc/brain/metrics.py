@@ -191,6 +191,13 @@ class BrainCollector(Collector):
                     blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines))
             yield mode
             yield blocks
+            hits = CounterMetricFamily("warmroute_exact_cached_tokens", "Exact mode: the engine's cached tokens of "
+                                       "the prompts routed to the replica (achieved), and the most any exact replica "
+                                       "held of each of them (reachable)", labels=["replica", "of"])
+            for rep in reps:
+                hits.add_metric([rep.name, "achieved"], b.exact_achieved[rep.name])
+                hits.add_metric([rep.name, "reachable"], b.exact_reachable[rep.name])
+            yield hits
         yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
         yield from _shared_state(b.shared, r, now)
         yield GaugeMetricFamily("warmroute_flow_held_requests", "Requests flow control holds in the brain (every "

@@ -48,3 +48,18 @@ def mode_of(policy, name: str, ranks: int) -> tuple[str, str]:
         return "estimated", "no KV events (none configured, or the engine publishes none)"
     off = [e for e in engines if e["cache_mode"] != "exact"]
     return ("estimated", off[0]["reason"]) if off else ("exact", "every stored block verified")
+
+
+def cached_on(policy, name: str, ranks: int, hashes: tuple[int, tuple[int, ...]] | None) -> int | None:
+    """The most of a prompt (``(block_size, hashes)``) any exact engine of replica ``name`` holds, in tokens; None
+    when none of its engines is exact for that block size."""
+    if hashes is None:
+        return None
+    best = None
+    for rank in range(max(1, ranks)):
+        st = _state(policy, name, rank)
+        ex = st.exact if st is not None else None
+        if ex is not None and ex.exact and ex.block_size == hashes[0]:
+            n = ex.cached_tokens(hashes[1])
+            best = n if best is None else max(best, n)
+    return best

@@ -153,10 +153,14 @@ def test_both_wire_forms_decode_and_garbage_is_refused():
             decode_batch(bad)
 
 
-def test_a_wildcard_endpoint_is_the_replica_s_own_host():
+def test_a_replica_s_answer_sends_the_brain_only_to_that_replica():
     assert endpoint_for("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
-    assert endpoint_for("tcp://10.1.1.1:5557", "http://10.0.0.7:8000") == "tcp://10.1.1.1:5557"
-    assert endpoint_for("ipc:///run/vllm/kv.pub", "http://10.0.0.7:8000") == "ipc:///run/vllm/kv.pub"
+    assert endpoint_for("tcp://10.0.0.7:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
+    assert endpoint_for("tcp://[::]:5557", "http://[fd00::7]:8000") == "tcp://[fd00::7]:5557"
+    assert endpoint_for("ipc:///run/vllm/kv.pub", "http://127.0.0.1:8000") == "ipc:///run/vllm/kv.pub"
+    for elsewhere in ("tcp://10.1.1.1:5557", "ipc:///run/vllm/kv.pub", "tcp://*:99999", "tcp://*:x", "inproc://a",
+                      "tcp://169.254.169.254:80"):
+        assert endpoint_for(elsewhere, "http://10.0.0.7:8000") is None, elsewhere
 
 
 def test_achieved_and_reachable_cached_tokens_are_counted_per_replica():
@@ -185,3 +189,37 @@ def test_achieved_and_reachable_cached_tokens_are_counted_per_replica():
     assert (b.stats.exact_achieved["r0"], b.stats.exact_reachable["r0"]) == (12, 28)
     assert (b.stats.exact_achieved["r1"], b.stats.exact_reachable["r1"]) == (28, 28)
     assert b.exact.replica_view("r0")["cached_tokens"] == {"achieved": 12, "reachable": 28}
+
+
+def test_an_exact_engine_is_priced_by_what_it_holds_in_its_own_tokens():
+    """The warm policy's price: on an exact engine the prompt is the engine's tokens and its cached part the
+    engine's own word; the other replica, without events, is priced by the estimate as before."""
+    from extproc.core import Router, RouterConfig, exact
+    from extproc.core.profile import RequestProfile
+
+    router = Router(RouterConfig(), ["r0", "r1"], 0.0)
+    t = 0.0
+    while not all(r.state.value == "LIVE" for r in router.replicas):
+        for r in router.replicas:
+            router.on_scrape(r.name, True, t)
+        t += 3.0
+    tokens = list(range(2000))
+    digests = chain(tokens, 128, none_hash())  # 15 full blocks
+    held = Stored(tuple(external(d) for d in digests[:10]), None, tuple(tokens[:1280]), 128)
+    assert exact.apply_events(router.policy, "r1", 0, [held], t, EngineCache)
+    prof = RequestProfile(tokens=1000, engine_tokens=2000, engine_hashes=(128, tuple(external(d) for d in digests)))
+    d = router.select(prof, t)
+    assert d.replica.name == "r1" and d.cached_tokens == 1280 and d.prompt_tokens == 2000, d
+
+
+def test_more_resident_blocks_than_any_cache_holds_means_removals_were_missed(monkeypatch):
+    import extproc.core.engine_cache as ec
+
+    monkeypatch.setattr(ec, "MAX_BLOCKS", 5)
+    cache = EngineCache()
+    _, first = synth(list(range(16)))  # 4 blocks: within the bound
+    cache.apply([first], 0.0)
+    assert cache.exact and len(cache.gpu) == 4
+    _, more = synth(list(range(100, 108)))  # 2 more: past it
+    cache.apply([more], 1.0)
+    assert not cache.exact and cache.gpu == {} and "removals were missed" in cache.reason

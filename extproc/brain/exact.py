@@ -107,7 +107,8 @@ class Exact:
 
     def replica_view(self, name: str) -> dict:
         ranks = self.router.policy.engine_count(name) if hasattr(self.router.policy, "engine_count") else 1
-        mode, why = exact.mode_of(self.router.policy, name, ranks)
-        return {"mode": mode, "reason": why, "engines": exact.view(self.router.policy, name, ranks),
+        engines = exact.view(self.router.policy, name, ranks)
+        mode, why = exact.mode_of(engines)
+        return {"mode": mode, "reason": why, "engines": engines,
                 "cached_tokens": {"achieved": self.stats.exact_achieved[name],
                                   "reachable": self.stats.exact_reachable[name]}}

@@ -29,7 +29,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
                   "extra_keys", "group_idx", "kv_cache_spec_kind")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-MAX_FRAME_BYTES = 64 * 2**20  # a batch bigger than this is no engine's: dropped, counted as lost
+MAX_FRAME_BYTES = 16 * 2**20  # a batch bigger than this is no engine's: dropped, counted as lost
+MAX_REPLAY_BATCHES = 20_000
 _decoder = msgspec.msgpack.Decoder()
 
 
@@ -98,18 +99,28 @@ def decode_batch(payload: bytes) -> tuple[float, list, int | None]:
     return float(ts), events, rank
 
 
-def endpoint_for(published: str, replica_url: str, rank: int = 0) -> str:
-    """Where to connect for an endpoint a replica's ``/kv_event_sources`` names: a wildcard host (vLLM bound it) is
-    the replica's own host; a data-parallel rank's port is already offset there."""
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+MAX_RANKS = 128  # as health.max_engines: a replica listing more publishers is not believed past these
+
+
+def endpoint_for(published: str, replica_url: str) -> str | None:
+    """Where to connect for an endpoint a replica's ``/kv_event_sources`` names, or None when the brain must not:
+    the brain connects only to the replica's own host (a wildcard there is the host vLLM bound; a data-parallel
+    rank's port is already offset), and to an ipc:// path only for a replica on its own loopback. A replica's
+    answer cannot send the brain elsewhere."""
+    own = urlsplit(replica_url).hostname or "127.0.0.1"
     scheme, _, rest = published.partition("://")
-    if scheme != "tcp":  # ipc:// is a path on the replica's own machine (the brain beside it)
-        return published
+    if scheme == "ipc":
+        return published if own in LOOPBACK and rest.startswith("/") and len(rest) < 108 else None
+    if scheme != "tcp":
+        return None
     host, _, port = rest.rpartition(":")
-    if host in ("*", "0.0.0.0", "", "::", "[::]"):
-        host = urlsplit(replica_url).hostname or "127.0.0.1"
-        if ":" in host:
-            host = f"[{host}]"
-    return f"{scheme}://{host}:{port}"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    host = host.strip("[]")
+    if host not in ("*", "0.0.0.0", "", "::", own):
+        return None
+    return f"tcp://[{own}]:{port}" if ":" in own else f"tcp://{own}:{port}"
 
 
 class EngineEvents:
@@ -134,6 +145,7 @@ class EngineEvents:
             return None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.connect(self.replay)
         out: list[tuple[int, bytes]] = []
         try:
@@ -146,6 +158,8 @@ class EngineEvents:
                     return None
                 if frames[-2] == END_SEQ:
                     return out
+                if len(out) >= MAX_REPLAY_BATCHES:  # vLLM keeps 10,000 by default: more is not a replay
+                    return None
                 out.append((int.from_bytes(frames[-2], "big"), frames[-1]))
         finally:
             sock.close(0)
@@ -196,7 +210,10 @@ class EngineEvents:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
+        # at most so many batches queued unread, each at most MAX_FRAME_BYTES (ZMQ drops a larger message's
+        # connection): past the queue, batches are dropped, seen as a gap and asked of the replay
+        sub.setsockopt(zmq.RCVHWM, 1_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
         down_since: float | None = self.clock()
@@ -265,9 +282,11 @@ class KvEvents:
             if not (isinstance(src, dict) and src.get("enable_kv_cache_events") and src.get("publisher") == "zmq"
                     and isinstance(src.get("endpoint"), str) and str(rank).isdigit()):
                 continue
+            endpoint = endpoint_for(src["endpoint"], url)
             replay = src.get("replay_endpoint")
-            wanted[int(rank)] = (endpoint_for(src["endpoint"], url),
-                                 endpoint_for(replay, url) if isinstance(replay, str) and replay else None)
+            if endpoint is None or int(rank) >= MAX_RANKS:
+                continue
+            wanted[int(rank)] = (endpoint, endpoint_for(replay, url) if isinstance(replay, str) and replay else None)
         self.sources[name] = wanted
         for key in [k for k in self.readers if k[0] == name and wanted.get(k[1]) != (self.readers[k][0].endpoint,
                                                                                     self.readers[k][0].replay)]:

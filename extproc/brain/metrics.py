@@ -184,11 +184,10 @@ class BrainCollector(Collector):
                                          "by what re-hashing them said (verified, mismatched, unverifiable)",
                                          labels=["replica", "result"])
             for rep in reps:
-                engines = exact.view(r.policy, rep.name, count(rep.name)) or []
-                mode.add_metric([rep.name], 1.0 if exact.mode_of(r.policy, rep.name, count(rep.name))[0] == "exact"
-                                else 0.0)
+                engines = exact.view(r.policy, rep.name, count(rep.name))
+                mode.add_metric([rep.name], 1.0 if exact.mode_of(engines)[0] == "exact" else 0.0)
                 for res in ("verified", "mismatched", "unverifiable"):
-                    blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines))
+                    blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines or ()))
             yield mode
             yield blocks
             hits = CounterMetricFamily("warmroute_exact_cached_tokens", "Exact mode: the engine's cached tokens of "

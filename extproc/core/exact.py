@@ -41,9 +41,9 @@ def view(policy, name: str, ranks: int) -> list[dict] | None:
     return out or None
 
 
-def mode_of(policy, name: str, ranks: int) -> tuple[str, str]:
-    """(``exact`` or ``estimated``, why) for a replica: exact when every engine that sent events is."""
-    engines = view(policy, name, ranks)
+def mode_of(engines: list[dict] | None) -> tuple[str, str]:
+    """(``exact`` or ``estimated``, why) for a replica whose engines' ``view`` is ``engines``: exact when every engine
+    that sent events is."""
     if not engines:
         return "estimated", "no KV events (none configured, or the engine publishes none)"
     off = [e for e in engines if e["cache_mode"] != "exact"]

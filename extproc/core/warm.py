@@ -7,7 +7,8 @@ Every quantity is in seconds of engine time (C1). Per candidate replica r:
     (idle in [0, 1], load in [1, 2])
 
 - ``cached_tokens``: the request's block chain matched against what was routed to r (C2, the prefix
-  index); a session pin stands in when the request has no chain (C4);
+  index); a session pin stands in when the request has no chain (C4); on an engine whose KV events verify
+  (exact mode, issue 45), what that engine holds of the prompt's blocks, in its own tokens;
 - ``wait``: prefill work ahead on r: this router's requests still in their predicted prefill, or the
   scraped queue (fresh every 0.5 s, C6) if that says more, since it also holds other routers' work;
 - ``prefill``: uncached tokens over r's prefill rate, learned from r's own counters (C3);

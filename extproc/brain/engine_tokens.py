@@ -23,7 +23,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from ..core.apis import Api
 from ..core.engine_cache import chain, external
+from .engine_render import Unrenderable, chat_request, content_format, conversation
 
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
 
@@ -49,9 +51,10 @@ def _template_of(model_dir: Path) -> str:
 
 
 class ChatTokens:
-    """One model's template and tokenizer (``model_dir``: the directory the engine loads the model from)."""
+    """One model's template and tokenizer (``model_dir``: the directory the engine loads the model from;
+    ``chat_template``: the file its engines were given with --chat-template, if any)."""
 
-    def __init__(self, model_dir: str | Path, max_bytes: int = 64 << 20):
+    def __init__(self, model_dir: str | Path, max_bytes: int = 64 << 20, chat_template: str | Path | None = None):
         from jinja2 import ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer
@@ -67,7 +70,16 @@ class ChatTokens:
 
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-        self.template = env.from_string(_template_of(d))
+        source = Path(chat_template).read_text() if chat_template else _template_of(d)
+        self.template = env.from_string(source)
+        self.format = content_format(source)
+        self.developer_role = '"developer"' in source or "'developer'" in source
+        try:  # vLLM's probe: a template that refuses a second system message gets Messages' merged into the first
+            self.template.render(messages=[{"role": r, "content": "t"} for r in ("system", "user") * 2],
+                                 add_generation_prompt=False)
+            self.merge_inline_system = False
+        except Exception:
+            self.merge_inline_system = True
         config = {}
         if (d / "tokenizer_config.json").is_file():
             config = json.loads((d / "tokenizer_config.json").read_text())
@@ -84,30 +96,29 @@ class ChatTokens:
         self._memo_bytes = 0
         self.reused_tokens = self.encoded_tokens = 0
 
-    def render(self, body: dict) -> str | None:
-        """The chat completions body as the engine's prompt text, or None when it cannot be rendered here."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
+    def render(self, body: dict, api: Api = Api.CHAT) -> str | None:
+        """A chat completions, Messages or Responses body as the engine's prompt text, or None when it cannot be
+        rendered here exactly."""
+        req = chat_request(body, api, self.merge_inline_system)
+        if req is None or not req.get("messages"):
             return None
-        for m in messages:
-            if not isinstance(m, dict):
-                return None
-            c = m.get("content")
-            if isinstance(c, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in c):
-                return None  # images, audio, files: the engine adds what is not text here
-        kwargs: dict[str, Any] = dict(body.get("chat_template_kwargs") or {})
-        kwargs.setdefault("add_generation_prompt", body.get("add_generation_prompt", True))
-        if body.get("continue_final_message"):
+        try:
+            messages = conversation(req["messages"], self.format, self.developer_role)
+        except (Unrenderable, KeyError, TypeError, AttributeError):
+            return None  # images, audio, files: the engine adds what is not text here
+        kwargs: dict[str, Any] = dict(req.get("chat_template_kwargs") or {})
+        kwargs.setdefault("add_generation_prompt", req.get("add_generation_prompt", True))
+        if req.get("continue_final_message"):
             kwargs["add_generation_prompt"] = False
         try:
-            return self.template.render(messages=messages, tools=body.get("tools"), **self.specials, **kwargs)
+            return self.template.render(messages=messages, tools=req.get("tools"), **self.specials, **kwargs)
         except Exception:  # a template error: vLLM would answer 400, and this request is estimated
             return None
 
-    def tokens(self, body: dict, key: bytes | None = None) -> list[int] | None:
-        """The prompt's token ids for a chat completions body; ``key`` (its session) to tokenize only what is new
-        since that session's last turn."""
-        text = self.render(body)
+    def tokens(self, body: dict, key: bytes | None = None, api: Api = Api.CHAT) -> list[int] | None:
+        """The prompt's token ids for a body of ``api``; ``key`` (its session) to tokenize only what is new since
+        that session's last turn."""
+        text = self.render(body, api)
         if text is None:
             return None
         head: list[int] = []

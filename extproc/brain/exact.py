@@ -19,6 +19,7 @@ from .engine_tokens import ChainMemo, ChatTokens, TokenizerError
 from .kv_events import KvEvents
 
 log = logging.getLogger("warmroute.exact")
+RENDERED = (Api.CHAT, Api.MESSAGES, Api.RESPONSES)  # as vLLM renders them (engine_render)
 
 
 class Exact:
@@ -27,6 +28,7 @@ class Exact:
         self.kv = KvEvents(self._on_batch, self._on_lost, clock)
         scraper.on_kv_sources = self.kv.on_sources
         self.tokenizers: dict[str, ChatTokens] = {}
+        self._sources: dict[str, tuple[str, str | None]] = {}  # model -> (its directory, its template file)
         self.block_size: int | None = None  # of the engines that verified (vLLM: one per fleet in practice)
         self.tokenized = self.untokenized = 0
         self.chains = ChainMemo()
@@ -40,13 +42,15 @@ class Exact:
             if name not in self.scraper.kv_wanted:
                 self.kv.forget(name)
         self.scraper.kv_due |= self.scraper.kv_wanted
-        wanted = dict(c.tokenizers) if c.enabled else {}
-        for model in [m for m in self.tokenizers if m not in wanted]:
+        templates = dict(c.chat_templates)
+        wanted = {m: (path, templates.get(m)) for m, path in c.tokenizers} if c.enabled else {}
+        for model in [m for m in self.tokenizers if wanted.get(m) != self._sources.get(m)]:
             del self.tokenizers[model]
-        for model, path in wanted.items():
+        for model, (path, template) in wanted.items():
             if model not in self.tokenizers:
+                self._sources[model] = (path, template)
                 try:
-                    self.tokenizers[model] = ChatTokens(path)
+                    self.tokenizers[model] = ChatTokens(path, chat_template=template)
                 except (TokenizerError, OSError, ValueError) as e:  # that model is estimated; the brain says why
                     logs.event("tokenizer_error", model=model, error=f"{type(e).__name__}: {e}"[:200])
 
@@ -70,12 +74,12 @@ class Exact:
     def price(self, profile, body: bytes | None, model: str | None):
         """``profile`` with the engine's tokens and block hashes when this can make them, else as it came."""
         ct = self.tokenizers.get(model) if model is not None else None
-        if ct is None or not body or profile.api is not Api.CHAT or profile.adapter is not None \
+        if ct is None or not body or profile.api not in RENDERED or profile.adapter is not None \
                 or len(body) > self.cfg.max_body_bytes:
             return profile
         try:
             doc = orjson.loads(body)
-            tokens = ct.tokens(doc, profile.session_key) if isinstance(doc, dict) else None
+            tokens = ct.tokens(doc, profile.session_key, profile.api) if isinstance(doc, dict) else None
         except orjson.JSONDecodeError:
             tokens = None
         if not tokens:

@@ -330,25 +330,34 @@ VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 def _exact_cache(raw: Any) -> ExactCacheConfig:
     raw = dict(raw) if isinstance(raw, dict) else raw
     tokenizers = raw.pop("tokenizers", None) if isinstance(raw, dict) else None
+    templates = raw.pop("chat_templates", None) if isinstance(raw, dict) else None
     c = ExactCacheConfig(**_fill("exact_cache", ExactCacheConfig, raw, {"enabled", "hash_seed", "hash_algo",
-                                                                           "max_body_bytes", "tokenizers"}))
+                                                                           "max_body_bytes", "tokenizers",
+                                                                           "chat_templates"}))
     if c.hash_algo not in VLLM_HASH_ALGOS:
         raise ConfigError(f"exact_cache.hash_algo: expected one of vLLM's {', '.join(VLLM_HASH_ALGOS)}, got "
                           f"{_short(c.hash_algo)}")
     if c.max_body_bytes < 1:
         raise ConfigError("exact_cache.max_body_bytes: expected a whole number >= 1")
-    if tokenizers is None:
-        return c
-    if not isinstance(tokenizers, dict):
-        raise ConfigError("exact_cache.tokenizers: expected a mapping of served model name to the model's directory")
+    pairs = _model_paths("tokenizers", tokenizers, "the model's directory", lambda p: (p / "tokenizer.json").is_file(),
+                         "no tokenizer.json in")
+    files = _model_paths("chat_templates", templates, "the template file", Path.is_file, "no such file:")
+    return dataclasses.replace(c, tokenizers=pairs, chat_templates=files)
+
+
+def _model_paths(field: str, raw: Any, what: str, ok, missing: str) -> tuple[tuple[str, str], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"exact_cache.{field}: expected a mapping of served model name to {what}")
     pairs = []
-    for model, path in tokenizers.items():
+    for model, path in raw.items():
         if not isinstance(model, str) or not isinstance(path, str) or not path:
-            raise ConfigError(f"exact_cache.tokenizers.{_short(str(model))}: expected the model's directory as a string")
-        if not (Path(path) / "tokenizer.json").is_file():
-            raise ConfigError(f"exact_cache.tokenizers.{model}: no tokenizer.json in {_short(path)}")
+            raise ConfigError(f"exact_cache.{field}.{_short(str(model))}: expected {what} as a string")
+        if not ok(Path(path)):
+            raise ConfigError(f"exact_cache.{field}.{model}: {missing} {_short(path)}")
         pairs.append((model, path))
-    return dataclasses.replace(c, tokenizers=tuple(pairs))
+    return tuple(pairs)
 
 
 def _flow_control(raw: Any) -> FlowControlConfig:

@@ -296,6 +296,9 @@ class ExactCacheConfig:
     # served model -> the directory the engine loads it from (its tokenizer.json and chat template): that model's
     # chat requests are tokenized as the engine does. A model not listed here is estimated
     tokenizers: tuple[tuple[str, str], ...] = ()
+    # served model -> the chat template file its engines were started with (vLLM's --chat-template), when it is
+    # not the one in the model's directory
+    chat_templates: tuple[tuple[str, str], ...] = ()
     # a larger body is estimated. The brain tokenizes on its event loop: a session's first turn whole (~2-5 µs a
     # token with the tiny model's tokenizer: a 2K-token chat ~3 ms, 64K tokens ~0.2 s), a later turn only what is
     # new since the last (a 130K-token conversation's turn ~17 ms, its new blocks hashed ~1 ms)

@@ -40,6 +40,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.real_engine]
 
 MODEL = "tiny-llama"
 # a decode prior far from the engine's (~30 ms a token here), so that the rates test sees it learned, not kept
+# requests may carry tools (vLLM refuses tools without a parser for the default tool_choice, "auto")
+TOOL_CALLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 CONFIG = {**FAST, "health": {**FAST["health"], "scrape_interval_s": 0.5}, "warm": {"decode_s_per_token": 0.2}}
 
 
@@ -89,12 +91,12 @@ def fleet():
     if why:
         pytest.fail(f"the real-engine tests need the engine: {why}")
     s = Stack(4, config={**CONFIG, "exact_cache": {"tokenizers": {MODEL: str(real_vllm.model_dir())}}},
-              real_vllm=VllmOptions(responses_store=True, kv_events=True))
+              real_vllm=VllmOptions(responses_store=True, kv_events=True, extra=TOOL_CALLS))
     # r1's engine hashes its blocks with another seed (PYTHONHASHSEED): its events cannot verify, it stays estimated
     s.vllm_options = {"r1": VllmOptions(lora=("tiny-lora-a",), runtime_lora=True, responses_store=True,
-                                        kv_events=True, hash_seed="7"),
+                                        kv_events=True, hash_seed="7", extra=TOOL_CALLS),
                       "r2": VllmOptions(served_name="tiny-coder", lora=(), data_parallel=2),
-                      "r3": VllmOptions(lora=(), log_stats=False, responses_store=True)}
+                      "r3": VllmOptions(lora=(), log_stats=False, responses_store=True, extra=TOOL_CALLS)}
     s.engines = {f"r{i}": "auto" for i in range(3)}
     # r3 never scrapes well, so its /openapi.json is never read: its paths from the config, as an operator would
     # list them (else a path no replica is known to serve may be r3's, and is not refused)
@@ -184,6 +186,95 @@ def test_exact_mode_predicts_the_engine_s_cached_and_prompt_tokens_and_a_foreign
     assert all(p == e for p, e, _, _ in exact), exact
     assert all(pp == ep for _, _, pp, ep in exact), exact
     assert sum(e for _, e, _, _ in exact) > 0, "some turn hit the cache"
+
+
+READ = {"name": "read_file", "description": "Read a file of the repository",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}
+
+
+def _agent_turn(api: str, system: str, turns: list[tuple[str, str, str]], k: int) -> tuple[str, dict]:
+    """One agent conversation so far in ``api``'s own shape: a system prompt, tools, and per past turn a user
+    message, a tool call with its result and the assistant's answer; then this turn's question."""
+    ask = lambda t: f"step {t}: " + "fix the failing test in the parser module. " * (6 + 3 * t)  # noqa: E731
+    if api == "chat":
+        msgs: list[dict] = [{"role": "system", "content": system}]
+        for t, (out, call, answer) in enumerate(turns):
+            msgs += [{"role": "user", "content": ask(t)},
+                     {"role": "assistant", "content": None, "tool_calls": [{"id": call, "type": "function", "function": {
+                         "name": "read_file", "arguments": json.dumps({"path": f"src/m{t}.py"})}}]},
+                     {"role": "tool", "tool_call_id": call, "content": out}, {"role": "assistant", "content": answer}]
+        msgs.append({"role": "user", "content": ask(k)})
+        return "/v1/chat/completions", {"messages": msgs, "tools": [{"type": "function", "function": READ}],
+                                        "max_tokens": 16}
+    if api == "messages":
+        msgs = []
+        for t, (out, call, answer) in enumerate(turns):
+            msgs += [{"role": "user", "content": ask(t)},
+                     {"role": "assistant", "content": [{"type": "text", "text": "reading"}, {
+                         "type": "tool_use", "id": call, "name": "read_file", "input": {"path": f"src/m{t}.py"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call, "content": out}]},
+                     {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+        msgs.append({"role": "user", "content": [{"type": "text", "text": ask(k)}]})
+        return "/v1/messages", {"system": [{"type": "text", "text": system}], "messages": msgs, "max_tokens": 16,
+                                "tools": [{"name": READ["name"], "description": READ["description"],
+                                           "input_schema": READ["parameters"]}]}
+    items: list[dict] = []
+    for t, (out, call, answer) in enumerate(turns):
+        items += [{"role": "user", "content": ask(t)},
+                  {"type": "function_call", "call_id": call, "name": "read_file",
+                   "arguments": json.dumps({"path": f"src/m{t}.py"})},
+                  {"type": "function_call_output", "call_id": call, "output": out},
+                  {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": answer}]}]
+    items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": ask(k)}]})
+    return "/v1/responses", {"instructions": system, "input": items, "tools": [{"type": "function", **READ}],
+                             "store": False, "max_output_tokens": 16}
+
+
+def _engine_usage(doc: dict) -> tuple[int, int]:
+    """(cached, prompt) tokens in the engine's answer, whichever API's usage it is."""
+    u = doc["usage"]
+    if "prompt_tokens" in u:
+        return u["prompt_tokens_details"]["cached_tokens"], u["prompt_tokens"]
+    if "input_tokens_details" in u:
+        return u["input_tokens_details"]["cached_tokens"], u["input_tokens"]
+    read = u.get("cache_read_input_tokens") or 0
+    return read, u["input_tokens"] + read + (u.get("cache_creation_input_tokens") or 0)
+
+
+def _answer_text(doc: dict) -> str:
+    if "choices" in doc:
+        return doc["choices"][0]["message"]["content"] or "ok"
+    if doc.get("type") == "message":
+        return next((b["text"] for b in doc["content"] if b["type"] == "text"), "") or "ok"
+    return next((c["text"] for o in doc["output"] if o["type"] == "message" for c in o["content"]), "") or "ok"
+
+
+def test_exact_mode_holds_for_agents_speaking_chat_messages_and_responses_with_tools(fleet):
+    """Issue 45: sessions of a coding agent in each of the three APIs (tool calls and their results in every turn,
+    a system prompt two projects share): on the exact replica the brain's prompt and cached tokens are the
+    engine's own for every request, whichever API carried it."""
+    rng = random.Random(17)
+    texts = system_texts(2, [1200, 1200], seed=rng.randrange(1 << 30))
+    sessions = [(api, texts[i % 2], []) for i, api in enumerate(["chat", "messages", "responses"] * 3)]
+    rows = []
+    for k in range(4):
+        for i, (api, system, turns) in enumerate(sessions):
+            path, body = _agent_turn(api, system, turns, k)
+            status, headers, doc = post(fleet.url, path, {"model": MODEL, "temperature": 0, **body},
+                                        {"x-session-id": f"agent-{i}"})
+            assert status == 200, (api, status)
+            rid = headers.get("x-request-id") or headers.get("X-Request-Id")
+            d = json.loads(fleet.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]
+            turns.append((" ".join(f"line {rng.randrange(10**6)}" for _ in range(rng.randint(20, 80))),
+                          f"call_{i}_{k}", _answer_text(doc)))
+            if d["replica"] == "r0":
+                rows.append((api, d["predicted_cached_tokens"], d["predicted_prompt_tokens"], *_engine_usage(doc)))
+    print(f"\nexact mode on r0, three APIs with tools: {len(rows)} requests")
+    for row in rows:
+        print("  %-9s predicted %5d cached of %5d | engine %5d cached of %5d" % row)
+    assert {r[0] for r in rows} == {"chat", "messages", "responses"}, rows
+    assert all(pc == ec and pp == ep for _, pc, pp, ec, ep in rows), rows
+    assert sum(r[3] for r in rows) > 0, "some turn hit the cache"
 
 
 def _error_code(body: bytes) -> str:

@@ -265,7 +265,10 @@ class WarmPolicy(Shortlist):
             prompt = profile.engine_tokens  # the engine's own tokens and its own word on what it holds (issue 45)
             cached = min(prompt - 1, ex.cached_tokens(hashes[1])) if self.use_index else 0
         else:
-            scale = st.scale.value if st.scale.learned else peer_scale
+            if profile.engine_tokens and profile.tokens:  # tokenized as the engine does: this text's own scale
+                scale = profile.engine_tokens / profile.tokens
+            else:
+                scale = st.scale.value if st.scale.learned else peer_scale
             prompt = profile.engine_tokens or max(1, round(profile.tokens * scale))
             chain = profile.blocks if self.use_index and st.prefix_caching else ()
             matched = st.index.match(chain) if chain else 0

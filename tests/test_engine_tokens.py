@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.brain.engine_tokens import ChainMemo, ChatTokens, block_hashes
+from extproc.brain.engine_tokens import ChatTokens, block_hashes
 from extproc.core.engine_cache import chain, external, none_hash
 
 FIX = Path(__file__).parent / "fixtures"
@@ -21,7 +21,7 @@ CT = ChatTokens(FIX / "tiny-llama-tokenizer")
 def test_a_prompt_renders_and_tokenizes_as_the_real_engine_did():
     recorded = json.loads((FIX / "vllm-0.32" / "kv-events-prompt.json").read_text())
     body = {"messages": [{"role": "user", "content": recorded["prompt"]}]}
-    assert CT.tokens(body) == recorded["tokens"]  # vLLM 0.32's /tokenize of the same request
+    assert list(CT.tokens(body)) == recorded["tokens"]  # vLLM 0.32's /tokenize of the same request
     assert block_hashes(recorded["tokens"], 128, none_hash()) == tuple(
         external(d) for d in chain(recorded["tokens"], 128, none_hash()))
 
@@ -44,7 +44,7 @@ def test_a_conversation_tokenized_turn_by_turn_is_the_whole_tokenized_at_once(tu
     for role, content in turns:
         msgs.append({"role": role, "content": content})
         body = {"messages": list(msgs)}
-        assert inc.tokens(body, b"session") == CT.tokens(body)
+        assert list(inc.tokens(body, b"session")) == list(CT.tokens(body))
     assert inc.reused_tokens > 0 or len(turns) == 1
 
 
@@ -58,7 +58,7 @@ def test_a_turn_costs_what_is_new_and_a_different_history_is_tokenized_whole():
     assert inc.encoded_tokens < whole * 1.5, (inc.encoded_tokens, whole)  # not five times the conversation
     edited = [{"role": "system", "content": "another system prompt"}] + msgs[1:]
     before = inc.encoded_tokens
-    assert inc.tokens({"messages": edited}, b"s") == CT.tokens({"messages": edited})
+    assert list(inc.tokens({"messages": edited}, b"s")) == list(CT.tokens({"messages": edited}))
     assert inc.encoded_tokens - before == len(CT.tokens({"messages": edited}))
 
 
@@ -69,24 +69,30 @@ def test_the_memo_is_bounded_by_its_bytes():
     assert small._memo_bytes <= 20_000 and 0 < len(small._memo) < 50
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 4000), max_size=40), min_size=1, max_size=6), st.integers(1, 8),
-       st.booleans(), st.sampled_from([None, "salt"]))
-def test_a_session_s_chain_extended_turn_by_turn_is_the_chain_of_the_whole(pieces, bs, rewrite, salt):
-    memo = ChainMemo()
-    tokens: list[int] = []
-    for k, piece in enumerate(pieces):
-        tokens = tokens + piece
-        if rewrite and k == len(pieces) - 1 and tokens:
-            tokens = [tokens[0] + 1] + tokens[1:]  # an edited history: hashed whole again
-        assert memo.hashes(b"s", tokens, bs, none_hash(), salt) == block_hashes(tokens, bs, none_hash(), salt)
-    assert memo.hashed_blocks <= sum(len(block_hashes(tokens, bs, none_hash())) for _ in pieces) + 1
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]), text), min_size=1, max_size=6),
+       st.sampled_from([1, 4, 16]), st.booleans(), st.sampled_from([None, "salt"]))
+def test_a_session_s_chain_extended_turn_by_turn_is_the_chain_of_the_whole(turns, bs, rewrite, salt):
+    """The blocks a turn shares with the session's last are taken from it, the rest hashed: always the chain of
+    the whole prompt, an edited history included."""
+    inc = ChatTokens(FIX / "tiny-llama-tokenizer")
+    msgs: list[dict] = [{"role": "system", "content": "You are a coding agent."}]
+    for k, (role, content) in enumerate(turns):
+        msgs.append({"role": role, "content": content})
+        if rewrite and k == len(turns) - 1:
+            msgs[0] = {"role": "system", "content": "Another agent."}
+        toks, hashes = inc.prompt({"messages": list(msgs)}, b"s", blocks=(bs, none_hash(), salt))
+        assert toks == CT.tokens({"messages": msgs}) and hashes == block_hashes(toks, bs, none_hash(), salt)
 
 
 def test_a_long_conversation_s_turn_hashes_its_new_blocks_only():
-    memo = ChainMemo()
-    tokens = list(range(128 * 100))
-    memo.hashes(b"s", tokens, 128, none_hash())
-    before = memo.hashed_blocks
-    memo.hashes(b"s", tokens + list(range(300)), 128, none_hash())
-    assert memo.hashed_blocks - before == 2 and memo.reused_blocks == 100
+    inc = ChatTokens(FIX / "tiny-llama-tokenizer")
+    msgs = [{"role": "system", "content": "tool output line. " * 3000}, {"role": "user", "content": "go"}]
+    toks, _ = inc.prompt({"messages": msgs}, b"s", blocks=(128, none_hash(), None))
+    before = inc.hashed_blocks
+    msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more words. " * 100}]
+    toks2, hashes = inc.prompt({"messages": msgs}, b"s", blocks=(128, none_hash(), None))
+    assert inc.reused_blocks == len(toks) // 128 and inc.hashed_blocks - before == len(toks2) // 128 - len(toks) // 128
+    assert hashes == block_hashes(toks2, 128, none_hash())
+    # another block size (or seed) shares nothing with the chain kept
+    assert inc.prompt({"messages": msgs}, b"s", blocks=(64, none_hash(), None))[1] == block_hashes(toks2, 64, none_hash())

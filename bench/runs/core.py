@@ -20,6 +20,9 @@ import random
 import time
 import tracemalloc
 from collections import deque
+from pathlib import Path
+
+import orjson
 
 from bench.harness import live_router
 from extproc.core import HealthConfig, PinTable, RequestProfile, Router, RouterConfig
@@ -94,14 +97,14 @@ def bytes_per_pin(pins: int) -> float:
     return (after - before) / pins
 
 
-def _brain(policy: str, replicas: int = 4):
+def _brain(policy: str, replicas: int = 4, **extra):
     from extproc.brain.brain import Brain
     from extproc.config import parse_config
 
     t = [0.0]
     brain = Brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}"}
                                              for i in range(replicas)],
-                                "health": {"stale_scrape_intervals": 1e12}, "routing": {"policy": policy}}),
+                                "health": {"stale_scrape_intervals": 1e12}, "routing": {"policy": policy}, **extra}),
                   clock=lambda: t[0])
     for k in range(8):
         t[0] = 3.0 * k
@@ -124,12 +127,12 @@ def _conversation(turns: int, turn_bytes: int, system_bytes: int = 4000, seed: i
     return out
 
 
-def _decide_each(brain, bodies: list[bytes], sessions: int) -> list[float]:
+def _decide_each(brain, bodies: list[bytes], sessions: int, path: str | None = None) -> list[float]:
     """Seconds per Brain.decide (released at once), turn by turn, for ``sessions`` interleaved conversations."""
     took = []
     for body in bodies:
         for s in range(sessions):
-            h = {"x-session-id": f"s{s}", "x-request-id": f"q{len(took)}"}
+            h = {"x-session-id": f"s{s}", "x-request-id": f"q{len(took)}", **({":path": path} if path else {})}
             t0 = time.perf_counter()
             brain.decide(h, body)
             took.append(time.perf_counter() - t0)
@@ -254,6 +257,65 @@ def metrics_cost(decisions: int = 50_000) -> tuple[float, float]:
     return run(True), run(False)
 
 
+TOKENIZER = Path(__file__).parents[2] / "tests" / "fixtures" / "tiny-llama-tokenizer"
+
+
+def exact_costs() -> list[str]:
+    """Issue 45: Brain.decide in exact mode (each prompt rendered and tokenized as the engine does, its blocks hashed
+    as the engine hashes them, priced against engines whose events verified) against estimate mode, on the same
+    multi-turn agent conversations, measured in this run; and a first turn's tokenization and hashing at 100K
+    tokens (no earlier turn to extend)."""
+    from extproc.brain.engine_tokens import ChatTokens, block_hashes
+    from extproc.core.engine_cache import Stored, chain, external, none_hash
+
+    def brain(exact: bool):
+        extra = {"exact_cache": {"tokenizers": {"mock-coder-30b": str(TOKENIZER)}, "max_body_bytes": 4 << 20}} \
+            if exact else {"exact_cache": {"enabled": False}}
+        b, t = _brain("warm", **extra)
+        if exact:  # every engine's events verified: one stored block in the engines' 128-token blocks
+            toks = tuple(range(128))
+            ev = Stored((external(chain(toks, 128, none_hash())[0]),), None, toks, 128)
+            for r in b.router.replicas:
+                b.exact._on_batch(r.name, 0, [ev], t[0])
+            assert all(b.exact.replica_view(r.name)["mode"] == "exact" for r in b.router.replicas)
+        return b
+
+    ct = ChatTokens(TOKENIZER)
+    # agent conversations of ~8K to ~100K engine tokens: turns of ~6 KB on a 32 KB system prompt
+    bodies = _conversation(60, 6_000, system_bytes=32_000)
+    sizes = [len(ct.tokens(orjson.loads(b)) or ()) for b in bodies]
+    bodies = [b for b, n in zip(bodies, sizes) if 8_000 <= n <= 100_000]
+    sizes = [n for n in sizes if 8_000 <= n <= 100_000]
+    took = {}
+    for exact in (False, True, False, True):  # twice each, interleaved: the better of two for each mode
+        b = brain(exact)
+        t = _decide_each(b, bodies, 4, "/v1/chat/completions")
+        took[exact] = min(took.get(exact, float("inf")), sum(t) / len(t))
+        if exact:
+            assert b.exact.tokenized >= len(bodies) and b.exact.untokenized == 0
+            [used] = b.exact.tokenizers.values()
+            new_tokens = used.encoded_tokens / b.exact.tokenized
+    big = orjson.loads(bodies[-1])
+    text = ct.render(big)
+    per_token = min(_time(lambda: ct.tokenizer.encode(text, add_special_tokens=False)) for _ in range(3)) / sizes[-1]
+    ratio = took[True] / took[False]
+    lines = [f"exact mode: Brain.decide on agent conversations of {sizes[0]:,}-{sizes[-1]:,} engine tokens, 4 sessions "
+             f"turn by turn: {took[True] * 1e3:.2f} ms a request exact, {took[False] * 1e3:.2f} ms estimated; ratio "
+             f"{ratio:.2f} (target <= 1.3) {'ok' if ratio <= 1.3 else 'MISSED'}; of the exact request, the tokenizer "
+             f"encoding the turn's new text ({new_tokens:,.0f} tokens at {per_token * 1e6:.2f} µs a token): "
+             f"{new_tokens * per_token * 1e3:.2f} ms"]
+    t0 = time.perf_counter()
+    toks = ct.tokens(big, None)
+    t1 = time.perf_counter()
+    block_hashes(toks, 128, none_hash())
+    t2 = time.perf_counter()
+    loads = min(_time(lambda: orjson.loads(bodies[-1])) for _ in range(3))
+    lines.append(f"exact mode: a first turn of {len(toks):,} tokens ({len(bodies[-1]) / 1e3:.0f} KB) rendered and "
+                 f"tokenized in {(t1 - t0) * 1e3:.0f} ms, its {len(toks) // 128} blocks hashed in {(t2 - t1) * 1e3:.1f} ms "
+                 f"({(t2 - t0) / loads:.0f}x one orjson.loads of it); a later turn of the same session extends the last")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decisions", type=int, default=200_000)
@@ -277,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     bpp = bytes_per_pin(args.pin_memory_at)
     print(f"bytes per pin at {args.pin_memory_at:,} pins: {bpp:.0f} (target <= 400) {'ok' if bpp <= 400 else 'MISSED'}")
     print()
-    for line in warm_costs():
+    for line in warm_costs() + exact_costs():
         print(line)
     return 0
 

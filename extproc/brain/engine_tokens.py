@@ -87,14 +87,17 @@ class ChatTokens:
                          if isinstance(config.get(k), str)}
         added = json.loads((d / "tokenizer.json").read_text()).get("added_tokens") or []
         # the cut is safe only where an added token cannot take whitespace from what follows or precedes it
-        self.cuts = tuple(a["content"] for a in added if isinstance(a, dict) and isinstance(a.get("content"), str)
-                          and a.get("special") and not a.get("lstrip") and not a.get("rstrip"))
+        cuts = {a["id"]: a["content"] for a in added if isinstance(a, dict) and isinstance(a.get("content"), str)
+                and isinstance(a.get("id"), int) and a.get("special") and not a.get("lstrip") and not a.get("rstrip")}
         if any(a.get("lstrip") or a.get("rstrip") for a in added if isinstance(a, dict)):
-            self.cuts = ()
+            cuts = {}
+        self.cut_content = cuts
+        self.cut_ids = frozenset(cuts)
+        self.cuts = tuple(set(cuts.values()))
         self.max_bytes = max_bytes
-        self._memo: OrderedDict[bytes, tuple[int, bytes, array]] = OrderedDict()
+        self._memo: OrderedDict[bytes, _Memo] = OrderedDict()
         self._memo_bytes = 0
-        self.reused_tokens = self.encoded_tokens = 0
+        self.reused_tokens = self.encoded_tokens = self.reused_blocks = self.hashed_blocks = 0
 
     def render(self, body: dict, api: Api = Api.CHAT) -> str | None:
         """A chat completions, Messages or Responses body as the engine's prompt text, or None when it cannot be
@@ -115,91 +118,85 @@ class ChatTokens:
         except Exception:  # a template error: vLLM would answer 400, and this request is estimated
             return None
 
-    def tokens(self, body: dict, key: bytes | None = None, api: Api = Api.CHAT) -> list[int] | None:
+    def tokens(self, body: dict, key: bytes | None = None, api: Api = Api.CHAT) -> array | None:
         """The prompt's token ids for a body of ``api``; ``key`` (its session) to tokenize only what is new since
         that session's last turn."""
+        got = self.prompt(body, key, api)
+        return got[0] if got is not None else None
+
+    def prompt(self, body: dict, key: bytes | None = None, api: Api = Api.CHAT,
+               blocks: tuple[int, bytes, str | None] | None = None) -> tuple[array, tuple[int, ...] | None] | None:
+        """(the prompt's token ids, their full blocks' hashes as the engine publishes them when ``blocks`` = (block
+        size, root digest, cache salt) is given), or None when the body cannot be rendered here. A session's turn
+        (``key``) tokenizes the text after the last special token of its last turn and hashes only blocks past
+        what both turns share."""
         text = self.render(body, api)
         if text is None:
             return None
-        head: list[int] = []
-        start = 0
-        memo = self._memo.get(key) if key is not None else None
+        memo = self._memo.pop(key, None) if key is not None else None
         if memo is not None:
-            n, digest, toks = memo
-            if len(text) >= n and hashlib.blake2b(text[:n].encode(), digest_size=16).digest() == digest:
-                head, start = toks.tolist(), n
+            self._memo_bytes -= memo.size
+        head, start, old = _EMPTY, 0, None
+        if memo is not None and len(text) >= memo.cut and \
+                hashlib.blake2b(text[:memo.cut].encode(), digest_size=16).digest() == memo.digest:
+            head, start, old = memo.head, memo.cut, memo.chain
         enc = self.tokenizer.encode(text[start:], add_special_tokens=False)
+        toks = head + array("I", enc.ids)
         self.reused_tokens += len(head)
         self.encoded_tokens += len(enc.ids)
-        out = head + enc.ids
+        chain_of = self._hashes(toks, blocks, old, len(head)) if blocks is not None else None
         if key is not None and self.cuts:
-            self._remember(key, text, start, head, enc)
-        return out
+            self._remember(key, text, start, len(head), toks, chain_of)
+        return toks, (chain_of[3] if chain_of is not None else None)
 
-    def _remember(self, key: bytes, text: str, start: int, head: list[int], enc) -> None:
+    def _hashes(self, toks: array, blocks: tuple[int, bytes, str | None], old: tuple | None, shared: int) -> tuple:
+        """(block size, root, salt, published hashes, their full digests end to end): the blocks inside what this
+        turn shares with the session's last (``shared`` tokens, hashed then into ``old``) are taken from it."""
+        bs, root, salt = blocks
+        n = len(toks) // bs
+        reuse = 0
+        if old is not None and old[:3] == blocks:
+            reuse = min(len(old[3]), shared // bs, n)
+        parent = old[4][(reuse - 1) * 32:reuse * 32] if reuse else None
+        extra = [(("cache_salt", salt),)] + [None] * (n - 1) if salt and n and not reuse else None
+        digests = chain(toks[reuse * bs:n * bs], bs, root, parent, extra=extra)
+        self.reused_blocks += reuse
+        self.hashed_blocks += len(digests)
+        hashes = (old[3][:reuse] if reuse else ()) + tuple(external(d) for d in digests)
+        return bs, root, salt, hashes, (old[4][:reuse * 32] if reuse else b"") + b"".join(digests)
+
+    def _remember(self, key: bytes, text: str, start: int, shared: int, toks: array, chain_of) -> None:
+        """Keep this turn's text up to its last special token, the tokens of that text and this turn's chain: the
+        chain is of these tokens, which begin with the kept ones (what a next turn that matches may reuse)."""
         cut = max((text.rfind(s) + len(s) if text.rfind(s) >= start else -1) for s in self.cuts)
         if cut <= start:
             return
-        upto = next((i + 1 for i in range(len(enc.offsets) - 1, -1, -1) if enc.offsets[i][1] + start == cut), None)
-        if upto is None:
+        # the tokenizer writes each of these strings as its own id, so the last such id in the tokens is the cut's
+        # (found from the end: a template's text after its last special token is a few tokens)
+        at = next((i for i in range(len(toks) - 1, shared - 1, -1) if toks[i] in self.cut_ids), None)
+        if at is None or text.rfind(self.cut_content[toks[at]]) + len(self.cut_content[toks[at]]) != cut:
             return
-        toks = array("I", head + enc.ids[:upto])
-        old = self._memo.pop(key, None)
-        if old is not None:
-            self._memo_bytes -= old[2].itemsize * len(old[2]) + 64
-        self._memo[key] = (cut, hashlib.blake2b(text[:cut].encode(), digest_size=16).digest(), toks)
-        self._memo_bytes += toks.itemsize * len(toks) + 64
+        m = _Memo(cut, hashlib.blake2b(text[:cut].encode(), digest_size=16).digest(), toks[:at + 1], chain_of)
+        self._memo[key] = m
+        self._memo_bytes += m.size
         while self._memo_bytes > self.max_bytes and self._memo:
-            _, (_, _, gone) = self._memo.popitem(last=False)
-            self._memo_bytes -= gone.itemsize * len(gone) + 64
+            _, gone = self._memo.popitem(last=False)
+            self._memo_bytes -= gone.size
 
 
-def block_hashes(tokens: list[int], block_size: int, root: bytes, cache_salt: str | None = None) -> tuple[int, ...]:
+_EMPTY = array("I")
+
+
+class _Memo:
+    __slots__ = ("cut", "digest", "head", "chain", "size")
+
+    def __init__(self, cut: int, digest: bytes, head: array, chain_of: tuple | None):
+        self.cut, self.digest, self.head, self.chain = cut, digest, head, chain_of
+        self.size = 4 * len(head) + 128 + (40 * len(chain_of[3]) + len(chain_of[4]) if chain_of is not None else 0)
+
+
+def block_hashes(tokens, block_size: int, root: bytes, cache_salt: str | None = None) -> tuple[int, ...]:
     """What the engine publishes for the prompt's full blocks (a cache salt is block 0's extra key)."""
     n = len(tokens) // block_size
     extra = [(("cache_salt", cache_salt),)] + [None] * (n - 1) if cache_salt and n else None
     return tuple(external(d) for d in chain(tokens, block_size, root, extra=extra))
-
-
-def _digest_of(tokens: list[int]) -> bytes:
-    return hashlib.blake2b(array("I", tokens).tobytes(), digest_size=16).digest()
-
-
-class ChainMemo:
-    """Each session's block chain so far, so that a turn hashes only its new blocks: (block size, root, salt,
-    blocks, digest of their tokens, their published hashes, the last full digest), least recently used first out
-    past ``max_blocks`` hashes in all."""
-
-    def __init__(self, max_blocks: int = 2_000_000):
-        self.max_blocks = max_blocks
-        self._m: OrderedDict[bytes, tuple] = OrderedDict()
-        self._blocks = 0
-        self.reused_blocks = self.hashed_blocks = 0
-
-    def hashes(self, key: bytes | None, tokens: list[int], bs: int, root: bytes,
-               salt: str | None = None) -> tuple[int, ...]:
-        if key is None:
-            out = block_hashes(tokens, bs, root, salt)
-            self.hashed_blocks += len(out)
-            return out
-        n = len(tokens) // bs
-        memo = self._m.pop(key, None)
-        start, parent, head = 0, None, ()
-        if memo is not None:
-            self._blocks -= len(memo[5])
-            m_bs, m_root, m_salt, blocks, digest, hashes, last = memo
-            if (m_bs, m_root, m_salt) == (bs, root, salt) and blocks <= n and _digest_of(tokens[:blocks * bs]) == digest:
-                start, parent, head = blocks, last, hashes
-        extra = [(("cache_salt", salt),)] + [None] * (n - 1) if salt and n and start == 0 else None
-        digests = chain(tokens[start * bs:n * bs], bs, root, parent, extra=extra)
-        out = head + tuple(external(d) for d in digests)
-        self.reused_blocks += start
-        self.hashed_blocks += len(digests)
-        if n:
-            last = digests[-1] if digests else parent
-            self._m[key] = (bs, root, salt, n, _digest_of(tokens[:n * bs]), out, last)
-            self._blocks += n
-            while self._blocks > self.max_blocks and self._m:
-                _, gone = self._m.popitem(last=False)
-                self._blocks -= len(gone[5])
-        return out

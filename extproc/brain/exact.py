@@ -15,7 +15,7 @@ from ..core import exact
 from ..core.apis import Api
 from ..core.engine_cache import EngineCache, none_hash
 from . import logs
-from .engine_tokens import ChainMemo, ChatTokens, TokenizerError
+from .engine_tokens import ChatTokens, TokenizerError
 from .kv_events import KvEvents
 
 log = logging.getLogger("warmroute.exact")
@@ -31,7 +31,6 @@ class Exact:
         self._sources: dict[str, tuple[str, str | None]] = {}  # model -> (its directory, its template file)
         self.block_size: int | None = None  # of the engines that verified (vLLM: one per fleet in practice)
         self.tokenized = self.untokenized = 0
-        self.chains = ChainMemo()
         self.configure(cfg)
 
     def configure(self, cfg: AppConfig) -> None:
@@ -77,22 +76,21 @@ class Exact:
         if ct is None or not body or profile.api not in RENDERED or profile.adapter is not None \
                 or len(body) > self.cfg.max_body_bytes:
             return profile
+        bs = self.block_size  # known once an engine verified: before, the tokens alone (every replica estimated)
         try:
             doc = orjson.loads(body)
-            tokens = ct.tokens(doc, profile.session_key, profile.api) if isinstance(doc, dict) else None
+            salt = doc.get("cache_salt") if isinstance(doc, dict) and isinstance(doc.get("cache_salt"), str) else None
+            got = ct.prompt(doc, profile.session_key, profile.api, (bs, self.root, salt) if bs else None) \
+                if isinstance(doc, dict) else None
         except orjson.JSONDecodeError:
-            tokens = None
-        if not tokens:
+            got = None
+        if not got or not got[0]:
             self.untokenized += 1
             return profile
         self.tokenized += 1
-        bs = self.block_size  # known once an engine verified: before, the tokens alone (every replica estimated)
-        if bs is None:
-            return dataclasses.replace(profile, engine_tokens=len(tokens))
-        salt = doc.get("cache_salt") if isinstance(doc.get("cache_salt"), str) else None
+        tokens, hashes = got
         return dataclasses.replace(profile, engine_tokens=len(tokens),
-                                   engine_hashes=(bs, self.chains.hashes(profile.session_key, tokens, bs, self.root,
-                                                                         salt)))
+                                   engine_hashes=(bs, hashes) if hashes is not None else None)
 
     def observe(self, profile, d) -> None:
         """A placed decision on an exact replica: what it held of the prompt against the most any exact one held."""

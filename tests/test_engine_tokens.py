@@ -6,6 +6,7 @@ tests/integration/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -96,3 +97,36 @@ def test_a_long_conversation_s_turn_hashes_its_new_blocks_only():
     assert hashes == block_hashes(toks2, 128, none_hash())
     # another block size (or seed) shares nothing with the chain kept
     assert inc.prompt({"messages": msgs}, b"s", blocks=(64, none_hash(), None))[1] == block_hashes(toks2, 64, none_hash())
+
+
+def test_a_turn_too_long_for_the_request_path_is_tokenized_by_a_worker_and_the_next_turn_extends_it():
+    """A session's first sight with more text than exact_cache.inline_chars is estimated (no engine tokens) while a
+    worker process tokenizes it; the session's next turn then tokenizes only its new text, and its tokens are the
+    whole prompt's."""
+    from extproc.brain.brain import Brain
+    from extproc.config import parse_config
+    from extproc.core.apis import Api
+    from extproc.core.profile import RequestProfile
+
+    b = Brain(parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}],
+                            "exact_cache": {"tokenizers": {"m": str(FIX / "tiny-llama-tokenizer")},
+                                            "inline_chars": 4000}}))
+    try:
+        msgs = [{"role": "system", "content": "tool output line. " * 2000}, {"role": "user", "content": "go"}]
+        prof = RequestProfile(session_key=b"s1", api=Api.CHAT, tokens=9000)
+        first = b.exact.price(prof, json.dumps({"model": "m", "messages": msgs}).encode(), "m")
+        assert first.engine_tokens == 0 and b.exact.view()["deferred_to_worker"] == 1
+        msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
+        body = json.dumps({"model": "m", "messages": msgs}).encode()
+        deadline = time.monotonic() + 60
+        while b.exact.view()["tokenized_by_worker"] == 0:  # the worker's first job loads its tokenizer
+            assert time.monotonic() < deadline, b.exact.view()
+            b.exact.price(RequestProfile(session_key=b"other", api=Api.CHAT, tokens=5), b'{"messages": []}', "m")
+            time.sleep(0.05)  # the pace of the poll
+        [ct] = b.exact.tokenizers.values()
+        before = ct.encoded_tokens
+        nxt = b.exact.price(prof, body, "m")
+        assert nxt.engine_tokens == len(CT.tokens({"messages": msgs}))
+        assert ct.encoded_tokens - before < 30  # its new text alone
+    finally:
+        b.exact.close()

@@ -20,6 +20,7 @@ import hashlib
 import json
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,8 @@ class ChatTokens:
         d = Path(model_dir)
         if not (d / "tokenizer.json").is_file():
             raise TokenizerError(f"{d}: no tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        self.tokenizer_json = str(d / "tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(self.tokenizer_json)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
 
         def raise_exception(message: str) -> None:
@@ -125,21 +127,25 @@ class ChatTokens:
         return got[0] if got is not None else None
 
     def prompt(self, body: dict, key: bytes | None = None, api: Api = Api.CHAT,
-               blocks: tuple[int, bytes, str | None] | None = None) -> tuple[array, tuple[int, ...] | None] | None:
+               blocks: tuple[int, bytes, str | None] | None = None,
+               inline_chars: int | None = None) -> tuple[array, tuple[int, ...] | None] | Later | None:
         """(the prompt's token ids, their full blocks' hashes as the engine publishes them when ``blocks`` = (block
         size, root digest, cache salt) is given), or None when the body cannot be rendered here. A session's turn
         (``key``) tokenizes the text after the last special token of its last turn and hashes only blocks past
-        what both turns share."""
+        what both turns share. More than ``inline_chars`` of text to tokenize: ``Later(text)``, for ``learn``."""
         text = self.render(body, api)
         if text is None:
             return None
-        memo = self._memo.pop(key, None) if key is not None else None
-        if memo is not None:
-            self._memo_bytes -= memo.size
+        memo = self._memo.get(key) if key is not None else None
         head, start, old = _EMPTY, 0, None
         if memo is not None and len(text) >= memo.cut and \
                 hashlib.blake2b(text[:memo.cut].encode(), digest_size=16).digest() == memo.digest:
             head, start, old = memo.head, memo.cut, memo.chain
+        if inline_chars is not None and len(text) - start > inline_chars:
+            return Later(text)
+        if memo is not None:
+            del self._memo[key]
+            self._memo_bytes -= memo.size
         enc = self.tokenizer.encode(text[start:], add_special_tokens=False)
         toks = head + array("I", enc.ids)
         self.reused_tokens += len(head)
@@ -184,6 +190,36 @@ class ChatTokens:
             self._memo_bytes -= gone.size
 
 
+    def learn(self, key: bytes, text: str, toks: array) -> None:
+        """A session's prompt tokenized elsewhere (a worker process): its next turn extends it. Not over a memo of
+        a longer text (a later turn already tokenized)."""
+        memo = self._memo.get(key)
+        if not self.cuts or (memo is not None and memo.cut >= len(text)):
+            return
+        if memo is not None:
+            del self._memo[key]
+            self._memo_bytes -= memo.size
+        self._remember(key, text, 0, 0, toks, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Later:
+    """A prompt too long to tokenize on the request path: its text, for a worker."""
+
+    text: str
+
+
+def encode_in_worker(tokenizer_json: str, text: str) -> bytes:
+    """A prompt's token ids, in a worker process that loaded the tokenizer once (the ids as uint32 bytes)."""
+    tok = _WORKER_TOKENIZERS.get(tokenizer_json)
+    if tok is None:
+        from tokenizers import Tokenizer
+
+        tok = _WORKER_TOKENIZERS[tokenizer_json] = Tokenizer.from_file(tokenizer_json)
+    return array("I", tok.encode(text, add_special_tokens=False).ids).tobytes()
+
+
+_WORKER_TOKENIZERS: dict[str, Any] = {}
 _EMPTY = array("I")
 
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
+from array import array
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 
 import orjson
 
@@ -15,11 +19,12 @@ from ..core import exact
 from ..core.apis import Api
 from ..core.engine_cache import EngineCache, none_hash
 from . import logs
-from .engine_tokens import ChatTokens, TokenizerError
+from .engine_tokens import ChatTokens, Later, TokenizerError, encode_in_worker
 from .kv_events import KvEvents
 
 log = logging.getLogger("warmroute.exact")
 RENDERED = (Api.CHAT, Api.MESSAGES, Api.RESPONSES)  # as vLLM renders them (engine_render)
+MAX_JOBS = 4  # long prompts waiting for the worker at once
 
 
 class Exact:
@@ -30,7 +35,10 @@ class Exact:
         self.tokenizers: dict[str, ChatTokens] = {}
         self._sources: dict[str, tuple[str, str | None]] = {}  # model -> (its directory, its template file)
         self.block_size: int | None = None  # of the engines that verified (vLLM: one per fleet in practice)
-        self.tokenized = self.untokenized = 0
+        self.tokenized = self.untokenized = self.deferred = self.learned = self.worker_failed = 0
+        self._pool: ProcessPoolExecutor | None = None  # started at the first prompt too long for the request path
+        self._pending: set[bytes] = set()
+        self._done: deque = deque()
         self.configure(cfg)
 
     def configure(self, cfg: AppConfig) -> None:
@@ -76,14 +84,20 @@ class Exact:
         if ct is None or not body or profile.api not in RENDERED or profile.adapter is not None \
                 or len(body) > self.cfg.max_body_bytes:
             return profile
+        self._learn_done()
         bs = self.block_size  # known once an engine verified: before, the tokens alone (every replica estimated)
+        key = profile.session_key
         try:
             doc = orjson.loads(body)
             salt = doc.get("cache_salt") if isinstance(doc, dict) and isinstance(doc.get("cache_salt"), str) else None
-            got = ct.prompt(doc, profile.session_key, profile.api, (bs, self.root, salt) if bs else None) \
+            got = ct.prompt(doc, key, profile.api, (bs, self.root, salt) if bs else None, self.cfg.inline_chars) \
                 if isinstance(doc, dict) else None
         except orjson.JSONDecodeError:
             got = None
+        if isinstance(got, Later):
+            self.deferred += 1
+            self._tokenize_later(ct, key, got.text)
+            return profile
         if not got or not got[0]:
             self.untokenized += 1
             return profile
@@ -91,6 +105,47 @@ class Exact:
         tokens, hashes = got
         return dataclasses.replace(profile, engine_tokens=len(tokens),
                                    engine_hashes=(bs, hashes) if hashes is not None else None)
+
+    def _tokenize_later(self, ct: ChatTokens, key: bytes | None, text: str) -> None:
+        """A session's long prompt tokenized in a worker process, off the event loop (the tokenizer holds the GIL:
+        a thread would stall every decision as long); when it is done, the session's next turns extend it. One
+        job per session at a time, ``MAX_JOBS`` in all: beyond, the session stays estimated until one ends."""
+        if key is None or key in self._pending or len(self._pending) >= MAX_JOBS:
+            return
+        if self._pool is None:
+            # spawned, not forked: a fork of a process with gRPC's threads is not safe
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            fut = self._pool.submit(encode_in_worker, ct.tokenizer_json, text)
+        except RuntimeError:  # the pool broke (its process died) or is shut down: a fresh one next time
+            self._pool = None
+            return
+        self._pending.add(key)
+        fut.add_done_callback(lambda f: self._done.append((ct, key, text, f)))  # deque: safe from the pool's thread
+
+    def _learn_done(self) -> None:
+        while self._done:
+            ct, key, text, f = self._done.popleft()
+            self._pending.discard(key)
+            if f.cancelled() or f.exception() is not None:
+                self.worker_failed += 1
+                continue
+            toks = array("I")
+            toks.frombytes(f.result())
+            ct.learn(key, text, toks)
+            self.learned += 1
+
+    def view(self) -> dict:
+        """The brain's side of exact mode, for /state: prompts tokenized as the engine does, and how."""
+        return {"tokenizers": sorted(self.tokenizers), "tokenized": self.tokenized, "untokenized": self.untokenized,
+                "tokenized_by_worker": self.learned, "waiting_for_worker": len(self._pending),
+                "deferred_to_worker": self.deferred, "worker_failures": self.worker_failed,
+                "sessions_kept": sum(len(t._memo) for t in self.tokenizers.values())}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def observe(self, profile, d) -> None:
         """A placed decision on an exact replica: what it held of the prompt against the most any exact one held."""

@@ -367,6 +367,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     finally:
         for t in tasks:
             t.cancel()
+        brain.exact.close()
         if source is not None:
             await source.close()
         if shared is not None:

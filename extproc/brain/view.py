@@ -77,6 +77,7 @@ def state_of(brain) -> dict:
                       "failures": brain.stats.discovery_failures},
         "flow_control": _flow_state(brain),
         "shared_state": _shared_view(brain, now),
+        "exact_cache": brain.exact.view(),
     }
 
 

@@ -333,12 +333,14 @@ def _exact_cache(raw: Any) -> ExactCacheConfig:
     templates = raw.pop("chat_templates", None) if isinstance(raw, dict) else None
     c = ExactCacheConfig(**_fill("exact_cache", ExactCacheConfig, raw, {"enabled", "hash_seed", "hash_algo",
                                                                            "max_body_bytes", "tokenizers",
-                                                                           "chat_templates"}))
+                                                                           "chat_templates", "inline_chars"}))
     if c.hash_algo not in VLLM_HASH_ALGOS:
         raise ConfigError(f"exact_cache.hash_algo: expected one of vLLM's {', '.join(VLLM_HASH_ALGOS)}, got "
                           f"{_short(c.hash_algo)}")
     if c.max_body_bytes < 1:
         raise ConfigError("exact_cache.max_body_bytes: expected a whole number >= 1")
+    if c.inline_chars < 0:
+        raise ConfigError("exact_cache.inline_chars: expected a whole number >= 0")
     pairs = _model_paths("tokenizers", tokenizers, "the model's directory", lambda p: (p / "tokenizer.json").is_file(),
                          "no tokenizer.json in")
     files = _model_paths("chat_templates", templates, "the template file", Path.is_file, "no such file:")

@@ -299,10 +299,12 @@ class ExactCacheConfig:
     # served model -> the chat template file its engines were started with (vLLM's --chat-template), when it is
     # not the one in the model's directory
     chat_templates: tuple[tuple[str, str], ...] = ()
-    # a larger body is estimated. The brain tokenizes on its event loop: a session's first turn whole (~2-5 µs a
-    # token with the tiny model's tokenizer: a 2K-token chat ~3 ms, 64K tokens ~0.2 s), a later turn only what is
-    # new since the last (a 130K-token conversation's turn ~17 ms, its new blocks hashed ~1 ms)
-    max_body_bytes: int = 256 << 10
+    # a larger body is estimated, always
+    max_body_bytes: int = 16 << 20
+    # a turn with more text to tokenize than this (characters after what its session's last turn tokenized) is
+    # tokenized in a worker process: that request is estimated, the session's next turns extend it. On the event
+    # loop a turn costs ~0.5-1.5 µs a token of new text (32K characters: ~10-30 ms), a 130K-token first turn 0.4-0.6 s
+    inline_chars: int = 32 << 10
 
 
 @dataclass(frozen=True, slots=True)

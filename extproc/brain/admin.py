@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from typing import TYPE_CHECKING
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -65,6 +67,34 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
         logs.event("drain" if on else "undrain", replica=name)
         return web.json_response({"replica": name, "drained": on})
 
+    async def reset_prefix_cache(request: web.Request):
+        """The replica's engine told to empty its prefix cache (vLLM's POST /reset_prefix_cache, served with
+        VLLM_SERVER_DEV_MODE=1) and, once it has, the brain's view of that cache emptied at once: an idle engine
+        says so in its events only at its next step, after the next request was priced."""
+        name = request.match_info["name"]
+        url = brain.scraper.urls.get(name)
+        if url is None:
+            raise web.HTTPNotFound(text=f"unknown replica {name!r}\n")
+        tls = brain.scraper.tls.get(name)
+        kw = {"ssl": tls[0], "server_hostname": tls[1]} if tls is not None else {}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+                async with http.post(url + "/reset_prefix_cache", **kw) as r:
+                    status, body = r.status, (await r.read())[:2000]
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return web.json_response({"replica": name, "reset": False, "error": f"{type(e).__name__}: {e}"[:200]},
+                                     status=502)
+        try:  # vLLM answers 200 {"success": false} while blocks are held (running requests): nothing was reset
+            done = status == 200 and json.loads(body or b"{}").get("success", True) is not False
+        except (ValueError, AttributeError):
+            done = status == 200
+        if not done:
+            return web.json_response({"replica": name, "reset": False, "engine_status": status,
+                                      "engine_answer": body.decode(errors="replace")}, status=409 if status == 200 else 502)
+        brain.caches_reset(name)
+        logs.event("prefix_cache_reset", replica=name)
+        return web.json_response({"replica": name, "reset": True})
+
     async def pin(request: web.Request):
         """Look up a session pin by the raw session id; it is hashed here, as on the request path."""
         raw = request.match_info["session_id"]
@@ -109,6 +139,7 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
     app.router.add_post("/reload", reload)
     app.router.add_post("/replicas/{name}/drain", drain)
     app.router.add_post("/replicas/{name}/undrain", drain)
+    app.router.add_post("/replicas/{name}/reset_prefix_cache", reset_prefix_cache)
     return app
 
 

@@ -436,6 +436,12 @@ class Brain:
         self.recent.append(((request_id or "")[:MAX_REQUEST_ID_CHARS], self.clock(), d.replica_name, d.engine,
                             d.reason, d.model, d.predicted_ttft_s, d.cached_tokens, d.prompt_tokens))
 
+    def caches_reset(self, name: str) -> None:
+        """Replica ``name``'s engines emptied their prefix caches at the operator's word (admin API)."""
+        reset = getattr(self.router.policy, "caches_reset", None)
+        if reset is not None:
+            reset(name, self.clock())
+
     def recent_decisions(self, request_id: str | None = None, last: int | None = None) -> list[dict]:
         """GET /decisions: the remembered decisions (of one request id, or the last ``last``), newest last."""
         rows = [r for r in self.recent if r[0] == request_id] if request_id is not None else \

@@ -46,6 +46,7 @@ import itertools
 from .config import RouterConfig
 from .cost import Aggregates, Estimate, decode_penalty, fair_share, interference, recent
 from .decision import Decision, FleetView, PinEvent
+from .engine_cache import Cleared
 from .load import LoadSample, effective_rates
 from .names import Cause, PinAction, Reason
 from .pins import SESSION, Pin, PinTable
@@ -131,6 +132,20 @@ class WarmPolicy(Shortlist):
             if subs is not None and engine < len(subs):
                 return subs[engine]
         return self._state.get(name)
+
+    def caches_reset(self, name: str, now: float) -> None:
+        """The replica's engines were told to empty their prefix caches (vLLM's /reset_prefix_cache): nothing they
+        held is a hit any more, whatever the events or the estimate said (an idle engine publishes the clear only
+        at its next step, after the next request was priced)."""
+        for st in (self._state.get(name), *self._engines.get(name, ())):
+            if st is None:
+                continue
+            st.index.clear()
+            if st.exact is not None:
+                st.exact.apply([Cleared()], now)
+        for _, pin in self.session_pins:  # an operator's action: a walk over the pins is affordable
+            if pin.replica.name == name:
+                pin.tokens = 0  # C4: its context is no longer there
 
     def engine_count(self, name: str) -> int:
         """How many data-parallel engines the replica exports (1: it exports one, or says nothing)."""

@@ -91,7 +91,7 @@ def fleet():
     if why:
         pytest.fail(f"the real-engine tests need the engine: {why}")
     s = Stack(4, config={**CONFIG, "exact_cache": {"tokenizers": {MODEL: str(real_vllm.model_dir())}}},
-              real_vllm=VllmOptions(responses_store=True, kv_events=True, extra=TOOL_CALLS))
+              real_vllm=VllmOptions(responses_store=True, kv_events=True, extra=TOOL_CALLS, dev_mode=True))
     # r1's engine hashes its blocks with another seed (PYTHONHASHSEED): its events cannot verify, it stays estimated
     s.vllm_options = {"r1": VllmOptions(lora=("tiny-lora-a",), runtime_lora=True, responses_store=True,
                                         kv_events=True, hash_seed="7", extra=TOOL_CALLS),
@@ -275,6 +275,26 @@ def test_exact_mode_holds_for_agents_speaking_chat_messages_and_responses_with_t
     assert {r[0] for r in rows} == {"chat", "messages", "responses"}, rows
     assert all(pc == ec and pp == ep for _, pc, pp, ec, ep in rows), rows
     assert sum(r[3] for r in rows) > 0, "some turn hit the cache"
+
+
+def test_a_prefix_cache_reset_through_the_brain_is_the_brain_s_view_at_once(fleet):
+    """POST /replicas/r0/reset_prefix_cache on the brain's admin API: the engine empties its cache and the brain's
+    view of it is empty as the call returns (an idle engine publishes its AllBlocksCleared only at its next step,
+    after the next request was priced); the engine's next events keep it exact."""
+    engine = f"http://127.0.0.1:{fleet.replicas[0].port}"
+    body = {"model": MODEL, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "user", "content": "reset me " * 300}]}
+    cache = lambda: fleet.replica_state("r0")["cache"]  # noqa: E731
+    assert post(engine, "/v1/chat/completions", body)[0] == 200  # straight to r0's engine: it holds this prompt
+    wait_for(lambda: cache()["engines"][0]["resident_blocks"] > 0, 30, "r0's events in")
+    quiet(fleet, 30)  # vLLM refuses to reset while requests hold blocks
+    doc = json.loads(fleet.admin_post("/replicas/r0/reset_prefix_cache"))
+    assert doc["reset"] is True, doc
+    assert cache()["engines"][0]["resident_blocks"] == 0 and cache()["mode"] == "exact", cache()
+    _, _, again = post(engine, "/v1/chat/completions", body)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the engine's own word: it was emptied
+    wait_for(lambda: cache()["engines"][0]["resident_blocks"] > 0, 30, "r0's events after the reset")
+    assert cache()["mode"] == "exact", cache()
 
 
 def _error_code(body: bytes) -> str:
@@ -608,11 +628,19 @@ def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_i
     # costs its own streams, not the fleet's" while that window is understood
     assert len(unanswered) <= 1
     wait_for(lambda: fleet.replica_state(name)["state"] == "EJECTED", 20, f"{name} EJECTED")
+    # its KV event stream went with it: that replica's cache view is forgotten, not kept as if still true
+    cache = lambda: fleet.replica_state(name)["cache"]  # noqa: E731
+    wait_for(lambda: cache()["mode"] == "estimated" and "unreachable" in cache()["reason"], 30, f"{name}'s events lost")
+    print(f"{name}'s cache after the kill: {cache()['reason']}")
     assert asyncio.run(_burst(fleet.url, 6, 3, random.Random(12))) == [200] * 6
     fleet.restart_replica(name)
     wait_for(lambda: fleet.replica_state(name)["state"] == "LIVE", 60, f"{name} LIVE again")
     if name == "r0":
         assert "r0" in _served(fleet, "tiny-lora-b", 1)  # only r0 serves it: routed there again
+        # the restarted engine's events verify again: exact once it stored a block (events come with its steps)
+        rng = random.Random(13)
+        wait_for(lambda: asyncio.run(_burst(fleet.url, 2, 2, rng)) and cache()["mode"] == "exact", 60,
+                 "r0 exact again", every=0.5)
 
 
 

@@ -56,6 +56,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--noisy-tenant", type=float, default=0.0, metavar="X",
                     help="one more tenant whose sessions arrive at X times an average project's rate (flow control's "
                          "fairness; the other tenants' workload stays the same)")
+    ap.add_argument("--estimate-error", default=None, metavar="1.2:1.9",
+                    help="what estimating costs (issue 45): each text's engine tokens per estimated token drawn from "
+                         "this range (1.2:1.9 on the tiny model's real tokenizer); warmroute_exact and llmd_precise "
+                         "count the engine's own tokens")
     ap.add_argument("--burst", default=None, metavar="START:MINUTES:FACTOR",
                     help="every arrival rate times FACTOR for MINUTES from minute START (e.g. 6:2:2, flow control's "
                          "burst); the rest of the workload stays the same")
@@ -124,7 +128,20 @@ def workload(args, load: float | None = None) -> WorkloadConfig:
     return WorkloadConfig(minutes=args.minutes, sessions_per_min=args.sessions_per_min,
                           oneshots_per_min=args.oneshots_per_min, projects=args.projects,
                           noisy_tenant_x=getattr(args, "noisy_tenant", 0.0),
-                          burst=_burst(getattr(args, "burst", None))).at_load(load)
+                          burst=_burst(getattr(args, "burst", None)),
+                          token_scale=_span(getattr(args, "estimate_error", None))).at_load(load)
+
+
+def _span(text: str | None) -> tuple[float, float] | None:
+    if not text:
+        return None
+    try:
+        lo, hi = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--estimate-error: expected LOW:HIGH engine tokens per estimated token, got {text!r}")
+    if not 0 < lo <= hi:
+        raise SystemExit(f"--estimate-error: expected 0 < LOW <= HIGH, got {text!r}")
+    return lo, hi
 
 
 def _burst(text: str | None) -> tuple[float, float, float] | None:

@@ -317,6 +317,50 @@ class LlmdEndpointPicker(Policy):
         return i
 
 
+class LlmdPrecise(LlmdEndpointPicker):
+    """llm-d's precise prefix-cache scorer as its guide configures it (llm-d ``guides/precise-prefix-cache-aware``:
+    precise-prefix-cache-scorer 3, kv-cache-utilization-scorer 2, queue-scorer 2, max-score picker;
+    ``speculativeIndexing: true``). The prompt's blocks in the engine's own tokens (its tokenizer sidecar); each
+    pod's score is the longest run of them its engine holds by its KV events, or that a speculative entry (a
+    request sent there in the last 2 s, ``speculativeTTL``) says it will; scores are min-max normalized over the
+    pods that hold any (``indexedScoresToNormalizedScoredPods``: 1 when they are equal, 0 for a pod that holds
+    none)."""
+
+    name = "llmd_precise"
+
+    def __init__(self, n: int, seed: int):
+        super().__init__(n, seed)
+        from extproc.tools.sim.truth import Speculative
+
+        self.speculative = [Speculative() for _ in range(n)]
+
+    def attach(self, sim):
+        self.sim = sim
+
+    def choose(self, req, now, exclude=frozenset()):
+        pool = self.pool(exclude)
+        if not pool:
+            return None
+        blocks = req.blocks()[: req.prompt_tokens // BLOCK]
+        held = {i: self.speculative[i].run(self.sim.engines[i], blocks, now) for i in pool}
+        hits = [v for v in held.values() if v > 0]
+        lo, hi = (min(hits), max(hits)) if hits else (0, 0)
+        qs = [self.waiting[i] for i in pool]
+        qmax, qmin = max(qs), min(qs)
+        best, best_score = [], -1.0
+        for i in pool:
+            prefix = 0.0 if not held[i] else 1.0 if hi == lo else (held[i] - lo) / (hi - lo)
+            queue = 1.0 if qmax == qmin else (qmax - self.waiting[i]) / (qmax - qmin)
+            score = 3 * prefix + 2 * queue + 2 * (1 - self.kv[i])
+            if score > best_score + 1e-12:
+                best, best_score = [i], score
+            elif abs(score - best_score) <= 1e-12:
+                best.append(i)
+        i = self.rng.choice(best)
+        self.speculative[i].add(blocks, now)
+        return i
+
+
 class LlmdFlowControl(LlmdEndpointPicker):
     """llm-d's flow control in front of its default picker, with its shipped defaults (GIE
     ``pkg/epp/flowcontrol/``: ``controller/internal/processor.go``, ``filter.go``; ``saturationdetector``; PEERS.md
@@ -487,7 +531,8 @@ class Warmroute(Policy):
     uses_health = True
 
     def __init__(self, n: int, seed: int, cfg: RouterConfig | None = None, name: str | None = None,
-                 core_policy: str | None = None, flow: bool = False, hold_on_wait: bool = False):
+                 core_policy: str | None = None, flow: bool = False, hold_on_wait: bool = False,
+                 exact: bool = False):
         super().__init__(n, seed)
         import dataclasses
 
@@ -506,6 +551,15 @@ class Warmroute(Policy):
         self.held_total = 0
         if flow:
             self.router.flow = FlowControl(hold_on_wait=hold_on_wait)
+        # exact mode (issue 45): every engine publishes its KV events and the model's tokenizer is configured
+        self.exact = exact
+
+    def attach(self, sim) -> None:
+        if self.exact:
+            from extproc.tools.sim.truth import EngineTruth
+
+            for i in range(self.n):
+                self.router.policy.state_of(self.router.replica(f"r{i}")).exact = EngineTruth(sim, i)
 
     def _profile(self, req: Request) -> RequestProfile:
         sk = None
@@ -516,8 +570,14 @@ class Warmroute(Policy):
         pk = self._prefix_keys.get(req.project)
         if pk is None:
             pk = self._prefix_keys[req.project] = hash_key("prefix", None, f"project-{req.project}")
-        blocks = req.blocks()[: req.prompt_tokens // BLOCK] if self.router.needs_blocks else ()
-        return RequestProfile(sk, pk, req.prompt_tokens, "ok", None, blocks, req.pool, req.adapter,
+        tokens, blocks = req.estimated()  # counted from the text, as the brain does without the engine's tokens
+        if not self.router.needs_blocks:
+            blocks = ()
+        if self.exact and req.adapter is None:
+            return RequestProfile(sk, pk, tokens, "ok", None, blocks, req.pool, req.adapter, priority=req.klass,
+                                  tenant=req.tenant, engine_tokens=req.prompt_tokens,
+                                  engine_hashes=(BLOCK, tuple(req.blocks()[: req.prompt_tokens // BLOCK])))
+        return RequestProfile(sk, pk, tokens, "ok", None, blocks, req.pool, req.adapter,
                               priority=req.klass, tenant=req.tenant)
 
     def choose(self, req, now, exclude=frozenset()):
@@ -552,6 +612,7 @@ class Warmroute(Policy):
         req.extra["reason"] = d.reason
         if d.predicted_ttft_s is not None:
             req.extra["predicted_ttft"] = d.predicted_ttft_s
+            req.extra["predicted_cached"] = d.cached_tokens
         if any(e.action in ("pin", "rebind") for e in d.events) and d.replica.state.value != "LIVE":
             self.pins_on_non_live += 1
         for e in d.events:
@@ -605,14 +666,17 @@ REFERENCE = {"oracle": Oracle}
 LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_weight=4.0)}
 # peers with flow control, as shipped but opt-in (issue 34's extra peer row); not in COMPARE
 FLOW_PEERS = {"llmd_epp_flowcontrol": LlmdFlowControl}
+# peers that read the engines' KV events (issue 45's rows); not in COMPARE
+EXACT_PEERS = {"llmd_precise": LlmdPrecise}
 # `warmroute` is what ships: the default policy with flow control (on by default since issue 34); the same
 # without flow control (flow_control.enabled: false) and with it holding by wait too (flow_control.hold_on_wait)
 # have names of their own; `warmroute_<core policy>` is any other policy the core's registry holds, alone
 NO_FLOW = "warmroute_no_flow"
 FLOW_WAIT = "warmroute_flow_wait"
+EXACT = "warmroute_exact"  # as it ships, on a fleet whose engines publish KV events and whose tokenizer it has
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW_WAIT, *PEERS, *LORA_PEERS, *FLOW_PEERS, *REFERENCE]
+POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, *PEERS, *LORA_PEERS, *FLOW_PEERS, *EXACT_PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
@@ -620,9 +684,12 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
         return Warmroute(n, seed, router_cfg, name, flow=True, hold_on_wait=name == FLOW_WAIT)
     if name == NO_FLOW:
         return Warmroute(n, seed, router_cfg, name)
+    if name == EXACT:
+        return Warmroute(n, seed, router_cfg, name, flow=True, exact=True)
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
-    factory = PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) or REFERENCE.get(name)
+    factory = PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) or EXACT_PEERS.get(name) \
+        or REFERENCE.get(name)
     if factory is None:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
     return factory(n, seed)

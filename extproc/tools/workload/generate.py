@@ -57,6 +57,11 @@ class WorkloadConfig:
     # a burst: (start minute, minutes, factor), every arrival rate times ``factor`` over that window. The extra
     # arrivals draw from a stream of their own, so the rest of the workload is the same with it or without
     burst: tuple[float, float, float] | None = None
+    # what estimating costs (issue 45): the engine's tokens per token a router estimates from text, drawn per text
+    # (a project's system prompt, a session's own turns, a one-shot's message) uniformly from this range; the
+    # engine counts ``prompt_tokens`` as always. None: the estimate is the engine's count. On the tiny model's
+    # real tokenizer: 1.2-1.9 (words, code-like lines, hex digests)
+    token_scale: tuple[float, float] | None = None
 
     def at_load(self, load: float) -> "WorkloadConfig":
         """The load ladder (``--load L``): every arrival rate scaled by ``load``."""
@@ -101,7 +106,11 @@ class Request:
     # flow control's priority class (0 critical, 1 standard, 2 sheddable) and tenant; read by warmroute_flow alone
     klass: int = 1
     tenant: str | None = None
+    # the engine's tokens per estimated token of its system prompt and of the rest (WorkloadConfig.token_scale)
+    sys_scale: float = 1.0
+    text_scale: float = 1.0
     _blocks: list | None = None
+    _estimate: tuple | None = None
 
     def blocks(self) -> list[int]:
         """The prompt's 16-token block ids (the last, partial block included); computed once."""
@@ -120,9 +129,37 @@ class Request:
         return out
 
 
+    def estimated(self) -> tuple[int, list[int]]:
+        """(tokens, full 16-token block ids) as a router that estimates from the text counts them: its blocks
+        are of estimated tokens, so they cover different stretches of the prompt than the engine's, and how many
+        engine tokens they stand for is a scale the router must learn. The engine's blocks when nothing is
+        modelled."""
+        if self._estimate is None:
+            if self.sys_scale == self.text_scale == 1.0:
+                self._estimate = (self.prompt_tokens, self.blocks()[:self.prompt_tokens // BLOCK])
+            else:
+                est_sys = self.system_tokens / self.sys_scale
+                est = round(est_sys + (self.prompt_tokens - self.system_tokens) / self.text_scale)
+                sys_full = int(est_sys) // BLOCK
+                n = est // BLOCK
+                out = [_SYS | (self.project << 24) | k for k in range(min(n, sys_full))]
+                out += [_SESS | (self.sid << 24) | k for k in range(sys_full, n)]
+                if self.adapter is not None:
+                    salt = (hash_of(self.adapter) & 0xFFFF) << 44
+                    out = [b ^ salt for b in out]
+                self._estimate = (max(1, est), out)
+        return self._estimate
+
+
+def text_scale(seed: int, kind: str, ident: int, span: tuple[float, float]) -> float:
+    """One text's engine tokens per estimated token: a draw of its own, so the workload's streams stay as they are."""
+    return random.Random(f"{seed}:{kind}:{ident}").uniform(*span)
+
+
 class Workload:
     def __init__(self, cfg: WorkloadConfig, seed: int):
         self.cfg = cfg
+        self.seed = seed
         self.rng = random.Random(seed)
         w = [1 / (i + 1) ** cfg.project_weights_zipf for i in range(cfg.projects)]
         total = sum(w)
@@ -231,8 +268,15 @@ class Workload:
         # flow control's classes: a session's turns standard, 5% of sessions critical (by id, not by a draw: the
         # workload's random stream stays what it was), one-shots sheddable; each project a tenant
         klass = 0 if (s.sid * 2654435761) % 100 < 5 else 1
-        return Request(self._rid(), s.sid, s.project, sys_t + s.context, sys_t, out, now, session=s, klass=klass,
-                       tenant="noisy" if s.project == c.projects else f"p{s.project}")
+        return self._scaled(Request(self._rid(), s.sid, s.project, sys_t + s.context, sys_t, out, now, session=s,
+                                    klass=klass, tenant="noisy" if s.project == c.projects else f"p{s.project}"))
+
+    def _scaled(self, r: Request) -> Request:
+        span = self.cfg.token_scale
+        if span is not None:
+            r.sys_scale = text_scale(self.seed, "project", r.project, span)
+            r.text_scale = text_scale(self.seed, "session", r.sid, span)
+        return r
 
     def after_answer(self, s: Session, req: Request) -> float:
         """The answer joins the context; returns the think time before the next turn."""
@@ -247,8 +291,8 @@ class Workload:
         sys_t = self.system_tokens[project]
         user = int(self._lognormal(c.user_tokens_median, rng=rng))
         out = max(16, min(c.output_tokens_max, int(self._lognormal(c.output_tokens_median, 0.6, rng))))
-        return Request(self._rid(), sid, project, sys_t + user, sys_t, out, now, oneshot=True, klass=2,
-                       tenant=f"p{project}")
+        return self._scaled(Request(self._rid(), sid, project, sys_t + user, sys_t, out, now, oneshot=True, klass=2,
+                                    tenant=f"p{project}"))
 
 
 def text_for(req: Request, system_texts: list[str]) -> tuple[str, str]:

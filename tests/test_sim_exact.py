@@ -77,3 +77,12 @@ def test_llmd_precise_scores_the_engine_s_blocks_and_its_speculative_entries():
     p.speculative[0].add(r2.blocks()[: r2.prompt_tokens // BLOCK], 10.0)
     assert p.choose(r2, 10.5) == 0
     assert p.speculative[0].run(Sim.engines[0], r2.blocks()[:4], 12.5) == 0  # expired
+
+
+def test_the_simulated_brain_learns_the_engines_tokens_per_estimated_token():
+    """The simulator's engines report how many requests their prompt tokens count (as vLLM's first-token count
+    does), so a brain that estimates from text learns each replica's scale, as it does in front of real engines."""
+    sim = Simulation("warmroute", replicas=4, workload=WorkloadConfig(minutes=4, token_scale=(1.2, 1.9)), seed=1)
+    sim.run()
+    scales = [sim.policy.router.policy.state_of(r).scale for r in sim.policy.router.replicas]
+    assert all(s.learned and 1.2 <= s.value <= 1.9 for s in scales), [(s.learned, s.value) for s in scales]

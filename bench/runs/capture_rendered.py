@@ -10,14 +10,12 @@ carry tools. tests/test_engine_render.py holds the brain's rendering against the
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from bench.runs.capture_vllm import engine_model, send
 from extproc.tools.stack import real_vllm
 
 OUT = real_vllm.REPO / "tests" / "fixtures" / "vllm-0.32" / "rendered-prompts.json"
@@ -84,23 +82,10 @@ def prompt_tokens(usage: dict) -> int:
         (usage.get("cache_creation_input_tokens") or 0)
 
 
-def post(port: int, path: str, doc: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(doc).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-    why = real_vllm.available()
-    if why:
-        print(why, file=sys.stderr)
+    model = engine_model(argv, __doc__)
+    if model is None:
         return 1
-    model = real_vllm.model_info()["served_name"]
     parser = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     out = []
     for template, extra in (("model", parser), (TOOLS_TEMPLATE.name, (*parser, "--chat-template", str(TOOLS_TEMPLATE)))):
@@ -110,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name, api, body in CASES:
                     doc = {"model": model, "temperature": 0, **body,
                            **({"max_output_tokens": 16} if api == "responses" else {"max_tokens": 1})}
-                    status, answer = post(port, PATHS[api], doc)
+                    status, answer = send(f"http://127.0.0.1:{port}", PATHS[api], doc, model)
                     assert status == 200, (name, status)
                     out.append({"case": name, "api": api, "template": template, "body": doc,
-                                "prompt_tokens": prompt_tokens(answer["usage"])})
+                                "prompt_tokens": prompt_tokens(json.loads(answer)["usage"])})
             finally:
                 proc.stop()
     OUT.write_text(json.dumps(out, indent=1) + "\n")

@@ -78,13 +78,20 @@ def clean(text: str, model_dir: str) -> str:
     return re.sub(r'"created": ?\d+', '"created": 0', text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+def engine_model(argv: list[str] | None, doc: str) -> str | None:
+    """The served model's name once the arguments are read and the engine is here; None (said why) if it is not."""
+    argparse.ArgumentParser(description=doc.split("\n\n")[0]).parse_args(argv)
     why = real_vllm.available()
     if why:
         print(why, file=sys.stderr)
+        return None
+    return real_vllm.model_info()["served_name"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    model = engine_model(argv, __doc__)
+    if model is None:
         return 1
-    model = real_vllm.model_info()["served_name"]
     with tempfile.TemporaryDirectory(prefix="warmroute-capture-") as d:
         os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # its routes are logged at INFO as it starts
         proc, port = real_vllm.start_vllm("vllm", Path(d), real_vllm.VllmOptions(lora=ADAPTERS,

@@ -134,6 +134,13 @@ class PinTable:
         self.expired += n
         return n
 
+    def contexts_gone(self, name: str) -> None:
+        """Replica ``name``'s cache was emptied: its pins' sessions hold no tokens there (an operator's action: a
+        walk over the pins is affordable)."""
+        for pin in self._pins.values():
+            if pin.replica.name == name:
+                pin.tokens = 0
+
     def count_by_replica(self) -> dict[str, int]:
         """Pins per replica name: O(replicas), kept up to date (not a walk over the pins)."""
         return dict(self._counts)

@@ -46,7 +46,6 @@ import itertools
 from .config import RouterConfig
 from .cost import Aggregates, Estimate, decode_penalty, fair_share, interference, recent
 from .decision import Decision, FleetView, PinEvent
-from .engine_cache import Cleared
 from .load import LoadSample, effective_rates
 from .names import Cause, PinAction, Reason
 from .pins import SESSION, Pin, PinTable
@@ -134,18 +133,10 @@ class WarmPolicy(Shortlist):
         return self._state.get(name)
 
     def caches_reset(self, name: str, now: float) -> None:
-        """The replica's engines were told to empty their prefix caches (vLLM's /reset_prefix_cache): nothing they
-        held is a hit any more, whatever the events or the estimate said (an idle engine publishes the clear only
-        at its next step, after the next request was priced)."""
-        for st in (self._state.get(name), *self._engines.get(name, ())):
-            if st is None:
-                continue
-            st.index.clear()
-            if st.exact is not None:
-                st.exact.apply([Cleared()], now)
-        for _, pin in self.session_pins:  # an operator's action: a walk over the pins is affordable
-            if pin.replica.name == name:
-                pin.tokens = 0  # C4: its context is no longer there
+        """The replica's engines emptied their prefix caches at the operator's word (vLLM's /reset_prefix_cache)."""
+        for st in filter(None, (self._state.get(name), *self._engines.get(name, ()))):
+            st.cache_reset(now)
+        self.session_pins.contexts_gone(name)  # C4: a session's context is no longer there
 
     def engine_count(self, name: str) -> int:
         """How many data-parallel engines the replica exports (1: it exports one, or says nothing)."""
@@ -280,10 +271,9 @@ class WarmPolicy(Shortlist):
             prompt = profile.engine_tokens  # the engine's own tokens and its own word on what it holds (issue 45)
             cached = min(prompt - 1, ex.cached_tokens(hashes[1])) if self.use_index else 0
         else:
-            if profile.engine_tokens and profile.tokens:  # tokenized as the engine does: this text's own scale
-                scale = profile.engine_tokens / profile.tokens
-            else:
-                scale = st.scale.value if st.scale.learned else peer_scale
+            # tokenized as the engine does: this text's own scale, else the replica's learned one
+            scale = profile.engine_tokens / profile.tokens if profile.engine_tokens and profile.tokens else \
+                st.scale.value if st.scale.learned else peer_scale
             prompt = profile.engine_tokens or max(1, round(profile.tokens * scale))
             chain = profile.blocks if self.use_index and st.prefix_caching else ()
             matched = st.index.match(chain) if chain else 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from .config import RouterConfig
-from .engine_cache import EngineCache
+from .engine_cache import Cleared, EngineCache
 from .load import LoadSample, Rates, TokenScale
 from .prefix_index import Holders, PrefixIndex
 from .replica import Replica
@@ -53,6 +53,13 @@ class WarmReplica:
 
     def kv_usage(self, r: Replica) -> float:
         return self.scraped.kv_usage if self.scraped is not None else r.kv_usage
+
+    def cache_reset(self, now: float) -> None:
+        """Nothing the engine held is a hit any more, whatever its events or the estimate said (an idle engine
+        publishes the clear only at its next step, after the next request was priced)."""
+        self.index.clear()
+        if self.exact is not None:
+            self.exact.apply([Cleared()], now)
 
     def hold_cache(self, cache_tokens: int | None, tokens_per_block: float) -> None:
         """The engine's cache size as scraped: the index holds blocks of the profile's characters, so many of them

@@ -121,6 +121,7 @@ class Engine:
         # vLLM's counters a router may learn rates from (prompt_tokens, request_prefill_time_seconds,
         # generation_tokens, request_decode_time_seconds, requests finished)
         self.prompt_tokens_total = 0
+        self.prompt_requests_total = 0  # the requests prompt_tokens_total counts (time_to_first_token's count)
         self.prefill_seconds_total = 0.0
         self.generation_tokens_total = 0
         self.decode_seconds_total = 0.0
@@ -423,6 +424,7 @@ class Engine:
                 if r.first_token_at is None:
                     prefill_s = end - (r.scheduled_at if r.scheduled_at is not None else now)
                     self.prompt_tokens_total += r.prompt_tokens
+                    self.prompt_requests_total += 1
                     self.prefill_seconds_total += prefill_s
                     self.true_prefill_tokens += r.prompt_tokens - r.cached_tokens
                     self.true_prefill_seconds += prefill_s

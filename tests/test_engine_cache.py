@@ -117,6 +117,26 @@ def test_lora_and_cache_salt_keys_are_tagged_again_as_vllm_hashes_them():
     unknown = EngineCache()
     unknown.apply([ev], 0.0)
     assert unknown.unverifiable == 2 and unknown.mismatched == 0
+    # the brain's own chain for an adapter's request is what the engine published, and it is held there
+    from extproc.brain.engine_tokens import block_hashes
+
+    mine = block_hashes(toks, 4, none_hash(), "s", ("lora", "a", "/adapters/a"))
+    assert mine == ev.hashes and known.cached_tokens(mine) == 8
+    assert known.cached_tokens(block_hashes(toks, 4, none_hash(), "s")) == 0  # the base model's: not these blocks
+
+
+def test_an_adapter_is_priced_exactly_with_the_path_its_replicas_list():
+    from extproc.core.models import ModelCatalog
+
+    cat = ModelCatalog()
+    cat.configure({"r0": None, "r1": None})
+    base = {"id": "m", "root": "/models/m"}
+    cat.learned("r0", [base, {"id": "a", "parent": "m", "root": "/adapters/a"}])
+    cat.learned("r1", [base, {"id": "a", "parent": "m", "root": "/adapters/a"}, {"id": "b", "parent": "m", "root": "/x"}])
+    assert cat.adapter_of("a") == ("m", "/adapters/a") and cat.adapter_of("m") is None
+    assert cat.adapter_paths("r1") == {"a": "/adapters/a", "b": "/x"}
+    cat.learned("r0", [base, {"id": "a", "parent": "m", "root": "/elsewhere/a"}])
+    assert cat.adapter_of("a") is None  # two paths, two chains: left to the estimate
 
 
 @settings(max_examples=60, deadline=None)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from extproc.core import HealthConfig, LoadSample, RouterConfig
+from extproc.core import HealthConfig, LoadSample, Reason, RouterConfig
 from extproc.tools.engine.model import Engine, EngineConfig, EngineRequest
 
 from .helpers import chain, live_router, prof
@@ -151,3 +151,19 @@ def test_the_fleet_bench_pools_seeds_and_prints_the_floor_of_adapter_loads(capsy
     assert 0 < floor <= sum(loads)
     with pytest.raises(SystemExit):
         bench_fleet.main(["--seeds", "1-2"])  # pooling is the simulator's: a live run is one seed
+
+
+def test_a_new_adapter_session_beside_sessions_under_way_is_not_held_for_the_adapter_s_load():
+    """With flow control on, a new session waits in the router while every candidate has more than its prefill
+    queued (issue 43). An adapter's load is no queue: it is paid whenever the request goes, so a new session of an
+    adapter that is in no slot was held until it timed out (429 waited_too_long on the real engines)."""
+    from extproc.core.flow import FlowControl
+
+    router, t = live_router(1, WARM)
+    router.flow = FlowControl()
+    router.on_load("r0", LoadSample(0, 0, 0.0, lora_running=frozenset(), lora_waiting=frozenset(), max_lora=2), t)
+    under_way = router.select(prof(session="chat", tokens=3000, blocks=chain("c", "chat", 3000)), t)
+    router.release(under_way.reservation, t + 0.5)
+    p = dataclasses.replace(prof(session="lora-b", tokens=300, blocks=chain("b", "lora-b", 300)), adapter="b")
+    d = router.select(p, t + 1, hold_key="b1")
+    assert d.replica is not None and d.reason is not Reason.HELD, d

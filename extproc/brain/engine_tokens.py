@@ -127,7 +127,7 @@ class ChatTokens:
         return got[0] if got is not None else None
 
     def prompt(self, body: dict, key: bytes | None = None, api: Api = Api.CHAT,
-               blocks: tuple[int, bytes, str | None] | None = None,
+               blocks: Blocks | None = None,
                inline_chars: int | None = None) -> tuple[array, tuple[int, ...] | None] | Later | None:
         """(the prompt's token ids, their full blocks' hashes as the engine publishes them when ``blocks`` = (block
         size, root digest, cache salt) is given), or None when the body cannot be rendered here. A session's turn
@@ -153,23 +153,24 @@ class ChatTokens:
         chain_of = self._hashes(toks, blocks, old, len(head)) if blocks is not None else None
         if key is not None and self.cuts:
             self._remember(key, text, start, len(head), toks, chain_of)
-        return toks, (chain_of[3] if chain_of is not None else None)
+        return toks, (chain_of[4] if chain_of is not None else None)
 
-    def _hashes(self, toks: array, blocks: tuple[int, bytes, str | None], old: tuple | None, shared: int) -> tuple:
-        """(block size, root, salt, published hashes, their full digests end to end): the blocks inside what this
-        turn shares with the session's last (``shared`` tokens, hashed then into ``old``) are taken from it."""
-        bs, root, salt = blocks
+    def _hashes(self, toks: array, blocks: Blocks, old: tuple | None, shared: int) -> tuple:
+        """(block size, root, salt, LoRA key, published hashes, their full digests end to end): the blocks inside
+        what this turn shares with the session's last (``shared`` tokens, hashed then into ``old``) are taken
+        from it."""
+        bs, root, salt, lora = _blocks(blocks)
         n = len(toks) // bs
         reuse = 0
-        if old is not None and old[:3] == blocks:
-            reuse = min(len(old[3]), shared // bs, n)
-        parent = old[4][(reuse - 1) * 32:reuse * 32] if reuse else None
-        extra = [(("cache_salt", salt),)] + [None] * (n - 1) if salt and n and not reuse else None
-        digests = chain(toks[reuse * bs:n * bs], bs, root, parent, extra=extra)
+        if old is not None and old[:4] == (bs, root, salt, lora):
+            reuse = min(len(old[4]), shared // bs, n)
+        parent = old[5][(reuse - 1) * 32:reuse * 32] if reuse else None
+        digests = chain(toks[reuse * bs:n * bs], bs, root, parent, extra=extra_keys(n - reuse, salt if not reuse
+                                                                                     else None, lora))
         self.reused_blocks += reuse
         self.hashed_blocks += len(digests)
-        hashes = (old[3][:reuse] if reuse else ()) + tuple(external(d) for d in digests)
-        return bs, root, salt, hashes, (old[4][:reuse * 32] if reuse else b"") + b"".join(digests)
+        hashes = (old[4][:reuse] if reuse else ()) + tuple(external(d) for d in digests)
+        return bs, root, salt, lora, hashes, (old[5][:reuse * 32] if reuse else b"") + b"".join(digests)
 
     def _remember(self, key: bytes, text: str, start: int, shared: int, toks: array, chain_of) -> None:
         """Keep this turn's text up to its last special token, the tokens of that text and this turn's chain: the
@@ -228,11 +229,29 @@ class _Memo:
 
     def __init__(self, cut: int, digest: bytes, head: array, chain_of: tuple | None):
         self.cut, self.digest, self.head, self.chain = cut, digest, head, chain_of
-        self.size = 4 * len(head) + 128 + (40 * len(chain_of[3]) + len(chain_of[4]) if chain_of is not None else 0)
+        self.size = 4 * len(head) + 128 + (40 * len(chain_of[4]) + len(chain_of[5]) if chain_of is not None else 0)
 
 
-def block_hashes(tokens, block_size: int, root: bytes, cache_salt: str | None = None) -> tuple[int, ...]:
-    """What the engine publishes for the prompt's full blocks (a cache salt is block 0's extra key)."""
+# (block size, root digest, cache salt[, the LoRA key ("lora", name, path)]): what a request's chain depends on
+Blocks = tuple
+
+
+def _blocks(b: Blocks) -> tuple:
+    return (*b, None) if len(b) == 3 else tuple(b)
+
+
+def extra_keys(n: int, cache_salt: str | None, lora: tuple | None) -> list | None:
+    """Each of ``n`` blocks' extra keys as vLLM tags them (``generate_block_hash_extra_keys``): the adapter's on
+    every block, then the cache salt on the prompt's first."""
+    if not n or (cache_salt is None and lora is None):
+        return None
+    base = (lora,) if lora is not None else ()
+    first = base + ((("cache_salt", cache_salt),) if cache_salt else ())
+    return [first or None] + [base or None] * (n - 1)
+
+
+def block_hashes(tokens, block_size: int, root: bytes, cache_salt: str | None = None,
+                 lora: tuple | None = None) -> tuple[int, ...]:
+    """What the engine publishes for the prompt's full blocks (an adapter's key on each, a cache salt on block 0)."""
     n = len(tokens) // block_size
-    extra = [(("cache_salt", cache_salt),)] + [None] * (n - 1) if cache_salt and n else None
-    return tuple(external(d) for d in chain(tokens, block_size, root, extra=extra))
+    return tuple(external(d) for d in chain(tokens, block_size, root, extra=extra_keys(n, cache_salt, lora)))

@@ -28,8 +28,8 @@ MAX_JOBS = 4  # long prompts waiting for the worker at once
 
 
 class Exact:
-    def __init__(self, cfg: AppConfig, router, scraper, clock, stats):
-        self.router, self.scraper, self.clock, self.stats = router, scraper, clock, stats
+    def __init__(self, cfg: AppConfig, router, scraper, clock, stats, models):
+        self.router, self.scraper, self.clock, self.stats, self.models = router, scraper, clock, stats, models
         self.kv = KvEvents(self._on_batch, self._on_lost, clock)
         scraper.on_kv_sources = self.kv.on_sources
         self.tokenizers: dict[str, ChatTokens] = {}
@@ -65,9 +65,14 @@ class Exact:
         return EngineCache(self.cfg.hash_seed, self.cfg.hash_algo)
 
     def _on_batch(self, name: str, rank: int, events: list, now: float) -> None:
-        if not exact.apply_events(self.router.policy, name, rank, events, now, self._make):
-            return
         st = self.router.policy.engine_state(name, rank)
+        paths = self.models.adapter_paths(name)  # the adapters' blocks verify with the paths this replica lists
+        if not exact.apply_events(self.router.policy, name, rank, events, now,
+                                  lambda: EngineCache(self.cfg.hash_seed, self.cfg.hash_algo, paths)):
+            return
+        st = st or self.router.policy.engine_state(name, rank)
+        if st is not None and st.exact is not None:
+            st.exact.lora_paths = paths
         if st is not None and st.exact is not None and st.exact.exact:
             self.block_size = st.exact.block_size
 
@@ -80,9 +85,14 @@ class Exact:
 
     def price(self, profile, body: bytes | None, model: str | None):
         """``profile`` with the engine's tokens and block hashes when this can make them, else as it came."""
+        lora = None
+        if profile.adapter is not None:  # its base model's tokens; its name and path in every block's hash
+            of = self.models.adapter_of(profile.adapter)
+            if of is None:
+                return profile
+            model, lora = of[0], ("lora", profile.adapter, of[1])
         ct = self.tokenizers.get(model) if model is not None else None
-        if ct is None or not body or profile.api not in RENDERED or profile.adapter is not None \
-                or len(body) > self.cfg.max_body_bytes:
+        if ct is None or not body or profile.api not in RENDERED or len(body) > self.cfg.max_body_bytes:
             return profile
         self._learn_done()
         bs = self.block_size  # known once an engine verified: before, the tokens alone (every replica estimated)
@@ -90,8 +100,8 @@ class Exact:
         try:
             doc = orjson.loads(body)
             salt = doc.get("cache_salt") if isinstance(doc, dict) and isinstance(doc.get("cache_salt"), str) else None
-            got = ct.prompt(doc, key, profile.api, (bs, self.root, salt) if bs else None, self.cfg.inline_chars) \
-                if isinstance(doc, dict) else None
+            got = ct.prompt(doc, key, profile.api, (bs, self.root, salt, lora) if bs else None,
+                            self.cfg.inline_chars) if isinstance(doc, dict) else None
         except orjson.JSONDecodeError:
             got = None
         if isinstance(got, Later):

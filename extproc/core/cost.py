@@ -52,6 +52,7 @@ class Estimate:
     prefill: float
     engine: int | None = None  # the data-parallel engine priced (None: the replica has one)
     lora: float = 0.0  # seconds to bring the request's LoRA adapter in
+    lora_wait: float = 0.0  # of which waiting for a slot the adapters running there hold (the rest: its load)
     stall: float = 0.0  # seconds the others on the replica lose to that load
     fits: bool = True  # beside the active sessions' contexts, in the replica's cache
     prompt: int = 1  # the request's prompt in this replica's engine tokens (TokenScale)

@@ -146,6 +146,7 @@ class ModelCatalog:
         self._index: dict[str, frozenset[str]] | None = None
         self._unknown: frozenset[str] = frozenset()
         self._adapters: frozenset[str] = frozenset()
+        self._adapter_of: dict[str, tuple[str, str] | None] = {}  # adapter -> (its base model, its path), if one
         self._max_len: dict[str | None, int] = {}  # model (None: any) -> the largest max_model_len listed for it
         # replica -> the paths it serves (None: not known, any path); an index like the models' one
         self._paths: dict[str, frozenset[str] | None] = {}
@@ -157,11 +158,13 @@ class ModelCatalog:
             index: dict[str, set[str]] = {}
             adapters = set()
             max_len: dict[str | None, int] = {}
+            loaded: dict[str, set] = {}
             for replica, models in self._served.items():
                 for mid, obj in (models or {}).items():
                     index.setdefault(mid, set()).add(replica)
                     if obj.get("parent"):
                         adapters.add(mid)
+                        loaded.setdefault(mid, set()).add((obj["parent"], obj.get("root")))
                     n = obj.get("max_model_len")
                     if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                         for k in (mid, None):
@@ -170,6 +173,8 @@ class ModelCatalog:
             self._index = {m: frozenset(rs) for m, rs in index.items()}
             self._unknown = frozenset(r for r, ms in self._served.items() if ms is None)
             self._adapters = frozenset(adapters)
+            self._adapter_of = {a: next(iter(w)) if len(w) == 1 and isinstance(next(iter(w))[1], str) else None
+                                for a, w in loaded.items()}
         return self._index
 
     def _built_paths(self):
@@ -253,6 +258,17 @@ class ModelCatalog:
         """A LoRA adapter: a model a replica lists with a parent (vLLM lists its adapters so)."""
         self._built()
         return model in self._adapters
+
+    def adapter_of(self, model: str | None) -> tuple[str, str] | None:
+        """(its base model, its path) for a LoRA adapter that every replica listing it loads from one path (vLLM's
+        /v1/models ``root``: the path goes into the engine's block hashes); None otherwise."""
+        self._built()
+        return self._adapter_of.get(model) if model is not None else None
+
+    def adapter_paths(self, replica: str) -> dict[str, str]:
+        """The adapters one replica lists, each with the path it loaded it from."""
+        return {m: o["root"] for m, o in (self._served.get(replica) or {}).items()
+                if o.get("parent") and isinstance(o.get("root"), str)}
 
     def max_model_len(self, model: str | None) -> int | None:
         """The most tokens a request for ``model`` can hold, as the replicas list it (None: any model; the answer

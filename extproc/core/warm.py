@@ -289,7 +289,7 @@ class WarmPolicy(Shortlist):
         e = Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine, prompt=prompt)
         if profile.adapter is not None:
             loads, lora_wait = self._lora_s(self.state_of(r), profile.adapter, dec, now)
-            e.lora = loads + lora_wait
+            e.lora, e.lora_wait = loads + lora_wait, lora_wait
             if loads:
                 # the engine loads the adapter before the step that needs it: every request running or queued
                 # there waits for it too (the brain's own count: fresher than a scrape)
@@ -396,13 +396,13 @@ class WarmPolicy(Shortlist):
             # what their cached turns wait (a flood of 2,000 new sessions took them from 0.08 s to 20 s). A new
             # session (no home yet) waits here instead while every candidate with sessions under way has more than
             # its prefill queued: no engine time lost. A session under way is never held for this
-            if pin is None and all(e.st.active_tokens > 0 and e.wait + e.lora > max(e.prefill, _TIE_S)
+            if pin is None and all(e.st.active_tokens > 0 and e.wait + e.lora_wait > max(e.prefill, _TIE_S)
                                    for e in (ests or (best,))):
                 return True
         if not self.hold_on_wait:
             return False
         afford = max(best.prefill, _TIE_S) * (0.5 if profile.priority >= 2 else 1.0)
-        return best.wait + best.lora > afford
+        return best.wait + best.lora_wait > afford  # an adapter's load is paid whenever it goes: no reason to wait
 
     def _break_tie(self, tied: list["Estimate"], home: Replica | None, home_engine: int | None, per: int,
                    n_replicas: int) -> "Estimate":

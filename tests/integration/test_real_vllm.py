@@ -186,6 +186,24 @@ def test_exact_mode_predicts_the_engine_s_cached_and_prompt_tokens_and_a_foreign
     assert all(p == e for p, e, _, _ in exact), exact
     assert all(pp == ep for _, _, pp, ep in exact), exact
     assert sum(e for _, e, _, _ in exact) > 0, "some turn hit the cache"
+    # an adapter's conversation (tiny-lora-b: r0 alone serves it): its blocks carry its name and path (from r0's
+    # /v1/models), and they are priced as exactly
+    msgs: list[dict] = [{"role": "system", "content": "You review patches. " * 120}]
+    rows = []
+    for t in range(3):
+        msgs.append({"role": "user", "content": f"patch {t}: " + "a changed line of code. " * 40})
+        status, headers, doc = post(fleet.url, "/v1/chat/completions", {"model": "tiny-lora-b", "messages": msgs,
+                                                                        "max_tokens": 8, "temperature": 0},
+                                    {"x-session-id": "adapter-b"})
+        assert status == 200, _error_code(json.dumps(doc).encode())
+        msgs.append({"role": "assistant", "content": doc["choices"][0]["message"]["content"] or "ok"})
+        rid = headers.get("x-request-id") or headers.get("X-Request-Id")
+        d = json.loads(fleet.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]
+        rows.append((d["predicted_cached_tokens"], doc["usage"]["prompt_tokens_details"]["cached_tokens"],
+                     d["predicted_prompt_tokens"], doc["usage"]["prompt_tokens"]))
+    print(f"adapter tiny-lora-b on r0: {rows}")
+    assert all(p == e and pp == ep for p, e, pp, ep in rows) and rows[-1][1] > 0, rows
+    assert fleet.replica_state("r0")["cache"]["engines"][0]["unverifiable_blocks"] == 0
 
 
 READ = {"name": "read_file", "description": "Read a file of the repository",
@@ -265,8 +283,11 @@ def test_exact_mode_holds_for_agents_speaking_chat_messages_and_responses_with_t
             assert status == 200, (api, status)
             rid = headers.get("x-request-id") or headers.get("X-Request-Id")
             d = json.loads(fleet.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]
-            turns.append((" ".join(f"line {rng.randrange(10**6)}" for _ in range(rng.randint(20, 80))),
-                          f"call_{i}_{k}", _answer_text(doc)))
+            # tool output of three token scales: words, code-like lines, hex digests
+            line = [lambda: f"line {rng.randrange(10**6)}",
+                    lambda: f"def f_{rng.randrange(999)}(x): return x * {rng.randrange(99)}",
+                    lambda: f"{rng.getrandbits(128):032x}"][(i + k) % 3]
+            turns.append(("\n".join(line() for _ in range(rng.randint(10, 40))), f"call_{i}_{k}", _answer_text(doc)))
             if d["replica"] == "r0":
                 rows.append((api, d["predicted_cached_tokens"], d["predicted_prompt_tokens"], *_engine_usage(doc)))
     print(f"\nexact mode on r0, three APIs with tools: {len(rows)} requests")

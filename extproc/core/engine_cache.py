@@ -199,6 +199,9 @@ class EngineCache:
         if self.mode == EXACT or not self.reason.startswith("block hash mismatch"):
             self.mode, self.reason = ESTIMATED, f"events lost: {why}" if not why.startswith("events lost") else why
 
+    def holds(self, h: int) -> bool:
+        return h in self.gpu
+
     def cached_tokens(self, hashes: Sequence[int]) -> int:
         """The engine's cached tokens for a prompt whose full blocks publish ``hashes``: the longest run from its
         start that the engine holds (vLLM reuses a prefix, never a block past a missing one)."""

@@ -58,6 +58,7 @@ from .working_set import WorkingSet
 
 _INF = float("inf")
 _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
+PROMISE_SLACK_S = 2.0  # a block sent to an exact engine counts as held until its predicted prefill + this (llm-d: 2 s)
 
 
 class WarmPolicy(Shortlist):
@@ -269,7 +270,7 @@ class WarmPolicy(Shortlist):
         ex, hashes = st.exact, profile.engine_hashes
         if ex is not None and ex.exact and hashes is not None and hashes[0] == ex.block_size and profile.engine_tokens:
             prompt = profile.engine_tokens  # the engine's own tokens and its own word on what it holds (issue 45)
-            cached = min(prompt - 1, ex.cached_tokens(hashes[1])) if self.use_index else 0
+            cached = min(prompt - 1, st.exact_cached(hashes[1], now)) if self.use_index else 0
         else:
             # tokenized as the engine does: this text's own scale, else the replica's learned one
             scale = profile.engine_tokens / profile.tokens if profile.engine_tokens and profile.tokens else \
@@ -545,6 +546,8 @@ class WarmPolicy(Shortlist):
             res.work_s, res.engine = d.work_s, d.engine
             res.prefill_s, res.prefill_end, res.pending_tokens = self._chosen_prefill_s, st.prefill_busy_until, prompt
             res.arrived_at = now if self.use_interference else None
+        if (ex := st.exact) is not None and ex.exact and (h := profile.engine_hashes) and h[0] == ex.block_size:
+            st.promise(profile.engine_hashes[1], st.prefill_busy_until + PROMISE_SLACK_S, now)
         if self.use_index and profile.blocks and st.prefix_caching:
             st.index.insert(profile.blocks)
             if self.outbox is not None:

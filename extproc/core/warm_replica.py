@@ -17,7 +17,7 @@ class WarmReplica:
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
                  "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent", "scale",
-                 "engine_block", "exact")
+                 "engine_block", "exact", "promised")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
                  scale: TokenScale | None = None, holders: Holders | None = None):
@@ -47,6 +47,10 @@ class WarmReplica:
         self.lora_sent: OrderedDict[str, float] = OrderedDict()
         # what the engine's own KV events say it holds (issue 45), None until its first batch
         self.exact: EngineCache | None = None
+        # blocks of requests this router sent to an exact engine -> until when they count as held: the engine
+        # publishes them once it computed them, and a request for the same prefix in between should find them
+        # (llm-d's speculative index has the same gap to fill)
+        self.promised: dict[int, float] = {}
 
     def waiting(self, r: Replica) -> int:
         return self.scraped.waiting if self.scraped is not None else r.scraped_waiting
@@ -54,10 +58,31 @@ class WarmReplica:
     def kv_usage(self, r: Replica) -> float:
         return self.scraped.kv_usage if self.scraped is not None else r.kv_usage
 
+    def exact_cached(self, hashes, now: float) -> int:
+        """The engine's cached tokens for a prompt of these block hashes: the longest run from its start that its
+        events say it holds or that requests sent to it are about to compute."""
+        ex, promised = self.exact, self.promised
+        n = 0
+        for h in hashes:
+            if not ex.holds(h) and promised.get(h, 0.0) <= now:
+                break
+            n += 1
+        return n * ex.block_size
+
+    def promise(self, hashes, until: float, now: float) -> None:
+        p = self.promised
+        for h in hashes:
+            if p.get(h, 0.0) < until:
+                p[h] = until
+        if len(p) > 4 * max(1, self.cache_tokens // (self.exact.block_size or 16)):  # bounded: the expired go
+            for h in [h for h, t in p.items() if t <= now]:
+                del p[h]
+
     def cache_reset(self, now: float) -> None:
         """Nothing the engine held is a hit any more, whatever its events or the estimate said (an idle engine
         publishes the clear only at its next step, after the next request was priced)."""
         self.index.clear()
+        self.promised.clear()
         if self.exact is not None:
             self.exact.apply([Cleared()], now)
 

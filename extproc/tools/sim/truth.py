@@ -32,6 +32,10 @@ class EngineTruth:
     def exact(self) -> bool:
         return self.sim.alive[self.i]
 
+    def holds(self, h: int) -> bool:
+        e = self.sim.engines[self.i]
+        return h in e.refs or h in e.cached
+
     def cached_tokens(self, hashes) -> int:
         return held_run(self.sim.engines[self.i], hashes) * BLOCK
 

@@ -186,9 +186,9 @@ def _not_metrics() -> set[str]:
     from bench.contenders import WARMROUTE
     from extproc.contract import BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER
     from extproc.core.policy import POLICIES
-    from extproc.tools.sim.policies import WARMROUTE as SIMULATED
+    from extproc.tools.sim.policies import POLICIES as SIMULATED
 
-    return ({f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | set(SIMULATED) | {"warmroute_flow_wait"}
+    return ({f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | set(SIMULATED)
             | {BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER})
 
 

@@ -163,3 +163,19 @@ def test_a_request_is_not_admitted_by_a_step_that_starts_before_it_arrived():
             assert r.first_token_at >= r.arrival
         t += d
     assert admitted[1] == 0.0 and admitted[2] >= 1.0
+
+
+def test_eviction_takes_a_finished_context_s_tail_before_its_head():
+    """vLLM frees a request's blocks tail first (``single_type_kv_cache_manager.free``), so a cache short of room
+    evicts the end of a context and keeps the prefix its next turn can still hit (a prefix hit stops at its first
+    missing block)."""
+    e = Engine(EngineConfig(kv_tokens=100 * BLOCK))
+    a = req(1, 0, 60, max_tokens=1)
+    e.add(a)
+    t = drain(e)
+    e.add(req(2, 0, 70, max_tokens=1, salt=1))  # needs 30 of a's 60 cached blocks
+    t = drain(e, t)
+    again = EngineRequest(3, a.blocks, len(a.blocks) * BLOCK, 1, t)
+    e.add(again)
+    drain(e, t)
+    assert again.cached_tokens >= 25 * BLOCK, again.cached_tokens  # its head survived

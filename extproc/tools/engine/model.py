@@ -209,9 +209,11 @@ class Engine:
         """Give back a sequence's blocks; full prompt blocks stay cached (evictable).
 
         ``used_blocks`` counts physical blocks: a block shared by several sequences
-        is used until the last one lets go of it.
+        is used until the last one lets go of it. Freed tail first, as vLLM frees them
+        (``single_type_kv_cache_manager.free``: ``reversed``), so that eviction takes a
+        context's tail before its head: a prefix is reused only from its first block.
         """
-        for h in r.held:
+        for h in reversed(r.held):
             if h is None:
                 self.free_blocks += 1
                 self.used_blocks -= 1

@@ -10,7 +10,9 @@ shell, a delayed queue in the simulator, a shuffling list in the tests) ships th
   hash now lives on ``replica`` (None: it was deleted). Last writer wins by ``at``: the newest use of a
   session is where its context is, whichever brain saw it.
 - ``("o", rid, replica, engine, weight_milli, provisional, work_s, prefill_s, pending_tokens, session, prompt,
-  at)``: a reservation opened (in-flight work the receiver counts on the replica like its own).
+  at, estimated)``: a reservation opened (in-flight work the receiver counts on the replica like its own);
+  ``estimated``: the request's tokens as estimated from its text (None: provisional, or a brain older than it), so
+  that every brain compares the engine's prompt tokens with all that was sent, not its own share (TokenScale).
 - ``("x", rid, digest)``: the end of a reservation reached this brain but not its owner (an Envoy's access log
   kept on a brain it failed over to, or one log stream for several processes behind one Envoy); the owner, whose
   id's digest it is, releases it. ``("a", rid, digest)``: the same for a periodic entry: the request is alive.
@@ -87,7 +89,7 @@ class Outbox:
         if res is not None:
             self.events.append(("o", res.id, res.replica.name, res.engine, res.weight_milli, res.provisional,
                                 res.work_s, res.prefill_s, res.pending_tokens, None if profile.provisional else sk,
-                                d.prompt_tokens, now))
+                                d.prompt_tokens, now, None if profile.provisional else profile.tokens))
         for table in router.policy.pin_tables():
             key = profile.session_key if table.kind is SESSION else profile.prefix_key
             if key is None:
@@ -160,11 +162,12 @@ class Remote:
         return r
 
     def _opened(self, router, origin: str, ev: tuple, offset: float, now: float) -> None:
-        _, rid, name, engine, weight, provisional, work_s, prefill_s, pending, sk, prompt, at = ev
+        _, rid, name, engine, weight, provisional, work_s, prefill_s, pending, sk, prompt, at = ev[:12]
+        estimated = ev[12] if len(ev) > 12 and ev[12] is not None else None  # an older brain sends none
         # what one request can be: nine forged reservations put 29,996 s of predicted wait on three replicas
         if not (0 <= float(work_s) <= _MAX_WORK_S and 0 <= float(prefill_s) <= _MAX_WORK_S
                 and 0 <= int(weight) <= _MAX_WEIGHT_MILLI and 0 <= int(pending) <= _MAX_TOKENS
-                and 0 <= int(prompt) <= _MAX_TOKENS):
+                and 0 <= int(prompt) <= _MAX_TOKENS and (estimated is None or 0 <= int(estimated) <= _MAX_TOKENS)):
             raise ValueError("a reservation no request can make")
         r = self._replica(router, name)
         if r is None or (origin, rid) in self.reservations:
@@ -176,7 +179,7 @@ class Remote:
         res.engine = engine if engine is None else int(engine)
         res.work_s = float(work_s)
         router.policy.on_remote_reserved(res, float(prefill_s), int(pending), _key(sk) if sk else None, int(prompt),
-                                         at, now)
+                                         at, now, None if estimated is None else int(estimated))
         self.reservations[(origin, rid)] = res
 
     def _home(self, router, ev: tuple, offset: float, now: float) -> None:

@@ -527,13 +527,9 @@ class WarmPolicy(Shortlist):
         st = self.engine_state(d.replica.name, d.engine) or self.state_of(d.replica)
         prompt = self._chosen_prompt  # the engine's tokens, as priced
         uncached = max(1, prompt - d.cached_tokens)
-        st.prefill_busy_until = max(now, st.prefill_busy_until) + self._chosen_prefill_s
-        st.pending.append((st.prefill_busy_until, prompt))
-        st.pending_tokens += prompt
+        st.book(now, self._chosen_prefill_s, prompt, d.work_s, None if profile.provisional else profile.tokens)
         if not profile.provisional:  # a size declared in a header says nothing of this replica's typical request
             st.uncached_ewma += 0.2 * (uncached - st.uncached_ewma)
-            st.scale.sent(profile.tokens)
-        st.work_s += d.work_s
         self._work_delta += d.work_s
         self._flight_delta += 1
         if self.use_interference:
@@ -562,15 +558,12 @@ class WarmPolicy(Shortlist):
             self.sessions.place(profile.session_key, st, prompt, now)
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
-                           prompt: int, at: float, now: float) -> None:
+                           prompt: int, at: float, now: float, estimated: int | None = None) -> None:
         """Another brain's request on a replica (shared state), booked as ``on_reserved`` books ours: one brain
         taking all the traffic would see it queue there, hold its KV and keep its session's context active. Its
         prefill started queueing when it was decided (``at``), not when the news arrived."""
         st = self.engine_state(res.replica.name, res.engine) or self.state_of(res.replica)
-        st.prefill_busy_until = max(at, st.prefill_busy_until) + prefill_s
-        st.pending.append((st.prefill_busy_until, prompt_tokens))
-        st.pending_tokens += prompt_tokens
-        st.work_s += res.work_s
+        st.book(at, prefill_s, prompt_tokens, res.work_s, estimated)
         self._work_delta += res.work_s
         self._flight_delta += 1
         res.prefill_s, res.prefill_end, res.pending_tokens = prefill_s, st.prefill_busy_until, prompt_tokens

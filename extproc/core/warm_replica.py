@@ -58,6 +58,17 @@ class WarmReplica:
     def kv_usage(self, r: Replica) -> float:
         return self.scraped.kv_usage if self.scraped is not None else r.kv_usage
 
+    def book(self, start: float, prefill_s: float, prompt_tokens: int, work_s: float, estimated: int | None) -> None:
+        """A request routed here, by this brain or another (shared state): its prefill queued behind those before
+        it, its KV pending, its work in flight; ``estimated``: its tokens as counted from its text (None: a size
+        from a header), which TokenScale compares with the engine's count of every brain's requests."""
+        self.prefill_busy_until = max(start, self.prefill_busy_until) + prefill_s
+        self.pending.append((self.prefill_busy_until, prompt_tokens))
+        self.pending_tokens += prompt_tokens
+        self.work_s += work_s
+        if estimated is not None:
+            self.scale.sent(estimated)
+
     def exact_cached(self, hashes, now: float) -> int:
         """The engine's cached tokens for a prompt of these block hashes: the longest run from its start that its
         events say it holds or that requests sent to it are about to compute."""

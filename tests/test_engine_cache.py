@@ -232,6 +232,37 @@ def test_an_exact_engine_is_priced_by_what_it_holds_in_its_own_tokens():
     assert d.replica.name == "r1" and d.cached_tokens == 1280 and d.prompt_tokens == 2000, d
 
 
+def test_a_prefix_sent_to_an_exact_engine_counts_there_until_its_events_can_have_come():
+    """Between a request's decision and the engine's BlockStored for it, a request with the same prefix would see
+    nothing held: the blocks sent count as held until the sent request's predicted prefill ends + PROMISE_SLACK_S,
+    then only the engine's word counts."""
+    from extproc.core import Router, RouterConfig, exact
+    from extproc.core.profile import RequestProfile
+    from extproc.core.warm import PROMISE_SLACK_S
+
+    router = Router(RouterConfig(), ["r0", "r1"], 0.0)
+    t = 0.0
+    while not all(r.state.value == "LIVE" for r in router.replicas):
+        for r in router.replicas:
+            router.on_scrape(r.name, True, t)
+        t += 3.0
+    other = tuple(range(9000, 9128))
+    for name in ("r0", "r1"):  # both engines exact, neither holding the prompt
+        ev = Stored((external(chain(other, 128, none_hash())[0]),), None, other, 128)
+        assert exact.apply_events(router.policy, name, 0, [ev], t, EngineCache)
+    tokens = list(range(2000))
+    hashes = tuple(external(d) for d in chain(tokens, 128, none_hash()))
+    prof = RequestProfile(tokens=1000, engine_tokens=2000, engine_hashes=(128, hashes))
+    first = router.select(prof, t)
+    assert first.cached_tokens == 0
+    st = router.policy.state_of(first.replica)
+    assert st.exact_cached(hashes, t + 0.1) == len(hashes) * 128  # promised, no event yet
+    due = st.promised[hashes[0]]
+    assert due == pytest.approx(first.reservation.prefill_end + PROMISE_SLACK_S)
+    router.release(first.reservation, t + 0.2)
+    assert st.exact_cached(hashes, due + 0.01) == 0  # no event came: the promise is gone
+
+
 def test_more_resident_blocks_than_any_cache_holds_means_removals_were_missed(monkeypatch):
     import extproc.core.engine_cache as ec
 

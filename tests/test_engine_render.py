@@ -50,3 +50,10 @@ def test_what_the_engine_adds_or_keeps_elsewhere_is_left_to_the_estimate():
     assert ct.tokens({"input": [{"type": "reasoning", "encrypted_content": "..."}]}, None, Api.RESPONSES) is None
     assert ct.tokens({"messages": [{"role": "user", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]},
                      None, Api.MESSAGES) is None  # a tool call without an id: vLLM names it by its clock
+    # a body of very many messages costs the event loop more than its bytes say: estimated past MAX_MESSAGES
+    from extproc.brain.engine_render import MAX_MESSAGES
+
+    many = [{"role": "user", "content": "x"}] * MAX_MESSAGES
+    assert ct.tokens({"messages": many}) is not None
+    assert ct.tokens({"messages": many + [{"role": "user", "content": "x"}]}) is None
+    assert ct.tokens({"input": many + [{"role": "user", "content": "x"}]}, None, Api.RESPONSES) is None

@@ -80,7 +80,7 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
                 async with http.post(url + "/reset_prefix_cache", **kw) as r:
-                    status, body = r.status, (await r.read())[:2000]
+                    status, body = r.status, await r.content.read(2000)  # vLLM's answer is a line: no more
         except (aiohttp.ClientError, TimeoutError) as e:
             return web.json_response({"replica": name, "reset": False, "error": f"{type(e).__name__}: {e}"[:200]},
                                      status=502)

@@ -17,6 +17,9 @@ from typing import Any
 from ..core.apis import Api
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
+# more messages (or Responses items) than this are estimated: rendering walks each one in Python and in the
+# template on the event loop, and a body of many tiny messages would cost far more than its bytes suggest
+MAX_MESSAGES = 4096
 BILLING_HEADER = "x-anthropic-billing-header"
 
 
@@ -27,6 +30,9 @@ class Unrenderable(ValueError):
 def chat_request(doc: dict, api: Api, merge_inline_system: bool = False) -> dict | None:
     """The chat completions request vLLM makes of ``doc`` (``messages``, ``tools``, ``chat_template_kwargs``,
     ``add_generation_prompt``, ``continue_final_message``), or None when this cannot say it exactly."""
+    items = doc.get("messages") if api is not Api.RESPONSES else doc.get("input")
+    if isinstance(items, list) and len(items) > MAX_MESSAGES:
+        return None
     try:
         if api is Api.CHAT:
             if not isinstance(doc.get("messages"), list):

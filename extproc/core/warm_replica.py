@@ -85,9 +85,12 @@ class WarmReplica:
         for h in hashes:
             if p.get(h, 0.0) < until:
                 p[h] = until
-        if len(p) > 4 * max(1, self.cache_tokens // (self.exact.block_size or 16)):  # bounded: the expired go
+        limit = 4 * max(1, self.cache_tokens // (self.exact.block_size or 16))
+        if len(p) > limit:  # bounded: the expired go, and if that is not enough, all (the safe error: no hit)
             for h in [h for h, t in p.items() if t <= now]:
                 del p[h]
+            if len(p) > limit:
+                p.clear()
 
     def cache_reset(self, now: float) -> None:
         """Nothing the engine held is a hit any more, whatever its events or the estimate said (an idle engine

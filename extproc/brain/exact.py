@@ -168,9 +168,17 @@ class Exact:
         got = exact.cached_on(pol, d.replica.name, count(d.replica.name), profile.engine_hashes)
         if got is None:
             return
-        best = max((exact.cached_on(pol, r.name, count(r.name), profile.engine_hashes) or 0) for r in self.router.replicas)
+        # only an engine that holds the first block the chosen one lacks can have held more: one look at each,
+        # a walk only there (walking every replica's run cost replicas x blocks on every request)
+        bs, hashes = profile.engine_hashes
+        best = got
+        if bs and got // bs < len(hashes):
+            beyond = hashes[got // bs]
+            for r in self.router.replicas:
+                if r is not d.replica and exact.holds(pol, r.name, count(r.name), bs, beyond):
+                    best = max(best, exact.cached_on(pol, r.name, count(r.name), profile.engine_hashes) or 0)
         self.stats.exact_achieved[d.replica.name] += got
-        self.stats.exact_reachable[d.replica.name] += max(best, got)
+        self.stats.exact_reachable[d.replica.name] += best
 
     def replica_view(self, name: str) -> dict:
         ranks = self.router.policy.engine_count(name) if hasattr(self.router.policy, "engine_count") else 1

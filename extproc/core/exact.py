@@ -63,3 +63,13 @@ def cached_on(policy, name: str, ranks: int, hashes: tuple[int, tuple[int, ...]]
             n = ex.cached_tokens(hashes[1])
             best = n if best is None else max(best, n)
     return best
+
+
+def holds(policy, name: str, ranks: int, block_size: int, h: int) -> bool:
+    """Whether any exact engine of replica ``name`` (of that block size) holds block ``h``."""
+    for rank in range(max(1, ranks)):
+        st = _state(policy, name, rank)
+        ex = st.exact if st is not None else None
+        if ex is not None and ex.exact and ex.block_size == block_size and ex.holds(h):
+            return True
+    return False

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: bench-flood bench-brains engines engines-freeze bench-real bench-apis bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
+.PHONY: k8s-tools bench-flood bench-brains engines engines-freeze bench-real bench-apis bench-serve fixtures-vllm bench-discovery bench-rates bench-fleet image install system-deps demo test test-unit docs bench bench-quick bench-agree bench-core bench-overhead envoy-files clean chaos fuzz soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,9 +14,16 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Debian packages the tests use: prometheus (promtool + server: the alert tests), dnsmasq (DNS discovery),
-# buildah + mmdebstrap (the image, built and run), kubernetes-client (kubectl kustomize: the manifests),
-# redis-server (several brains sharing state).
-SYSTEM_DEPS := redis-server:redis-server promtool:prometheus prometheus:prometheus dnsmasq:dnsmasq buildah:buildah mmdebstrap:mmdebstrap kubectl:kubernetes-client
+# buildah + mmdebstrap (the image, built and run), redis-server (several brains sharing state).
+SYSTEM_DEPS := redis-server:redis-server promtool:prometheus prometheus:prometheus dnsmasq:dnsmasq buildah:buildah mmdebstrap:mmdebstrap
+
+# helm and kubectl for the chart's tests (deploy/install-helm.py: pinned, checksums verified), in .tools/bin
+TOOLS_STAMP := .tools/bin/.stamp-helm-4.1.4
+$(TOOLS_STAMP): deploy/install-helm.py
+	$(PYTHON) deploy/install-helm.py --dir .tools/bin
+	touch $(TOOLS_STAMP)
+
+k8s-tools: $(TOOLS_STAMP)  ## helm 4.1.4 and kubectl 1.35.2 into .tools/bin (the chart's tests)
 system-deps:
 	@missing=$$(for d in $(SYSTEM_DEPS); do command -v $${d%%:*} >/dev/null || echo $${d##*:}; done | sort -u); \
 	if [ -n "$$missing" ]; then echo "installing Debian packages for the tests:" $$missing; \
@@ -75,7 +82,7 @@ demo: install
 # they keep what they need, the engine's install (~3 min with pip's cache, more cold) and the tests that start
 # no process (CPU-bound, timing-free, two at a time). Then the tests that start real engines (~4 min; four engines
 # start at once), while the no-process tests finish at their lower priority. ~14 min from a fresh clone.
-test: install system-deps
+test: install system-deps k8s-tools
 	@mkdir -p $(ENGINE_DIR); rm -f $(ENGINE_DIR)/install.rc $(ENGINE_DIR)/unit.rc $(ENGINE_DIR)/unit.log; \
 	( nice -n 10 $(MAKE) --no-print-directory engines > $(ENGINE_DIR)/install.log 2>&1; echo $$? > $(ENGINE_DIR)/install.rc ) & \
 	install=$$!; \
@@ -87,7 +94,7 @@ test: install system-deps
 	echo "--- no process: pytest -m 'not integration' ($(ENGINE_DIR)/unit.log)"; tail -30 $(ENGINE_DIR)/unit.log; \
 	[ "$$(cat $(ENGINE_DIR)/unit.rc)" = 0 ] || rc=1; exit $$rc
 
-test-unit: install  ## everything but the tests that start Envoy, brains and replicas, two at a time (~2 min on 2 cores)
+test-unit: install k8s-tools  ## everything but the tests that start Envoy, brains and replicas, two at a time (~2 min on 2 cores)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not integration"
 
 docs: install  ## regenerate docs/configuration.md from the config dataclasses, then check every document

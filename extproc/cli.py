@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 
 def _config_or_exit(path: str | None):
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = command("envoy-config")
     e.add_argument("--config", required=True)
     e.add_argument("--snippets", action="store_true", help="print the pieces for an existing Envoy instead")
+    e.add_argument("--out", default=None, help="write it to this file (an init container's shared volume) instead of "
+                   "printing it")
     e.add_argument("--mode", choices=("envoy", "endpoint-picker"), default=None,
                    help="envoy: the default shape; endpoint-picker: a Gateway API Inference Extension gateway's "
                    "shape, for a brain with brain.protocol: endpoint-picker (default: the config's brain.protocol)")
@@ -139,10 +142,14 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = _config_or_exit(args.config)
         try:
-            sys.stdout.write(dump(snippets(cfg) if args.snippets else bootstrap(cfg, args.mode)))
+            text = dump(snippets(cfg) if args.snippets else bootstrap(cfg, args.mode))
         except ConfigError as e:
             print(f"warmroute: config error: {e}", file=sys.stderr)
             return 2
+        if args.out is None:
+            sys.stdout.write(text)
+        else:
+            Path(args.out).write_text(text)
         return 0
     if args.cmd == "health":
         from .brain.healthcheck import check

@@ -59,7 +59,6 @@ SHIPPED = {
     "envoy/compose.warmroute.yaml": "envoy/compose.envoy.yaml",
     "envoy/compose.brains-0.warmroute.yaml": "envoy/compose.brains-0.envoy.yaml",
     "envoy/compose.brains-1.warmroute.yaml": "envoy/compose.brains-1.envoy.yaml",
-    "deploy/kubernetes/standalone/warmroute.yaml": "deploy/kubernetes/standalone/envoy-bootstrap.yaml",
 }
 SNIPPETS_FROM = "envoy/warmroute.yaml"
 SNIPPETS_DIR = "envoy/snippets"

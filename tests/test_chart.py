@@ -195,8 +195,12 @@ def test_the_standalone_shape_renders_envoys_bootstrap_from_the_brains_config(tm
         ca.write_text(Path("/etc/ssl/certs/ca-certificates.crt").read_text())
         text = text.replace("/etc/envoy/tls/ca.crt", str(ca)).replace("/run/warmroute/", f"{tmp_path}/")
         (tmp_path / "warmroute.yaml").write_text(text)
+        wr = str(ROOT / ".venv" / "bin" / "warmroute")
+        check = subprocess.run([wr, "check-config", str(tmp_path / "warmroute.yaml")], capture_output=True, text=True,
+                               timeout=60)
+        assert check.returncode == 0 and ": ok" in check.stdout, check.stdout + check.stderr
         boot = tmp_path / "envoy.yaml"
-        r = subprocess.run([str(ROOT / ".venv" / "bin" / "warmroute"), "envoy-config", "--config",
+        r = subprocess.run([wr, "envoy-config", "--config",
                             str(tmp_path / "warmroute.yaml"), "--mode", "endpoint-picker", "--out", str(boot)],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr

@@ -52,11 +52,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _the_charts_init_container_renders_envoys_bootstrap(tmp: Path) -> None:
+    """The Helm chart's standalone shape renders Envoy's bootstrap at pod start: its init container's command, run
+    from this image on the chart's own config, writes a bootstrap Envoy accepts."""
+    from tests.test_chart import MATRIX, render, the
+    from tests.test_envoy_config import envoy_binary
+
+    tmp.mkdir()
+    docs = render(MATRIX["standalone-defaults"], tmp)
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and "warmroute.yaml" in d["data"])
+    [init] = the(docs, "Deployment", "wr-warmroute-envoy")["spec"]["template"]["spec"]["initContainers"]
+    etc, out = tmp / "etc", tmp / "rendered"
+    for d in (etc, out):
+        d.mkdir()
+        d.chmod(0o777)  # the image's user writes there, as into the pod's emptyDir
+    (etc / "warmroute.yaml").write_text(cm["data"]["warmroute.yaml"])
+    (etc / "warmroute.yaml").chmod(0o644)
+    ctr = subprocess.run(["buildah", "from", TAG], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        r = subprocess.run(["buildah", "run", "--isolation", "chroot", "-v", f"{etc}:/etc/warmroute:ro",
+                            "-v", f"{out}:/etc/envoy/rendered", ctr, "--", *init["command"]],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["buildah", "rm", ctr], capture_output=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    text = (out / "envoy.yaml").read_text()
+    # the pod's paths on this host: the Secret's CA and the admin socket's emptyDir
+    ca = tmp / "ca.crt"
+    ca.write_text(Path("/etc/ssl/certs/ca-certificates.crt").read_text())
+    (tmp / "envoy.yaml").write_text(text.replace("/etc/envoy/tls/ca.crt", str(ca)).replace("/run/warmroute/", f"{tmp}/"))
+    v = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(tmp / "envoy.yaml"), "-l", "error"],
+                       capture_output=True, text=True, timeout=60)
+    assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
+
+
 def test_the_brain_started_from_the_image_runs_as_non_root_and_routes_a_request(image, tmp_path):
     conf = image["OCIv1"]["config"]
     assert conf["User"] == "10001:10001"
     assert conf["Entrypoint"][:2] == ["warmroute", "brain"]
     assert image["Docker"]["config"]["Healthcheck"]["Test"][:3] == ["CMD", "warmroute", "health"]
+    _the_charts_init_container_renders_envoys_bootstrap(tmp_path / "chart")
     grpc_port = free_port()
     cfg = {k: dict(v) for k, v in FAST.items()}
     cfg["brain"] = {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": grpc_port, "insecure": True,

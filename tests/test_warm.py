@@ -107,19 +107,49 @@ def test_C3_rates_are_learned_from_the_replica_s_counters_and_a_faster_replica_w
     assert d.predicted_ttft_s == pytest.approx(30_000 / st1.prefill_tokens_per_s, rel=0.05)
 
 
-def test_C3_an_idle_replica_is_priced_at_its_peers_rates_not_at_a_stale_number():
+def test_C3_an_idle_replica_keeps_its_speed_relative_to_the_fleet_not_its_stale_number():
+    """Issue 49: a replica 2.5x slower than its peers, idle for longer than rate_fresh_s, was priced at their mean
+    and took the long first turns that made a mixed fleet's tail. Idle, it keeps how it compared with them when it
+    was last measured, and follows the fleet's rates as they move (not its own absolute number: that was its
+    last load's)."""
+    from extproc.core.load import effective_rates
+
     router, t = warm_router(3)
     t = feed_rates(router, "r0", t, prefill_tps=6_000)
     t = feed_rates(router, "r1", t, prefill_tps=6_000)
-    t = feed_rates(router, "r2", t, prefill_tps=1_000)  # measured once under a bad spell, then idle
-    later = t + router.cfg.warm.rate_fresh_s + 10
+    t = feed_rates(router, "r2", t, prefill_tps=2_400)
+    rates = [router.policy.state_of(r).rates for r in router.replicas]
+    now = t
+    assert effective_rates(rates, now, router.cfg.warm.rate_fresh_s)[0][2] == pytest.approx(2_400, rel=0.02)
+    later = t + router.cfg.warm.rate_fresh_s + 10  # r2 idle since; its peers now measure faster (a lighter load)
     for name in ("r0", "r1"):
-        feed_rates(router, name, later - 6, prefill_tps=6_000)
+        feed_rates(router, name, later - 6, prefill_tps=9_000)
+    prefill, _ = effective_rates(rates, later, router.cfg.warm.rate_fresh_s)
+    assert prefill[0] > 7_500  # moving towards 9,000 (an EWMA)
+    rel = 2_400 / ((2 * 6_000 + 2_400) / 3)  # r2 against the fresh mean when it was last measured
+    assert prefill[2] == pytest.approx(rel * (prefill[0] + prefill[1]) / 2, rel=0.02)
+    assert prefill[2] <= 0.51 * prefill[0]  # not the peers' mean, as before
+
+
+def test_C3_a_replica_never_measured_is_priced_as_the_slowest_measured_one():
     from extproc.core.load import effective_rates
 
+    router, t = warm_router(3)
+    t = feed_rates(router, "r0", t, prefill_tps=6_000, decode_s=0.02)
+    t = feed_rates(router, "r1", t, prefill_tps=3_000, decode_s=0.05)
     rates = [router.policy.state_of(r).rates for r in router.replicas]
-    prefill, _ = effective_rates(rates, later, router.cfg.warm.rate_fresh_s)
-    assert prefill[2] == pytest.approx((prefill[0] + prefill[1]) / 2)
+    prefill, decode = effective_rates(rates, t, router.cfg.warm.rate_fresh_s)
+    assert prefill[2] == pytest.approx(min(prefill[:2])) and prefill[2] == pytest.approx(3_000, rel=0.02)
+    assert decode[2] == pytest.approx(max(decode[:2]))
+    # a long prompt goes where the speed is known, though the new replica's prior (5,000) said faster
+    d = turn(router, t, session="long", tokens=120_000, system="cold")
+    assert d.replica.name == "r0"
+
+
+def test_C3_the_first_measurement_replaces_the_configured_prior():
+    router, t = warm_router(1)
+    feed_rates(router, "r0", t, prefill_tps=1_500, windows=2)
+    assert router.policy.state_of(router.replicas[0]).rates.prefill_tokens_per_s == pytest.approx(1_500, rel=0.02)
 
 
 def test_C3_a_request_that_does_not_fit_beside_the_working_set_is_priced_as_uncached():

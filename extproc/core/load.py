@@ -76,7 +76,7 @@ class Rates:
     """
 
     __slots__ = ("prefill_tokens_per_s", "decode_s_per_token", "output_tokens", "_prev", "prefill_at", "decode_at",
-                 "_acc", "_ref", "paired", "min_prefill_s")
+                 "_acc", "_ref", "paired", "min_prefill_s", "prefill_rel", "decode_rel")
 
     def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float,
                  paired: bool = True, min_prefill_s: float = _MIN_PREFILL_S):
@@ -91,6 +91,9 @@ class Rates:
         self._acc = [0.0] * 7
         self.prefill_at = float("-inf")  # when the last sample of each rate was taken
         self.decode_at = float("-inf")
+        # each rate over its fresh peers' mean when it was last fresh: how this replica's hardware compares with the
+        # fleet's (effective_rates), which a stale rate keeps while the fleet's absolute rates move with the load
+        self.prefill_rel = self.decode_rel = 1.0
 
     def update(self, s: LoadSample, now: float) -> None:
         p = self._prev
@@ -131,7 +134,9 @@ class Rates:
         if acc[1] >= self.min_prefill_s and tokens > 0 and seconds > 0:
             ref = self._ref[0]
             sample = min(8 * ref, max(ref / 8, tokens / seconds))
-            self.prefill_tokens_per_s += _ALPHA * (sample - self.prefill_tokens_per_s)
+            # the first measurement replaces the configured prior (a guess for any hardware), later ones are averaged
+            a = 1.0 if self.prefill_at == float("-inf") else _ALPHA
+            self.prefill_tokens_per_s += a * (sample - self.prefill_tokens_per_s)
             self.prefill_at = now
             acc[0] = acc[1] = acc[5] = acc[6] = 0.0
 
@@ -160,10 +165,11 @@ class Rates:
         if acc[2] >= _MIN_DECODE_TOKENS and acc[3] > 0:
             ref = self._ref[1]
             sample = min(8 * ref, max(ref / 8, acc[3] / acc[2]))
-            self.decode_s_per_token += _ALPHA * (sample - self.decode_s_per_token)
+            a = 1.0 if self.decode_at == float("-inf") else _ALPHA
+            self.decode_s_per_token += a * (sample - self.decode_s_per_token)
             self.decode_at = now
             if acc[4] > 0:
-                self.output_tokens += _ALPHA * (generated / acc[4] - self.output_tokens)
+                self.output_tokens += a * (generated / acc[4] - self.output_tokens)
             acc[2] = acc[3] = acc[4] = 0.0
 
 
@@ -234,15 +240,37 @@ def _both(s: LoadSample, p: LoadSample, a: str, b: str) -> bool:
 def effective_rates(rates: list[Rates], now: float, fresh_s: float) -> tuple[list[float], list[float]]:
     """(prefill tokens/s, decode s/token) to price each replica with.
 
-    A replica's own rate counts while it is fresh (sampled within ``fresh_s``); a replica without a
-    fresh sample (new, or idle since) is assumed to do what its fresh peers do. Otherwise an idle
-    replica keeps whatever it measured under its last load forever, and a bad number never gets the
-    traffic that would correct it.
+    A replica's own rate counts while it is fresh (sampled within ``fresh_s``). One never measured is
+    priced as the slowest of its fresh peers: nothing says its hardware is theirs, and a long prompt sent
+    to a replica 2.5x slower than predicted waits 2.5x as long (the error is only in one direction worth
+    guarding). One without a fresh sample (idle since) is priced at its fresh peers' mean times how it
+    compared with them when it was last fresh (``Rates.prefill_rel``): its absolute number was
+    measured under its last load and would otherwise hold forever (a bad number never gets the traffic
+    that would correct it), but its speed relative to the fleet is its hardware's, which idling does not
+    change. Priced at the peers' mean alone, a replica 2.5x slower than the rest looked as fast as them
+    whenever it had been idle a minute, and took the long first turns that made the fleet's tail
+    (docs/routing.md "Mixed speeds").
     """
     since = now - fresh_s
     p = [r.prefill_tokens_per_s for r in rates if r.prefill_at >= since]
     d = [r.decode_s_per_token for r in rates if r.decode_at >= since]
     fp = sum(p) / len(p) if p else None
     fd = sum(d) / len(d) if d else None
-    return ([r.prefill_tokens_per_s if r.prefill_at >= since or fp is None else fp for r in rates],
-            [r.decode_s_per_token if r.decode_at >= since or fd is None else fd for r in rates])
+    prefill, decode = [], []
+    never = float("-inf")
+    for r in rates:
+        if fp is None:
+            prefill.append(r.prefill_tokens_per_s)
+        elif r.prefill_at >= since:
+            r.prefill_rel = r.prefill_tokens_per_s / fp
+            prefill.append(r.prefill_tokens_per_s)
+        else:
+            prefill.append(min(p) if r.prefill_at == never else fp * r.prefill_rel)
+        if fd is None:
+            decode.append(r.decode_s_per_token)
+        elif r.decode_at >= since:
+            r.decode_rel = r.decode_s_per_token / fd
+            decode.append(r.decode_s_per_token)
+        else:
+            decode.append(max(d) if r.decode_at == never else fd * r.decode_rel)
+    return prefill, decode

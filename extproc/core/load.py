@@ -252,25 +252,21 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float) -> tuple[lis
     (docs/routing.md "Mixed speeds").
     """
     since = now - fresh_s
-    p = [r.prefill_tokens_per_s for r in rates if r.prefill_at >= since]
-    d = [r.decode_s_per_token for r in rates if r.decode_at >= since]
-    fp = sum(p) / len(p) if p else None
-    fd = sum(d) / len(d) if d else None
-    prefill, decode = [], []
-    never = float("-inf")
+    return (_priced(rates, since, "prefill_tokens_per_s", "prefill_at", "prefill_rel", min),
+            _priced(rates, since, "decode_s_per_token", "decode_at", "decode_rel", max))
+
+
+def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slowest) -> list[float]:
+    """One rate of each replica as effective_rates prices it (``slowest``: min for a speed, max for a time)."""
+    fresh = [getattr(r, value) for r in rates if getattr(r, at) >= since]
+    if not fresh:
+        return [getattr(r, value) for r in rates]
+    mean = sum(fresh) / len(fresh)
+    out = []
     for r in rates:
-        if fp is None:
-            prefill.append(r.prefill_tokens_per_s)
-        elif r.prefill_at >= since:
-            r.prefill_rel = r.prefill_tokens_per_s / fp
-            prefill.append(r.prefill_tokens_per_s)
+        if getattr(r, at) >= since:
+            setattr(r, rel, getattr(r, value) / mean)
+            out.append(getattr(r, value))
         else:
-            prefill.append(min(p) if r.prefill_at == never else fp * r.prefill_rel)
-        if fd is None:
-            decode.append(r.decode_s_per_token)
-        elif r.decode_at >= since:
-            r.decode_rel = r.decode_s_per_token / fd
-            decode.append(r.decode_s_per_token)
-        else:
-            decode.append(max(d) if r.decode_at == never else fd * r.decode_rel)
-    return prefill, decode
+            out.append(slowest(fresh) if getattr(r, at) == float("-inf") else mean * getattr(r, rel))
+    return out

@@ -312,19 +312,23 @@ class Running:
         self.stack.stop()
 
 
-def start(contender: str, n: int, mock_args: list[str], speedup: float) -> Running:
-    """A fresh fleet of ``n`` mock replicas and ``contender`` in front of it, answering."""
+def start(contender: str, n: int, mock_args: list[str], speedup: float,
+          replica_args: dict[str, list[str]] | None = None) -> Running:
+    """A fresh fleet of ``n`` mock replicas and ``contender`` in front of it, answering; ``replica_args``: more
+    mock-vllm arguments of replica ``r{i}`` (a mixed fleet's ``--speed``)."""
+    replica_args = replica_args or {}
     if contender in WARMROUTE:
         config = scaled_warmroute_config(speedup)
         for section, values in WARMROUTE[contender].items():
             config.setdefault(section, {}).update(values)
         s = Stack(n, config=config, mock_args=mock_args)
+        s.replica_args = dict(replica_args)
         s.start()
         s.wait_all_live(60)
         return Running(s.url, s)
     s = Stack(0, mock_args=mock_args)
     try:
-        s.replicas = [s.start_replica(f"r{i}") for i in range(n)]
+        s.replicas = [s.start_replica(f"r{i}", extra=[*mock_args, *replica_args.get(f"r{i}", [])]) for i in range(n)]
         url, proc = start_peer(contender, [r.url for r in s.replicas], s.dir, speedup)
         run = Running(url, s, [proc])
         wait_answering(url, "mock-coder-30b", contender, proc, 60)

@@ -147,8 +147,13 @@ def measure(contender: str, scenario: str, args, speedup: float | None = None) -
     if getattr(args, "data_parallel", 1) > 1:  # the same engines, args.data_parallel behind each replica's front end
         mock_args += ["--data-parallel", str(args.data_parallel)]
         replicas = max(1, args.replicas // args.data_parallel)
+    speeds = getattr(args, "replica_speeds", None)
+    replica_args = {}
+    if speeds:  # a mixed fleet (issue 49): replica i prefills and decodes at speeds[i] times the engine's speed
+        replicas = len(speeds)
+        replica_args = {f"r{i}": ["--speed", str(x)] for i, x in enumerate(speeds)}
     try:
-        run = start(contender, replicas, mock_args, sp)
+        run = start(contender, replicas, mock_args, sp, replica_args)
     except Exception as e:  # a contender that cannot start is a row that says why (missing binary, no answer)
         return Row(contender, scenario, note=f"did not start: {e}"[:160])
     urls = [r.url for r in run.stack.replicas]
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run that measured the machine (its client or the path lagging: bench_harness.pace_check) "
                          "is run again at half the pace, down to this; below it the row is refused")
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--replica-speeds", type=lambda v: [float(x) for x in v.split(",")], default=None,
+                    help="a mixed fleet: each replica's speed, e.g. 1,1,0.7,0.7,0.4,0.4 (overrides --replicas)")
     ap.add_argument("--data-parallel", type=int, default=1, help="engines behind each mock's front end (vLLM "
                     "--data-parallel-size): --replicas // this many replicas, as many engines in all")
     ap.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)

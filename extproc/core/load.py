@@ -76,7 +76,8 @@ class Rates:
     """
 
     __slots__ = ("prefill_tokens_per_s", "decode_s_per_token", "output_tokens", "_prev", "prefill_at", "decode_at",
-                 "_acc", "_ref", "paired", "min_prefill_s", "prefill_rel", "decode_rel")
+                 "_acc", "_ref", "paired", "min_prefill_s", "prefill_rel", "decode_rel", "prefill_rel_at",
+                 "decode_rel_at")
 
     def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float,
                  paired: bool = True, min_prefill_s: float = _MIN_PREFILL_S):
@@ -91,9 +92,11 @@ class Rates:
         self._acc = [0.0] * 7
         self.prefill_at = float("-inf")  # when the last sample of each rate was taken
         self.decode_at = float("-inf")
-        # each rate over its fresh peers' mean when it was last fresh: how this replica's hardware compares with the
-        # fleet's (effective_rates), which a stale rate keeps while the fleet's absolute rates move with the load
+        # each rate against the fleet's when it was measured: how this replica's hardware compares with the others'
+        # (effective_rates), which a stale rate keeps while the fleet's absolute rates move with the load; and the
+        # sample it was taken from
         self.prefill_rel = self.decode_rel = 1.0
+        self.prefill_rel_at = self.decode_rel_at = float("-inf")
 
     def update(self, s: LoadSample, now: float) -> None:
         p = self._prev
@@ -131,7 +134,10 @@ class Rates:
                 tokens, seconds = acc[0] / acc[5], acc[1] / acc[6]
         else:
             return
-        if acc[1] >= self.min_prefill_s and tokens > 0 and seconds > 0:
+        # the first sample replaces a guess (the configured prior), so a fifth of the evidence will do: a replica
+        # that gets little traffic (a slow one) would otherwise be priced at the guess for many minutes
+        need = self.min_prefill_s if self.prefill_at != float("-inf") else self.min_prefill_s / 5
+        if acc[1] >= need and tokens > 0 and seconds > 0:
             ref = self._ref[0]
             sample = min(8 * ref, max(ref / 8, tokens / seconds))
             # the first measurement replaces the configured prior (a guess for any hardware), later ones are averaged
@@ -162,7 +168,8 @@ class Rates:
             generated = acc[2]
         else:
             return
-        if acc[2] >= _MIN_DECODE_TOKENS and acc[3] > 0:
+        need = _MIN_DECODE_TOKENS if self.decode_at != float("-inf") else _MIN_DECODE_TOKENS / 5
+        if acc[2] >= need and acc[3] > 0:
             ref = self._ref[1]
             sample = min(8 * ref, max(ref / 8, acc[3] / acc[2]))
             a = 1.0 if self.decode_at == float("-inf") else _ALPHA
@@ -241,10 +248,10 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float) -> tuple[lis
     """(prefill tokens/s, decode s/token) to price each replica with.
 
     A replica's own rate counts while it is fresh (sampled within ``fresh_s``). One never measured is
-    priced as the slowest of its fresh peers: nothing says its hardware is theirs, and a long prompt sent
+    priced as the slowest measured one: nothing says its hardware is theirs, and a long prompt sent
     to a replica 2.5x slower than predicted waits 2.5x as long (the error is only in one direction worth
-    guarding). One without a fresh sample (idle since) is priced at its fresh peers' mean times how it
-    compared with them when it was last fresh (``Rates.prefill_rel``): its absolute number was
+    guarding). One without a fresh sample (idle since) is priced at the fleet's level now times how it
+    compared with the others when it was last measured (``Rates.prefill_rel``): its absolute number was
     measured under its last load and would otherwise hold forever (a bad number never gets the traffic
     that would correct it), but its speed relative to the fleet is its hardware's, which idling does not
     change. Priced at the peers' mean alone, a replica 2.5x slower than the rest looked as fast as them
@@ -257,16 +264,24 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float) -> tuple[lis
 
 
 def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slowest) -> list[float]:
-    """One rate of each replica as effective_rates prices it (``slowest``: min for a speed, max for a time)."""
-    fresh = [getattr(r, value) for r in rates if getattr(r, at) >= since]
+    """One rate of each replica as effective_rates prices it (``slowest``: min for a speed, max for a time).
+
+    A rate is its replica's hardware factor (``rel``) times a level all replicas share (the load they run at):
+    the level now is the fresh replicas' mean of rate / factor, and a replica's factor is set when it takes a new
+    sample, against the level then (a mean of raw rates would shift with which replicas happen to be fresh: the
+    slow ones alone made every factor 1)."""
+    rel_at = rel + "_at"
+    fresh = [r for r in rates if getattr(r, at) >= since]
     if not fresh:
         return [getattr(r, value) for r in rates]
-    mean = sum(fresh) / len(fresh)
-    out = []
-    for r in rates:
-        if getattr(r, at) >= since:
-            setattr(r, rel, getattr(r, value) / mean)
-            out.append(getattr(r, value))
-        else:
-            out.append(slowest(fresh) if getattr(r, at) == float("-inf") else mean * getattr(r, rel))
-    return out
+    level = sum(getattr(r, value) / getattr(r, rel) for r in fresh) / len(fresh)
+    for r in fresh:  # new samples, each against the level before any of them moved it (order-free)
+        if getattr(r, rel_at) != getattr(r, at):
+            setattr(r, rel, getattr(r, value) / level)
+            setattr(r, rel_at, getattr(r, at))
+    level = sum(getattr(r, value) / getattr(r, rel) for r in fresh) / len(fresh)
+    never = float("-inf")
+    out = [getattr(r, value) if getattr(r, at) >= since else None if getattr(r, at) == never
+           else level * getattr(r, rel) for r in rates]
+    known = slowest(x for x in out if x is not None)
+    return [known if x is None else x for x in out]

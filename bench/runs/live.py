@@ -250,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                "counts from its first attempt.\n\n" + flow)
     files = plots(rows, out)
     cpu = os.cpu_count()
+    speeds = getattr(args, "replica_speeds", None)
+    fleet = f"{len(speeds)} (speeds {','.join(f'{x:g}' for x in speeds)})" if speeds else str(args.replicas)
     header = (f"# warmroute benchmark\n\nCommand: `{invocation(argv)}`\n\n"
-              f"Machine: {cpu} cores, loopback only. Each contender got a fresh fleet of {args.replicas} mock vLLM replicas "
+              f"Machine: {cpu} cores, loopback only. Each contender got a fresh fleet of {fleet} mock vLLM replicas "
               f"(engine model, same seed), the same workload ({args.minutes:g} workload minutes, {args.sessions_per_min:g} agent "
               f"sessions/min over {args.projects} projects, {args.oneshots_per_min:g} one-shots/min, seed {args.seed}) run "
               f"faster than real time (the pace column; the plain workload at {args.speedup:g}x, the faults at "

@@ -12,7 +12,7 @@ import typing
 
 from ..core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
 from ..core.policy import POLICIES
-from .load import _ROUTING_FIELDS, VLLM_HASH_ALGOS
+from .load import ROUTING_FIELDS, VLLM_HASH_ALGOS
 from .schema import (DISCOVERY_SOURCES, ENGINES, PROTOCOLS, BrainConfig, DiscoveryConfig, EnvoyConfig,
                      ExactCacheConfig, FlowControlConfig, ReplicaSpec, SharedStateConfig)
 
@@ -76,7 +76,7 @@ def config_schema() -> dict:
     alias = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": target}]}
     props = {
         "replicas": {"type": "array", "items": replica},
-        "routing": _section("routing", RouterConfig, only=_ROUTING_FIELDS),
+        "routing": _section("routing", RouterConfig, only=ROUTING_FIELDS),
         "health": _section("health", HealthConfig),
         "warm": _section("warm", WarmConfig),
         "pins": _section("pins", PinConfig),

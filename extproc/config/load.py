@@ -73,7 +73,7 @@ _SECTIONS = {"health": HealthConfig, "pins": PinConfig, "profile": ProfileConfig
 
 
 # RouterConfig's own scalar fields live under "routing:".
-_ROUTING_FIELDS = {f.name for f in dataclasses.fields(RouterConfig)} - set(_SECTIONS)
+ROUTING_FIELDS = {f.name for f in dataclasses.fields(RouterConfig)} - set(_SECTIONS)
 
 
 def _coerce(path: str, value: Any, tp: Any) -> Any:
@@ -225,7 +225,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     kwargs: dict[str, Any] = {}
     for section, cls in _SECTIONS.items():
         kwargs[section] = cls(**_fill(section, cls, doc.get(section)))
-    kwargs.update(_fill("routing", RouterConfig, doc.get("routing"), _ROUTING_FIELDS))
+    kwargs.update(_fill("routing", RouterConfig, doc.get("routing"), ROUTING_FIELDS))
     router = RouterConfig(**kwargs)
     if router.token_weight_unit < 1:
         raise ConfigError("routing.token_weight_unit: expected a whole number >= 1")

@@ -649,9 +649,11 @@ def test_a_replica_killed_mid_load_is_ejected_costs_only_its_streams_and_earns_i
     # costs its own streams, not the fleet's" while that window is understood
     assert len(unanswered) <= 1
     wait_for(lambda: fleet.replica_state(name)["state"] == "EJECTED", 20, f"{name} EJECTED")
-    # its KV event stream went with it: that replica's cache view is forgotten, not kept as if still true
+    # its KV event stream went with it: that replica's cache view is forgotten, not kept as if still true (r1's
+    # events never verified, another seed: it stays estimated for that reason, which outranks a lost stream)
     cache = lambda: fleet.replica_state(name)["cache"]  # noqa: E731
-    wait_for(lambda: cache()["mode"] == "estimated" and "unreachable" in cache()["reason"], 30, f"{name}'s events lost")
+    why = "unreachable" if name == "r0" else "mismatch"
+    wait_for(lambda: cache()["mode"] == "estimated" and why in cache()["reason"], 30, f"{name}'s events lost")
     print(f"{name}'s cache after the kill: {cache()['reason']}")
     assert asyncio.run(_burst(fleet.url, 6, 3, random.Random(12))) == [200] * 6
     fleet.restart_replica(name)

@@ -214,15 +214,12 @@ def test_achieved_and_reachable_cached_tokens_are_counted_per_replica():
 def test_an_exact_engine_is_priced_by_what_it_holds_in_its_own_tokens():
     """The warm policy's price: on an exact engine the prompt is the engine's tokens and its cached part the
     engine's own word; the other replica, without events, is priced by the estimate as before."""
-    from extproc.core import Router, RouterConfig, exact
+    from extproc.core import RouterConfig, exact
+
+    from .helpers import live_router
     from extproc.core.profile import RequestProfile
 
-    router = Router(RouterConfig(), ["r0", "r1"], 0.0)
-    t = 0.0
-    while not all(r.state.value == "LIVE" for r in router.replicas):
-        for r in router.replicas:
-            router.on_scrape(r.name, True, t)
-        t += 3.0
+    router, t = live_router(2, RouterConfig())
     tokens = list(range(2000))
     digests = chain(tokens, 128, none_hash())  # 15 full blocks
     held = Stored(tuple(external(d) for d in digests[:10]), None, tuple(tokens[:1280]), 128)
@@ -236,16 +233,13 @@ def test_a_prefix_sent_to_an_exact_engine_counts_there_until_its_events_can_have
     """Between a request's decision and the engine's BlockStored for it, a request with the same prefix would see
     nothing held: the blocks sent count as held until the sent request's predicted prefill ends + PROMISE_SLACK_S,
     then only the engine's word counts."""
-    from extproc.core import Router, RouterConfig, exact
+    from extproc.core import RouterConfig, exact
+
+    from .helpers import live_router
     from extproc.core.profile import RequestProfile
     from extproc.core.warm import PROMISE_SLACK_S
 
-    router = Router(RouterConfig(), ["r0", "r1"], 0.0)
-    t = 0.0
-    while not all(r.state.value == "LIVE" for r in router.replicas):
-        for r in router.replicas:
-            router.on_scrape(r.name, True, t)
-        t += 3.0
+    router, t = live_router(2, RouterConfig())
     other = tuple(range(9000, 9128))
     for name in ("r0", "r1"):  # both engines exact, neither holding the prompt
         ev = Stored((external(chain(other, 128, none_hash())[0]),), None, other, 128)

@@ -145,6 +145,36 @@ def test_C3_a_replica_never_measured_is_priced_as_the_slowest_measured_one():
     assert d.replica.name == "r0"
 
 
+def test_C3_a_first_sample_needs_a_fifth_of_the_evidence_a_later_one_all_of_it():
+    """1 s of prefill (100 generated tokens) for the first sample, which replaces the default; 5 s (500) for each
+    later one, which is averaged in."""
+    from extproc.core.load import Rates
+
+    r = Rates(5_000, 0.03, 256)
+    prompt = pre_s = gen = dec_s = 0.0
+    t = 0.0
+
+    def step(seconds: float, tps: float, tokens: float, s_per_token: float) -> None:
+        nonlocal prompt, pre_s, gen, dec_s, t
+        prompt += seconds * tps
+        pre_s += seconds
+        gen += tokens
+        dec_s += tokens * s_per_token
+        t += 1
+        r.update(LoadSample(0, 0, 0.0, prompt, 0.0, pre_s, gen, dec_s, 0, 300_000), t)
+
+    step(0, 0, 0, 0)
+    step(0.5, 2_000, 50, 0.05)
+    assert r.prefill_tokens_per_s == 5_000 and r.decode_s_per_token == 0.03  # half the evidence: still the default
+    step(0.5, 2_000, 50, 0.05)
+    assert r.prefill_tokens_per_s == pytest.approx(2_000) and r.decode_s_per_token == pytest.approx(0.05)
+    for _ in range(4):
+        step(1.0, 1_000, 100, 0.1)
+    assert r.prefill_tokens_per_s == pytest.approx(2_000) and r.decode_s_per_token == pytest.approx(0.05)
+    step(1.0, 1_000, 100, 0.1)  # 5 s and 500 tokens since the first sample: averaged in, not replacing it
+    assert 1_000 < r.prefill_tokens_per_s < 2_000 and 0.05 < r.decode_s_per_token < 0.1
+
+
 def test_C3_the_first_measurement_replaces_the_configured_prior():
     router, t = warm_router(1)
     feed_rates(router, "r0", t, prefill_tps=1_500, windows=2)

@@ -130,3 +130,50 @@ def test_a_turn_too_long_for_the_request_path_is_tokenized_by_a_worker_and_the_n
         assert ct.encoded_tokens - before < 30  # its new text alone
     finally:
         b.exact.close()
+
+
+def test_at_most_max_jobs_long_prompts_wait_for_the_worker_one_per_session():
+    """Each job holds a session's whole text until the worker answers: at most MAX_JOBS at once and one per session;
+    past them the request is estimated and nothing is queued; a job's end frees its place."""
+    from concurrent.futures import Future
+
+    from extproc.brain.brain import Brain
+    from extproc.brain.exact import MAX_JOBS
+    from extproc.config import parse_config
+    from extproc.core.apis import Api
+    from extproc.core.profile import RequestProfile
+
+    class Pool:  # the worker process, held: its jobs end when the test says
+        def __init__(self):
+            self.jobs = []
+
+        def submit(self, fn, *args):
+            f = Future()
+            self.jobs.append(f)
+            return f
+
+        def shutdown(self, **kw):
+            pass
+
+    b = Brain(parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}],
+                            "exact_cache": {"tokenizers": {"m": str(FIX / "tiny-llama-tokenizer")},
+                                            "inline_chars": 1000}}))
+    pool = b.exact._pool = Pool()
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "long text. " * 500}]}).encode()
+
+    def price(session: bytes):
+        return b.exact.price(RequestProfile(session_key=session, api=Api.CHAT, tokens=1500), body, "m")
+
+    try:
+        assert MAX_JOBS == 4  # docs/routing.md's number: each job holds a whole conversation's text
+        price(b"s0")
+        price(b"s0")  # already waiting: no second job for it, though places are free
+        assert len(pool.jobs) == 1
+        for i in range(MAX_JOBS + 2):
+            assert price(f"s{i}".encode()).engine_tokens == 0
+        assert len(pool.jobs) == MAX_JOBS and b.exact.view()["waiting_for_worker"] == MAX_JOBS
+        pool.jobs[0].set_exception(RuntimeError("the worker died"))
+        price(f"s{MAX_JOBS}".encode())  # its place is free again: the next long prompt gets it
+        assert len(pool.jobs) == MAX_JOBS + 1 and b.exact.view()["waiting_for_worker"] == MAX_JOBS
+    finally:
+        b.exact.close()

@@ -210,3 +210,42 @@ def test_sglang_gauges_that_stood_still_with_no_work_counted_read_as_idle():
     assert (idle.running, idle.waiting, idle.sample.running) == (0, 0, 0)
     vllm = parse_vllm_metrics(text(running="3"))  # vLLM's gauges move every step: never second-guessed
     assert sc.unstale("v", vllm, 0.0).running == 3 and sc.unstale("v", vllm, 100.0).running == 3
+
+
+def test_a_replicas_kv_event_sources_are_read_bounded_and_anything_else_is_none():
+    """GET /kv_event_sources: a mapping is the list; a 4xx, a non-mapping, unreadable JSON or JSON nested past the
+    parser's stack is "none" (read: not asked again until the replica restarts); a 5xx is asked again; past
+    health.max_metrics_bytes it is not read whole."""
+    import asyncio
+    import json
+
+    from aiohttp import ClientSession, web
+
+    from extproc.brain.scraper import Scraper
+
+    async def scenario(status: int, text: str) -> tuple[bool, dict | None]:
+        async def handle(request):
+            return web.Response(status=status, text=text)
+
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with ClientSession() as session:
+                return await Scraper(None, None, lambda: 0.0, 1.0, max_bytes=64 * 1024).fetch_kv_sources(
+                    session, "r0", url, 2.0)
+        finally:
+            await runner.cleanup()
+
+    listed = {"0": {"endpoint": "tcp://*:5557"}}
+    assert asyncio.run(scenario(200, json.dumps(listed))) == (True, listed)
+    assert asyncio.run(scenario(404, "")) == (True, None)
+    assert asyncio.run(scenario(503, "")) == (False, None)
+    assert asyncio.run(scenario(200, "[1, 2]")) == (True, None)
+    assert asyncio.run(scenario(200, "{not json")) == (True, None)
+    assert asyncio.run(scenario(200, "[" * 10_000 + "]" * 10_000)) == (True, None)  # deeper than the stack
+    assert asyncio.run(scenario(200, json.dumps({"0": "x" * 100_000}))) == (False, None)  # past max_bytes

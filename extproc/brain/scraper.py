@@ -249,7 +249,7 @@ class Scraper:
         if isinstance(got, str):
             try:
                 listed = json.loads(got)
-            except ValueError:
+            except (ValueError, RecursionError):  # a page nested past Python's stack is no list of sources
                 return True, None
             return True, listed if isinstance(listed, dict) else None
         return got.error.startswith("HTTP 4"), None

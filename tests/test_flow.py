@@ -732,6 +732,22 @@ def test_a_flood_of_new_sessions_waits_in_the_router_not_in_the_engines_ahead_of
     assert first.replica is not None
 
 
+def test_new_sessions_are_not_held_for_queues_shorter_than_a_busy_fleet_s():
+    """Issue 46: on three real vLLMs a tenth of a second of queue came and went on every replica, and a new session
+    (its system prompt cached: 0.04 s of prefill) was held until no replica had one: 0.6 s, the run's p99. The
+    flood rule holds only while every replica with sessions under way waits at least warm.busy_wait_s (the cost
+    model's mark of no idle capacity); beyond that, as before (the flood test above)."""
+    router, t = _flood_router(under_way=True)
+    rate = router.policy.state_of(router.replicas[0]).rates.prefill_tokens_per_s
+    # a queue of 0.5 s on each replica (below busy_wait_s = 1 s), then new sessions of 0.1 s of prefill each
+    for i, name in enumerate(("r0", "r1")):
+        router.select(prof(tokens=int(0.5 * rate), blocks=chain(f"q{i}", None, int(0.5 * rate))), t, only=[name])
+    placed = [router.select(prof(session=f"s{k}", tokens=int(0.1 * rate), blocks=chain(f"s{k}", f"s{k}", int(0.1 * rate))),
+                            t + 0.001 * k, hold_key=f"s{k}") for k in range(4)]
+    assert not any(d.reason is Reason.HELD for d in placed)
+    assert all(d.replica is not None for d in placed)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["push", "pop", "remove", "charge"]), st.integers(0, 5),
                           st.integers(0, 2), st.integers(1, 500)), max_size=80))
@@ -847,3 +863,35 @@ def test_sessions_that_never_come_back_stop_filling_the_working_set_flow_control
     again = turn("new0", 51_000, now + 1)
     assert again.replica is placed[0].replica and st.active_tokens >= before + 51_000 - int(50_000 * pol.sessions.return_share) - 1
     assert pol.sessions.return_share > 0.0
+
+
+def test_sessions_that_ended_leave_the_working_set_once_quiet_for_longer_than_the_fleet_s_sessions_pause():
+    """Issue 46: chat sessions of ten turns two seconds apart that end held their replicas' working set for
+    warm.active_session_s (60 s) after their last turn, and flow control held new sessions for room nobody would
+    use (on three real vLLMs a new session waited up to 37 s; ring hash served it in 0.2 s). A quiet session now
+    leaves after twice the p99 of the gaps between turns the fleet's sessions showed (at least 5 s), never later
+    than warm.active_session_s: sessions that pause for long keep the configured horizon."""
+    from extproc.core.config import WarmConfig
+
+    def active_after(gap: float, quiet: float) -> tuple[int, float]:
+        router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=60)))
+        router.flow = FlowControl()
+        pol = router.policy
+        at = t
+        for turn in range(9):  # 8 sessions x 8 gaps: the 64 gaps a horizon is learned from
+            for k in range(8):
+                d = router.select(prof(session=f"s{k}", tokens=20_000 + 100 * turn,
+                                       blocks=chain(f"s{k}", f"s{k}", 20_000 + 100 * turn)), at + 0.01 * k)
+                router.release(d.reservation, at + 0.01 * k + 0.1)
+            at += gap
+        last = at - gap
+        d = router.select(prof(tokens=100, blocks=chain("x", "x", 100)), last + quiet)  # a one-shot: expires
+        router.release(d.reservation, last + quiet + 0.1)
+        return sum(pol.state_of(r).active_tokens for r in router.replicas), pol.sessions.horizon(60)
+
+    active, horizon = active_after(2.0, 10.0)
+    assert horizon == 5.0 and active == 0  # quiet for 10 s where sessions pause 2 s: gone
+    active, horizon = active_after(2.0, 3.0)
+    assert active > 8 * 20_000  # quiet for less than the horizon: still under way
+    active, horizon = active_after(40.0, 10.0)
+    assert horizon == 60 and active > 8 * 20_000  # sessions that pause 40 s keep the configured minute

@@ -113,3 +113,64 @@ def test_the_token_scale_is_the_engine_s_tokens_per_estimated_token_over_the_las
     assert s.value == pytest.approx(0.8, rel=0.02)
     s.update(LoadSample(prompt_tokens=0, prompt_requests=0))  # restarted: the counters begin again, the scale holds
     assert s.value == pytest.approx(0.8, rel=0.02)
+
+
+def _batched(phases: list[tuple[int, float]], p0: float, kp: float, d0: float, kd: float, out: int = 20,
+             per_scrape: int = 2, rates: Rates | None = None) -> Rates:
+    """An engine whose speeds follow its batch, as a vLLM step's time does: each (batch, seconds) phase runs
+    ``batch`` requests at once, and every finished request took p0 x (1 + kp x batch) seconds a prefill token and
+    d0 x (1 + kd x batch) a decode token. ``per_scrape`` requests finish between two scrapes (0.5 s)."""
+    r = rates or Rates(5000.0, 0.03, 256.0)
+    done = computed = prefill_s = generated = decode_s = 0.0
+    t = 0.0
+    for batch, seconds in phases:
+        end = t + seconds
+        while t < end:
+            done += per_scrape
+            computed += per_scrape * COMPUTED
+            prefill_s += per_scrape * COMPUTED * p0 * (1 + kp * batch)
+            generated += per_scrape * (out + 1)
+            decode_s += per_scrape * out * d0 * (1 + kd * batch)
+            r.update(LoadSample(running=batch, prompt_tokens=computed, prompt_requests=done, computed_at_finish=computed,
+                                prefill_seconds=prefill_s, prefill_done=done, generated_at_finish=generated,
+                                decode_seconds=decode_s, decode_done=done, requests_done=done), t)
+            t += 0.5
+    return r
+
+
+PHASES = [(1, 30.0), (6, 30.0), (2, 30.0), (8, 30.0), (3, 30.0)]
+
+
+def test_C3_rates_follow_the_batch_the_engine_runs():
+    """A replica whose step time grows with its batch (as vLLM's does: a step schedules every running request) is
+    priced at the batch it runs: within 5% at one request and at eight, where one rate for all batches is off by
+    more than 15% at one end or the other."""
+    p0, kp, d0, kd = 1 / 20_000, 0.05, 0.002, 0.15
+    line = _batched(PHASES, p0, kp, d0, kd)
+    one = _batched(PHASES, p0, kp, d0, kd, rates=Rates(5000.0, 0.03, 256.0, batch=False))
+    for b in (1, 8):
+        prefill, decode = line.at_batch(b)
+        assert prefill == pytest.approx(1 / (p0 * (1 + kp * b)), rel=0.05)
+        assert decode == pytest.approx(d0 * (1 + kd * b), rel=0.05)
+    worst = max(abs(one.at_batch(b)[1] - d0 * (1 + kd * b)) / (d0 * (1 + kd * b)) for b in (1, 8))
+    assert worst > 0.15
+
+
+def test_C3_a_rate_is_not_extrapolated_past_the_batches_it_was_learned_at():
+    r = _batched(PHASES, 1 / 20_000, 0.05, 0.002, 0.15)
+    assert r.at_batch(40) == r.at_batch(8)
+    assert r.at_batch(8)[1] > r.at_batch(1)[1]
+
+
+def test_C3_samples_that_all_saw_one_batch_give_one_rate_not_a_slope():
+    r = _batched([(3, 120.0)], 1 / 20_000, 0.05, 0.002, 0.15)
+    assert r.decode_slope == 0.0 and r.prefill_slope == 0.0
+    assert r.decode_s_per_token == pytest.approx(0.002 * 1.45, rel=0.01)
+
+
+def test_C3_an_engine_much_faster_than_the_prior_is_learned_as_it_is():
+    """A small model decodes at ~2 ms a token where the prior says 30: a sample that far from the prior is the
+    engine, not an artefact (a bound of 8x held it at 3.75 ms)."""
+    r = _batched([(1, 60.0)], 1 / 40_000, 0.0, 0.002, 0.0)
+    assert r.decode_s_per_token == pytest.approx(0.002, rel=0.02)
+    assert r.prefill_tokens_per_s == pytest.approx(40_000 / 1, rel=0.02)

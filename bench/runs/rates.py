@@ -63,6 +63,7 @@ class Learners:
         # and its prefill seconds accumulate as much slower: a sample takes the same workload time as at 1x
         kw = {"min_prefill_s": _MIN_PREFILL_S / speedup}
         self.paired = Rates(PREFILL_REF * speedup, DECODE_REF / speedup, 256.0, paired=True, **kw)
+        self.one = Rates(PREFILL_REF * speedup, DECODE_REF / speedup, 256.0, paired=True, batch=False, **kw)
         self.window = Rates(PREFILL_REF * speedup, DECODE_REF / speedup, 256.0, paired=False, **kw)
 
 
@@ -132,21 +133,25 @@ async def _watch(url: str, dialect: str, args, stop: asyncio.Event, rows: list) 
             r = parse_metrics(text, DIALECT_OF.get(dialect, VLLM))
             if not r.ok:
                 continue
-            learners.paired.update(r.sample, now)
-            learners.window.update(r.sample, now)
+            for x in (learners.paired, learners.one, learners.window):
+                x.update(r.sample, now)
             truth = _truth(text)
-            history.append((now, truth))
-            then = next(((t, h) for t, h in history if t >= now - args.truth_window_s), None)
-            if then is None or now < args.truth_window_s:
+            history.append((now, truth, r.sample.running))
+            i = next((k for k, (t, _, _) in enumerate(history) if t >= now - args.truth_window_s), None)
+            if i is None or now < args.truth_window_s:
                 continue
-            d = {k: truth[k] - then[1].get(k, 0.0) for k in truth}
+            d = {k: truth[k] - history[i][1].get(k, 0.0) for k in truth}
             if d.get("prefill_seconds", 0) <= 0 or d.get("decode_tokens", 0) <= 0:
                 continue
+            # each learner's rates at the batch the engine ran over the window (the mean of its running requests
+            # as scraped: what the brain's fit is learned against)
+            batch = statistics.mean(b for _, _, b in history[i:])
+            (bp, bd), (op, od) = learners.paired.at_batch(batch), learners.one.at_batch(batch)
             rows.append((now, d["prefill_tokens"] / d["prefill_seconds"], d["decode_seconds"] / d["decode_tokens"],
-                         learners.paired.prefill_tokens_per_s, learners.paired.decode_s_per_token,
-                         learners.window.prefill_tokens_per_s, learners.window.decode_s_per_token,
+                         bp, bd, learners.window.prefill_tokens_per_s, learners.window.decode_s_per_token,
                          learners.paired.prefill_at > float("-inf"), learners.window.prefill_at > float("-inf"),
-                         learners.paired.decode_at > float("-inf"), learners.window.decode_at > float("-inf")))
+                         learners.paired.decode_at > float("-inf"), learners.window.decode_at > float("-inf"),
+                         op, od, learners.one.prefill_at > float("-inf"), learners.one.decode_at > float("-inf")))
 
 
 def _errors(rows: list, truth_i: int, learned_i: int, learned_flag: int) -> tuple[str, str, str]:
@@ -173,8 +178,8 @@ async def run_real(args, workdir: Path) -> dict:
     finally:
         proc.stop()
     return {"dialect": "vllm 0.32 (real)", "rows": rows, "sent": sent[0],
-            "prefill": (_errors(rows, 1, 3, 7), _errors(rows, 1, 5, 8)),
-            "decode": (_errors(rows, 2, 4, 9), _errors(rows, 2, 6, 10))}
+            "prefill": (_errors(rows, 1, 3, 7), _errors(rows, 1, 11, 13), _errors(rows, 1, 5, 8)),
+            "decode": (_errors(rows, 2, 4, 9), _errors(rows, 2, 12, 14), _errors(rows, 2, 6, 10))}
 
 
 async def run_dialect(dialect: str, args, workdir: Path) -> dict:
@@ -198,8 +203,8 @@ async def run_dialect(dialect: str, args, workdir: Path) -> dict:
     finally:
         proc.stop()
     return {"dialect": dialect, "rows": rows, "sent": sent[0],
-            "prefill": (_errors(rows, 1, 3, 7), _errors(rows, 1, 5, 8)),
-            "decode": (_errors(rows, 2, 4, 9), _errors(rows, 2, 6, 10))}
+            "prefill": (_errors(rows, 1, 3, 7), _errors(rows, 1, 11, 13), _errors(rows, 1, 5, 8)),
+            "decode": (_errors(rows, 2, 4, 9), _errors(rows, 2, 12, 14), _errors(rows, 2, 6, 10))}
 
 
 def report(results: list[dict], args) -> str:
@@ -208,13 +213,13 @@ def report(results: list[dict], args) -> str:
            f"{args.speedup:g}x, seed {args.seed}.",
            "Error: |learned - true| / true over every 0.5 s sample after the first window (median, p90, share "
            "within 15%).", "",
-           "| dialect | requests | rate | brain (same requests) median / p90 / within 15% | window pairing "
-           "(before) median / p90 / within 15% |", "|---|---|---|---|---|"]
+           "| dialect | requests | rate | brain: a line in the batch, median / p90 / within 15% | one rate "
+           "(same samples, no slope) | window pairing (the lagging way) |", "|---|---|---|---|---|---|"]
     for r in results:
         for rate in ("prefill", "decode"):
-            new, old = r[rate]
+            new, one, old = r[rate]
             out.append(f"| {r['dialect']} | {r['sent']} | {rate} | {' / '.join(x for x in new if x)} | "
-                       f"{' / '.join(x for x in old if x)} |")
+                       f"{' / '.join(x for x in one if x)} | {' / '.join(x for x in old if x)} |")
     return "\n".join(out)
 
 

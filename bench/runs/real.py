@@ -1,17 +1,26 @@
 """``make bench-real``: warmroute against its peers on real vLLM 0.32 engines, in real time (no compression).
 
-Three real replicas of the tiny model (``make engines``; ~2 GB each, sharing this machine's two cores) are
-started once. For each seed and each router, the replicas' prefix caches are emptied (``POST
-/reset_prefix_cache``, vLLM's dev mode), the router is started in front of them, and the same multi-turn
-workload is replayed through it: coding-agent sessions over three projects with shared system prompts, scaled
-to what the tiny model reads (8K tokens) and two cores carry. Printed per run: TTFT p50/p99 as the client saw
-it, the prefix-hit rate **the engines reported** (their ``prompt_tokens_cached`` over ``prompt_tokens``: not the
-router's prediction), output tokens/s, and for warmroute the brain's mean decision time as a share of the mean
-TTFT. Then each router's ratio to the best peer's, per seed: absolute times on two shared cores move between
-runs, ratios in one run much less.
+Three real replicas of the tiny model (``make engines``; ~2 GB each, sharing this machine's two cores; LoRA off:
+no request of this workload names an adapter) are started once. For each seed and each router, the replicas'
+prefix caches are emptied (``POST /reset_prefix_cache``, vLLM's dev mode), the router is started in front of
+them, and the same multi-turn workload is replayed through it: coding-agent sessions over three projects with
+shared system prompts, sized to the tiny model (contexts up to ~6.5K of its 8K tokens; more sessions under way
+than the three caches hold, so where a turn goes decides what it prefills again) and to what two cores carry
+(~5 requests a second, 300+ a run). Printed per run: TTFT p50/p99 as the client saw it, the prefix-hit share
+**the engines reported** (each answer's ``cached_tokens`` over its ``prompt_tokens``: not the router's
+prediction), output tokens/s, and for warmroute the brain's mean decision time as a share of the mean TTFT;
+each with a bootstrap 95% interval over the run's requests, and each router's ratio to the best peer's with
+its interval (the two runs resampled independently). Then the same over the three seeds pooled.
+
+A run that measured this machine rather than the engines is refused (``pace``; kept out of every ratio): the
+client's own event-loop lag reached 10% of the TTFT p50, or the part of the mean TTFT that the engines did not
+see (``vllm:time_to_first_token_seconds`` is timed inside vLLM: client, router, Envoy and HTTP are the rest)
+reached 25% of it (flow control's holds in the brain are the router's own doing, not this machine's: they count
+as the router's time).
 
 Routers: Envoy + warmroute; Envoy's RING_HASH on the session header with ``hash_balance_factor: 150`` and
-LEAST_REQUEST (as ``make bench`` configures them); SGLang's router (``cache_aware``, from PyPI).
+LEAST_REQUEST (as ``make bench`` configures them); SGLang's router and vLLM's router (``cache_aware``, the real
+binaries from PyPI). llm-d's picker cannot run here (it needs a Kubernetes API server): it stays simulated.
 
 ``--burst`` (``make bench-real-burst``): flow control's burst in real time (issue 34): every arrival rate 2x for
 2 minutes of a 4-minute run, each request carrying its class and tenant and each 429 sent again after its
@@ -23,16 +32,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime
+import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.harness import (
+    NOT_ENGINE_SHARE,
     brain_decision_mean,
     class_headers,
     engine_counters,
     histogram_sums,
+    invocation,
     pace_check,
     reset_caches,
     start_peer,
@@ -44,15 +58,24 @@ from extproc.tools.workload.generate import WorkloadConfig
 from extproc.tools.workload.http_replay import replay
 from extproc.tools.workload.measure import per_class
 
-CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_router_cache_aware"]
+CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_router_cache_aware",
+              "vllm_router_cache_aware"]
 BURST_CONTENDERS = ["warmroute_flow", "warmroute_no_flow", "envoy_ring_hash_bounded_150"]
 BURST = (1.0, 2.0, 2.0)  # from minute 1, for 2 minutes, twice the arrival rates (of a 4-minute run)
-# what the tiny model reads (8K tokens; the workload counts 4 characters a token, the model's tokenizer ~3) and two
-# shared cores decode (~30 tokens/s a stream)
-WORKLOAD = WorkloadConfig(minutes=1.0, projects=3, system_tokens=(800, 1600), sessions_per_min=8.0,
-                          turns_median=8.0, turns_max=20, user_tokens_median=150.0, output_tokens_median=24.0,
-                          output_tokens_max=64, think_s_mean=3.0, long_share=0.0, max_context=5000,
-                          oneshots_per_min=4.0)
+# what the tiny model reads (8K tokens; the workload counts 4 characters a token, the model's tokenizer ~3: a
+# 5,000-token context is ~6,500 of its tokens) and what two shared cores carry: ~56 sessions a minute of ~10 turns,
+# 2 s of thought between them, ~20 under way at once, their contexts (~3-6K tokens each) more than the three
+# 32K-token caches hold
+WORKLOAD = WorkloadConfig(minutes=1.1, projects=3, system_tokens=(800, 1600), sessions_per_min=56.0,
+                          turns_median=10.0, turns_max=30, user_tokens_median=300.0, output_tokens_median=16.0,
+                          output_tokens_max=48, think_s_mean=2.0, long_share=0.0, max_context=5000,
+                          oneshots_per_min=20.0)
+# the burst's (issue 34, make bench-real-burst): the pace it was measured at, doubled for 2 minutes
+BURST_WORKLOAD = WorkloadConfig(minutes=4.0, projects=3, system_tokens=(800, 1600), sessions_per_min=8.0,
+                                turns_median=8.0, turns_max=20, user_tokens_median=150.0, output_tokens_median=24.0,
+                                output_tokens_max=64, think_s_mean=3.0, long_share=0.0, max_context=5000,
+                                oneshots_per_min=4.0)
+BOOTSTRAP = 2000  # resamples behind each interval
 
 
 @dataclass
@@ -75,6 +98,9 @@ class Row:
     refused: int = 0  # 429s with Retry-After, each sent again (flow control)
     classes: dict = dataclasses.field(default_factory=dict)  # sim.measure.per_class over the run
     note: str = ""
+    ttfts: list[float] = dataclasses.field(default_factory=list)  # every answered request's, as the client saw it
+    hits: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # each answer's (cached, prompt) tokens
+    not_engine: float = float("nan")  # of the mean TTFT, the share the engines did not see
 
 
 def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
@@ -116,15 +142,21 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
     try:
         urls = [r.url for r in replicas]
         h0 = [histogram_sums(http_get(u + "/metrics", 5).decode()) for u in urls]
-        c0 = engine_counters(urls)
+        c0, e0 = engine_counters(urls), _engine_ttft(urls)
         t0 = time.monotonic()
         res = asyncio.run(replay(url, w, seed=seed, speedup=1.0, model=model, timeout=120.0,
                                  extra_headers=class_headers, retry_429=True))
         elapsed = time.monotonic() - t0
         c = engine_counters(urls) - c0
-        decision = None
+        e1 = _engine_ttft(urls)
+        engine_ttft = (e1[0] - e0[0]) / (e1[1] - e0[1]) if e1[1] > e0[1] else float("nan")
+        decision, held = None, 0.0
         if contender in ("warmroute", "warmroute_flow", "warmroute_no_flow"):
-            decision = brain_decision_mean(http_get(s.brain_metrics).decode())
+            brain = http_get(s.brain_metrics).decode()
+            decision = brain_decision_mean(brain)
+            # seconds flow control held requests in the brain: the router's choice, not this machine's slowness
+            held = sum(float(line.rsplit(" ", 1)[1]) for line in brain.splitlines()
+                       if line.startswith("warmroute_flow_wait_seconds_total"))
             learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
             for rep, before in zip(replicas, h0):
                 d = {k: v - before[k] for k, v in histogram_sums(http_get(rep.url + "/metrics", 5).decode()).items()}
@@ -136,6 +168,9 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
     finally:
         s.stop()
     ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
+    row.ttfts = ok
+    row.hits = [(r.cached_tokens or 0, r.extra["prompt_tokens"]) for r in res.requests
+                if r.error is None and r.extra.get("prompt_tokens")]
     row.sent, row.errors, row.refused = res.sent, sum(res.errors.values()) + res.lost, res.refused
     row.classes = per_class(res.requests, 0.0, w.minutes * 60)
     if ok:
@@ -144,37 +179,134 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         if decision is not None:
             row.brain_share = decision / statistics.mean(ok)
     row.max_share = c.busiest_share
-    row.hit = c.hit_rate if c.prompt else float("nan")
+    row.hit = _hit(row.hits) if row.hits else c.hit_rate if c.prompt else float("nan")
     row.out_tok_s = c.generated / elapsed
     row.client_lag_ms = res.client_lag_p99 * 1000
-    # real engines report no engine-only time per request: the client's lag is the check here
+    if ok:
+        # of the TTFTs' sum, what neither the engines nor flow control's holds account for
+        row.not_engine = max(0.0, 1.0 - (engine_ttft * len(ok) + held) / sum(ok))
     row.pace = pace_check(row.ttft_p50, res.client_lag_p99, None, 1.0) or ""
+    if not row.pace and row.not_engine >= NOT_ENGINE_SHARE:
+        row.pace = (f"{row.not_engine:.0%} of the mean TTFT was not the engines' (client, router, Envoy, HTTP): "
+                    f"the run measured the machine")
     return row
 
 
+def _engine_ttft(urls: list[str]) -> tuple[float, float]:
+    """(sum, count) of the engines' own vllm:time_to_first_token_seconds, timed inside vLLM."""
+    total = count = 0.0
+    for u in urls:
+        for line in http_get(u + "/metrics", 5).decode().splitlines():
+            if line.startswith("vllm:time_to_first_token_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:time_to_first_token_seconds_count"):
+                count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def _hit(pairs) -> float:
+    prompt = sum(p for _, p in pairs)
+    return sum(c for c, _ in pairs) / prompt if prompt else float("nan")
+
+
+def _q(values, q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
+
+
+STATS = {"p50": lambda r: r.ttfts and _q(r.ttfts, 0.5), "p99": lambda r: r.ttfts and _q(r.ttfts, 0.99),
+         "hit": lambda r: r.hits and _hit(r.hits)}
+
+
+def _resampled(rows: list[Row], stat: str, rng: random.Random) -> list[float]:
+    """``BOOTSTRAP`` values of one statistic over the requests of ``rows`` pooled, each drawn with replacement."""
+    if stat == "hit":
+        pairs = [h for r in rows for h in r.hits]
+        return [_hit(rng.choices(pairs, k=len(pairs))) for _ in range(BOOTSTRAP)] if pairs else []
+    values = [t for r in rows for t in r.ttfts]
+    q = 0.5 if stat == "p50" else 0.99
+    return [_q(rng.choices(values, k=len(values)), q) for _ in range(BOOTSTRAP)] if values else []
+
+
+def _interval(xs: list[float]) -> tuple[float, float]:
+    xs = sorted(xs)
+    return xs[int(0.025 * (len(xs) - 1))], xs[int(0.975 * (len(xs) - 1))]
+
+
+def compare(rows: list[Row], seed: int | None = None) -> dict[str, dict[str, tuple]]:
+    """Per router (the rows of one seed, or of every seed pooled): each statistic with its interval, and for warmroute
+    its ratio to the best peer's (hit: the difference) with the interval of the ratio, both sides resampled."""
+    rng = random.Random(seed or 0)
+    mine = [r for r in rows if (seed is None or r.seed == seed) and not r.note and not r.pace and r.ttfts]
+    by: dict[str, list[Row]] = {}
+    for r in mine:
+        by.setdefault(r.contender, []).append(r)
+    out: dict[str, dict[str, tuple]] = {}
+    draws = {c: {k: _resampled(rs, k, rng) for k in STATS} for c, rs in by.items()}
+    for c, rs in by.items():
+        pooled = Row(c, seed or 0, ttfts=[t for r in rs for t in r.ttfts], hits=[h for r in rs for h in r.hits])
+        out[c] = {k: (f(pooled), *(_interval(draws[c][k]) if draws[c][k] else (float("nan"),) * 2))
+                  for k, f in STATS.items()}
+    peers = [c for c in by if not c.startswith("warmroute")]
+    for c in by:
+        if not c.startswith("warmroute") or not peers:
+            continue
+        for k in STATS:
+            best = max(peers, key=lambda p: out[p][k][0]) if k == "hit" else min(peers, key=lambda p: out[p][k][0])
+            if k == "hit":
+                diffs = [a - b for a, b in zip(draws[c][k], draws[best][k])]
+                out[c]["vs_" + k] = (out[c][k][0] - out[best][k][0], *_interval(diffs), best)
+            else:
+                ratios = [a / b for a, b in zip(draws[c][k], draws[best][k]) if b > 0]
+                out[c]["vs_" + k] = (out[c][k][0] / out[best][k][0], *_interval(ratios), best)
+    return out
+
+
+def _ms(x: tuple) -> str:
+    return f"{x[0] * 1000:.0f} [{x[1] * 1000:.0f}, {x[2] * 1000:.0f}]"
+
+
+def _vs(x: tuple | None, kind: str) -> str:
+    if x is None:
+        return ""
+    if kind == "hit":
+        return f"{x[0]:+.1%} [{x[1]:+.1%}, {x[2]:+.1%}]"
+    return f"{x[0]:.2f}x [{x[1]:.2f}, {x[2]:.2f}]"
+
+
 def table(rows: list[Row]) -> str:
-    lines = ["| seed | router | sent | errors | TTFT p50 ms | TTFT p99 ms | engine prefix-hit | output tok/s | "
-             "busiest replica / fair share | brain's share of TTFT | client lag p99 ms | vs best peer: hit, p50, p99 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for seed in sorted({r.seed for r in rows}):
-        mine = [r for r in rows if r.seed == seed]
-        peers = [r for r in mine if not r.contender.startswith("warmroute") and not r.note]
-        for r in mine:
+    """Per seed, then the seeds pooled: each router's TTFT p50 and p99 and engine-reported hit share with their
+    bootstrap 95% intervals, and warmroute's against the best peer's (ratio, or difference of hit shares)."""
+    lines = ["| seed | router | sent | errors | TTFT p50 ms [95% CI] | TTFT p99 ms [95% CI] | engine prefix-hit [95% CI] | "
+             "output tok/s | busiest / fair share | brain's share of TTFT | not the engines' | "
+             "vs best peer: hit | p50 | p99 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    seeds = sorted({r.seed for r in rows})
+    for seed in [*seeds, None]:
+        stats = compare(rows, seed)
+        for r in ([x for x in rows if x.seed == seed] if seed is not None else []):
             if r.note:
-                lines.append(f"| {seed} | {r.contender} | | | | | | | | | | {r.note} |")
+                lines.append(f"| {seed} | {r.contender} | | | | | | | | | | {r.note} | | |")
                 continue
-            vs = ""
-            if peers and r.contender.startswith("warmroute"):
-                vs = (f"{r.hit - max(p.hit for p in peers):+.1%}, {r.ttft_p50 / min(p.ttft_p50 for p in peers):.2f}x, "
-                      f"{r.ttft_p99 / min(p.ttft_p99 for p in peers):.2f}x")
+            st = stats.get(r.contender)
             share = f"{r.brain_share:.1%}" if r.brain_share is not None else "-"
-            lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | {r.ttft_p50 * 1000:.0f} | "
-                         f"{r.ttft_p99 * 1000:.0f} | {r.hit:.1%} | {r.out_tok_s:.0f} | {r.max_share:.2f}x | {share} | "
-                         f"{r.client_lag_ms:.0f}{' (measured the machine: ' + r.pace + ')' if r.pace else ''} | {vs} |")
+            pace = f" (refused: {r.pace})" if r.pace else ""
+            if st is None:
+                lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | | | | | | | {r.not_engine:.0%}{pace} | | | |")
+                continue
+            lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | {_ms(st['p50'])} | {_ms(st['p99'])} | "
+                         f"{st['hit'][0]:.1%} [{st['hit'][1]:.1%}, {st['hit'][2]:.1%}] | {r.out_tok_s:.0f} | "
+                         f"{r.max_share:.2f}x | {share} | {r.not_engine:.0%}{pace} | {_vs(st.get('vs_hit'), 'hit')} | "
+                         f"{_vs(st.get('vs_p50'), 't')} | {_vs(st.get('vs_p99'), 't')} |")
+        if seed is None:
+            for c, st in stats.items():
+                n = sum(len(r.ttfts) for r in rows if r.contender == c and not r.note and not r.pace)
+                lines.append(f"| all | {c} | {n} answered | | {_ms(st['p50'])} | {_ms(st['p99'])} | "
+                             f"{st['hit'][0]:.1%} [{st['hit'][1]:.1%}, {st['hit'][2]:.1%}] | | | | | "
+                             f"{_vs(st.get('vs_hit'), 'hit')} | {_vs(st.get('vs_p50'), 't')} | {_vs(st.get('vs_p99'), 't')} |")
     learned = [r for r in rows if r.rates]
     if learned:
-        lines += ["", "warmroute's learned rates at the end of each run against the engines' own histograms over the "
-                  "run (prefill tokens/s, decode ms/token; learned / engine), per replica:", "",
+        lines += ["", "warmroute's learned rates at the end of each run (beside no other request) against the engines' "
+                  "own histograms over the run (prefill tokens/s, decode ms/token; learned / engine), per replica:", "",
                   "| seed | " + " | ".join(f"r{i}" for i in range(len(learned[0].rates))) + " |",
                   "|---|" + "---|" * len(learned[0].rates)]
         for r in learned:
@@ -192,19 +324,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contenders", default=None, help=f"default {','.join(CONTENDERS)}; with --burst "
                     f"{','.join(BURST_CONTENDERS)}")
     ap.add_argument("--burst", action="store_true", help="flow control's burst: 2x arrivals for 2 of 4 minutes")
+    ap.add_argument("--out", default="docs", help="where bench-real.md goes (the table, the command, the date)")
     args = ap.parse_args(argv)
+    base = BURST_WORKLOAD if args.burst else WORKLOAD
     if args.burst and args.minutes == WORKLOAD.minutes:
-        args.minutes = 4.0
+        args.minutes = BURST_WORKLOAD.minutes
     args.contenders = args.contenders or ",".join(BURST_CONTENDERS if args.burst else CONTENDERS)
     why = real_vllm.available()
     if why:
         print(f"bench-real: {why}", file=sys.stderr)
         return 1
-    w = dataclasses.replace(WORKLOAD, minutes=args.minutes, burst=BURST if args.burst else None)
+    w = dataclasses.replace(base, minutes=args.minutes, burst=BURST if args.burst else None)
     model = real_vllm.model_info()["served_name"]
     print(f"bench-real: {args.replicas} real vLLM {real_vllm.VERSION} replicas (tiny model, CPU), real time, "
           f"{args.minutes:g} min a run, seeds {args.seeds}; routers: {args.contenders}", flush=True)
-    fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True))
+    fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True, lora=()))
     rows = []
     with fleet:
         for seed in (int(x) for x in args.seeds.split(",")):
@@ -213,9 +347,15 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"  seed {seed} {c}: sent {row.sent}, errors {row.errors}, TTFT p50 {row.ttft_p50 * 1000:.0f} ms "
                       f"p99 {row.ttft_p99 * 1000:.0f} ms, engine hit {row.hit:.1%} {row.note}", flush=True)
-    print(table(rows))
+    t0 = time.monotonic()
+    text = table(rows)
+    print(text)
     if args.burst:
         print("\n" + class_table(rows))
+    else:
+        out = Path(args.out) / "bench-real.md"
+        out.write_text(f"<!-- written by {invocation(argv)} on {datetime.date.today()} -->\n\n{text}\n")
+        print(f"\n{out} written ({time.monotonic() - t0:.0f} s of bootstrap)")
     return 0
 
 

@@ -29,8 +29,12 @@ PIN_ACTION_METRICS: dict[PinAction, tuple[str, str, bool]] = {
 
 
 WARM_VIEW = {
-    "prefill_tokens_per_second": "Prefill rate learned from the replica's counters (C3)",
-    "decode_seconds_per_token": "Decode time per token learned from the replica's counters (C3)",
+    "prefill_tokens_per_second": "Prefill rate learned from the replica's counters, beside no other request (C3)",
+    "decode_seconds_per_token": "Decode time per token learned from the replica's counters, beside no other request (C3)",
+    "prefill_slowdown_per_running_request": "How much each request running beside one makes its prefill seconds "
+                                            "per token grow, learned (0.1: 10% a request)",
+    "decode_slowdown_per_running_request": "How much each request running beside one makes its decode seconds per "
+                                           "token grow, learned (0.1: 10% a request)",
     "prefix_index_blocks": "Blocks the prefix index believes the replica holds (C2)",
     "prefix_index_capacity_blocks": "The index's bound: the replica's cache size in blocks (C2)",
     "predicted_wait_seconds": "Prefill work ahead on the replica, as the warm policy sees it (C3)",

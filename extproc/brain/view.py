@@ -38,6 +38,8 @@ def state_of(brain) -> dict:
                                                           "pending_kv_tokens", "active_session_tokens",
                                                           "cache_tokens")}
             r["learned"] = {k: round(v[k], 6) for k in ("prefill_tokens_per_second", "decode_seconds_per_token",
+                                                        "prefill_slowdown_per_running_request",
+                                                        "decode_slowdown_per_running_request",
                                                         "engine_tokens_per_estimated_token")}
         r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         # routing's predicted cached tokens beside the engine's own hits: a shortfall is context the brain

@@ -109,7 +109,9 @@ class WarmConfig:
     decode_weight: float = 1.0  # C3: weight of the decode slow-down against time to first token
     kv_pressure: float = 0.95  # C3: past this KV usage a request risks preemption
     evict_start: float = 0.6  # C3: above this share of the cache, active sessions start evicting each other
-    active_session_s: float = 60.0  # a session that sent a turn this recently will be back: its context stays
+    # a session that sent a turn this recently will be back: its context stays (sooner gone once quiet for twice the
+    # p99 of the gaps between turns the fleet's sessions showed)
+    active_session_s: float = 60.0
     arrival_window_s: float = 60.0  # C3: a replica's arrival rate (what queues behind a prefill) is counted over this
     busy_wait_s: float = 1.0  # C3: when the candidates wait this long on average, the fleet has no idle capacity
     # A replica that exports several data-parallel engines (vLLM --data-parallel-size, SGLang --dp) is priced

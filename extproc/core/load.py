@@ -27,6 +27,9 @@ from dataclasses import dataclass
 _ALPHA = 0.3  # EWMA weight of a new sample: a rate follows a changed replica within a few samples
 _MIN_PREFILL_S = 5.0  # seconds of prefill behind one sample of the prefill rate
 _MIN_DECODE_TOKENS = 500  # generated tokens behind one sample of the decode rate
+_CLIP = 64.0  # a sample this far from the config's value either way is an artefact (a small model on a GPU decodes
+# 15x faster than the default prior; 8x, the bound before, held a 2 ms/token engine at 3.75)
+_RIDGE = 0.25  # how firmly a rate's slope in the batch holds to none while the samples' batches barely differ
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,29 +70,79 @@ class LoadSample:
     engine_block: int | None = None
 
 
+class BatchFit:
+    """Seconds per token as a line in the engine's batch, ``a + c x batch``, by least squares over a rate's samples
+    weighted down by ``1 - _ALPHA`` a sample (an EWMA when every sample saw the same batch).
+
+    Why a line: a vLLM engine step schedules the running requests first (a decode token each, a chunk of a running
+    prefill) and fills the rest of its token budget with waiting requests' prefill chunks
+    (``vllm/v1/core/sched/scheduler.py``), so a step's time grows with how many requests run in it, and a request
+    advances one token (decode) or one chunk (prefill) a step: its time per token grows with the batch it ran
+    beside. ``batch`` is the mean of the engine's ``num_requests_running`` over the scrapes a sample accumulated
+    over (the request itself included). The slope is pulled towards none (``_RIDGE``) so that samples that all saw
+    the same batch give the plain mean, never a slope the data cannot tell; it is never negative (more requests in
+    a step never make each faster) and never steeper than the samples bear (``a`` stays positive)."""
+
+    __slots__ = ("_s", "a", "c", "top", "sloped")
+
+    def __init__(self, y: float, sloped: bool = True):
+        self._s = [0.0] * 5  # weight, batch, batch^2, y, batch x y
+        self.a, self.c = y, 0.0
+        self.sloped = sloped  # False: one rate whatever the batch (the model before; benchmarks compare the two)
+        self.top = 0.0  # the largest batch a sample saw: the line is not extrapolated past it (``at``)
+
+    def at(self, batch: float) -> float:
+        return self.a + self.c * min(batch, self.top)
+
+    def add(self, batch: float, y: float, first: bool) -> None:
+        self.top = max(self.top, batch)
+        s, keep = self._s, 0.0 if first else 1.0 - _ALPHA
+        for i, v in enumerate((1.0, batch, batch * batch, y, batch * y)):
+            s[i] = keep * s[i] + v
+        w, sb, sbb, sy, sby = s
+        ridge = _RIDGE * w
+        c = max(0.0, (w * sby - sb * sy) / (w * (sbb + ridge) - sb * sb)) if self.sloped else 0.0
+        a = (sy - c * sb) / w
+        if a <= 0.0:
+            a, c = sy / w, 0.0
+        self.a, self.c = a, c
+
+    @property
+    def slope(self) -> float:
+        """The fractional growth of seconds per token per request in the batch."""
+        return self.c / self.a
+
+
 class Rates:
     """Per-replica learned speeds from deltas of its counters, accumulated until they mean something.
 
     Deltas are summed until ``_MIN_PREFILL_S`` seconds of prefill (or ``_MIN_DECODE_TOKENS`` generated
-    tokens) are behind them, and only then folded into the EWMA; a sample outside [1/8, 8] x the config's
-    value is taken as an artefact and clipped. Which counters pair with which: the module's doc.
+    tokens) are behind them, and only then fitted (``BatchFit``: against the
+    batch they ran in); a sample outside [1/64, 64] x the config's value is taken as an artefact and clipped.
+    ``prefill_tokens_per_s`` and ``decode_s_per_token`` are the speeds of an empty engine (batch 0), which is
+    what a replica's hardware is; ``prefill_slope`` and ``decode_slope`` what each request running beside
+    slows it by (``at_batch``). Which counters pair with which: the module's doc.
     """
 
     __slots__ = ("prefill_tokens_per_s", "decode_s_per_token", "output_tokens", "_prev", "prefill_at", "decode_at",
                  "_acc", "_ref", "paired", "min_prefill_s", "prefill_rel", "decode_rel", "prefill_rel_at",
-                 "decode_rel_at")
+                 "decode_rel_at", "_prefill_fit", "_decode_fit", "prefill_slope", "decode_slope")
 
     def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float,
-                 paired: bool = True, min_prefill_s: float = _MIN_PREFILL_S):
+                 paired: bool = True, min_prefill_s: float = _MIN_PREFILL_S, batch: bool = True):
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.decode_s_per_token = decode_s_per_token
+        self.prefill_slope = self.decode_slope = 0.0
         self.output_tokens = output_tokens  # mean generated tokens per request on this replica
         self.paired = paired  # False: the window's tokens over the window's seconds (the lagging way; benchmarks)
         self.min_prefill_s = min_prefill_s  # a time-compressed mock reports its seconds compressed too
         self._ref = (prefill_tokens_per_s, decode_s_per_token)
+        self._prefill_fit = BatchFit(1.0 / prefill_tokens_per_s, batch)
+        self._decode_fit = BatchFit(decode_s_per_token, batch)
         self._prev: LoadSample | None = None
-        # prefill tokens, prefill s, generated tokens, decode s, requests, first tokens, finished requests
-        self._acc = [0.0] * 7
+        # prefill tokens, prefill s, generated tokens, decode s, requests, first tokens, finished requests,
+        # then per rate (prefill, decode): the running requests summed over its scrapes, and how many scrapes
+        self._acc = [0.0] * 11
         self.prefill_at = float("-inf")  # when the last sample of each rate was taken
         self.decode_at = float("-inf")
         # each rate against the fleet's when it was measured: how this replica's hardware compares with the others'
@@ -98,6 +151,10 @@ class Rates:
         self.prefill_rel = self.decode_rel = 1.0
         self.prefill_rel_at = self.decode_rel_at = float("-inf")
 
+    def at_batch(self, batch: float) -> tuple[float, float]:
+        """(prefill tokens/s, decode s/token) beside ``batch`` requests running (the request itself included)."""
+        return 1.0 / self._prefill_fit.at(batch), self._decode_fit.at(batch)
+
     def update(self, s: LoadSample, now: float) -> None:
         p = self._prev
         self._prev = s
@@ -105,8 +162,13 @@ class Rates:
             return
         if any(a is not None and b is not None and a < b for a, b in
                ((s.prompt_tokens, p.prompt_tokens), (s.requests_done, p.requests_done))):
-            self._acc = [0.0] * 7  # the replica restarted: its counters began again
+            self._acc = [0.0] * 11  # the replica restarted: its counters began again
             return
+        acc = self._acc
+        acc[7] += s.running
+        acc[8] += 1
+        acc[9] += s.running
+        acc[10] += 1
         self._prefill(s, p, now)
         self._decode(s, p, now)
 
@@ -136,15 +198,17 @@ class Rates:
             return
         # the first sample replaces a guess (the configured prior), so a fifth of the evidence will do: a replica
         # that gets little traffic (a slow one) would otherwise be priced at the guess for many minutes
-        need = self.min_prefill_s if self.prefill_at != float("-inf") else self.min_prefill_s / 5
+        first = self.prefill_at == float("-inf")
+        need = self.min_prefill_s if not first else self.min_prefill_s / 5
         if acc[1] >= need and tokens > 0 and seconds > 0:
-            ref = self._ref[0]
-            sample = min(8 * ref, max(ref / 8, tokens / seconds))
-            # the first measurement replaces the configured prior (a guess for any hardware), later ones are averaged
-            a = 1.0 if self.prefill_at == float("-inf") else _ALPHA
-            self.prefill_tokens_per_s += a * (sample - self.prefill_tokens_per_s)
+            ref = 1.0 / self._ref[0]
+            sample = min(_CLIP * ref, max(ref / _CLIP, seconds / tokens))
+            fit = self._prefill_fit
+            # the first measurement replaces the configured prior (a guess for any hardware)
+            fit.add(acc[7] / max(1.0, acc[8]), sample, first)
+            self.prefill_tokens_per_s, self.prefill_slope = 1.0 / fit.a, fit.slope
             self.prefill_at = now
-            acc[0] = acc[1] = acc[5] = acc[6] = 0.0
+            acc[0] = acc[1] = acc[5] = acc[6] = acc[7] = acc[8] = 0.0
 
     def _decode(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc
@@ -168,16 +232,19 @@ class Rates:
             generated = acc[2]
         else:
             return
-        need = _MIN_DECODE_TOKENS if self.decode_at != float("-inf") else _MIN_DECODE_TOKENS / 5
+        first = self.decode_at == float("-inf")
+        need = _MIN_DECODE_TOKENS if not first else _MIN_DECODE_TOKENS / 5
         if acc[2] >= need and acc[3] > 0:
             ref = self._ref[1]
-            sample = min(8 * ref, max(ref / 8, acc[3] / acc[2]))
-            a = 1.0 if self.decode_at == float("-inf") else _ALPHA
-            self.decode_s_per_token += a * (sample - self.decode_s_per_token)
+            sample = min(_CLIP * ref, max(ref / _CLIP, acc[3] / acc[2]))
+            fit = self._decode_fit
+            fit.add(acc[9] / max(1.0, acc[10]), sample, first)
+            self.decode_s_per_token, self.decode_slope = fit.a, fit.slope
             self.decode_at = now
             if acc[4] > 0:
+                a = 1.0 if first else _ALPHA
                 self.output_tokens += a * (generated / acc[4] - self.output_tokens)
-            acc[2] = acc[3] = acc[4] = 0.0
+            acc[2] = acc[3] = acc[4] = acc[9] = acc[10] = 0.0
 
 
 _SCALE_REQUESTS = 64  # the token scale is the ratio over at least this many of the last requests, each side
@@ -244,8 +311,10 @@ def _both(s: LoadSample, p: LoadSample, a: str, b: str) -> bool:
     return None not in (getattr(s, a), getattr(s, b), getattr(p, a), getattr(p, b))
 
 
-def effective_rates(rates: list[Rates], now: float, fresh_s: float) -> tuple[list[float], list[float]]:
-    """(prefill tokens/s, decode s/token) to price each replica with.
+def effective_rates(rates: list[Rates], now: float, fresh_s: float,
+                    batches: "list[float] | None" = None) -> tuple[list[float], list[float]]:
+    """(prefill tokens/s, decode s/token) to price each replica with, beside ``batches[i]`` requests running on
+    each (its last scrape's ``num_requests_running``: the statistic ``BatchFit`` learned against; None: batch 0).
 
     A replica's own rate counts while it is fresh (sampled within ``fresh_s``). One never measured is
     priced as the slowest measured one: nothing says its hardware is theirs, and a long prompt sent
@@ -259,8 +328,26 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float) -> tuple[lis
     (docs/routing.md "Mixed speeds").
     """
     since = now - fresh_s
-    return (_priced(rates, since, "prefill_tokens_per_s", "prefill_at", "prefill_rel", min),
-            _priced(rates, since, "decode_s_per_token", "decode_at", "decode_rel", max))
+    prefill = _priced(rates, since, "prefill_tokens_per_s", "prefill_at", "prefill_rel", min)
+    decode = _priced(rates, since, "decode_s_per_token", "decode_at", "decode_rel", max)
+    if batches is None:
+        return prefill, decode
+    # each replica's rate at its batch, no further than the batches its samples saw (a line fitted over 1-4
+    # requests says nothing of 40); one never measured slows as the measured ones do (the same engine, most likely)
+    never = float("-inf")
+    measured = [r for r in rates if r.prefill_at != never and r.decode_at != never]
+    out_p, out_d = [], []
+    for x, y, r, b in zip(prefill, decode, rates, batches):
+        if r.prefill_at == never or r.decode_at == never:
+            kp = sum(m.prefill_slope for m in measured) / len(measured) if measured else 0.0
+            kd = sum(m.decode_slope for m in measured) / len(measured) if measured else 0.0
+            top = min((m._prefill_fit.top for m in measured), default=0.0)
+            out_p.append(x / (1.0 + kp * min(b, top)))
+            out_d.append(y * (1.0 + kd * min(b, top)))
+        else:
+            out_p.append(x / (1.0 + r.prefill_slope * min(b, r._prefill_fit.top)))
+            out_d.append(y * (1.0 + r.decode_slope * min(b, r._decode_fit.top)))
+    return out_p, out_d
 
 
 def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slowest) -> list[float]:

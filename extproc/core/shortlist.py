@@ -69,7 +69,8 @@ class Shortlist:
                 self.holders.track(st.index)
         w = self.cfg.warm
         states = [st for _, st, _ in cands]
-        prefill_rate, decode_s = effective_rates([st.rates for st in states], now, w.rate_fresh_s)
+        prefill_rate, decode_s = effective_rates([st.rates for st in states], now, w.rate_fresh_s,
+                                                 [st.running(r) for r, st, _ in cands])
         rows = list(zip(cands, prefill_rate, decode_s))
         out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
         waits = []

@@ -343,7 +343,8 @@ class WarmPolicy(Shortlist):
             cands = self._candidates(pool)
             states = [st for _, st, _ in cands]
             out_tokens = sum(st.rates.output_tokens for st in states) / len(states)
-            prefill_rate, decode_s = effective_rates([st.rates for st in states], now, self.cfg.warm.rate_fresh_s)
+            prefill_rate, decode_s = effective_rates([st.rates for st in states], now, self.cfg.warm.rate_fresh_s,
+                                                     [st.running(r) for r, st, _ in cands])
             rows = list(zip(cands, prefill_rate, decode_s))
             fleet_view = Aggregates(out_tokens, min(decode_s), peer_scale(states))
         else:
@@ -396,8 +397,12 @@ class WarmPolicy(Shortlist):
             # queue in order: each new session placed behind a queue longer than its own prefill only lengthens
             # what their cached turns wait (a flood of 2,000 new sessions took them from 0.08 s to 20 s). A new
             # session (no home yet) waits here instead while every candidate with sessions under way has more than
-            # its prefill queued: no engine time lost. A session under way is never held for this
-            if pin is None and all(e.st.active_tokens > 0 and e.wait + e.lora_wait > max(e.prefill, _TIE_S)
+            # its prefill queued: no engine time lost. A session under way is never held for this. Only while the
+            # fleet is busy (every such queue at least warm.busy_wait_s, the cost model's mark of no idle capacity):
+            # a queue of a tenth of a second comes and goes on any busy fleet, and a new session held until none
+            # had one waited 0.6 s for the 0.04 s its prefill would have added (three real vLLMs, issue 46)
+            floor = max(_TIE_S, self.cfg.warm.busy_wait_s)
+            if pin is None and all(e.st.active_tokens > 0 and e.wait + e.lora_wait > max(e.prefill, floor)
                                    for e in (ests or (best,))):
                 return True
         if not self.hold_on_wait:

@@ -55,6 +55,9 @@ class WarmReplica:
     def waiting(self, r: Replica) -> int:
         return self.scraped.waiting if self.scraped is not None else r.scraped_waiting
 
+    def running(self, r: Replica) -> int:
+        return self.scraped.running if self.scraped is not None else r.scraped_running
+
     def kv_usage(self, r: Replica) -> float:
         return self.scraped.kv_usage if self.scraped is not None else r.kv_usage
 
@@ -127,6 +130,8 @@ def replica_view(st: WarmReplica, parts: list[WarmReplica], now: float) -> dict[
     return {
         "prefill_tokens_per_second": st.rates.prefill_tokens_per_s,
         "decode_seconds_per_token": st.rates.decode_s_per_token,
+        "prefill_slowdown_per_running_request": st.rates.prefill_slope,
+        "decode_slowdown_per_running_request": st.rates.decode_slope,
         "prefix_index_blocks": sum(len(p.index) for p in parts),
         "prefix_index_capacity_blocks": sum(p.index.capacity for p in parts),
         "predicted_wait_seconds": max(max(0.0, p.prefill_busy_until - now) for p in parts),

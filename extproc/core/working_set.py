@@ -9,6 +9,10 @@ from collections import deque
 from .warm_replica import WarmReplica
 
 RETURN_PRIOR = 20.0  # new sessions assumed to come back before any is seen not to
+# the gaps between a session's turns that the return horizon is learned from: the last GAPS of them, once GAPS_MIN
+# are seen, read again every GAPS_EVERY new ones
+GAPS, GAPS_MIN, GAPS_EVERY = 512, 64, 32
+HORIZON_MIN_S = 5.0  # however quick the fleet's sessions are, one quiet for less than this is still under way
 
 
 class WorkingSet:
@@ -20,12 +24,34 @@ class WorkingSet:
         self._of: dict[bytes, tuple[float, WarmReplica, int, bool]] = {}
         # first turns whose session came back within warm.active_session_s, and those that went quiet first (decayed)
         self._returns, self._no_returns = 0.0, 0.0
+        self._gaps: deque[float] = deque(maxlen=GAPS)  # seconds between a session's turns, the last GAPS
+        self._new_gaps = 0
+        self._p99_gap: float | None = None  # None: too few gaps seen to say
+
+    def horizon(self, active_session_s: float) -> float:
+        """How long a quiet session still counts as under way: ``warm.active_session_s``, or twice the longest gap
+        between turns that the fleet's sessions showed (their p99), whichever is shorter. Chat sessions that end
+        after a few turns 2 s apart would otherwise hold their replicas' working set for a minute after their last
+        turn, and flow control hold new sessions for room that is not in use (on three real vLLMs a new session
+        waited up to 37 s where ring hash served it in 0.2 s: docs/routing.md). Sessions with long pauses
+        (a person thinking for minutes) keep the configured horizon."""
+        if self._p99_gap is None:
+            return active_session_s
+        return min(active_session_s, max(HORIZON_MIN_S, 2.0 * self._p99_gap))
+
+    def _gap(self, seconds: float) -> None:
+        self._gaps.append(seconds)
+        self._new_gaps += 1
+        if len(self._gaps) >= GAPS_MIN and (self._p99_gap is None or self._new_gaps >= GAPS_EVERY):
+            g = sorted(self._gaps)
+            self._p99_gap = g[int(0.99 * (len(g) - 1))]
+            self._new_gaps = 0
 
     def of(self, key: bytes) -> tuple[float, WarmReplica, int, bool] | None:
         return self._of.get(key)
 
     def expire(self, now: float, active_session_s: float) -> None:
-        limit = now - active_session_s
+        limit = now - self.horizon(active_session_s)
         a = self._turns
         while a and a[0][0] < limit:
             t, key, st, tokens = a.popleft()
@@ -57,6 +83,7 @@ class WorkingSet:
         old = self._of.get(key)
         back = old is not None
         if back:
+            self._gap(now - old[0])
             old[1].active_tokens -= old[2]
             if not old[3]:
                 self._came_back(True)

@@ -136,6 +136,9 @@ async def _stream(r: aiohttp.ClientResponse, req: Request, res: ReplayResult, st
         text, cached = _read_event(chunk)
         if cached is not None:  # the last event: what the replica cached, and (a mock) what its engine took
             req.cached_tokens = cached
+            prompt = (chunk.get("usage") or {}).get("prompt_tokens")
+            if prompt is not None:  # chat's usage: the engine's prompt tokens, for the hit share per request
+                req.extra["prompt_tokens"] = prompt
             req.extra["engine"] = chunk.get("x_mock_engine")
         # who served: chat's system_fingerprint, or the mock's header on the other APIs (no engine says)
         fp = chunk.get("system_fingerprint") or r.headers.get(REPLICA_HEADER)

@@ -1,0 +1,47 @@
+"""make bench-real's statistics: bootstrap intervals over a run's requests, warmroute against the best peer, and
+runs that measured the machine kept out (no engine is started here)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.runs.real import Row, compare
+
+
+def _row(contender: str, scale: float, n: int = 300, seed: int = 1, hit: float = 0.8, pace: str = "") -> Row:
+    rng = random.Random(hash((contender, seed)))
+    ttfts = [scale * rng.lognormvariate(-3.0, 0.5) for _ in range(n)]
+    hits = [(int(1000 * hit) if rng.random() < 0.9 else 0, 1000) for _ in range(n)]
+    return Row(contender, seed, ttfts=ttfts, hits=hits, pace=pace)
+
+
+def test_each_statistic_has_an_interval_around_it_and_warmroute_a_ratio_to_the_best_peer():
+    rows = [_row("warmroute", 1.0), _row("envoy_least_request", 1.5), _row("sglang_router_cache_aware", 1.2, hit=0.9)]
+    out = compare(rows, 1)
+    for c in ("warmroute", "envoy_least_request", "sglang_router_cache_aware"):
+        for k in ("p50", "p99", "hit"):
+            value, lo, hi = out[c][k]
+            assert lo <= value <= hi and lo < hi
+    ratio, lo, hi, best = out["warmroute"]["vs_p50"]
+    assert best == "sglang_router_cache_aware"  # the faster peer, not the first
+    assert ratio == pytest.approx(out["warmroute"]["p50"][0] / out[best]["p50"][0])
+    assert lo < ratio < hi and hi < 1.0  # 1.2x faster on 300 requests: the interval says so
+    diff, lo, hi, best = out["warmroute"]["vs_hit"]
+    assert best == "sglang_router_cache_aware" and lo < diff < hi < 0.0  # ~9 points fewer hits, and said so
+    assert "vs_p50" not in out["envoy_least_request"]
+
+
+def test_a_run_that_measured_the_machine_is_kept_out_and_seeds_pool():
+    rows = [_row("warmroute", 1.0), _row("envoy_least_request", 0.5, pace="the client lagged"),
+            _row("envoy_ring_hash_bounded_150", 1.1), _row("warmroute", 1.0, seed=2),
+            _row("envoy_ring_hash_bounded_150", 1.1, seed=2)]
+    out = compare(rows, 1)
+    assert "envoy_least_request" not in out
+    assert out["warmroute"]["vs_p50"][3] == "envoy_ring_hash_bounded_150"
+    pooled = compare(rows, None)
+    # pooled: every seed's requests of a router together (the refused run still out)
+    both = sorted(rows[0].ttfts + rows[3].ttfts)
+    assert pooled["warmroute"]["p50"][0] == both[round(0.5 * (len(both) - 1))]
+    assert "envoy_least_request" not in pooled

@@ -228,15 +228,19 @@ def histogram_sums(text: str) -> dict[str, float]:
             "decode_seconds": g("request_decode_time_seconds_sum")}
 
 
+def metric_total(text: str, name: str) -> float:
+    """The sum of every series of ``name`` (any labels) in a /metrics text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def brain_decision_mean(text: str) -> float | None:
     """The brain's mean decision time in seconds, from its /metrics text."""
-    total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith("warmroute_decision_duration_seconds_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("warmroute_decision_duration_seconds_count"):
-            count += float(line.rsplit(" ", 1)[1])
-    return total / count if count else None
+    count = metric_total(text, "warmroute_decision_duration_seconds_count")
+    return metric_total(text, "warmroute_decision_duration_seconds_sum") / count if count else None
 
 
 def pace_check(ttft_p50: float, client_lag_p99: float, not_engine_p50: float | None, speedup: float) -> str | None:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from bench.harness import metric_total
 from bench.runs.real import Row, compare
 
 
@@ -45,3 +46,13 @@ def test_a_run_that_measured_the_machine_is_kept_out_and_seeds_pool():
     both = sorted(rows[0].ttfts + rows[3].ttfts)
     assert pooled["warmroute"]["p50"][0] == both[round(0.5 * (len(both) - 1))]
     assert "envoy_least_request" not in pooled
+
+
+def test_a_metric_s_total_is_every_series_of_that_name_and_no_other():
+    text = ('# HELP x\nwarmroute_flow_wait_seconds_total{class="standard"} 1.5\n'
+            'warmroute_flow_wait_seconds_total{class="sheddable"} 2.0\n'
+            'warmroute_flow_wait_seconds_created{class="standard"} 99.0\n'
+            'vllm:time_to_first_token_seconds_sum 3.0\nvllm:time_to_first_token_seconds_sum_other 7.0\n')
+    assert metric_total(text, "warmroute_flow_wait_seconds_total") == 3.5
+    assert metric_total(text, "vllm:time_to_first_token_seconds_sum") == 3.0
+    assert metric_total(text, "absent") == 0.0

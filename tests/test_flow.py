@@ -893,5 +893,9 @@ def test_sessions_that_ended_leave_the_working_set_once_quiet_for_longer_than_th
     assert horizon == 5.0 and active == 0  # quiet for 10 s where sessions pause 2 s: gone
     active, horizon = active_after(2.0, 3.0)
     assert active > 8 * 20_000  # quiet for less than the horizon: still under way
+    active, horizon = active_after(4.0, 9.0)
+    assert horizon == pytest.approx(8.0) and active == 0  # twice the p99 gap: 8 s, so quiet for 9 s is gone...
+    active, horizon = active_after(4.0, 7.0)
+    assert active > 8 * 20_000  # ...and for 7 s is not
     active, horizon = active_after(40.0, 10.0)
     assert horizon == 60 and active > 8 * 20_000  # sessions that pause 40 s keep the configured minute

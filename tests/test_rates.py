@@ -174,3 +174,33 @@ def test_C3_an_engine_much_faster_than_the_prior_is_learned_as_it_is():
     r = _batched([(1, 60.0)], 1 / 40_000, 0.0, 0.002, 0.0)
     assert r.decode_s_per_token == pytest.approx(0.002, rel=0.02)
     assert r.prefill_tokens_per_s == pytest.approx(40_000 / 1, rel=0.02)
+
+
+def test_C3_samples_whose_batches_barely_differ_do_not_make_a_steep_slope_of_their_noise():
+    """Two batches 0.1 request apart whose times differ by 20% (noise: nothing runs beside a tenth of a request)
+    would be a slope of 40% a request by least squares alone; the pull towards none keeps it a few per cent."""
+    from extproc.core.load import BatchFit
+
+    fit = BatchFit(0.001)
+    for k in range(40):
+        b, y = (3.0, 0.0009) if k % 2 else (3.1, 0.0011)
+        fit.add(b, y, k == 0)
+    assert 0.0 <= fit.slope < 0.05
+    assert fit.at(3.05) == pytest.approx(0.001, rel=0.05)
+
+
+def test_C3_a_sample_past_64x_of_the_prior_is_taken_as_an_artefact_and_clipped():
+    r = _batched([(1, 60.0)], 1 / 40_000, 0.0, 0.0003, 0.0)  # 100x faster than the 30 ms prior: no engine is
+    assert r.decode_s_per_token == pytest.approx(0.03 / 64, rel=0.01)
+
+
+def test_C3_a_replica_never_measured_slows_with_its_batch_as_the_measured_ones_do():
+    from extproc.core.load import effective_rates
+
+    measured = _batched(PHASES, 1 / 20_000, 0.05, 0.002, 0.15)
+    new = Rates(5000.0, 0.03, 256.0)
+    now = 150.0
+    _, idle = effective_rates([measured, new], now, 60.0, [0, 0])
+    _, busy = effective_rates([measured, new], now, 60.0, [0, 6])
+    assert busy[1] / idle[1] == pytest.approx(1 + measured.decode_slope * 6, rel=0.01)
+    assert measured.decode_slope > 0.1

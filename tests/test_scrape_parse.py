@@ -3,6 +3,8 @@ failed scrape that says why (a replica reporting nonsense is neither believed no
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from extproc.brain.scraper import parse_vllm_metrics
@@ -165,18 +167,8 @@ def test_engine_auto_reads_metrics_once_whatever_engine_answers():
                 return web.Response(text="")
             raise web.HTTPNotFound()
 
-        app = web.Application()
-        app.router.add_get("/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
-            async with ClientSession() as session:
-                r = await Scraper(None, None, lambda: 0.0, 1.0)._fetch(session, url, 2.0, "auto")
-        finally:
-            await runner.cleanup()
+        async with _serving(handle) as url, ClientSession() as session:
+            r = await Scraper(None, None, lambda: 0.0, 1.0)._fetch(session, url, 2.0, "auto")
         assert r.ok
         return r.engine, seen
 
@@ -227,19 +219,9 @@ def test_a_replicas_kv_event_sources_are_read_bounded_and_anything_else_is_none(
         async def handle(request):
             return web.Response(status=status, text=text)
 
-        app = web.Application()
-        app.router.add_get("/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
-            async with ClientSession() as session:
-                return await Scraper(None, None, lambda: 0.0, 1.0, max_bytes=64 * 1024).fetch_kv_sources(
-                    session, "r0", url, 2.0)
-        finally:
-            await runner.cleanup()
+        async with _serving(handle) as url, ClientSession() as session:
+            return await Scraper(None, None, lambda: 0.0, 1.0, max_bytes=64 * 1024).fetch_kv_sources(
+                session, "r0", url, 2.0)
 
     listed = {"0": {"endpoint": "tcp://*:5557"}}
     assert asyncio.run(scenario(200, json.dumps(listed))) == (True, listed)
@@ -249,3 +231,19 @@ def test_a_replicas_kv_event_sources_are_read_bounded_and_anything_else_is_none(
     assert asyncio.run(scenario(200, "{not json")) == (True, None)
     assert asyncio.run(scenario(200, "[" * 10_000 + "]" * 10_000)) == (True, None)  # deeper than the stack
     assert asyncio.run(scenario(200, json.dumps({"0": "x" * 100_000}))) == (False, None)  # past max_bytes
+
+
+@contextlib.asynccontextmanager
+async def _serving(handle):
+    """A replica on 127.0.0.1 (a port the OS picks) answering every GET with ``handle``: its URL, stopped after."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

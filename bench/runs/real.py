@@ -47,6 +47,7 @@ from bench.harness import (
     engine_counters,
     histogram_sums,
     invocation,
+    metric_total,
     pace_check,
     reset_caches,
     start_peer,
@@ -155,8 +156,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             brain = http_get(s.brain_metrics).decode()
             decision = brain_decision_mean(brain)
             # seconds flow control held requests in the brain: the router's choice, not this machine's slowness
-            held = sum(float(line.rsplit(" ", 1)[1]) for line in brain.splitlines()
-                       if line.startswith("warmroute_flow_wait_seconds_total"))
+            held = metric_total(brain, "warmroute_flow_wait_seconds_total")
             learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
             for rep, before in zip(replicas, h0):
                 d = {k: v - before[k] for k, v in histogram_sums(http_get(rep.url + "/metrics", 5).decode()).items()}
@@ -194,14 +194,9 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
 
 def _engine_ttft(urls: list[str]) -> tuple[float, float]:
     """(sum, count) of the engines' own vllm:time_to_first_token_seconds, timed inside vLLM."""
-    total = count = 0.0
-    for u in urls:
-        for line in http_get(u + "/metrics", 5).decode().splitlines():
-            if line.startswith("vllm:time_to_first_token_seconds_sum"):
-                total += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("vllm:time_to_first_token_seconds_count"):
-                count += float(line.rsplit(" ", 1)[1])
-    return total, count
+    texts = [http_get(u + "/metrics", 5).decode() for u in urls]
+    return (sum(metric_total(t, "vllm:time_to_first_token_seconds_sum") for t in texts),
+            sum(metric_total(t, "vllm:time_to_first_token_seconds_count") for t in texts))
 
 
 def _hit(pairs) -> float:

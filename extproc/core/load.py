@@ -336,12 +336,13 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float,
     # requests says nothing of 40); one never measured slows as the measured ones do (the same engine, most likely)
     never = float("-inf")
     measured = [r for r in rates if r.prefill_at != never and r.decode_at != never]
+    if len(measured) < len(rates):  # once per decision, not per replica never measured (300 of them at start)
+        kp = sum(m.prefill_slope for m in measured) / len(measured) if measured else 0.0
+        kd = sum(m.decode_slope for m in measured) / len(measured) if measured else 0.0
+        top = min((m._prefill_fit.top for m in measured), default=0.0)
     out_p, out_d = [], []
     for x, y, r, b in zip(prefill, decode, rates, batches):
         if r.prefill_at == never or r.decode_at == never:
-            kp = sum(m.prefill_slope for m in measured) / len(measured) if measured else 0.0
-            kd = sum(m.decode_slope for m in measured) / len(measured) if measured else 0.0
-            top = min((m._prefill_fit.top for m in measured), default=0.0)
             out_p.append(x / (1.0 + kp * min(b, top)))
             out_d.append(y * (1.0 + kd * min(b, top)))
         else:

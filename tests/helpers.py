@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from extproc.core import LIVE, RequestProfile, Router, RouterConfig, hash_key
 
 
@@ -92,3 +94,20 @@ def stop_group(p, sig: int, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
+
+
+@contextlib.asynccontextmanager
+async def serving(handle, method: str = "GET", path: str = "/{tail:.*}"):
+    """A server on 127.0.0.1 (a port the OS picks) answering ``method path`` with ``handle``: its URL, stopped
+    after."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_route(method, path, handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

@@ -43,21 +43,13 @@ def _replay_against(chat, cfg, **kw):
     """``replay`` of ``cfg`` at 10x against a fake chat endpoint ``chat`` on a port the OS picks."""
     import asyncio
 
-    from aiohttp import web
-
     from extproc.tools.workload.http_replay import replay
 
+    from .helpers import serving
+
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            return await replay(f"http://127.0.0.1:{runner.addresses[0][1]}", cfg, seed=2, speedup=10.0, timeout=30,
-                                **kw)
-        finally:
-            await runner.cleanup()
+        async with serving(chat, "POST", "/v1/chat/completions") as url:
+            return await replay(url, cfg, seed=2, speedup=10.0, timeout=30, **kw)
 
     return asyncio.run(main())
 

@@ -3,11 +3,11 @@ failed scrape that says why (a replica reporting nonsense is neither believed no
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from extproc.brain.scraper import parse_vllm_metrics
+
+from .helpers import serving
 
 BASE = """# HELP vllm:num_requests_running Requests in model execution batches
 # TYPE vllm:num_requests_running gauge
@@ -167,7 +167,7 @@ def test_engine_auto_reads_metrics_once_whatever_engine_answers():
                 return web.Response(text="")
             raise web.HTTPNotFound()
 
-        async with _serving(handle) as url, ClientSession() as session:
+        async with serving(handle) as url, ClientSession() as session:
             r = await Scraper(None, None, lambda: 0.0, 1.0)._fetch(session, url, 2.0, "auto")
         assert r.ok
         return r.engine, seen
@@ -219,7 +219,7 @@ def test_a_replicas_kv_event_sources_are_read_bounded_and_anything_else_is_none(
         async def handle(request):
             return web.Response(status=status, text=text)
 
-        async with _serving(handle) as url, ClientSession() as session:
+        async with serving(handle) as url, ClientSession() as session:
             return await Scraper(None, None, lambda: 0.0, 1.0, max_bytes=64 * 1024).fetch_kv_sources(
                 session, "r0", url, 2.0)
 
@@ -232,18 +232,3 @@ def test_a_replicas_kv_event_sources_are_read_bounded_and_anything_else_is_none(
     assert asyncio.run(scenario(200, "[" * 10_000 + "]" * 10_000)) == (True, None)  # deeper than the stack
     assert asyncio.run(scenario(200, json.dumps({"0": "x" * 100_000}))) == (False, None)  # past max_bytes
 
-
-@contextlib.asynccontextmanager
-async def _serving(handle):
-    """A replica on 127.0.0.1 (a port the OS picks) answering every GET with ``handle``: its URL, stopped after."""
-    from aiohttp import web
-
-    app = web.Application()
-    app.router.add_get("/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()

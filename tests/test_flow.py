@@ -899,3 +899,42 @@ def test_sessions_that_ended_leave_the_working_set_once_quiet_for_longer_than_th
     assert active > 8 * 20_000  # ...and for 7 s is not
     active, horizon = active_after(40.0, 10.0)
     assert horizon == 60 and active > 8 * 20_000  # sessions that pause 40 s keep the configured minute
+
+
+def test_a_system_prompt_that_sessions_share_counts_once_in_the_working_set_while_any_of_them_is_under_way():
+    """Issue 46: each chat's context was counted whole, so a system prompt 40 sessions share took 40 times its room in
+    the working set, and flow control held new sessions on three real vLLMs whose caches had room (p99 10x ring
+    hash's). What a session finds cached where it arrives is counted once for all that share it, as long as any
+    of them is under way, even after the session that brought it left."""
+    from extproc.core.config import WarmConfig
+
+    router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=20)))
+    router.flow = FlowControl()
+    pol = router.policy
+
+    def turn(session, tokens, at):
+        d = router.select(prof(session=session, tokens=tokens, blocks=chain("sys", session, tokens, 40_000)), at,
+                          hold_key=session)
+        if d.reservation is not None:
+            router.release(d.reservation, at + 0.1)
+        return d
+
+    # twelve chats of 60K, 40K of it one system prompt: 720K counted per session, more than two caches of 300K
+    # hold at kv_pressure; 40K + 12 x 20K = 280K as the engines hold it (40K more where both hold the prompt)
+    placed = [turn(f"s{k}", 60_000, t + 0.5 * k) for k in range(12)]
+    assert not any(d.reason is Reason.HELD for d in placed)
+    holding = {d.replica.name for d in placed}
+    total = sum(pol.state_of(r).active_tokens for r in router.replicas)
+    assert total <= 12 * 20_000 + 2 * 40_000 * len(holding)  # at most one copy more than the engines hold
+    # the first session on each replica goes quiet; the others come back: their prompt is still counted there
+    firsts = {d.replica.name: k for k, d in reversed(list(enumerate(placed)))}
+    for step in range(1, 5):
+        for k in range(12):
+            if k not in firsts.values():
+                turn(f"s{k}", 60_000 + 500 * step, t + 6 + 4 * step + 0.1 * k)
+    # (if the prompt left with the session that brought it, the ten under way would count 10 x 20.5K)
+    assert sum(pol.state_of(r).active_tokens for r in router.replicas) >= 10 * 20_500 + 40_000
+    # all quiet: nothing left counted
+    d = router.select(prof(tokens=100, blocks=chain("x", "x", 100)), t + 200, hold_key="x")
+    router.release(d.reservation, t + 200.1)
+    assert all(pol.state_of(r).active_tokens == 0 for r in router.replicas)

@@ -55,7 +55,9 @@ class Estimate:
     lora_wait: float = 0.0  # of which waiting for a slot the adapters running there hold (the rest: its load)
     stall: float = 0.0  # seconds the others on the replica lose to that load
     fits: bool = True  # beside the active sessions' contexts, in the replica's cache
+    room: bool = True  # the same, a prefix they share counted once: flow control's word
     prompt: int = 1  # the request's prompt in this replica's engine tokens (TokenScale)
+    prefix: int | None = None  # the last block hash of its cached prefix there (what it shares: working set)
     ttft: float = 0.0
     cost: float = 0.0
     work: float = 0.0

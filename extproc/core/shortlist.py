@@ -106,7 +106,7 @@ class Shortlist:
         for i in range(n_live):
             st = states[i]
             p = typical * st.scale.value / prefill_rate[i]
-            pressure = (st.active_tokens + 2 * typical) / st.cache_tokens
+            pressure = (st.active_whole + 2 * typical) / st.cache_tokens
             load.append((waits[i] + p
                          + decode_penalty(w.decode_weight, out_tokens, decode_s[i], fastest)
                          + interference(idle, recent(st.arrivals, since), w.arrival_window_s, p)

@@ -81,6 +81,7 @@ class WarmPolicy(Shortlist):
         self.sessions = WorkingSet()  # where each active session's context lives (C3)
         self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
         self._chosen_prompt = 1
+        self._chosen_prefix: int | None = None
         self._rr = 0  # round-robin pointer for ties
         self._per = 1  # engines per replica in the last round-robin
         # who holds which sampled block, for big fleets' shortlists: kept from the first look at a fleet that big
@@ -271,6 +272,7 @@ class WarmPolicy(Shortlist):
         if ex is not None and ex.exact and hashes is not None and hashes[0] == ex.block_size and profile.engine_tokens:
             prompt = profile.engine_tokens  # the engine's own tokens and its own word on what it holds (issue 45)
             cached = min(prompt - 1, st.exact_cached(hashes[1], now)) if self.use_index else 0
+            prefix = hashes[1][cached // ex.block_size - 1] if cached >= ex.block_size else None
         else:
             # tokenized as the engine does: this text's own scale, else the replica's learned one
             scale = profile.engine_tokens / profile.tokens if profile.engine_tokens and profile.tokens else \
@@ -279,6 +281,7 @@ class WarmPolicy(Shortlist):
             chain = profile.blocks if self.use_index and st.prefix_caching else ()
             matched = st.index.match(chain) if chain else 0
             cached = min(prompt - 1, int(matched * self.tokens_per_block * scale)) if matched else 0
+            prefix = chain[matched - 1] if matched else None
             if not chain and pin is not None and pin.replica is r and pin.engine == engine and st.prefix_caching:
                 cached = min(prompt - 1, int(pin.tokens * scale))  # C4: the session's context lives here
         if st.engine_block and cached:  # vLLM hits whole blocks only, and never the prompt's last token
@@ -287,7 +290,8 @@ class WarmPolicy(Shortlist):
         waiting = st.waiting(r)
         if waiting:
             wait = max(wait, waiting * max(st.uncached_ewma, 1.0) / rate)
-        e = Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine, prompt=prompt)
+        e = Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine, prompt=prompt,
+                     prefix=prefix if cached else None)
         if profile.adapter is not None:
             loads, lora_wait = self._lora_s(self.state_of(r), profile.adapter, dec, now)
             e.lora, e.lora_wait = loads + lora_wait, lora_wait
@@ -319,7 +323,13 @@ class WarmPolicy(Shortlist):
         """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
         w = self.cfg.warm
         st, cap, prompt = e.st, e.st.cache_tokens, e.prompt
-        others = st.active_tokens - (mine[2] if mine is not None and mine[1] is st else 0)
+        home = mine is not None and mine[1] is st
+        # what the others count already of this context: the prefix it shares with them, counted once
+        shared = self.sessions.shares(st, mine[4][1]) if home and mine[4] is not None else \
+            0 if home else self.sessions.shares(st, e.prefix)
+        e.room = st.active_tokens - (mine[2] if home else 0) + prompt - min(shared, e.cached) + out_tokens \
+            <= w.kv_pressure * cap
+        others = st.active_whole - (mine[5] if home else 0)
         pressure = (others + prompt + out_tokens) / cap
         e.fits = pressure <= w.kv_pressure
         if session and pressure > w.evict_start:
@@ -376,6 +386,7 @@ class WarmPolicy(Shortlist):
             self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
                                round(e.st.work_s, 2)) for e in ests)
         self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
+        self._chosen_prefix = best.prefix
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
 
     def _saturated(self, best: "Estimate", profile: RequestProfile, pin: Pin | None,
@@ -391,7 +402,8 @@ class WarmPolicy(Shortlist):
         (half of it, sheddable), so holding it loses no engine time while it keeps the choice of replica open."""
         fresh = pin is None or best.cached < best.prompt / 2
         if fresh and profile.session_key is not None:
-            if not best.fits and best.prompt <= self.cfg.warm.kv_pressure * best.st.cache_tokens:
+            if not any(e.room for e in (ests or (best,))) and \
+                    best.prompt <= self.cfg.warm.kv_pressure * best.st.cache_tokens:
                 return True
             # Sessions under way on it (active contexts) come back for their next turns, and an engine runs its
             # queue in order: each new session placed behind a queue longer than its own prefill only lengthens
@@ -560,7 +572,7 @@ class WarmPolicy(Shortlist):
             while len(sent) > 64:  # far more than any replica's slots
                 sent.popitem(last=False)
         if profile.session_key is not None and not profile.provisional:
-            self.sessions.place(profile.session_key, st, prompt, now)
+            self.sessions.place(profile.session_key, st, prompt, now, self._chosen_prefix, d.cached_tokens)
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
                            prompt: int, at: float, now: float, estimated: int | None = None) -> None:

@@ -16,7 +16,7 @@ class WarmReplica:
     """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent", "scale",
+                 "pending_tokens", "active_tokens", "active_whole", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent", "scale",
                  "engine_block", "exact", "promised")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
@@ -37,6 +37,7 @@ class WarmReplica:
         self.pending: deque[tuple[float, int]] = deque()
         self.pending_tokens = 0
         self.active_tokens = 0  # context of the sessions that used this replica within warm.active_session_s
+        self.active_whole = 0  # the same, each session's whole context (a prefix they share counted per session)
         self.arrivals: deque[float] = deque()  # when requests were routed here, over warm.arrival_window_s
         # False once the replica says it runs without prefix caching: nothing it served is there to be hit
         self.prefix_caching = True

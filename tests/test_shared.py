@@ -83,6 +83,27 @@ def test_every_brain_counts_what_all_of_them_sent_against_the_engine_s_prompt_to
     assert b.replica("r0").in_flight_requests >= 1
 
 
+def test_another_brain_s_sessions_count_a_prefix_they_share_once_in_the_working_set_as_its_own_do():
+    """Issue 46: flow control's working set counts a prefix that sessions share once per replica. Another brain's
+    reservations bring what their session found cached and the block hash that ends it, so a brain counts the
+    sessions it did not route as their own brain does (counted whole, twelve sessions over one system prompt
+    weighed 1.2x what the engines hold); an older brain's event, without them, still counts the session whole."""
+    a, b, now = _pair()
+    for i in range(12):
+        d = a.select(_turn(i, 3), now + 0.1 * i)
+        a.release(d.reservation, now + 0.1 * i + 0.05)
+        b.apply("a", a.outbox.take(), 0.0, now + 0.1 * i + 0.05)
+    counted = {r.name: a.policy.state_of(r).active_tokens for r in a.replicas}
+    # 8 of each session's 38 blocks (128 of 608 tokens) are shared: counted once, and once more in the first's own
+    assert sum(counted.values()) <= 12 * (608 - 128) + 2 * 128 < 12 * _turn(0, 3).tokens
+    assert {r.name: b.policy.state_of(r).active_tokens for r in b.replicas} == counted
+    old = ("o", 99, "r0", None, 1000, False, 1.0, 0.5, 100, hash_key("session", None, "old").hex(), 640, now + 2,
+           640)  # thirteen fields: no shared prefix
+    before = b.policy.state_of(b.replica("r0")).active_tokens
+    b.apply("x", [old], 0.0, now + 2)
+    assert b.policy.state_of(b.replica("r0")).active_tokens == before + 640
+
+
 def test_a_close_that_overtakes_its_open_leaves_no_load_behind():
     a, b, now = _pair()
     d = a.select(_turn(1, 0), now)

@@ -56,6 +56,7 @@ class Decision:
     predicted_ttft_s: float | None = None  # warm policy: the estimate that chose the replica (C3)
     cached_tokens: int = 0  # warm policy: prompt tokens the chosen replica probably holds (the engine's tokens)
     prompt_tokens: int = 0  # warm policy: the prompt in the chosen engine's tokens, as priced
+    prefix: int | None = None  # warm policy: the last block hash of ``cached_tokens`` (what it shares there)
     work_s: float = 0.0  # warm policy: predicted engine seconds of this request
     # warm policy, a replica with several data-parallel engines: the engine priced (None: one engine)
     engine: int | None = None

@@ -183,7 +183,7 @@ class SeedPolicy:
         pass
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key, prompt: int,
-                           at: float, now: float, estimated: int | None = None) -> None:
+                           at: float, now: float, estimated: int | None = None, shared=None) -> None:
         pass  # another brain's request counts in the replica's in-flight weight, which the router keeps
 
     def index_of(self, r: Replica, engine: int | None):

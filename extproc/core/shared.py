@@ -10,9 +10,11 @@ shell, a delayed queue in the simulator, a shuffling list in the tests) ships th
   hash now lives on ``replica`` (None: it was deleted). Last writer wins by ``at``: the newest use of a
   session is where its context is, whichever brain saw it.
 - ``("o", rid, replica, engine, weight_milli, provisional, work_s, prefill_s, pending_tokens, session, prompt,
-  at, estimated)``: a reservation opened (in-flight work the receiver counts on the replica like its own);
-  ``estimated``: the request's tokens as estimated from its text (None: provisional, or a brain older than it), so
-  that every brain compares the engine's prompt tokens with all that was sent, not its own share (TokenScale).
+  at, estimated, prefix, cached)``: a reservation opened (in-flight work the receiver counts on the replica like its
+  own); ``estimated``: the request's tokens as estimated from its text (None: provisional, or a brain older than
+  it), so that every brain compares the engine's prompt tokens with all that was sent, not its own share
+  (TokenScale); ``prefix``, ``cached``: the block hash that ends what it found cached there and its tokens (None, 0:
+  none, or an older brain), so that every brain's working set counts a prefix sessions share once.
 - ``("x", rid, digest)``: the end of a reservation reached this brain but not its owner (an Envoy's access log
   kept on a brain it failed over to, or one log stream for several processes behind one Envoy); the owner, whose
   id's digest it is, releases it. ``("a", rid, digest)``: the same for a periodic entry: the request is alive.
@@ -89,7 +91,8 @@ class Outbox:
         if res is not None:
             self.events.append(("o", res.id, res.replica.name, res.engine, res.weight_milli, res.provisional,
                                 res.work_s, res.prefill_s, res.pending_tokens, None if profile.provisional else sk,
-                                d.prompt_tokens, now, None if profile.provisional else profile.tokens))
+                                d.prompt_tokens, now, None if profile.provisional else profile.tokens,
+                                d.prefix, d.cached_tokens))
         for table in router.policy.pin_tables():
             key = profile.session_key if table.kind is SESSION else profile.prefix_key
             if key is None:
@@ -164,6 +167,9 @@ class Remote:
     def _opened(self, router, origin: str, ev: tuple, offset: float, now: float) -> None:
         _, rid, name, engine, weight, provisional, work_s, prefill_s, pending, sk, prompt, at = ev[:12]
         estimated = ev[12] if len(ev) > 12 and ev[12] is not None else None  # an older brain sends none
+        prefix, cached = (ev[13], int(ev[14])) if len(ev) > 14 and ev[13] is not None else (None, 0)
+        if not (prefix is None or isinstance(prefix, int) and 0 < cached <= int(prompt)):
+            raise ValueError("a shared prefix no request can have")
         # what one request can be: nine forged reservations put 29,996 s of predicted wait on three replicas
         if not (0 <= float(work_s) <= _MAX_WORK_S and 0 <= float(prefill_s) <= _MAX_WORK_S
                 and 0 <= int(weight) <= _MAX_WEIGHT_MILLI and 0 <= int(pending) <= _MAX_TOKENS
@@ -179,7 +185,8 @@ class Remote:
         res.engine = engine if engine is None else int(engine)
         res.work_s = float(work_s)
         router.policy.on_remote_reserved(res, float(prefill_s), int(pending), _key(sk) if sk else None, int(prompt),
-                                         at, now, None if estimated is None else int(estimated))
+                                         at, now, None if estimated is None else int(estimated),
+                                         None if prefix is None else (prefix, cached))
         self.reservations[(origin, rid)] = res
 
     def _home(self, router, ev: tuple, offset: float, now: float) -> None:

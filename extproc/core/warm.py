@@ -81,7 +81,6 @@ class WarmPolicy(Shortlist):
         self.sessions = WorkingSet()  # where each active session's context lives (C3)
         self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
         self._chosen_prompt = 1
-        self._chosen_prefix: int | None = None
         self._rr = 0  # round-robin pointer for ties
         self._per = 1  # engines per replica in the last round-robin
         # who holds which sampled block, for big fleets' shortlists: kept from the first look at a fleet that big
@@ -386,7 +385,6 @@ class WarmPolicy(Shortlist):
             self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
                                round(e.st.work_s, 2)) for e in ests)
         self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
-        self._chosen_prefix = best.prefix
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
 
     def _saturated(self, best: "Estimate", profile: RequestProfile, pin: Pin | None,
@@ -536,7 +534,7 @@ class WarmPolicy(Shortlist):
                     pin.engine = best.engine
                     self.session_pins.touch(profile.session_key, pin, now)
         return Decision(chosen, reason, pin_kind, events, predicted_ttft_s=best.ttft, cached_tokens=best.cached,
-                        prompt_tokens=best.prompt,
+                        prompt_tokens=best.prompt, prefix=best.prefix,
                         work_s=best.work, engine=best.engine,
                         steer=best.engine is not None and self.cfg.warm.steer_data_parallel)
 
@@ -572,10 +570,11 @@ class WarmPolicy(Shortlist):
             while len(sent) > 64:  # far more than any replica's slots
                 sent.popitem(last=False)
         if profile.session_key is not None and not profile.provisional:
-            self.sessions.place(profile.session_key, st, prompt, now, self._chosen_prefix, d.cached_tokens)
+            self.sessions.place(profile.session_key, st, prompt, now, d.prefix, d.cached_tokens)
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
-                           prompt: int, at: float, now: float, estimated: int | None = None) -> None:
+                           prompt: int, at: float, now: float, estimated: int | None = None,
+                           shared: tuple[int, int] | None = None) -> None:
         """Another brain's request on a replica (shared state), booked as ``on_reserved`` books ours: one brain
         taking all the traffic would see it queue there, hold its KV and keep its session's context active. Its
         prefill started queueing when it was decided (``at``), not when the news arrived."""
@@ -589,7 +588,7 @@ class WarmPolicy(Shortlist):
             res.arrived_at = now
         if session_key is not None:
             self.sessions.expire(now, self.cfg.warm.active_session_s)
-            self.sessions.place(session_key, st, prompt, now)
+            self.sessions.place(session_key, st, prompt, now, *(shared or (None, 0)))
 
     def index_of(self, r: Replica, engine: int | None):
         """The prefix index of a replica (or one of its data-parallel engines), for another brain's chains."""

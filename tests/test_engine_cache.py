@@ -229,6 +229,37 @@ def test_an_exact_engine_is_priced_by_what_it_holds_in_its_own_tokens():
     assert d.replica.name == "r1" and d.cached_tokens == 1280 and d.prompt_tokens == 2000, d
 
 
+def test_sessions_over_a_prefix_an_exact_engine_holds_count_it_once_in_the_working_set():
+    """Issue 46, on the engine's own word: sessions whose prompts start with the blocks the engine's events say it
+    holds (a system prompt) share them; flow control's working set counts them once for all, the engine's block
+    hash naming the prefix, while the routing terms keep each session's whole context."""
+    from extproc.core import RouterConfig, exact, hash_key
+
+    from .helpers import live_router
+    from extproc.core.profile import RequestProfile
+
+    router, t = live_router(2, RouterConfig())
+    system = list(range(1280))  # 10 blocks of 128
+    held = chain(system, 128, none_hash())
+    for name in ("r0", "r1"):
+        assert exact.apply_events(router.policy, name, 0, [Stored(tuple(external(d) for d in held), None,
+                                                                  tuple(system), 128)], t, EngineCache)
+    pol = router.policy
+    for i in range(3):
+        tokens = system + [100_000 * (i + 1) + j for j in range(720)]
+        hashes = tuple(external(d) for d in chain(tokens, 128, none_hash()))
+        prof = RequestProfile(hash_key("session", None, f"s{i}"), None, 1000, "ok", engine_tokens=2000,
+                              engine_hashes=(128, hashes))
+        d = router.select(prof, t + i)
+        assert d.cached_tokens == 1280 and d.prefix == hashes[9], d
+        router.release(d.reservation, t + i + 0.5)
+    states = [pol.state_of(r) for r in router.replicas]
+    sharing = sum(1 for s in states if s.active_tokens)
+    # each replica holding sessions counts the 1,280 once beside their own 720 each; the whole count, 2,000 each
+    assert sum(s.active_tokens for s in states) == 3 * 720 + sharing * 1280
+    assert sum(s.active_whole for s in states) == 3 * 2000
+
+
 def test_a_prefix_sent_to_an_exact_engine_counts_there_until_its_events_can_have_come():
     """Between a request's decision and the engine's BlockStored for it, a request with the same prefix would see
     nothing held: the blocks sent count as held until the sent request's predicted prefill ends + PROMISE_SLACK_S,

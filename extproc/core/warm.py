@@ -322,13 +322,13 @@ class WarmPolicy(Shortlist):
         """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
         w = self.cfg.warm
         st, cap, prompt = e.st, e.st.cache_tokens, e.prompt
-        home = mine is not None and mine[1] is st
+        home = mine is not None and mine.st is st
         # what the others count already of this context: the prefix it shares with them, counted once
-        shared = self.sessions.shares(st, mine[4][1]) if home and mine[4] is not None else \
+        shared = self.sessions.shares(st, mine.shared[1]) if home and mine.shared is not None else \
             0 if home else self.sessions.shares(st, e.prefix)
-        e.room = st.active_tokens - (mine[2] if home else 0) + prompt - min(shared, e.cached) + out_tokens \
+        e.room = st.active_tokens - (mine.own if home else 0) + prompt - min(shared, e.cached) + out_tokens \
             <= w.kv_pressure * cap
-        others = st.active_whole - (mine[5] if home else 0)
+        others = st.active_whole - (mine.whole if home else 0)
         pressure = (others + prompt + out_tokens) / cap
         e.fits = pressure <= w.kv_pressure
         if session and pressure > w.evict_start:

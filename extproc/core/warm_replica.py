@@ -36,8 +36,10 @@ class WarmReplica:
         # KV is not yet in the scraped usage but will be taken before a request routed now gets any
         self.pending: deque[tuple[float, int]] = deque()
         self.pending_tokens = 0
-        self.active_tokens = 0  # context of the sessions that used this replica within warm.active_session_s
-        self.active_whole = 0  # the same, each session's whole context (a prefix they share counted per session)
+        # context of the sessions under way here (quiet for less than WorkingSet.horizon), a prefix they share
+        # counted once (flow control's fit rule); and each session's whole context (the routing terms')
+        self.active_tokens = 0
+        self.active_whole = 0
         self.arrivals: deque[float] = deque()  # when requests were routed here, over warm.arrival_window_s
         # False once the replica says it runs without prefix caching: nothing it served is there to be hit
         self.prefix_caching = True

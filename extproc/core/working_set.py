@@ -5,6 +5,7 @@ fit rule and flow control read ``WarmReplica.active_tokens``, which this keeps."
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 from .warm_replica import WarmReplica
 
@@ -15,14 +16,22 @@ GAPS, GAPS_MIN, GAPS_EVERY = 512, 64, 32
 HORIZON_MIN_S = 5.0  # however quick the fleet's sessions are, one quiet for less than this is still under way
 
 
+class Active(NamedTuple):
+    """A session under way: where its context lives and what it counts there."""
+    at: float  # when it was last used
+    st: WarmReplica
+    own: int  # the tokens its own context counts (a shared prefix apart)
+    back: bool  # whether it ever came back
+    shared: tuple | None  # the prefix it shares with other sessions there: a key of WorkingSet._shared, or None
+    whole: int  # its whole context's tokens, a shared prefix included (the routing terms' count)
+
+
 class WorkingSet:
     def __init__(self) -> None:
         # (time, session key, replica state, tokens) per session turn, oldest first: sessions idle for longer
         # than warm.active_session_s leave their replica's working set
         self._turns: deque[tuple[float, bytes, WarmReplica, int]] = deque()
-        # session -> (when it was last used, where, the tokens its own context counts, whether it ever came back,
-        # the prefix it shares with other sessions there: None or a key of ``_shared``, its whole context's tokens)
-        self._of: dict[bytes, tuple[float, WarmReplica, int, bool, tuple | None, int]] = {}
+        self._of: dict[bytes, Active] = {}
         # (replica state, the shared prefix's last block hash) -> [its tokens, how many active sessions use it]:
         # a system prompt that 40 chats share takes its room in the engine's cache once, not 40 times
         self._shared: dict[tuple, list[int]] = {}
@@ -51,7 +60,7 @@ class WorkingSet:
             self._p99_gap = g[int(0.99 * (len(g) - 1))]
             self._new_gaps = 0
 
-    def of(self, key: bytes) -> tuple[float, WarmReplica, int, bool, tuple | None, int] | None:
+    def of(self, key: bytes) -> Active | None:
         return self._of.get(key)
 
     def shares(self, st: WarmReplica, prefix: int | None) -> int:
@@ -72,12 +81,12 @@ class WorkingSet:
         while a and a[0][0] < limit:
             t, key, st, tokens = a.popleft()
             cur = self._of.get(key)
-            if cur is not None and cur[0] == t:
+            if cur is not None and cur.at == t:
                 del self._of[key]
                 st.active_tokens -= tokens
-                st.active_whole -= cur[5]
-                self._release(st, cur[4])
-                if not cur[3]:
+                st.active_whole -= cur.whole
+                self._release(st, cur.shared)
+                if not cur.back:
                     self._came_back(False)
 
     def _came_back(self, yes: bool) -> None:
@@ -109,14 +118,14 @@ class WorkingSet:
         back = old is not None
         shared = None
         if back:
-            self._gap(now - old[0])
-            old[1].active_tokens -= old[2]
-            old[1].active_whole -= old[5]
-            if old[1] is st and old[4] is not None and old[4] in self._shared:
-                shared = old[4]  # stays: its shared part is what it shared when it arrived
+            self._gap(now - old.at)
+            old.st.active_tokens -= old.own
+            old.st.active_whole -= old.whole
+            if old.st is st and old.shared is not None:
+                shared = old.shared  # stays: its shared part is what it shared when it arrived (its own ref holds it)
             else:
-                self._release(old[1], old[4])
-            if not old[3]:
+                self._release(old.st, old.shared)
+            if not old.back:
                 self._came_back(True)
         if shared is None and prefix is not None and cached > 0:
             shared = (st, prefix)
@@ -129,7 +138,7 @@ class WorkingSet:
         own = max(0, tokens - (self._shared[shared][0] if shared is not None else 0))
         counted = own if back else int(own * self.return_share)
         whole = tokens if back else int(tokens * self.return_share)
-        self._of[key] = (now, st, counted, back, shared, whole)
+        self._of[key] = Active(now, st, counted, back, shared, whole)
         st.active_tokens += counted
         st.active_whole += whole
         self._turns.append((now, key, st, counted))

@@ -901,6 +901,27 @@ def test_sessions_that_ended_leave_the_working_set_once_quiet_for_longer_than_th
     assert horizon == 60 and active > 8 * 20_000  # sessions that pause 40 s keep the configured minute
 
 
+def test_a_reload_that_changes_how_long_sessions_pause_restarts_the_learned_horizon():
+    """An operator who reloads warm.active_session_s gets that horizon until 64 gaps are seen again (the real-vLLM
+    flow-control test set it to an hour and a horizon learned from earlier tests' sessions dropped its sessions
+    after 5 s); a reload that leaves it alone keeps what was learned."""
+    from extproc.core.config import WarmConfig
+
+    cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=60))
+    router, t = live_router(2, cfg)
+    pol = router.policy
+    for turn in range(9):
+        for k in range(8):
+            d = router.select(prof(session=f"s{k}", tokens=1000, blocks=chain(f"s{k}", f"s{k}", 1000)), t + 0.01 * k)
+            router.release(d.reservation, t + 0.01 * k + 0.1)
+        t += 2.0
+    assert pol.sessions.horizon(60) == 5.0
+    router.update_config(dataclasses.replace(cfg, seed=1))
+    assert pol.sessions.horizon(60) == 5.0
+    router.update_config(dataclasses.replace(cfg, warm=WarmConfig(cache_tokens=300_000, active_session_s=3600)))
+    assert pol.sessions.horizon(3600) == 3600
+
+
 def test_a_system_prompt_that_sessions_share_counts_once_in_the_working_set_while_any_of_them_is_under_way():
     """Issue 46: each chat's context was counted whole, so a system prompt 40 sessions share took 40 times its room in
     the working set, and flow control held new sessions on three real vLLMs whose caches had room (p99 10x ring

@@ -109,6 +109,10 @@ class WarmPolicy(Shortlist):
     # ---------------------------------------------------------------- plumbing
 
     def update_config(self, cfg: RouterConfig) -> None:
+        old = getattr(self, "cfg", None)  # None: from __init__
+        if old is not None and cfg.warm.active_session_s != old.warm.active_session_s:
+            # the operator's new word on how long sessions pause holds until the fleet shows its gaps again
+            self.sessions.forget_gaps()
         self.cfg = cfg
         self._view = None
         self.tokens_per_block = cfg.profile.block_chars / cfg.profile.chars_per_token

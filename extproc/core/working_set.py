@@ -60,6 +60,10 @@ class WorkingSet:
             self._p99_gap = g[int(0.99 * (len(g) - 1))]
             self._new_gaps = 0
 
+    def forget_gaps(self) -> None:
+        self._gaps.clear()
+        self._new_gaps, self._p99_gap = 0, None
+
     def of(self, key: bytes) -> Active | None:
         return self._of.get(key)
 

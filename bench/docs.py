@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 
 from extproc.config import AppConfig, BrainConfig, DiscoveryConfig, EnvoyConfig, ReplicaSpec, SharedStateConfig
-from extproc.core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
+from extproc.core.config import DisaggregationConfig, HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DOC = "docs/configuration.md"
@@ -29,6 +29,8 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("routing", RouterConfig, "Which policy chooses, and what the fleet does around it."),
     ("health", HealthConfig, "The health machine of every replica (SPEC A1, A2, B)."),
     ("warm", WarmConfig, "The cost-based policy, `routing.policy: warm` (SPEC C)."),
+    ("disaggregation", DisaggregationConfig, "Prefill/decode disaggregation: where replicas of role prefill take "
+     "prefill legs (docs/routing.md \"Prefill/decode disaggregation\")."),
     ("pins", PinConfig, "Session and prefix pins (SPEC A3; `warm` uses `session_ttl_s` only)."),
     ("profile", ProfileConfig, "What the brain reads of a request: keys, tenant, size, block chain."),
     ("brain", BrainConfig, "Where the brain listens."),
@@ -38,7 +40,7 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
      "brains\"); off unless redis_url is set."),
     ("", AppConfig, "Top-level fields."),
 )
-_NESTED = {"health", "pins", "profile", "warm", "router", "replicas", "brain", "envoy", "discovery", "shared_state", "source",
+_NESTED = {"health", "pins", "profile", "warm", "disaggregation", "router", "replicas", "brain", "envoy", "discovery", "shared_state", "source",
            "aliases"}
 MODELS_SECTION = [
     "## `models`",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import ssl
 import time
@@ -29,6 +30,7 @@ from ..core.profile import replace_model, tenant_of
 from ..envoy_config import CdsFile
 from . import logs
 from .decide import Held, immediate_answer, models_response, route_answer, too_many_response
+from .legs import Legs, new_session
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
@@ -97,6 +99,8 @@ class Brain:
         # the last decisions by Envoy's request id (which the client gets back as x-request-id): what the brain
         # predicted for a request, to hold against what the engine reported (GET /decisions). Hashes and names only
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)
+        self._legs_http = None  # prefill legs' HTTP session, made at the first (legs.py)
+        self.router.disaggregates = cfg.brain.protocol != "endpoint-picker"  # a picker's gateway carries one leg
         # flow control: what each held request needs to be answered (key -> headers, body, phase; body status)
         self.waiting: dict[object, tuple] = {}
         self._held_profile: dict[object, tuple] = {}  # key -> (its profile, its model's resolution, held since)
@@ -133,6 +137,7 @@ class Brain:
         self.scraper.paths_due = (self.scraper.paths_due | {n for n in self.scraper.paths_wanted
                                                              if self.models.paths_of(n) is None}) & self.scraper.paths_wanted
         self.exact.configure(cfg)
+        self.router.set_roles({r.name: r.role for r in cfg.replicas})
 
     def _on_models(self, name: str, models: "list[dict] | None") -> bool:
         if self.models.learned(name, models):
@@ -301,7 +306,35 @@ class Brain:
             return answer
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
         self._remember(headers.get(REQUEST_ID_HEADER), d)
-        return route_answer(d.replica.name, rid, phase, d.engine if d.steer else None, self._body_for(d, body))
+        sent = self._body_for(d, body)
+        engine = d.engine if d.steer else None
+        if d.prefill is not None:
+            legs = self._legs(d, headers, sent if sent is not None else body, phase,
+                              lambda b: route_answer(d.replica.name, rid, phase, engine, b if b is not None else sent))
+            if legs is not None:
+                return legs
+        return route_answer(d.replica.name, rid, phase, engine, sent)
+
+    def _legs(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str, answer) -> Legs | None:
+        """The two legs of a request the policy disaggregated (None: it is prefilled where it goes after all: no
+        body to send, one that does not read, or a client doing its own disaggregation)."""
+        doc = None
+        if body is not None and phase == "request_body":
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                pass
+        if not isinstance(doc, dict) or "kv_transfer_params" in doc:
+            self.router.release(d.prefill_reservation, self.clock())
+            d.reservation.transfer_tokens = 0
+            return None
+        return Legs(self, d, headers, doc, _path(headers), answer)
+
+    def legs_http(self):
+        """The prefill legs' connections (one pool for the brain's life)."""
+        if self._legs_http is None or self._legs_http.closed:
+            self._legs_http = new_session()
+        return self._legs_http
 
     @property
     def _picker_untrusted(self) -> frozenset[str]:
@@ -434,7 +467,8 @@ class Brain:
     def _remember(self, request_id: str | None, d: Decision) -> None:
         # on every request's path: a tuple here, the document only when GET /decisions asks
         self.recent.append(((request_id or "")[:MAX_REQUEST_ID_CHARS], self.clock(), d.replica_name, d.engine,
-                            d.reason, d.model, d.predicted_ttft_s, d.cached_tokens, d.prompt_tokens))
+                            d.reason, d.model, d.predicted_ttft_s, d.cached_tokens, d.prompt_tokens,
+                            d.prefill.replica.name if d.prefill is not None else None))
 
     def caches_reset(self, name: str) -> None:
         """Replica ``name``'s engines emptied their prefix caches at the operator's word (admin API)."""
@@ -448,8 +482,8 @@ class Brain:
             list(self.recent)[max(0, len(self.recent) - (last or 0)):]
         return [{"request_id": rid, "at": round(at, 3), "replica": replica, "engine": engine, "reason": str(reason),
                  "model": model, "predicted_ttft_s": None if ttft is None else round(ttft, 4),
-                 "predicted_cached_tokens": cached, "predicted_prompt_tokens": prompt}
-                for rid, at, replica, engine, reason, model, ttft, cached, prompt in rows]
+                 "predicted_cached_tokens": cached, "predicted_prompt_tokens": prompt, "prefill_replica": prefill}
+                for rid, at, replica, engine, reason, model, ttft, cached, prompt, prefill in rows]
 
     def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""

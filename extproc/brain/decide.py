@@ -36,6 +36,7 @@ from ..core.apis import Api, api_of, response_not_found_body
 from ..core.names import Reason
 from ..core.profile import BODY_MODEL_KEY, declared_size
 from .intake import Intake
+from .legs import Legs
 from ..picker.messages import (anthropic_shaped, header_value, headers_of, json_response, model_not_found_response,
                                openai_error, path_not_served_response, wait_longer)
 
@@ -184,7 +185,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                  wait: "Callable[[object], Awaitable[ep.ProcessingResponse]] | None" = None,  # a future, at once
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
                  look: "Callable[[dict[str, str], float], ep.ProcessingResponse | None] | None" = None,
-                 intake: Intake | None = None):
+                 intake: Intake | None = None, legs_s: float = 35.0):
         self.decide = decide
         self.big_body_bytes = big_body_bytes  # envoy.brain_body_max_bytes: such bodies are never sent
         self.open_calls = 0  # calls read and not yet answered: past BEHIND, the brain is behind a burst
@@ -193,6 +194,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         # the look before a large body (headers, before the upload): (headers, how long its body would wait to be
         # read) -> None to let it come, or the answer instead; and how far behind the brain reads
         self.look, self.intake = look, intake
+        self.legs_s = legs_s  # a disaggregated request's call stays open this long for its prefill leg
 
     async def _answer(self, out, context) -> None:
         if isinstance(out, Held):
@@ -204,6 +206,16 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             except BaseException:
                 self.cancel(out.key)
                 raise
+        if isinstance(out, Legs):  # a disaggregated request: its prefill leg first, then the answer
+            legs = out
+            try:
+                await context.write(wait_longer(self.legs_s))  # Envoy's timer would fail it open mid-leg
+                out = await legs.run()
+                await context.write(out)
+            except BaseException:
+                legs.abandon()
+                raise
+            return
         await context.write(out)
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:

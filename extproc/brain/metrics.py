@@ -226,6 +226,17 @@ class BrainCollector(Collector):
             waited.add_metric([name], b.flow_wait_s[name])
             abandoned.add_metric([name], b.flow_abandoned[name])
         yield from (depth, released, waited, abandoned)
+        pd = CounterMetricFamily("warmroute_disaggregated", "Requests whose prefill went to a replica of role prefill, "
+                                 "by outcome (remote: the decode replica loaded the KV; local_fallback: the leg failed "
+                                 "and the decode replica computed the prompt; abandoned: the client left between the "
+                                 "legs)", labels=["outcome"])
+        for outcome, n in sorted(b.disaggregated.items()):
+            pd.add_metric([outcome], n)
+        yield pd
+        rate = getattr(r.policy, "transfer", None)
+        yield GaugeMetricFamily("warmroute_kv_transfer_tokens_per_second", "KV moved between replicas, prompt tokens a "
+                                "second: learned from decode legs, disaggregation.transfer_tokens_per_s until then",
+                                value=rate.value if rate is not None else 0.0)
 
 
 def _shared_state(s, r: Router, now: float) -> Iterable[Metric]:

@@ -175,6 +175,8 @@ class Releaser:
             if res.predicted_ttft_s is not None and self.ttft_error is not None and (first.seconds or first.nanos):
                 # Envoy's first upstream byte: the replica's time to first token, plus its network and headers
                 self.ttft_error.observe(abs(first.seconds + first.nanos / 1e9 - res.predicted_ttft_s))
+            if res.transfer_tokens and (first.seconds or first.nanos):
+                self.router.transfer_observed(res, first.seconds + first.nanos / 1e9)
             self.router.release(res, now)
             self.stats.releases_by_log += 1
         if res is None and entry.request.request_id:
@@ -186,6 +188,9 @@ class Releaser:
             self._forward(entry.request.request_headers.get(RESERVATION_HEADER, ""), True)
         sock = common.upstream_remote_address.socket_address
         served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
+        if res is not None and res.handoff is not None and not sock.address:
+            res.handoff()  # a decode leg no replica got: its KV waits on the prefill replica for nobody
+            res.handoff = None
         verdicts = upstream_verdicts(chosen, served_by, common.upstream_request_attempt_count, upstream_failed(outcome_of(entry)))
         for name, ok in verdicts:
             self.router.on_upstream(name, ok, now)

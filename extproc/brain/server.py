@@ -19,7 +19,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..config import AppConfig, ConfigError, brain_calls_max, first_answer_s
+from ..config import AppConfig, ConfigError, brain_calls_max, first_answer_s, legs_s
 from ..core import State
 from . import logs
 from .admin import admin_app, metrics_app, write_admin_token
@@ -255,7 +255,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     else:
         front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
                                   cfg.flow_control.wait_s + 5, brain.look,
-                                  Intake(first_answer_s(cfg), brain.clock)).Process
+                                  Intake(first_answer_s(cfg), brain.clock), legs_s(cfg)).Process
     add_service(server, EXT_PROC_SERVICE, "Process", front, "stream_stream", ep.ProcessingRequest,
                 ep.ProcessingResponse)
     def envoy_gone(released: int) -> None:
@@ -372,6 +372,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
             await source.close()
         if shared is not None:
             await shared.close()
+        if brain._legs_http is not None:
+            await brain._legs_http.close()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(1.0)
         await runner.cleanup()

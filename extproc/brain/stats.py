@@ -88,6 +88,10 @@ class BrainStats:
         # held requests whose call ended before the brain answered: the client went away, or Envoy's message timer
         # ran out and it failed the request open (a held request the brain lost shows here)
         self.flow_abandoned: Counter[str] = Counter({k: 0 for k in CLASSES})
+        # prefill/decode disaggregation: requests whose prefill went to another replica, by how it ended (remote:
+        # the decode replica loaded its KV; local_fallback: the leg failed, the decode replica computed it;
+        # abandoned: the client left between the legs)
+        self.disaggregated: Counter[str] = Counter({k: 0 for k in ("remote", "local_fallback", "abandoned")})
         self.discovery_failures = 0  # discovery lookups that failed (the last good replica set stayed)
         self.discovery_changes = 0  # replica sets discovery applied
         self.discovery_up = 1  # 0 while the discovery source's last lookup failed

@@ -10,7 +10,7 @@ import dataclasses
 import types
 import typing
 
-from ..core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
+from ..core.config import ROLES, DisaggregationConfig, HealthConfig, PinConfig, ProfileConfig, RouterConfig, WarmConfig
 from ..core.policy import POLICIES
 from .load import ROUTING_FIELDS, VLLM_HASH_ALGOS
 from .schema import (DISCOVERY_SOURCES, ENGINES, PROTOCOLS, BrainConfig, DiscoveryConfig, EnvoyConfig,
@@ -24,6 +24,7 @@ ENUMS = {
     ("discovery", "engine"): list(ENGINES),
     ("discovery", "scheme"): ["http", "https"],
     ("replicas[]", "engine"): list(ENGINES),
+    ("replicas[]", "role"): list(ROLES),
     ("envoy", "picker_body_mode"): ["buffered", "full-duplex"],
     ("exact_cache", "hash_algo"): list(VLLM_HASH_ALGOS),
 }
@@ -86,6 +87,7 @@ def config_schema() -> dict:
         "discovery": _section("discovery", DiscoveryConfig),
         "shared_state": _section("shared_state", SharedStateConfig),
         "flow_control": _section("flow_control", FlowControlConfig),
+        "disaggregation": _section("disaggregation", DisaggregationConfig),
         "exact_cache": exact,
         "models": {"type": "object", "additionalProperties": False,
                    "properties": {"aliases": {"type": "object", "additionalProperties": alias}}},

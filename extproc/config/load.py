@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from ..contract import RESERVED_NAME_PREFIX
-from ..core.config import HealthConfig, PinConfig, ProfileConfig, RouterConfig, TENANT_SOURCES, WarmConfig
+from ..core.config import (ROLES, DisaggregationConfig, HealthConfig, PinConfig, ProfileConfig, RouterConfig,
+                           TENANT_SOURCES, WarmConfig)
 from ..core.models import MAX_PATH_CHARS, Target
 from ..core.policy import POLICIES, PRODUCTION
 from .schema import (
@@ -69,7 +70,8 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-_SECTIONS = {"health": HealthConfig, "pins": PinConfig, "profile": ProfileConfig, "warm": WarmConfig}
+_SECTIONS = {"health": HealthConfig, "pins": PinConfig, "profile": ProfileConfig, "warm": WarmConfig,
+             "disaggregation": DisaggregationConfig}
 
 
 # RouterConfig's own scalar fields live under "routing:".
@@ -133,11 +135,16 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
         where = f"replicas[{i}]"
         if not isinstance(item, dict):
             raise ConfigError(f"{where}: expected a mapping with name and url")
-        known = {"name", "url", "engine", "tls_ca_file", "tls_sni", "tls_cert_file", "tls_key_file", "models", "paths"}
+        known = {"name", "url", "engine", "tls_ca_file", "tls_sni", "tls_cert_file", "tls_key_file", "models", "paths",
+                 "role"}
         extra = set(item) - known
         if extra:
             raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: {', '.join(sorted(known))})")
-        tls = {k: item[k] for k in known - {"name", "url", "engine", "models", "paths"} if item.get(k) is not None}
+        tls = {k: item[k] for k in known - {"name", "url", "engine", "models", "paths", "role"}
+               if item.get(k) is not None}
+        role = item.get("role", "both")
+        if role not in ROLES:
+            raise ConfigError(f"{where}.role: expected one of {', '.join(ROLES)}, got {_short(role)}")
         models = item.get("models") or []
         if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
             raise ConfigError(f"{where}.models: expected a list of model names, got {_short(models)}")
@@ -179,7 +186,8 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
             parts.port
         except ValueError:
             raise ConfigError(f"{where}.url: bad port in {_short(url)}") from None
-        out.append(ReplicaSpec(name, url.rstrip("/"), engine, **tls, models=tuple(models), paths=tuple(paths)))
+        out.append(ReplicaSpec(name, url.rstrip("/"), engine, **tls, models=tuple(models), paths=tuple(paths),
+                               role=role))
     return tuple(out)
 
 
@@ -249,6 +257,12 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
               "busy_wait_s"):
         if getattr(router.warm, f) <= 0:
             raise ConfigError(f"warm.{f}: expected a number > 0")
+    pd = router.disaggregation
+    for f in ("transfer_tokens_per_s", "prefill_timeout_s"):
+        if getattr(pd, f) <= 0:
+            raise ConfigError(f"disaggregation.{f}: expected a number > 0")
+    if pd.max_transfer_tokens is not None and pd.max_transfer_tokens < 1:
+        raise ConfigError("disaggregation.max_transfer_tokens: expected a whole number >= 1, or null")
     if router.health.scrape_interval_s <= 0:
         raise ConfigError("health.scrape_interval_s: expected a number > 0")
     for f in ("max_metrics_bytes", "max_metrics_series", "max_engines"):

@@ -35,6 +35,9 @@ class ReplicaSpec:
     # the API paths it serves (exact, '/v1/responses/{id}', or a prefix ending in '*'); empty: what its
     # /openapi.json lists (vLLM registers routes by the model's tasks), any path when it has none
     paths: tuple[str, ...] = ()
+    # prefill/decode disaggregation: "prefill" takes only prefill legs, "decode" only requests (and their decode
+    # legs), "both" either (docs/routing.md "Prefill/decode disaggregation")
+    role: str = "both"
 
     @property
     def tls(self) -> bool:
@@ -329,6 +332,20 @@ def first_answer_s(cfg: "AppConfig") -> float:
     """How long Envoy waits for the brain's first answer to a call (envoy.ext_proc_timeout_s, see there)."""
     t = cfg.envoy.ext_proc_timeout_s
     return max(t, FLOW_FIRST_ANSWER_S) if cfg.flow_control.enabled else t
+
+
+def legs_s(cfg: "AppConfig") -> float:
+    """How long the brain may keep a disaggregated request's call open for its prefill leg (Envoy's timer extended)."""
+    return cfg.router.disaggregation.prefill_timeout_s + 5
+
+
+def max_message_s(cfg: "AppConfig") -> float | None:
+    """The longest a call's timer may be extended to (Envoy's max_message_timeout): a held request's wait, a
+    prefill leg's; None: never extended."""
+    out = [cfg.flow_control.wait_s + 5] if cfg.flow_control.enabled else []
+    if cfg.router.disaggregation.enabled and cfg.brain.protocol != "endpoint-picker":
+        out.append(legs_s(cfg))
+    return max(out) if out else None
 
 
 def brain_calls_max(cfg: "AppConfig") -> int:

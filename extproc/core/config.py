@@ -125,12 +125,33 @@ class WarmConfig:
     lora_load_s: float = 0.5
 
 
+ROLES = ("both", "prefill", "decode")  # what a replica serves in a disaggregated fleet (llm-d.ai/role's values)
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (issue 48, docs/routing.md "Prefill/decode disaggregation"): with replicas of
+    role prefill in a model's pool, a request's prefill goes to one of them when the cost model says it pays."""
+
+    enabled: bool = True  # false: never disaggregate (replicas of role prefill then take no traffic)
+    # KV moved between replicas, prompt tokens a second, until learned from the decode legs' first tokens. Low on
+    # purpose: a slow transfer priced as fast sends prefills away that should have stayed
+    transfer_tokens_per_s: float = 20_000.0
+    # the prefill leg's time box: past it the decode replica computes the prompt itself (vLLM's decode side gives a
+    # KV load 30 s, VLLM_NIXL_ABORT_REQUEST_TIMEOUT's role)
+    prefill_timeout_s: float = 30.0
+    # the longest prompt one transfer may carry (null: any). vLLM 0.32's ExampleConnector kills the decode engine
+    # on a prompt longer than its --max-num-batched-tokens: set it to that there
+    max_transfer_tokens: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     pins: PinConfig = field(default_factory=PinConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     warm: WarmConfig = field(default_factory=WarmConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     policy: str = "warm"  # C8: which policy chooses: warm, seed, or an ablation (docs/routing.md)
     token_weight_unit: int = 1000  # B: weight = max(1, prompt_tokens_estimate / 1000)
     probing_max_in_flight: int = 1  # B: a PROBING replica holds at most 1 request while a LIVE one exists

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from .names import Cause, PinAction, PinKind, Reason
 
 if TYPE_CHECKING:
+    from .disaggregation import PrefillPlan
     from .replica import Replica
 
 
@@ -34,6 +35,10 @@ class Reservation:
     arrived_at: float | None = None  # its place in the replica's arrivals (what queues behind a prefill)
     provisional: bool = False  # charged before its body was known (headers alone): a bounded guess
     remote: bool = False  # another brain's (shared state): its end is that brain's to say
+    leg_s: float = 0.0  # a decode leg: seconds from the decision to its send (its prefill leg's)
+    transfer_tokens: int = 0  # a decode leg: the KV tokens it loads from its prefill replica (the rate is learned)
+    # a decode leg: what to call when its request ended without reaching a replica (the KV is handed over anyway)
+    handoff: "Callable[[], None] | None" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,10 @@ class Decision:
     steer: bool = False  # True: the answer names the engine (X-data-parallel-rank)
     model: str | None = None  # the served model it goes to (an alias resolved)
     rewrite_model: bool = False  # the client named an alias: the body must name ``model`` instead
+    # prefill/decode disaggregation: the prefill leg's plan (None: the replica computes the prompt itself) and the
+    # weight it holds on its prefill replica until the leg ends
+    prefill: "PrefillPlan | None" = None
+    prefill_reservation: Reservation | None = None
 
     @property
     def replica_name(self) -> str | None:

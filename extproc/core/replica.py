@@ -184,6 +184,7 @@ class Replica:
         "count_wlc",
         "pool_selects",
         "pool_since",
+        "role",
     )
 
     def __init__(self, name: str, index: int, health: HealthMachine, count_wlc: bool = True):
@@ -203,6 +204,8 @@ class Replica:
         self.wlc_milli = 0
         self.in_flight_requests = 0
         self.count_wlc = count_wlc
+        # prefill/decode disaggregation: "prefill" takes prefill legs only, never a client's request (ROLES)
+        self.role = "both"
         # decisions made while this replica could have been chosen (LIVE or PROBING, not drained), kept as the
         # router's decision count when it entered the pool (None: out) plus those of its earlier stays there;
         # a replica that takes little traffic says from this whether it was passed over or out of the pool

@@ -55,6 +55,9 @@ class Router:
         # bumped whenever the pool may have changed (a health transition, a drain, a replica added or removed): a
         # policy may keep what it derives from the pool until then
         self.pool_epoch = 0
+        # prefill/decode disaggregation: whether the front sends prefill legs (the brain behind Envoy does; a picker's
+        # gateway carries one request per pick)
+        self.disaggregates = False
         self.flow: FlowControl | None = None  # flow control (core.flow): None, every request is placed at once
         self._ready: list = []  # held requests a select let go before its newcomer, for the next offer
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
@@ -124,6 +127,25 @@ class Router:
         self._by_name[name] = r
         self.pool_epoch += 1
         return r
+
+    def transfer_observed(self, res: Reservation, first_byte_s: float) -> None:
+        """A decode leg's first byte, ``first_byte_s`` after its request began (its prefill leg included)."""
+        learn = getattr(self.policy, "on_transfer", None)
+        if learn is not None and res.transfer_tokens:
+            learn(res.transfer_tokens, first_byte_s - res.leg_s)
+
+    def set_roles(self, roles: dict[str, str]) -> None:
+        """Each replica's part in a disaggregated fleet (absent: both)."""
+        for r in self._replicas:
+            role = roles.get(r.name, "both")
+            if role != r.role:
+                r.role = role
+                self.pool_epoch += 1
+
+    def prefill_pool(self, only: Collection[str] | None) -> list[Replica]:
+        """The replicas a prefill leg may go to: LIVE replicas of role prefill (of the request's model)."""
+        return [r for r in self._replicas if r.role == "prefill" and not r.drained and r.health.state is LIVE
+                and (only is None or r.name in only)]
 
     def remove_replica(self, name: str) -> None:
         """Forget a replica. Its in-flight reservations still release cleanly; pins to it rebind on next use."""
@@ -276,7 +298,7 @@ class Router:
         live: list[Replica] = []
         probing: list[Replica] = []
         for r in self._replicas:
-            if r.drained:
+            if r.drained or r.role == "prefill":  # a prefill replica serves prefill legs alone
                 continue
             st = r.health.state
             if st is LIVE:
@@ -341,6 +363,16 @@ class Router:
         if d is None:
             return self._shared(self._fallback(profile, now, only), profile, now)
         d.reservation = self._reserve(d.replica, profile, now)
+        pd = self.cfg.disaggregation
+        plan_prefill = getattr(self.policy, "plan_prefill", None)
+        if pd.enabled and self.disaggregates and plan_prefill is not None and d.reason is not Reason.HOLDER:
+            prefills = self.prefill_pool(only)
+            if prefills:
+                d.prefill = plan_prefill(d, prefills, profile, now)
+                if d.prefill is not None:
+                    d.predicted_ttft_s = d.prefill.ttft
+                    d.prefill_reservation = self._reserve(d.prefill.replica, profile, now)
+                    self.policy.on_prefill_reserved(d, profile, now)
         d.reservation.predicted_ttft_s = d.predicted_ttft_s
         self.policy.on_reserved(d, profile, now)
         return self._shared(d, profile, now)
@@ -428,7 +460,7 @@ class Router:
 
     def _fallback(self, profile: RequestProfile, now: float, only: Collection[str] | None = None) -> Decision:
         """Step 5: nothing LIVE or PROBING -> a random known replica; nothing known -> no_healthy_instances."""
-        known = [r for r in self._replicas if not r.drained and (only is None or r.name in only)]
+        known = [r for r in self._replicas if not r.drained and r.role != "prefill" and (only is None or r.name in only)]
         if not known:
             return Decision(None, NO_HEALTHY)
         r = self._random.choice(known)

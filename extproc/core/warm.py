@@ -46,6 +46,7 @@ import itertools
 from .config import RouterConfig
 from .cost import Aggregates, Estimate, decode_penalty, fair_share, interference, recent
 from .decision import Decision, FleetView, PinEvent
+from .disaggregation import DISAGGREGATED_APIS, PrefillPlan, TransferRate, worth_it
 from .load import LoadSample, effective_rates
 from .names import Cause, PinAction, Reason
 from .pins import SESSION, Pin, PinTable
@@ -81,6 +82,9 @@ class WarmPolicy(Shortlist):
         self.sessions = WorkingSet()  # where each active session's context lives (C3)
         self._chosen_prefill_s = 0.0  # select -> on_reserved, within one synchronous call
         self._chosen_prompt = 1
+        self._chosen: Estimate | None = None
+        # prefill/decode disaggregation: KV tokens a second between replicas, learned from decode legs
+        self.transfer = TransferRate(cfg.disaggregation.transfer_tokens_per_s)
         self._rr = 0  # round-robin pointer for ties
         self._per = 1  # engines per replica in the last round-robin
         # who holds which sampled block, for big fleets' shortlists: kept from the first look at a fleet that big
@@ -115,6 +119,8 @@ class WarmPolicy(Shortlist):
             self.sessions.forget_gaps()
         self.cfg = cfg
         self._view = None
+        if getattr(self, "transfer", None) is not None and not self.transfer.samples:
+            self.transfer.value = cfg.disaggregation.transfer_tokens_per_s  # a new prior, while nothing is learned
         self.tokens_per_block = cfg.profile.block_chars / cfg.profile.chars_per_token
         self.session_pins.ttl_s = cfg.pins.session_ttl_s
         self.session_pins.max_pins = cfg.pins.max_pins
@@ -347,6 +353,7 @@ class WarmPolicy(Shortlist):
             e.ttft += e.cached / e.rate + min(1.0, over / cap) * out_tokens * e.dec
 
     def select(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
+        self._chosen = None
         pin = self.session_pins.get(profile.session_key, now) if profile.session_key is not None else None
         view = self._view_of(fleet, now) if self.shortlist else None
         if view is None:
@@ -388,7 +395,7 @@ class WarmPolicy(Shortlist):
         if self.trace is not None:
             self.trace.extend((e.replica.name, round(e.cost, 3), round(e.ttft, 3), e.cached, round(e.wait, 3),
                                round(e.st.work_s, 2)) for e in ests)
-        self._chosen_prefill_s, self._chosen_prompt = best.prefill, best.prompt
+        self._chosen_prefill_s, self._chosen_prompt, self._chosen = best.prefill, best.prompt, best
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
 
     def _saturated(self, best: "Estimate", profile: RequestProfile, pin: Pin | None,
@@ -575,6 +582,49 @@ class WarmPolicy(Shortlist):
                 sent.popitem(last=False)
         if profile.session_key is not None and not profile.provisional:
             self.sessions.place(profile.session_key, st, prompt, now, d.prefix, d.cached_tokens)
+
+    def plan_prefill(self, d: Decision, prefills: list[Replica], profile: RequestProfile,
+                     now: float) -> PrefillPlan | None:
+        """Prefill/decode disaggregation (``disaggregation``'s docstring): the prefill leg's plan when a remote
+        prefill beats the local one on the decode replica just chosen, else None."""
+        best = self._chosen
+        if best is None or best.replica is not d.replica or profile.provisional or \
+                profile.api not in DISAGGREGATED_APIS or profile.adapter is not None:
+            return None
+        limit = self.cfg.disaggregation.max_transfer_tokens
+        if limit is not None and best.prompt > limit:
+            return None
+        states = [self.state_of(r) for r in prefills]
+        rates, decs = effective_rates([st.rates for st in states], now, self.cfg.warm.rate_fresh_s,
+                                      [st.running(r) for r, st in zip(prefills, states)])
+        leg = min((self._estimate(r, st, rate, dec, profile, None, now)
+                   for r, st, rate, dec in zip(prefills, states, rates, decs)), key=lambda e: e.wait + e.prefill)
+        moved = best.prompt - best.cached
+        ttft = leg.wait + leg.prefill + moved / self.transfer.value + best.dec
+        r = best.replica
+        decoding = max(best.st.running(r), r.in_flight_requests - 1)  # the streams its prefill would stall
+        if not worth_it(best.ttft, best.prefill, decoding, ttft, _TIE_S):
+            return None
+        return PrefillPlan(leg.replica, ttft, best.ttft, leg.prefill, leg.prompt, moved)
+
+    def on_prefill_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
+        """The prefill leg's books on its replica (its queue, its cache); its decode replica computes no prompt."""
+        plan, res = d.prefill, d.prefill_reservation
+        st = self.state_of(plan.replica)
+        st.book(now, plan.prefill_s, plan.prompt, plan.prefill_s, None)
+        self._work_delta += plan.prefill_s
+        self._flight_delta += 1
+        res.work_s, res.prefill_s, res.prefill_end, res.pending_tokens = \
+            plan.prefill_s, plan.prefill_s, st.prefill_busy_until, plan.prompt
+        if self.use_index and profile.blocks and st.prefix_caching:
+            st.index.insert(profile.blocks)
+        if self._chosen is not None:
+            self._chosen_prefill_s = self._chosen.dec  # the decode replica loads the prompt: one step of its own
+        d.reservation.transfer_tokens = plan.transfer_tokens
+
+    def on_transfer(self, tokens: int, seconds: float) -> None:
+        """A decode leg's first token came ``seconds`` after it was sent: what its transfer took, near enough."""
+        self.transfer.observe(tokens, seconds)
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
                            prompt: int, at: float, now: float, estimated: int | None = None,

@@ -37,9 +37,9 @@ def replica_name(prefix: str, address: str, port: int) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{prefix}-{address}-{port}".strip("[]"))[:63]
 
 
-def spec(d: DiscoveryConfig, name: str, address: str, port: int) -> ReplicaSpec:
+def spec(d: DiscoveryConfig, name: str, address: str, port: int, role: str = "both") -> ReplicaSpec:
     host = f"[{address}]" if ":" in address else address
-    return ReplicaSpec(name, f"{d.scheme}://{host}:{port}", d.engine)
+    return ReplicaSpec(name, f"{d.scheme}://{host}:{port}", d.engine, role=role)
 
 
 class StaticSource:

@@ -46,8 +46,18 @@ def _pod_ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
+ROLE_LABEL = "llm-d.ai/role"  # a pod's part in a disaggregated pool, as llm-d labels it: prefill, decode or both
+
+
+def pod_role(pod: dict) -> str:
+    """A pod's role from its label; absent or a value warmroute does not know: both (it serves whole requests)."""
+    role = ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL)
+    return role if role in ("prefill", "decode") else "both"
+
+
 def pool_replicas(d: DiscoveryConfig, pool: dict, pods: list[dict]) -> list[ReplicaSpec]:
-    """The replicas of an InferencePool (v1) given its pods: every ready pod x every target port."""
+    """The replicas of an InferencePool (v1) given its pods: every ready pod x every target port, each with its
+    role (``llm-d.ai/role``)."""
     ports = [p["number"] for p in pool.get("spec", {}).get("targetPorts") or []]
     if not ports:
         raise DiscoveryError(f"kubernetes: InferencePool {d.inference_pool} has no spec.targetPorts")
@@ -56,7 +66,7 @@ def pool_replicas(d: DiscoveryConfig, pool: dict, pods: list[dict]) -> list[Repl
         if _pod_ready(pod):
             ip, name = pod["status"]["podIP"], pod["metadata"]["name"]
             for port in ports:
-                out.append(spec(d, name if len(ports) == 1 else f"{name}-{port}"[:63], ip, port))
+                out.append(spec(d, name if len(ports) == 1 else f"{name}-{port}"[:63], ip, port, pod_role(pod)))
     return out
 
 

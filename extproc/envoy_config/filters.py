@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import AppConfig, first_answer_s
+from ..config import AppConfig, first_answer_s, max_message_s
 from ..core.profile import CONTENT_LENGTH
 from ..contract import (
     ACCESS_LOG_NAME,
@@ -95,8 +95,9 @@ def ext_proc_filter(cfg: AppConfig, processing_mode: dict, **more: Any) -> dict:
             "failure_mode_allow": True,
             # in the full-duplex picker shape the answer waits for the whole body: this bounds its upload too
             "message_timeout": dur(first_answer_s(cfg)),
-            # flow control: the brain holds a request by extending this call's timer (override_message_timeout)
-            **({"max_message_timeout": dur(cfg.flow_control.wait_s + 5)} if cfg.flow_control.enabled else {}),
+            # flow control holds a request, and a disaggregated request waits for its prefill leg, by extending this
+            # call's timer (override_message_timeout)
+            **({"max_message_timeout": dur(max_message_s(cfg))} if max_message_s(cfg) is not None else {}),
             "processing_mode": processing_mode,
             **more,
         },

@@ -363,7 +363,8 @@ class Exporter:
         if self.dialect == "vllm":
             by = self.m["vllm:prompt_tokens_by_source"]
             by.labels(**lv, source="local_compute").inc(er.prompt_tokens - er.cached_tokens)
-            by.labels(**lv, source="local_cache_hit").inc(er.cached_tokens)
+            by.labels(**lv, source="local_cache_hit").inc(er.cached_tokens - er.external_tokens)
+            by.labels(**lv, source="external_kv_transfer").inc(er.external_tokens)
 
     def chunk(self, k: int, n: int, interval_s: float) -> None:
         """n tokens of one request streamed after interval_s: vLLM counts generation tokens every step; both

@@ -94,6 +94,11 @@ class EngineRequest:
     finished_at: float | None = None
     preemptions: int = 0
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # prefill/decode disaggregation: prompt tokens whose KV another replica computed and sent (the decode leg), and
+    # whether its blocks stay held when it ends, for a decode replica to read (the prefill leg)
+    external: int = 0
+    external_tokens: int = 0  # of them, what it loaded (beyond its local cache hit)
+    keep: bool = False
 
     @property
     def context(self) -> int:
@@ -141,6 +146,8 @@ class Engine:
         self.true_prefill_seconds = 0.0
         self.true_decode_tokens = 0
         self.true_decode_seconds = 0.0
+        # prefill legs of disaggregated requests whose blocks wait for a decode replica to read them (rid -> request)
+        self.kept: dict[int, EngineRequest] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -175,6 +182,23 @@ class Engine:
         self.aborted += 1
         return True
 
+    def hit_tokens(self, blocks: Sequence[int], prompt_tokens: int) -> int:
+        """Prompt tokens its cache holds now (what a KV connector does not load: it has them)."""
+        hit = 0
+        for h in blocks[:prompt_tokens // BLOCK if self.cfg.prefix_caching else 0]:
+            if h in self.refs or h in self.cached:
+                hit += 1
+            else:
+                break
+        return min(hit * BLOCK, prompt_tokens - 1)
+
+    def free_kept(self, rid: int) -> bool:
+        """A prefill leg's blocks were read, or nobody will read them: they become evictable cache."""
+        r = self.kept.pop(rid, None)
+        if r is not None:
+            self._release(r)
+        return r is not None
+
     def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
         """Whether a request can ever run here (vLLM rejects prompts longer than the KV cache)."""
         return -(-(prompt_tokens + max_tokens) // BLOCK) <= self.cfg.num_blocks
@@ -183,8 +207,9 @@ class Engine:
         """The replica died: every request it had is lost."""
         out = [*self.running, *self.waiting]
         self._run = None
-        for r in self.running:
+        for r in [*self.running, *self.kept.values()]:
             self._release(r)
+        self.kept.clear()
         self.running.clear()
         self.waiting.clear()
         self.aborted += len(out)
@@ -265,11 +290,15 @@ class Engine:
             held.append(h)
         # vLLM always recomputes the last prompt token, so a fully cached prompt hits one block less
         cached_tokens = min(hit * BLOCK, r.prompt_tokens - 1)
-        r.computed = cached_tokens
+        # what a remote prefill computed is loaded into the new blocks instead of computed (vLLM's connector:
+        # get_num_new_matched_tokens, beyond the local hit); a preempted request recomputes it
+        external = max(0, min(r.external, r.prompt_tokens - 1) - cached_tokens) if r.preemptions == 0 else 0
+        r.computed = cached_tokens + external
         if r.preemptions == 0:
             self.prefix_queries += r.prompt_tokens
             self.prefix_hits += cached_tokens
-            r.cached_tokens = cached_tokens
+            r.cached_tokens = cached_tokens + external  # vLLM's usage counts the loaded tokens as cached
+            r.external_tokens = external
         r.held = held
         return True
 
@@ -436,7 +465,10 @@ class Engine:
             if r.generated >= r.max_tokens:
                 r.finished_at = end
                 self.running.remove(r)
-                self._release(r)
+                if r.keep:
+                    self.kept[r.rid] = r
+                else:
+                    self._release(r)
                 self.finished += 1
                 self.generation_tokens_total += r.generated
                 self.decode_seconds_total += end - r.first_token_at

@@ -43,6 +43,7 @@ from extproc.core.blocks import BLOCK_CHARS, block_hashes
 from extproc.core.models import not_found_body
 from extproc.tools.engine.metrics import DIALECTS, SGLANG_DECODE_LOG_INTERVAL, CacheInfo, Exporter
 from extproc.tools.engine.model import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
+from extproc.tools.mock.kv_transfer import KvConnector, LoadFailed
 from extproc.tools.mock.apis import (
     MessagesShape,
     ResponsesShape,
@@ -139,9 +140,11 @@ class Driver:
         w.last_at = at
         w.queue.put_nowait((n, first))
 
-    def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int, lora: str | None = None) -> Waiter:
+    def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int, lora: str | None = None,
+               external: int = 0, keep: bool = False) -> Waiter:
         self._next_rid += 1
-        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, self.now(), lora=lora)
+        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, self.now(), lora=lora,
+                           external=external, keep=keep)
         w = Waiter(er)
         self.waiters[er.rid] = w
         self.engine.add(er)
@@ -259,6 +262,10 @@ class MockReplica:
         self.store = ResponseStore() if getattr(args, "responses_store", False) else None
         self.background: dict[str, asyncio.Task] = {}  # background responses still generating, by id
         self.drivers = [self._driver(k) for k in range(self.dp)]
+        rate = getattr(args, "kv_transfer_tokens_per_s", 0.0) or 0.0
+        # prefill/decode disaggregation (vLLM --kv-transfer-config, kv_role kv_both): None, kv_transfer_params ignored
+        self.kv = KvConnector(args.name, args.host, rate, args.speedup, getattr(args, "kv_lease_s", 30.0)) \
+            if rate > 0 else None
         self.site: web.TCPSite | None = None
         self.runner: web.AppRunner | None = None
         self.port = args.port
@@ -441,6 +448,8 @@ class MockReplica:
             d.abort_all()
             d.task.cancel()
         self.exporter.restarted()  # a new process: its counters start from 0
+        if self.kv is not None:
+            self.kv.forget_all()
         self.drivers = [self._driver(k) for k in range(self.dp)]
         self._logged = [(0, 0, 0, 0.0)] * self.dp
         for d in self.drivers:
@@ -511,6 +520,10 @@ class MockReplica:
         if not self.driver.engine.fits(prompt_tokens, max_tokens):
             return _error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
         stream = bool(doc.get("stream")) and not embed
+        pd = self.kv.role(doc.get("kv_transfer_params")) if self.kv is not None and shape is None and not embed \
+            else None
+        if pd == "prefill":  # NixlConnector: the prefill leg samples one token
+            max_tokens = 1
         include_usage = bool((doc.get("stream_options") or {}).get("include_usage"))
         keep = None
         if responses_api and self.store is not None and doc.get("store", True) is not False:
@@ -528,7 +541,8 @@ class MockReplica:
             task.add_done_callback(lambda _: self.background.pop(shape.id, None))
             return web.json_response(queued)
         return await self._generate(request, chat, text, prompt_tokens, max_tokens, stream, include_usage,
-                                    self.pick_engine(rank), lora, embed, shape, keep)
+                                    self.pick_engine(rank), lora, embed, shape, keep,
+                                    (pd, doc.get("kv_transfer_params")) if pd else None)
 
     async def stored(self, request: web.Request) -> web.Response:
         """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel: only the process that made it has it."""
@@ -554,13 +568,22 @@ class MockReplica:
         return web.json_response({"input_tokens": max(1, len(text) // CHARS_PER_TOKEN)})
 
     async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver, lora=None,
-                        embed=False, shape=None, keep=None):
+                        embed=False, shape=None, keep=None, pd=None):
         t0 = time.monotonic()
         blocks = text_blocks(text)
         if lora is not None:  # vLLM puts the adapter in its block hashes: an adapter's prefix is its own
             salt = zlib.crc32(lora.encode()) << 16
             blocks = [b ^ salt for b in blocks]
-        waiter = driver.submit(blocks, prompt_tokens, max_tokens, lora)
+        external, transfer = 0, None
+        if pd is not None and pd[0] == "decode":
+            try:
+                external = await self.kv.load(pd[1], driver.engine.hit_tokens(blocks, prompt_tokens))
+            except LoadFailed as e:
+                if getattr(self.args, "kv_load_failure_policy", "fail") == "fail":  # vLLM's default: the request fails
+                    return _error(500, f"KV transfer from the prefill replica failed ({e})", "InternalServerError")
+                external = 0  # "recompute": the engine computes the prompt itself
+        waiter = driver.submit(blocks, prompt_tokens, max_tokens, lora, external=external,
+                               keep=pd is not None and pd[0] == "prefill")
         rid = "cmpl-" + hashlib.md5(f"{t0}{self.rng.random()}".encode()).hexdigest()[:16]
         created = int(time.time())
         fp = self.args.name
@@ -607,6 +630,8 @@ class MockReplica:
             if not stream:
                 body = _final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens), prompt_tokens,
                                    max_tokens, cached, fp)
+                if waiter.req.keep:
+                    body["kv_transfer_params"] = transfer = self.kv.keep(driver, waiter.req.rid, prompt_tokens, blocks)
                 return web.json_response(body, headers={ENGINE_HEADER: str(driver.index)})
             await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length", fp)))
             if include_usage:
@@ -628,6 +653,8 @@ class MockReplica:
             raise
         finally:
             driver.abort(waiter)  # no-op once finished; frees KV when the client left early
+            if waiter.req.keep and transfer is None:  # a prefill leg nobody will hear of: nothing to read
+                driver.engine.free_kept(waiter.req.rid)
 
 
 def text_token_ids(text: str) -> list[int]:
@@ -716,6 +743,10 @@ def build_app(rep: MockReplica) -> web.Application:
     if rep.dialect != "none":  # "none": a third-party OpenAI server, or vLLM with --disable-log-stats
         app.router.add_get("/metrics", rep.metrics)
     app.router.add_post("/admin/fault", rep.fault)
+    if rep.kv is not None:
+        app.router.add_post("/kv/read", rep.kv.read)
+        app.router.add_post("/kv/release", rep.kv.release)
+        app.router.add_get("/admin/kv_transfers", rep.kv.transfers)
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, rep.server_info)
     for path in ("/model_info", "/get_model_info"):
@@ -789,6 +820,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="vLLM --runner: generate serves completions, pooling serves /v1/embeddings and /pooling")
     ap.add_argument("--responses-store", action="store_true", help="keep Responses API responses in memory for "
                     "previous_response_id, retrieval and cancel (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
+    ap.add_argument("--kv-transfer-tokens-per-s", type=float, default=0.0, help="prefill/decode disaggregation (vLLM "
+                    "--kv-transfer-config, kv_role kv_both, NIXL's exchange): KV moves between replicas at this many "
+                    "prompt tokens a second; 0: no connector, kv_transfer_params ignored")
+    ap.add_argument("--kv-lease-s", type=float, default=30.0, help="a prefill leg's blocks wait this long for a decode "
+                    "replica to read them (NixlConnector kv_lease_duration)")
+    ap.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail",
+                    help="a decode leg whose KV cannot be loaded fails (vLLM's default) or computes the prompt itself")
     ap.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json (vLLM's flag of that name)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only what /metrics and /server_info say)")
     ap.add_argument("--metrics-all-ranks", action="store_true", help="SGLang --enable-metrics-for-all-schedulers: "
@@ -811,7 +849,7 @@ async def serve(args: argparse.Namespace) -> None:
     # lets through (60 KiB of headers), and log a refusal by its kind alone
     logging.getLogger("aiohttp.server").addFilter(_no_request_content)
     rep.runner = web.AppRunner(build_app(rep), access_log=None, max_line_size=65536, max_field_size=65536,
-                               keepalive_timeout=args.keep_alive_s)
+                               keepalive_timeout=args.keep_alive_s, handler_cancellation=True)
     await rep.runner.setup()
     rep.ssl = None
     if args.tls_cert:
@@ -822,6 +860,9 @@ async def serve(args: argparse.Namespace) -> None:
     rep.site = web.TCPSite(rep.runner, args.host, args.port, reuse_address=True, ssl_context=rep.ssl)
     await rep.site.start()
     rep.port = rep.runner.addresses[0][1]
+    if rep.kv is not None:
+        rep.kv.port = rep.port
+        asyncio.get_running_loop().create_task(rep.kv.lease_loop())
     print(f"mock-vllm listening on {'https' if rep.ssl else 'http'}://{args.host}:{rep.port}", flush=True)
     if args.flap_every > 0:
         asyncio.get_running_loop().create_task(rep.flap_loop())

@@ -1,0 +1,61 @@
+"""Prefill/decode disaggregation, priced (issue 48; docs/routing.md "Prefill/decode disaggregation").
+
+The decode replica is chosen first, as any request's replica (cached prefix, queue, KV, guard). Then its prompt's
+prefill goes to a replica of role prefill when that beats computing it there, in the cost model's units (seconds
+someone waits):
+
+    local  = ttft(decode replica) + prefill(decode replica) x the requests decoding there
+             (a prefill runs inside the batch's steps: each stream under way waits for it)
+    remote = wait(p) + prefill(prompt - cached(p), p) + transfer(prompt - cached(decode replica)) + a decode step
+
+for the prefill replica p whose wait + prefill is least. A prefill under a decode step stays local (nothing to
+gain that the estimates can tell). The transfer rate is learned from the decode legs' first tokens; until then,
+``disaggregation.transfer_tokens_per_s``, low on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .apis import Api
+
+if TYPE_CHECKING:
+    from .replica import Replica
+
+DISAGGREGATED_APIS = (Api.CHAT, Api.COMPLETIONS)  # vLLM reads kv_transfer_params on these paths
+_ALPHA = 0.2
+_CLIP = 10.0  # one transfer's rate counts at most 10x either side of what is known: a stalled leg is no rate
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    replica: "Replica"  # where the prefill leg goes
+    ttft: float  # the request's predicted first token with the remote prefill
+    local_ttft: float  # ... and computed on its decode replica (what it beat, for /decisions)
+    prefill_s: float  # the leg's prefill seconds on its replica (booked in its queue)
+    prompt: int  # the prompt in that replica's tokens
+    transfer_tokens: int  # KV the decode replica loads: what its own cache lacks
+
+
+class TransferRate:
+    """KV tokens a second between replicas: the prior until a decode leg's first token says otherwise."""
+
+    __slots__ = ("value", "samples")
+
+    def __init__(self, prior: float):
+        self.value, self.samples = prior, 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = min(max(tokens / seconds, self.value / _CLIP), self.value * _CLIP)
+        self.value = rate if self.samples == 0 else self.value + _ALPHA * (rate - self.value)
+        self.samples += 1
+
+
+def worth_it(local_ttft: float, local_prefill_s: float, decoding: int, remote_s: float, tie_s: float) -> bool:
+    """Whether the remote prefill beats the local one, what the local prefill costs the batch included."""
+    if local_prefill_s < tie_s:
+        return False
+    return remote_s + tie_s < local_ttft + local_prefill_s * decoding

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --brains: pairs; the brains as endpoint pickers behind one Envoy; or several ext_proc "
                         "brain processes behind one Envoy (one host's cores)")
     u.add_argument("--port", type=int, default=0, help="Envoy's listen port on 127.0.0.1, for a stable URL (default: any free)")
+    u.add_argument("--pd", action="store_true", help="a disaggregated fleet: r0 of role prefill, the rest of role decode, "
+                   "their KV handed over by a connector (mocks: NIXL's exchange; vllm: the file-based ExampleConnector)")
 
     d = command("demo-core")
     d.add_argument("--seed", type=int, default=7)

@@ -244,6 +244,7 @@ class Replica:
             "name": self.name,
             "state": h.state.value,
             "drained": self.drained,
+            "role": self.role,
             "effective_running": self.effective_running,
             "effective_waiting": self.effective_waiting,
             "wlc_in_flight": self.wlc_in_flight,

@@ -597,7 +597,9 @@ class WarmPolicy(Shortlist):
         states = [self.state_of(r) for r in prefills]
         rates, decs = effective_rates([st.rates for st in states], now, self.cfg.warm.rate_fresh_s,
                                       [st.running(r) for r, st in zip(prefills, states)])
-        leg = min((self._estimate(r, st, rate, dec, profile, None, now)
+        # the same model's tokenizer: a prefill replica that has not learned its tokens' scale counts as the decode one
+        scale = best.prompt / profile.tokens if profile.tokens else 1.0
+        leg = min((self._estimate(r, st, rate, dec, profile, None, now, peer_scale=scale)
                    for r, st, rate, dec in zip(prefills, states, rates, decs)), key=lambda e: e.wait + e.prefill)
         moved = best.prompt - best.cached
         ttft = leg.wait + leg.prefill + moved / self.transfer.value + best.dec
@@ -611,7 +613,7 @@ class WarmPolicy(Shortlist):
         """The prefill leg's books on its replica (its queue, its cache); its decode replica computes no prompt."""
         plan, res = d.prefill, d.prefill_reservation
         st = self.state_of(plan.replica)
-        st.book(now, plan.prefill_s, plan.prompt, plan.prefill_s, None)
+        st.book(now, plan.prefill_s, plan.prompt, plan.prefill_s, profile.tokens)
         self._work_delta += plan.prefill_s
         self._flight_delta += 1
         res.work_s, res.prefill_s, res.prefill_end, res.pending_tokens = \

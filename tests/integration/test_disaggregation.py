@@ -68,6 +68,13 @@ def decision(stack: Stack, rid: str) -> dict:
     return json.loads(stack.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]
 
 
+def disaggregated(stack: Stack, outcome: str) -> float:
+    """The brain's count of disaggregated requests that ended so (this module's tests run one at a time)."""
+    text = urllib.request.urlopen(stack.brain_metrics, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f'warmroute_disaggregated_total{{outcome="{outcome}"}}'))
+
+
 def replica_json(stack: Stack, name: str, path: str) -> dict:
     url = next(r.url for r in stack.replicas if r.name == name)
     with urllib.request.urlopen(url + path, timeout=5) as r:
@@ -116,7 +123,10 @@ def test_on_an_idle_fleet_a_long_prompt_stays_where_it_is_decoded(pd):
 
 
 def test_a_prefill_replica_killed_mid_leg_fails_no_client(pd):
-    """Both prefill replicas die while legs run: every request is answered (its decode replica prefills it)."""
+    """Both prefill replicas die while legs run: every request is answered by the decode replica it was routed to,
+    which prefills it itself (not by Envoy's fail-open route: the brain answered)."""
+    fallbacks = disaggregated(pd, "local_fallback")
+
     async def run():
         async with aiohttp.ClientSession() as s:
             bg = await busy_decoders(s, pd.url, tag="kill-p")
@@ -133,7 +143,10 @@ def test_a_prefill_replica_killed_mid_leg_fails_no_client(pd):
     try:
         long, rest = asyncio.run(run())
         assert all(r["status"] == 200 and r["done"] for r in long + rest), [r["status"] for r in long + rest]
-        assert any(decision(pd, r["rid"])["prefill_replica"] for r in long)
+        split = [(r, decision(pd, r["rid"])) for r in long]
+        assert any(d["prefill_replica"] for _, d in split)
+        assert all(r["replica"] == d["replica"] for r, d in split)
+        assert disaggregated(pd, "local_fallback") > fallbacks
     finally:
         pd.restart_replica("r0")
         pd.restart_replica("r1")

@@ -107,6 +107,17 @@ def vllm_argv(port: int, o: VllmOptions, workdir: Path | None = None) -> list[st
     return argv + list(o.extra)
 
 
+def pd_extra(storage: Path, max_model_len: int = 8192) -> tuple[str, ...]:
+    """vLLM 0.32's file-based KV connector, both roles (the one that runs on this CPU; NIXL's wheels are CUDA
+    builds): a prefill leg's KV is written under ``storage``, and a replica given the same prompt loads it. Its
+    chunked prefill must take any prompt whole: with 2,048-token chunks a longer load killed the decode engine
+    (start_load_kv: shape mismatch, EngineDeadError), so the batch is the whole context
+    (disaggregation.max_transfer_tokens says the same to the brain)."""
+    cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    return ("--kv-transfer-config", json.dumps(cfg), "--max-num-batched-tokens", str(max_model_len))
+
+
 def vllm_env(o: VllmOptions) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",

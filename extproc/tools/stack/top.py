@@ -37,6 +37,7 @@ class Row:
     # the active sessions' context and the cache it must fit in (engine tokens; None: not the warm policy). Flow
     # control holds a new session that fits beside no replica's
     working_set: tuple[float, float] | None = None
+    role: str = "both"  # prefill/decode disaggregation: a prefill replica takes prefill legs, never a decision
 
 
 @dataclass
@@ -76,7 +77,7 @@ def snapshot(brain_admin: str, envoy_admin: str | None, token: str | None = None
         Row(r["name"], r["state"], r["drained"], r["cooldown_remaining_s"], r["effective_running"], r["effective_waiting"],
             r["wlc_in_flight"], r["session_pins"], r["prefix_pins"], r["decisions"] / tot_d if tot_d else 0.0,
             envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"), r.get("engine", "vllm"),
-            r.get("candidate_decisions", 0), _working_set(r.get("predicted")))
+            r.get("candidate_decisions", 0), _working_set(r.get("predicted")), r.get("role", "both"))
         for r in st["replicas"]
     ]
     allowed = sum(v for k, v in stats.items() if k.endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
@@ -148,6 +149,9 @@ def low_share_reasons(s: Snapshot) -> list[str]:
         head = f"{r.name} took {r.brain_share:.0%} of the decisions:"
         if r.drained:
             out.append(f"{head} it is drained (operator), so it takes no new requests")
+        elif r.role == "prefill":
+            out.append(f"{head} it is of role prefill: it takes the prefill legs of requests decoded elsewhere, "
+                       "never a whole request")
         elif r.candidate_decisions < s.selects:
             out.append(f"{head} it was out of the pool (EJECTED or drained) for {s.selects - r.candidate_decisions} "
                        f"of the {s.selects} decisions; it is {r.state} now")

@@ -17,7 +17,7 @@ import sys
 import time
 
 from extproc.tools.stack.brains import BrainsStack
-from extproc.tools.stack.local import Stack, StackError, wait_for
+from extproc.tools.stack.local import Stack, StackError, http_get, wait_for
 from extproc.tools.stack.top import snapshot, text_table
 from extproc.tools.workload.generate import WorkloadConfig
 from extproc.tools.workload.http_replay import replay
@@ -45,6 +45,10 @@ def up(args: argparse.Namespace) -> int:
             return 1
         return up_brains(args, n)
     options = model = None
+    pd = getattr(args, "pd", False)
+    if pd and n < 2:
+        print("warmroute up --pd: needs at least 2 replicas (one of role prefill, one of role decode)", file=sys.stderr)
+        return 1
     if real:
         from extproc.tools.stack import real_vllm
 
@@ -55,13 +59,20 @@ def up(args: argparse.Namespace) -> int:
         # as an operator who enabled vLLM's store runs it: Responses follow-ups (previous_response_id) work; and with
         # its KV events on and the model's tokenizer given to the brain, in exact mode (docs/routing.md)
         options, model = real_vllm.VllmOptions(responses_store=True, kv_events=True), real_vllm.model_info()["served_name"]
-    config = {"exact_cache": {"tokenizers": {model: str(real_vllm.model_dir())}}} if real else None
-    stack = Stack(n_replicas=n, listen_port=args.port, keep_logs=True, real_vllm=options, mock_args=MOCK_ARGS,
-                  config=config)
+    config = {"exact_cache": {"tokenizers": {model: str(real_vllm.model_dir())}}} if real else {}
+    stack = Stack(n_replicas=n, listen_port=args.port, keep_logs=True, real_vllm=options,
+                  mock_args=MOCK_ARGS + (PD_MOCK_ARGS if pd else []), config=config)
+    if pd:
+        stack.replica_config = {f"r{i}": {"role": "prefill" if i == 0 else "decode"} for i in range(n)}
+        if real:  # the file-based connector (the one that runs on this CPU), KV in the stack's directory
+            stack.real_vllm = dataclasses.replace(options, extra=real_vllm.pd_extra(stack.dir / "kv", options.max_model_len))
+            config["disaggregation"] = {"max_transfer_tokens": options.max_model_len}
     return _guarded(stack, lambda: _up(args, stack, n, real, model))
 
 
 MOCK_ARGS = ["--responses-store"]  # the mocks keep stored responses, as vLLM with its store enabled does
+# a disaggregated fleet of mocks: KV handed over as NIXL does, at 200K tokens a second, a failed load computed again
+PD_MOCK_ARGS = ["--kv-transfer-tokens-per-s", "200000", "--kv-load-failure-policy", "recompute"]
 
 
 def _guarded(stack, body) -> int:
@@ -117,6 +128,12 @@ def _up(args: argparse.Namespace, stack: Stack, n: int, real: bool, model: str |
     # the last access-log entries release their reservations just after the responses end
     wait_for(lambda: stack.state()["open_reservations"] == 0, 10, "the last releases")
     print(table(stack))
+    if getattr(args, "pd", False):
+        text = http_get(stack.brain_metrics, 5).decode()
+        counts = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("warmroute_disaggregated_total{")}
+        print("prefill/decode: " + ", ".join(f"{k} {v:g}" for k, v in sorted(counts.items())) +
+              " (remote: prefilled on r0 and loaded by a decode replica; the rest were not worth a transfer)")
     if real:  # exact: the engine's own KV events verified; estimated: why not (docs/routing.md)
         print("cache: " + ", ".join(f"{r['name']} {r['cache']['mode']} ({r['cache']['reason']})"
                                     for r in stack.state()["replicas"]))

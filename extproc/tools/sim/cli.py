@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from extproc.tools.sim.policies import COMPARE, FLOW_PEERS, NO_FLOW, PEERS, POLICIES
+from extproc.tools.sim.policies import AGGREGATED, COMPARE, FLOW_PEERS, NO_FLOW, PD_PEERS, PEERS, POLICIES
 from extproc.tools.sim.report import share_plot, table
 from extproc.tools.sim.simulator import Fault, Simulation
 from extproc.tools.workload.generate import WorkloadConfig
@@ -83,6 +83,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="per policy (warmroute_flow, warmroute, the peers and llm-d's flow control), the other "
                          "tenants' TTFT p99 with a noisy tenant at X times an average project's rate over theirs "
                          "without it (issue 34's fairness target: <= 1.25x), per seed and the median")
+    ap.add_argument("--prefill-replicas", type=int, default=0, metavar="K",
+                    help="prefill/decode disaggregation: replicas 0..K-1 of role prefill, the rest of role decode")
+    ap.add_argument("--transfer-tokens-per-s", type=float, default=100_000.0,
+                    help="with --prefill-replicas: KV moved between replicas at this many prompt tokens a second")
+    ap.add_argument("--long-share", type=float, default=None,
+                    help="share of sessions that start with 60-120K tokens of context (default: the workload's 0.1)")
+    ap.add_argument("--pd-versus", default=None, metavar="0.5,1,1.5",
+                    help="issue 48's measure at these loads (with --prefill-replicas): warmroute against the P/D peers "
+                         "(llm-d, Dynamo) and against the same replicas aggregated")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
     ap.add_argument("--png", default=None, help="write traffic share over time per policy to this PNG")
     ap.add_argument("--transitions", action="store_true", help="print every health state change (warmroute)")
@@ -129,7 +138,9 @@ def workload(args, load: float | None = None) -> WorkloadConfig:
                           oneshots_per_min=args.oneshots_per_min, projects=args.projects,
                           noisy_tenant_x=getattr(args, "noisy_tenant", 0.0),
                           burst=_burst(getattr(args, "burst", None)),
-                          token_scale=_span(getattr(args, "estimate_error", None))).at_load(load)
+                          token_scale=_span(getattr(args, "estimate_error", None)),
+                          **({"long_share": args.long_share} if getattr(args, "long_share", None) is not None
+                             else {})).at_load(load)
 
 
 def _span(text: str | None) -> tuple[float, float] | None:
@@ -156,7 +167,8 @@ def simulate(policy: str, args, seed: int, load: float | None = None, faults=())
     speeds = _speeds(args.replica_speeds)
     n = len(speeds) if speeds else args.replicas
     return Simulation(policy, replicas=n, workload=workload(args, load), seed=seed, faults=faults,
-                      replica_speeds=speeds).run()
+                      replica_speeds=speeds, prefill_replicas=getattr(args, "prefill_replicas", 0),
+                      transfer_tokens_per_s=getattr(args, "transfer_tokens_per_s", 100_000.0)).run()
 
 
 def capacity(policy: str, args, seed: int, lo: float = 0.05, hi: float = 4.0, steps: int = 7) -> float:
@@ -187,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         return versus_peers(args, [float(x) for x in args.versus_peers.split(",")], seeds)
     if args.flow_versus:
         return flow_versus(args, [float(x) for x in args.flow_versus.split(",")], seeds)
+    if args.pd_versus:
+        return pd_versus(args, [float(x) for x in args.pd_versus.split(",")], seeds)
     if args.noisy_versus:
         return noisy_versus(args, args.noisy_versus, seeds)
     if args.capacity:
@@ -286,7 +300,9 @@ def _load_peers_cache(path: str, fingerprint: str) -> dict:
 def _runs(args, loads: list[float], seeds: list[int], mine: list[str], peers) -> dict:
     """Every (policy, load, seed)'s summary; the peers' from --peers-cache where it holds them."""
     shape = (args.minutes, args.replicas, args.replica_speeds, args.sessions_per_min, args.oneshots_per_min,
-             args.projects, getattr(args, "noisy_tenant", 0.0), getattr(args, "burst", None))
+             args.projects, getattr(args, "noisy_tenant", 0.0), getattr(args, "burst", None),
+             getattr(args, "prefill_replicas", 0), getattr(args, "transfer_tokens_per_s", 100_000.0),
+             getattr(args, "long_share", None))
     fingerprint = simulator_fingerprint()
     cached: dict = _load_peers_cache(args.peers_cache, fingerprint) if args.peers_cache else {}
     jobs = [(p, args, s, L) for L in loads for s in seeds for p in [*mine, *peers]
@@ -338,6 +354,36 @@ def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
               f"{statistics.median(o['imbalance_floor_max'] for o in own):.2f} (no router below these; imbalance: none "
               "that keeps a session on one replica within a minute) | per seed: "
               + " ".join(f"[{a:.2f} {b:.2f}]" for a, b in floors))
+    return 0
+
+
+def pd_versus(args, loads: list[float], seeds: list[int]) -> int:
+    """Issue 48's targets on a disaggregated fleet (--prefill-replicas K of role prefill): warmroute's TTFT p99 and
+    inter-token latency p99 against the best P/D peer's, goodput against the best, and TTFT p50 against warmroute on
+    the same replicas aggregated (none of role prefill)."""
+    mine = ["warmroute", AGGREGATED]
+    peers = list(PD_PEERS)
+    got = _runs(args, loads, seeds, mine, peers)
+    print(f"{args.prefill_replicas} of {args.replicas} replicas of role prefill, KV moved at "
+          f"{args.transfer_tokens_per_s:g} tokens/s; P/D peers: {', '.join(peers)}; ratios per seed, then the median")
+    print("  ttft p99 / best peer's, itl p99 / best peer's, goodput / best peer's, ttft p50 / aggregated's; "
+          "disaggregated requests")
+    for L in loads:
+        print(f"L={L:g}")
+        for p in [*mine, *peers]:
+            rows = []
+            for s in seeds:
+                m, pe, agg = got[(p, L, s)], [got[(q, L, s)] for q in peers], got[(AGGREGATED, L, s)]
+                rows.append((m["ttft_p99"] / min(x["ttft_p99"] for x in pe),
+                             m["itl_p99"] / min(x["itl_p99"] for x in pe),
+                             m["goodput"] / max(x["goodput"] for x in pe),
+                             m["ttft_p50"] / agg["ttft_p50"], m["disaggregated"], m["ttft_p50"], m["ttft_p99"],
+                             m["itl_p99"], m["output_tok_s"]))
+            med = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
+            print(f"  {p:<21} median p99 {med[0]:.2f} itl {med[1]:.2f} goodput {med[2]:.2f} p50/agg {med[3]:.2f} "
+                  f"| p50 {med[5]:.2f} s p99 {med[6]:.2f} s itl p99 {med[7] * 1000:.0f} ms tok/s {med[8]:.0f} "
+                  f"disaggregated {med[4]:.0f} | per seed [p99 itl goodput p50/agg]: "
+                  + " ".join(f"[{r[0]:.2f} {r[1]:.2f} {r[2]:.2f} {r[3]:.2f}]" for r in rows))
     return 0
 
 

@@ -18,6 +18,7 @@ import random
 
 from extproc.core import LoadSample, Reason, RequestProfile, Router, RouterConfig, hash_key
 from extproc.core.blocks import BLOCK_TOKENS as BLOCK
+from extproc.core.apis import Api
 from extproc.core.flow import FlowControl
 from extproc.core.policy import POLICIES as CORE_POLICIES
 from extproc.tools.workload.generate import Request
@@ -65,6 +66,19 @@ class Policy:
             return None
         a, b = self.rng.choice(pool), self.rng.choice(pool)
         return a if self.in_flight[a] <= self.in_flight[b] else b
+
+    aggregated = False  # True: the same replicas as whole ones, never disaggregated (the P/D baseline)
+
+    def roles(self, prefill: frozenset[int]) -> None:
+        """Replicas of role prefill (the simulator keeps them out of ``choose``)."""
+        self.prefill_set = prefill
+
+    def prefill_for(self, req: Request, i: int, now: float, prefills: list[int]) -> int | None:
+        """The prefill replica for a request decoded on ``i`` (None: ``i`` prefills it): never, unless a P/D policy."""
+        return None
+
+    def prefill_done(self, req: Request, now: float) -> None:
+        pass
 
     def start(self, req: Request, i: int, now: float) -> None:
         self.in_flight[i] += 1
@@ -489,6 +503,83 @@ class DynamoKvRouter(Policy):
         super().done(req, now)
 
 
+class LlmdDisaggregated(LlmdEndpointPicker):
+    """llm-d's prefill/decode disaggregation (llm-d-inference-scheduler ``pkg/plugins/profile``: the decode profile
+    first, then ``prefix-based-pd-decider``, then the prefill profile; its guide's config ships ``nonCachedTokens:
+    16``): the decode pod by the default scorers among role decode; a prefill leg whenever the decode pod's
+    uncached prompt (the prompt's bytes / 4 less its approximate prefix index's match) is 16 tokens or more, to the
+    prefill pod the same scorers pick among role prefill (its own index: what its prefills computed)."""
+
+    name = "llmd_pd"
+    NON_CACHED_TOKENS = 16
+
+    def __init__(self, n: int, seed: int):
+        super().__init__(n, seed)
+        self.hit: dict[int, int] = {}
+
+    def choose(self, req, now, exclude=frozenset()):
+        blocks = req.blocks()
+        before = {i: self.index[i].match(blocks) for i in self.pool(exclude)}  # the match the decider reads
+        i = super().choose(req, now, exclude)
+        if i is not None:
+            self.hit[req.rid] = before.get(i, 0)
+        return i
+
+    def prefill_for(self, req, i, now, prefills):
+        hit = self.hit.pop(req.rid, 0) * BLOCK
+        if not prefills or req.estimated()[0] - hit < self.NON_CACHED_TOKENS:
+            return None
+        saved, self.pool = self.pool, lambda exclude: list(prefills)  # the prefill profile: its filter, same scorers
+        try:
+            return super().choose(req, now)
+        finally:
+            self.pool = saved
+
+
+class DynamoDisaggregated(DynamoKvRouter):
+    """NVIDIA Dynamo's conditional disaggregation with vLLM workers (``DisaggregatedRouter.prefill_remote``: the
+    prompt less the decode worker's prefix hit above ``max_local_prefill_length``, 1000 by default; and the prefill
+    queue shorter than ``max_prefill_queue_size``, 2 in its configs): the decode worker by the KV router, the prefill
+    leg to the prefill worker that pulls it first from the shared queue (the least busy)."""
+
+    name = "dynamo_pd"
+    MAX_LOCAL_PREFILL = 1000
+    MAX_QUEUE = 2
+
+    def __init__(self, n: int, seed: int):
+        super().__init__(n, seed)
+        self.hit: dict[int, int] = {}
+
+    def attach(self, sim):
+        self.sim = sim
+
+    def choose(self, req, now, exclude=frozenset()):
+        blocks = req.blocks()
+        limit = now - self.ttl_s
+        before = {}
+        for k in self.pool(exclude):
+            s, m = self.trees.sets[k], 0
+            for b in blocks:
+                t = s.get(b)
+                if t is None or t < limit:
+                    break
+                m += 1
+            before[k] = m
+        i = super().choose(req, now, exclude)
+        if i is not None:
+            self.hit[req.rid] = before.get(i, 0)
+        return i
+
+    def prefill_for(self, req, i, now, prefills):
+        hit = self.hit.pop(req.rid, 0) * BLOCK
+        if not prefills or req.prompt_tokens - hit <= self.MAX_LOCAL_PREFILL:
+            return None
+        engines = self.sim.engines
+        if sum(engines[p].num_waiting for p in prefills) >= self.MAX_QUEUE:
+            return None
+        return min(prefills, key=lambda p: (engines[p].num_waiting, engines[p].num_running, p))
+
+
 class Oracle(Policy):
     """Not a peer: reads each engine's true cache and queue, sends each request where its true time to
     first token is least (greedy). Marks how close a router that only sees metrics can get."""
@@ -575,13 +666,15 @@ class Warmroute(Policy):
             blocks = ()
         if self.exact and req.adapter is None:
             return RequestProfile(sk, pk, tokens, "ok", None, blocks, req.pool, req.adapter, priority=req.klass,
-                                  tenant=req.tenant, engine_tokens=req.prompt_tokens,
+                                  tenant=req.tenant, engine_tokens=req.prompt_tokens, api=Api.CHAT,
                                   engine_hashes=(BLOCK, tuple(req.blocks()[: req.prompt_tokens // BLOCK])))
         return RequestProfile(sk, pk, tokens, "ok", None, blocks, req.pool, req.adapter,
-                              priority=req.klass, tenant=req.tenant)
+                              priority=req.klass, tenant=req.tenant, api=Api.CHAT)  # the agents' chat completions
 
     def choose(self, req, now, exclude=frozenset()):
-        only = [f"r{i}" for i in range(self.n) if i not in exclude] if exclude else None  # the model's replicas
+        # the model's replicas; its replicas of role prefill too (the router keeps them for prefill legs)
+        exclude = exclude - getattr(self, "prefill_set", frozenset())
+        only = [f"r{i}" for i in range(self.n) if i not in exclude] if exclude else None
         if self.router.flow is not None:
             d = self.router.select(self._profile(req), now, only, hold_key=req.rid)
             if d.reason is Reason.HELD:
@@ -605,9 +698,30 @@ class Warmroute(Policy):
         self.router.flow.refused.clear()
         return out
 
+    def roles(self, prefill):
+        super().roles(prefill)
+        self.router.set_roles({f"r{k}": "prefill" for k in prefill})
+        self.router.disaggregates = True
+
+    def prefill_for(self, req, i, now, prefills):
+        pd = req.extra.pop("pd", None)
+        if pd is None:
+            return None
+        if pd[0] not in prefills:  # it died since the decision: prefilled where it is decoded
+            self.router.release(pd[1], now)
+            return None
+        req.extra["pd_reservation"] = pd[1]
+        return pd[0]
+
+    def prefill_done(self, req, now):
+        self.router.release(req.extra.pop("pd_reservation", None), now)
+        req.extra["leg_s"] = now - req.arrival
+
     def _accept(self, req, d):
         if d.replica is None:
             return None
+        if d.prefill is not None:
+            req.extra["pd"] = (int(d.prefill.replica.name[1:]), d.prefill_reservation)
         req.extra["reservation"] = d.reservation
         req.extra["reason"] = d.reason
         if d.predicted_ttft_s is not None:
@@ -627,7 +741,11 @@ class Warmroute(Policy):
 
     def done(self, req, now):
         super().done(req, now)
-        self.router.release(req.extra.pop("reservation", None), now)
+        res = req.extra.pop("reservation", None)
+        if res is not None and res.transfer_tokens and req.ttft is not None and "leg_s" in req.extra:
+            res.leg_s = req.extra["leg_s"]
+            self.router.transfer_observed(res, req.ttft)
+        self.router.release(res, now)
 
     def on_scrape(self, i, ok, now, sample=None):
         self.router.on_scrape(f"r{i}", ok, now, sample=sample)
@@ -668,6 +786,9 @@ LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_
 FLOW_PEERS = {"llmd_epp_flowcontrol": LlmdFlowControl}
 # peers that read the engines' KV events (issue 45's rows); not in COMPARE
 EXACT_PEERS = {"llmd_precise": LlmdPrecise}
+# peers that disaggregate prefill and decode (issue 48's rows), and warmroute on the same replicas aggregated
+PD_PEERS = {"llmd_pd": LlmdDisaggregated, "dynamo_pd": DynamoDisaggregated}
+AGGREGATED = "warmroute_aggregated"
 # `warmroute` is what ships: the default policy with flow control (on by default since issue 34); the same
 # without flow control (flow_control.enabled: false) and with it holding by wait too (flow_control.hold_on_wait)
 # have names of their own; `warmroute_<core policy>` is any other policy the core's registry holds, alone
@@ -676,7 +797,8 @@ FLOW_WAIT = "warmroute_flow_wait"
 EXACT = "warmroute_exact"  # as it ships, on a fleet whose engines publish KV events and whose tokenizer it has
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, *PEERS, *LORA_PEERS, *FLOW_PEERS, *EXACT_PEERS, *REFERENCE]
+POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS, *EXACT_PEERS, *PD_PEERS,
+            *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
@@ -686,10 +808,14 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
         return Warmroute(n, seed, router_cfg, name)
     if name == EXACT:
         return Warmroute(n, seed, router_cfg, name, flow=True, exact=True)
+    if name == AGGREGATED:
+        w = Warmroute(n, seed, router_cfg, name, flow=True)
+        w.aggregated = True
+        return w
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
     factory = PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) or EXACT_PEERS.get(name) \
-        or REFERENCE.get(name)
+        or PD_PEERS.get(name) or REFERENCE.get(name)
     if factory is None:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
     return factory(n, seed)

@@ -56,6 +56,8 @@ class SimResult:
         ok = [r for r in self.requests if r.error is None and r.ttft is not None and r.arrival >= warmup_min * 60]
         ttft = [r.ttft for r in ok]
         e2e = [r.e2e for r in ok if r.e2e is not None]
+        # inter-token latency: each request's mean gap between its output tokens after the first
+        itl = [(r.e2e - r.ttft) / (r.max_tokens - 1) for r in ok if r.e2e is not None and r.max_tokens > 1]
         floor = ttft_floor(self.requests, self.fastest)
         idx, idx_floor = [], []
         per_session: list[Counter] = [Counter() for _ in self.share_per_minute]
@@ -81,6 +83,9 @@ class SimResult:
             "ttft_floor_p99": pct([floor[r.rid] for r in ok], 0.99),
             "e2e_p50": pct(e2e, 0.5),
             "e2e_p99": pct(e2e, 0.99),
+            "itl_p50": pct(itl, 0.5),
+            "itl_p99": pct(itl, 0.99),
+            "disaggregated": sum(1 for r in ok if "prefill_replica" in r.extra),
             "output_tok_s": self.output_tokens / (self.minutes * 60),
             "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
             "imbalance_mean": sum(idx) / len(idx) if idx else 1.0,
@@ -129,6 +134,8 @@ class Simulation:
         trace: tuple[Request, ...] = (),
         pools: tuple[str, ...] | None = None,
         assign=None,
+        prefill_replicas: int = 0,
+        transfer_tokens_per_s: float = 100_000.0,
     ):
         self.n = replicas
         # several models: replica i serves model pools[i]; assign(request) -> (its pool, its LoRA adapter or None)
@@ -164,6 +171,14 @@ class Simulation:
         self._retired_counters = [0, 0, 0]  # prefix queries, hits, preemptions of engines replaced on revive
         self._retired_lora_loads = 0
         self._flow_ticking = False  # a "flow" event is due (requests held by flow control)
+        # prefill/decode disaggregation: replicas 0..k-1 of role prefill (a policy that is ``aggregated`` sees every
+        # replica as a whole one: the same replicas without disaggregation), KV moved at transfer_tokens_per_s
+        k = 0 if getattr(self.policy, "aggregated", False) else prefill_replicas
+        self.prefill_set = frozenset(range(k))
+        self.transfer_tokens_per_s = transfer_tokens_per_s
+        self._legs: list[dict[int, tuple[Request, int]]] = [dict() for _ in range(replicas)]  # prefill legs running
+        if self.prefill_set:
+            self.policy.roles(self.prefill_set)
 
     def _sample(self, i: int) -> LoadSample:
         """What a scrape of replica i's /metrics shows: vLLM's gauges and counters, its KV size."""
@@ -182,7 +197,7 @@ class Simulation:
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, req: Request, now: float, exclude: frozenset[int] = frozenset()) -> None:
-        barred = exclude
+        barred = exclude | self.prefill_set  # a prefill replica takes prefill legs only
         if self.pools is not None:
             if req.pool is None:
                 req.pool, req.adapter = self.assign(req)
@@ -231,8 +246,35 @@ class Simulation:
                 req.error = "connect_failure"
                 self._finish_session_turn(req, now)
             return
-        er = EngineRequest(req.rid, req.blocks(), req.prompt_tokens, req.max_tokens, now, lora=req.adapter)
+        p = self.policy.prefill_for(req, i, now, [k for k in self.prefill_set if self.alive[k]]) \
+            if self.prefill_set else None
+        if p is not None:  # the prefill leg first (one token, no stream); the decode leg when it has ended
+            leg = EngineRequest(-req.rid - 1, req.blocks(), req.prompt_tokens, 1, now, lora=req.adapter)
+            self._legs[p][leg.rid] = (req, i)
+            req.extra["prefill_replica"] = p
+            self._submit(p, leg, now)
+            return
+        self._decode(req, i, now)
+
+    def _decode(self, req: Request, i: int, now: float, external: int = 0) -> None:
+        """The request on its replica; ``external``: prompt tokens whose KV a prefill leg computed and it loads."""
+        if not self.alive[i]:  # it died while the prefill leg ran: Envoy retries the decode leg elsewhere, once
+            self.policy.done(req, now)
+            self._outcome(i, None, UpstreamOutcome(connect_failure=True), now)
+            j = self.policy.retry_target(req, now, frozenset({i}) | self.prefill_set) if req.retries == 0 else None
+            if j is None or j < 0:
+                req.error = "connect_failure"
+                self._finish_session_turn(req, now)
+                return
+            req.retries, req.replica = 1, j
+            self.policy.start(req, j, now)
+            i = j
+        er = EngineRequest(req.rid, req.blocks(), req.prompt_tokens, req.max_tokens, now, lora=req.adapter,
+                           external=external)
         self._inflight[i][req.rid] = (req, er)
+        self._submit(i, er, now)
+
+    def _submit(self, i: int, er: EngineRequest, now: float) -> None:
         self.engines[i].add(er)
         if not self._stepping[i]:
             self._step(i, now)
@@ -241,6 +283,18 @@ class Simulation:
             if end is not None:
                 self._step_gen[i] += 1
                 self._at(end, "step_end", i, [], [], self._step_gen[i])
+
+    def _leg_done(self, p: int, req: Request, i: int, now: float, ok: bool) -> None:
+        """A prefill leg ended on ``p``: its KV moves to ``i`` (what i's cache lacks, at the transfer rate), then the
+        decode leg starts there; a failed leg (its replica died) leaves ``i`` to compute the prompt."""
+        self.policy.prefill_done(req, now)
+        if not ok:
+            req.extra["prefill_failed"] = True
+            self._decode(req, i, now)
+            return
+        have = self.engines[i].hit_tokens(req.blocks(), req.prompt_tokens)
+        moved = max(0, req.prompt_tokens - have)
+        self._at(now + moved / self.transfer_tokens_per_s, "decode_leg", req, i, req.prompt_tokens)
 
     def _step(self, i: int, now: float) -> None:
         eng = self.engines[i]
@@ -263,6 +317,10 @@ class Simulation:
             if item:
                 item[0].ttft = now - item[0].arrival
         for er in done:
+            leg = self._legs[i].pop(er.rid, None)
+            if leg is not None:
+                self._leg_done(i, leg[0], leg[1], now, True)
+                continue
             item = self._inflight[i].pop(er.rid, None)
             if not item:
                 continue
@@ -303,6 +361,9 @@ class Simulation:
             self._outcome(i, i, UpstreamOutcome(remote_reset=True), now)
             self._finish_session_turn(req, now)
         self._inflight[i].clear()
+        legs, self._legs[i] = self._legs[i], {}
+        for req, d in legs.values():
+            self._leg_done(i, req, d, now, False)
 
     def _revive(self, i: int, now: float) -> None:
         self.alive[i] = True
@@ -386,6 +447,8 @@ class Simulation:
                 self._flow_ticking = False
                 if self.policy.holds():
                     self._holding(now)
+            elif kind == "decode_leg":
+                self._decode(args[0], args[1], now, args[2])
             elif kind == "kill":
                 self._kill(args[0], now)
             elif kind == "revive":

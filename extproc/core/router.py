@@ -58,6 +58,7 @@ class Router:
         # prefill/decode disaggregation: whether the front sends prefill legs (the brain behind Envoy does; a picker's
         # gateway carries one request per pick)
         self.disaggregates = False
+        self._prefills = False  # some replica is of role prefill (set_roles)
         self.flow: FlowControl | None = None  # flow control (core.flow): None, every request is placed at once
         self._ready: list = []  # held requests a select let go before its newcomer, for the next offer
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
@@ -141,9 +142,12 @@ class Router:
             if role != r.role:
                 r.role = role
                 self.pool_epoch += 1
+        self._prefills = any(r.role == "prefill" for r in self._replicas)
 
     def prefill_pool(self, only: Collection[str] | None) -> list[Replica]:
         """The replicas a prefill leg may go to: LIVE replicas of role prefill (of the request's model)."""
+        if not self._prefills:  # a fleet of whole replicas: nothing to look at on any request's path
+            return []
         return [r for r in self._replicas if r.role == "prefill" and not r.drained and r.health.state is LIVE
                 and (only is None or r.name in only)]
 

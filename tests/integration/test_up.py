@@ -108,3 +108,14 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")  # a zombie has ended; only its parent's reaping is left
+
+
+def test_warmroute_up_pd_runs_a_disaggregated_fleet_and_says_what_went_where():
+    out = subprocess.run([sys.executable, "-m", "extproc.cli", "up", "--pd", "--replicas", "3", "--minutes", "0.5",
+                          "--sessions-per-min", "20", "--no-serve"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "COLUMNS": "120"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "errors none" in out.stdout, out.stdout[-2000:]
+    assert re.search(r"prefill/decode: abandoned \d+, local_fallback 0, remote \d+", out.stdout), out.stdout[-2000:]
+    # r0 is of role prefill: the table says so instead of calling it passed over
+    assert "r0 took 0% of the decisions: it is of role prefill" in out.stdout.replace("\n  ", " "), out.stdout[-2000:]

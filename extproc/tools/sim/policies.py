@@ -503,7 +503,23 @@ class DynamoKvRouter(Policy):
         super().done(req, now)
 
 
-class LlmdDisaggregated(LlmdEndpointPicker):
+class _DecodeHit:
+    """A P/D peer's decider reads the decode replica's prefix match as its scorer saw it: before this request's own
+    blocks were recorded there."""
+
+    def _match_before(self, k: int, blocks: list[int], now: float) -> int:
+        raise NotImplementedError
+
+    def choose(self, req, now, exclude=frozenset()):
+        blocks = req.blocks()
+        before = {k: self._match_before(k, blocks, now) for k in self.pool(exclude)}
+        i = super().choose(req, now, exclude)
+        if i is not None:
+            self.hit[req.rid] = before.get(i, 0)
+        return i
+
+
+class LlmdDisaggregated(_DecodeHit, LlmdEndpointPicker):
     """llm-d's prefill/decode disaggregation (llm-d-inference-scheduler ``pkg/plugins/profile``: the decode profile
     first, then ``prefix-based-pd-decider``, then the prefill profile; its guide's config ships ``nonCachedTokens:
     16``): the decode pod by the default scorers among role decode; a prefill leg whenever the decode pod's
@@ -517,13 +533,8 @@ class LlmdDisaggregated(LlmdEndpointPicker):
         super().__init__(n, seed)
         self.hit: dict[int, int] = {}
 
-    def choose(self, req, now, exclude=frozenset()):
-        blocks = req.blocks()
-        before = {i: self.index[i].match(blocks) for i in self.pool(exclude)}  # the match the decider reads
-        i = super().choose(req, now, exclude)
-        if i is not None:
-            self.hit[req.rid] = before.get(i, 0)
-        return i
+    def _match_before(self, k, blocks, now):
+        return self.index[k].match(blocks)
 
     def prefill_for(self, req, i, now, prefills):
         hit = self.hit.pop(req.rid, 0) * BLOCK
@@ -536,7 +547,7 @@ class LlmdDisaggregated(LlmdEndpointPicker):
             self.pool = saved
 
 
-class DynamoDisaggregated(DynamoKvRouter):
+class DynamoDisaggregated(_DecodeHit, DynamoKvRouter):
     """NVIDIA Dynamo's conditional disaggregation with vLLM workers (``DisaggregatedRouter.prefill_remote``: the
     prompt less the decode worker's prefix hit above ``max_local_prefill_length``, 1000 by default; and the prefill
     queue shorter than ``max_prefill_queue_size``, 2 in its configs): the decode worker by the KV router, the prefill
@@ -553,22 +564,14 @@ class DynamoDisaggregated(DynamoKvRouter):
     def attach(self, sim):
         self.sim = sim
 
-    def choose(self, req, now, exclude=frozenset()):
-        blocks = req.blocks()
-        limit = now - self.ttl_s
-        before = {}
-        for k in self.pool(exclude):
-            s, m = self.trees.sets[k], 0
-            for b in blocks:
-                t = s.get(b)
-                if t is None or t < limit:
-                    break
-                m += 1
-            before[k] = m
-        i = super().choose(req, now, exclude)
-        if i is not None:
-            self.hit[req.rid] = before.get(i, 0)
-        return i
+    def _match_before(self, k, blocks, now):
+        s, limit, m = self.trees.sets[k], now - self.ttl_s, 0
+        for b in blocks:
+            t = s.get(b)
+            if t is None or t < limit:
+                break
+            m += 1
+        return m
 
     def prefill_for(self, req, i, now, prefills):
         hit = self.hit.pop(req.rid, 0) * BLOCK

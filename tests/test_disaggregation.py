@@ -13,6 +13,7 @@ from extproc.core import LoadSample, RouterConfig
 from extproc.core.apis import Api
 from extproc.core.config import DisaggregationConfig
 from extproc.core.disaggregation import TransferRate
+from extproc.core.names import BodyStatus
 from extproc.discovery.kubernetes import pod_role
 
 from .helpers import chain, live_router, prof
@@ -79,7 +80,7 @@ def test_a_busy_prefill_replica_is_not_worth_its_queue():
     assert first[0].prefill is not None and any(d.prefill is None for d in first)
 
 
-@pytest.mark.parametrize("why", ["disabled", "too_long", "messages", "adapter", "picker"])
+@pytest.mark.parametrize("why", ["disabled", "too_long", "messages", "adapter", "picker", "headers_only"])
 def test_no_prefill_leg_where_one_cannot_or_must_not_go(why):
     router, t = pd_router(4, enabled=why != "disabled", max_transfer_tokens=1000 if why == "too_long" else None)
     router.disaggregates = why != "picker"  # a picker's gateway carries one request per pick
@@ -87,6 +88,8 @@ def test_no_prefill_leg_where_one_cannot_or_must_not_go(why):
     p = long_prompt(api=Api.MESSAGES if why == "messages" else Api.CHAT)
     if why == "adapter":
         p = dataclasses.replace(p, adapter="tiny-lora-a")
+    if why == "headers_only":  # a body too big to send the brain: nothing to send as a prefill leg
+        p = dataclasses.replace(p, body_status=BodyStatus.HEADERS_ONLY)
     assert router.select(p, t).prefill is None
 
 

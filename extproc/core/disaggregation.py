@@ -4,7 +4,8 @@ The decode replica is chosen first, as any request's replica (cached prefix, que
 prefill goes to a replica of role prefill when that beats computing it there, in the cost model's units (seconds
 someone waits):
 
-    local  = ttft(decode replica) + prefill(decode replica) x the requests decoding there
+    local  = ttft(decode replica) + prefill(decode replica) x (the streams decoding there
+                                                             + those arriving during it / 2)
              (a prefill runs inside the batch's steps: each stream under way waits for it)
     remote = wait(p) + prefill(prompt - cached(p), p) + transfer(prompt - cached(decode replica)) + a decode step
 
@@ -19,11 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .apis import Api
+from .names import BodyStatus
 
 if TYPE_CHECKING:
     from .replica import Replica
 
 DISAGGREGATED_APIS = (Api.CHAT, Api.COMPLETIONS)  # vLLM reads kv_transfer_params on these paths
+# a body the brain holds as a JSON object, to send as the prefill leg and rewrite for the decode leg
+LEG_BODIES = (BodyStatus.OK, BodyStatus.UNPARSED)
 _ALPHA = 0.2
 _CLIP = 10.0  # one transfer's rate counts at most 10x either side of what is known: a stalled leg is no rate
 
@@ -54,7 +58,7 @@ class TransferRate:
         self.samples += 1
 
 
-def worth_it(local_ttft: float, local_prefill_s: float, decoding: int, remote_s: float, tie_s: float) -> bool:
+def worth_it(local_ttft: float, local_prefill_s: float, decoding: float, remote_s: float, tie_s: float) -> bool:
     """Whether the remote prefill beats the local one, what the local prefill costs the batch included."""
     if local_prefill_s < tie_s:
         return False

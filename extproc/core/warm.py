@@ -46,7 +46,7 @@ import itertools
 from .config import RouterConfig
 from .cost import Aggregates, Estimate, decode_penalty, fair_share, interference, recent
 from .decision import Decision, FleetView, PinEvent
-from .disaggregation import DISAGGREGATED_APIS, PrefillPlan, TransferRate, worth_it
+from .disaggregation import DISAGGREGATED_APIS, LEG_BODIES, PrefillPlan, TransferRate, worth_it
 from .load import LoadSample, effective_rates
 from .names import Cause, PinAction, Reason
 from .pins import SESSION, Pin, PinTable
@@ -589,7 +589,8 @@ class WarmPolicy(Shortlist):
         prefill beats the local one on the decode replica just chosen, else None."""
         best = self._chosen
         if best is None or best.replica is not d.replica or profile.provisional or \
-                profile.api not in DISAGGREGATED_APIS or profile.adapter is not None:
+                profile.body_status not in LEG_BODIES or profile.api not in DISAGGREGATED_APIS or \
+                profile.adapter is not None:
             return None
         limit = self.cfg.disaggregation.max_transfer_tokens
         if limit is not None and best.prompt > limit:
@@ -604,7 +605,11 @@ class WarmPolicy(Shortlist):
         moved = best.prompt - best.cached
         ttft = leg.wait + leg.prefill + moved / self.transfer.value + best.dec
         r = best.replica
-        decoding = max(best.st.running(r), r.in_flight_requests - 1)  # the streams its prefill would stall
+        # the streams its prefill would stall: those decoding there, and those that join meanwhile (half of it each,
+        # on average: the interference term's reasoning)
+        window = self.cfg.warm.arrival_window_s
+        decoding = max(best.st.running(r), r.in_flight_requests - 1) + \
+            recent(best.st.arrivals, now - window) / window * best.prefill / 2
         if not worth_it(best.ttft, best.prefill, decoding, ttft, _TIE_S):
             return None
         return PrefillPlan(leg.replica, ttft, best.ttft, leg.prefill, leg.prompt, moved)

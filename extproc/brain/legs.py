@@ -73,7 +73,6 @@ class Legs:
         self.brain, self.d, self.headers, self.doc, self.path = brain, d, headers, doc, path
         self.answer = answer  # the decode replica's route answer, with this body (None: the client's own)
         self.params: dict | None = None
-        self.outcome = "pending"
 
     async def run(self) -> "ep.ProcessingResponse":
         b, d = self.brain, self.d
@@ -86,7 +85,6 @@ class Legs:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, _Refused) as e:
             # the decode replica prefills it itself: slower, never an error
             self._end_prefill(b.clock())
-            self.outcome = "local_fallback"
             b.stats.disaggregated["local_fallback"] += 1
             logs.event("prefill_leg_failed", replica=d.prefill.replica.name, decode=d.replica_name,
                        error=type(e).__name__ if not isinstance(e, _Refused) else str(e))
@@ -97,7 +95,6 @@ class Legs:
         d.reservation.leg_s = now - t0
         if self.params:
             d.reservation.handoff = self.never_sent
-        self.outcome = "remote"
         b.stats.disaggregated["remote"] += 1
         # no params: a connector that finds the KV by the prompt itself (vLLM's ExampleConnector, shared storage)
         return self.answer(decode_body(self.doc, self.params) if self.params else None)
@@ -139,13 +136,13 @@ class Legs:
         leg = getattr(self, "_leg", None)
         if leg is None:
             return
-        asyncio.get_running_loop().create_task(self._after(leg))
+        _background(self._after(leg))
 
     def never_sent(self) -> None:
         """Envoy logged the request's end and no replica got the decode leg (the client left just after the answer)."""
         if self.params:
             self.brain.stats.disaggregated["abandoned"] += 1
-            asyncio.get_running_loop().create_task(self._release())
+            _background(self._release())
 
     async def _after(self, leg: asyncio.Future) -> None:
         try:
@@ -172,6 +169,15 @@ class Legs:
                 await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass  # the prefill replica's lease frees it
+
+
+_TASKS: set[asyncio.Task] = set()  # hand-overs under way: a task nobody holds may be collected before it ends
+
+
+def _background(coro) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 class _Refused(Exception):

@@ -88,6 +88,19 @@ async def busy_decoders(session: aiohttp.ClientSession, url: str, n: int = 8, ta
     return tasks
 
 
+def test_on_an_idle_fleet_a_long_prompt_stays_where_it_is_decoded(pd):
+    # first in the module: nothing decoding and nothing arrived lately (a prefill also stalls the streams expected to
+    # join during it)
+    wait_for(lambda: all(r["effective_running"] == 0 for r in pd.state()["replicas"]), 30, "an idle fleet")
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            return await send(s, pd.url, body(f"idle-{random.random()}", 12000, 8))
+
+    got = asyncio.run(run())
+    assert got["status"] == 200 and decision(pd, got["rid"])["prefill_replica"] is None
+
+
 def test_a_long_prompt_beside_running_decodes_is_prefilled_remotely_and_decoded_from_its_kv(pd):
     async def run():
         async with aiohttp.ClientSession() as s:
@@ -109,17 +122,6 @@ def test_a_long_prompt_beside_running_decodes_is_prefilled_remotely_and_decoded_
     assert all(r["status"] == 200 and r["done"] for r in rest)
     # the prefill replica let go of the blocks once the decode replica read them
     wait_for(lambda: replica_json(pd, d["prefill_replica"], "/admin/kv_transfers")["held"] == 0, 10, "KV handed over")
-
-
-def test_on_an_idle_fleet_a_long_prompt_stays_where_it_is_decoded(pd):
-    wait_for(lambda: all(r["effective_running"] == 0 for r in pd.state()["replicas"]), 30, "an idle fleet")
-
-    async def run():
-        async with aiohttp.ClientSession() as s:
-            return await send(s, pd.url, body(f"idle-{random.random()}", 12000, 8))
-
-    got = asyncio.run(run())
-    assert got["status"] == 200 and decision(pd, got["rid"])["prefill_replica"] is None
 
 
 def test_a_prefill_replica_killed_mid_leg_fails_no_client(pd):

@@ -69,6 +69,20 @@ def decision(stack: Stack, rid: str) -> dict:
     return json.loads(stack.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]
 
 
+def test_a_prompt_that_stays_local_never_touches_the_prefill_replica(pd):
+    # first in the module: nothing decoding and nothing arrived lately (a prefill also stalls the streams expected to
+    # join during it)
+    wait_for(lambda: all(r["effective_running"] == 0 for r in pd.state()["replicas"]) or None, 60, "an idle fleet")
+    before = total(metrics_of(port_of(pd, "r0")), "vllm:prompt_tokens_total")
+    status, headers, doc = post(pd.url, "/v1/chat/completions", chat(prompt(f"idle-{random.random()}", 800), 8))
+    assert status == 200, doc
+    assert decision(pd, headers["x-request-id"])["prefill_replica"] is None
+    assert total(metrics_of(port_of(pd, "r0")), "vllm:prompt_tokens_total") == before
+    with urllib.request.urlopen(pd.brain_metrics, timeout=5) as r:
+        m = r.read().decode()
+    assert 'warmroute_disaggregated_total{outcome="local_fallback"} 0.0' in m
+
+
 def test_a_long_prompt_beside_running_decodes_is_prefilled_on_the_prefill_replica_and_loaded_by_the_decode_one(pd):
     # streams decoding on r1 (the only decode replica): a local prefill of a long prompt would stall each of them
     results: list[int] = []
@@ -97,15 +111,3 @@ def test_a_long_prompt_beside_running_decodes_is_prefilled_on_the_prefill_replic
     assert cached > 0.9 * doc["usage"]["prompt_tokens"] and cached % 128 == 0, doc["usage"]  # the CPU's blocks
     assert after - before == cached, (before, after, cached)
     assert results == [200] * 4
-
-
-def test_a_prompt_that_stays_local_never_touches_the_prefill_replica(pd):
-    wait_for(lambda: all(r["effective_running"] == 0 for r in pd.state()["replicas"]) or None, 60, "an idle fleet")
-    before = total(metrics_of(port_of(pd, "r0")), "vllm:prompt_tokens_total")
-    status, headers, doc = post(pd.url, "/v1/chat/completions", chat(prompt(f"idle-{random.random()}", 800), 8))
-    assert status == 200, doc
-    assert decision(pd, headers["x-request-id"])["prefill_replica"] is None
-    assert total(metrics_of(port_of(pd, "r0")), "vllm:prompt_tokens_total") == before
-    with urllib.request.urlopen(pd.brain_metrics, timeout=5) as r:
-        m = r.read().decode()
-    assert 'warmroute_disaggregated_total{outcome="local_fallback"} 0.0' in m

@@ -160,6 +160,17 @@ def test_an_inference_pools_ready_pods_on_its_target_ports(api, tmp_path):
     assert [r.url for r in found] == ["http://10.0.0.10:8000", "http://10.0.0.10:8001"]
 
 
+def test_a_pods_llm_d_role_label_is_its_role(api, tmp_path):
+    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder", kubeconfig=api.kubeconfig(tmp_path / "k"))
+    prefill, decode, other = pod("p-0", "10.0.0.20"), pod("d-0", "10.0.0.21"), pod("x-0", "10.0.0.22")
+    prefill["metadata"]["labels"]["llm-d.ai/role"] = "prefill"
+    decode["metadata"]["labels"]["llm-d.ai/role"] = "decode"
+    other["metadata"]["labels"]["llm-d.ai/role"] = "encode"
+    api.pods = [prefill, decode, other]
+    found = asyncio.run(KubernetesSource(d).lookup())
+    assert [(r.name, r.role) for r in found] == [("p-0", "prefill"), ("d-0", "decode"), ("x-0", "both")]
+
+
 def test_a_services_endpoint_slices(api, tmp_path):
     d = DiscoveryConfig(source="kubernetes", namespace=NS, service="vllm", kubeconfig=api.kubeconfig(tmp_path / "k"))
     found = asyncio.run(KubernetesSource(d).lookup())

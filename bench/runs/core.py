@@ -269,8 +269,10 @@ def exact_costs() -> list[str]:
     from extproc.core.engine_cache import Stored, chain, external, none_hash
 
     def brain(exact: bool):
-        extra = {"exact_cache": {"tokenizers": {"mock-coder-30b": str(TOKENIZER)}, "max_body_bytes": 4 << 20}} \
-            if exact else {"exact_cache": {"enabled": False}}
+        # every prompt tokenized inline: this measures what tokenizing costs a decision (the brain hands prompts above
+        # exact_cache.inline_chars to a worker process, whose results this synchronous loop would never collect)
+        extra = {"exact_cache": {"tokenizers": {"mock-coder-30b": str(TOKENIZER)}, "max_body_bytes": 4 << 20,
+                                 "inline_chars": 4 << 20}} if exact else {"exact_cache": {"enabled": False}}
         b, t = _brain("warm", **extra)
         if exact:  # every engine's events verified: one stored block in the engines' 128-token blocks
             toks = tuple(range(128))

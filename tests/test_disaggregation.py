@@ -129,3 +129,51 @@ def test_the_legs_bodies_are_what_vllm_s_connectors_read():
     assert dec["kv_transfer_params"] == params and dec["stream"] is True and dec["max_completion_tokens"] == 500
     gone = json.loads(decode_body(doc, params, one_token=True))
     assert gone["max_tokens"] == 1 and gone["stream"] is False and "max_completion_tokens" not in gone
+
+
+def test_a_local_prefill_also_costs_the_streams_that_arrive_during_it():
+    """Nothing decodes on the decode replicas now, but requests have been arriving there: a long local prefill would
+    stall those that join during it (half of it each, on average), so it goes to the idle prefill replica; the same
+    prompt on a fleet nothing arrived at lately stays local."""
+    quiet, t = pd_router(2)
+    assert quiet.select(long_prompt(), t).prefill is None
+    busy_fleet, t = pd_router(2)
+    for i in range(60):  # a minute of short requests to r1, each already ended
+        d = busy_fleet.select(long_prompt(tokens=200, session=f"a{i}"), t - 59 + i)
+        busy_fleet.release(d.reservation, t - 59 + i + 0.5)
+    assert busy_fleet.select(long_prompt(), t).prefill is not None
+
+
+def _pd_brain():
+    from .helpers import live_brain
+
+    cfg = parse_config({"replicas": [{"name": "p0", "url": "http://127.0.0.1:9", "role": "prefill"},
+                                     {"name": "d0", "url": "http://127.0.0.1:9"}], "routing": {"policy": "warm"}})
+    b = live_brain(cfg)
+    b.router.on_load("d0", LoadSample(12, 0, 0.3), b.clock())  # streams decoding there
+    return b
+
+
+def _chat_body(tokens: int = 40_000) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 4 * tokens}]}).encode()
+
+
+def test_a_call_that_ends_before_its_prefill_leg_was_sent_gives_both_reservations_back():
+    from extproc.brain.legs import Legs
+
+    b = _pd_brain()
+    legs = b.decide({":path": "/v1/chat/completions", "x-session-id": "s"}, _chat_body())
+    assert isinstance(legs, Legs)
+    assert b.router.replica("p0").in_flight_requests == 1 and b.router.replica("d0").in_flight_requests == 1
+    legs.abandon()  # Envoy closed the call before the brain could even extend its timer
+    assert b.router.replica("p0").in_flight_requests == 0 and b.router.replica("d0").in_flight_requests == 0
+    assert b.router.open_reservations == 0
+
+
+def test_a_client_s_own_kv_transfer_params_are_left_to_it_and_nothing_is_booked_on_the_prefill_replica():
+    b = _pd_brain()
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 160_000}],
+                       "kv_transfer_params": {"do_remote_decode": True}}).encode()
+    out = b.decide({":path": "/v1/chat/completions", "x-session-id": "s"}, body)
+    assert out.__class__.__name__ == "ProcessingResponse"
+    assert b.router.replica("p0").in_flight_requests == 0

@@ -383,6 +383,7 @@ class Brain:
             self.stats.flow_wait_s[CLASSES[profile.priority]] += now - held_at
             if not answered(key):
                 self.router.release(d.reservation, now)
+                self.router.release(d.prefill_reservation, now)  # a prefill leg planned for it: never sent
                 continue
             d = self._decided(d, profile, res, now)
             out.append((key, self._pick_of(d, headers, body, only) if phase == PICK

@@ -40,6 +40,9 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 FORWARDED = ("authorization", "openai-organization", "openai-project")  # what the engine may check on a request
 RELEASE_TIMEOUT_S = 30.0
+# a prefill leg's answer is one token and the connector's kv_transfer_params (NIXL: block ids, a few KB at 100K
+# tokens); read no more, so a replica's answer costs the brain a bounded parse
+ANSWER_MAX_BYTES = 1 << 20
 
 
 def prefill_body(doc: dict) -> bytes:
@@ -121,7 +124,10 @@ class Legs:
                                       server_hostname=ctx[1] if ctx else None) as r:
             if r.status != 200:
                 raise _Refused(f"status {r.status}")
-            out = await r.json(content_type=None)
+            raw = await r.content.read(ANSWER_MAX_BYTES + 1)
+        if len(raw) > ANSWER_MAX_BYTES:  # one token and the connector's params: a few KB; more is no prefill answer
+            raise _Refused("answer too large")
+        out = json.loads(raw)
         if not isinstance(out, dict):
             raise _Refused("not a JSON object")
         params = out.get("kv_transfer_params")
@@ -134,7 +140,8 @@ class Legs:
         b.router.release(self.d.reservation, b.clock())
         b.stats.disaggregated["abandoned"] += 1
         leg = getattr(self, "_leg", None)
-        if leg is None:
+        if leg is None:  # the call ended before the leg was sent: nothing on the prefill replica but its booking
+            self._end_prefill(b.clock())
             return
         _background(self._after(leg))
 
@@ -166,7 +173,8 @@ class Legs:
                                           headers=headers, ssl=ctx[0] if ctx else None,
                                           server_hostname=ctx[1] if ctx else None,
                                           timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as r:
-                await r.read()
+                async for _ in r.content.iter_chunked(64 << 10):  # read to its end (the KV taken), kept nowhere
+                    pass
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass  # the prefill replica's lease frees it
 

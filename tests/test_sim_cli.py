@@ -133,6 +133,28 @@ def test_anatomy_tail_sorts_the_slowest_turns_by_what_made_them():
     assert sum(len(v) for v in got.values()) == 4 and got["first"] == []
 
 
+def test_anatomy_tail_says_per_replica_speed_how_much_of_the_work_and_of_the_tail_ran_there():
+    from extproc.tools.sim.anatomy import WARM_UP_S, tail_by_speed
+    from extproc.tools.workload.generate import Request
+
+    t0 = WARM_UP_S + 1
+    reqs = []
+
+    def turn(sid, replica, ttft, prompt, cached, at):
+        r = Request(len(reqs), sid, 0, prompt, 100, 10, at)
+        r.replica, r.ttft, r.cached_tokens = replica, ttft, cached
+        reqs.append(r)
+
+    for k in range(6):  # the fast replica serves most turns, quickly
+        turn(k, 0, 0.1, 1000, 900, t0 + k)
+    turn(10, 1, 50.0, 120_000, 0, t0 + 10)  # the slow replica: a long first turn
+    turn(10, 1, 0.2, 121_000, 120_000, t0 + 11)
+    got = tail_by_speed(reqs, (1.0, 0.4), share=0.25)  # 8 turns: the slowest 2
+    assert got[1.0]["turns"] == 6 and got[0.4]["turns"] == 2
+    assert got[0.4]["tail"] == 2 and got[0.4]["kinds"]["first"] == 1 and got[0.4]["kinds"]["cached"] == 1
+    assert got[1.0]["tail"] == 0
+
+
 def test_sim_brains_prints_one_brain_each_k_and_delay_and_llmds_pickers_and_sharing_keeps_hits():
     import re
 

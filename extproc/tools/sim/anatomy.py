@@ -7,6 +7,8 @@ they carried and the fleet's uncached prefill: how a surge turns into a cascade 
 ``--tail`` sorts the slowest 2% of session turns by what made them: a session's first turn, a turn moved to
 another replica than its last, a turn whose context its own replica had lost (evicted), or one that kept its
 cache (it only waited): whether a queue in the router could shorten the tail, or only fewer re-prefills can.
+With ``--replica-speeds`` (a mixed fleet) it also says, per replica speed, the share of the turns served there and
+the share of the tail, and what the tail's turns there were: where a slow replica's work is the wrong work.
 """
 
 from __future__ import annotations
@@ -94,6 +96,31 @@ def tail_kinds(requests, share: float = 0.02) -> dict[str, list[tuple[float, int
     return out
 
 
+def tail_by_speed(requests, speeds: tuple[float, ...], share: float = 0.02) -> dict[float, dict]:
+    """Per replica speed: the session turns served there after the warm-up (``turns``), how many of the slowest
+    ``share`` of them ran there (``tail``) and those tail turns by kind (``kinds``, as ``tail_kinds``)."""
+    out: dict[float, dict] = {s: {"turns": 0, "tail": 0, "kinds": {k: 0 for k in TAIL_KINDS}} for s in sorted(set(speeds))}
+    last: dict[int, int] = {}
+    turns = []
+    for r in sorted(requests, key=lambda x: x.arrival):
+        if r.oneshot or r.replica is None:
+            continue
+        prev = last.get(r.sid)
+        last[r.sid] = r.replica
+        if r.ttft is None or r.arrival < WARM_UP_S:
+            continue
+        uncached = r.prompt_tokens - r.cached_tokens
+        kind = ("first" if prev is None else "moved" if prev != r.replica
+                else "lost_at_home" if uncached > r.prompt_tokens / 2 else "cached")
+        out[speeds[r.replica]]["turns"] += 1
+        turns.append((r.ttft, speeds[r.replica], kind))
+    turns.sort(key=lambda t: -t[0])
+    for _, speed, kind in turns[:max(1, round(len(turns) * share))] if turns else ():
+        out[speed]["tail"] += 1
+        out[speed]["kinds"][kind] += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m extproc.tools.sim.anatomy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", type=float, default=0.25)
@@ -103,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moves", action="store_true", help="sessions moved between replicas over time (first seed)")
     ap.add_argument("--tail", action="store_true", help="what the slowest 2%% of session turns are made of")
     ap.add_argument("--minutes", type=float, default=None)
+    ap.add_argument("--replica-speeds", default=None, metavar="1,1,0.5,0.5",
+                    help="a mixed fleet (overrides --replicas); --tail adds where the tail ran, per speed")
     args = ap.parse_args(argv)
+    speeds = tuple(float(x) for x in args.replica_speeds.split(",")) if args.replica_speeds else None
+    if speeds:
+        args.replicas = len(speeds)
     seeds = seed_list(args.seeds)
     if args.tail:
         print(f"the slowest 2% of session turns (each seed's), load {args.load:g}, {args.replicas} replicas, seeds "
@@ -111,13 +143,26 @@ def main(argv: list[str] | None = None) -> int:
         w = _workload(args.load, args.minutes)
         for p in args.policies.split(","):
             kinds: dict[str, list[tuple[float, int]]] = {k: [] for k in TAIL_KINDS}
+            per_speed: dict[float, dict] = {}
             for seed in seeds:
-                for k, v in tail_kinds(Simulation(p, replicas=args.replicas, workload=w, seed=seed).run().requests).items():
+                reqs = Simulation(p, replicas=args.replicas, workload=w, seed=seed, replica_speeds=speeds).run().requests
+                for k, v in tail_kinds(reqs).items():
                     kinds[k] += v
+                for speed, row in (tail_by_speed(reqs, speeds).items() if speeds else ()):
+                    acc = per_speed.setdefault(speed, {"turns": 0, "tail": 0, "kinds": {k: 0 for k in TAIL_KINDS}})
+                    acc["turns"] += row["turns"]
+                    acc["tail"] += row["tail"]
+                    for k, c in row["kinds"].items():
+                        acc["kinds"][k] += c
             n = sum(len(v) for v in kinds.values()) or 1
             print(f"{p:<30} " + " | ".join(
                 f"{k} {100 * len(v) / n:3.0f}% ({_q([t for t, _ in v], .5):5.1f} s, {_q([u for _, u in v], .5) / 1e3:5.1f}K)"
                 for k, v in kinds.items()))
+            all_turns, all_tail = sum(r["turns"] for r in per_speed.values()) or 1, sum(r["tail"] for r in per_speed.values()) or 1
+            for speed, row in sorted(per_speed.items()):
+                print(f"{'':<4}speed {speed:g}: {100 * row['turns'] / all_turns:4.1f}% of the turns, "
+                      f"{100 * row['tail'] / all_tail:4.1f}% of the tail (" + ", ".join(
+                          f"{k} {c}" for k, c in row["kinds"].items() if c) + ")")
         return 0
     if args.moves:
         print(f"per 2 minutes, load {args.load:g}, {args.replicas} replicas, seed {seeds[0]}: requests, sessions moved to "

@@ -36,5 +36,8 @@ WARMROUTE: dict[str, dict] = {
     "warmroute_flow": {"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
                        "envoy": {"trust_downstream_tenant_header": True}},
     "warmroute_no_flow": {"flow_control": {"enabled": False}},
+    # the cost model without its decode term (warm.decode_weight 0): time to first token alone, whatever the answer's
+    # streaming speed where it runs (issue 49: on a mixed-speed fleet, the TTFT tail against the answers' end)
+    "warmroute_ttft_only": {"warm": {"decode_weight": 0.0}},
 }
 CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]

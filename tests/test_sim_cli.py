@@ -79,6 +79,27 @@ def test_versus_peers_does_not_reuse_a_peers_cache_made_by_another_simulator(tmp
         assert err.startswith(f"--peers-cache {cache}: ") and err.rstrip().endswith("again")  # one line, saying why
 
 
+def test_several_seeds_print_each_policy_s_p99_as_a_geometric_mean_over_them(capsys):
+    import argparse
+    import math
+    import re
+
+    import pytest
+
+    from extproc.tools.sim import cli
+
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    args = ap.parse_args(["--seeds", "1,2", "--minutes", "3", "--policies", "warmroute,envoy_round_robin",
+                          "--replica-speeds", "1,0.5"])
+    cli.run(args)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("TTFT p99, geometric mean"))
+    got = dict(re.findall(r"(\w+) ([\d.]+) s", line.split(": ", 1)[1]))
+    for p in ("warmroute", "envoy_round_robin"):
+        p99 = [cli.simulate(p, args, seed).summary()["ttft_p99"] for seed in (1, 2)]
+        assert float(got[p]) == pytest.approx(math.sqrt(p99[0] * p99[1]), abs=0.006)
+
+
 def test_seeds_take_ranges_and_lists_and_a_bad_one_is_one_clear_line():
     import argparse
 

@@ -106,10 +106,10 @@ def speedup_of(scenario: str, args) -> float:
 
 def runs(contender: str, scenario: str) -> bool:
     """Whether ``contender`` has a row in ``scenario``: flow control's scenarios are for FLOW_CONTENDERS, and
-    warmroute_flow is measured there and on the plain workload."""
+    warmroute_flow is measured there and on the plain workload; warmroute_ttft_only on the plain workload only."""
     if scenario in FLOW_SCENARIOS:
         return contender in FLOW_CONTENDERS
-    return contender != "warmroute_flow" or scenario == "workload"
+    return contender not in ("warmroute_flow", "warmroute_ttft_only") or scenario == "workload"
 
 
 

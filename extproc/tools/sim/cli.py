@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import math
 import os
 import pickle
 import statistics
@@ -109,6 +110,11 @@ def brain_rows(policy: str, brains: str, delays: str) -> list[str]:
     for k in (k for k in ks if k > 1):
         rows += [f"{policy}:{k}:{d}" for d in ds] + [f"llmd_epp:{k}:off"]
     return rows
+
+
+def geometric_mean(values: list[float]) -> float:
+    """Of positive values (a p99 of 0 counts as 1 ms: no request waited)."""
+    return math.exp(sum(math.log(max(v, 1e-3)) for v in values) / len(values))
 
 
 def seed_list(text: str) -> list[int]:
@@ -245,6 +251,11 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(table([_median(policies, [per_seed[s][k] for s in seeds]) for k in range(len(policies))],
                     title=f"median over seeds {seeds_text(seeds)}"))
+        # one seed's p99 is its few slowest requests, and a median of ten of them moves 10-30% with the seed set
+        # (docs/routing.md, issue 49): the geometric mean over the seeds uses every seed's
+        print(f"\nTTFT p99, geometric mean over seeds {seeds_text(seeds)}: " + ", ".join(
+            f"{p} {geometric_mean([per_seed[s][k].summary()['ttft_p99'] for s in seeds]):.2f} s"
+            for k, p in enumerate(policies)))
     if args.brains:
         med = {p: _median(policies, [per_seed[s][k] for s in seeds]).summary() for k, p in enumerate(policies)}
         one = med[policies[0]]

@@ -72,9 +72,9 @@ def moves(policy: str, load: float, seed: int, replicas: int, every_s: float = 1
 TAIL_KINDS = ("first", "moved", "lost_at_home", "cached")
 
 
-def tail_kinds(requests, share: float = 0.02) -> dict[str, list[tuple[float, int]]]:
-    """The slowest ``share`` of session turns answered after the warm-up, by kind: (TTFT, uncached prompt tokens)
-    each. Kinds (``TAIL_KINDS``): the session's first request; moved (another replica than its previous turn's);
+def _turns(requests) -> list[tuple[float, int, str, int]]:
+    """Session turns answered after the warm-up, slowest first: (TTFT, uncached prompt tokens, kind, replica).
+    Kinds (``TAIL_KINDS``): the session's first request; moved (another replica than its previous turn's);
     lost_at_home (same replica, but more than half its prompt prefilled again: evicted there); cached."""
     last: dict[int, int] = {}
     turns = []
@@ -88,10 +88,17 @@ def tail_kinds(requests, share: float = 0.02) -> dict[str, list[tuple[float, int
         uncached = r.prompt_tokens - r.cached_tokens
         kind = ("first" if prev is None else "moved" if prev != r.replica
                 else "lost_at_home" if uncached > r.prompt_tokens / 2 else "cached")
-        turns.append((r.ttft, uncached, kind))
+        turns.append((r.ttft, uncached, kind, r.replica))
     turns.sort(key=lambda t: -t[0])
+    return turns
+
+
+def tail_kinds(requests, share: float = 0.02) -> dict[str, list[tuple[float, int]]]:
+    """The slowest ``share`` of session turns answered after the warm-up, by kind (``_turns``): (TTFT, uncached
+    prompt tokens) each."""
+    turns = _turns(requests)
     out: dict[str, list[tuple[float, int]]] = {k: [] for k in TAIL_KINDS}
-    for ttft, uncached, kind in turns[:max(1, round(len(turns) * share))] if turns else ():
+    for ttft, uncached, kind, _ in turns[:max(1, round(len(turns) * share))] if turns else ():
         out[kind].append((ttft, uncached))
     return out
 
@@ -100,24 +107,12 @@ def tail_by_speed(requests, speeds: tuple[float, ...], share: float = 0.02) -> d
     """Per replica speed: the session turns served there after the warm-up (``turns``), how many of the slowest
     ``share`` of them ran there (``tail``) and those tail turns by kind (``kinds``, as ``tail_kinds``)."""
     out: dict[float, dict] = {s: {"turns": 0, "tail": 0, "kinds": {k: 0 for k in TAIL_KINDS}} for s in sorted(set(speeds))}
-    last: dict[int, int] = {}
-    turns = []
-    for r in sorted(requests, key=lambda x: x.arrival):
-        if r.oneshot or r.replica is None:
-            continue
-        prev = last.get(r.sid)
-        last[r.sid] = r.replica
-        if r.ttft is None or r.arrival < WARM_UP_S:
-            continue
-        uncached = r.prompt_tokens - r.cached_tokens
-        kind = ("first" if prev is None else "moved" if prev != r.replica
-                else "lost_at_home" if uncached > r.prompt_tokens / 2 else "cached")
-        out[speeds[r.replica]]["turns"] += 1
-        turns.append((r.ttft, speeds[r.replica], kind))
-    turns.sort(key=lambda t: -t[0])
-    for _, speed, kind in turns[:max(1, round(len(turns) * share))] if turns else ():
-        out[speed]["tail"] += 1
-        out[speed]["kinds"][kind] += 1
+    turns = _turns(requests)
+    for *_, replica in turns:
+        out[speeds[replica]]["turns"] += 1
+    for _, _, kind, replica in turns[:max(1, round(len(turns) * share))] if turns else ():
+        out[speeds[replica]]["tail"] += 1
+        out[speeds[replica]]["kinds"][kind] += 1
     return out
 
 

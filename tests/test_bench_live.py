@@ -39,6 +39,15 @@ def test_flow_control_s_holds_shrink_too_and_only_warmroute_no_flow_turns_it_off
     assert off == ["warmroute_no_flow"] and "warmroute_no_flow" in FLOW_CONTENDERS
 
 
+def test_the_ttft_only_variant_runs_on_the_plain_workload_alone():
+    from bench.contenders import WARMROUTE
+    from bench.runs.live import SCENARIOS, runs
+
+    assert WARMROUTE["warmroute_ttft_only"] == {"warm": {"decode_weight": 0.0}}
+    assert [s for s in SCENARIOS if runs("warmroute_ttft_only", s)] == ["workload"]
+    assert runs("warmroute", "replica_dies_and_returns")  # the others keep their scenarios
+
+
 def _replay_against(chat, cfg, **kw):
     """``replay`` of ``cfg`` at 10x against a fake chat endpoint ``chat`` on a port the OS picks."""
     import asyncio

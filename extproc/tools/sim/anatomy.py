@@ -28,6 +28,16 @@ def _q(xs: list[float], p: float) -> float:
     return xs[int(p * (len(xs) - 1))] if xs else float("nan")
 
 
+def _speeds(text: str) -> tuple[float, ...]:
+    try:
+        speeds = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        speeds = ()
+    if not speeds or any(not 0 < x < float("inf") for x in speeds):
+        raise argparse.ArgumentTypeError(f"replica speeds: {text!r} is not like 1,1,0.5,0.5 (positive numbers)")
+    return speeds
+
+
 def _workload(load: float, minutes: float | None = None) -> WorkloadConfig:
     return (WorkloadConfig(minutes=minutes) if minutes else WorkloadConfig()).at_load(load)
 
@@ -103,10 +113,14 @@ def tail_kinds(requests, share: float = 0.02) -> dict[str, list[tuple[float, int
     return out
 
 
-def tail_by_speed(requests, speeds: tuple[float, ...], share: float = 0.02) -> dict[float, dict]:
+def tail_by_speed(requests, speeds: tuple[float, ...], share: float = 0.02,
+                  into: dict[float, dict] | None = None) -> dict[float, dict]:
     """Per replica speed: the session turns served there after the warm-up (``turns``), how many of the slowest
-    ``share`` of them ran there (``tail``) and those tail turns by kind (``kinds``, as ``tail_kinds``)."""
-    out: dict[float, dict] = {s: {"turns": 0, "tail": 0, "kinds": {k: 0 for k in TAIL_KINDS}} for s in sorted(set(speeds))}
+    ``share`` of them ran there (``tail``) and those tail turns by kind (``kinds``, as ``tail_kinds``); added to
+    ``into`` (a previous seed's) when given."""
+    out = into if into is not None else {}
+    for speed in set(speeds):
+        out.setdefault(speed, {"turns": 0, "tail": 0, "kinds": {k: 0 for k in TAIL_KINDS}})
     turns = _turns(requests)
     for *_, replica in turns:
         out[speeds[replica]]["turns"] += 1
@@ -125,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moves", action="store_true", help="sessions moved between replicas over time (first seed)")
     ap.add_argument("--tail", action="store_true", help="what the slowest 2%% of session turns are made of")
     ap.add_argument("--minutes", type=float, default=None)
-    ap.add_argument("--replica-speeds", default=None, metavar="1,1,0.5,0.5",
+    ap.add_argument("--replica-speeds", type=_speeds, default=None, metavar="1,1,0.5,0.5",
                     help="a mixed fleet (overrides --replicas); --tail adds where the tail ran, per speed")
     args = ap.parse_args(argv)
-    speeds = tuple(float(x) for x in args.replica_speeds.split(",")) if args.replica_speeds else None
+    speeds = args.replica_speeds
     if speeds:
         args.replicas = len(speeds)
     seeds = seed_list(args.seeds)
@@ -143,12 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 reqs = Simulation(p, replicas=args.replicas, workload=w, seed=seed, replica_speeds=speeds).run().requests
                 for k, v in tail_kinds(reqs).items():
                     kinds[k] += v
-                for speed, row in (tail_by_speed(reqs, speeds).items() if speeds else ()):
-                    acc = per_speed.setdefault(speed, {"turns": 0, "tail": 0, "kinds": {k: 0 for k in TAIL_KINDS}})
-                    acc["turns"] += row["turns"]
-                    acc["tail"] += row["tail"]
-                    for k, c in row["kinds"].items():
-                        acc["kinds"][k] += c
+                if speeds:
+                    tail_by_speed(reqs, speeds, into=per_speed)
             n = sum(len(v) for v in kinds.values()) or 1
             print(f"{p:<30} " + " | ".join(
                 f"{k} {100 * len(v) / n:3.0f}% ({_q([t for t, _ in v], .5):5.1f} s, {_q([u for _, u in v], .5) / 1e3:5.1f}K)"

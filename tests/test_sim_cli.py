@@ -178,11 +178,13 @@ def test_anatomy_tail_says_per_replica_speed_how_much_of_the_work_and_of_the_tai
     assert again is got and got[0.4]["tail"] == 4 and got[1.0]["turns"] == 12
 
 
-def test_anatomy_refuses_replica_speeds_that_are_not_positive_numbers_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "extproc.tools.sim.anatomy", "--tail", "--replica-speeds", "1,x"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "replica speeds: '1,x' is not like 1,1,0.5,0.5" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_sim_and_anatomy_refuse_replica_speeds_that_are_not_positive_numbers_in_one_line():
+    for cmd, bad in ((["extproc.tools.sim.anatomy", "--tail"], "1,x"), (["extproc.cli", "sim"], "1,0"),
+                     (["extproc.cli", "sim"], "1,,2")):
+        r = subprocess.run([sys.executable, "-m", *cmd, "--replica-speeds", bad], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and f"replica speeds: '{bad}' is not like 1,1,0.5,0.5" in r.stderr, (cmd, r.stderr)
+        assert "Traceback" not in r.stderr
 
 
 def test_sim_brains_prints_one_brain_each_k_and_delay_and_llmds_pickers_and_sharing_keeps_hits():

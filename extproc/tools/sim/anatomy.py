@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from extproc.tools.sim.cli import seed_list
+from extproc.tools.sim.cli import parse_speeds, seed_list, speed_list
 from extproc.tools.sim.simulator import Simulation
 from extproc.tools.workload.generate import WorkloadConfig
 
@@ -26,16 +26,6 @@ WARM_UP_S = 120.0  # as the simulator's summaries
 def _q(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[int(p * (len(xs) - 1))] if xs else float("nan")
-
-
-def _speeds(text: str) -> tuple[float, ...]:
-    try:
-        speeds = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        speeds = ()
-    if not speeds or any(not 0 < x < float("inf") for x in speeds):
-        raise argparse.ArgumentTypeError(f"replica speeds: {text!r} is not like 1,1,0.5,0.5 (positive numbers)")
-    return speeds
 
 
 def _workload(load: float, minutes: float | None = None) -> WorkloadConfig:
@@ -139,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moves", action="store_true", help="sessions moved between replicas over time (first seed)")
     ap.add_argument("--tail", action="store_true", help="what the slowest 2%% of session turns are made of")
     ap.add_argument("--minutes", type=float, default=None)
-    ap.add_argument("--replica-speeds", type=_speeds, default=None, metavar="1,1,0.5,0.5",
+    ap.add_argument("--replica-speeds", type=speed_list, default=None, metavar="1,1,0.5,0.5",
                     help="a mixed fleet (overrides --replicas); --tail adds where the tail ran, per speed")
     args = ap.parse_args(argv)
-    speeds = args.replica_speeds
+    speeds = parse_speeds(args.replica_speeds)
     if speeds:
         args.replicas = len(speeds)
     seeds = seed_list(args.seeds)

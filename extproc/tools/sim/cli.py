@@ -32,10 +32,21 @@ def _fault(spec: str, flap: bool) -> Fault:
     return Fault(int(r), start, dur)
 
 
-def _speeds(text: str | None) -> tuple[float, ...] | None:
+def parse_speeds(text: str | None) -> tuple[float, ...] | None:
     if not text:
         return None
     return tuple(float(x) for x in text.split(","))
+
+
+def speed_list(text: str) -> str:
+    """--replica-speeds' check: positive numbers, comma-separated (kept as given: the peers cache keys on it)."""
+    try:
+        ok = all(0 < float(x) < float("inf") for x in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"replica speeds: {text!r} is not like 1,1,0.5,0.5 (positive numbers)")
+    return text
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -45,7 +56,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--policies", default=None, help="comma-separated list instead of --compare's")
     ap.add_argument("--minutes", type=float, default=w.minutes)
     ap.add_argument("--replicas", type=int, default=4)
-    ap.add_argument("--replica-speeds", default=None, metavar="1,1,0.5,0.5",
+    ap.add_argument("--replica-speeds", type=speed_list, default=None, metavar="1,1,0.5,0.5",
                     help="per replica prefill and decode speed (a mixed fleet); overrides --replicas")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--seeds", type=seed_list, default=None, metavar="1-5",
@@ -170,7 +181,7 @@ def _burst(text: str | None) -> tuple[float, float, float] | None:
 
 
 def simulate(policy: str, args, seed: int, load: float | None = None, faults=()):
-    speeds = _speeds(args.replica_speeds)
+    speeds = parse_speeds(args.replica_speeds)
     n = len(speeds) if speeds else args.replicas
     return Simulation(policy, replicas=n, workload=workload(args, load), seed=seed, faults=faults,
                       replica_speeds=speeds, prefill_replicas=getattr(args, "prefill_replicas", 0),
@@ -196,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if args.brains:
         policies = brain_rows(args.policy, args.brains, args.sync_delay_ms)
     seeds = _seeds(args)
-    speeds = _speeds(args.replica_speeds)
+    speeds = parse_speeds(args.replica_speeds)
     fleet = f"replicas at speeds {args.replica_speeds}" if speeds else f"{args.replicas} replicas"
     print(f"{args.minutes:g} simulated minutes, {fleet}, load {args.load:g} ({args.sessions_per_min * args.load:g} agent "
           f"sessions/min over {args.projects} projects, {args.oneshots_per_min * args.load:g} one-shots/min), "
@@ -434,7 +445,7 @@ def _others_p99(policy: str, args, seed: int, noisy_x: float) -> float:
     from extproc.tools.workload.measure import pct
 
     w = dataclasses.replace(workload(args), noisy_tenant_x=noisy_x)
-    speeds = _speeds(args.replica_speeds)
+    speeds = parse_speeds(args.replica_speeds)
     res = Simulation(policy, replicas=len(speeds) if speeds else args.replicas, workload=w, seed=seed,
                      replica_speeds=speeds).run()
     return pct([r.ttft for r in res.requests if r.tenant != "noisy" and r.arrival >= WARM_UP_S

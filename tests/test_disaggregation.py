@@ -170,10 +170,16 @@ def test_a_call_that_ends_before_its_prefill_leg_was_sent_gives_both_reservation
     assert b.router.open_reservations == 0
 
 
-def test_a_client_s_own_kv_transfer_params_are_left_to_it_and_nothing_is_booked_on_the_prefill_replica():
+def test_a_client_s_own_kv_transfer_params_are_dropped_and_the_brain_disaggregates_as_it_would_without_them():
+    """Issue 59: a client's kv_transfer_params made the decode replica connect to a host the client named; they never
+    reach an engine now, and the request is the brain's to disaggregate like any other."""
+    from extproc.brain.legs import Legs
+
     b = _pd_brain()
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 160_000}],
-                       "kv_transfer_params": {"do_remote_decode": True}}).encode()
-    out = b.decide({":path": "/v1/chat/completions", "x-session-id": "s"}, body)
-    assert out.__class__.__name__ == "ProcessingResponse"
-    assert b.router.replica("p0").in_flight_requests == 0
+                       "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9",
+                                              "remote_request_id": "victim"}}).encode()
+    legs = b.decide({":path": "/v1/chat/completions", "x-session-id": "s"}, body)
+    assert isinstance(legs, Legs) and "kv_transfer_params" not in legs.doc
+    legs.abandon()
+    assert b.router.open_reservations == 0

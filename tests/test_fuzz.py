@@ -113,6 +113,9 @@ BRAINS = {p: _live_brain(p) for p in ("warm", "seed")}
 def test_any_body_is_routed_and_nothing_escapes(policy, h, body):
     b = BRAINS[policy]
     out = b.decide(h, body)
+    if h.get("content-encoding", "identity").strip().lower() not in ("", "identity"):  # no replica reads it: 415
+        assert out.immediate_response.status.code == 415
+        return
     assert out.WhichOneof("response") == "request_body"  # a route (the fleet is LIVE: never the 503)
     answer = out.dynamic_metadata.fields["warmroute"].struct_value.fields
     assert answer["cluster"].string_value in ("r0", "r1", "r2")
@@ -216,8 +219,12 @@ def test_any_declared_size_or_encoding_is_bounded_and_taken_back_when_the_reques
     h = {**h, "content-length": size, **({"x-warmroute-inflated-from": inflated} if inflated else {})}
     out = b.decide(h, body, "request_body" if body is not None else "request_headers")
     kind = out.WhichOneof("response")
-    if kind == "immediate_response":  # only what Envoy inflated and no parser reads: the 413
-        assert out.immediate_response.status.code == 413 and inflated and not h.get("content-encoding")
+    if kind == "immediate_response":  # only what Envoy inflated and no parser reads (413), or what it did not (415)
+        enc = h.get("content-encoding", "identity").strip().lower()
+        if enc not in ("", "identity"):
+            assert out.immediate_response.status.code == 415
+            return
+        assert out.immediate_response.status.code == 413 and inflated
         return
     answer = out.dynamic_metadata.fields["warmroute"].struct_value.fields
     res = b.ledger.named(answer["reservation"].string_value)

@@ -187,6 +187,14 @@ def test_sim_and_anatomy_refuse_replica_speeds_that_are_not_positive_numbers_in_
         assert "Traceback" not in r.stderr
 
 
+def test_unknown_policy_names_and_bench_live_speeds_are_refused_in_one_line():
+    for cmd in (["extproc.cli", "sim", "--policies", "warmroute,nope"], ["extproc.tools.sim.anatomy", "--policies", "nope"],
+                ["bench", "live", "--replica-speeds", "1,x"]):
+        r = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (cmd, r.stderr)
+        assert "no policy named 'nope'" in r.stderr or "replica speeds: '1,x'" in r.stderr, (cmd, r.stderr)
+
+
 def test_sim_brains_prints_one_brain_each_k_and_delay_and_llmds_pickers_and_sharing_keeps_hits():
     import re
 

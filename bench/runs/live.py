@@ -47,6 +47,7 @@ from bench.harness import (
     workload_arguments,
 )
 from bench.report import FLOW_SCENARIOS, Row, flow_table, plots, table
+from extproc.tools.sim.cli import speed_list
 from extproc.core import imbalance_index
 from extproc.tools.stack.local import http_get
 from extproc.tools.workload.http_replay import ReplayResult, replay
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run that measured the machine (its client or the path lagging: bench_harness.pace_check) "
                          "is run again at half the pace, down to this; below it the row is refused")
     ap.add_argument("--replicas", type=int, default=4)
-    ap.add_argument("--replica-speeds", type=lambda v: [float(x) for x in v.split(",")], default=None,
+    ap.add_argument("--replica-speeds", type=lambda v: [float(x) for x in speed_list(v).split(",")], default=None,
                     help="a mixed fleet: each replica's speed, e.g. 1,1,0.7,0.7,0.4,0.4 (overrides --replicas)")
     ap.add_argument("--data-parallel", type=int, default=1, help="engines behind each mock's front end (vLLM "
                     "--data-parallel-size): --replicas // this many replicas, as many engines in all")

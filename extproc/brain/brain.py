@@ -23,10 +23,11 @@ from ..config import AppConfig, ConfigError, first_answer_s, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
 from ..core.models import ModelCatalog
+from ..core.apis import without_kv_transfer
 from ..core.apis import PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
 from ..core.names import BodyStatus, PinKind, Reason
 from ..core.flow import CLASSES, CRITICAL, STANDARD, FlowControl, FlowQueue
-from ..core.profile import replace_model, tenant_of
+from ..core.profile import BODY_KV_TRANSFER_KEY, replace_model, tenant_of
 from ..envoy_config import CdsFile
 from . import logs
 from .decide import Held, immediate_answer, models_response, route_answer, too_many_response
@@ -176,6 +177,16 @@ class Brain:
         t0 = time.perf_counter()
         now = self.clock()
         r = self.router
+        if headers.get(CONTENT_ENCODING_HEADER, "identity").strip().lower() not in ("", "identity"):
+            # still encoded after Envoy (it inflates a lone gzip): the replica would read bytes it cannot parse, and
+            # the brain price them as a prompt of their compressed size
+            d = Decision(None, Reason.UNSUPPORTED_ENCODING)
+            self.stats.record_decision(d, BodyStatus.ENCODED, now)
+            return d
+        if body is None and headers.get(BODY_KV_TRANSFER_KEY):
+            d = Decision(None, Reason.CLIENT_KV_TRANSFER)
+            self.stats.record_decision(d, BodyStatus.HEADERS_ONLY, now)
+            return d
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
         if profile.body_status is BodyStatus.NOT_JSON and headers.get(INFLATED_FROM_HEADER) \
                 and not headers.get(CONTENT_ENCODING_HEADER):
@@ -414,11 +425,13 @@ class Brain:
 
     @staticmethod
     def _body_for(d: Decision, body: bytes | None) -> bytes | None:
-        """The body to send instead of the client's (None: the client's): the served model for an alias, the
-        response's minted id."""
+        """The body to send instead of the client's (None: the client's): without a client's kv_transfer_params, the
+        served model for an alias, the response's minted id."""
         if body is None:
             return None
-        out = replace_model(body, d.model) if d.rewrite_model else None
+        out = without_kv_transfer(body)  # only the brain's prefill leg sets them (legs.py)
+        if d.rewrite_model:
+            out = replace_model(out if out is not None else body, d.model) or out
         if d.response_id is not None:
             out = with_request_id(out if out is not None else body, d.response_id)
         return out
@@ -453,7 +466,8 @@ class Brain:
             return Pick([], None, unknown_model=d.model or "", immediate=self._immediate(d, headers))
         if d.reason == Reason.UNSERVED_PATH:
             return Pick([], None, unserved_path=_path(headers), immediate=self._immediate(d, headers))
-        if d.reason in (Reason.INFLATE_LIMIT, Reason.RESPONSE_GONE):
+        if d.reason in (Reason.INFLATE_LIMIT, Reason.UNSUPPORTED_ENCODING, Reason.CLIENT_KV_TRANSFER,
+                        Reason.RESPONSE_GONE):
             return Pick([], None, immediate=self._immediate(d, headers))
         if d.reason == NO_HEALTHY:
             return Pick([], None)

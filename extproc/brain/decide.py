@@ -34,7 +34,8 @@ from ..contract import (
 )
 from ..core.apis import Api, api_of, response_not_found_body
 from ..core.names import Reason
-from ..core.profile import BODY_MODEL_KEY, declared_size
+from ..core.apis import KV_TRANSFER_KEY
+from ..core.profile import BODY_KV_TRANSFER_KEY, BODY_MODEL_KEY, declared_size
 from .intake import Intake
 from .legs import Legs
 from ..picker.messages import (anthropic_shaped, header_value, headers_of, json_response, model_not_found_response,
@@ -108,6 +109,13 @@ def inflate_limit_response(ratio: int) -> ep.ProcessingResponse:
                         "invalid_request_error", "body_inflates_too_far", "warmroute_body_inflates_too_far")
 
 
+def unsupported_encoding_response() -> ep.ProcessingResponse:
+    """A body in a Content-Encoding the fleet does not inflate (deflate, br, zstd, or gzip not applied last): 415."""
+    return openai_error(http_status_pb2.UnsupportedMediaType, "the request body's Content-Encoding is not one this "
+                        "server reads: send it uncompressed, or gzip alone", "invalid_request_error",
+                        "unsupported_content_encoding", "warmroute_unsupported_content_encoding")
+
+
 def immediate_answer(reason: Reason, path: str, *, model: str, served: Callable[[], list[str]], inflate_ratio: int,
                      response_id: str) -> "ep.ProcessingResponse | None":
     """The brain's own answer to a request no replica is asked for (None: one is), in the error shape of the path's
@@ -118,6 +126,12 @@ def immediate_answer(reason: Reason, path: str, *, model: str, served: Callable[
         out = path_not_served_response(path)
     elif reason == Reason.INFLATE_LIMIT:
         out = inflate_limit_response(inflate_ratio)
+    elif reason == Reason.UNSUPPORTED_ENCODING:
+        out = unsupported_encoding_response()
+    elif reason == Reason.CLIENT_KV_TRANSFER:
+        out = openai_error(http_status_pb2.BadRequest, "kv_transfer_params is set by the router, not by clients",
+                           "invalid_request_error", "kv_transfer_params_not_allowed",
+                           "warmroute_kv_transfer_params_not_allowed")
     elif reason == Reason.RESPONSE_GONE:
         out = json_response(http_status_pb2.NotFound, response_not_found_body(response_id),
                             "warmroute_stored_response_gone")
@@ -131,6 +145,12 @@ def immediate_answer(reason: Reason, path: str, *, model: str, served: Callable[
 def models_response(models: list[dict]) -> ep.ProcessingResponse:
     """GET /v1/models through Envoy: every model the fleet serves (and the aliases), as vLLM lists its own."""
     return json_response(http_status_pb2.OK, {"object": "list", "data": models}, "warmroute_models")
+
+
+def body_kv_transfer(req: ep.ProcessingRequest) -> bool:
+    """Envoy found a top-level kv_transfer_params in a body too big to send (json_to_metadata)."""
+    ns = req.metadata_context.filter_metadata.get(BODY_METADATA_NAMESPACE)
+    return ns is not None and KV_TRANSFER_KEY in ns.fields
 
 
 def body_model(req: ep.ProcessingRequest) -> str | None:
@@ -270,6 +290,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 model = body_model(req)
                 if model:
                     headers[BODY_MODEL_KEY] = model
+                if body_kv_transfer(req):
+                    headers[BODY_KV_TRANSFER_KEY] = "1"
                 size = declared_size(headers)
                 # a body too big to send, or one of no declared size (chunked): the route sends headers alone (after
                 # the whole body arrived, with its model read by Envoy)

@@ -175,6 +175,11 @@ MAX_ENGINES = 128  # health.max_engines
 INLINE_PARSE_BYTES = 256 * 1024
 
 
+def _is_uint(s: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` is also true of "²" and "٣", which ``int`` refuses."""
+    return bool(s) and len(s) <= 18 and s.isascii() and s.isdigit()
+
+
 def parse_metrics(text: str, d: Dialect, max_series: int = MAX_SERIES, max_engines: int = MAX_ENGINES) -> ScrapeResult:
     """The load signals of one replica, or a failed result saying what was wrong with the text.
 
@@ -243,14 +248,14 @@ def parse_metrics(text: str, d: Dialect, max_series: int = MAX_SERIES, max_engin
                 # newer vLLM says each engine's capacity itself; blocks x block size is the front end's sum over
                 # its data-parallel engines, and on a hybrid model (sliding window, Mamba) not the capacity at all
                 try:
-                    if lab.get("kv_cache_size_tokens", "").isdigit():
+                    if _is_uint(lab.get("kv_cache_size_tokens", "")):
                         e.cache_tokens = int(lab["kv_cache_size_tokens"])
                     else:
                         e.cache_blocks = int(lab["num_gpu_blocks"]) * int(lab.get("block_size", "16"))
                 except (KeyError, ValueError):
                     pass
                 bs = lab.get("block_size", "")
-                if bs.isdigit() and 0 < int(bs) <= MAX_BLOCK_TOKENS:
+                if _is_uint(bs) and 0 < int(bs) <= MAX_BLOCK_TOKENS:
                     e.block = int(bs)
                 if lab.get("enable_prefix_caching") in ("True", "False"):  # CacheConfig's fields as str()
                     prefix_caching = lab["enable_prefix_caching"] == "True"
@@ -288,7 +293,7 @@ def parse_metrics(text: str, d: Dialect, max_series: int = MAX_SERIES, max_engin
         lab = lora[1]
         counters["lora_running"] = frozenset(a for a in lab.get("running_lora_adapters", "").split(",") if a)
         counters["lora_waiting"] = frozenset(a for a in lab.get("waiting_lora_adapters", "").split(",") if a)
-        counters["max_lora"] = int(lab["max_lora"]) if lab.get("max_lora", "").isdigit() else None
+        counters["max_lora"] = int(lab["max_lora"]) if _is_uint(lab.get("max_lora", "")) else None
     if d.prompt_counted in counters:
         counters["prompt_requests"] = counters[d.prompt_counted]
     engine_block = next((e.block for e in ranked if e.block), None)

@@ -76,10 +76,14 @@ class Scraper:
         self.deferred = 0  # timeouts not counted against a replica because the loop had stalled meanwhile
 
     async def _parse(self, text: str, d: Dialect) -> ScrapeResult:
-        if len(text) <= INLINE_PARSE_BYTES:
-            return parse_metrics(text, d, self.max_series, self.max_engines)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._parser, parse_metrics, text, d, self.max_series, self.max_engines)
+        try:
+            if len(text) <= INLINE_PARSE_BYTES:
+                return parse_metrics(text, d, self.max_series, self.max_engines)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._parser, parse_metrics, text, d, self.max_series, self.max_engines)
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+            # a text the parser did not foresee fails this scrape, saying so: it never ends the replica's scraping
+            return ScrapeResult(False, error=f"unreadable /metrics ({type(e).__name__})")
 
     async def watch_loop(self, tick_s: float = 0.05) -> None:
         """Measure how long the event loop stood still (a tick that came late): what scrape deadlines discount."""

@@ -125,7 +125,7 @@ class BrainStats:
             self.predicted_cached[name] += 0
             for reason in Reason:
                 if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT,
-                                  Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL,
+                                  Reason.UNSUPPORTED_ENCODING, Reason.CLIENT_KV_TRANSFER, Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL,
                                   Reason.DEADLINE):
                     self.decisions[(name, reason)] += 0
             for result in SCRAPE_RESULTS:

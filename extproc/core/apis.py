@@ -22,7 +22,9 @@ import enum
 import functools
 import hashlib
 import hmac
+import json
 import os
+import re
 from collections import OrderedDict
 from typing import Any, Iterable, Mapping
 
@@ -181,6 +183,36 @@ def with_request_id(body: bytes, response_id: str) -> bytes:
     rest = body[at + 1:]
     sep = b"" if rest.lstrip().startswith(b"}") else b","
     return body[:at + 1] + b'"request_id":' + orjson.dumps(response_id) + sep + rest
+
+
+KV_TRANSFER_KEY = "kv_transfer_params"
+# a key spelled with escapes of printable ASCII ("kv\u005ftransfer_params" is the same key to the engine's parser);
+# ordinary JSON escapes only control characters (\u000x, \u001x) and non-ASCII that way
+_ASCII_ESCAPE = re.compile(rb"\\u00[2-7][0-9a-fA-F]")
+
+
+def without_kv_transfer(body: bytes) -> bytes | None:
+    """``body`` without a top-level ``kv_transfer_params`` (None: it has none, or is no JSON object). Only the
+    brain's prefill leg may tell an engine where KV comes from: a client's would make the decode replica connect to a
+    host the client named, or consume another request's transfer by its id. Read as the engine reads it (escapes
+    decoded, the last duplicate key); parsed only when the bytes may spell the key."""
+    if KV_TRANSFER_KEY.encode() not in body and _ASCII_ESCAPE.search(body) is None:
+        return None
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:  # NaN, Infinity: the engine's own parser reads them, and its writer keeps them
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(doc, dict) or KV_TRANSFER_KEY not in doc:
+            return None
+        del doc[KV_TRANSFER_KEY]
+        return json.dumps(doc, ensure_ascii=False).encode()
+    if not isinstance(doc, dict) or KV_TRANSFER_KEY not in doc:
+        return None
+    del doc[KV_TRANSFER_KEY]
+    return orjson.dumps(doc)
 
 
 def _is_hex(s: str) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 CLASSES = ("critical", "standard", "sheddable")
@@ -47,8 +47,9 @@ class Held:
 class FlowQueue:
     def __init__(self, max_requests: int = 10_000, max_bytes: int = 1 << 30):
         self.max_requests, self.max_bytes = max_requests, max_bytes
-        # per class: tenant -> its requests in arrival order
-        self._queues: list[dict[str | None, deque[Held]]] = [{} for _ in CLASSES]
+        # per class: tenant -> its requests in arrival order, by their seq (a cancel anywhere in it is O(1): a deque's
+        # remove was a walk, 1.55 ms a cancel at 10,000 queued of one tenant)
+        self._queues: list[dict[str | None, OrderedDict[int, Held]]] = [{} for _ in CLASSES]
         self._by_key: dict[object, Held] = {}
         self.counters: dict[str | None, float] = {}  # the virtual token counter of every tenant seen
         self.bytes = 0
@@ -97,7 +98,7 @@ class FlowQueue:
     def _displaceable(self, klass: int):
         """Requests of a lower class than ``klass``, the lowest class first, the youngest first."""
         for c in range(len(CLASSES) - 1, klass, -1):
-            yield from sorted((x for q in self._queues[c].values() for x in q), key=lambda x: -x.seq)
+            yield from sorted((x for q in self._queues[c].values() for x in q.values()), key=lambda x: -x.seq)
 
     def _insert(self, h: Held) -> None:
         if not self._waiting(h.tenant):
@@ -105,10 +106,10 @@ class FlowQueue:
         per = self._queues[h.klass]
         q = per.get(h.tenant)
         if q is None:
-            q = per[h.tenant] = deque()
+            q = per[h.tenant] = OrderedDict()
         self._seq += 1
         h.seq = self._seq
-        q.append(h)
+        q[h.seq] = h
         if len(q) == 1:
             self._push_head(h.klass, h.tenant)
         if self._queued.get(h.tenant, 0) == 0:
@@ -129,15 +130,20 @@ class FlowQueue:
         for per in self._queues:
             if len(out) >= most:
                 break
-            heap = [(self.counters.get(t, 0.0), q[0].seq, t, 0) for t, q in per.items()]
+            heap = [(self.counters.get(t, 0.0), next(iter(q)), t) for t, q in per.items()]
             heapq.heapify(heap)
+            later: dict[str | None, object] = {}  # each tenant's requests after the one in the heap
             while heap and len(out) < most:
-                counter, _, t, i = heapq.heappop(heap)
-                q = per[t]
-                h = q[i]
+                counter, seq, t = heapq.heappop(heap)
+                h = per[t][seq]
                 out.append(h)
-                if i + 1 < len(q):
-                    heapq.heappush(heap, (counter + h.tokens, q[i + 1].seq, t, i + 1))
+                it = later.get(t)
+                if it is None:
+                    it = later[t] = iter(per[t].values())
+                    next(it)
+                nxt = next(it, None)  # type: ignore[call-overload]
+                if nxt is not None:
+                    heapq.heappush(heap, (counter + h.tokens, nxt.seq, t))
         return out
 
     def take(self, h: Held) -> None:
@@ -152,8 +158,8 @@ class FlowQueue:
             while heap:
                 counter, seq, tenant = heap[0]
                 q = per.get(tenant)
-                if q and q[0].seq == seq and self.counters.get(tenant, 0.0) == counter:
-                    return q[0]
+                if q and next(iter(q)) == seq and self.counters.get(tenant, 0.0) == counter:
+                    return q[seq]
                 heapq.heappop(heap)  # stale: its head went, or its counter moved (a fresh entry was pushed then)
         return None
 
@@ -215,8 +221,8 @@ class FlowQueue:
     def _take(self, h: Held) -> None:
         per = self._queues[h.klass]
         q = per[h.tenant]
-        head = q[0] is h
-        q.remove(h)
+        head = next(iter(q)) == h.seq
+        del q[h.seq]
         if not q:
             del per[h.tenant]
         elif head:
@@ -254,9 +260,9 @@ class FlowQueue:
 
     def _push_head(self, klass: int, tenant: str | None) -> None:
         per, heap = self._queues[klass], self._heads[klass]
-        heapq.heappush(heap, (self.counters.get(tenant, 0.0), per[tenant][0].seq, tenant))
+        heapq.heappush(heap, (self.counters.get(tenant, 0.0), next(iter(per[tenant])), tenant))
         if len(heap) > 4 * len(per) + 64:
-            heap[:] = [(self.counters.get(t, 0.0), q[0].seq, t) for t, q in per.items()]
+            heap[:] = [(self.counters.get(t, 0.0), next(iter(q)), t) for t, q in per.items()]
             heapq.heapify(heap)
 
     def _moved(self, tenant: str | None) -> None:

@@ -22,6 +22,12 @@ class Reason(enum.StrEnum):
     UNSERVED_PATH = "path_not_served"  # replicas serve the model, none of them the path's API: an immediate 404
     # a compressed body that does not read once inflated: cut off at envoy.max_inflate_ratio, an immediate 413
     INFLATE_LIMIT = "body_inflates_too_far"
+    # a Content-Encoding Envoy does not undo (it inflates gzip alone): no replica reads such a body, and its size says
+    # nothing of its prompt; an immediate 415
+    UNSUPPORTED_ENCODING = "unsupported_content_encoding"
+    # a body too big for the brain to read names its own kv_transfer_params (Envoy saw it): an immediate 400, since
+    # only the brain's prefill leg may tell an engine where KV comes from (the brain strips them from bodies it reads)
+    CLIENT_KV_TRANSFER = "kv_transfer_params_not_allowed"
     # the stored response a request follows, reads or cancels was held by a replica no longer in the fleet: an
     # immediate 404 in vLLM's shape, as that replica would have answered had it lost it
     RESPONSE_GONE = "stored_response_gone"

@@ -232,6 +232,7 @@ _DIGITS = frozenset(b"0123456789")
 # the model Envoy read from a body too big to send (contract.BODY_METADATA_NAMESPACE), as the front hands it on among
 # the headers: a pseudo-header, which no client can send
 BODY_MODEL_KEY = ":warmroute-body-model"
+BODY_KV_TRANSFER_KEY = ":warmroute-body-kv-transfer"  # such a body names kv_transfer_params (refused: 400)
 
 
 def declared_size(headers: Mapping[str, str]) -> int | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from extproc.tools.sim.cli import parse_speeds, seed_list, speed_list
+from extproc.tools.sim.cli import parse_speeds, policy_list, seed_list, speed_list
 from extproc.tools.sim.simulator import Simulation
 from extproc.tools.workload.generate import WorkloadConfig
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=0.25)
     ap.add_argument("--seeds", default="1-10")
     ap.add_argument("--replicas", type=int, default=4)
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", type=policy_list, default=",".join(POLICIES))
     ap.add_argument("--moves", action="store_true", help="sessions moved between replicas over time (first seed)")
     ap.add_argument("--tail", action="store_true", help="what the slowest 2%% of session turns are made of")
     ap.add_argument("--minutes", type=float, default=None)

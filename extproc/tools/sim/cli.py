@@ -49,11 +49,19 @@ def speed_list(text: str) -> str:
     return text
 
 
+def policy_list(text: str) -> str:
+    """--policies' check: names the simulator knows, comma-separated (one line naming the first it does not)."""
+    unknown = [p for p in text.split(",") if p not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no policy named {unknown[0]!r}; known: {', '.join(POLICIES)}")
+    return text
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     w = WorkloadConfig()  # one place per default: the workload's own
     ap.add_argument("--policy", default="warmroute", choices=POLICIES)
     ap.add_argument("--compare", action="store_true", help="the default policy, the other one, every peer and the oracle")
-    ap.add_argument("--policies", default=None, help="comma-separated list instead of --compare's")
+    ap.add_argument("--policies", type=policy_list, default=None, help="comma-separated list instead of --compare's")
     ap.add_argument("--minutes", type=float, default=w.minutes)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--replica-speeds", type=speed_list, default=None, metavar="1,1,0.5,0.5",

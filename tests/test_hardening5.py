@@ -70,3 +70,59 @@ def test_a_body_too_big_for_the_brain_that_names_them_is_refused_in_openai_s_sha
                     BODY_KV_TRANSFER_KEY: "1"}, None, "request_headers")
     assert out.immediate_response.status.code == 400
     assert json.loads(out.immediate_response.body)["error"]["code"] == "kv_transfer_params_not_allowed"
+
+
+# ------------------------------------------------------------------ stored responses (finding 5)
+
+def test_a_client_chosen_response_id_is_scoped_by_the_credential_by_default():
+    """No tenant configured: an attacker that stores under the victim's chosen id first no longer makes the victim's
+    follow-ups read the attacker's response (4 of 12 rounds before)."""
+    import orjson
+
+    from extproc.contract import METADATA_NAMESPACE
+
+    def cluster(out) -> str:
+        return out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields["cluster"].string_value
+
+    b = _brain(replicas=[{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(4)])
+    attacker, victim = {"authorization": "Bearer attacker"}, {"authorization": "Bearer victim"}
+    for k in range(6):  # the attacker stores first, under the id the victim will choose, from several sessions
+        b.decide({":path": "/v1/responses", "x-session-id": f"a{k}", **attacker},
+                 orjson.dumps({"model": "m", "input": "mine " * 500, "request_id": "shared-id"}))
+    homes = {}
+    for k in range(12):
+        out = b.decide({":path": "/v1/responses", "x-session-id": f"v{k}", **victim},
+                       orjson.dumps({"model": "m", "input": f"victim {k}", "request_id": f"shared-id-{k}"}))
+        homes[k] = cluster(out)
+    out = b.decide({":path": "/v1/responses", "x-session-id": "v-main", **victim},
+                   orjson.dumps({"model": "m", "input": "the victim's own", "request_id": "shared-id"}))
+    victim_home = cluster(out)
+    for _ in range(3):
+        follow = b.decide({":path": "/v1/responses/shared-id", ":method": "GET", **victim}, None, "request_headers")
+        assert cluster(follow) == victim_home
+    # a retry of the victim's create under its own id goes where that response lives
+    again = b.decide({":path": "/v1/responses", "x-session-id": "elsewhere", **victim},
+                     orjson.dumps({"model": "m", "input": "retry " * 800, "request_id": "shared-id"}))
+    assert cluster(again) == victim_home
+
+
+def test_follow_ups_of_one_stored_response_are_held_like_any_request_bound_to_one_replica():
+    """40 follow-ups of one response were all placed on its replica at once, 20.6 s predicted there, none held."""
+    from extproc.core import Reason
+    from extproc.core.flow import FlowControl
+
+    from .helpers import chain, live_router, prof
+    from .test_warm import WARM
+
+    router, t = live_router(2, WARM)
+    router.flow = FlowControl(hold_on_wait=True)
+    # a long prefill on r0: r0 is saturated for a while
+    router.select(prof(session="big", tokens=200_000, blocks=chain("big", "x", 200_000)), t, only=["r0"])
+    held = [router.select(prof(session=f"f{k}", tokens=4000, blocks=chain("big", f"f{k}", 4000)), t + 0.1,
+                          holder="r0", hold_key=f"f{k}") for k in range(5)]
+    assert all(d.reason is Reason.HELD and d.reservation is None for d in held)
+    # when r0 has room, they go there, and only there, whatever else has room
+    router.release_started_before(t + 0.05, t + 0.2)
+    placed = router.offer(t + 0.2)
+    assert placed and all(d.replica.name == "r0" and d.reason is Reason.HOLDER and d.reservation is not None
+                          for _, d in placed)

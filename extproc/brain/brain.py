@@ -27,7 +27,7 @@ from ..core.apis import without_kv_transfer
 from ..core.apis import PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
 from ..core.names import BodyStatus, PinKind, Reason
 from ..core.flow import CLASSES, CRITICAL, STANDARD, FlowControl, FlowQueue
-from ..core.profile import BODY_KV_TRANSFER_KEY, replace_model, tenant_of
+from ..core.profile import BODY_KV_TRANSFER_KEY, credential_scope, replace_model, tenant_of
 from ..envoy_config import CdsFile
 from . import logs
 from .decide import Held, immediate_answer, models_response, route_answer, too_many_response
@@ -196,13 +196,14 @@ class Brain:
             self.stats.record_decision(d, profile.body_status, now)
             return d
         holder = None
-        if (profile.stored_ref is not None or profile.stores_response) and profile.tenant is None:
-            tenant = tenant_of(headers, r.profile_cfg)  # a client-named response's home is the tenant's alone
-            if tenant is not None:
-                profile = dataclasses.replace(profile, tenant=tenant)
+        if profile.stored_ref is not None or profile.stores_response:
+            # a client-named response's home is its tenant's alone, or (no tenant) its credential's
+            scope = profile.tenant or tenant_of(headers, r.profile_cfg) or credential_scope(headers)
+            if scope is not None:
+                profile = dataclasses.replace(profile, response_scope=scope)
         if profile.stored_ref is not None:  # it follows, reads or cancels a stored response: only its holder has it
             held = holder_of(profile.stored_ref, (x.name for x in r.replicas), self.response_homes, now,
-                             self.response_key, profile.tenant)
+                             self.response_key, profile.response_scope)
             if held is Holder.FORGED:
                 self.stats.forged_response_ids += 1
             if held is Holder.GONE or held is Holder.FORGED:
@@ -210,6 +211,11 @@ class Brain:
                 self.stats.record_decision(d, profile.body_status, now)
                 return d
             holder = held if isinstance(held, str) else None
+        elif profile.stores_response and profile.response_id is not None:
+            # a create under an id its scope already holds (a retry, say) goes where that response lives: two stored
+            # responses of one id on two replicas would leave its follow-ups reading either
+            home = self.response_homes.get(profile.response_id, now, profile.response_scope)
+            holder = home if home is not None and r.find(home) is not None else None
         if profile.candidates is not None:
             res = self.models.resolve_candidates(profile.candidates, profile.session_key, _path(headers) or None)
         else:
@@ -247,7 +253,7 @@ class Brain:
         d.model, d.rewrite_model = res.model, res.rewritten
         if profile.stores_response and d.replica is not None:  # "store": false: nothing to find later, no rewrite
             if profile.response_id is not None:  # the client named it: remember where it will live (first writer)
-                self.response_homes.record(profile.response_id, d.replica.name, now, profile.tenant)
+                self.response_homes.record(profile.response_id, d.replica.name, now, profile.response_scope)
             else:  # the brain names it, and the name says where it lives
                 d.response_id = mint_response_id(d.replica.name, profile.response_root, self.response_key)
         if t0 is not None:  # a held request's wait is not the decision's cost

@@ -54,6 +54,9 @@ class RequestProfile:
     response_root: str | None = None  # the conversation of that stored response (its minted id carries it)
     response_id: str | None = None  # the id the client chose for the response it creates (vLLM's request_id)
     stores_response: bool = False  # a Responses create that may be stored (not "store": false): its id is minted
+    # whose namespace a client-chosen response id lives in: the tenant, else a hash of the request's credential (two
+    # clients' equal ids are two responses; without it an attacker storing first read back as the victim's)
+    response_scope: str | None = None
     # flow control (core.flow): its priority class (0 critical, 1 standard, 2 sheddable) and whose fairness it counts to
     priority: int = 1
     tenant: str | None = None
@@ -242,6 +245,18 @@ def declared_size(headers: Mapping[str, str]) -> int | None:
     if not v or not v.isascii() or not frozenset(v.encode()) <= _DIGITS:
         return None
     return int(v) if len(v) < 16 else 10 ** 15
+
+
+CREDENTIAL_HEADERS = ("authorization", "x-api-key")  # OpenAI's bearer token, Anthropic's key
+
+
+def credential_scope(headers: Mapping[str, str]) -> str | None:
+    """The request's credential, hashed at once and never kept (None: it sent none)."""
+    for name in CREDENTIAL_HEADERS:
+        value = headers.get(name)
+        if value:
+            return "credential:" + hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    return None
 
 
 def tenant_of(headers: Mapping[str, str], cfg: ProfileConfig) -> str | None:

@@ -330,7 +330,17 @@ class Router:
             r = self._by_name.get(holder)
             if r is None or (only is not None and holder not in only):
                 return Decision(None, NO_HEALTHY)
-            d = self.policy.select(_Pinned(self, r), profile, now)
+            pinned = _Pinned(self, r)
+            flow = self.flow
+            if flow is not None and hold_key is not None and profile.priority != CRITICAL:
+                # bound to one replica, and still flow control's like any request: 40 follow-ups of one stored
+                # response went to its replica at once with 20.6 s predicted there, none held
+                d = self._select_may_hold(pinned, profile, now)
+                if d is not None and d.reason is Reason.HELD:
+                    return self._hold(hold_key, profile, pinned, now, hold_bytes, d.predicted_ttft_s)
+                self._charge(tenant_key(profile.tenant), profile.tokens)
+            else:
+                d = self.policy.select(pinned, profile, now)
             if d is None:  # the policy would not place it there (it does not fit, say): the replica will answer
                 return self._shared(Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile, now)), profile, now)
             d.reason = Reason.HOLDER
@@ -394,7 +404,7 @@ class Router:
         finally:
             self.policy.may_hold = False
 
-    def _hold(self, key: object, profile: RequestProfile, only: Collection[str] | None, now: float,
+    def _hold(self, key: object, profile: RequestProfile, only: "Collection[str] | _Pinned | None", now: float,
               size: int, predicted_s: float | None) -> Decision:
         """Queue it, or refuse it at once (Reason.DEADLINE) when its predicted time to first token already passes
         its deadline: the client learns now, with Retry-After, what it would learn when the deadline passed."""
@@ -425,7 +435,8 @@ class Router:
         # that has room for it: no head-of-line blocking
         for h in flow.queue.in_order(_OFFER_SCAN):
             profile, only = flow.held[h.key]
-            fleet: FleetView = self if only is None else _Subset(self, only)
+            # the one replica holding what it reads (a _Pinned view, whatever that replica's state), or a subset
+            fleet: FleetView = only if isinstance(only, _Pinned) else self if only is None else _Subset(self, only)
             d = self._select_may_hold(fleet, profile, now)
             if d is not None and d.reason is Reason.HELD:
                 continue
@@ -433,6 +444,15 @@ class Router:
             if self.outbox is not None:
                 self.outbox.events.append(("v", h.tenant, h.tokens))
             del flow.held[h.key]
+            if isinstance(only, _Pinned):
+                r = only.replica
+                if d is None:  # it does not fit there at all: that replica answers, as without flow control
+                    out.append((h.key, self._shared(Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile, now)),
+                                                    profile, now)))
+                    continue
+                d.reason = Reason.HOLDER
+                out.append((h.key, self._place(d, profile, now, None)))
+                continue
             out.append((h.key, self._place(d, profile, now, only)))
         return out
 
@@ -601,6 +621,10 @@ class _Pinned(_Subset):
     def __init__(self, router: Router, replica: Replica):
         super().__init__(router, (replica.name,))
         self._replica = replica
+
+    @property
+    def replica(self) -> Replica:
+        return self._replica
 
     @property
     def pool_epoch(self) -> None:

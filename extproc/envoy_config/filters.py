@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import AppConfig, first_answer_s, max_message_s
 from ..core.apis import KV_TRANSFER_KEY
-from ..core.profile import CONTENT_LENGTH
+from ..core.profile import CONTENT_LENGTH, CREDENTIAL_HEADERS
 from ..contract import (
     ACCESS_LOG_NAME,
     ANSWER_CLUSTER,
@@ -48,6 +48,8 @@ from .common import dur
 def brain_headers(cfg: AppConfig) -> list[str]:
     """The request headers this config's brain reads (see ``contract.brain_headers``)."""
     names = _brain_headers(cfg.router.profile.session_headers, cfg.router.profile.tenant_reads())
+    # the credential scopes the ids clients choose for stored responses (hashed at once, never kept or logged)
+    names += [h for h in CREDENTIAL_HEADERS if h not in names]
     if cfg.flow_control.enabled:
         names.append(cfg.flow_control.priority_header.lower())
     return names

@@ -126,3 +126,75 @@ def test_follow_ups_of_one_stored_response_are_held_like_any_request_bound_to_on
     placed = router.offer(t + 0.2)
     assert placed and all(d.replica.name == "r0" and d.reason is Reason.HOLDER and d.reservation is not None
                           for _, d in placed)
+
+
+# ------------------------------------------------------------------ the picker's held-open uploads (finding 2)
+
+def test_the_picker_books_an_upload_decided_past_its_byte_limit_only_once_its_body_has_arrived():
+    """Four 2.5 MB uploads declaring 15 MB each, held open, left ~291K pending KV tokens per replica and every new
+    session refused for ~55 s: a body still arriving reaches no engine. Booked when its last byte has passed."""
+    import asyncio
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from extproc.config import parse_config
+    from extproc.picker import EndpointPicker
+
+    from .helpers import live_brain
+
+    b = live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(2)],
+                                 "brain": {"protocol": "endpoint-picker"}}))
+
+    def pending() -> int:
+        return sum(b.router.policy.state_of(r).pending_tokens for r in b.router.replicas)
+
+    class Held:
+        def __init__(self, msgs):
+            self.q: asyncio.Queue = asyncio.Queue()
+            for m in msgs:
+                self.q.put_nowait(m)
+            self.out: list = []
+
+        async def read(self):
+            return await self.q.get()
+
+        async def write(self, msg):
+            self.out.append(msg)
+
+    def head(i: int) -> ep.ProcessingRequest:
+        req = ep.ProcessingRequest()
+        for k, v in {":method": "POST", ":path": "/v1/chat/completions", "x-session-id": f"up{i}",
+                     "content-length": "15000000"}.items():
+            req.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+        return req
+
+    chunk = b"x" * (512 * 1024)
+
+    async def scenario():
+        front = EndpointPicker(b.pick, b.end_picked, b.cfg.envoy.brain_body_max_bytes, b.clock,
+                               arrived=lambda res: b.router.arrived(res, b.clock()))
+        ctxs = [Held([head(i), *(ep.ProcessingRequest(request_body=ep.HttpBody(body=chunk)) for _ in range(5))])
+                for i in range(4)]
+        tasks = [asyncio.create_task(front.Process(None, c)) for c in ctxs]
+        for _ in range(200):
+            await asyncio.sleep(0)
+            if all(c.out for c in ctxs):
+                break
+        assert all(c.out and c.out[0].WhichOneof("response") == "request_headers" for c in ctxs)  # decided, on its way
+        held_open = pending()
+        ctxs[0].q.put_nowait(ep.ProcessingRequest(request_body=ep.HttpBody(body=b"}", end_of_stream=True)))
+        for _ in range(200):
+            await asyncio.sleep(0)
+            if pending() > held_open:
+                break
+        arrived = pending()
+        for c in ctxs:
+            c.q.put_nowait(grpc.aio.EOF)
+        await asyncio.gather(*tasks)
+        return held_open, arrived
+
+    held_open, arrived = asyncio.run(scenario())
+    assert held_open == 0  # four uploads held open: nothing pending on any replica
+    assert arrived > 100_000  # the one that arrived is booked at its declared size
+    assert b.router.open_reservations == 0 and pending() == 0  # and everything goes when the streams end

@@ -27,7 +27,7 @@ from ..core.apis import without_kv_transfer
 from ..core.apis import PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
 from ..core.names import BodyStatus, PinKind, Reason
 from ..core.flow import CLASSES, CRITICAL, STANDARD, FlowControl, FlowQueue
-from ..core.profile import BODY_KV_TRANSFER_KEY, credential_scope, replace_model, tenant_of
+from ..core.profile import BODY_ARRIVING_KEY, BODY_KV_TRANSFER_KEY, credential_scope, replace_model, tenant_of
 from ..envoy_config import CdsFile
 from . import logs
 from .decide import Held, immediate_answer, models_response, route_answer, too_many_response
@@ -188,6 +188,8 @@ class Brain:
             self.stats.record_decision(d, BodyStatus.HEADERS_ONLY, now)
             return d
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
+        if body is None and headers.get(BODY_ARRIVING_KEY):
+            profile = dataclasses.replace(profile, deferred=True)
         if profile.body_status is BodyStatus.NOT_JSON and headers.get(INFLATED_FROM_HEADER) \
                 and not headers.get(CONTENT_ENCODING_HEADER):
             # Envoy inflated it and it does not read: it was cut off at envoy.max_inflate_ratio (Envoy passes the rest

@@ -251,7 +251,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
                 waits.woken.set()
 
         front = EndpointPicker(brain.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,
-                               wait=waits.wait, cancel=waits.cancel, hold_s=cfg.flow_control.wait_s + 5).Process
+                               wait=waits.wait, cancel=waits.cancel, hold_s=cfg.flow_control.wait_s + 5,
+                               arrived=lambda res: brain.router.arrived(res, brain.clock())).Process
     else:
         front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
                                   cfg.flow_control.wait_s + 5, brain.look,

@@ -34,6 +34,9 @@ class Reservation:
     pending_tokens: int = 0
     arrived_at: float | None = None  # its place in the replica's arrivals (what queues behind a prefill)
     provisional: bool = False  # charged before its body was known (headers alone): a bounded guess
+    # warm policy, a request decided while its body was arriving: (prefill seconds, prompt tokens, work seconds) to
+    # book once it has arrived (None: booked, or nothing to book)
+    deferred: "tuple[float, int, float] | None" = None
     remote: bool = False  # another brain's (shared state): its end is that brain's to say
     leg_s: float = 0.0  # a decode leg: seconds from the decision to its send (its prefill leg's)
     transfer_tokens: int = 0  # a decode leg: the KV tokens it loads from its prefill replica (the rate is learned)

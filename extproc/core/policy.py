@@ -33,6 +33,9 @@ class Policy(Protocol):
 
     def on_reserved(self, d: "Decision", profile: "RequestProfile", now: float) -> None: ...
     def on_release(self, res: "Reservation", now: float) -> None: ...
+    def on_arrived(self, res: "Reservation", now: float) -> None:
+        """The body of a request decided while it was still arriving (``RequestProfile.deferred``) has arrived:
+        its work is booked now (an upload held open never reaches an engine, and costs nothing until then)."""
     def on_remote_reserved(self, res: "Reservation", prefill_s: float, prompt_tokens: int,
                            session_key: bytes | None, prompt: int, at: float, now: float,
                            estimated: int | None = None, shared: tuple[int, int] | None = None) -> None:

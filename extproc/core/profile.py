@@ -49,6 +49,9 @@ class RequestProfile:
     # the body could not be read as the engine reads it: its model is one of these (empty: any), never refused
     candidates: tuple[str, ...] | None = None
     provisional: bool = False  # tokens come from a size, not from a body the brain read (headers alone)
+    # decided while its body is still arriving (the endpoint picker's stream past its byte limit): priced by its
+    # declared size, booked only once the body has arrived (Router.arrived)
+    deferred: bool = False
     api: Api = Api.OTHER  # what the path speaks
     stored_ref: str | None = None  # the stored response it follows (previous_response_id) or reads (the path's id)
     response_root: str | None = None  # the conversation of that stored response (its minted id carries it)
@@ -235,7 +238,8 @@ _DIGITS = frozenset(b"0123456789")
 # the model Envoy read from a body too big to send (contract.BODY_METADATA_NAMESPACE), as the front hands it on among
 # the headers: a pseudo-header, which no client can send
 BODY_MODEL_KEY = ":warmroute-body-model"
-BODY_KV_TRANSFER_KEY = ":warmroute-body-kv-transfer"  # such a body names kv_transfer_params (refused: 400)
+BODY_KV_TRANSFER_KEY = ":warmroute-body-kv-transfer"
+BODY_ARRIVING_KEY = ":warmroute-body-arriving"  # a front decides before the body has arrived: booked when it has  # such a body names kv_transfer_params (refused: 400)
 
 
 def declared_size(headers: Mapping[str, str]) -> int | None:

@@ -537,6 +537,11 @@ class Router:
         self.policy.on_release(res, now)
         return True
 
+    def arrived(self, res: Reservation | None, now: float) -> None:
+        """The body of a request decided while it arrived has arrived whole: the policy books its work now."""
+        if res is not None and not res.released:
+            self.policy.on_arrived(res, now)
+
     def touch(self, res: Reservation, now: float) -> None:
         """Envoy says the request is still in flight (a periodic access-log entry)."""
         res.seen_at = now

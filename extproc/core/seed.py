@@ -60,6 +60,9 @@ class SeedPolicy:
     def on_release(self, res, now: float) -> None:
         pass
 
+    def on_arrived(self, res, now: float) -> None:
+        pass  # the seed books a request's weight alone, at once
+
     def on_load(self, r: Replica, s: "LoadSample", now: float) -> None:
         pass
 

@@ -552,6 +552,13 @@ class WarmPolicy(Shortlist):
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         st = self.engine_state(d.replica.name, d.engine) or self.state_of(d.replica)
         prompt = self._chosen_prompt  # the engine's tokens, as priced
+        if profile.deferred and d.reservation is not None:
+            # its body is still on its way: no engine has it, so nothing queues or holds KV for it until it arrives
+            # (four uploads held open past the picker's byte limit refused every new session for ~55 s)
+            self._flight_delta += 1
+            d.reservation.engine = d.engine
+            d.reservation.deferred = (self._chosen_prefill_s, prompt, d.work_s)
+            return
         uncached = max(1, prompt - d.cached_tokens)
         st.book(now, self._chosen_prefill_s, prompt, d.work_s, None if profile.provisional else profile.tokens)
         if not profile.provisional:  # a size declared in a header says nothing of this replica's typical request
@@ -582,6 +589,15 @@ class WarmPolicy(Shortlist):
                 sent.popitem(last=False)
         if profile.session_key is not None and not profile.provisional:
             self.sessions.place(profile.session_key, st, prompt, now, d.prefix, d.cached_tokens)
+
+    def on_arrived(self, res, now: float) -> None:
+        if res.deferred is None:
+            return
+        (prefill_s, prompt, work_s), res.deferred = res.deferred, None
+        st = self.engine_state(res.replica.name, res.engine) or self.state_of(res.replica)
+        st.book(now, prefill_s, prompt, work_s, None)
+        self._work_delta += work_s
+        res.work_s, res.prefill_s, res.prefill_end, res.pending_tokens = work_s, prefill_s, st.prefill_busy_until, prompt
 
     def plan_prefill(self, d: Decision, prefills: list[Replica], profile: RequestProfile,
                      now: float) -> PrefillPlan | None:

@@ -40,7 +40,7 @@ from ..contract import (
     SUBSET_KEY,
     SUBSET_NAMESPACE,
 )
-from ..core.profile import CONTENT_LENGTH
+from ..core.profile import BODY_ARRIVING_KEY, CONTENT_LENGTH
 from .messages import (header_value, headers_of, model_not_found_response, openai_error, path_not_served_response,
                        wait_longer)
 
@@ -177,14 +177,19 @@ class _Stream:
     first_byte_s: float | None = None
     ended: bool = False
     new_body: bytes | None = None  # the body the pick rewrote (its model alias), sent instead of the client's
+    arriving: bool = False  # decided before its body ended: its work is booked when the body has passed
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def __init__(self, pick: Pick, end: End, body_max_bytes: int, clock: Callable[[], float] = time.monotonic,
                  on_reset: Callable[[], None] | None = None, buffered_max_bytes: int | None = None,
                  wait: "Callable[[object], Awaitable[Any]] | None" = None,
-                 cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0):
+                 cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
+                 arrived: "Callable[[Any], None] | None" = None):
         self.pick = pick
+        # a request decided before its body ended (past the byte limits, or a STREAMED gateway): its work is booked
+        # once the body has passed (an upload held open reaches no engine, and must not hold the fleet's room)
+        self.arrived = arrived
         # flow control: how to wait for a held request's pick (a future, registered at once), to give it up when the
         # gateway closes the stream, and how long to ask the gateway's message timer to wait
         self.wait, self.cancel, self.hold_s = wait, cancel, hold_s
@@ -229,9 +234,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         return held
 
     async def _decide(self, st: _Stream, body: bytes | None, context,
-                      phase: str = "request_headers") -> ep.ProcessingResponse:
+                      phase: str = "request_headers", arriving: bool = False) -> ep.ProcessingResponse:
         st.answered = True
-        p = self.pick(st.headers, body, st.subset)
+        st.arriving = arriving and self.arrived is not None
+        p = self.pick({**st.headers, BODY_ARRIVING_KEY: "1"} if st.arriving else st.headers, body, st.subset)
         if p.held is not None:  # flow control holds it: the pick comes once a replica has room (or a 429)
             answer = self.wait(p.held)  # registered before any await: the pick may come at the next tick
             try:
@@ -270,13 +276,15 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 return [await self._decide(st, None, context)]
             if st.request_mode in _BUFFERED:
                 return [_PASS[kind]]  # the decision rides on the body's answer
-            if st.request_mode != _DUPLEX:
-                return [await self._decide(st, None, context)]  # STREAMED: Envoy waits for this answer before any body
+            if st.request_mode != _DUPLEX:  # STREAMED: Envoy waits for this answer before any body
+                return [await self._decide(st, None, context, arriving=True)]
             return []  # full duplex: the answer waits for the body
         if kind == "request_body":
             chunk = req.request_body
             if st.request_mode in _BUFFERED:
                 return [await self._decide(st, chunk.body, context, "request_body")] if not st.answered else [_PASS[kind]]
+            if chunk.end_of_stream:
+                self._body_ended(st)
             if st.request_mode != _DUPLEX:
                 return [_PASS[kind]]
             if st.answered:  # a big body, decided on its headers: pass it on as it comes
@@ -291,13 +299,14 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                     return [answer]
                 return [answer, *body_chunks(st.new_body if st.new_body is not None else body, True)]
             if st.size > self.body_max_bytes or self.buffered > self.buffered_max_bytes:
-                answer = await self._decide(st, None, context)
+                answer = await self._decide(st, None, context, arriving=True)
                 held = self._drop_held(st)
                 if answer.HasField("immediate_response"):
                     return [answer]
                 return [answer, *body_chunks(held, False)]
             return []
         if kind == "request_trailers":
+            self._body_ended(st)
             out: list[ep.ProcessingResponse] = []
             if not st.answered:  # a body that ended in trailers: decide on what came
                 body = self._drop_held(st)
@@ -331,6 +340,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             self._finish(st)
             return [_PASS[kind]]
         return []
+
+    def _body_ended(self, st: _Stream) -> None:
+        if st.arriving and st.reservation is not None:
+            st.arriving = False
+            self.arrived(st.reservation)
 
     def _finish(self, st: _Stream) -> None:
         if st.ended:

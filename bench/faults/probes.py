@@ -11,6 +11,7 @@ import gzip
 import json
 import random
 import threading
+import zlib
 from collections import Counter
 from typing import Callable
 
@@ -45,6 +46,7 @@ class Probes:
         self._bomb = gzip.compress(b"0" * (60 * 2**20), 9)
         self._long = sdk_body(300_000)
         self._ordinary = ordinary_upload()
+        self._deflated = zlib.compress(sdk_body(20_000))
 
     def start(self) -> "Probes":
         for t in self._threads:
@@ -104,6 +106,13 @@ class Probes:
                     self._post(http, "forged_response_id", json.dumps(
                         {"model": MODEL, "input": "x", "previous_response_id": forged_response_id(f"r{i % 4}")}).encode(),
                         path="/v1/responses"),
+                    # issue 59: an encoding Envoy does not inflate reaches no replica; a client's own
+                    # kv_transfer_params are dropped and the request served
+                    self._post(http, "deflate_body", self._deflated, {"content-encoding": "deflate"}),
+                    self._post(http, "client_kv_transfer_params", json.dumps(
+                        {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "k"}],
+                         "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.9",
+                                                "remote_port": 9, "remote_request_id": f"victim-{i}"}}).encode()),
                     self._post(http, "invented_session_ids", json.dumps(
                         {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "s"}]}).encode(),
                         {"x-session-id": f"invented-{rnd.random()}"}),
@@ -158,6 +167,8 @@ EXPECTED: dict[str, Callable[[str], bool]] = {
     "duplicate_nested_nan_model": lambda o: o == "200",
     "client_data_parallel_rank": lambda o: o == "200",
     "invented_session_ids": lambda o: o == "200",
+    "deflate_body": lambda o: o == "415",
+    "client_kv_transfer_params": lambda o: o == "200",
     "local_user_envoy_admin": lambda o: o == "PermissionError",
     "local_user_brain_state": lambda o: o == "401",
 }

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import AppConfig, first_answer_s, max_message_s
-from ..core.apis import KV_TRANSFER_KEY
 from ..core.profile import CONTENT_LENGTH, CREDENTIAL_HEADERS
 from ..contract import (
     ACCESS_LOG_NAME,
@@ -226,12 +225,6 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                         "selectors": [{"key": "model"}],
                         "on_present": {"metadata_namespace": BODY_METADATA_NAMESPACE, "key": "model",
                                        "type": "STRING"},
-                    }, {
-                        # a client's own kv_transfer_params in a body the brain does not read: refused (only the
-                        # brain's prefill leg may name where KV comes from)
-                        "selectors": [{"key": KV_TRANSFER_KEY}],
-                        "on_present": {"metadata_namespace": BODY_METADATA_NAMESPACE, "key": KV_TRANSFER_KEY,
-                                       "value": {"string_value": "present"}},
                     }]},
                 }},
                 # only for what the brain will not read itself: a Content-Length above brain_body_max_bytes, or

@@ -23,8 +23,8 @@ from ..config import AppConfig, ConfigError, first_answer_s, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
 from ..core.models import ModelCatalog
-from ..core.apis import without_kv_transfer
-from ..core.apis import PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id
+from ..core.apis import (PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id,
+                        without_kv_transfer)
 from ..core.names import BodyStatus, PinKind, Reason
 from ..core.flow import CLASSES, CRITICAL, STANDARD, FlowControl, FlowQueue
 from ..core.profile import BODY_ARRIVING_KEY, BODY_KV_TRANSFER_KEY, credential_scope, replace_model, tenant_of
@@ -252,7 +252,7 @@ class Brain:
     def _decided(self, d: Decision, profile, res, now: float, t0: float | None = None) -> Decision:
         """The brain's books on a placed decision, at once or after flow control held it: the served model, the
         stored response's home, the metrics, the pin log."""
-        d.model, d.rewrite_model = res.model, res.rewritten
+        d.model, d.rewrite_model, d.kv_transfer = res.model, res.rewritten, profile.kv_transfer
         if profile.stores_response and d.replica is not None:  # "store": false: nothing to find later, no rewrite
             if profile.response_id is not None:  # the client named it: remember where it will live (first writer)
                 self.response_homes.record(profile.response_id, d.replica.name, now, profile.response_scope)
@@ -431,13 +431,18 @@ class Brain:
         return immediate_answer(d.reason, _path(headers), model=d.model or "", served=self.models.base_models,
                                 inflate_ratio=self.cfg.envoy.max_inflate_ratio, response_id=d.response_id or "")
 
-    @staticmethod
-    def _body_for(d: Decision, body: bytes | None) -> bytes | None:
+    def _prefill_fleet(self) -> bool:
+        """A fleet with prefill replicas: its engines run a KV connector that reads kv_transfer_params."""
+        return self.router.disaggregates and any(r.role == "prefill" for r in self.router.replicas)
+
+    def _body_for(self, d: Decision, body: bytes | None) -> bytes | None:
         """The body to send instead of the client's (None: the client's): without a client's kv_transfer_params, the
         served model for an alias, the response's minted id."""
         if body is None:
             return None
-        out = without_kv_transfer(body)  # only the brain's prefill leg sets them (legs.py)
+        # only the brain's prefill leg sets them (legs.py)
+        known = d.kv_transfer
+        out = without_kv_transfer(body, known, known is None and self._prefill_fleet())
         if d.rewrite_model:
             out = replace_model(out if out is not None else body, d.model) or out
         if d.response_id is not None:

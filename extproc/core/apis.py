@@ -186,17 +186,28 @@ def with_request_id(body: bytes, response_id: str) -> bytes:
 
 
 KV_TRANSFER_KEY = "kv_transfer_params"
-# a key spelled with escapes of printable ASCII ("kv\u005ftransfer_params" is the same key to the engine's parser);
-# ordinary JSON escapes only control characters (\u000x, \u001x) and non-ASCII that way
-_ASCII_ESCAPE = re.compile(rb"\\u00[2-7][0-9a-fA-F]")
+# its fields a connector acts on (vLLM's NIXL connector and its P2P peers: where the KV is, whose it is, which way)
+KV_TRANSFER_FIELDS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host", "remote_port",
+                      "remote_request_id", "remote_bootstrap_addr")
+# an escape of one of the key's letters ("kv\u005ftransfer_params" is the same key to the engine's parser): k v t r a n
+# s f e p m are \u006x and \u007x, the underscore \u005f; ordinary JSON escapes none of them
+_KEY_LETTER_ESCAPE = re.compile(rb"\\u00[5-7]")
 
 
-def without_kv_transfer(body: bytes) -> bytes | None:
+def without_kv_transfer(body: bytes, known: bool | None, escapes: bool) -> bytes | None:
     """``body`` without a top-level ``kv_transfer_params`` (None: it has none, or is no JSON object). Only the
     brain's prefill leg may tell an engine where KV comes from: a client's would make the decode replica connect to a
     host the client named, or consume another request's transfer by its id. Read as the engine reads it (escapes
-    decoded, the last duplicate key); parsed only when the bytes may spell the key."""
-    if KV_TRANSFER_KEY.encode() not in body and _ASCII_ESCAPE.search(body) is None:
+    decoded, the last duplicate key).
+
+    ``known``: what the profile's parse found (True/False; None: the body was not parsed, too big). An unparsed body is
+    searched for the key (~0.2 ms a MB here) and, with ``escapes``, for an escaped letter of it (~0.5 ms a MB more:
+    the brain asks it where a connector certainly reads the field, a fleet with prefill replicas); parsed only when
+    the bytes may spell the key."""
+    if known is False:
+        return None
+    if known is None and KV_TRANSFER_KEY.encode() not in body \
+            and not (escapes and _KEY_LETTER_ESCAPE.search(body) is not None):
         return None
     try:
         doc = orjson.loads(body)

@@ -74,6 +74,7 @@ class Decision:
     steer: bool = False  # True: the answer names the engine (X-data-parallel-rank)
     model: str | None = None  # the served model it goes to (an alias resolved)
     rewrite_model: bool = False  # the client named an alias: the body must name ``model`` instead
+    kv_transfer: bool | None = None  # the body names its own kv_transfer_params (None: not known): dropped when sent
     # prefill/decode disaggregation: the prefill leg's plan (None: the replica computes the prompt itself) and the
     # weight it holds on its prefill replica until the leg ends
     prefill: "PrefillPlan | None" = None

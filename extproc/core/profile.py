@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import orjson
 
-from .apis import Api, api_of, conversation_bytes, conversation_root, session_of_messages, stored_response_id
+from .apis import KV_TRANSFER_KEY, Api, api_of, conversation_bytes, conversation_root, session_of_messages, stored_response_id
 from .blocks import BLOCK_CHARS, ChainCache, chain_seed
 from .config import ProfileConfig
 from .names import BodyStatus
@@ -60,6 +60,8 @@ class RequestProfile:
     # whose namespace a client-chosen response id lives in: the tenant, else a hash of the request's credential (two
     # clients' equal ids are two responses; without it an attacker storing first read back as the victim's)
     response_scope: str | None = None
+    # the body names its own top-level kv_transfer_params (the parse says; None: not parsed, the bytes must be searched)
+    kv_transfer: bool | None = None
     # flow control (core.flow): its priority class (0 critical, 1 standard, 2 sheddable) and whose fairness it counts to
     priority: int = 1
     tenant: str | None = None
@@ -238,8 +240,8 @@ _DIGITS = frozenset(b"0123456789")
 # the model Envoy read from a body too big to send (contract.BODY_METADATA_NAMESPACE), as the front hands it on among
 # the headers: a pseudo-header, which no client can send
 BODY_MODEL_KEY = ":warmroute-body-model"
-BODY_KV_TRANSFER_KEY = ":warmroute-body-kv-transfer"
-BODY_ARRIVING_KEY = ":warmroute-body-arriving"  # a front decides before the body has arrived: booked when it has  # such a body names kv_transfer_params (refused: 400)
+BODY_KV_TRANSFER_KEY = ":warmroute-body-kv-transfer"  # such a body names kv_transfer_params (refused: 400)
+BODY_ARRIVING_KEY = ":warmroute-body-arriving"  # a front decides before the body has arrived: booked when it has
 
 
 def declared_size(headers: Mapping[str, str]) -> int | None:
@@ -362,7 +364,8 @@ def build_profile(
             session_key = hash_key("session", tenant, "response:" + root)
             session_source = "body:previous_response_id" if stored_ref else "body:response"
     stored = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id,
-              "stores_response": api is Api.RESPONSES and status is BODY_OK and doc.get("store") is not False}
+              "stores_response": api is Api.RESPONSES and status is BODY_OK and doc.get("store") is not False,
+              "kv_transfer": KV_TRANSFER_KEY in doc if status is BODY_OK else False if status is BODY_NOT_OBJECT else None}
 
     blocks: list[int] = []
     candidates = None

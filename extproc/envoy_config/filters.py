@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import AppConfig, first_answer_s, max_message_s
+from ..core.apis import KV_TRANSFER_FIELDS, KV_TRANSFER_KEY
 from ..core.profile import CONTENT_LENGTH, CREDENTIAL_HEADERS
 from ..contract import (
     ACCESS_LOG_NAME,
@@ -225,7 +226,15 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                         "selectors": [{"key": "model"}],
                         "on_present": {"metadata_namespace": BODY_METADATA_NAMESPACE, "key": "model",
                                        "type": "STRING"},
-                    }]},
+                    }, *({
+                        # a client's own kv_transfer_params in a body the brain does not read: flagged, answered 400
+                        # by the brain. The filter reads primitive values only (an object's presence cannot be
+                        # selected, and an on_present ``value`` is set whether the key is there or not): the
+                        # fields a P/D connector acts on are selected instead
+                        "selectors": [{"key": KV_TRANSFER_KEY}, {"key": field}],
+                        "on_present": {"metadata_namespace": BODY_METADATA_NAMESPACE, "key": KV_TRANSFER_KEY,
+                                       "type": "STRING"},
+                    } for field in KV_TRANSFER_FIELDS)]},
                 }},
                 # only for what the brain will not read itself: a Content-Length above brain_body_max_bytes, or
                 # none (chunked). A body the brain reads whole is not parsed twice

@@ -182,6 +182,27 @@ def test_a_gzip_body_is_inflated_before_the_brain_and_one_past_the_inflate_ratio
     assert stack.state()["bodies"].get("encoded", 0) == before.get("encoded", 0) + 5
 
 
+def test_a_client_s_own_kv_transfer_params_never_reach_a_replica_in_a_body_of_any_size(stack):
+    """Issue 59: a body the brain reads has them dropped (the replica answers it); one too big for the brain
+    (brain_body_max_bytes, 2 MiB) is flagged by Envoy's json_to_metadata and answered 400 by the brain, and a big
+    body without them still reaches its replica (an on_present ``value`` would have flagged every big body)."""
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.9", "remote_port": 9, "remote_request_id": "v"}
+    small = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "k"}],
+                        "kv_transfer_params": params}).encode()
+    status, _, out = raw_post(stack, small, {"x-session-id": "kv-small"})
+    assert status == 200, out[:300]
+    filler = [{"role": "user", "content": "lorem ipsum " * 1000}] * 300  # ~3.6 MB
+    big = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": filler,
+                      "kv_transfer_params": params}).encode()
+    assert len(big) > 2 * 2**20
+    status, _, out = raw_post(stack, big, {"x-session-id": "kv-big"})
+    assert status == 400 and json.loads(out)["error"]["code"] == "kv_transfer_params_not_allowed", out[:300]
+    plain = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": filler}).encode()
+    status, _, out = raw_post(stack, plain, {"x-session-id": "kv-plain"})
+    # it reached a replica: the mock's own answer (200, or its 400 for a prompt past its context), not the brain's
+    assert status == 200 or json.loads(out)["error"].get("code") != "kv_transfer_params_not_allowed", out[:300]
+
+
 def test_a_request_without_a_body_takes_the_fail_open_route_without_asking_the_brain(stack):
     before_d, before_f = decisions(stack), fallback_count(stack)
     allowed = stack.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0)
@@ -196,8 +217,8 @@ def test_a_malformed_json_body_is_routed_by_headers(stack):
     before_d, before_f = decisions(stack), fallback_count(stack)
     pins_before = stack.state()["session_pins"]
     status, _, out = raw_post(stack, b'{"messages": [ this is not json', {"x-session-id": "malformed-1"})
-    assert status == 400  # the replica's own answer to a bad body, not a proxy error
-    assert "error" in json.loads(out)
+    assert status == 400  # the replica's own answer to a bad body, not a proxy error: vLLM's (FastAPI's) words
+    assert json.loads(out) == {"detail": "There was an error parsing the body"}
     assert decisions(stack) == before_d + 1 and fallback_count(stack) == before_f
     assert stack.state()["session_pins"] == pins_before + 1  # routed (and pinned) by the header key
 

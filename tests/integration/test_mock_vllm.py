@@ -245,3 +245,20 @@ def test_data_parallel_engines_are_spread_by_vllm_s_rule_or_the_rank_header(repl
     for t in threads:
         t.join()
     assert set(results) == {"0", "1"}
+
+
+def test_a_compressed_body_is_read_as_sent_and_refused_as_vllm_refuses_it(replica):
+    """vLLM 0.32 reads no Content-Encoding: a deflate or gzip chat body is its 400 {"detail": "There was an error
+    parsing the body"} (seen on the real engine, 2026-12-04). aiohttp inflated it by default (a deflate upload
+    grew to 614-745 MB in the mock)."""
+    import gzip
+    import zlib
+
+    r = replica()
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for enc, data in (("deflate", zlib.compress(body)), ("gzip", gzip.compress(body))):
+        req = urllib.request.Request(r.url + "/v1/chat/completions", data=data, method="POST",
+                                     headers={"content-type": "application/json", "content-encoding": enc})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400 and json.loads(e.value.read()) == {"detail": "There was an error parsing the body"}

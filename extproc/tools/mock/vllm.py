@@ -469,8 +469,11 @@ class MockReplica:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
         embed = request.path in POOLING_PATHS  # a pooling runner: one forward pass, a vector instead of tokens
-        doc = await _json_object(request)
-        if doc is None:
+        try:
+            doc = await request.json()
+        except ValueError:  # what vLLM 0.32 (FastAPI) answers a body it cannot parse, a compressed one included
+            return web.json_response({"detail": "There was an error parsing the body"}, status=400)
+        if not isinstance(doc, dict):
             return _error(400, "request body is not a JSON object")
         if not self.healthy or (self.fail_rate and self.rng.random() < self.fail_rate):
             return _error(503, "injected failure", "ServiceUnavailableError")
@@ -848,8 +851,10 @@ async def serve(args: argparse.Namespace) -> None:
     # aiohttp's parser logged a header it refused with its value (a session id in a replica log): accept what Envoy
     # lets through (60 KiB of headers), and log a refusal by its kind alone
     logging.getLogger("aiohttp.server").addFilter(_no_request_content)
+    # auto_decompress off: vLLM reads the bytes as sent (a deflate body is its 400), and aiohttp's default inflated
+    # a deflate upload to 614-745 MB
     rep.runner = web.AppRunner(build_app(rep), access_log=None, max_line_size=65536, max_field_size=65536,
-                               keepalive_timeout=args.keep_alive_s, handler_cancellation=True)
+                               keepalive_timeout=args.keep_alive_s, handler_cancellation=True, auto_decompress=False)
     await rep.runner.setup()
     rep.ssl = None
     if args.tls_cert:

@@ -228,3 +228,42 @@ def test_a_stream_that_cannot_advance_is_started_again_and_a_brain_ahead_of_it_r
 async def _nothing():
     await asyncio.sleep(0.01)
     return []
+
+
+def test_a_flush_that_fails_keeps_closes_and_forwarded_ends_for_the_next_and_drops_the_rest():
+    # a lost close holds load on every peer until its safety timeout; a lost forwarded end on its owner until the
+    # liveness bound (~27 s): a turn not released on a loaded machine, where Redis answered a flush late once
+    r, now = live_router(4, RouterConfig())
+    s = _state(r, now)
+    d = r.select(_turn(1, 0), now)
+    r.release(d.reservation, now)
+    s.outbox.events.append(("x", 41, "digest"))
+    before = list(s.outbox.events)
+
+    class Redis:
+        def __init__(self, fail: bool):
+            self.fail, self.added = fail, []
+
+        async def xadd(self, stream, fields, **kw):
+            if self.fail:
+                raise ConnectionError("Redis away")
+            self.added.append(orjson.loads(fields["e"]))
+
+    async def flush(redis):
+        s._redis = redis
+        task = asyncio.create_task(s._flusher())
+        deadline = time.monotonic() + 10
+        while not task.done() and not getattr(redis, "added", None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(flush(Redis(fail=True)))
+    kinds = [e[0] for e in before]
+    assert "c" in kinds and "o" in kinds and not r.outbox.events
+    assert s.stats.dropped_events == sum(k not in ("c", "x") for k in kinds)
+    ok = Redis(fail=False)
+    asyncio.run(flush(ok))
+    shipped = [tuple(e) for e in ok.added[0]]
+    assert ("c", d.reservation.id) in shipped and ("x", 41, "digest") in shipped
+    assert not any(e[0] == "o" for e in shipped)

@@ -54,6 +54,12 @@ _ORIGIN_MAX_CHARS = 200
 _SIGNED = b"wr1s"  # a signed snapshot: this, then its 32-byte MAC, then the compressed view
 # Redis's answers to an XADD after the largest id (7.x: "exhausted"; others: "equal or smaller")
 _STUCK = ("exhausted the last possible ID", "equal or smaller than the target stream top item")
+# what a flush that failed (or a Redis away for a moment) must not lose: a close (else every peer counts the
+# reservation until its safety timeout) and an end forwarded to its owner (else the owner counts it until its
+# liveness bound, ~27 s by default: seen as a turn not released on a loaded machine). The rest is a view
+# that the next decisions or a snapshot repair
+_CARRIED = ("c", "x")
+_CARRY_MAX = 20_000
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -129,6 +135,17 @@ class SharedState:
         self.stats.peer_seen = self.peers
         self._rejected_logged: dict[str, float] = {}  # reason -> when last logged (one line a minute per reason)
         self._last_check = 0.0
+        self._carry: list[tuple] = []  # closes and forwarded ends not shipped yet (_CARRIED)
+
+    def _keep(self, events: list[tuple]) -> None:
+        """Events that could not be shipped: closes and forwarded ends wait for the next flush (bounded); the
+        rest are dropped and counted."""
+        keep = [e for e in events if e and e[0] in _CARRIED]
+        self.stats.dropped_events += len(events) - len(keep)
+        self._carry.extend(keep)
+        if len(self._carry) > _CARRY_MAX:
+            self.stats.dropped_events += len(self._carry) - _CARRY_MAX
+            del self._carry[:-_CARRY_MAX]
 
     # ---------------------------------------------------------------- connection
 
@@ -247,7 +264,7 @@ class SharedState:
             try:
                 await asyncio.wait_for(self.started.wait(), 1.0)
             except asyncio.TimeoutError:
-                self.stats.dropped_events += len(self.outbox.take())
+                self._keep(self.outbox.take())
         backoff = 0.5
         while True:
             try:
@@ -270,7 +287,7 @@ class SharedState:
         """Wait out a backoff, dropping (and counting) what the decisions meanwhile changed."""
         end = time.monotonic() + seconds * random.uniform(0.8, 1.2)
         while True:
-            self.stats.dropped_events += len(self.outbox.take())
+            self._keep(self.outbox.take())
             self._forget_silent()
             left = end - time.monotonic()
             if left <= 0:
@@ -401,6 +418,8 @@ class SharedState:
         while True:
             await asyncio.sleep(every)
             events = self.outbox.take()
+            if self._carry:
+                events, self._carry = self._carry + events, []
             now = self.clock()
             if not events and now - self._last_flush < self.cfg.heartbeat_s:
                 continue
@@ -409,21 +428,28 @@ class SharedState:
             if self.key is not None:
                 fields["m"] = _mac(self.key, o, t, w, e)
             try:
-                await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
-                                              approximate=True), self.cfg.timeout_s)
-            except Exception as exc:  # noqa: BLE001 - only Redis's "cannot advance" is ours to mend here
-                if not any(m in str(exc) for m in _STUCK):
-                    raise
-                # an entry with the largest id sits on top: no XADD can follow it, sharing would stop for good.
-                # The stream goes (its entries are applied, or a snapshot covers them) and starts again
-                self.stats.stream_stuck += 1
-                logs.event("shared_state_stream_stuck", stream=self.stream, action="deleted and started again")
-                await asyncio.wait_for(r.delete(self.stream), self.cfg.timeout_s)
-                await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
-                                              approximate=True), self.cfg.timeout_s)
+                await self._add(r, fields)
+            except BaseException:
+                self._keep(events)  # a timeout may have added it anyway: a close or an end applied twice is once
+                raise
             self._last_flush = now
             self.stats.published_events += len(events)
             self.stats.published_entries += 1
+
+    async def _add(self, r, fields: dict) -> None:
+        try:
+            await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
+                                          approximate=True), self.cfg.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - only Redis's "cannot advance" is ours to mend here
+            if not any(m in str(exc) for m in _STUCK):
+                raise
+            # an entry with the largest id sits on top: no XADD can follow it, sharing would stop for good.
+            # The stream goes (its entries are applied, or a snapshot covers them) and starts again
+            self.stats.stream_stuck += 1
+            logs.event("shared_state_stream_stuck", stream=self.stream, action="deleted and started again")
+            await asyncio.wait_for(r.delete(self.stream), self.cfg.timeout_s)
+            await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
+                                          approximate=True), self.cfg.timeout_s)
 
     async def _snapshotter(self) -> None:
         r = self._redis

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from extproc.tools.stack.brains import BrainsStack
-from extproc.tools.stack.procs import wait_for
+from extproc.tools.stack.procs import StackError, wait_for
 from extproc.tools.stack.redis_server import RedisServer
 from extproc.tools.stack.local import Stack
 
@@ -128,6 +128,17 @@ def test_redis_killed_mid_load_fails_no_client_and_sharing_comes_back(pairs):
     assert conversations(pairs.urls, "after-redis") == 0  # new sessions shared again
 
 
+def released(pairs, what: str) -> None:
+    """Every brain's reservations released; past the deadline, what each brain still holds and how its sharing
+    went (the failure says which end went missing)."""
+    try:
+        wait_for(lambda: all(x.state()["open_reservations"] == 0 for x in pairs.stacks), 20, what)
+    except StackError as e:
+        held = [{k: st.get(k) for k in ("oldest_open_reservations", "shared_state", "releases_by_access_log",
+                                         "liveness_bound_s")} for st in (x.state() for x in pairs.stacks)]
+        raise StackError(f"{e}: {json.dumps(held)[:4000]}") from None
+
+
 def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts_warm(pairs):
     homes = {s: post(pairs.urls[0], f"before-kill-{s}", 0) for s in range(6)}
     with Load(pairs.urls, "kill", clients=2) as load:
@@ -155,12 +166,11 @@ def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts
     after = {}
     for s in range(6):
         after[s] = post(pairs.urls[1], f"before-kill-{s}", 2)
-        wait_for(lambda: all(x.state()["open_reservations"] == 0 for x in pairs.stacks), 20, "the turn released")
+        released(pairs, "the turn released")
     assert after == homes
     assert metric(pairs.stacks[1], "warmroute_shared_state_up") == 1
     # Envoy 1 kept its access-log stream on brain 0: the ends of brain 1's requests are handed back to it
-    wait_for(lambda: all(s.state()["open_reservations"] == 0 for s in pairs.stacks), 20,
-             "every reservation released, those whose end reached the other brain included")
+    released(pairs, "every reservation released, those whose end reached the other brain included")
     wait_for(lambda: metric(pairs.stacks[0], "warmroute_shared_state_peers") == 1, 20, "the brain back in the fleet")
 
 

@@ -9,7 +9,7 @@ from typing import Iterable
 
 ROUTING_HEADER = "x-warmroute-cluster"  # the replica's cluster, set from the brain's answer; the route reads it
 RESERVATION_HEADER = "x-warmroute-reservation"  # "<number>.<64 random bits>", logged back to the brain
-# gRPC metadata of the ext_proc calls Envoy makes to look at a large body's headers before its upload (issue 43)
+# gRPC metadata of the ext_proc calls Envoy makes to look at a large body's headers before it reads the body (issue 43)
 LOOK_METADATA = ("x-warmroute-look", "1")
 REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: backs up release when our header never got applied
 CONTENT_ENCODING_HEADER = "content-encoding"  # a body Envoy did not inflate is counted, and routed by headers
@@ -53,6 +53,9 @@ _ATTR_PREFIX, _ATTR_SUFFIX = "request.headers['", "']"
 # the request's path without its query, sent beside the headers: the brain routes by the path's API too
 PATH_ATTRIBUTE = "request.url_path"
 TIME_ATTRIBUTE = "request.time"  # when Envoy had the request's first byte: how late the brain reads its look
+# the milliseconds a looked-at body took to reach Envoy (its upload), set by Envoy just before the look: the look's
+# lateness is counted from its last byte, not its first (a slow upload is not the brain being behind)
+LOOK_UPLOAD_HEADER = "x-warmroute-upload-ms"
 
 
 def header_of_attribute(key: str) -> str | None:

@@ -25,8 +25,7 @@ def test_entries_from_others_are_applied_in_their_clock_and_our_own_and_stranger
     b, _ = live_router(4, RouterConfig())
     sa, sb = _state(a, now), _state(b, now)
     d = a.select(_turn(1, 0), now)
-    events = orjson.dumps(a.outbox.take(), default=lambda x: x.hex())
-    entry = {b"o": sa.id.encode(), b"t": repr(now).encode(), b"w": repr(time.time()).encode(), b"e": events}
+    entry = _entry(sa.id, now, a.outbox.take(), signer=sa)
     sb._apply_entries([(b"1-0", {**entry, b"o": sb.id.encode()}),  # our own: skipped
                        (b"2-0", {b"o": b"stranger", b"e": b"not json"}),  # skipped, nothing breaks
                        (b"3-0", entry)])
@@ -67,9 +66,12 @@ def _signed_state(router, now: float, tmp_path, **cfg) -> SharedState:
                                          **cfg), router, lambda: now)
 
 
-def _entry(origin: str, now: float, events: list, key: bytes | None = None) -> dict:
+def _entry(origin: str, now: float, events: list, key: bytes | None = None, signer: SharedState | None = None) -> dict:
+    """A stream entry as Redis hands it over: ``signer`` (a brain) signs it as its own, with its fleet MAC if any."""
     from extproc.brain.shared import _mac
 
+    if signer is not None:
+        return {k.encode(): v for k, v in signer._fields(events, now)[0].items()}
     o, t, w = origin.encode(), repr(now).encode(), repr(time.time()).encode()
     e = orjson.dumps(events, default=lambda x: x.hex())
     fields = {b"o": o, b"t": t, b"w": w, b"e": e}
@@ -87,7 +89,7 @@ def test_with_a_secret_only_signed_entries_are_applied_and_the_rest_are_counted(
     forged = [("o", 7, name, None, 1000, False, 3333.0, 3333.0, 0, None, 0, now) for name in ("r0", "r1", "r2")]
     sb._apply_entries([(b"1-0", _entry("attacker", now, forged)),  # unsigned
                        (b"2-0", _entry("attacker", now, forged, key=b"another secret" * 2)),  # signed by another key
-                       (b"3-0", _entry(sa.id, now, events, key=sa.key))])
+                       (b"3-0", _entry(sa.id, now, events, signer=sa))])
     assert sb.stats.rejected == {"entry_not_signed": 2}
     assert sum(r.in_flight_requests for r in b.replicas) == 1 and b.replica(d.replica.name).in_flight_requests == 1
     assert set(sb.peers) == {sa.id}

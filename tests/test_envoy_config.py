@@ -67,13 +67,15 @@ def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_a
 
 def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
     names = [f["name"] for f in hcm(bootstrap(CFG))["http_filters"]]
-    assert names == ["warmroute.inflate_gzip_requests", "warmroute.inflated_body_limit", "warmroute.look",
+    assert names == ["warmroute.inflate_gzip_requests", "warmroute.inflated_body_limit",
+                     "warmroute.look_whole_body", "warmroute.look_upload_time", "warmroute.look",
                      "warmroute.big_body_model",
                      "envoy.filters.http.ext_proc", HOLD_FILTER, ROUTE_FROM_BRAIN_FILTER, "envoy.filters.http.router"]
     (early,) = hcm(bootstrap(CFG))["early_header_mutation_extensions"]
     removed = {m["remove"] for m in early["typed_config"]["mutations"] if "remove" in m}
     assert removed == {ROUTING_HEADER, RESERVATION_HEADER, "x-request-id", "x-warmroute-tenant", "x-data-parallel-rank",
-                       "x-warmroute-inflated-from", "x-warmroute-priority"}  # flow control's class (on by default)
+                       "x-warmroute-inflated-from", "x-warmroute-priority",  # flow control's class (on by default)
+                       "x-warmroute-upload-ms"}
     # a proxy in front that sets the tenant itself: its header is kept
     trusted = parse_config({"envoy": {"trust_downstream_tenant_header": True}})
     (early,) = hcm(bootstrap(trusted))["early_header_mutation_extensions"]
@@ -113,7 +115,9 @@ def test_one_message_per_request_carries_the_body_and_the_headers_the_brain_read
     # the router must not see the headers before the brain has answered
     assert filters[HOLD_FILTER]["max_request_bytes"] >= 32 * 2**20
     copied = {m["append"]["header"]["key"]: m["append"]["header"]["value"]
-              for m in filters[ROUTE_FROM_BRAIN_FILTER]["mutations"]["request_mutations"]}
+              for m in filters[ROUTE_FROM_BRAIN_FILTER]["mutations"]["request_mutations"] if "append" in m}
+    # the look's upload time is the look's: no replica sees it
+    assert {"remove": "x-warmroute-upload-ms"} in filters[ROUTE_FROM_BRAIN_FILTER]["mutations"]["request_mutations"]
     assert copied == {ROUTING_HEADER: f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:cluster)%",
                       RESERVATION_HEADER: f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:reservation)%",
                       # a data-parallel replica's engine, when the brain names one

@@ -239,3 +239,144 @@ def test_the_picker_books_an_upload_decided_past_its_byte_limit_only_once_its_bo
     assert held_open == 0  # four uploads held open: nothing pending on any replica
     assert arrived > 100_000  # the one that arrived is booked at its declared size
     assert b.router.open_reservations == 0 and pending() == 0  # and everything goes when the streams end
+
+
+# --- finding 3: a peer's blast radius ---------------------------------------------------------------------------
+
+def _brains(tmp_path, n: int = 2, **cfg):
+    """``n`` brains' shared-state shells over their own routers, one fleet secret between them."""
+    import os
+
+    from extproc.brain.shared import SharedState
+    from extproc.config import SharedStateConfig
+    from extproc.core import RouterConfig
+    from extproc.tools.stack.redis_server import free_port
+
+    from .helpers import live_router
+
+    secret = tmp_path / "secret"
+    secret.write_text("k" * 32)
+    os.chmod(secret, 0o600)
+    out = []
+    for _ in range(n):
+        router, now = live_router(4, RouterConfig())
+        out.append(SharedState(SharedStateConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                                                 secret_file=str(secret), **cfg), router, lambda now=now: now))
+    return out, now
+
+
+def _signed(brain, now: float, events: list, origin: str | None = None) -> dict:
+    """An entry ``brain`` signs (its own key, and the fleet's MAC), optionally claiming another ``origin``."""
+    import time
+
+    import orjson
+
+    from extproc.brain.shared import _mac, _signed_parts
+
+    if origin is None:
+        return {k.encode(): v for k, v in brain._fields(events, now)[0].items()}
+    o, t, w = origin.encode(), repr(now).encode(), repr(time.time()).encode()
+    e = orjson.dumps(events)
+    return {b"o": o, b"t": t, b"w": w, b"e": e, b"k": brain.public_key,
+            b"s": brain._signing.sign(_signed_parts(o, t, w, e)), b"m": _mac(brain.key, o, t, w, e)}
+
+
+def test_a_brain_with_the_fleet_secret_cannot_write_as_another(tmp_path):
+    """Each brain signs with a key of its own, named in its origin: an entry under a live brain's id that its key did
+    not sign is dropped (the fleet's MAC on it verifies: the secret alone said nothing of who wrote it)."""
+    (victim, attacker, reader), now = _brains(tmp_path, 3)
+    forged = [("o", k, f"r{k % 3}", None, 1000, False, 3333.0, 3333.0, 0, None, 0, now) for k in range(9)]
+    reader._apply_entries([(b"1-0", _signed(attacker, now, forged, origin=victim.id)),
+                           (b"2-0", _signed(victim, now, []))])
+    assert reader.stats.rejected == {"entry_not_signed_by_origin": 1}
+    assert sum(r.in_flight_requests for r in reader.router.replicas) == 0
+    assert set(reader.peers) == {victim.id}  # the real one is heard
+    # a key whose fingerprint the origin does not name is no better
+    o = attacker.id.rsplit("~", 1)[0] + "~" + victim.id.rsplit("~", 1)[1]
+    reader._apply_entries([(b"3-0", _signed(attacker, now, forged, origin=o))])
+    assert reader.stats.rejected == {"entry_not_signed_by_origin": 2}
+    # under its own origin its entries are applied: bounded by what one brain may claim (below)
+    reader._apply_entries([(b"4-0", _signed(attacker, now, forged[:1]))])
+    assert sum(r.in_flight_requests for r in reader.router.replicas) == 1
+
+
+def test_what_one_origin_claims_is_bounded_by_what_a_brain_can_do(tmp_path):
+    """An hour of work per reservation on every replica refused every new session; 20 index entries added +557 MB.
+    Another brain's reservation is priced at most as one request can be on that replica (by this brain's own view),
+    its pending tokens on one replica at most that replica's KV, its open reservations at most
+    peer_max_reservations, its chains at most a context's blocks each."""
+    from extproc.core.shared import _MAX_CHAIN_BLOCKS
+
+    (attacker, reader), now = _brains(tmp_path, 2, peer_max_reservations=6)
+    router = reader.router
+    forged = [("o", k, f"r{k % 4}", None, 1000, False, 3333.0, 3333.0, 0, None, 0, now) for k in range(4)]
+    reader._apply_entries([(b"1-0", _signed(attacker, now, forged))])
+    for r in router.replicas:
+        st = router.policy.state_of(r)
+        assert st.prefill_busy_until - now <= 1.0 + 1e-9  # no tokens: no prefill to speak of
+        assert st.work_s <= 2.0 + 4 * 8192 * st.rates.decode_s_per_token
+    kv = router.policy.state_of(router.replicas[0]).cache_tokens
+    more = [("o", 10, "r0", None, 1000, False, 1.0, 1.0, kv, None, kv, now),  # a whole KV's worth: fits alone
+            ("o", 11, "r0", None, 1000, False, 1.0, 1.0, 1, None, 1, now),  # one token past it: refused
+            ("o", 12, "r1", None, 1000, False, 1.0, 1.0, 0, None, 0, now),  # the 6th open
+            ("o", 13, "r1", None, 1000, False, 1.0, 1.0, 0, None, 0, now),  # the 7th: refused
+            ("i", "r0", None, 1, 0, None, list(range(_MAX_CHAIN_BLOCKS + 1)))]  # a chain no context has
+    reader._apply_entries([(b"2-0", _signed(attacker, now, more))])
+    assert router.remote.refused == {"reservations": 1, "pending_tokens": 1, "blocks": 1}
+    assert sum(r.in_flight_requests for r in router.replicas) == 6 and router.remote.blocks == 0
+    # closes give the room back
+    reader._apply_entries([(b"3-0", _signed(attacker, now, [("c", 10), ("c", 0)]))])
+    reader._apply_entries([(b"4-0", _signed(attacker, now, [more[1], more[3]]))])
+    assert sum(r.in_flight_requests for r in router.replicas) == 6 and router.remote.refused["reservations"] == 1
+
+
+def test_past_max_peers_a_new_origin_is_not_heard_until_one_falls_silent(tmp_path):
+    brains, now = _brains(tmp_path, 4, max_peers=2)
+    reader = brains[-1]
+    for k, b in enumerate(brains[:3]):
+        reader._apply_entries([(f"{k + 1}-0".encode(), _signed(b, now, []))])
+    assert set(reader.peers) == {brains[0].id, brains[1].id}
+    assert reader.stats.rejected == {"too_many_peers": 1}
+
+
+def test_a_large_entry_is_applied_in_slices_with_decisions_between_them(tmp_path):
+    """An 8 MiB entry applied whole stalled both brains 460 ms: now the event loop runs what waits between slices
+    of it (counted here as the turns another task gets while one entry is applied)."""
+    import asyncio
+
+    (origin, reader), now = _brains(tmp_path, 2)
+    events = [("i", f"r{k % 4}", None, k, 0, None, list(range(k * 1000, k * 1000 + 1000))) for k in range(600)]
+    entries = [(f"{k + 1}-0".encode(), f) for k, f in enumerate(origin._fields(events, now))]
+    entries = [(eid, {k.encode(): v for k, v in f.items()}) for eid, f in entries]
+
+    async def run() -> int:
+        turns = 0
+        done = False
+
+        async def other() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        t0 = turns
+        await reader._apply_sliced(entries)
+        done = True
+        await task
+        return turns - t0
+
+    assert asyncio.run(run()) >= 3
+    assert reader.router.remote.blocks == 600_000 and reader.stats.rejected == {}
+
+
+def test_a_flush_of_more_than_a_peer_reads_goes_as_several_entries(tmp_path):
+    from extproc.brain.shared import _ENTRY_MAX_BYTES
+
+    (brain, reader), now = _brains(tmp_path, 2)
+    events = [("i", "r0", None, k, 0, None, list(range(10**12, 10**12 + 4000))) for k in range(200)]  # ~11 MB
+    fields = brain._fields(events, now)
+    assert len(fields) > 4 and all(len(f["e"]) <= _ENTRY_MAX_BYTES for f in fields)
+    reader._apply_entries([(f"{k + 1}-0".encode(), {a.encode(): v for a, v in f.items()}) for k, f in enumerate(fields)])
+    assert reader.stats.rejected == {} and reader.router.remote.blocks == 800_000

@@ -1,4 +1,4 @@
-"""Issue 43, a flood of new sessions: the look at a large body's headers before its upload, and how far behind the
+"""Issue 43, a flood of new sessions: the look at a large body's headers before the brain reads it, and how far behind the
 brain reads (``extproc/brain/intake.py``)."""
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ def test_how_late_a_look_is_read_is_measured_above_the_least_seen_whatever_the_c
     assert i.late_s(at) == pytest.approx(11.5, abs=1e-3)
     clock.t += 200  # ... then forgotten: a clock that moved is learned as the new skew
     assert i.late_s(at) == 0.0
+    # issue 59: Envoy looks once it holds the whole body; the upload's own time (its milliseconds, set by Envoy) is
+    # the client's, not the brain's: a look 3 s after the first byte whose upload took 3 s is not late
+    wall.t += 3.0
+    assert i.late_s(at, "3000") == pytest.approx(0.0, abs=1e-3)
+    assert i.late_s(at, None) == pytest.approx(3.0, abs=1e-3)
+    assert i.late_s(at, "-5") == i.late_s(at, "²") == pytest.approx(3.0, abs=1e-3)  # not a duration: none
 
 
 CFG = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8000 + i}"} for i in range(2)]}

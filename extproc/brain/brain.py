@@ -294,7 +294,7 @@ class Brain:
         return self._answer(d, headers, body, phase)
 
     def look(self, headers: dict[str, str], read_wait_s: float) -> "ep.ProcessingResponse | None":
-        """The look at a large body's headers before its upload (flow control on; ``envoy_config`` renders it): a
+        """The look at a large body's headers before its body is read (flow control on; ``envoy_config`` renders it): a
         request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
         than a turn of the sessions under way takes (``_look_bound_s``), is refused with 429 before it is sent, instead of delaying their turns behind it or timing
         out and failing open into the engines ahead of them. Critical work is never refused. None: let it come."""

@@ -29,6 +29,7 @@ from ..contract import (
     REQUEST_ID_HEADER,
     RESERVATION_HEADER,
     TIME_ATTRIBUTE,
+    LOOK_UPLOAD_HEADER,
     ROUTING_HEADER,
     header_of_attribute,
 )
@@ -211,7 +212,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self.open_calls = 0  # calls read and not yet answered: past BEHIND, the brain is behind a burst
         # flow control: how to wait for a held request's answer, and to give it up when Envoy closes the call
         self.wait, self.cancel, self.hold_s = wait, cancel, hold_s
-        # the look before a large body (headers, before the upload): (headers, how long its body would wait to be
+        # the look before a large body (headers, once Envoy holds the body): (headers, how long its body would wait to be
         # read) -> None to let it come, or the answer instead; and how far behind the brain reads
         self.look, self.intake = look, intake
         self.legs_s = legs_s  # a disaggregated request's call stays open this long for its prefill leg
@@ -253,14 +254,14 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 self.intake.closed(context)
 
     async def _look(self, context) -> None:
-        """``warmroute.look``: a large body's headers, sent before the client uploads it. Answered at once: let it
+        """``warmroute.look``: a large body's headers, sent once Envoy holds the body, before the brain reads it. Answered at once: let it
         come (the body call follows), or the brain's answer instead (then Envoy never sends the body)."""
         req = await context.read()
         if req is grpc.aio.EOF or req.WhichOneof("request") != "request_headers":
             return
         headers = headers_of(req.request_headers)
         size = declared_size(headers) or 0
-        late = self.intake.late_s(_attribute(req, TIME_ATTRIBUTE))
+        late = self.intake.late_s(_attribute(req, TIME_ATTRIBUTE), headers.get(LOOK_UPLOAD_HEADER))
         out = self.look(headers, max(late, self.intake.behind_s() + self.intake.own_s(size)))
         if out is None:
             self.intake.let_through(headers.get(REQUEST_ID_HEADER), size)

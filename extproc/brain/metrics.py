@@ -250,6 +250,12 @@ def _shared_state(s, r: Router, now: float) -> Iterable[Metric]:
     for reason, n in sorted(s.rejected.items()):
         rej.add_metric([reason], n)
     yield rej
+    over = CounterMetricFamily(p + "peer_bound", "Other brains' events not applied because they passed what one brain "
+                               "may claim (open reservations, pending tokens on a replica, chain blocks)",
+                               labels=["kind"])
+    for kind, n in sorted(r.remote.refused.items()):
+        over.add_metric([kind], n)
+    yield over
     yield CounterMetricFamily(p + "stream_stuck", "The stream could not advance (an entry with the largest id): "
                               "deleted and started again", value=s.stream_stuck)
     yield CounterMetricFamily(p + "future_ids", "This brain's last entry id or a snapshot's was past the stream's "

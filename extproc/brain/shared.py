@@ -22,6 +22,13 @@ path touches the network. Here, off the request path:
   or speak as another brain); entries and snapshots are bounded in size before they are parsed; a stream that
   cannot advance (an entry planted with the largest id) is deleted and started again, and a brain whose last id is
   ahead of the stream (or a snapshot that claims a future id) resynchronises instead of waiting forever.
+- **A peer's blast radius** (issue 59): the fleet's secret says an entry is the fleet's, not whose. Each brain also
+  signs its entries with an Ed25519 key of its own, made at start and never stored; its origin names the key's
+  fingerprint, and an entry whose signature does not verify under the key its origin names is dropped: a brain
+  holding the fleet's secret cannot speak as another (forged under a live brain's id, reservations lasted past
+  33 s). What one origin can claim is bounded (``core.shared.Remote``: open reservations, each one's work and KV,
+  its chains' blocks), at most ``max_peers`` origins are heard at once, an entry is applied in slices between
+  which decisions run (an 8 MiB entry stalled both brains 460 ms), and a snapshot is bounded in what it inflates to.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ import time
 import zlib
 
 import orjson
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from ..config import SharedStateConfig
 from ..core import Router
@@ -48,9 +58,12 @@ _BACKOFF_MAX_S = 30.0
 _READ_BLOCK_MS = 1000
 _READ_COUNT = 2000
 _SNAPSHOT_MAX_BYTES = 512 * 1024 * 1024  # Redis's own limit for a string
-_ENTRY_MAX_BYTES = 8 * 1024 * 1024  # one flush's events (20 ms of decisions: tens of KiB); larger is not parsed
+_ENTRY_MAX_BYTES = 2 * 1024 * 1024  # one entry's events (20 ms of decisions: tens of KiB); larger is not parsed
 _ENTRY_MAX_EVENTS = 100_000
 _ORIGIN_MAX_CHARS = 200
+_FINGERPRINT_CHARS = 32  # 128 bits of the origin's public key's SHA-256: no second key is found to match it
+_SLICE_S = 0.005  # applying others' entries yields to the decisions this often
+_SLICE_EVENTS = 256  # events applied between two looks at the time
 _SIGNED = b"wr1s"  # a signed snapshot: this, then its 32-byte MAC, then the compressed view
 # Redis's answers to an XADD after the largest id (7.x: "exhausted"; others: "equal or smaller")
 _STUCK = ("exhausted the last possible ID", "equal or smaller than the target stream top item")
@@ -79,10 +92,20 @@ def inflate_bounded(raw: bytes, limit: int) -> bytes:
     return out
 
 
-def brain_id(cfg: SharedStateConfig) -> str:
-    """The configured name (or host and process) and a random part: a restarted brain is a new origin, so that its
-    predecessor's entries are replayed like any other's and its reservation ids, counted from 1 again, are its own."""
-    return f"{cfg.brain_id or socket.gethostname()[:40] + '-' + str(os.getpid())}~{random.getrandbits(32):08x}"
+def brain_id(cfg: SharedStateConfig, public_key: bytes) -> str:
+    """The configured name (or host and process) and the fingerprint of this start's own signing key: a restarted
+    brain is a new origin, so that its predecessor's entries are replayed like any other's and its reservation ids,
+    counted from 1 again, are its own; and only the holder of that key can write as it."""
+    return f"{cfg.brain_id or socket.gethostname()[:40] + '-' + str(os.getpid())}~{fingerprint(public_key)}"
+
+
+def fingerprint(public_key: bytes) -> str:
+    return hashlib.sha256(public_key).hexdigest()[:_FINGERPRINT_CHARS]
+
+
+def _signed_parts(*parts: bytes) -> bytes:
+    """What an origin signs: each part's length first (no two splits of the same bytes sign alike)."""
+    return b"".join(len(p).to_bytes(8, "big") + p for p in parts)
 
 
 def _password(cfg: SharedStateConfig) -> str | None:
@@ -111,10 +134,14 @@ class SharedState:
         self.clock = clock
         self.stats = stats or SharedStats()
         self.stats.enabled = 1
-        self.id = brain_id(cfg)
+        self._signing = Ed25519PrivateKey.generate()  # this start's own: never stored, never shared
+        self.public_key = self._signing.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self.id = brain_id(cfg, self.public_key)
+        self._peer_keys: dict[str, Ed25519PublicKey] = {}  # origin -> its verified key (the heard ones)
         p = cfg.key_prefix
         self.stream, self.snapshot_key, self.lock_key = f"{p}events", f"{p}snapshot", f"{p}snapshot:lock"
         self.outbox = router.share(True)
+        router.remote.max_open = cfg.peer_max_reservations
         self.last_id = "0-0"
         self.peers: dict[str, float] = {}  # brain id -> when we last heard from it (our clock)
         self._redis = None
@@ -253,7 +280,7 @@ class SharedState:
                                      count=_READ_COUNT)
             if not entries:
                 break
-            self._apply_entries(entries, replay=True)
+            await self._apply_sliced(entries, replay=True)
             self.stats.replayed_entries += len(entries)
 
     # ---------------------------------------------------------------- loops
@@ -312,7 +339,7 @@ class SharedState:
         while True:
             got = await r.xread({self.stream: self.last_id}, count=_READ_COUNT, block=_READ_BLOCK_MS)
             for _, entries in got or ():
-                self._apply_entries(entries)
+                await self._apply_sliced(entries)
             self._forget_silent()
             now = self.clock()
             if not got and now - self._last_check >= self.cfg.heartbeat_s:
@@ -330,43 +357,100 @@ class SharedState:
         top = await asyncio.wait_for(r.xrevrange(self.stream, count=1), self.cfg.timeout_s)
         return top[0][0].decode() if top else "0-0"
 
+    def _admit(self, eid, fields, replay: bool, now: float, wall: float) -> tuple[str, list, float] | None:
+        """An entry's origin, events and clock offset, once it is shown to be the fleet's (its MAC) and its
+        origin's own (its signature); None (counted) for anything else, our own entries included."""
+        self.last_id = eid.decode() if isinstance(eid, bytes) else eid
+        try:
+            o, t, w, e = fields[b"o"], fields[b"t"], fields[b"w"], fields.get(b"e", b"")
+            if len(o) > _ORIGIN_MAX_CHARS or len(e) > _ENTRY_MAX_BYTES:
+                self._reject("entry_too_large", f"{len(e)} bytes")
+                return None
+            if self.key is not None and not hmac.compare_digest(fields.get(b"m", b""), _mac(self.key, o, t, w, e)):
+                self._reject("entry_not_signed", "no valid MAC under shared_state.secret_file")
+                return None
+            origin = o.decode()
+            if origin == self.id:
+                return None
+            if not self._signed_by_origin(origin, fields, o, t, w, e):
+                return None
+            if origin not in self.peers and len(self.peers) >= self.cfg.max_peers and not replay:
+                self._reject("too_many_peers", f"{len(self.peers)} heard from (shared_state.max_peers)")
+                return None
+            sent_wall, sent_clock = float(w), float(t)
+            if not (math.isfinite(sent_wall) and math.isfinite(sent_clock)):
+                raise ValueError("time")
+            transit = min(max(0.0, wall - sent_wall), self.cfg.peer_timeout_s)
+            # the origin's clock at the flush was now - transit here: that is the offset between the two
+            offset = now - transit - sent_clock
+            events = orjson.loads(e) if e else []
+            if not isinstance(events, list) or len(events) > _ENTRY_MAX_EVENTS:
+                raise ValueError("events")
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError, orjson.JSONDecodeError):
+            self._reject("entry_malformed", "")
+            return None  # an entry from another version or a stranger: skipped
+        if replay and transit >= self.cfg.peer_timeout_s:
+            # an old entry: its pins and index count, its reservations ended long ago (or soon will)
+            events = [e for e in events if e and e[0] in ("h", "i")]
+        else:
+            self.peers[origin] = now
+            self.stats.lag_seconds = round(transit, 4)
+        return origin, events, offset
+
+    def _signed_by_origin(self, origin: str, fields, *parts: bytes) -> bool:
+        """The entry's signature verifies under the key its origin names (the origin ends in the key's
+        fingerprint): only the brain that made that key writes as that origin."""
+        pub = self._peer_keys.get(origin)
+        if pub is None:
+            raw = fields.get(b"k", b"")
+            if not isinstance(raw, bytes) or len(raw) != 32 or not origin.endswith("~" + fingerprint(raw)):
+                self._reject("entry_not_signed_by_origin", "no key whose fingerprint the origin names")
+                return False
+            pub = Ed25519PublicKey.from_public_bytes(raw)
+        try:
+            pub.verify(fields.get(b"s", b""), _signed_parts(*parts))
+        except (InvalidSignature, TypeError, ValueError):
+            self._reject("entry_not_signed_by_origin", "the signature does not verify under the origin's key")
+            return False
+        if origin not in self._peer_keys:
+            self._peer_keys[origin] = pub
+            if len(self._peer_keys) > 4 * self.cfg.max_peers:  # keys of origins long gone
+                for gone in [k for k in self._peer_keys if k not in self.peers][: len(self._peer_keys) // 2]:
+                    del self._peer_keys[gone]
+        return True
+
     def _apply_entries(self, entries, replay: bool = False) -> None:
-        now = self.clock()
-        wall = time.time()
+        """Apply entries at once (a test, or a caller that may block)."""
+        now, wall = self.clock(), time.time()
         for eid, fields in entries:
-            self.last_id = eid.decode() if isinstance(eid, bytes) else eid
-            try:
-                o, t, w, e = fields[b"o"], fields[b"t"], fields[b"w"], fields.get(b"e", b"")
-                if len(o) > _ORIGIN_MAX_CHARS or len(e) > _ENTRY_MAX_BYTES:
-                    self._reject("entry_too_large", f"{len(e)} bytes")
-                    continue
-                if self.key is not None and not hmac.compare_digest(fields.get(b"m", b""), _mac(self.key, o, t, w, e)):
-                    self._reject("entry_not_signed", "no valid MAC under shared_state.secret_file")
-                    continue
-                origin = o.decode()
-                if origin == self.id:
-                    continue
-                sent_wall, sent_clock = float(w), float(t)
-                if not (math.isfinite(sent_wall) and math.isfinite(sent_clock)):
-                    raise ValueError("time")
-                transit = min(max(0.0, wall - sent_wall), self.cfg.peer_timeout_s)
-                # the origin's clock at the flush was now - transit here: that is the offset between the two
-                offset = now - transit - sent_clock
-                events = orjson.loads(e) if e else []
-                if not isinstance(events, list) or len(events) > _ENTRY_MAX_EVENTS:
-                    raise ValueError("events")
-            except (KeyError, ValueError, TypeError, UnicodeDecodeError, orjson.JSONDecodeError):
-                self._reject("entry_malformed", "")
-                continue  # an entry from another version or a stranger: skipped
-            if replay and transit >= self.cfg.peer_timeout_s:
-                # an old entry: its pins and index count, its reservations ended long ago (or soon will)
-                events = [e for e in events if e and e[0] in ("h", "i")]
-            else:
-                self.peers[origin] = now
-                self.stats.lag_seconds = round(transit, 4)
-            before = self.router.remote.applied
-            self.router.apply(origin, events, offset, now)
-            self.stats.applied_events += self.router.remote.applied - before
+            got = self._admit(eid, fields, replay, now, wall)
+            if got is not None:
+                self._apply(*got, now)
+        self._counted()
+
+    async def _apply_sliced(self, entries, replay: bool = False) -> None:
+        """Apply entries between decisions: at most ``_SLICE_S`` of work at a time, then the event loop runs what
+        waits (an 8 MiB entry applied whole stalled the brain 460 ms)."""
+        t0 = time.monotonic()
+        for eid, fields in entries:
+            now, wall = self.clock(), time.time()
+            got = self._admit(eid, fields, replay, now, wall)
+            if got is None:
+                continue
+            origin, events, offset = got
+            for k in range(0, max(1, len(events)), _SLICE_EVENTS):
+                self._apply(origin, events[k:k + _SLICE_EVENTS], offset, self.clock())
+                if time.monotonic() - t0 >= _SLICE_S:
+                    await asyncio.sleep(0)
+                    t0 = time.monotonic()
+        self._counted()
+
+    def _apply(self, origin: str, events: list, offset: float, now: float) -> None:
+        before = self.router.remote.applied
+        self.router.apply(origin, events, offset, now)
+        self.stats.applied_events += self.router.remote.applied - before
+
+    def _counted(self) -> None:
         self.stats.index_gaps = self.router.remote.index_gaps
         self.stats.peers = len(self.peers)
 
@@ -423,18 +507,29 @@ class SharedState:
             now = self.clock()
             if not events and now - self._last_flush < self.cfg.heartbeat_s:
                 continue
-            o, t, w, e = self.id.encode(), repr(now).encode(), repr(time.time()).encode(), orjson.dumps(events, default=_hex)
-            fields = {"o": o, "t": t, "w": w, "e": e}
-            if self.key is not None:
-                fields["m"] = _mac(self.key, o, t, w, e)
             try:
-                await self._add(r, fields)
+                for fields in self._fields(events, now):
+                    await self._add(r, fields)
             except BaseException:
                 self._keep(events)  # a timeout may have added it anyway: a close or an end applied twice is once
                 raise
             self._last_flush = now
             self.stats.published_events += len(events)
             self.stats.published_entries += 1
+
+    def _fields(self, events: list, now: float) -> list[dict]:
+        """The stream entries that carry ``events``: signed by this brain (and the fleet, with a secret), each
+        below the size a peer reads (a flood of new long sessions indexes tens of MB in one flush)."""
+        e = orjson.dumps(events, default=_hex)
+        if len(e) > _ENTRY_MAX_BYTES // 2 and len(events) > 1:
+            half = len(events) // 2
+            return self._fields(events[:half], now) + self._fields(events[half:], now)
+        o, t, w = self.id.encode(), repr(now).encode(), repr(time.time()).encode()
+        fields = {"o": o, "t": t, "w": w, "e": e, "k": self.public_key,
+                  "s": self._signing.sign(_signed_parts(o, t, w, e))}
+        if self.key is not None:
+            fields["m"] = _mac(self.key, o, t, w, e)
+        return [fields]
 
     async def _add(self, r, fields: dict) -> None:
         try:

@@ -11,7 +11,8 @@ def _shared_view(brain, now: float) -> dict:
     return {"enabled": bool(sh.enabled), "up": bool(sh.up), "signed": bool(sh.signed),
             "peers": {p: round(now - seen, 1) for p, seen in sorted(sh.peer_seen.items())},
             "peers_gone": sh.peers_gone, "rejected": dict(sorted(sh.rejected.items())),
-            "stream_stuck": sh.stream_stuck, "future_ids": sh.future_ids}
+            "stream_stuck": sh.stream_stuck, "future_ids": sh.future_ids,
+            "peer_bound": dict(brain.router.remote.refused), "peer_chain_blocks": brain.router.remote.blocks}
 
 
 def state_of(brain) -> dict:

@@ -240,11 +240,18 @@ class SharedStateConfig:
     warm_start_timeout_s: float = 20.0  # a starting brain reports ready after this at most, warmed or not
     timeout_s: float = 2.0  # a Redis command slower than this counts as Redis down (reconnect with backoff)
     # A file (mode 0600) holding the secret every brain of the fleet signs its entries and snapshots with (HMAC-SHA256):
-    # what does not verify is dropped and counted, so whoever can write to Redis cannot steer routing or speak as
-    # another brain. null: unsigned (logged at start; then only Redis's own authentication guards the stream)
+    # what does not verify is dropped and counted, so whoever can write to Redis cannot steer routing. Each brain
+    # also signs with a key of its own (made at start), so that no brain, secret or not, writes as another.
+    # null: unsigned by the fleet (logged at start; then only Redis's own authentication guards the stream)
     secret_file: str | None = None
-    # a snapshot inflates to at most this many bytes (100K sessions: ~30 MB); a larger one is refused, not read
-    snapshot_max_bytes: int = 256 * 1024 * 1024
+    # a snapshot inflates to at most this many bytes (100K sessions and 30 replicas' indexes: ~30 MB; 256 MiB took a
+    # starting brain to 1.1-1.5 GB); a larger one is refused, not read
+    snapshot_max_bytes: int = 64 * 1024 * 1024
+    # other brains heard from at once at most: an origin past it is not applied until one falls silent (a peer with
+    # the fleet's secret could otherwise make up origins, each with its own bounded share)
+    max_peers: int = 64
+    # one other brain's requests in flight at most (its open reservations); past it its new ones are not counted
+    peer_max_reservations: int = 8192
 
 
 @dataclass(frozen=True, slots=True)

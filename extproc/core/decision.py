@@ -37,6 +37,7 @@ class Reservation:
     # warm policy, a request decided while its body was arriving: (prefill seconds, prompt tokens, work seconds) to
     # book once it has arrived (None: booked, or nothing to book)
     deferred: "tuple[float, int, float] | None" = None
+    claimed: int = 0  # another brain's reservation: the pending tokens it claimed on its replica (Remote's bound)
     remote: bool = False  # another brain's (shared state): its end is that brain's to say
     leg_s: float = 0.0  # a decode leg: seconds from the decision to its send (its prefill leg's)
     transfer_tokens: int = 0  # a decode leg: the KV tokens it loads from its prefill replica (the rate is learned)

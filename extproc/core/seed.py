@@ -192,6 +192,9 @@ class SeedPolicy:
     def index_of(self, r: Replica, engine: int | None):
         return None
 
+    def kv_tokens(self, r: Replica, engine: int | None) -> None:
+        return None  # it books no pending tokens
+
     def engine_count(self, name: str) -> int:
         return 0
 

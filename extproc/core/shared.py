@@ -48,6 +48,11 @@ _MAX_WORK_S = 3600.0  # predicted seconds of one request's work (a 1M-token pref
 _MAX_WEIGHT_MILLI = 10_000_000  # one request's load weight, in thousandths
 _MAX_TOKENS = 10_000_000  # one request's prompt or pending tokens
 _MAX_CHAINS = 200_000  # chains whose published length each side remembers (a turn of a known chain sends its delta)
+# one chain's blocks at most: a 1M-token context at 16 tokens a block (a brain's own chains stop at chain_max_bytes,
+# 16,384 blocks; an exact engine's at its context). 20 entries of longer ones added +557 MB to each brain
+_MAX_CHAIN_BLOCKS = 65_536
+_ORIGIN_MAX_BLOCKS = 2_000_000  # one origin's chains kept for their next delta (a brain's own ChainCache: the same)
+_MAX_BLOCKS = 4_000_000  # every origin's together: past it the least recently extended chains are forgotten
 
 
 class Outbox:
@@ -110,9 +115,9 @@ class Remote:
     """What the other brains told this one: their open reservations and the chains they indexed."""
 
     __slots__ = ("reservations", "closed", "chains", "applied", "index_gaps", "unknown_replicas", "expired",
-                 "on_foreign_end")
+                 "on_foreign_end", "max_open", "refused", "_open", "_claimed", "_blocks", "blocks")
 
-    def __init__(self) -> None:
+    def __init__(self, max_open: int = 8192) -> None:
         # (origin, rid) -> the reservation, oldest first
         self.reservations: OrderedDict[tuple[str, int], Reservation] = OrderedDict()
         # reservations whose close came first (messages reordered): their open, when it comes, opens nothing
@@ -126,6 +131,35 @@ class Remote:
         # ours (the shell's access log, which names it by a token the core does not keep); the shell sets this:
         # (number, digest, ended)
         self.on_foreign_end = None
+        # A peer's blast radius (issue 59): what one origin may claim. Its open reservations at most ``max_open``;
+        # on one replica, pending tokens at most what that replica's KV holds (the policy's view of it); its
+        # chains at most _ORIGIN_MAX_BLOCKS. What is past a bound is not applied, and counted by kind
+        self.max_open = max_open
+        self.refused: dict[str, int] = {"reservations": 0, "pending_tokens": 0, "blocks": 0}
+        self._open: dict[str, int] = {}  # origin -> its open reservations here
+        self._claimed: dict[tuple[str, str], int] = {}  # (origin, replica) -> its pending tokens there
+        self._blocks: dict[str, int] = {}  # origin -> blocks of its chains kept here
+        self.blocks = 0  # blocks of every origin's chains kept here
+
+    def _pop(self, router, key: tuple[str, int], now: float) -> Reservation | None:
+        """A remote reservation ends (closed, its origin silent, or timed out): released, and its claims given back."""
+        res = self.reservations.pop(key, None)
+        if res is None:
+            return None
+        origin = key[0]
+        n = self._open.get(origin, 0) - 1
+        if n > 0:
+            self._open[origin] = n
+        else:
+            self._open.pop(origin, None)
+        ck = (origin, res.replica.name)
+        left = self._claimed.get(ck, 0) - res.claimed
+        if left > 0:
+            self._claimed[ck] = left
+        else:
+            self._claimed.pop(ck, None)
+        router.release(res, now)
+        return res
 
     def apply(self, router, origin: str, events: list, offset: float, now: float) -> None:
         """Apply one origin's events, in its order; ``offset`` turns its clock into ours."""
@@ -135,10 +169,7 @@ class Remote:
                 if kind == "o":
                     self._opened(router, origin, ev, offset, now)
                 elif kind == "c":
-                    res = self.reservations.pop((origin, ev[1]), None)
-                    if res is not None:
-                        router.release(res, now)
-                    else:
+                    if self._pop(router, (origin, ev[1]), now) is None:
                         self.closed[(origin, ev[1])] = None
                         if len(self.closed) > _MAX_CHAINS:
                             self.closed.popitem(last=False)
@@ -180,6 +211,15 @@ class Remote:
             return
         if self.closed.pop((origin, rid), 0) is None:  # closed already
             return
+        if self._open.get(origin, 0) >= self.max_open:
+            self.refused["reservations"] += 1
+            return
+        kv = router.policy.kv_tokens(r, None if engine is None else int(engine))
+        claimed = self._claimed.get((origin, name), 0)
+        if kv is not None and claimed + int(pending) > kv:
+            # more KV pending on one replica than it holds: no brain's requests can be that
+            self.refused["pending_tokens"] += 1
+            return
         at = min(now, float(at) + offset)
         res = router.reserve_remote(r, int(weight), at, bool(provisional))
         res.engine = engine if engine is None else int(engine)
@@ -187,6 +227,9 @@ class Remote:
         router.policy.on_remote_reserved(res, float(prefill_s), int(pending), _key(sk) if sk else None, int(prompt),
                                          at, now, None if estimated is None else int(estimated),
                                          None if prefix is None else (prefix, cached))
+        res.claimed = int(pending)
+        self._claimed[(origin, name)] = claimed + res.claimed
+        self._open[origin] = self._open.get(origin, 0) + 1
         self.reservations[(origin, rid)] = res
 
     def _home(self, router, ev: tuple, offset: float, now: float) -> None:
@@ -213,29 +256,52 @@ class Remote:
         st = router.policy.index_of(r, None if engine is None else int(engine))
         if st is None:  # the policy keeps no index (seed), or the engine is unknown here yet
             return
+        if not isinstance(blocks, list) or len(blocks) > _MAX_CHAIN_BLOCKS \
+                or not all(type(h) is int for h in blocks):
+            self.refused["blocks"] += 1
+            return
         key = (origin, int(tag))
         chains = self.chains
         chain = chains.get(key)
-        if start == 0:
-            chain = list(blocks)
-        elif chain is not None and len(chain) == start:
-            chain.extend(blocks)
-        elif parent is not None and st.holds(parent):
-            chain = list(blocks)  # the prefix is indexed here already: the delta is a batch of its own
-        else:
+        extend = start != 0 and chain is not None and len(chain) == start
+        if start != 0 and not extend and not (parent is not None and st.holds(parent)):
             self.index_gaps += 1
             return
+        had = len(chain) if chain is not None else 0
+        grown = start + len(blocks) - had if extend else len(blocks) - had
+        if (start + len(blocks) if extend else len(blocks)) > _MAX_CHAIN_BLOCKS \
+                or self._blocks.get(origin, 0) + grown > _ORIGIN_MAX_BLOCKS:
+            self.refused["blocks"] += 1
+            return
+        if extend:
+            chain.extend(blocks)
+        else:  # a new chain, or a delta whose prefix is indexed here already: a batch of its own
+            chain = list(blocks)
+        self._keep_chain(key, chain, grown)
+        st.insert(chain)
+
+    def _keep_chain(self, key: tuple[str, int], chain: list[int], grown: int) -> None:
+        chains = self.chains
+        self._count_blocks(key[0], grown)
         chains[key] = chain
         chains.move_to_end(key)
-        if len(chains) > _MAX_CHAINS:
-            chains.popitem(last=False)
-        st.insert(chain)
+        while chains and (len(chains) > _MAX_CHAINS or self.blocks > _MAX_BLOCKS):
+            (origin, _), gone = chains.popitem(last=False)
+            self._count_blocks(origin, -len(gone))
+
+    def _count_blocks(self, origin: str, delta: int) -> None:
+        self.blocks += delta
+        n = self._blocks.get(origin, 0) + delta
+        if n > 0:
+            self._blocks[origin] = n
+        else:
+            self._blocks.pop(origin, None)
 
     def forget_origin(self, router, origin: str, now: float) -> int:
         """The origin is gone (no heartbeat): its in-flight work no longer exists."""
         gone = [k for k in self.reservations if k[0] == origin]
         for k in gone:
-            router.release(self.reservations.pop(k), now)
+            self._pop(router, k, now)
         self.expired += len(gone)
         return len(gone)
 
@@ -246,8 +312,7 @@ class Remote:
             k, r = next(iter(res.items()))
             if r.started_at > limit:
                 break
-            del res[k]
-            router.release(r, now)
+            self._pop(router, k, now)
             self.expired += 1
 
     def origins(self) -> set[str]:

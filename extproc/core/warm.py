@@ -58,6 +58,7 @@ from .warm_replica import WarmReplica, peer_scale, replica_view
 from .working_set import WorkingSet
 
 _INF = float("inf")
+_LONG_ANSWER_TOKENS = 8192  # another brain's request: its decode priced as at most this long an answer (x4 slack)
 _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
 PROMISE_SLACK_S = 2.0  # a block sent to an exact engine counts as held until its predicted prefill + this (llm-d: 2 s)
 
@@ -656,6 +657,13 @@ class WarmPolicy(Shortlist):
         taking all the traffic would see it queue there, hold its KV and keep its session's context active. Its
         prefill started queueing when it was decided (``at``), not when the news arrived."""
         st = self.engine_state(res.replica.name, res.engine) or self.state_of(res.replica)
+        # what one request can be here, by this brain's own view of the replica (issue 59: one event per replica
+        # with an hour of work refused every new session): its prefill at a quarter of the learned rate, and its
+        # decode a long answer's at a quarter of the learned speed
+        rates = st.rates
+        prompt_tokens = min(prompt_tokens, st.cache_tokens)
+        prefill_s = min(prefill_s, 4.0 * prompt_tokens / max(rates.prefill_tokens_per_s, 1.0) + 1.0)
+        res.work_s = min(res.work_s, prefill_s + 4.0 * _LONG_ANSWER_TOKENS * rates.decode_s_per_token + 1.0)
         st.book(at, prefill_s, prompt_tokens, res.work_s, estimated)
         self._work_delta += res.work_s
         self._flight_delta += 1
@@ -666,6 +674,10 @@ class WarmPolicy(Shortlist):
         if session_key is not None:
             self.sessions.expire(now, self.cfg.warm.active_session_s)
             self.sessions.place(session_key, st, prompt, now, *(shared or (None, 0)))
+
+    def kv_tokens(self, r: Replica, engine: int | None) -> int | None:
+        st = (self.engine_state(r.name, engine) if engine is not None else None) or self.state_of(r)
+        return st.cache_tokens if st is not None else None
 
     def index_of(self, r: Replica, engine: int | None):
         """The prefix index of a replica (or one of its data-parallel engines), for another brain's chains."""

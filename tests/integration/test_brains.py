@@ -319,6 +319,30 @@ def test_shared_state_trusts_nobody_another_user_a_forger_with_the_password_and_
             wait_for(lambda s=s: metric(s, 'warmroute_shared_state_rejected_total{reason="entry_not_signed"}') >= 3,
                      20, "the forged entries rejected")
             assert metric(s, "warmroute_shared_state_remote_reservations") == 0
+        # issue 59: the password alone pauses no brain's sharing and kills no connection (CLIENT SETINFO only)
+        for call in (lambda: r.client_pause(10_000), lambda: r.client_kill_filter(_type="normal"), r.client_list):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                call()
+        # ... and one who has the fleet's secret too cannot write as a live brain: its key is not the one that
+        # brain's id names. Brain 0 drops the entries and counts them (brain 1 skips what claims to be its own)
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+        from extproc.brain.files import read_secret_file
+        from extproc.brain.shared import _mac, _signed_parts
+
+        (victim,) = b.stacks[0].state()["shared_state"]["peers"]
+        fleet, key = read_secret_file(str(secret_file), "secret"), Ed25519PrivateKey.generate()
+        o, t, e = victim.encode(), b"0.0", forged.encode()
+        for _ in range(3):
+            w = repr(time.time()).encode()
+            r.xadd("warmroute:events", {"o": o, "t": t, "w": w, "e": e, "m": _mac(fleet, o, t, w, e),
+                                        "k": key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw),
+                                        "s": key.sign(_signed_parts(o, t, w, e))})
+        wait_for(lambda: metric(b.stacks[0],
+                                'warmroute_shared_state_rejected_total{reason="entry_not_signed_by_origin"}') >= 3,
+                 20, "the entries forged under a live brain's id rejected")
+        assert metric(b.stacks[0], "warmroute_shared_state_remote_reservations") == 0
         # the largest id: no XADD can follow it. The brains delete the stream, start it again and go on sharing
         r.xadd("warmroute:events", {"o": "x"}, id="18446744073709551615-18446744073709551615")
         for s in b.stacks:

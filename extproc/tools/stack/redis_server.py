@@ -12,8 +12,10 @@ from pathlib import Path
 
 from extproc.tools.stack.procs import Proc, StackError, free_port, wait_for
 
-# the commands a brain's ACL user needs (docs/brains.md lists the same)
-BRAIN_COMMANDS = ("ping", "hello", "auth", "client", "xadd", "xread", "xrange", "xrevrange", "xtrim", "del", "get",
+# the commands a brain's ACL user needs (docs/brains.md lists the same). No CLIENT subcommand: with one, whoever has
+# the password could CLIENT PAUSE every brain's sharing or kill their connections; redis-py's CLIENT SETINFO at
+# connect is refused and ignored (Redis 7.0 has no SETINFO to grant alone)
+BRAIN_COMMANDS = ("ping", "hello", "auth", "xadd", "xread", "xrange", "xrevrange", "xtrim", "del", "get",
                   "set", "info")
 
 

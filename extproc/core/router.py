@@ -61,6 +61,8 @@ class Router:
         self._prefills = False  # some replica is of role prefill (set_roles)
         self.flow: FlowControl | None = None  # flow control (core.flow): None, every request is placed at once
         self._ready: list = []  # held requests a select let go before its newcomer, for the next offer
+        self._offer_due = True  # something changed since the last offer (a release, a scrape): a newcomer offers
+        self._offered_at = float("-inf")
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
@@ -230,6 +232,7 @@ class Router:
             self._apply_load(r, sample, now)
 
     def _apply_load(self, r: Replica, s: LoadSample, now: float) -> None:
+        self._offer_due = True
         r.scraped_running = s.running
         r.scraped_waiting = s.waiting
         r.kv_usage = s.kv_usage
@@ -348,8 +351,11 @@ class Router:
             fleet: FleetView = self if only is None else _Subset(self, only)
             flow = self.flow
             if flow is not None and hold_key is not None and profile.priority != CRITICAL:
-                if flow.queue.ahead(profile.priority)[0]:
-                    # whatever can go now goes before it. offer() replaces self._ready: read it after the call
+                if flow.queue.ahead(profile.priority)[0] and (self._offer_due or now - self._offered_at >= _OFFER_GAP_S):
+                    # whatever can go now goes before it. offer() replaces self._ready: read it after the call.
+                    # Not again before something changed (a release, a scrape) or a moment passed: an offer prices
+                    # up to 32 held requests, and one per arrival in a flood of 2,000 made the brain fall behind
+                    # and fail hundreds open past it
                     ready = self.offer(now)
                     self._ready.extend(ready)
                 n_ahead, tokens_ahead = flow.queue.ahead(profile.priority)
@@ -430,6 +436,7 @@ class Router:
         flow = self.flow
         if flow is None:
             return out
+        self._offer_due, self._offered_at = False, now
         flow.expire(now)
         # in the queue's order; one still saturated (its home busy, say) does not keep a later one from a replica
         # that has room for it: no head-of-line blocking
@@ -527,6 +534,7 @@ class Router:
         if res is None or res.released:
             return False
         res.released = True
+        self._offer_due = True  # room freed: a held request may fit now
         r = res.replica
         r.wlc_milli -= res.weight_milli
         r.in_flight_requests -= 1
@@ -589,6 +597,7 @@ class Router:
 
 
 _OFFER_SCAN = 32  # held requests an offer looks at, in order
+_OFFER_GAP_S = 0.01  # a newcomer's offer, when nothing changed since the last: at most this often (the brain's tick)
 
 
 class _Subset:

@@ -20,6 +20,7 @@ import time
 import aiohttp
 
 from extproc.tools.stack.local import Stack
+from extproc.tools.stack.procs import rss_mib, wait_for
 
 MODEL = "mock-coder-30b"
 SYSTEM = "You are a coding agent working in a large monorepo; follow the style guide and run the tests. " * 180
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         s.wait_all_live(60)
         histories: list[list[dict]] = [[] for _ in range(args.sessions)]
         asyncio.run(_phase(s.url, 5.0, args.think, 0, args.tokens, histories))  # the sessions get under way
+        rss_start = rss_mib(s.brain.popen.pid)
         for label, flood in (("alone", 0), (f"{args.flood} new sessions", args.flood)):
             before = s.envoy_stats()
             ttfts, failed, outcome = asyncio.run(_phase(s.url, args.seconds, args.think, flood, args.tokens, histories))
@@ -134,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:>24}: {len(ttfts)} turns, TTFT p50 {_pct(ttfts, 0.5):.3f} s p99 {_pct(ttfts, 0.99):.3f} s, "
                   f"{failed} failed; the flood got {dict(sorted(outcome.items())) or '-'}; failed open past the brain "
                   f"(by ext_proc filter): {opened or 0}", flush=True)
+        # the brain's memory once the flood is over: every held request answered and every reservation released
+        wait_for(lambda: s.state()["open_reservations"] == 0 and not s.state()["flow_control"]["held"], 120,
+                 "the flood's requests all ended")
+        ended = rss_mib(s.brain.popen.pid)
+        time.sleep(12)  # the brain gives the C heap's free pages back every ~10 s
+        print(f"brain memory: {rss_start:.0f} MiB with the sessions under way, {ended:.0f} MiB once the flood's "
+              f"requests ended, {rss_mib(s.brain.popen.pid):.0f} MiB 12 s later", flush=True)
     (_, a, _, _), (_, b, _, _) = rows
     slow = sorted(t for t in b if t > 2 * _pct(a, 0.99))
     print(f"turns under way slower than twice the alone phase's p99: {len(slow)} of {len(b)}"

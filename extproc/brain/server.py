@@ -162,14 +162,30 @@ def server_credentials(b) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def _libc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere): the C heap keeps the pages a burst's messages were read into
+    (a flood of 2,000 uploads left the brain at 218 MB from 78, its objects long gone); this gives them back."""
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
 async def _tick_loop(brain: Brain) -> None:
     n = 0
+    trim = _libc_trim()
     while True:
         try:
             brain.tick()
             n += 1
             if n % 40 == 0:  # every ~10 s
                 brain.ledger.forget_released()
+                if trim is not None:  # off the loop: ctypes lets go of the GIL, decisions go on meanwhile
+                    await asyncio.to_thread(trim, 0)
         except Exception as e:  # logged, and the timers go on
             logs.event("loop_error", loop="tick", error=f"{type(e).__name__}: {e}"[:200])
         await asyncio.sleep(TICK_S)

@@ -172,3 +172,61 @@ def test_the_product_needs_no_extra():
             top = {t.split(".")[0] for t in imports_of(p)} - {EXTRA_ADAPTERS.get(module_name(p))}
             offenders += [(module_name(p), t) for t in top & set(EXTRAS_ONLY)]
     assert not offenders, offenders
+
+
+def test_nobody_probes_a_policy_for_a_capability():
+    """Issue 60: the policy contract is ``core/policy_base.Policy`` (every optional capability with a default); no
+    caller asks a policy whether it has a name (getattr/hasattr on anything called policy)."""
+    import re
+
+    probe = re.compile(r"\b(get|has)attr\([^)]*polic")
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in PKG.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
+    assert found == []
+
+
+def test_a_policy_with_only_the_required_methods_serves_through_the_fleet_and_the_brain_s_views():
+    """What the base class promises: a policy that implements only what it must is routed through, held, disaggregated
+    and shown by the brain without a missing name."""
+    from extproc.brain.view import state_of
+    from extproc.config import parse_config
+    from extproc.core.decision import Decision
+    from extproc.core.names import Reason
+    from extproc.core.pins import SESSION, PinTable
+    from extproc.core.policy_base import Policy
+
+    from .helpers import live_brain, prof
+
+    class First(Policy):
+        name, needs_blocks, parse_max_bytes = "first", False, None
+
+        def __init__(self):
+            self.session_pins = PinTable(SESSION, 60.0)
+
+        def select(self, fleet, profile, now):
+            live, _ = fleet.pool()
+            return Decision(live[0], Reason.LOAD) if live else None
+
+        def on_reserved(self, d, profile, now): pass
+        def on_release(self, res, now): pass
+        def on_remote_reserved(self, *a, **k): pass
+        def on_load(self, r, s, now): pass
+        def on_health(self, r, ejected): pass
+        def configure(self, r): pass
+        def forget(self, name): pass
+        def update_config(self, cfg): pass
+        def expire(self, now): pass
+        def pin_tables(self): return (self.session_pins,)
+
+    b = live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}"}
+                                              for i in range(2)]}))
+    b.router.policy = First()
+    d = b.router.select(prof(session="s", tokens=100), b.clock(), hold_key="k")
+    assert d.replica is not None and d.reservation is not None
+    b.router.release(d.reservation, b.clock())
+    st = state_of(b)
+    assert all("predicted" not in r for r in st["replicas"]) and st["open_reservations"] == 0
+    from extproc.brain.metrics import BrainCollector
+
+    names = {m.name for m in BrainCollector(b.router, b.stats, b.clock).collect()}
+    assert "warmroute_cache_exact" in names and "warmroute_predicted_wait_seconds" not in names

@@ -486,7 +486,7 @@ class Brain:
             return Pick([], None)
         names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]
         rank = d.engine if d.steer else None
-        count = getattr(self.router.policy, "engine_count", None)
+        count = self.router.policy.engine_count
         if rank is not None and any(count(r.name) <= rank for r in names):
             rank = None  # a fallback without that engine would refuse the header: let the front ends choose
         self._remember(headers.get(REQUEST_ID_HEADER), d)
@@ -500,9 +500,7 @@ class Brain:
 
     def caches_reset(self, name: str) -> None:
         """Replica ``name``'s engines emptied their prefix caches at the operator's word (admin API)."""
-        reset = getattr(self.router.policy, "caches_reset", None)
-        if reset is not None:
-            reset(name, self.clock())
+        self.router.policy.caches_reset(name, self.clock())
 
     def recent_decisions(self, request_id: str | None = None, last: int | None = None) -> list[dict]:
         """GET /decisions: the remembered decisions (of one request id, or the last ``last``), newest last."""

@@ -181,7 +181,7 @@ class Exact:
         self.stats.exact_reachable[d.replica.name] += best
 
     def replica_view(self, name: str) -> dict:
-        ranks = self.router.policy.engine_count(name) if hasattr(self.router.policy, "engine_count") else 1
+        ranks = self.router.policy.engine_count(name)
         engines = exact.view(self.router.policy, name, ranks)
         mode, why = exact.mode_of(engines)
         return {"mode": mode, "reason": why, "engines": engines,

@@ -173,34 +173,34 @@ class BrainCollector(Collector):
         info = GaugeMetricFamily("warmroute_routing_policy", "1 for the routing policy in force", labels=["policy"])
         info.add_metric([r.policy.name], 1.0)
         yield info
-        view = getattr(r.policy, "replica_view", None)
-        if view is not None:  # the warm policy: what it believes of each replica
+        views = [(rep, r.policy.replica_view(rep, now)) for rep in reps]
+        if any(v is not None for _, v in views):  # the warm policy: what it believes of each replica
             fams = {k: GaugeMetricFamily(f"warmroute_{k}", doc, labels=["replica"]) for k, doc in WARM_VIEW.items()}
-            for rep in reps:
-                for k, v in view(rep, now).items():
+            for rep, view in views:
+                for k, v in (view or {}).items():
                     fams[k].add_metric([rep.name], v)
             yield from fams.values()
-        count = getattr(r.policy, "engine_count", None)
-        if count is not None:  # issue 45: each replica's cache mode and what re-hashing its engines' events said
-            mode = GaugeMetricFamily("warmroute_cache_exact", "1 when the replica's engines' KV events verified (its "
-                                     "cached tokens are the engine's own word), 0 when it is estimated", labels=["replica"])
-            blocks = CounterMetricFamily("warmroute_kv_event_blocks", "Blocks the replica's engines reported stored, "
-                                         "by what re-hashing them said (verified, mismatched, unverifiable)",
-                                         labels=["replica", "result"])
-            for rep in reps:
-                engines = exact.view(r.policy, rep.name, count(rep.name))
-                mode.add_metric([rep.name], 1.0 if exact.mode_of(engines)[0] == "exact" else 0.0)
-                for res in ("verified", "mismatched", "unverifiable"):
-                    blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines or ()))
-            yield mode
-            yield blocks
-            hits = CounterMetricFamily("warmroute_exact_cached_tokens", "Exact mode: the engine's cached tokens of "
-                                       "the prompts routed to the replica (achieved), and the most any exact replica "
-                                       "held of each of them (reachable)", labels=["replica", "of"])
-            for rep in reps:
-                hits.add_metric([rep.name, "achieved"], b.exact_achieved[rep.name])
-                hits.add_metric([rep.name, "reachable"], b.exact_reachable[rep.name])
-            yield hits
+        count = r.policy.engine_count
+        # issue 45: each replica's cache mode and what re-hashing its engines' events said
+        mode = GaugeMetricFamily("warmroute_cache_exact", "1 when the replica's engines' KV events verified (its "
+                                 "cached tokens are the engine's own word), 0 when it is estimated", labels=["replica"])
+        blocks = CounterMetricFamily("warmroute_kv_event_blocks", "Blocks the replica's engines reported stored, "
+                                     "by what re-hashing them said (verified, mismatched, unverifiable)",
+                                     labels=["replica", "result"])
+        for rep in reps:
+            engines = exact.view(r.policy, rep.name, count(rep.name))
+            mode.add_metric([rep.name], 1.0 if exact.mode_of(engines)[0] == "exact" else 0.0)
+            for res in ("verified", "mismatched", "unverifiable"):
+                blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines or ()))
+        yield mode
+        yield blocks
+        hits = CounterMetricFamily("warmroute_exact_cached_tokens", "Exact mode: the engine's cached tokens of "
+                                   "the prompts routed to the replica (achieved), and the most any exact replica "
+                                   "held of each of them (reachable)", labels=["replica", "of"])
+        for rep in reps:
+            hits.add_metric([rep.name, "achieved"], b.exact_achieved[rep.name])
+            hits.add_metric([rep.name, "reachable"], b.exact_reachable[rep.name])
+        yield hits
         yield GaugeMetricFamily("warmroute_config_reloads", "Config reloads since start", value=b.reloads)
         yield from _shared_state(b.shared, r, now)
         yield GaugeMetricFamily("warmroute_flow_held_requests", "Requests flow control holds in the brain (every "
@@ -233,7 +233,7 @@ class BrainCollector(Collector):
         for outcome, n in sorted(b.disaggregated.items()):
             pd.add_metric([outcome], n)
         yield pd
-        rate = getattr(r.policy, "transfer", None)
+        rate = r.policy.transfer
         yield GaugeMetricFamily("warmroute_kv_transfer_tokens_per_second", "KV moved between replicas, prompt tokens a "
                                 "second: learned from decode legs, disaggregation.transfer_tokens_per_s until then",
                                 value=rate.value if rate is not None else 0.0)

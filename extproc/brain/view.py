@@ -29,12 +29,10 @@ def state_of(brain) -> dict:
         r["scrape_error"] = brain.scraper.errors.get(r["name"])
         r["models"] = brain.models.served_by(r["name"])
         r["paths"] = brain.models.paths_of(r["name"])
-        view = getattr(brain.router.policy, "engines_view", None)
-        r["engines"] = view(r["name"]) if view is not None else None
+        r["engines"] = brain.router.policy.engines_view(r["name"])
         r["cache"] = brain.exact.replica_view(r["name"])  # exact (the engine's own events, verified) or estimated
-        predicted = getattr(brain.router.policy, "replica_view", None)
-        if predicted is not None:  # what routing believes is queued there: all of it goes when requests end
-            v = predicted(brain.router.replica(r["name"]), now)
+        v = brain.router.policy.replica_view(brain.router.replica(r["name"]), now)
+        if v is not None:  # what routing believes is queued there: all of it goes when requests end
             r["predicted"] = {k: round(v[k], 3) for k in ("predicted_wait_seconds", "in_flight_work_seconds",
                                                           "pending_kv_tokens", "active_session_tokens",
                                                           "cache_tokens")}

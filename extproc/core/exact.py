@@ -10,8 +10,7 @@ from .engine_cache import EngineCache
 
 
 def _state(policy, name: str, rank: int):
-    engine_state = getattr(policy, "engine_state", None)
-    return engine_state(name, rank) if engine_state is not None else None
+    return policy.engine_state(name, rank)
 
 
 def apply_events(policy, name: str, rank: int, events: list, now: float, make: Callable[[], EngineCache]) -> bool:

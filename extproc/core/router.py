@@ -102,7 +102,7 @@ class Router:
 
     @property
     def prefix_pins(self) -> PinTable:
-        return getattr(self.policy, "prefix_pins", _NO_PINS)
+        return self.policy.prefix_pins
 
     def share(self, on: bool = True) -> Outbox | None:
         """Start (or stop) writing this brain's state changes out as events (``core.shared``)."""
@@ -133,9 +133,8 @@ class Router:
 
     def transfer_observed(self, res: Reservation, first_byte_s: float) -> None:
         """A decode leg's first byte, ``first_byte_s`` after its request began (its prefill leg included)."""
-        learn = getattr(self.policy, "on_transfer", None)
-        if learn is not None and res.transfer_tokens:
-            learn(res.transfer_tokens, first_byte_s - res.leg_s)
+        if res.transfer_tokens:
+            self.policy.on_transfer(res.transfer_tokens, first_byte_s - res.leg_s)
 
     def set_roles(self, roles: dict[str, str]) -> None:
         """Each replica's part in a disaggregated fleet (absent: both)."""
@@ -365,8 +364,8 @@ class Router:
                 if n_ahead and (flow.hold_on_wait or self._new_session(profile, now)):
                     # its wait: until the replica the last request held was priced for has room, then the queue
                     # before it (not priced: a wait, not a choice)
-                    drain = getattr(self.policy, "held_drain_tps", 0.0)
-                    wait = max(0.0, getattr(self.policy, "held_free_at", 0.0) - now) + tokens_ahead / drain \
+                    drain = self.policy.held_drain_tps
+                    wait = max(0.0, self.policy.held_free_at - now) + tokens_ahead / drain \
                         if drain > 0 else None
                     return self._hold(hold_key, profile, only, now, hold_bytes, wait)
                 d = self._select_may_hold(fleet, profile, now)
@@ -384,11 +383,10 @@ class Router:
             return self._shared(self._fallback(profile, now, only), profile, now)
         d.reservation = self._reserve(d.replica, profile, now)
         pd = self.cfg.disaggregation
-        plan_prefill = getattr(self.policy, "plan_prefill", None)
-        if pd.enabled and self.disaggregates and plan_prefill is not None and d.reason is not Reason.HOLDER:
+        if pd.enabled and self.disaggregates and d.reason is not Reason.HOLDER:
             prefills = self.prefill_pool(only)
             if prefills:
-                d.prefill = plan_prefill(d, prefills, profile, now)
+                d.prefill = self.policy.plan_prefill(d, prefills, profile, now)
                 if d.prefill is not None:
                     d.predicted_ttft_s = d.prefill.ttft
                     d.prefill_reservation = self._reserve(d.prefill.replica, profile, now)

@@ -12,6 +12,7 @@ from .config import RouterConfig
 from .decision import Decision, FleetView, PinEvent
 from .names import Cause, PinAction, Reason
 from .pins import PREFIX, SESSION, Pin, PinTable
+from .policy_base import Policy
 from .profile import RequestProfile
 from .replica import LIVE, Replica
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 _INF = float("inf")
 
 
-class SeedPolicy:
+class SeedPolicy(Policy):
     """Stages: ``no_wait`` filter (step 2), least ``effective_running`` (step 3, with ``wlc`` or
     scraped running only), session-then-prefix pin override with TTL and spills (step 4, A3)."""
 
@@ -59,9 +60,6 @@ class SeedPolicy:
 
     def on_release(self, res, now: float) -> None:
         pass
-
-    def on_arrived(self, res, now: float) -> None:
-        pass  # the seed books a request's weight alone, at once
 
     def on_load(self, r: Replica, s: "LoadSample", now: float) -> None:
         pass
@@ -188,16 +186,6 @@ class SeedPolicy:
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key, prompt: int,
                            at: float, now: float, estimated: int | None = None, shared=None) -> None:
         pass  # another brain's request counts in the replica's in-flight weight, which the router keeps
-
-    def index_of(self, r: Replica, engine: int | None):
-        return None
-
-    def kv_tokens(self, r: Replica, engine: int | None) -> None:
-        return None  # it books no pending tokens
-
-    def engine_count(self, name: str) -> int:
-        return 0
-
 
 def _move_pin(table: PinTable, key: bytes, pin: Pin, target: Replica, now: float, events: list, cause: Cause) -> None:
     """Rebind to ``target``; a PROBING (or drained) target takes no pin, so the pin is dropped instead."""

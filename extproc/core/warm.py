@@ -50,6 +50,7 @@ from .disaggregation import DISAGGREGATED_APIS, LEG_BODIES, PrefillPlan, Transfe
 from .load import LoadSample, effective_rates
 from .names import Cause, PinAction, Reason
 from .pins import SESSION, Pin, PinTable
+from .policy_base import Policy
 from .prefix_index import Holders
 from .profile import RequestProfile
 from .replica import LIVE, Replica
@@ -63,7 +64,7 @@ _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% ar
 PROMISE_SLACK_S = 2.0  # a block sent to an exact engine counts as held until its predicted prefill + this (llm-d: 2 s)
 
 
-class WarmPolicy(Shortlist):
+class WarmPolicy(Shortlist, Policy):
     needs_blocks = True
     parse_max_bytes = 256 * 1024  # larger bodies: headers, size and the raw block chain suffice (C2)
 
@@ -120,7 +121,7 @@ class WarmPolicy(Shortlist):
             self.sessions.forget_gaps()
         self.cfg = cfg
         self._view = None
-        if getattr(self, "transfer", None) is not None and not self.transfer.samples:
+        if self.transfer is not None and not self.transfer.samples:
             self.transfer.value = cfg.disaggregation.transfer_tokens_per_s  # a new prior, while nothing is learned
         self.tokens_per_block = cfg.profile.block_chars / cfg.profile.chars_per_token
         self.session_pins.ttl_s = cfg.pins.session_ttl_s

@@ -582,7 +582,7 @@ class MockReplica:
             try:
                 external = await self.kv.load(pd[1], driver.engine.hit_tokens(blocks, prompt_tokens))
             except LoadFailed as e:
-                if getattr(self.args, "kv_load_failure_policy", "fail") == "fail":  # vLLM's default: the request fails
+                if self.args.kv_load_failure_policy == "fail":  # vLLM's default: the request fails
                     return _error(500, f"KV transfer from the prefill replica failed ({e})", "InternalServerError")
                 external = 0  # "recompute": the engine computes the prompt itself
         waiter = driver.submit(blocks, prompt_tokens, max_tokens, lora, external=external,

@@ -31,6 +31,7 @@ RETRY_AFTER_S = 2.0
 class Policy:
     name = "policy"
     uses_health = False
+    pins_on_non_live = 0  # a policy with pins counts those created or moved onto a replica that is not LIVE
     load_refresh_s: float | None = None  # how often it reads replicas' load metrics (None: never)
 
     def __init__(self, n: int, seed: int):

@@ -173,7 +173,7 @@ class Simulation:
         self._flow_ticking = False  # a "flow" event is due (requests held by flow control)
         # prefill/decode disaggregation: replicas 0..k-1 of role prefill (a policy that is ``aggregated`` sees every
         # replica as a whole one: the same replicas without disaggregation), KV moved at transfer_tokens_per_s
-        k = 0 if getattr(self.policy, "aggregated", False) else prefill_replicas
+        k = 0 if self.policy.aggregated else prefill_replicas
         self.prefill_set = frozenset(range(k))
         self.transfer_tokens_per_s = transfer_tokens_per_s
         self._legs: list[dict[int, tuple[Request, int]]] = [dict() for _ in range(replicas)]  # prefill legs running
@@ -468,6 +468,6 @@ class Simulation:
             output_tokens=sum(r.max_tokens for r in self.requests if r.e2e is not None and r.error is None),
             transitions=transitions,
             to_ejected=self.to_ejected,
-            pins_on_non_live=getattr(self.policy, "pins_on_non_live", 0),
+            pins_on_non_live=self.policy.pins_on_non_live,
             fastest=min(self.engine_cfgs, key=lambda c: c.prefill_s_per_token),
         )

@@ -1,0 +1,131 @@
+"""What a policy must and may implement: the contract the fleet (``Router``) and the shell keep.
+
+A policy chooses among the fleet's pool and keeps its own state (pins, prefix index, rates); the fleet calls it
+inside one synchronous call and never asks which concrete class it holds. Every capability a policy may lack has a
+default here that does nothing (or says "none"), so that no caller probes a policy for a name: a policy overrides
+what it keeps. Required: ``select`` and the bookkeeping hooks below it; ``name``, ``needs_blocks``,
+``parse_max_bytes`` and ``session_pins`` as attributes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .pins import PREFIX, PinTable
+
+if TYPE_CHECKING:
+    from .config import RouterConfig
+    from .decision import Decision, Reservation
+    from .disaggregation import PrefillPlan
+    from .engine_cache import EngineCache  # noqa: F401 (named in engine_state's docstring)
+    from .load import LoadSample
+    from .prefix_index import PrefixIndex
+    from .profile import RequestProfile
+    from .replica import Replica
+    from .shared import Outbox
+
+_NO_PINS = PinTable(PREFIX, 0.0)
+
+
+class Policy:
+    name: str
+    needs_blocks: bool  # the profile computes the request's block chain only for policies that read it
+    parse_max_bytes: int | None  # bodies above it are not parsed as JSON (None: up to profile.max_body_bytes)
+    session_pins: PinTable
+    # the router's Outbox while shared state is on: what the policy changes beyond pins and reservations (its
+    # index) goes out through it
+    outbox: "Outbox | None" = None
+    # set by the router around a select that flow control may hold; a policy that never holds ignores them
+    may_hold: bool = False
+    hold_on_wait: bool = False
+    # what a held request's wait is estimated from: the prefill rate that drains the queue, and when its best
+    # replica was predicted to have room (0: the policy does not say)
+    held_drain_tps: float = 0.0
+    held_free_at: float = 0.0
+    transfer = None  # the learned KV transfer rate (prefill/decode disaggregation), if the policy learns one
+    prefix_pins: PinTable = _NO_PINS  # a policy without prefix pins: an empty table nobody writes
+
+    # ------------------------------------------------------------------ required
+
+    def select(self, fleet, profile: "RequestProfile", now: float) -> "Decision | None":
+        """A replica from ``fleet.pool()`` (None: the pool is empty, the fleet falls back)."""
+        raise NotImplementedError
+
+    def on_reserved(self, d: "Decision", profile: "RequestProfile", now: float) -> None:
+        raise NotImplementedError
+
+    def on_release(self, res: "Reservation", now: float) -> None:
+        raise NotImplementedError
+
+    def on_remote_reserved(self, res: "Reservation", prefill_s: float, prompt_tokens: int,
+                           session_key: bytes | None, prompt: int, at: float, now: float,
+                           estimated: int | None = None, shared: tuple[int, int] | None = None) -> None:
+        """Another brain's reservation (shared state), booked like ``on_reserved``; ``shared``: the prefix it
+        found cached there (its last block hash, its tokens), as the working set counts it."""
+        raise NotImplementedError
+
+    def on_load(self, r: "Replica", s: "LoadSample", now: float) -> None:
+        raise NotImplementedError
+
+    def on_health(self, r: "Replica", ejected: bool) -> None:
+        raise NotImplementedError
+
+    def configure(self, r: "Replica") -> None:
+        raise NotImplementedError
+
+    def forget(self, name: str) -> None:
+        raise NotImplementedError
+
+    def update_config(self, cfg: "RouterConfig") -> None:
+        raise NotImplementedError
+
+    def expire(self, now: float) -> None:
+        raise NotImplementedError
+
+    def pin_tables(self) -> "tuple[PinTable, ...]":
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ optional, with what lacking them means
+
+    def on_arrived(self, res: "Reservation", now: float) -> None:
+        """The body of a request decided while it was still arriving (``RequestProfile.deferred``) has arrived:
+        its work is booked now (an upload held open never reaches an engine, and costs nothing until then)."""
+
+    def index_of(self, r: "Replica", engine: int | None) -> "PrefixIndex | None":
+        return None  # no prefix index: another brain's chains are not kept
+
+    def kv_tokens(self, r: "Replica", engine: int | None) -> int | None:
+        """The tokens of KV the replica (or engine) holds, as the policy sees it (None: it keeps no such view):
+        no brain's requests can claim more pending there."""
+        return None
+
+    def engine_count(self, name: str) -> int:
+        """The data-parallel engines the policy prices on replica ``name`` apart (0: it does not tell them apart)."""
+        return 0
+
+    def engine_state(self, name: str, engine: int | None):
+        """The policy's state of one engine, which holds its ``EngineCache`` (None: it keeps none)."""
+        return None
+
+    def engines_view(self, name: str) -> list[dict] | None:
+        return None
+
+    def replica_view(self, r: "Replica", now: float) -> dict[str, float] | None:
+        """What the policy believes of a replica, for metrics and /state (None: nothing of its own)."""
+        return None
+
+    def caches_reset(self, name: str, now: float) -> None:
+        """Replica ``name``'s engines emptied their prefix caches (an operator's word)."""
+
+    def plan_prefill(self, d: "Decision", prefills: "list[Replica]", profile: "RequestProfile",
+                     now: float) -> "PrefillPlan | None":
+        return None  # never sends a prefill elsewhere
+
+    def on_prefill_reserved(self, d: "Decision", profile: "RequestProfile", now: float) -> None:
+        """A prefill leg ``plan_prefill`` planned was reserved on its replica."""
+
+    def on_transfer(self, tokens: int, seconds: float) -> None:
+        """A decode leg loaded ``tokens`` of KV in ``seconds`` (what a transfer rate is learned from)."""
+
+
+__all__ = ["Policy"]

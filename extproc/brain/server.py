@@ -19,7 +19,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..config import AppConfig, ConfigError, brain_calls_max, first_answer_s, legs_s
+from ..config import AppConfig, ConfigError, brain_calls_max, first_answer_s, held_s, legs_s
 from ..core import State
 from . import logs
 from .admin import admin_app, metrics_app, write_admin_token
@@ -267,11 +267,11 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
                 waits.woken.set()
 
         front = EndpointPicker(brain.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,
-                               wait=waits.wait, cancel=waits.cancel, hold_s=cfg.flow_control.wait_s + 5,
+                               wait=waits.wait, cancel=waits.cancel, hold_s=held_s(cfg),
                                arrived=lambda res: brain.router.arrived(res, brain.clock())).Process
     else:
         front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
-                                  cfg.flow_control.wait_s + 5, brain.look,
+                                  held_s(cfg), brain.look,
                                   Intake(first_answer_s(cfg), brain.clock), legs_s(cfg)).Process
     add_service(server, EXT_PROC_SERVICE, "Process", front, "stream_stream", ep.ProcessingRequest,
                 ep.ProcessingResponse)

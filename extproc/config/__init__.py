@@ -27,6 +27,7 @@ from .schema import (
     SharedStateConfig,
     brain_calls_max,
     first_answer_s,
+    held_s,
     legs_s,
     max_message_s,
 )
@@ -35,5 +36,5 @@ __all__ = [
     "DISCOVERY_SOURCES", "ENGINES", "FLOW_FIRST_ANSWER_S", "MAX_ALIASES", "MAX_CONFIG_BYTES", "PROTOCOLS", "AppConfig",
     "BrainConfig", "ConfigError", "DiscoveryConfig", "EnvoyConfig", "ExactCacheConfig", "FlowControlConfig", "HealthConfig", "PinConfig",
     "ProfileConfig", "ReplicaSpec", "RouterConfig", "SharedStateConfig", "WarmConfig", "brain_calls_max",
-    "check_brain_access", "first_answer_s", "legs_s", "max_message_s", "is_ip", "is_loopback", "load_config", "parse_config",
+    "check_brain_access", "first_answer_s", "held_s", "legs_s", "max_message_s", "is_ip", "is_loopback", "load_config", "parse_config",
 ]

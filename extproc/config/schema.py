@@ -341,15 +341,25 @@ def first_answer_s(cfg: "AppConfig") -> float:
     return max(t, FLOW_FIRST_ANSWER_S) if cfg.flow_control.enabled else t
 
 
+# what an extended Envoy timer gives beyond the brain's own bound (a hold's wait_s, a prefill leg's timeout): the
+# brain answers first (a 429, a local prefill), never Envoy's timer failing the request open
+TIMER_SLACK_S = 5.0
+
+
+def held_s(cfg: "AppConfig") -> float:
+    """How long the brain may keep a held request's call open (Envoy's timer extended)."""
+    return cfg.flow_control.wait_s + TIMER_SLACK_S
+
+
 def legs_s(cfg: "AppConfig") -> float:
     """How long the brain may keep a disaggregated request's call open for its prefill leg (Envoy's timer extended)."""
-    return cfg.router.disaggregation.prefill_timeout_s + 5
+    return cfg.router.disaggregation.prefill_timeout_s + TIMER_SLACK_S
 
 
 def max_message_s(cfg: "AppConfig") -> float | None:
     """The longest a call's timer may be extended to (Envoy's max_message_timeout): a held request's wait, a
     prefill leg's; None: never extended."""
-    out = [cfg.flow_control.wait_s + 5] if cfg.flow_control.enabled else []
+    out = [held_s(cfg)] if cfg.flow_control.enabled else []
     if cfg.router.disaggregation.enabled and cfg.brain.protocol != "endpoint-picker":
         out.append(legs_s(cfg))
     return max(out) if out else None

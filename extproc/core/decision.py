@@ -61,7 +61,6 @@ class Decision:
     pin_kind: PinKind | None = None  # the pin resolved for this request, if any
     events: list[PinEvent] = field(default_factory=list)
     reservation: Reservation | None = None
-    min_r: float = 0.0
     predicted_ttft_s: float | None = None  # warm policy: the estimate that chose the replica (C3)
     cached_tokens: int = 0  # warm policy: prompt tokens the chosen replica probably holds (the engine's tokens)
     prompt_tokens: int = 0  # warm policy: the prompt in the chosen engine's tokens, as priced

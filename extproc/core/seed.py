@@ -114,7 +114,7 @@ class SeedPolicy(Policy):
                 return None
             # B: with no LIVE replica the PROBING ones are the pool: no cap, no pins.
             best, min_r = self._least_loaded(fleet, probing)
-            return Decision(best, Reason.LOAD, None, [], None, min_r)
+            return Decision(best, Reason.LOAD, None, [])
         candidates = self._candidates(live, probing)
         best, min_r = self._least_loaded(fleet, candidates)
 
@@ -178,7 +178,7 @@ class SeedPolicy(Policy):
                 elif ppin.replica is chosen:
                     self.prefix_pins.touch(profile.prefix_key, ppin, now)
 
-        return Decision(chosen, reason, pin_kind, events, None, min_r)
+        return Decision(chosen, reason, pin_kind, events)
 
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         pass

@@ -174,6 +174,30 @@ def test_the_product_needs_no_extra():
     assert not offenders, offenders
 
 
+def test_no_private_attribute_of_another_object_is_reached_across_files_of_the_product():
+    """``obj._name`` where ``_name`` is nothing this file defines (a method, a class, an attribute it sets on self, a
+    slot, a name it binds): another file's object reached through its private parts."""
+    bad = []
+    for p in PKG.rglob("*.py"):
+        if not in_product(module_name(p)):
+            continue
+        tree = ast.parse(p.read_text())
+        own: set[str] = set()
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                own.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+            elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in n.targets):
+                own.update(ast.literal_eval(n.value))
+        bad += [f"{p.relative_to(ROOT)}:{n.lineno} .{n.attr}" for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")) and n.attr not in own]
+    assert not bad, bad
+
+
 def test_nobody_probes_a_policy_for_a_capability():
     """Issue 60: the policy contract is ``core/policy_base.Policy`` (every optional capability with a default); no
     caller asks a policy whether it has a name (getattr/hasattr on anything called policy)."""

@@ -101,7 +101,7 @@ def test_behind_a_burst_a_new_session_is_refused_before_its_upload_and_a_session
     t = b.clock()
     b.decide(_headers("mine"), _body("my context "))  # its next turn: a session under way, with a predicted TTFT
     assert b._turn_at == t and b._turn_ttft_s > 0
-    bound = b._look_bound_s(t)  # a turn of the session under way, at least half Envoy's configured timer
+    bound = b.look_bound_s(t)  # a turn of the session under way, at least half Envoy's configured timer
     assert bound == pytest.approx(min(2.5, max(b._turn_ttft_s, 0.5)))
     assert b.state()["flow_control"]["look_bound_s"] == pytest.approx(bound, abs=1e-4)
     behind = bound * 1.5
@@ -183,7 +183,7 @@ def test_the_bound_is_the_quickest_turn_lately_so_a_burst_s_own_queues_do_not_lo
         b.decide(_headers(f"burst-{k}"), _body(f"burst {k} ") * 10)
     b.decide(_headers("mine"), _body("my context "))  # its next turn is predicted behind them
     assert b.recent_decisions(last=1)[0]["predicted_ttft_s"] > 2 * quick
-    assert b._turn_ttft_s == pytest.approx(quick)  # what _look_bound_s reads
+    assert b._turn_ttft_s == pytest.approx(quick)  # what look_bound_s reads
 
 
 def test_with_flow_control_envoy_waits_at_least_five_seconds_for_the_brain_s_first_answer():

@@ -296,12 +296,12 @@ class Brain:
     def look(self, headers: dict[str, str], read_wait_s: float) -> "ep.ProcessingResponse | None":
         """The look at a large body's headers before its body is read (flow control on; ``envoy_config`` renders it): a
         request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
-        than a turn of the sessions under way takes (``_look_bound_s``), is refused with 429 before it is sent, instead of delaying their turns behind it or timing
+        than a turn of the sessions under way takes (``look_bound_s``), is refused with 429 before it is sent, instead of delaying their turns behind it or timing
         out and failing open into the engines ahead of them. Critical work is never refused. None: let it come."""
         if self.router.flow is None:
             return None
         now = self.clock()
-        if read_wait_s <= self._look_bound_s(now) or self._priority(headers) == CRITICAL:
+        if read_wait_s <= self.look_bound_s(now) or self._priority(headers) == CRITICAL:
             return None
         profile = build_profile(headers, None, self.router.profile_cfg, None)
         if profile.session_key is not None and self.router.session_pins.get(profile.session_key, now) is not None:
@@ -309,7 +309,7 @@ class Brain:
         self.stats.flow_refused["router_behind"] += 1
         return too_many_response("router_behind", max(self.cfg.flow_control.retry_after_s, math.ceil(read_wait_s)))
 
-    def _look_bound_s(self, now: float) -> float:
+    def look_bound_s(self, now: float) -> float:
         """How far behind the brain may read before the look refuses new sessions (see ``look``): the quickest turn
         of a session under way lately, at least half of envoy.ext_proc_timeout_s (what a brain that late costs a
         request is what its operator already accepts; below it is a busy brain's jitter, not a burst), half
@@ -354,6 +354,11 @@ class Brain:
         if self._legs_http is None or self._legs_http.closed:
             self._legs_http = new_session()
         return self._legs_http
+
+    async def close_legs(self) -> None:
+        """The prefill legs' HTTP session, closed (shutdown)."""
+        if self._legs_http is not None:
+            await self._legs_http.close()
 
     @property
     def _picker_untrusted(self) -> frozenset[str]:

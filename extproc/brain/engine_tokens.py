@@ -101,6 +101,11 @@ class ChatTokens:
         self._memo_bytes = 0
         self.reused_tokens = self.encoded_tokens = self.reused_blocks = self.hashed_blocks = 0
 
+    @property
+    def sessions_kept(self) -> int:
+        """Sessions whose rendering and tokens are kept for their next turn."""
+        return len(self._memo)
+
     def render(self, body: dict, api: Api = Api.CHAT) -> str | None:
         """A chat completions, Messages or Responses body as the engine's prompt text, or None when it cannot be
         rendered here exactly."""

@@ -150,7 +150,7 @@ class Exact:
         return {"tokenizers": sorted(self.tokenizers), "tokenized": self.tokenized, "untokenized": self.untokenized,
                 "tokenized_by_worker": self.learned, "waiting_for_worker": len(self._pending),
                 "deferred_to_worker": self.deferred, "worker_failures": self.worker_failed,
-                "sessions_kept": sum(len(t._memo) for t in self.tokenizers.values())}
+                "sessions_kept": sum(t.sessions_kept for t in self.tokenizers.values())}
 
     def close(self) -> None:
         if self._pool is not None:

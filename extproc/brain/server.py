@@ -389,8 +389,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
             await source.close()
         if shared is not None:
             await shared.close()
-        if brain._legs_http is not None:
-            await brain._legs_http.close()
+        await brain.close_legs()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(1.0)
         await runner.cleanup()

@@ -95,4 +95,4 @@ def _flow_state(brain) -> dict | None:
             "refused": dict(brain.stats.flow_refused), "abandoned": dict(brain.stats.flow_abandoned),
             # the look before a large body's upload: how far behind the brain may read before it refuses new
             # sessions (a turn of the sessions under way, predicted; half Envoy's first timer with none)
-            "look_bound_s": round(brain._look_bound_s(brain.clock()), 4)}
+            "look_bound_s": round(brain.look_bound_s(brain.clock()), 4)}

@@ -82,10 +82,8 @@ class Brain:
         self.ledger = Ledger(self.router)
         self.releaser = Releaser(self.router, self.ledger, self.stats, self.clock)
         self.envoy = EnvoyPresence(self.router, self.ledger, self.stats, self.clock)
-        self.scraper = Scraper(self.router, self.stats, self.clock, cfg.router.health.scrape_interval_s,
-                               cfg.router.warm.load_refresh_s if self.router.needs_blocks else None,
-                               cfg.router.health.max_metrics_bytes)
-        self.scraper.max_series, self.scraper.max_engines = cfg.router.health.max_metrics_series, cfg.router.health.max_engines
+        self.scraper = Scraper(self.router, self.stats, self.clock, cfg.router.health.scrape_interval_s)
+        self.scraper.configure(cfg.router.health, cfg.router.warm.load_refresh_s if self.router.needs_blocks else None)
         self.cds = CdsFile(cfg.envoy.cds_path)
         self.chains = ChainCache()  # C2: a session's next turn hashes only what is new
         self.response_homes = ResponseHomes()  # stored responses whose ids clients chose (minted ones say it)
@@ -583,11 +581,8 @@ class Brain:
         self._set_replicas(self.cfg)
         self.cds = CdsFile(self.cfg.envoy.cds_path)
         self.cds.write(self.cfg)
-        self.scraper.interval_s = self.cfg.router.health.scrape_interval_s
-        self.scraper.load_refresh_s = self.cfg.router.warm.load_refresh_s if self.router.needs_blocks else None
-        h = self.cfg.router.health
-        self.scraper.max_bytes, self.scraper.max_series, self.scraper.max_engines = \
-            h.max_metrics_bytes, h.max_metrics_series, h.max_engines
+        self.scraper.configure(self.cfg.router.health,
+                               self.cfg.router.warm.load_refresh_s if self.router.needs_blocks else None)
         if self.router.liveness_timeout_s is not None:  # the bound follows envoy.access_log_periodic_s (0: off)
             self.router.liveness_timeout_s = self.liveness_bound_s()
         self.stats.zero_series(r.name for r in self.cfg.replicas)

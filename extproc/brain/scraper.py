@@ -75,6 +75,13 @@ class Scraper:
         self.stalled_s = 0.0
         self.deferred = 0  # timeouts not counted against a replica because the loop had stalled meanwhile
 
+    def configure(self, health, load_refresh_s: float | None) -> None:
+        """The cadence and the bounds from the config's ``router.health`` (at start and at each reload), and the
+        load-only refresh between health scrapes (None: none)."""
+        self.interval_s, self.load_refresh_s = health.scrape_interval_s, load_refresh_s
+        self.max_bytes, self.max_series, self.max_engines = \
+            health.max_metrics_bytes, health.max_metrics_series, health.max_engines
+
     async def _parse(self, text: str, d: Dialect) -> ScrapeResult:
         try:
             if len(text) <= INLINE_PARSE_BYTES:

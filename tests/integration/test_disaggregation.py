@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 
 from extproc.tools.stack.local import Stack, wait_for
+from extproc.tools.stack.procs import StackError
 
 from .conftest import FAST
 
@@ -161,14 +162,23 @@ def test_a_decode_replica_killed_after_its_prefill_fails_no_client(pd):
     async def run():
         async with aiohttp.ClientSession() as s:
             bg = await busy_decoders(s, pd.url, tag="kill-d")
-            task = asyncio.create_task(send(s, pd.url, body(f"kd-{random.random()}", 30000, 8)))
 
             def leg_done():
                 last = json.loads(pd.admin_get("/decisions?last=1"))["decisions"][-1]
                 return last if last["prefill_replica"] and last["at"] > 0 and \
                     any(replica_json(pd, n, "/admin/kv_transfers")["held"] for n in ("r0", "r1")) else None
 
-            d = await asyncio.to_thread(wait_for, leg_done, 30, "a prefill leg handed over")
+            # the cost model decides whether a prompt's prefill goes to a prefill replica: on a loaded machine it
+            # may compute one locally (nothing to kill then), so a few requests are sent until one is disaggregated
+            for attempt in range(3):
+                task = asyncio.create_task(send(s, pd.url, body(f"kd-{random.random()}", 30000, 8)))
+                try:
+                    d = await asyncio.to_thread(wait_for, leg_done, 20, "a prefill leg handed over")
+                    break
+                except StackError:
+                    if attempt == 2:
+                        raise
+                    await task
             pd.kill_replica(d["replica"])
             got = await task
             rest = await asyncio.gather(*bg, return_exceptions=True)

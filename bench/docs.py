@@ -96,6 +96,10 @@ def _type_name(tp) -> str:
 
 
 def _yaml(value) -> str:
+    if dataclasses.is_dataclass(value):  # a section's default: YAML a user can paste, not the dataclass's repr
+        return "{" + ", ".join(f"{f.name}: {_yaml(getattr(value, f.name))}" for f in dataclasses.fields(value)) + "}"
+    if isinstance(value, str) and (not value or any(c in value for c in ":{}[],#&*!|>'\"%@`") or value != value.strip()):
+        return "'" + value.replace("'", "''") + "'"
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -160,7 +164,7 @@ def config_reference() -> str:
         prefix = f"{section}." if section else ""
         for key, tp, default, meaning in rows:
             if (prefix and key.startswith(prefix)) or (not prefix and "." not in key):
-                cell = default if len(default) <= 40 else default[:37] + "...]"
+                cell = default if len(default) <= 40 else default[:37] + "..." + default[-1] * (default[-1] in "]}")
                 out.append(f"| `{key}` | {tp} | `{cell}` | {meaning.replace('|', '/')} |")
         out.append("")
     out += MODELS_SECTION

@@ -79,3 +79,22 @@ def test_each_command_says_what_it_does_and_shows_an_example_that_parses(name, c
     argv = shlex.split(example.split(">")[0])
     assert argv[0] == "warmroute"
     build_parser().parse_args(argv[1:])  # the example is a valid command line
+
+
+def test_the_config_reference_s_long_defaults_are_yaml_a_user_can_paste():
+    """Issue 60: a long default (a whole section's) is shown as YAML that reads back as the default itself, not as the
+    dataclass's Python repr."""
+    import dataclasses
+    import re
+
+    import yaml
+
+    from extproc.config.schema import AppConfig
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    blocks = dict(re.findall(r"^`([a-z_.]+)`:\n\n```yaml\n(.*?)\n```", text, re.M | re.S))
+    assert {"flow_control", "exact_cache"} <= set(blocks)
+    for f in dataclasses.fields(AppConfig):
+        if f.name in blocks and dataclasses.is_dataclass(default := f.default_factory()):  # type: ignore[misc]
+            want = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(default).items()}
+            assert yaml.safe_load(blocks[f.name]) == want, f.name

@@ -25,28 +25,9 @@ TOOLS = ROOT / ".tools" / "bin"
 K8S_VERSION = "1.35.0"  # kubectl's, from the same package as helm
 CRD = yaml.safe_load((ROOT / "tests" / "fixtures" / "gie" / "inference.networking.k8s.io_inferencepools.yaml").read_text())
 
-# shape x values: every combination a user is told about in docs/kubernetes.md
-MATRIX = {
-    "gateway-defaults": {},
-    "gateway-several-brains-external-redis": {"brain": {"replicas": 3},
-                                              "sharedState": {"redisUrl": "rediss://redis.infra:6380/2"}},
-    "gateway-several-brains-in-chart-redis": {"brain": {"replicas": 2}, "sharedState": {"inChartRedis": True},
-                                              "monitoring": {"prometheusRule": True, "grafanaDashboard": True,
-                                                             "labels": {"release": "kube-prometheus"}},
-                                              "networkPolicy": {"enabled": True,
-                                                                "gatewayPodLabels": {"gateway.networking.k8s.io/gateway-name": "inference"},
-                                                                "gatewayNamespaceLabels": {"kubernetes.io/metadata.name": "gateways"},
-                                                                "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}},
-    # a picker for a subset of the model servers (one pool of several), its own routing settings
-    "gateway-subset": {"modelServers": {"selector": {"app": "vllm", "pool": "coder-fp8"}, "port": 8001},
-                       "inferencePool": {"name": "coder-fp8", "failureMode": "FailClose"},
-                       "config": {"warm": {"cache_tokens": 900000}, "flow_control": {"wait_s": 20},
-                                  "exact_cache": {"enabled": False}}},
-    "standalone-defaults": {"shape": "standalone"},
-    "standalone-tls-off": {"shape": "standalone", "tls": {"enabled": False}},
-    "standalone-k8s-discovery": {"shape": "standalone", "modelServers": {"discovery": "kubernetes"},
-                                 "networkPolicy": {"enabled": True}, "monitoring": {"prometheusRule": True}},
-}
+# shape x values: every combination a user is told about in docs/kubernetes.md, as chart-testing finds them
+MATRIX = {p.name.removesuffix("-values.yaml"): yaml.safe_load(p.read_text()) or {}
+          for p in sorted((CHART / "ci").glob("*-values.yaml"))}
 
 
 def _tool(name: str) -> str:

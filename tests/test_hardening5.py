@@ -315,6 +315,14 @@ def test_what_one_origin_claims_is_bounded_by_what_a_brain_can_do(tmp_path):
         st = router.policy.state_of(r)
         assert st.prefill_busy_until - now <= 1.0 + 1e-9  # no tokens: no prefill to speak of
         assert st.work_s <= 2.0 + 4 * 8192 * st.rates.decode_s_per_token
+    # a prefill of P tokens claimed as an hour: booked as at most 4 x P at the learned rate, + 1 s
+    st3 = router.policy.state_of(router.replicas[3])
+    reader._apply_entries([(b"1-1", _signed(attacker, now, [("c", 3)]))])
+    before = st3.prefill_busy_until
+    reader._apply_entries([(b"1-2", _signed(attacker, now, [("o", 3, "r3", None, 1000, False, 3333.0, 3333.0, 10_000,
+                                                             None, 10_000, now)]))])
+    assert st3.prefill_busy_until - max(before, now) == pytest.approx(
+        4 * 10_000 / st3.rates.prefill_tokens_per_s + 1.0, rel=1e-6)
     kv = router.policy.state_of(router.replicas[0]).cache_tokens
     more = [("o", 10, "r0", None, 1000, False, 1.0, 1.0, kv, None, kv, now),  # a whole KV's worth: fits alone
             ("o", 11, "r0", None, 1000, False, 1.0, 1.0, 1, None, 1, now),  # one token past it: refused

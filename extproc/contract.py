@@ -11,6 +11,9 @@ ROUTING_HEADER = "x-warmroute-cluster"  # the replica's cluster, set from the br
 RESERVATION_HEADER = "x-warmroute-reservation"  # "<number>.<64 random bits>", logged back to the brain
 # gRPC metadata of the ext_proc calls Envoy makes to look at a large body's headers before it reads the body (issue 43)
 LOOK_METADATA = ("x-warmroute-look", "1")
+# gRPC metadata of the ext_proc calls Envoy makes with a request's headers alone, before its body, when they may decide
+# it (the header path, issue 61)
+HEADER_PATH_METADATA = ("x-warmroute-headers", "1")
 REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: backs up release when our header never got applied
 CONTENT_ENCODING_HEADER = "content-encoding"  # a body Envoy did not inflate is counted, and routed by headers
 # what the client's content-encoding was, set at the edge before Envoy inflates the body (and drops that header): an
@@ -31,6 +34,7 @@ BRAIN_LOG_CLUSTER = "warmroute_brain_log"
 FALLBACK_CLUSTER = "warmroute_fallback"  # where requests go when the brain does not answer
 EXT_PROC_STAT_PREFIX = "warmroute"  # Envoy's ext_proc stats: http.<hcm>.ext_proc.warmroute.*
 HOLD_FILTER = "warmroute.hold_for_brain"
+HEADER_PATH_FILTER = "warmroute.header_path"
 ROUTE_FROM_BRAIN_FILTER = "warmroute.route_from_brain"
 ACCESS_LOG_NAME = "warmroute"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"

@@ -18,7 +18,7 @@ from extproc.contract import (
     ROUTE_FROM_BRAIN_FILTER,
     ROUTING_HEADER,
 )
-from extproc.envoy_config import bootstrap, shipped_files
+from extproc.envoy_config import bootstrap, extension_of, shipped_files
 from extproc.tools.stack.local import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,14 +61,14 @@ def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_a
     assert [h["header"]["header_name"] for h in hp[:-1]] == list(CFG.router.profile.session_headers)
     assert all(h["terminal"] for h in hp[:-1]) and hp[-1] == {"connection_properties": {"source_ip": True}}
     assert len(fb["load_assignment"]["endpoints"][0]["lb_endpoints"]) == len(CFG.replicas)
-    ext = next(f for f in hcm(doc)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext = extension_of(next(f for f in hcm(doc)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"))
     assert ext["failure_mode_allow"] is True
 
 
 def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
     names = [f["name"] for f in hcm(bootstrap(CFG))["http_filters"]]
     assert names == ["warmroute.inflate_gzip_requests", "warmroute.inflated_body_limit",
-                     "warmroute.look_whole_body", "warmroute.look_upload_time", "warmroute.look",
+                     "warmroute.header_path", "warmroute.look_whole_body", "warmroute.look_upload_time", "warmroute.look",
                      "warmroute.big_body_model",
                      "envoy.filters.http.ext_proc", HOLD_FILTER, ROUTE_FROM_BRAIN_FILTER, "envoy.filters.http.router"]
     (early,) = hcm(bootstrap(CFG))["early_header_mutation_extensions"]
@@ -104,7 +104,7 @@ def test_only_the_allowed_paths_are_proxied_and_the_rest_get_a_404():
 
 
 def test_one_message_per_request_carries_the_body_and_the_headers_the_brain_reads():
-    filters = {f["name"]: f["typed_config"] for f in hcm(bootstrap(CFG))["http_filters"]}
+    filters = {f["name"]: extension_of(f) for f in hcm(bootstrap(CFG))["http_filters"]}
     ext = filters["envoy.filters.http.ext_proc"]
     assert ext["processing_mode"]["request_header_mode"] == "SKIP"
     assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
@@ -211,7 +211,7 @@ def picker_doc(**envoy):
 
 
 def ext_proc_of(doc):
-    return next(f for f in hcm(doc)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    return extension_of(next(f for f in hcm(doc)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"))
 
 
 @pytest.mark.parametrize("mode", ["buffered", "full-duplex"])

@@ -29,7 +29,7 @@ from ..core.names import BodyStatus, PinKind, Reason
 from ..core.flow import CLASSES, CRITICAL, STANDARD, FlowControl, FlowQueue
 from ..core.profile import BODY_ARRIVING_KEY, BODY_KV_TRANSFER_KEY, credential_scope, replace_model, tenant_of
 from ..envoy_config import CdsFile
-from . import logs
+from . import header_path, logs
 from .decide import Held, immediate_answer, models_response, route_answer, too_many_response
 from .legs import Legs, new_session
 from .metrics import make_registry
@@ -291,6 +291,25 @@ class Brain:
             return self._too_many(d.reason.value)
         return self._answer(d, headers, body, phase)
 
+    def at_headers(self, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
+        """The header path (``header_path``): a turn of a session under way answered at its request headers, its
+        body streamed to its home without passing through the brain. None: its body decides (Envoy sends it)."""
+        t0 = time.perf_counter()
+        now = self.clock()
+        why, profile, res = header_path.turn(self, headers, now)
+        if profile is not None:
+            key = None
+            if self.router.flow is not None:
+                key = next(self._hold_keys)  # never held: a turn flow control would hold reads its body
+                profile = dataclasses.replace(profile, priority=self._priority(headers), ttft_slo_s=ttft_slo_of(headers))
+            d = self.router.select(profile, now, res.replicas, hold_key=key)
+            if d.reason is not Reason.READ_BODY:
+                d.header_path = True
+                return self._answer(self._decided(d, profile, res, now, t0), headers, None, "request_headers")
+            why = "home_declined"
+        self.stats.header_path_declined[why] += 1
+        return None
+
     def look(self, headers: dict[str, str], read_wait_s: float) -> "ep.ProcessingResponse | None":
         """The look at a large body's headers before its body is read (flow control on; ``envoy_config`` renders it): a
         request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
@@ -434,7 +453,7 @@ class Brain:
         return immediate_answer(d.reason, _path(headers), model=d.model or "", served=self.models.base_models,
                                 inflate_ratio=self.cfg.envoy.max_inflate_ratio, response_id=d.response_id or "")
 
-    def _prefill_fleet(self) -> bool:
+    def prefill_fleet(self) -> bool:
         """A fleet with prefill replicas: its engines run a KV connector that reads kv_transfer_params."""
         return self.router.disaggregates and any(r.role == "prefill" for r in self.router.replicas)
 
@@ -445,7 +464,7 @@ class Brain:
             return None
         # only the brain's prefill leg sets them (legs.py)
         known = d.kv_transfer
-        out = without_kv_transfer(body, known, known is None and self._prefill_fleet())
+        out = without_kv_transfer(body, known, known is None and self.prefill_fleet())
         if d.rewrite_model:
             out = replace_model(out if out is not None else body, d.model) or out
         if d.response_id is not None:
@@ -499,7 +518,8 @@ class Brain:
         # on every request's path: a tuple here, the document only when GET /decisions asks
         self.recent.append(((request_id or "")[:MAX_REQUEST_ID_CHARS], self.clock(), d.replica_name, d.engine,
                             d.reason, d.model, d.predicted_ttft_s, d.cached_tokens, d.prompt_tokens,
-                            d.prefill.replica.name if d.prefill is not None else None))
+                            d.prefill.replica.name if d.prefill is not None else None,
+                            "headers" if d.header_path else "body"))
 
     def caches_reset(self, name: str) -> None:
         """Replica ``name``'s engines emptied their prefix caches at the operator's word (admin API)."""
@@ -511,8 +531,9 @@ class Brain:
             list(self.recent)[max(0, len(self.recent) - (last or 0)):]
         return [{"request_id": rid, "at": round(at, 3), "replica": replica, "engine": engine, "reason": str(reason),
                  "model": model, "predicted_ttft_s": None if ttft is None else round(ttft, 4),
-                 "predicted_cached_tokens": cached, "predicted_prompt_tokens": prompt, "prefill_replica": prefill}
-                for rid, at, replica, engine, reason, model, ttft, cached, prompt, prefill in rows]
+                 "predicted_cached_tokens": cached, "predicted_prompt_tokens": prompt, "prefill_replica": prefill,
+                 "path": path}
+                for rid, at, replica, engine, reason, model, ttft, cached, prompt, prefill, path in rows]
 
     def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""

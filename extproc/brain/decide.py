@@ -24,6 +24,7 @@ from ..contract import (
     ANSWER_DP_RANK,
     DP_RANK_HEADER,
     ANSWER_RESERVATION,
+    HEADER_PATH_METADATA,
     LOOK_METADATA,
     METADATA_NAMESPACE,
     REQUEST_ID_HEADER,
@@ -206,7 +207,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                  wait: "Callable[[object], Awaitable[ep.ProcessingResponse]] | None" = None,  # a future, at once
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
                  look: "Callable[[dict[str, str], float], ep.ProcessingResponse | None] | None" = None,
-                 intake: Intake | None = None, legs_s: float = 35.0):
+                 intake: Intake | None = None, legs_s: float = 35.0,
+                 at_headers: "Callable[[dict[str, str]], ep.ProcessingResponse | None] | None" = None):
         self.decide = decide
         self.big_body_bytes = big_body_bytes  # envoy.brain_body_max_bytes: such bodies are never sent
         self.open_calls = 0  # calls read and not yet answered: past BEHIND, the brain is behind a burst
@@ -216,6 +218,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         # read) -> None to let it come, or the answer instead; and how far behind the brain reads
         self.look, self.intake = look, intake
         self.legs_s = legs_s  # a disaggregated request's call stays open this long for its prefill leg
+        # the header path: (headers) -> the route of a turn its headers decide, or None (its body decides)
+        self.at_headers = at_headers
 
     async def _answer(self, out, context) -> None:
         if isinstance(out, Held):
@@ -240,7 +244,11 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         await context.write(out)
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
-        if self.look is not None and LOOK_METADATA in (context.invocation_metadata() or ()):
+        tags = (context.invocation_metadata() or ()) if self.at_headers is not None or self.look is not None else ()
+        if self.at_headers is not None and HEADER_PATH_METADATA in tags:
+            await self._header_path(context)
+            return
+        if self.look is not None and LOOK_METADATA in tags:
             await self._look(context)
             return
         self.open_calls += 1
@@ -252,6 +260,15 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             self.open_calls -= 1
             if self.intake is not None:
                 self.intake.closed(context)
+
+    async def _header_path(self, context) -> None:
+        """``warmroute.header_path``: a request's headers before its body. Answered at once: its route (the body then
+        never comes here), or go on (the body's own call follows)."""
+        req = await context.read()
+        if req is grpc.aio.EOF or req.WhichOneof("request") != "request_headers":
+            return
+        out = self.at_headers(headers_of(req.request_headers))
+        await context.write(out if out is not None else _PASS["request_headers"])
 
     async def _look(self, context) -> None:
         """``warmroute.look``: a large body's headers, sent once Envoy holds the body, before the brain reads it. Answered at once: let it

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core import PinAction, Router, State, exact, imbalance_index
+from ..core import BodyStatus, PinAction, Router, State, exact, imbalance_index
 from ..core.flow import CLASSES
 from .stats import BrainStats
 
@@ -83,6 +83,18 @@ class BrainCollector(Collector):
                                 "(anything but ok is routed by headers only)", labels=["status"])
         for status, n in sorted(b.bodies.items()):
             c.add_metric([status], n)
+        yield c
+        c = CounterMetricFamily("warmroute_decisions_by_path", "Requests the brain answered, by the path that decided "
+                                "them: headers (a turn of a session under way, its body never read) or body",
+                                labels=["path"])
+        headers = b.bodies[BodyStatus.HEADER_PATH]
+        c.add_metric(["headers"], headers)
+        c.add_metric(["body"], sum(b.bodies.values()) - headers)
+        yield c
+        c = CounterMetricFamily("warmroute_header_path_declined", "Requests asked about at their headers whose body "
+                                "decided them instead, by why (docs/architecture.md, \"Two paths\")", labels=["why"])
+        for why, n in sorted(b.header_path_declined.items()):
+            c.add_metric([why], n)
         yield c
         fams = {a: (CounterMetricFamily(name, doc, labels=["kind", "cause"] if by_cause else ["kind"]), by_cause)
                 for a, (name, doc, by_cause) in PIN_ACTION_METRICS.items()}

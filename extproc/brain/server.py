@@ -272,7 +272,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     else:
         front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
                                   held_s(cfg), brain.look,
-                                  Intake(first_answer_s(cfg), brain.clock), legs_s(cfg)).Process
+                                  Intake(first_answer_s(cfg), brain.clock), legs_s(cfg),
+                                  brain.at_headers if cfg.envoy.header_path else None).Process
     add_service(server, EXT_PROC_SERVICE, "Process", front, "stream_stream", ep.ProcessingRequest,
                 ep.ProcessingResponse)
     def envoy_gone(released: int) -> None:

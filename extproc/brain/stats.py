@@ -12,6 +12,7 @@ from typing import Iterable
 from ..core import BodyStatus, Decision, PinKind, Reason
 from ..core.flow import CLASSES
 from ..core.names import PIN_EVENTS
+from .header_path import WHY as HEADER_PATH_WHY
 
 IMBALANCE_WINDOW_S = 300.0  # SPEC A5: the imbalance alert looks at 5 minutes
 _BUCKET_S = 10.0
@@ -80,6 +81,8 @@ class BrainStats:
         self.forged_response_ids = 0  # stored-response ids in the minted form whose MAC did not verify: answered 404
         self.releases_by_response = 0  # endpoint picker: released at the response's end, or its stream's
         self.picker_streams_reset = 0  # endpoint picker: a stream that ended before its response did
+        # the header path (brain.header_path): requests that asked at their headers and read their body, by why
+        self.header_path_declined: Counter[str] = Counter({k: 0 for k in HEADER_PATH_WHY})
         self.flow_refused: Counter[str] = Counter({"queue_full": 0, "waited_too_long": 0,
                                                             "deadline_unmeetable": 0, "router_behind": 0})  # 429s
         # flow control: held requests let go, and the seconds they waited, per class (a name of core.flow.CLASSES)
@@ -125,7 +128,7 @@ class BrainStats:
             self.predicted_cached[name] += 0
             for reason in Reason:
                 if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT,
-                                  Reason.UNSUPPORTED_ENCODING, Reason.CLIENT_KV_TRANSFER, Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL,
+                                  Reason.UNSUPPORTED_ENCODING, Reason.CLIENT_KV_TRANSFER, Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL, Reason.READ_BODY,
                                   Reason.DEADLINE):
                     self.decisions[(name, reason)] += 0
             for result in SCRAPE_RESULTS:

@@ -289,6 +289,9 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
                           f"{_short(router.profile.tenant_source)}")
     if router.profile.tenant_source == "header" and not router.profile.tenant_header:
         raise ConfigError("profile.tenant_header: tenant_source 'header' needs a header name")
+    mh = router.profile.model_header
+    if mh is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]*", mh):
+        raise ConfigError(f"profile.model_header: expected a header name, got {_short(mh)}")
     if envoy.fail_open_hash_balance_factor < 100:
         raise ConfigError("envoy.fail_open_hash_balance_factor: expected a whole number >= 100 (Envoy's minimum)")
     if not envoy.admin_path or not 0 < len(envoy.admin_path.encode()) <= 100:

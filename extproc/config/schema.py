@@ -183,6 +183,11 @@ class EnvoyConfig:
     # requests past ext_proc_timeout_s. The prefix chain reads at most the first 1 MiB anyway; the seed policy loses
     # the body's keys (A3: conversation_id, the system prompt) above it: raise it to profile.max_body_bytes to keep them.
     brain_body_max_bytes: int = 2 * 1024 * 1024
+    # The header path (docs/architecture.md, "Two paths"): a request that names a session in a header and declares
+    # its size is first asked about with its headers alone; a turn whose home takes it is routed there at once and its
+    # body streams to the replica unread (no buffer, no second call). Others read their body as before, at the price of
+    # one header-sized call. false: every body goes through the brain.
+    header_path: bool = True
     # Paths served through the listener (exact, a '{name}' segment for any one segment, or a prefix when the entry
     # ends in '*'); others get a 404. docs/apis.md decides every path of vLLM 0.32
     # from Envoy: a replica's operational endpoints (/metrics, /reset_prefix_cache, /sleep, ...) stay private.

@@ -66,6 +66,10 @@ class ProfileConfig:
     # clients send (only the operator's own auth filter, or a trusted proxy, sets it); "credential" = a hash of
     # the Authorization header (an API key is a tenant); "none" = one tenant.
     tenant_source: str = "header"
+    # a request header that names the model (e.g. x-gateway-model-name, which a gateway's body-based router sets): in
+    # a fleet of several models, a turn of a session under way that names its model so is decided at its headers (the
+    # header path); null: only a fleet of one model decides turns at their headers
+    model_header: str | None = None
     prefix_chars: int = 4096  # A3: MD5 of the first 4096 characters of the system prompt
     chars_per_token: float = 4.0  # B: prompt tokens are estimated as characters / this
     max_body_bytes: int = 64 * 1024 * 1024  # B: larger bodies are not read at all: routed by headers only

@@ -281,6 +281,16 @@ class ModelCatalog:
         self._built()
         return sorted({m for models in self._served.values() if models for m in models if m not in self._adapters})
 
+    def one_model(self) -> str | None:
+        """The model when the fleet serves one and only one: every replica lists it alone, with no alias and no adapter
+        (then a request's headers say its model: the header path). None otherwise, or while a replica's models are not
+        known yet."""
+        index = self._built()
+        if self.aliases or self._adapters or self._unknown or len(index) != 1:
+            return None
+        ((model, serving),) = index.items()
+        return model if len(serving) == len(self._served) else None
+
     def served_by(self, replica: str) -> list[str] | None:
         models = self._served.get(replica)
         return sorted(models) if models is not None else None

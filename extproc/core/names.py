@@ -38,6 +38,9 @@ class Reason(enum.StrEnum):
     # flow control's admission: held, its predicted time to first token (the queue ahead of it, then the best
     # replica's wait and prefill) passes its deadline: refused at once rather than when the deadline passes
     DEADLINE = "deadline_unmeetable"
+    # the header path (issue 61): the request's headers alone do not decide it (its home would not take it, or no
+    # home is known); nothing is booked, and its body decides it as any other's
+    READ_BODY = "read_body"
 
 
 class PinKind(enum.StrEnum):
@@ -73,6 +76,7 @@ class BodyStatus(enum.StrEnum):
     UNPARSED = "unparsed"  # larger than profile.parse_max_bytes: headers, size and raw block chain only
     HEADERS_ONLY = "headers_only"  # a body too big to copy to the brain: session from headers, tokens from its size
     ENCODED = "encoded"  # a Content-Encoding Envoy did not undo (it inflates gzip): routed by headers and size
+    HEADER_PATH = "header_path"  # a turn of a session under way decided at its headers: its body never read
 
 
 # (action, kind, cause) triples the core can emit, for metrics that export every series from the start.

@@ -20,7 +20,7 @@ SESSION, PREFIX = PinKind.SESSION, PinKind.PREFIX
 
 
 class Pin:
-    __slots__ = ("replica", "last_used", "spills", "tokens", "engine")
+    __slots__ = ("replica", "last_used", "spills", "tokens", "engine", "unindexed", "tail")
 
     def __init__(self, replica: "Replica", now: float):
         self.replica = replica
@@ -28,6 +28,12 @@ class Pin:
         self.spills = 0
         self.tokens = 0  # warm policy: prompt tokens of the session's last turn there (C4 cache hint)
         self.engine: int | None = None  # warm policy: the data-parallel engine whose cache holds them
+        # warm policy: a turn decided at its headers went there since its last body was read, so the prefix index
+        # lacks that turn's blocks: the pin's tokens count as cached there even for a request with a chain
+        self.unindexed = False
+        # exact mode: (block size, the hash of the last full block) of the last turn priced by the engine's tokens,
+        # which the header path checks the home still holds (None: none known)
+        self.tail: tuple[int, int] | None = None
 
 
 class PinTable:

@@ -44,6 +44,9 @@ class Policy:
     held_free_at: float = 0.0
     transfer = None  # the learned KV transfer rate (prefill/decode disaggregation), if the policy learns one
     prefix_pins: PinTable = _NO_PINS  # a policy without prefix pins: an empty table nobody writes
+    # a turn of a session under way may be decided at its request headers (a profile with ``header_path``): the
+    # policy keeps it on its home or answers Reason.READ_BODY; a policy that cannot is always asked with the body
+    decides_at_headers: bool = False
 
     # ------------------------------------------------------------------ required
 

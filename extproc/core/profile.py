@@ -70,6 +70,9 @@ class RequestProfile:
     # publishes for its full blocks, per block size: (block_size, hashes)
     engine_tokens: int = 0
     engine_hashes: tuple[int, tuple[int, ...]] | None = None
+    # decided at its request headers (issue 61): a turn of a session under way, priced by its declared size and what
+    # its home holds of the session; the policy keeps it on its home or answers Reason.READ_BODY
+    header_path: bool = False
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
@@ -276,6 +279,42 @@ def tenant_of(headers: Mapping[str, str], cfg: ProfileConfig) -> str | None:
     return value
 
 
+def _session_header(headers: Mapping[str, str], cfg: ProfileConfig, tenant: str | None) -> tuple[bytes | None, str | None]:
+    """The session a header names (the first configured one present), hashed with its tenant, and its source."""
+    for h in cfg.session_headers:
+        v = headers.get(h)
+        if v:
+            return hash_key("session", tenant, v), "header:" + h
+    return None, None
+
+
+def header_profile(headers: Mapping[str, str], cfg: ProfileConfig) -> RequestProfile | None:
+    """The profile of a request decided at its headers (issue 61): its session from a session header, its prompt
+    from its declared size (bounded as every declared size is), its API from its path. None: its headers name no
+    session, or declare no size to price."""
+    tenant = tenant_of(headers, cfg)
+    session_key, source = _session_header(headers, cfg, tenant)
+    size = declared_size(headers)
+    if session_key is None or not size:
+        return None
+    tokens = min(int(size / cfg.chars_per_token), cfg.max_prompt_tokens)
+    # not provisional: a size that decides is within a turn's growth of its session's last (``size_decides``), an
+    # estimate as good as a body's bytes give (both count its JSON), and the engine counts its tokens as any other's
+    return RequestProfile(session_key, None, tokens, BodyStatus.HEADER_PATH, source,
+                          api=api_of(headers.get(":path", "").split("?", 1)[0]), tenant=tenant, header_path=True)
+
+
+HEADER_GROWTH_TOKENS = 32_768  # ~128 KB of new text a turn (a coding agent's tool output); beyond, its body is read
+HEADER_SHRINK = 0.9  # a turn below this share of its session's last one was compacted or rewritten: its text is read
+
+
+def size_decides(last_tokens: int, tokens: int) -> bool:
+    """Whether a turn's declared size lets its headers decide it, against its session's last turn: grown by no more
+    than a turn adds, and not shrunk (a conversation compacted or rewritten is priced from its text). A size a client
+    lies about moves nothing (the turn goes nowhere but its home) and books at most a turn's growth more."""
+    return bool(last_tokens) and HEADER_SHRINK * last_tokens <= tokens <= last_tokens + HEADER_GROWTH_TOKENS
+
+
 def build_profile(
     headers: Mapping[str, str],
     body: bytes | None,
@@ -289,14 +328,7 @@ def build_profile(
     and its token estimate is the conversation's bytes over ``chars_per_token``; no prefix key is made.
     """
     tenant = tenant_of(headers, cfg)
-    session_key = None
-    session_source = None
-    for h in cfg.session_headers:
-        v = headers.get(h)
-        if v:
-            session_key = hash_key("session", tenant, v)
-            session_source = "header:" + h
-            break
+    session_key, session_source = _session_header(headers, cfg, tenant)
     api = api_of(headers.get(":path", "").split("?", 1)[0])
     if api is Api.STORED_RESPONSE:  # a retrieval or a cancel: where its response lives is all there is to know
         ref = stored_response_id(headers[":path"].split("?", 1)[0])

@@ -362,6 +362,8 @@ class Router:
                 # wait), or room for a new context (a new session). A session under way or a one-shot takes no
                 # new room in the caches: with KV the only saturation, it goes past new sessions waiting for it
                 if n_ahead and (flow.hold_on_wait or self._new_session(profile, now)):
+                    if profile.header_path:
+                        return Decision(None, Reason.READ_BODY)  # held, it is held with its body, as any other
                     # its wait: until the replica the last request held was priced for has room, then the queue
                     # before it (not priced: a wait, not a choice)
                     drain = self.policy.held_drain_tps
@@ -370,9 +372,13 @@ class Router:
                     return self._hold(hold_key, profile, only, now, hold_bytes, wait)
                 d = self._select_may_hold(fleet, profile, now)
                 if d is not None and d.reason is Reason.HELD:
+                    if profile.header_path:
+                        return Decision(None, Reason.READ_BODY, predicted_ttft_s=d.predicted_ttft_s)
                     return self._hold(hold_key, profile, only, now, hold_bytes, d.predicted_ttft_s)
             else:
                 d = self.policy.select(fleet, profile, now)
+            if profile.header_path and (d is None or d.reason is Reason.READ_BODY):
+                return d or Decision(None, Reason.READ_BODY)  # no pool to keep it on: the body decides
             if flow is not None:
                 self._charge(tenant_key(profile.tenant), profile.tokens)
         return self._place(d, profile, now, only)

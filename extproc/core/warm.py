@@ -66,6 +66,7 @@ PROMISE_SLACK_S = 2.0  # a block sent to an exact engine counts as held until it
 
 class WarmPolicy(Shortlist, Policy):
     needs_blocks = True
+    decides_at_headers = True
     parse_max_bytes = 256 * 1024  # larger bodies: headers, size and the raw block chain suffice (C2)
 
     def __init__(self, cfg: RouterConfig, name: str = "warm", *, index: bool = True, guard: bool = True,
@@ -293,8 +294,9 @@ class WarmPolicy(Shortlist, Policy):
             matched = st.index.match(chain) if chain else 0
             cached = min(prompt - 1, int(matched * self.tokens_per_block * scale)) if matched else 0
             prefix = chain[matched - 1] if matched else None
-            if not chain and pin is not None and pin.replica is r and pin.engine == engine and st.prefix_caching:
-                cached = min(prompt - 1, int(pin.tokens * scale))  # C4: the session's context lives here
+            if pin is not None and (not chain or pin.unindexed) and pin.replica is r and pin.engine == engine \
+                    and st.prefix_caching:
+                cached = max(cached, min(prompt - 1, int(pin.tokens * scale)))  # C4: the session's context lives here
         if st.engine_block and cached:  # vLLM hits whole blocks only, and never the prompt's last token
             cached -= cached % st.engine_block
         wait = max(0.0, st.prefill_busy_until - now)
@@ -377,6 +379,8 @@ class WarmPolicy(Shortlist, Policy):
         per = max((e.engine or 0) for e in tied) + 1
         home = pin.replica if pin is not None else None
         best = self._break_tie(tied, home, pin.engine if pin is not None else None, per, len(fleet.replicas_view))
+        if profile.header_path and not self._stays(best, pin, now):  # nothing booked: its body decides
+            return Decision(None, Reason.READ_BODY, predicted_ttft_s=best.ttft)
         if view is not None and self.verify is not None:
             every = view.rows[:view.n_live] + [row for row in view.rows[view.n_live:]
                                                  if row[0][0].in_flight_requests < view.cap]
@@ -399,6 +403,18 @@ class WarmPolicy(Shortlist, Policy):
                                round(e.st.work_s, 2)) for e in ests)
         self._chosen_prefill_s, self._chosen_prompt, self._chosen = best.prefill, best.prompt, best
         return self._decide(best, profile, pin, max(1, profile.tokens), now)
+
+    @staticmethod
+    def _stays(best: "Estimate", pin: Pin | None, now: float) -> bool:
+        """A turn priced at its headers stays on its home: the cost model chose the home, which holds its context
+        (what the session's pin says; on an exact engine, only while the engine still holds the last block the
+        session's last priced turn ended with)."""
+        if pin is None or best.replica is not pin.replica or best.engine != pin.engine or not best.cached:
+            return False
+        ex, tail = best.st.exact, pin.tail
+        if ex is not None and ex.exact and tail is not None and tail[0] == ex.block_size:
+            return ex.holds(tail[1]) or best.st.promised.get(tail[1], 0.0) > now
+        return True
 
     def _saturated(self, best: "Estimate", profile: RequestProfile, pin: Pin | None,
                    ests: "list[Estimate] | None" = None) -> bool:
@@ -532,19 +548,26 @@ class WarmPolicy(Shortlist, Policy):
                 if live:
                     new = self.session_pins.put(profile.session_key, chosen, now)
                     new.tokens, new.engine = prompt, best.engine
+                    new.tail = _tail(profile)
                     events.append(PinEvent(PinAction.PIN, SESSION, Cause.NEW))
             else:
                 pin_kind = SESSION
                 if live:  # A2: a PROBING replica never takes a pin, nor refreshes one
+                    tail = _tail(profile)
                     if pin.replica is chosen and pin.engine == best.engine:
                         reason = Reason.AFFINITY
+                        pin.tail = tail or pin.tail  # a turn not priced by the engine's tokens leaves the last known
                     else:
                         # the session moves only because moving is cheaper, re-prefill included
                         dead = pin.replica.removed or pin.replica.health.state is not LIVE
                         self.session_pins.move(pin, chosen)
                         events.append(PinEvent(PinAction.REBIND, SESSION, Cause.DEAD if dead else Cause.COST))
+                        pin.tail = tail
                     pin.tokens = prompt
                     pin.engine = best.engine
+                    # a turn decided at its headers adds no blocks to the index: until a body is read again, the pin
+                    # says how much of the session the home holds
+                    pin.unindexed = profile.header_path
                     self.session_pins.touch(profile.session_key, pin, now)
         return Decision(chosen, reason, pin_kind, events, predicted_ttft_s=best.ttft, cached_tokens=best.cached,
                         prompt_tokens=best.prompt, prefix=best.prefix,
@@ -606,7 +629,7 @@ class WarmPolicy(Shortlist, Policy):
         """Prefill/decode disaggregation (``disaggregation``'s docstring): the prefill leg's plan when a remote
         prefill beats the local one on the decode replica just chosen, else None."""
         best = self._chosen
-        if best is None or best.replica is not d.replica or profile.provisional or \
+        if best is None or best.replica is not d.replica or profile.provisional or profile.header_path or \
                 profile.body_status not in LEG_BODIES or profile.api not in DISAGGREGATED_APIS or \
                 profile.adapter is not None:
             return None
@@ -686,6 +709,12 @@ class WarmPolicy(Shortlist, Policy):
             return None
         st = self.engine_state(r.name, engine) if engine is not None else self.state_of(r)
         return st.index if st is not None and st.prefix_caching else None
+
+
+def _tail(profile: RequestProfile) -> tuple[int, int] | None:
+    """(block size, its last full block's hash) of a prompt priced by the engine's tokens; None otherwise."""
+    h = profile.engine_hashes
+    return (h[0], h[1][-1]) if h is not None and h[1] else None
 
 
 WARM_VARIANTS = {

@@ -18,10 +18,11 @@ from .render import (
     routes,
     snippets,
 )
+from .filters import extension_of
 from .shapes import SHIPPED, SNIPPETS_DIR, SNIPPETS_FROM, CdsFile, bootstrap, cds_document, shipped_files
 
 __all__ = [
     "SHIPPED", "SNIPPETS_DIR", "SNIPPETS_FROM", "CdsFile", "access_log", "bootstrap", "brain_cluster",
-    "brain_headers", "cds_document", "clusters", "dump", "ext_proc_off_for_route", "fallback_cluster",
+    "brain_headers", "cds_document", "clusters", "dump", "extension_of", "ext_proc_off_for_route", "fallback_cluster",
     "http_filters", "replica_cluster", "replica_clusters", "routes", "shipped_files", "snippets",
 ]

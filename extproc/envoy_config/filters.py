@@ -29,6 +29,8 @@ from ..contract import (
     DP_RANK_HEADER,
     EXT_PROC_FILTER,
     EXT_PROC_STAT_PREFIX,
+    HEADER_PATH_FILTER,
+    HEADER_PATH_METADATA,
     HOLD_FILTER,
     INFLATED_FROM_HEADER,
     LOOK_METADATA,
@@ -138,6 +140,57 @@ HEADERS_ONLY = {"request_header_mode": "SEND", "response_header_mode": "SKIP", "
                 "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
 
 
+def _any(predicates: list[dict]) -> dict:
+    """An xDS predicate true when any of ``predicates`` is (an or_matcher takes two or more)."""
+    return predicates[0] if len(predicates) == 1 else {"or_matcher": {"predicate": predicates}}
+
+
+def _skipped_when(predicates: list[dict], extension: dict) -> dict:
+    """``extension``, skipped for a request that matches any of ``predicates`` (on its headers as they are when the
+    filter's turn comes: a header an earlier filter set counts)."""
+    return {
+        "name": extension["name"],
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+            "extension_config": extension,
+            "xds_matcher": {"matcher_list": {"matchers": [{"predicate": _any(predicates), "on_match": SKIP_FILTER}]}},
+        },
+    }
+
+
+def extension_of(http_filter: dict) -> dict:
+    """The typed_config of the filter itself, wrapped in a matcher or not."""
+    tc = http_filter["typed_config"]
+    return tc["extension_config"]["typed_config"] if "extension_config" in tc else tc
+
+
+def _decided_at_headers(cfg: AppConfig) -> list[dict]:
+    """A request the header path routed: the brain's routing header is there (a client's copy is gone at the edge)."""
+    return [header_predicate(ROUTING_HEADER, ".+")] if cfg.envoy.header_path else []
+
+
+def header_path_filter(cfg: AppConfig) -> dict:
+    """``warmroute.header_path``: a request that names a session in a header and declares a size the brain reads is
+    first asked about with its headers alone (issue 61). The brain answers a turn of a session under way with its route
+    (header mutations: the routing header, the reservation), and the filters that would hold or send its body
+    (the look, the body's ext_proc, the hold) skip it: its body streams to the replica unread. Otherwise the answer is
+    to go on, and the body decides as before. Never held: flow control holds with the body."""
+    e = cfg.envoy
+    call = ext_proc_filter(cfg, dict(HEADERS_ONLY))
+    call["typed_config"]["grpc_service"]["initial_metadata"] = [{"key": HEADER_PATH_METADATA[0],
+                                                                 "value": HEADER_PATH_METADATA[1]}]
+    call["typed_config"]["stat_prefix"] = HEADER_PATH_STAT_PREFIX
+    call["typed_config"].pop("max_message_timeout", None)
+    call["name"] = HEADER_PATH_FILTER
+    sessions = [header_predicate(h.lower(), ".+") for h in cfg.router.profile.session_headers]
+    return _skipped_when([
+        {"not_matcher": _any(sessions)},
+        {"not_matcher": header_predicate(CONTENT_LENGTH, ".+")},
+        header_predicate(CONTENT_LENGTH, greater_than_regex(min(e.brain_body_max_bytes, e.max_body_bytes))),
+        header_predicate(INFLATED_FROM_HEADER, ".*"),
+    ], call)
+
+
 def _only_looked(cfg: AppConfig, extension: dict) -> dict:
     """``extension`` for the bodies the look is for alone: more than LOOK_BYTES that the brain will read (a bigger
     one takes the headers-only route) and Envoy will take (a body past its buffer limit, max_body_bytes, is Envoy's
@@ -153,6 +206,7 @@ def _only_looked(cfg: AppConfig, extension: dict) -> dict:
                     {"not_matcher": header_predicate(CONTENT_LENGTH, greater_than_regex(LOOK_BYTES))},
                     header_predicate(CONTENT_LENGTH,
                                      greater_than_regex(min(e.brain_body_max_bytes, e.max_body_bytes))),
+                    *_decided_at_headers(cfg),
                 ]}},
                 "on_match": SKIP_FILTER,
             }]}},
@@ -237,6 +291,7 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                 }]}},
             },
         },
+        *([header_path_filter(cfg)] if cfg.envoy.header_path else []),
         *(look_filters(cfg) if cfg.flow_control.enabled else []),
         {
             # A body too big to send to the brain is decided on its headers; its model (the top-level "model", read
@@ -277,7 +332,7 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                 }]}},
             },
         },
-        ext_proc_filter(cfg, {
+        _decided_by_body(cfg, ext_proc_filter(cfg, {
             "request_header_mode": "SKIP",
             "response_header_mode": "SKIP",
             "request_body_mode": "BUFFERED",
@@ -286,8 +341,8 @@ def http_filters(cfg: AppConfig) -> list[dict]:
             "response_trailer_mode": "SKIP",
         }, request_attributes=[header_attribute(h) for h in brain_headers(cfg)] + [PATH_ATTRIBUTE],
             metadata_options={"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]},
-                              "forwarding_namespaces": {"untyped": [BODY_METADATA_NAMESPACE]}}),
-        {
+                              "forwarding_namespaces": {"untyped": [BODY_METADATA_NAMESPACE]}})),
+        _decided_by_body(cfg, {
             # Holds the request headers until the whole body has passed ext_proc: without it the router
             # picks a route as soon as the headers arrive, before the brain has said anything.
             "name": HOLD_FILTER,
@@ -295,7 +350,7 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
                 "max_request_bytes": e.max_body_bytes,
             },
-        },
+        }),
         {
             # Runs after the brain's answer; the mutation happens before this filter looks up its route
             # config, so the route is computed with the header in place (ext_proc cleared the cache).
@@ -316,6 +371,11 @@ def http_filters(cfg: AppConfig) -> list[dict]:
             },
         },
     ]
+
+
+def _decided_by_body(cfg: AppConfig, extension: dict) -> dict:
+    """``extension`` (the body's call, the hold), skipped for a request the header path already routed."""
+    return _skipped_when(_decided_at_headers(cfg), extension) if cfg.envoy.header_path else extension
 
 
 def access_log(cfg: AppConfig) -> list[dict]:
@@ -379,6 +439,9 @@ INFLATED_LIMIT_FILTER = "warmroute.inflated_body_limit"
 LOOK_FILTER = "warmroute.look"
 
 
+HEADER_PATH_STAT_PREFIX = "warmroute_headers"  # http.<hcm>.ext_proc.warmroute_headers.*
+
+
 LOOK_BUFFER_FILTER = "warmroute.look_whole_body"  # the look comes once Envoy holds the body
 
 
@@ -412,10 +475,8 @@ def ext_proc_off_for_route() -> dict:
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
             "disabled": True,
         },
-        LOOK_FILTER: {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-            "disabled": True,
-        },
+        **{name: {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                  "disabled": True} for name in (LOOK_FILTER, HEADER_PATH_FILTER)},
         HOLD_FILTER: {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
             "disabled": True,

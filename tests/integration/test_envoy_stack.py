@@ -405,12 +405,12 @@ def test_503_with_json_and_retry_after_when_no_replica_is_known(own_stack):
 
 def test_a_config_that_also_sends_the_headers_message_routes_by_the_brain(own_stack):
     """Users on the two-message ext_proc mode (request headers, then body) keep working."""
-    from extproc.envoy_config import bootstrap
+    from extproc.envoy_config import bootstrap, extension_of
 
     s = own_stack(3, envoy=False)
     doc = bootstrap(s.live_config())
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext = extension_of(next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"))
     ext["processing_mode"]["request_header_mode"] = "SEND"
     s.start_envoy(doc)
     s.wait_all_live(30)

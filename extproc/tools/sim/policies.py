@@ -19,6 +19,9 @@ import random
 from extproc.core import LoadSample, Reason, RequestProfile, Router, RouterConfig, hash_key
 from extproc.core.blocks import BLOCK_TOKENS as BLOCK
 from extproc.core.apis import Api
+from extproc.core.decision import Decision
+from extproc.core.names import BodyStatus
+from extproc.core.profile import size_decides
 from extproc.core.flow import FlowControl
 from extproc.core.policy import POLICIES as CORE_POLICIES
 from extproc.tools.workload.generate import Request
@@ -627,7 +630,7 @@ class Warmroute(Policy):
 
     def __init__(self, n: int, seed: int, cfg: RouterConfig | None = None, name: str | None = None,
                  core_policy: str | None = None, flow: bool = False, hold_on_wait: bool = False,
-                 exact: bool = False):
+                 exact: bool = False, header_path: bool = False):
         super().__init__(n, seed)
         import dataclasses
 
@@ -648,6 +651,10 @@ class Warmroute(Policy):
             self.router.flow = FlowControl(hold_on_wait=hold_on_wait)
         # exact mode (issue 45): every engine publishes its KV events and the model's tokenizer is configured
         self.exact = exact
+        # the header path (issue 61): a turn of a session under way is first priced at its headers (its size, what
+        # its home holds of the session, no block chain), as the rendered Envoy asks; the body decides the rest
+        self.header_path = header_path
+        self.header_turns = 0
 
     def attach(self, sim) -> None:
         if self.exact:
@@ -675,10 +682,30 @@ class Warmroute(Policy):
         return RequestProfile(sk, pk, tokens, "ok", None, blocks, req.pool, req.adapter,
                               priority=req.klass, tenant=req.tenant, api=Api.CHAT)  # the agents' chat completions
 
+    def _at_headers(self, req, now, only) -> Decision | None:
+        """The header path's decision (None: its body decides)."""
+        if req.oneshot or req.adapter is not None or getattr(self, "prefill_set", None):
+            return None
+        sk = self._session_keys.get(req.sid)
+        pin = self.router.session_pins.get(sk, now) if sk is not None else None
+        tokens = req.estimated()[0]
+        if pin is None or not size_decides(pin.tokens, tokens):
+            return None
+        profile = RequestProfile(sk, None, tokens, BodyStatus.HEADER_PATH, None, (), req.pool, priority=req.klass,
+                                 tenant=req.tenant, api=Api.CHAT, header_path=True)
+        d = self.router.select(profile, now, only, hold_key=req.rid if self.router.flow is not None else None)
+        if d.reason is Reason.READ_BODY:
+            return None
+        self.header_turns += 1
+        req.extra["header_path"] = True
+        return d
+
     def choose(self, req, now, exclude=frozenset()):
         # the model's replicas; its replicas of role prefill too (the router keeps them for prefill legs)
         exclude = exclude - getattr(self, "prefill_set", frozenset())
         only = [f"r{i}" for i in range(self.n) if i not in exclude] if exclude else None
+        if self.header_path and (d := self._at_headers(req, now, only)) is not None:
+            return self._accept(req, d)
         if self.router.flow is not None:
             d = self.router.select(self._profile(req), now, only, hold_key=req.rid)
             if d.reason is Reason.HELD:
@@ -799,9 +826,10 @@ AGGREGATED = "warmroute_aggregated"
 NO_FLOW = "warmroute_no_flow"
 FLOW_WAIT = "warmroute_flow_wait"
 EXACT = "warmroute_exact"  # as it ships, on a fleet whose engines publish KV events and whose tokenizer it has
+HEADERS, EXACT_HEADERS = "warmroute_headers", "warmroute_exact_headers"  # with the header path (issue 61)
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS, *EXACT_PEERS, *PD_PEERS,
+POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, HEADERS, EXACT_HEADERS, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS, *EXACT_PEERS, *PD_PEERS,
             *REFERENCE]
 
 
@@ -810,8 +838,10 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
         return Warmroute(n, seed, router_cfg, name, flow=True, hold_on_wait=name == FLOW_WAIT)
     if name == NO_FLOW:
         return Warmroute(n, seed, router_cfg, name)
-    if name == EXACT:
-        return Warmroute(n, seed, router_cfg, name, flow=True, exact=True)
+    if name in (EXACT, EXACT_HEADERS):
+        return Warmroute(n, seed, router_cfg, name, flow=True, exact=True, header_path=name == EXACT_HEADERS)
+    if name == HEADERS:
+        return Warmroute(n, seed, router_cfg, name, flow=True, header_path=True)
     if name == AGGREGATED:
         w = Warmroute(n, seed, router_cfg, name, flow=True)
         w.aggregated = True

@@ -1,0 +1,71 @@
+"""The header path (issue 61): a turn of a session under way decided at its request headers.
+
+Envoy asks the brain with a request's headers before it reads the body when they name a session and declare a size
+(``envoy_config.filters.header_path_filter``). The brain answers with the route when the headers decide it: the
+session has a home, the home serves the request's model and path, and the cost model keeps the turn there (priced
+by its declared size and what the home holds of the session). The body then streams to the replica: no buffer, no
+second call, no parse. Anything else reads the body, as before: ``turn`` says why.
+
+Which requests take it, and which read their body (docs/architecture.md, "Two paths"):
+- taken: POSTs to the chat, completions and Messages APIs with a session header and a Content-Length, in a fleet that
+  serves one model (no alias, no adapter), or whose ``profile.model_header`` names a model the home serves;
+- read: new sessions; sessions whose home is not LIVE, cannot take the turn (the cost model would move it, flow
+  control would hold it) or no longer holds the session (exact mode: the engine evicted its last block); stored
+  Responses (a follow-up's home is its response's); fleets with prefill replicas (the prefill leg needs the body);
+  aliases and several models without a model header (the body names the model); compressed bodies; a turn whose
+  declared size grew more than a turn adds or shrank (``core.profile.size_decides``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER
+from ..core.apis import Api
+from ..core.models import Resolution
+from ..core.profile import RequestProfile, header_profile, size_decides
+
+APIS = (Api.CHAT, Api.COMPLETIONS, Api.MESSAGES)
+
+# why a request that asked at its headers read its body (warmroute_header_path_declined_total{why})
+WHY = ("policy", "method", "encoded", "api", "no_session", "new_session", "model", "size", "disaggregation",
+       "home_declined")
+
+
+def turn(brain, headers: dict[str, str], now: float) -> tuple[str | None, RequestProfile | None,
+                                                                       Resolution | None]:
+    """(None, its profile, its model's resolution) for a turn the headers may decide; (why not, None, None) else."""
+    router = brain.router
+    if not router.policy.decides_at_headers:
+        return "policy", None, None
+    if headers.get(":method", "POST") != "POST":
+        return "method", None, None
+    if headers.get(CONTENT_ENCODING_HEADER, "identity").strip().lower() not in ("", "identity") or \
+            headers.get(INFLATED_FROM_HEADER):
+        return "encoded", None, None
+    profile = header_profile(headers, router.profile_cfg)
+    if profile is None:
+        return "no_session", None, None
+    if profile.api not in APIS:
+        return "api", None, None
+    pin = router.session_pins.get(profile.session_key, now)
+    if pin is None:
+        return "new_session", None, None
+    models = brain.models
+    header = brain.cfg.router.profile.model_header
+    model = headers.get(header.lower()) if header else None
+    model = model or models.one_model()
+    if model is None:
+        return "model", None, None
+    path = headers.get(":path", "").split("?", 1)[0]
+    res = models.resolve(model, profile.session_key, path or None)
+    if res.rewritten or (res.replicas is not None and pin.replica.name not in res.replicas):
+        return "model", None, None
+    if not size_decides(pin.tokens, profile.tokens):
+        return "size", None, None
+    if brain.prefill_fleet():
+        return "disaggregation", None, None
+    bound = models.max_model_len(res.model)
+    profile = dataclasses.replace(
+        profile, model=res.model, adapter=res.model if models.is_adapter(res.model) else None,
+        tokens=min(profile.tokens, bound) if bound is not None else profile.tokens)
+    return None, profile, res

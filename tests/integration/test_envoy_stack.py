@@ -407,8 +407,11 @@ def test_a_config_that_also_sends_the_headers_message_routes_by_the_brain(own_st
     """Users on the two-message ext_proc mode (request headers, then body) keep working."""
     from extproc.envoy_config import bootstrap, extension_of
 
+    import dataclasses
+
     s = own_stack(3, envoy=False)
-    doc = bootstrap(s.live_config())
+    cfg = s.live_config()  # every turn through the body's call: the header path would decide turns 2-4 at their headers
+    doc = bootstrap(dataclasses.replace(cfg, envoy=dataclasses.replace(cfg.envoy, header_path=False)))
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     ext = extension_of(next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"))
     ext["processing_mode"]["request_header_mode"] = "SEND"

@@ -423,3 +423,46 @@ def test_a_held_pick_placed_as_the_gateway_leaves_gives_its_reservation_back():
 
     asyncio.run(scenario())
     assert brain.router.open_reservations == 0 and len(brain.router.flow) == 0
+
+
+def test_a_turn_under_way_is_picked_at_its_headers_and_its_body_passes_through_unread():
+    """Issue 61 in the full-duplex shape: the pick comes before any body chunk, the body is echoed as it comes, and the
+    turn's work is booked only once its body has passed (an upload held open books nothing)."""
+    cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000", "models": ["mock-coder-30b"]}
+                                     for i in range(N)], "brain": {"protocol": "endpoint-picker"}})
+    b = live_brain(cfg)
+    front = EndpointPicker(b.pick, b.end_picked, b.cfg.envoy.brain_body_max_bytes, b.clock,
+                           arrived=lambda res: b.router.arrived(res, b.clock()), pick_at_headers=b.pick_at_headers)
+
+    seen: list[float] = []  # the home's booked work when the gateway has sent all it will
+
+    class Open(Ctx):
+        async def read(self):
+            if not self.msgs:
+                seen.append(b.router.policy.state_of(b.router.replica(b.releaser.by_address[first])).work_s)
+            return await super().read()
+
+    def turn(data: bytes, upload_ends: bool = True) -> tuple[list[ep.ProcessingResponse], Ctx]:
+        msgs = request(data, {"x-session-id": "agent", "content-length": str(len(data))}, pieces=4)
+        ctx = Open(msgs if upload_ends else msgs[:3])
+        asyncio.run(front.Process(None, ctx))
+        return ctx.out, ctx
+
+    first = ENDPOINTS[0]
+
+    out, _ = turn(BODY)  # a new session: its body decides
+    first = picked(out)[0].split(",")[0]
+    assert b.recent_decisions(last=1)[0]["path"] == "body"
+    longer = orjson.dumps({"model": "mock-coder-30b", "messages": [{"role": "system", "content": "sys " * 200},
+                                                                  {"role": "user", "content": "hi"},
+                                                                  {"role": "assistant", "content": "yes"},
+                                                                  {"role": "user", "content": "more " * 50}]})
+    out, _ = turn(longer)
+    assert picked(out)[0].split(",")[0] == first and b.recent_decisions(last=1)[0]["path"] == "headers"
+    hdr = {h.header.key for h in out[0].request_headers.response.header_mutation.set_headers}
+    assert "content-length" not in hdr  # the body is the client's, as it comes
+    assert b"".join(o.request_body.response.body_mutation.streamed_response.body for o in out[1:]) == longer
+    assert seen[-1] > 0  # its body passed: its work was booked on its home
+    idle = b.router.policy.state_of(b.router.replica(b.releaser.by_address[first])).work_s
+    out, ctx = turn(longer, upload_ends=False)  # the upload never ends: routed, and nothing booked meanwhile
+    assert b.recent_decisions(last=1)[0]["path"] == "headers" and seen[-1] == idle

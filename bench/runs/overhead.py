@@ -106,13 +106,20 @@ async def fixed_rate(url: str, rate: float, count: int, size: int) -> list[float
     return lat
 
 
-async def sequential(url: str, count: int, size: int) -> list[float]:
+async def sequential(url: str, count: int, size: int, session: str | None = None) -> list[float]:
+    """``count`` requests one after another (after two that warm the connection up). ``session``: every request names
+    it (a session under way: the header path once its first turn is in); "new": each names a new one (first turns:
+    the body path, after a header call the brain declines); None: none names one (the body path, no header call)."""
     lat = []
     body = body_of(size, 0)
+    tag = f"{time.monotonic_ns()}"
     async with aiohttp.ClientSession() as http:
         for i in range(count + 2):
+            headers = {"content-type": "application/json"}
+            if session is not None:
+                headers["x-session-id"] = f"{session}-{tag}-{i}" if session == "new" else f"{session}-{tag}"
             t0 = time.monotonic()
-            async with http.post(url, data=body, headers={"content-type": "application/json"}) as r:
+            async with http.post(url, data=body, headers=headers) as r:
                 await r.read()
                 assert r.status == 200, r.status
             if i >= 2:  # the first two warm connections up
@@ -163,17 +170,21 @@ async def serve_floor(port_file: str) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    from extproc.contract import METADATA_NAMESPACE
+    from extproc.brain.decide import route_answer
+    from extproc.contract import HEADER_PATH_METADATA, METADATA_NAMESPACE
 
     answer = ep.ProcessingResponse()
     answer.request_body.response.header_mutation.SetInParent()
     answer.request_body.response.clear_route_cache = True
     answer.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields["cluster"].string_value = "r0"
+    # asked at the headers (the header path): the route at once, as the brain answers a turn under way
+    at_headers = route_answer("r0", "0.0", "request_headers")
 
     class Floor(ep_grpc.ExternalProcessorServicer):
         async def Process(self, request_iterator, context):
             await context.read()
-            await context.write(answer)
+            headers = HEADER_PATH_METADATA in (context.invocation_metadata() or ())
+            await context.write(at_headers if headers else answer)
 
     class Logs(als_pb2_grpc.AccessLogServiceServicer):
         async def StreamAccessLogs(self, request_iterator, context):
@@ -190,6 +201,44 @@ async def serve_floor(port_file: str) -> None:
     await server.start()
     Path(port_file).write_text(str(port))
     await server.wait_for_termination()
+
+
+def _by_path(metrics_url: str) -> dict[str, float]:
+    text = admin_http.request(metrics_url).decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^warmroute_decisions_by_path_total\{path="(\w+)"\} ([\d.e+]+)$', text, re.M)}
+
+
+def two_paths(args, urls: dict[str, str], brain, metrics_url: str) -> None:
+    """Issue 61: what a turn under way (the header path) and a first turn (the body path) add to Envoy direct, against
+    the do-nothing server's header-only and body round trips in the same run, and the brain's CPU per request."""
+    print("\nthe two paths (issue 61): added latency p50 over Envoy direct, ms (sequential, median of n); brain CPU "
+          "per request")
+    print(f"{'body':<8}{'n':>4}{'direct':>8}{'floor hdr':>11}{'floor body':>12}{'under way':>11}{'first turn':>12}"
+          f"{'no session':>12}{'CPU under way':>15}{'CPU first':>11}{'hdr share':>11}")
+    for label, size, n in (("1 KB", 1024, 200), ("100 KB", 100 * 1024, 100), ("1 MB", 2**20, 30),
+                           ("16 MB", 16 * 2**20, 6)):
+        if args.quick:
+            n = max(3, n // 4)
+        med = {"direct": statistics.median(asyncio.run(sequential(urls["direct"], n, size)))}
+        med["floor hdr"] = statistics.median(asyncio.run(sequential(urls["do-nothing, TCP"], n, size, "floor")))
+        med["floor body"] = statistics.median(asyncio.run(sequential(urls["do-nothing, TCP"], n, size)))
+        cpu, share = {}, 0.0
+        for kind, session in (("under way", "agent"), ("first turn", "new"), ("no session", None)):
+            before, paths = cpu_seconds(brain.popen.pid), _by_path(metrics_url)
+            med[kind] = statistics.median(asyncio.run(sequential(urls["brain over unix"], n, size, session)))
+            cpu[kind] = (cpu_seconds(brain.popen.pid) - before) / (n + 2)
+            if kind == "under way":
+                after = _by_path(metrics_url)
+                done = sum(after.values()) - sum(paths.values())
+                share = (after.get("headers", 0) - paths.get("headers", 0)) / done if done else 0.0
+        added = {k: (v - med["direct"]) * 1e3 for k, v in med.items()}
+        print(f"{label:<8}{n:>4}{med['direct'] * 1e3:>8.2f}{added['floor hdr']:>11.2f}{added['floor body']:>12.2f}"
+              f"{added['under way']:>11.2f}{added['first turn']:>12.2f}{added['no session']:>12.2f}"
+              f"{cpu['under way'] * 1e3:>13.2f}ms{cpu['first turn'] * 1e3:>9.2f}ms{share:>11.0%}")
+    print("targets: a turn under way adds at most the do-nothing server's header-only round trip (floor hdr) + 0.2 ms "
+          "at p50 at every size; the brain's CPU per turn under way <= 1/4 of a body-read one's. 'no session': the "
+          "body path without the header call (what every request paid before the header path)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fleet = Envoy("fleet", fake_fleet(4), work)
         procs.append(fleet)
-        cfg_doc = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(fleet.ports)],
+        # the fleet's model named: the fake replicas answer no /v1/models, and a fleet of one known model is what lets
+        # the headers of a turn under way decide it (the header path)
+        cfg_doc = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{p}", "models": ["mock-coder-30b"]}
+                                for i, p in enumerate(fleet.ports)],
                    "brain": {"host": "127.0.0.1", "grpc_port": 0, "insecure": True, "admin_port": 0, "metrics_port": 0,
                              "grpc_socket": str(work / "brain.sock"), "admin_token_file": str(work / "admin.token")},
                    "envoy": {"listen_host": "127.0.0.1", "listen_port": 0},
@@ -379,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             med = {name: statistics.median(asyncio.run(sequential(urls[name], n, size))) for name in names}
             print(f"{label:<8}{n:>5}{med['direct'] * 1e3:>11.2f}"
                   + "".join(f"{(med[name] - med['direct']) * 1e3:>14.2f}" for name in names[1:]))
+        two_paths(args, urls, brain, f"http://127.0.0.1:{info['metrics_port']}/metrics")
         st = json.loads(admin_http.request(state_url, headers=auth))
         wait_for(lambda: json.loads(admin_http.request(state_url, headers=auth))["open_reservations"] == 0, 10, "releases")
         print(f"\nbrain: {sum(r['decisions'] for r in st['replicas'])} decisions, open reservations drained to 0")

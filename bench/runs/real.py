@@ -1,7 +1,8 @@
 """``make bench-real``: warmroute against its peers on real vLLM 0.32 engines, in real time (no compression).
 
 Three real replicas of the tiny model (``make engines``; ~2 GB each, sharing this machine's two cores; LoRA off:
-no request of this workload names an adapter) are started once. For each seed and each router, the replicas'
+no request of this workload names an adapter; KV events on, as ``warmroute up --engine vllm`` starts them, so that
+warmroute runs in exact mode as it ships) are started once. For each seed and each router, the replicas'
 prefix caches are emptied (``POST /reset_prefix_cache``, vLLM's dev mode), the router is started in front of
 them, and the same multi-turn workload is replayed through it: coding-agent sessions over three projects with
 shared system prompts, sized to the tiny model (contexts up to ~6.5K of its 8K tokens; more sessions under way
@@ -102,11 +103,16 @@ class Row:
     ttfts: list[float] = dataclasses.field(default_factory=list)  # every answered request's, as the client saw it
     hits: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # each answer's (cached, prompt) tokens
     not_engine: float = float("nan")  # of the mean TTFT, the share the engines did not see
+    header_share: float | None = None  # warmroute: the share of its decisions taken at the headers (issue 61)
+    engine_ttft_mean: float = float("nan")  # the engines' own mean TTFT over the run
 
 
 def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
     """The router in front of the running replicas: its URL, and a stack that stops what it started."""
-    config: dict = {"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0}}
+    # as `warmroute up --engine vllm` ships it: the engines publish KV events and the brain has the model's tokenizer
+    # (exact mode); the header path on (envoy.header_path, the default)
+    config: dict = {"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0},
+                    "exact_cache": {"tokenizers": {model: str(real_vllm.model_dir())}}}
     if contender == "warmroute_flow":  # the bench's clients set their class and tenant (a trusted network)
         config.update({"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
                        "envoy": {"trust_downstream_tenant_header": True}})
@@ -157,6 +163,9 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             decision = brain_decision_mean(brain)
             # seconds flow control held requests in the brain: the router's choice, not this machine's slowness
             held = metric_total(brain, "warmroute_flow_wait_seconds_total")
+            by_path = {p: metric_total(brain, f'warmroute_decisions_by_path_total{{path="{p}"}}') for p in ("headers", "body")}
+            row.header_share = by_path["headers"] / max(1.0, sum(by_path.values()))
+            row.engine_ttft_mean = (e1[0] - e0[0]) / (e1[1] - e0[1]) if e1[1] > e0[1] else float("nan")
             learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
             for rep, before in zip(replicas, h0):
                 d = {k: v - before[k] for k, v in histogram_sums(http_get(rep.url + "/metrics", 5).decode()).items()}
@@ -333,15 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     model = real_vllm.model_info()["served_name"]
     print(f"bench-real: {args.replicas} real vLLM {real_vllm.VERSION} replicas (tiny model, CPU), real time, "
           f"{args.minutes:g} min a run, seeds {args.seeds}; routers: {args.contenders}", flush=True)
-    fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True, lora=()))
+    fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True, lora=(), kv_events=True))
     rows = []
     with fleet:
         for seed in (int(x) for x in args.seeds.split(",")):
             for c in args.contenders.split(","):
                 row = measure(c, fleet.replicas, seed, w, model)
                 rows.append(row)
+                hdr = f", {row.header_share:.0%} decided at the headers" if row.header_share is not None else ""
                 print(f"  seed {seed} {c}: sent {row.sent}, errors {row.errors}, TTFT p50 {row.ttft_p50 * 1000:.0f} ms "
-                      f"p99 {row.ttft_p99 * 1000:.0f} ms, engine hit {row.hit:.1%} {row.note}", flush=True)
+                      f"p99 {row.ttft_p99 * 1000:.0f} ms, engine hit {row.hit:.1%}{hdr} {row.note}", flush=True)
     t0 = time.monotonic()
     text = table(rows)
     print(text)

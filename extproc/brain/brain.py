@@ -294,6 +294,24 @@ class Brain:
     def at_headers(self, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
         """The header path (``header_path``): a turn of a session under way answered at its request headers, its
         body streamed to its home without passing through the brain. None: its body decides (Envoy sends it)."""
+        d = self._at_headers(headers, None)
+        return self._answer(d, headers, None, "request_headers") if d is not None else None
+
+    def pick_at_headers(self, headers: dict[str, str], subset: list[str] | None) -> "Pick | None":
+        """The endpoint picker's header path: the pick of a turn its headers decide (its work booked once its body has
+        passed: ``Router.arrived``), or None (its body decides)."""
+        only = None
+        if subset is not None:
+            only = {self.releaser.by_address[a] for a in subset if a in self.releaser.by_address}
+            if not only:
+                return None
+        untrusted = self._picker_untrusted
+        if untrusted and any(h in headers for h in untrusted):
+            headers = {k: v for k, v in headers.items() if k not in untrusted}
+        d = self._at_headers(headers, only, arriving=True)
+        return self._pick_of(d, headers, None, only) if d is not None else None
+
+    def _at_headers(self, headers: dict[str, str], only: "set[str] | None", arriving: bool = False) -> Decision | None:
         t0 = time.perf_counter()
         now = self.clock()
         why, profile, res = header_path.turn(self, headers, now)
@@ -302,10 +320,13 @@ class Brain:
             if self.router.flow is not None:
                 key = next(self._hold_keys)  # never held: a turn flow control would hold reads its body
                 profile = dataclasses.replace(profile, priority=self._priority(headers), ttft_slo_s=ttft_slo_of(headers))
-            d = self.router.select(profile, now, res.replicas, hold_key=key)
+            if arriving:
+                profile = dataclasses.replace(profile, deferred=True)
+            allowed = res.replicas if only is None else only if res.replicas is None else res.replicas & only
+            d = self.router.select(profile, now, allowed, hold_key=key)
             if d.reason is not Reason.READ_BODY:
                 d.header_path = True
-                return self._answer(self._decided(d, profile, res, now, t0), headers, None, "request_headers")
+                return self._decided(d, profile, res, now, t0)
             why = "home_declined"
         self.stats.header_path_declined[why] += 1
         return None

@@ -196,6 +196,10 @@ class ChatTokens:
             self._memo_bytes -= gone.size
 
 
+    def extends(self, key: bytes | None) -> bool:
+        """Whether a turn of session ``key`` would extend tokens this holds (its last turn's)."""
+        return key is not None and key in self._memo
+
     def learn(self, key: bytes, text: str, toks: array) -> None:
         """A session's prompt tokenized elsewhere (a worker process): its next turn extends it. Not over a memo of
         a longer text (a later turn already tokenized)."""
@@ -210,9 +214,11 @@ class ChatTokens:
 
 @dataclass(frozen=True, slots=True)
 class Later:
-    """A prompt too long to tokenize on the request path: its text, for a worker."""
+    """A prompt too long to tokenize on the request path, for a worker: its text, or (not read yet) its body's bytes and
+    its API."""
 
-    text: str
+    text: str | None
+    request: "tuple[bytes, Api] | None" = None
 
 
 def encode_in_worker(tokenizer_json: str, text: str) -> bytes:
@@ -225,6 +231,26 @@ def encode_in_worker(tokenizer_json: str, text: str) -> bytes:
     return array("I", tok.encode(text, add_special_tokens=False).ids).tobytes()
 
 
+def render_in_worker(model_dir: str, chat_template: str | None, body: bytes, api: Api) -> tuple[str, bytes] | None:
+    """A request body read, rendered as the engine renders it, and tokenized, in a worker process that loaded the
+    model's template and tokenizer once: (text, ids as uint32 bytes), or None when it cannot be rendered here."""
+    import orjson
+
+    key = f"{model_dir}\0{chat_template}"
+    ct = _WORKER_CHATS.get(key)
+    if ct is None:
+        ct = _WORKER_CHATS[key] = ChatTokens(model_dir, chat_template=chat_template)
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    text = ct.render(doc, api) if isinstance(doc, dict) else None
+    if text is None:
+        return None
+    return text, array("I", ct.tokenizer.encode(text, add_special_tokens=False).ids).tobytes()
+
+
+_WORKER_CHATS: dict[str, "ChatTokens"] = {}
 _WORKER_TOKENIZERS: dict[str, Any] = {}
 _EMPTY = array("I")
 

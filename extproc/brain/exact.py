@@ -19,7 +19,7 @@ from ..core import exact
 from ..core.apis import Api
 from ..core.engine_cache import EngineCache, none_hash
 from . import logs
-from .engine_tokens import ChatTokens, Later, TokenizerError, encode_in_worker
+from .engine_tokens import ChatTokens, Later, TokenizerError, encode_in_worker, render_in_worker
 from .kv_events import KvEvents
 
 log = logging.getLogger("warmroute.exact")
@@ -97,6 +97,12 @@ class Exact:
         self._learn_done()
         bs = self.block_size  # known once an engine verified: before, the tokens alone (every replica estimated)
         key = profile.session_key
+        if key is not None and len(body) > self.cfg.inline_chars and not ct.extends(key):
+            # a session's first turn here, longer than the request path tokenizes: not even read or rendered here (a
+            # 40 KB conversation's parse and template cost ~1 ms on top of the estimate's 0.2): a worker does it all
+            self.deferred += 1
+            self._tokenize_later(ct, key, Later(None, (body, profile.api)), model)
+            return profile
         try:
             doc = orjson.loads(body)
             salt = doc.get("cache_salt") if isinstance(doc, dict) and isinstance(doc.get("cache_salt"), str) else None
@@ -106,7 +112,7 @@ class Exact:
             got = None
         if isinstance(got, Later):
             self.deferred += 1
-            self._tokenize_later(ct, key, got.text)
+            self._tokenize_later(ct, key, got, model)
             return profile
         if not got or not got[0]:
             self.untokenized += 1
@@ -116,7 +122,7 @@ class Exact:
         return dataclasses.replace(profile, engine_tokens=len(tokens),
                                    engine_hashes=(bs, hashes) if hashes is not None else None)
 
-    def _tokenize_later(self, ct: ChatTokens, key: bytes | None, text: str) -> None:
+    def _tokenize_later(self, ct: ChatTokens, key: bytes | None, later: Later, model: str | None) -> None:
         """A session's long prompt tokenized in a worker process, off the event loop (the tokenizer holds the GIL:
         a thread would stall every decision as long); when it is done, the session's next turns extend it. One
         job per session at a time, ``MAX_JOBS`` in all: beyond, the session stays estimated until one ends."""
@@ -126,12 +132,16 @@ class Exact:
             # spawned, not forked: a fork of a process with gRPC's threads is not safe
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
-            fut = self._pool.submit(encode_in_worker, ct.tokenizer_json, text)
+            if later.text is not None:
+                fut = self._pool.submit(encode_in_worker, ct.tokenizer_json, later.text)
+            else:  # rendered there too
+                path, template = self._sources[model]
+                fut = self._pool.submit(render_in_worker, path, template, *later.request)
         except RuntimeError:  # the pool broke (its process died) or is shut down: a fresh one next time
             self._pool = None
             return
         self._pending.add(key)
-        fut.add_done_callback(lambda f: self._done.append((ct, key, text, f)))  # deque: safe from the pool's thread
+        fut.add_done_callback(lambda f: self._done.append((ct, key, later.text, f)))  # deque: safe from the pool's thread
 
     def _learn_done(self) -> None:
         while self._done:
@@ -140,8 +150,13 @@ class Exact:
             if f.cancelled() or f.exception() is not None:
                 self.worker_failed += 1
                 continue
+            got = f.result()
+            if text is None:  # rendered there too: (its text, its ids), or None when it could not be
+                if got is None:
+                    continue
+                text, got = got
             toks = array("I")
-            toks.frombytes(f.result())
+            toks.frombytes(got)
             ct.learn(key, text, toks)
             self.learned += 1
 

@@ -22,7 +22,7 @@ import dataclasses
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER
 from ..core.apis import Api
 from ..core.models import Resolution
-from ..core.profile import RequestProfile, header_profile, size_decides
+from ..core.profile import RequestProfile, declared_size, header_profile, size_decides
 
 APIS = (Api.CHAT, Api.COMPLETIONS, Api.MESSAGES)
 
@@ -42,6 +42,8 @@ def turn(brain, headers: dict[str, str], now: float) -> tuple[str | None, Reques
     if headers.get(CONTENT_ENCODING_HEADER, "identity").strip().lower() not in ("", "identity") or \
             headers.get(INFLATED_FROM_HEADER):
         return "encoded", None, None
+    if not declared_size(headers):
+        return "size", None, None
     profile = header_profile(headers, router.profile_cfg)
     if profile is None:
         return "no_session", None, None

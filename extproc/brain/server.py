@@ -268,7 +268,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
 
         front = EndpointPicker(brain.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,
                                wait=waits.wait, cancel=waits.cancel, hold_s=held_s(cfg),
-                               arrived=lambda res: brain.router.arrived(res, brain.clock())).Process
+                               arrived=lambda res: brain.router.arrived(res, brain.clock()),
+                               pick_at_headers=brain.pick_at_headers if cfg.envoy.header_path else None).Process
     else:
         front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
                                   held_s(cfg), brain.look,

@@ -186,7 +186,8 @@ def header_path_filter(cfg: AppConfig) -> dict:
     return _skipped_when([
         {"not_matcher": _any(sessions)},
         {"not_matcher": header_predicate(CONTENT_LENGTH, ".+")},
-        header_predicate(CONTENT_LENGTH, greater_than_regex(min(e.brain_body_max_bytes, e.max_body_bytes))),
+        # larger than the brain reads is no matter (the body never reaches it); larger than Envoy buffers is Envoy's 413
+        header_predicate(CONTENT_LENGTH, greater_than_regex(e.max_body_bytes)),
         header_predicate(INFLATED_FROM_HEADER, ".*"),
     ], call)
 
@@ -327,6 +328,7 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                                                               greater_than_regex(e.brain_body_max_bytes))},
                         ]}},
                         header_predicate(INFLATED_FROM_HEADER, ".*"),
+                        *_decided_at_headers(cfg),  # routed: nothing to read, nothing to hold
                     ]}},
                     "on_match": SKIP_FILTER,
                 }]}},

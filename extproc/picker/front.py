@@ -185,8 +185,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                  on_reset: Callable[[], None] | None = None, buffered_max_bytes: int | None = None,
                  wait: "Callable[[object], Awaitable[Any]] | None" = None,
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
-                 arrived: "Callable[[Any], None] | None" = None):
+                 arrived: "Callable[[Any], None] | None" = None,
+                 pick_at_headers: "Callable[[dict[str, str], list[str] | None], PickResult | None] | None" = None):
         self.pick = pick
+        # the header path: the pick of a turn of a session under way, on its headers alone (None: its body decides)
+        self.pick_at_headers = pick_at_headers
         # a request decided before its body ended (past the byte limits, or a STREAMED gateway): its work is booked
         # once the body has passed (an upload held open reaches no engine, and must not hold the fleet's room)
         self.arrived = arrived
@@ -278,6 +281,13 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 return [_PASS[kind]]  # the decision rides on the body's answer
             if st.request_mode != _DUPLEX:  # STREAMED: Envoy waits for this answer before any body
                 return [await self._decide(st, None, context, arriving=True)]
+            if self.pick_at_headers is not None and self.arrived is not None:
+                # a turn its headers decide is answered now; its body then passes through as it comes, unread
+                p = self.pick_at_headers(st.headers, st.subset)
+                if p is not None and p.endpoints:
+                    st.answered = st.arriving = True
+                    st.reservation, st.picked_at = p.reservation, self.clock()
+                    return [destination_answer(p.endpoints, None, "request_headers", p.dp_rank)]
             return []  # full duplex: the answer waits for the body
         if kind == "request_body":
             chunk = req.request_body

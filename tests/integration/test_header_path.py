@@ -87,6 +87,8 @@ def test_turns_under_way_are_routed_at_their_headers_and_reach_their_home_whole(
     home = out["system_fingerprint"]  # the cost model may move a turn that new: wherever it went is its home now
     status, h, out = post(s, big, sid)
     assert status == 200 and decided(s, h)["path"] == "headers" and out["system_fingerprint"] == home
+    # each one's reservation went back when Envoy logged its end, as a body-read turn's does
+    wait_for(lambda: s.state()["open_reservations"] == 0, 10, "every reservation released")
 
 
 def test_what_the_headers_cannot_decide_reads_its_body(one_model):

@@ -105,6 +105,7 @@ class Row:
     not_engine: float = float("nan")  # of the mean TTFT, the share the engines did not see
     header_share: float | None = None  # warmroute: the share of its decisions taken at the headers (issue 61)
     engine_ttft_mean: float = float("nan")  # the engines' own mean TTFT over the run
+    brain_cpu: float | None = None  # warmroute: the brain's CPU seconds per second of the run (cores it used)
 
 
 def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
@@ -150,6 +151,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         urls = [r.url for r in replicas]
         h0 = [histogram_sums(http_get(u + "/metrics", 5).decode()) for u in urls]
         c0, e0 = engine_counters(urls), _engine_ttft(urls)
+        brain_cpu0 = _cpu_s(s.brain.popen.pid) if getattr(s, "brain", None) is not None else None
         t0 = time.monotonic()
         res = asyncio.run(replay(url, w, seed=seed, speedup=1.0, model=model, timeout=120.0,
                                  extra_headers=class_headers, retry_429=True))
@@ -157,6 +159,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         c = engine_counters(urls) - c0
         e1 = _engine_ttft(urls)
         engine_ttft = (e1[0] - e0[0]) / (e1[1] - e0[1]) if e1[1] > e0[1] else float("nan")
+        row.engine_ttft_mean = engine_ttft
         decision, held = None, 0.0
         if contender in ("warmroute", "warmroute_flow", "warmroute_no_flow"):
             brain = http_get(s.brain_metrics).decode()
@@ -165,7 +168,8 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             held = metric_total(brain, "warmroute_flow_wait_seconds_total")
             by_path = {p: metric_total(brain, f'warmroute_decisions_by_path_total{{path="{p}"}}') for p in ("headers", "body")}
             row.header_share = by_path["headers"] / max(1.0, sum(by_path.values()))
-            row.engine_ttft_mean = (e1[0] - e0[0]) / (e1[1] - e0[1]) if e1[1] > e0[1] else float("nan")
+            if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
+                row.brain_cpu = (_cpu_s(s.brain.popen.pid) - brain_cpu0) / elapsed
             learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
             for rep, before in zip(replicas, h0):
                 d = {k: v - before[k] for k, v in histogram_sums(http_get(rep.url + "/metrics", 5).decode()).items()}
@@ -199,6 +203,14 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         row.pace = (f"{row.not_engine:.0%} of the mean TTFT was not the engines' (client, router, Envoy, HTTP): "
                     f"the run measured the machine")
     return row
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _engine_ttft(urls: list[str]) -> tuple[float, float]:
@@ -350,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(c, fleet.replicas, seed, w, model)
                 rows.append(row)
                 hdr = f", {row.header_share:.0%} decided at the headers" if row.header_share is not None else ""
+                if row.brain_cpu is not None:
+                    hdr += f", brain {row.brain_cpu:.2f} cores"
+                hdr += f", engines' own mean TTFT {row.engine_ttft_mean * 1000:.0f} ms"
                 print(f"  seed {seed} {c}: sent {row.sent}, errors {row.errors}, TTFT p50 {row.ttft_p50 * 1000:.0f} ms "
                       f"p99 {row.ttft_p99 * 1000:.0f} ms, engine hit {row.hit:.1%}{hdr} {row.note}", flush=True)
     t0 = time.monotonic()

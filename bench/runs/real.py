@@ -106,6 +106,7 @@ class Row:
     header_share: float | None = None  # warmroute: the share of its decisions taken at the headers (issue 61)
     engine_ttft_mean: float = float("nan")  # the engines' own mean TTFT over the run
     brain_cpu: float | None = None  # warmroute: the brain's CPU seconds per second of the run (cores it used)
+    held_s: float = 0.0  # warmroute: seconds flow control held requests in the brain, summed over the run
 
 
 def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
@@ -166,6 +167,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             decision = brain_decision_mean(brain)
             # seconds flow control held requests in the brain: the router's choice, not this machine's slowness
             held = metric_total(brain, "warmroute_flow_wait_seconds_total")
+            row.held_s = held
             by_path = {p: metric_total(brain, f'warmroute_decisions_by_path_total{{path="{p}"}}') for p in ("headers", "body")}
             row.header_share = by_path["headers"] / max(1.0, sum(by_path.values()))
             if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
@@ -363,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 hdr = f", {row.header_share:.0%} decided at the headers" if row.header_share is not None else ""
                 if row.brain_cpu is not None:
-                    hdr += f", brain {row.brain_cpu:.2f} cores"
+                    hdr += f", brain {row.brain_cpu:.2f} cores, held {row.held_s:.1f} s in all"
                 hdr += f", engines' own mean TTFT {row.engine_ttft_mean * 1000:.0f} ms"
                 print(f"  seed {seed} {c}: sent {row.sent}, errors {row.errors}, TTFT p50 {row.ttft_p50 * 1000:.0f} ms "
                       f"p99 {row.ttft_p99 * 1000:.0f} ms, engine hit {row.hit:.1%}{hdr} {row.note}", flush=True)

@@ -236,6 +236,8 @@ class Brain:
         if self.models.is_adapter(res.model):
             profile = dataclasses.replace(profile, adapter=res.model)
         profile = self.exact.price(profile, body, res.model or profile.model)
+        if profile.doc is not None:  # read by now; a held request keeps its body, not its parse too (several times it)
+            profile = dataclasses.replace(profile, doc=None)
         if hold_key is not None:
             flow = (tenant_of(headers, r.profile_cfg), self._priority(headers), ttft_slo_of(headers))
             if flow != (profile.tenant, profile.priority, profile.ttft_slo_s):  # a copy costs ~20 µs: only if needed

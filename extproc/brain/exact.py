@@ -104,7 +104,7 @@ class Exact:
             self._tokenize_later(ct, key, Later(None, (body, profile.api)), model)
             return profile
         try:
-            doc = orjson.loads(body)
+            doc = profile.doc if profile.doc is not None else orjson.loads(body)  # parsed once, by the profile
             salt = doc.get("cache_salt") if isinstance(doc, dict) and isinstance(doc.get("cache_salt"), str) else None
             got = ct.prompt(doc, key, profile.api, (bs, self.root, salt, lora) if bs else None,
                             self.cfg.inline_chars) if isinstance(doc, dict) else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import orjson
@@ -73,6 +73,9 @@ class RequestProfile:
     # decided at its request headers (issue 61): a turn of a session under way, priced by its declared size and what
     # its home holds of the session; the policy keeps it on its home or answers Reason.READ_BODY
     header_path: bool = False
+    # the body as parsed here (a JSON object), when it was: what reads it next (exact mode's tokenizer) reads this one
+    # instead of parsing the body again. Never compared, never shown: it holds the prompt's text
+    doc: Any = field(default=None, compare=False, repr=False)
 
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
@@ -396,6 +399,7 @@ def build_profile(
             session_key = hash_key("session", tenant, "response:" + root)
             session_source = "body:previous_response_id" if stored_ref else "body:response"
     stored = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id,
+              "doc": doc if status is BODY_OK else None,
               "stores_response": api is Api.RESPONSES and status is BODY_OK and doc.get("store") is not False,
               "kv_transfer": KV_TRANSFER_KEY in doc if status is BODY_OK else False if status is BODY_NOT_OBJECT else None}
 

@@ -42,7 +42,10 @@ MODEL = "tiny-llama"
 # a decode prior far from the engine's (~30 ms a token here), so that the rates test sees it learned, not kept
 # requests may carry tools (vLLM refuses tools without a parser for the default tool_choice, "auto")
 TOOL_CALLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-CONFIG = {**FAST, "health": {**FAST["health"], "scrape_interval_s": 0.5}, "warm": {"decode_s_per_token": 0.2}}
+# x-model: this fleet serves several models, so a turn under way is decided at its headers only when it names its
+# model in a header (issue 61); the other tests name none and read every body
+CONFIG = {**FAST, "health": {**FAST["health"], "scrape_interval_s": 0.5}, "warm": {"decode_s_per_token": 0.2},
+          "profile": {"model_header": "x-model"}}
 
 
 def _doc(raw: bytes) -> dict:
@@ -204,6 +207,39 @@ def test_exact_mode_predicts_the_engine_s_cached_and_prompt_tokens_and_a_foreign
     print(f"adapter tiny-lora-b on r0: {rows}")
     assert all(p == e and pp == ep for p, e, pp, ep in rows) and rows[-1][1] > 0, rows
     assert fleet.replica_state("r0")["cache"]["engines"][0]["unverifiable_blocks"] == 0
+
+
+def test_turns_under_way_decided_at_their_headers_reach_their_home_whole_and_find_their_context(fleet):
+    """Issue 61 on real engines: a session's turns that name their model in a header are routed at their headers and
+    their bodies streamed unread; the engine answers each from the context its home holds (its own cached_tokens),
+    and a turn that changes model mid-session reads its body and goes to that model's replica."""
+    msgs: list[dict] = [{"role": "system", "content": "You maintain the billing service. " * 60}]
+    rows = []
+    for t in range(4):
+        msgs.append({"role": "user", "content": f"step {t}: " + "explain the failing check in detail. " * 10})
+        status, headers, doc = post(fleet.url, "/v1/chat/completions",
+                                    {"model": MODEL, "messages": msgs, "max_tokens": 8, "temperature": 0},
+                                    {"x-session-id": "header-path", "x-model": MODEL})
+        assert status == 200, doc
+        msgs.append({"role": "assistant", "content": doc["choices"][0]["message"]["content"] or "ok"})
+        rid = headers.get("x-request-id") or headers.get("X-Request-Id")
+        d = json.loads(fleet.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]
+        rows.append((d["path"], d["replica"], doc["usage"]["prompt_tokens"],
+                     doc["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    print(f"\nheader path on real engines (path, replica, prompt, engine cached): {rows}")
+    assert rows[0][0] == "body" and all(r[0] == "headers" for r in rows[1:]), rows
+    assert len({r[1] for r in rows}) == 1, rows  # every turn on its home
+    # the engine read each whole body (its prompt grew turn by turn) and found the session's context there
+    assert all(b[2] > a[2] for a, b in zip(rows, rows[1:])), rows
+    assert all(r[3] >= rows[i][2] - 128 - 16 for i, r in enumerate(rows[1:])), rows
+    msgs.append({"role": "user", "content": "now in the other model"})
+    status, headers, doc = post(fleet.url, "/v1/chat/completions",
+                                {"model": "tiny-coder", "messages": msgs, "max_tokens": 4, "temperature": 0},
+                                {"x-session-id": "header-path", "x-model": "tiny-coder"})
+    assert status == 200, doc
+    rid = headers.get("x-request-id") or headers.get("X-Request-Id")
+    d = json.loads(fleet.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]
+    assert d["path"] == "body" and d["replica"] == "r2", d
 
 
 READ = {"name": "read_file", "description": "Read a file of the repository",

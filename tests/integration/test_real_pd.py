@@ -91,23 +91,32 @@ def test_a_long_prompt_beside_running_decodes_is_prefilled_on_the_prefill_replic
         status, _, _ = post(pd.url, "/v1/chat/completions", chat(prompt(f"bg{i}-{random.random()}", 40), 400))
         results.append(status)
 
-    ttft0 = total(metrics_of(port_of(pd, "r1")), "vllm:time_to_first_token_seconds_count")
-    bg = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-    for t in bg:
-        t.start()
-    # their prefills done (each counted its prompt's sources): what moves next is the long prompt's alone
-    wait_for(lambda: total(metrics_of(port_of(pd, "r1")), "vllm:time_to_first_token_seconds_count") >= ttft0 + 4
-             or None, 60, "streams decoding on r1")
-    before = total(metrics_of(port_of(pd, "r1")), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    status, headers, doc = post(pd.url, "/v1/chat/completions", chat(prompt(f"long-{random.random()}", 1000), 8))
-    for t in bg:
-        t.join(120)
-    assert status == 200, doc
-    d = decision(pd, headers["x-request-id"])
-    assert d["prefill_replica"] == "r0" and d["replica"] == "r1", d
+    seen = []
+    # whether a remote prefill pays is the brain's prediction from rates learned on a machine other tests may load:
+    # up to three rounds of streams and a long prompt, until one is disaggregated (alone: the first, every run)
+    for _ in range(3):
+        results.clear()
+        ttft0 = total(metrics_of(port_of(pd, "r1")), "vllm:time_to_first_token_seconds_count")
+        bg = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in bg:
+            t.start()
+        # their prefills done (each counted its prompt's sources): what moves next is the long prompt's alone
+        wait_for(lambda: total(metrics_of(port_of(pd, "r1")), "vllm:time_to_first_token_seconds_count") >= ttft0 + 4
+                 or None, 60, "streams decoding on r1")
+        before = total(metrics_of(port_of(pd, "r1")), "vllm:prompt_tokens_by_source_total",
+                       source="external_kv_transfer")
+        status, headers, doc = post(pd.url, "/v1/chat/completions", chat(prompt(f"long-{random.random()}", 1000), 8))
+        for t in bg:
+            t.join(120)
+        assert status == 200, doc
+        assert results == [200] * 4
+        d = decision(pd, headers["x-request-id"])
+        seen.append(d)
+        if d["prefill_replica"] is not None:
+            break
+    assert d["prefill_replica"] == "r0" and d["replica"] == "r1", seen
     cached = doc["usage"]["prompt_tokens_details"]["cached_tokens"]
     after = total(metrics_of(port_of(pd, "r1")), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     # r1 never saw this prompt: all it reports cached it loaded from the prefill leg's KV, whole blocks
     assert cached > 0.9 * doc["usage"]["prompt_tokens"] and cached % 128 == 0, doc["usage"]  # the CPU's blocks
     assert after - before == cached, (before, after, cached)
-    assert results == [200] * 4

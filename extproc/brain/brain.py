@@ -112,7 +112,7 @@ class Brain:
                                            (None, f.wait_s, min(f.wait_s, f.sheddable_wait_s)), f.hold_on_wait)
         self.scraper.on_models = self._on_models
         self.scraper.on_paths = self._on_paths
-        self.exact = Exact(cfg, self.router, self.scraper, self.clock, self.stats, self.models)  # the engines' own word (issue 45)
+        self.exact = Exact(cfg, self.router, self.scraper, self.clock, self.stats, self.models)  # the engines' own word
         self._set_replicas(cfg)
         m = make_registry(self.router, self.stats, self.clock)
         self.registry, self.decision_seconds, self.scraper.seconds = m.registry, m.decision, m.scrape

@@ -1,4 +1,4 @@
-"""A request as the engine renders it (issue 45): what vLLM 0.32 hands its chat template for a chat completions,
+"""A request as the engine renders it: what vLLM 0.32 hands its chat template for a chat completions,
 an Anthropic Messages or a Responses body, so that the brain's tokens are the engine's.
 
 Each function here follows one of vLLM's, named in its docstring (``vllm/entrypoints/anthropic/serving.py``,

@@ -1,4 +1,4 @@
-"""A request's tokens as the engine makes them (issue 45): the model's own chat template and tokenizer, from the
+"""A request's tokens as the engine makes them: the model's own chat template and tokenizer, from the
 files the engine loads, so that its prompt can be hashed into the blocks the engine's KV events name.
 
 vLLM renders a chat request with the model's template under Hugging Face's conventions (a sandboxed Jinja

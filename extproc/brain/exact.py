@@ -1,4 +1,4 @@
-"""The brain's side of exact mode (issue 45): the engines' event readers, the models' tokenizers, and each
+"""The brain's side of exact mode: the engines' event readers, the models' tokenizers, and each
 request's prompt hashed as the engine will hash it. Exactness is a state per engine, like health: an engine whose
 events verify is priced by what it holds; every other engine, and every request this cannot tokenize, by the
 estimate as before."""

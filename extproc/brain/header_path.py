@@ -1,4 +1,4 @@
-"""The header path (issue 61): a turn of a session under way decided at its request headers.
+"""The header path: a turn of a session under way decided at its request headers.
 
 Envoy asks the brain with a request's headers before it reads the body when they name a session and declare a size
 (``envoy_config.filters.header_path_filter``). The brain answers with the route when the headers decide it: the

@@ -1,4 +1,4 @@
-"""How far behind the brain reads the bodies Envoy sends it (issue 43, a flood of new sessions).
+"""How far behind the brain reads the bodies Envoy sends it (a flood of new sessions).
 
 One Python process reads every body it decides on: ~50-60 MB/s of 100 KB bodies on a busy core here. A flood of
 2,000 new 25K-token sessions is 250 MB at once, four or five seconds of reading; Envoy's timer per message is

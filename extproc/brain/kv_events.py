@@ -1,4 +1,4 @@
-"""Each engine's KV events (issue 45): a source in DESIGN.md's sense. A reader per engine subscribes to its ZMQ
+"""Each engine's KV events: a source in DESIGN.md's sense. A reader per engine subscribes to its ZMQ
 publisher, asks its replay socket for what it missed, and hands the core plain values (``core.engine_cache``);
 the core never knows ZMQ, and a decision never waits on a reader.
 

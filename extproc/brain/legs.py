@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation's two legs (issue 48; docs/architecture.md "Who sends the prefill leg").
+"""Prefill/decode disaggregation's two legs (docs/architecture.md "Who sends the prefill leg").
 
 The brain sends the prefill leg itself: it holds the request's body already (Envoy sent it to be routed), so the
 leg costs one HTTP request from the brain and no new proxy in the client's path. The leg is the client's request

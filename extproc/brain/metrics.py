@@ -193,7 +193,7 @@ class BrainCollector(Collector):
                     fams[k].add_metric([rep.name], v)
             yield from fams.values()
         count = r.policy.engine_count
-        # issue 45: each replica's cache mode and what re-hashing its engines' events said
+        # each replica's cache mode and what re-hashing its engines' events said
         mode = GaugeMetricFamily("warmroute_cache_exact", "1 when the replica's engines' KV events verified (its "
                                  "cached tokens are the engine's own word), 0 when it is estimated", labels=["replica"])
         blocks = CounterMetricFamily("warmroute_kv_event_blocks", "Blocks the replica's engines reported stored, "

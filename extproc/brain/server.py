@@ -244,7 +244,7 @@ class FlowWaits:
 
 async def supervise(tasks: list[asyncio.Task], on_death) -> None:
     """Return once any background task ends (they never should), after ``on_death(task)``: a brain whose
-    scraper or timers died must not go on answering SERVING with stale health (issue 11)."""
+    scraper or timers died must not go on answering SERVING with stale health."""
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in done:
         await on_death(t)

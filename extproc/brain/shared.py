@@ -1,4 +1,4 @@
-"""Shared state through Redis (issue 33): ship this brain's state changes, apply the others'.
+"""Shared state through Redis: ship this brain's state changes, apply the others'.
 
 The core writes what each decision changes into ``router.outbox`` (``core.shared``); nothing on the request
 path touches the network. Here, off the request path:
@@ -17,12 +17,12 @@ path touches the network. Here, off the request path:
 - **Redis down, slow, refusing the password**: counted, logged once per change, retried with backoff up to
   30 s; meanwhile the brain routes on its own view and drops what it would have shipped (counted). When
   Redis is back the brain replays what it missed, or resynchronises from the snapshot.
-- **Trusting nobody** (issue 43): with ``secret_file`` every entry and snapshot carries an HMAC-SHA256 under the
+- **Trusting nobody**: with ``secret_file`` every entry and snapshot carries an HMAC-SHA256 under the
   fleet's secret, and what does not verify is dropped and counted (whoever can write to Redis cannot steer routing
   or speak as another brain); entries and snapshots are bounded in size before they are parsed; a stream that
   cannot advance (an entry planted with the largest id) is deleted and started again, and a brain whose last id is
   ahead of the stream (or a snapshot that claims a future id) resynchronises instead of waiting forever.
-- **A peer's blast radius** (issue 59): the fleet's secret says an entry is the fleet's, not whose. Each brain also
+- **A peer's blast radius**: the fleet's secret says an entry is the fleet's, not whose. Each brain also
   signs its entries with an Ed25519 key of its own, made at start and never stored; its origin names the key's
   fingerprint, and an entry whose signature does not verify under the key its origin names is dropped: a brain
   holding the fleet's secret cannot speak as another (forged under a live brain's id, reservations lasted past

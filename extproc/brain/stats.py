@@ -104,7 +104,7 @@ class BrainStats:
         # the cached tokens routing predicted for the requests it placed, per replica (engine tokens): set beside
         # the engine's own prefix-cache hits, how far the brain's belief of the caches holds
         self.predicted_cached: Counter[str] = Counter()
-        # exact mode (issue 45), per replica: the engine's cached tokens of the prompts routed there (achieved), and
+        # exact mode, per replica: the engine's cached tokens of the prompts routed there (achieved), and
         # the most any exact replica held of each (reachable)
         self.exact_achieved: Counter[str] = Counter()
         self.exact_reachable: Counter[str] = Counter()

@@ -134,7 +134,7 @@ ROLES = ("both", "prefill", "decode")  # what a replica serves in a disaggregate
 
 @dataclass(frozen=True, slots=True)
 class DisaggregationConfig:
-    """Prefill/decode disaggregation (issue 48, docs/routing.md "Prefill/decode disaggregation"): with replicas of
+    """Prefill/decode disaggregation (docs/routing.md "Prefill/decode disaggregation"): with replicas of
     role prefill in a model's pool, a request's prefill goes to one of them when the cost model says it pays."""
 
     enabled: bool = True  # false: never disaggregate (replicas of role prefill then take no traffic)

@@ -79,7 +79,7 @@ class Decision:
     # weight it holds on its prefill replica until the leg ends
     prefill: "PrefillPlan | None" = None
     prefill_reservation: Reservation | None = None
-    header_path: bool = False  # decided at its request headers: its body never read (issue 61)
+    header_path: bool = False  # decided at its request headers: its body never read
 
     @property
     def replica_name(self) -> str | None:

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation, priced (issue 48; docs/routing.md "Prefill/decode disaggregation").
+"""Prefill/decode disaggregation, priced (docs/routing.md "Prefill/decode disaggregation").
 
 The decode replica is chosen first, as any request's replica (cached prefix, queue, KV, guard). Then its prompt's
 prefill goes to a replica of role prefill when that beats computing it there, in the cost model's units (seconds

@@ -1,4 +1,4 @@
-"""The engine's own word on its cache (issue 45): vLLM's block hash, and one engine's residency from its KV events,
+"""The engine's own word on its cache: vLLM's block hash, and one engine's residency from its KV events,
 each event re-hashed and compared before the residency is believed.
 
 vLLM 0.32 hashes a prompt's full blocks as a chain (``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens``):

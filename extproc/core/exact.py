@@ -1,4 +1,4 @@
-"""The engines' own word applied to the policy's view of each engine (issue 45): their KV events become each
+"""The engines' own word applied to the policy's view of each engine: their KV events become each
 engine's ``EngineCache`` (``WarmReplica.exact``), which the warm policy prices a request against once it is exact.
 A policy without per-engine state (the seed's) takes no events."""
 

@@ -1,4 +1,4 @@
-"""Flow control's queue (issue 34): what is held while every replica is saturated, in the order it is let go.
+"""Flow control's queue: what is held while every replica is saturated, in the order it is let go.
 
 A pure structure with ``now`` passed in (DESIGN.md: a held request is a state of the decision, not a second
 router): the shell holds the stream open, the simulator holds the virtual request, and both ask this queue which

@@ -1,4 +1,4 @@
-"""Which replicas serve which model (SPEC issue 21 "Several models").
+"""Which replicas serve which model (SPEC "Several models").
 
 Each replica serves the models its ``/v1/models`` lists (re-read on every health scrape) or that its
 config names. A request goes only to the replicas that serve its body's ``model``; a name no replica

@@ -38,7 +38,7 @@ class Reason(enum.StrEnum):
     # flow control's admission: held, its predicted time to first token (the queue ahead of it, then the best
     # replica's wait and prefill) passes its deadline: refused at once rather than when the deadline passes
     DEADLINE = "deadline_unmeetable"
-    # the header path (issue 61): the request's headers alone do not decide it (its home would not take it, or no
+    # the header path: the request's headers alone do not decide it (its home would not take it, or no
     # home is known); nothing is booked, and its body decides it as any other's
     READ_BODY = "read_body"
 

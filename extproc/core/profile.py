@@ -66,11 +66,11 @@ class RequestProfile:
     priority: int = 1
     tenant: str | None = None
     ttft_slo_s: float | None = None  # the client's time-to-first-token deadline (None: its class's)
-    # the prompt as the engine tokenizes it (issue 45; 0: not known, the estimate prices it) and the hashes vLLM
+    # the prompt as the engine tokenizes it (0: not known, the estimate prices it) and the hashes vLLM
     # publishes for its full blocks, per block size: (block_size, hashes)
     engine_tokens: int = 0
     engine_hashes: tuple[int, tuple[int, ...]] | None = None
-    # decided at its request headers (issue 61): a turn of a session under way, priced by its declared size and what
+    # decided at its request headers: a turn of a session under way, priced by its declared size and what
     # its home holds of the session; the policy keeps it on its home or answers Reason.READ_BODY
     header_path: bool = False
     # the body as parsed here (a JSON object), when it was: what reads it next (exact mode's tokenizer) reads this one
@@ -292,7 +292,7 @@ def _session_header(headers: Mapping[str, str], cfg: ProfileConfig, tenant: str 
 
 
 def header_profile(headers: Mapping[str, str], cfg: ProfileConfig) -> RequestProfile | None:
-    """The profile of a request decided at its headers (issue 61): its session from a session header, its prompt
+    """The profile of a request decided at its headers: its session from a session header, its prompt
     from its declared size (bounded as every declared size is), its API from its path. None: its headers name no
     session, or declare no size to price."""
     tenant = tenant_of(headers, cfg)

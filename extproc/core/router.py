@@ -66,7 +66,7 @@ class Router:
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
-        # shared state (issue 33): None with one brain; else what this brain's decisions change, for the others
+        # shared state: None with one brain; else what this brain's decisions change, for the others
         self.outbox: Outbox | None = None
         self.remote = Remote()  # what the other brains said: their reservations and chains
         self._set_profile_cfg()

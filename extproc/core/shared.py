@@ -1,4 +1,4 @@
-"""Shared state between brains (issue 33): the core's state changes as values, emitted and applied.
+"""Shared state between brains: the core's state changes as values, emitted and applied.
 
 Each brain decides alone on its local view, in one synchronous call, as with one brain; what a decision
 changes is written out as an event, and another brain applies it to its own view (DESIGN "Shared state":
@@ -131,7 +131,7 @@ class Remote:
         # ours (the shell's access log, which names it by a token the core does not keep); the shell sets this:
         # (number, digest, ended)
         self.on_foreign_end = None
-        # A peer's blast radius (issue 59): what one origin may claim. Its open reservations at most ``max_open``;
+        # A peer's blast radius: what one origin may claim. Its open reservations at most ``max_open``;
         # on one replica, pending tokens at most what that replica's KV holds (the policy's view of it); its
         # chains at most _ORIGIN_MAX_BLOCKS. What is past a bound is not applied, and counted by kind
         self.max_open = max_open

@@ -8,7 +8,7 @@ Every quantity is in seconds of engine time (C1). Per candidate replica r:
 
 - ``cached_tokens``: the request's block chain matched against what was routed to r (C2, the prefix
   index); a session pin stands in when the request has no chain (C4); on an engine whose KV events verify
-  (exact mode, issue 45), what that engine holds of the prompt's blocks, in its own tokens;
+  (exact mode), what that engine holds of the prompt's blocks, in its own tokens;
 - ``wait``: prefill work ahead on r: this router's requests still in their predicted prefill, or the
   scraped queue (fresh every 0.5 s, C6) if that says more, since it also holds other routers' work;
 - ``prefill``: uncached tokens over r's prefill rate, learned from r's own counters (C3);
@@ -282,7 +282,7 @@ class WarmPolicy(Shortlist, Policy):
         """Cached tokens, wait and prefill on one candidate (C2, C3, C4), in the engine's tokens."""
         ex, hashes = st.exact, profile.engine_hashes
         if ex is not None and ex.exact and hashes is not None and hashes[0] == ex.block_size and profile.engine_tokens:
-            prompt = profile.engine_tokens  # the engine's own tokens and its own word on what it holds (issue 45)
+            prompt = profile.engine_tokens  # the engine's own tokens and its own word on what it holds
             cached = min(prompt - 1, st.exact_cached(hashes[1], now)) if self.use_index else 0
             prefix = hashes[1][cached // ex.block_size - 1] if cached >= ex.block_size else None
         else:
@@ -439,7 +439,7 @@ class WarmPolicy(Shortlist, Policy):
             # its prefill queued: no engine time lost. A session under way is never held for this. Only while the
             # fleet is busy (every such queue at least warm.busy_wait_s, the cost model's mark of no idle capacity):
             # a queue of a tenth of a second comes and goes on any busy fleet, and a new session held until none
-            # had one waited 0.6 s for the 0.04 s its prefill would have added (three real vLLMs, issue 46)
+            # had one waited 0.6 s for the 0.04 s its prefill would have added (three real vLLMs, docs/routing.md)
             floor = max(_TIE_S, self.cfg.warm.busy_wait_s)
             if pin is None and all(e.st.active_tokens > 0 and e.wait + e.lora_wait > max(e.prefill, floor)
                                    for e in (ests or (best,))):
@@ -681,7 +681,7 @@ class WarmPolicy(Shortlist, Policy):
         taking all the traffic would see it queue there, hold its KV and keep its session's context active. Its
         prefill started queueing when it was decided (``at``), not when the news arrived."""
         st = self.engine_state(res.replica.name, res.engine) or self.state_of(res.replica)
-        # what one request can be here, by this brain's own view of the replica (issue 59: one event per replica
+        # what one request can be here, by this brain's own view of the replica (one event per replica
         # with an hour of work refused every new session): its prefill at a quarter of the learned rate, and its
         # decode a long answer's at a quarter of the learned speed
         rates = st.rates
@@ -724,7 +724,7 @@ WARM_VARIANTS = {
     "warm_no_index": {"index": False},  # session pins only: what a cost model knows without a prefix index
     "warm_no_decode": {"decode": False},
     "warm_no_kv_risk": {"kv_risk": False},
-    # the default until issue 10's second round: no interference term and no fit rule (docs/routing.md)
+    # the default before the interference term and the fit rule (docs/routing.md)
     "warm_no_interference": {"interference": False},
 }
 

@@ -48,7 +48,7 @@ class WarmReplica:
         # adapters this router sent here -> when, least recently first: the last max_lora of them are likely in its
         # slots, and those sent within warm.active_session_s have sessions that will be back for them
         self.lora_sent: OrderedDict[str, float] = OrderedDict()
-        # what the engine's own KV events say it holds (issue 45), None until its first batch
+        # what the engine's own KV events say it holds, None until its first batch
         self.exact: EngineCache | None = None
         # blocks of requests this router sent to an exact engine -> until when they count as held: the engine
         # publishes them once it computed them, and a request for the same prefix in between should find them

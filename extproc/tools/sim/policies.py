@@ -826,24 +826,26 @@ AGGREGATED = "warmroute_aggregated"
 NO_FLOW = "warmroute_no_flow"
 FLOW_WAIT = "warmroute_flow_wait"
 EXACT = "warmroute_exact"  # as it ships, on a fleet whose engines publish KV events and whose tokenizer it has
-HEADERS, EXACT_HEADERS = "warmroute_headers", "warmroute_exact_headers"  # with the header path (issue 61)
+# as it ships, every turn of a session under way is first asked about at its headers (the header path, issue 61); the
+# same brains with every body read (envoy.header_path: false) have names of their own
+BODY, EXACT_BODY = "warmroute_body", "warmroute_exact_body"
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, HEADERS, EXACT_HEADERS, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS, *EXACT_PEERS, *PD_PEERS,
+POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, BODY, EXACT_BODY, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS, *EXACT_PEERS, *PD_PEERS,
             *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
     if name in ("warmroute", FLOW_WAIT):
-        return Warmroute(n, seed, router_cfg, name, flow=True, hold_on_wait=name == FLOW_WAIT)
+        return Warmroute(n, seed, router_cfg, name, flow=True, hold_on_wait=name == FLOW_WAIT, header_path=True)
     if name == NO_FLOW:
-        return Warmroute(n, seed, router_cfg, name)
-    if name in (EXACT, EXACT_HEADERS):
-        return Warmroute(n, seed, router_cfg, name, flow=True, exact=True, header_path=name == EXACT_HEADERS)
-    if name == HEADERS:
-        return Warmroute(n, seed, router_cfg, name, flow=True, header_path=True)
+        return Warmroute(n, seed, router_cfg, name, header_path=True)
+    if name in (EXACT, EXACT_BODY):
+        return Warmroute(n, seed, router_cfg, name, flow=True, exact=True, header_path=name == EXACT)
+    if name == BODY:
+        return Warmroute(n, seed, router_cfg, name, flow=True)
     if name == AGGREGATED:
-        w = Warmroute(n, seed, router_cfg, name, flow=True)
+        w = Warmroute(n, seed, router_cfg, name, flow=True, header_path=True)
         w.aggregated = True
         return w
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:

@@ -60,6 +60,7 @@ TIME_ATTRIBUTE = "request.time"  # when Envoy had the request's first byte: how 
 # the milliseconds a looked-at body took to reach Envoy (its upload), set by Envoy just before the look: the look's
 # lateness is counted from its last byte, not its first (a slow upload is not the brain being behind)
 LOOK_UPLOAD_HEADER = "x-warmroute-upload-ms"
+LOOK_BYTES = 64 * 1024  # ~16K tokens; below it a body is read without a look (a look costs what ~12 KB of body does)
 
 
 def header_of_attribute(key: str) -> str | None:

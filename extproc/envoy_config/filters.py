@@ -33,6 +33,7 @@ from ..contract import (
     HEADER_PATH_METADATA,
     HOLD_FILTER,
     INFLATED_FROM_HEADER,
+    LOOK_BYTES,
     LOOK_METADATA,
     LOOK_UPLOAD_HEADER,
     METADATA_NAMESPACE,
@@ -453,7 +454,6 @@ LOOK_UPLOAD_FILTER = "warmroute.look_upload_time"
 LOOK_STAT_PREFIX = "warmroute_look"  # http.<hcm>.ext_proc.warmroute_look.*
 
 
-LOOK_BYTES = 64 * 1024  # ~16K tokens; below it a body is read without a look (a look costs what ~12 KB of body does)
 
 
 BODY_MODEL_FILTER = "warmroute.big_body_model"

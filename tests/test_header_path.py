@@ -96,10 +96,12 @@ def test_flow_control_never_holds_a_turn_at_its_headers():
     b = live_brain(parse_config(CFG))
     home = first_turn(b)
     b.router.flow.hold_on_wait = True
-    b.router.policy.state_of(b.router.find(home)).prefill_busy_until = b.clock() + 600.0
+    for r in b.router.replicas:  # every queue long: the home stays the best, and flow control would hold it
+        b.router.policy.state_of(r).prefill_busy_until = b.clock() + 600.0
     doc = body(2)
-    assert b.at_headers(headers("s1", len(doc))) is None and not b.waiting
+    assert b.at_headers(headers("s1", len(doc))) is None and not b.waiting and not b.router.flow.held
     assert b.stats.header_path_declined["home_declined"] == 1
+    assert b.router.session_pins.get(next(iter(b.router.session_pins._pins)), b.clock()).replica.name == home
 
 
 def test_several_models_decide_at_the_headers_only_by_the_model_header_and_only_for_the_home_s_model():
@@ -128,7 +130,7 @@ def test_a_fleet_with_prefill_replicas_reads_every_body_and_the_seed_policy_too(
     assert b.at_headers(headers("s1", len(body(2)))) is None and b.stats.header_path_declined["policy"] == 1
 
 
-def test_a_body_turn_after_header_turns_counts_what_the_home_holds_by_the_pin():
+def test_C4_a_body_turn_after_header_turns_counts_what_the_home_holds_by_the_pin():
     """The index lacks the header turns' blocks: without the pin's word the home would look colder than it is."""
     b = live_brain(parse_config(CFG))
     home = first_turn(b)
@@ -161,3 +163,13 @@ def test_an_exact_home_that_evicted_the_session_s_last_block_reads_the_body(held
         st.promised[1234] = b.clock() + 10
     out = b.at_headers(headers("s1", len(body(2))))
     assert (out is not None) is held
+
+
+def test_a_turn_s_declared_size_decides_within_a_turn_s_growth_of_its_last_and_not_below_nine_tenths():
+    from extproc.core.profile import HEADER_GROWTH_TOKENS, HEADER_SHRINK, size_decides
+
+    assert (HEADER_GROWTH_TOKENS, HEADER_SHRINK) == (32_768, 0.9)  # docs/architecture.md's numbers
+    last = 10_000
+    assert size_decides(last, last + 32_768) and not size_decides(last, last + 32_769)
+    assert size_decides(last, 9_000) and not size_decides(last, 8_999)
+    assert not size_decides(0, 100)  # no last turn known: its body decides

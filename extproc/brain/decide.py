@@ -270,8 +270,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return
         headers = headers_of(req.request_headers)
         out = self.at_headers(headers)
-        size = declared_size(headers) or 0
-        if out is None and self.look is not None and self.intake is not None and size > LOOK_BYTES:
+        if out is None and self.look is not None and self.intake is not None \
+                and (size := declared_size(headers) or 0) > LOOK_BYTES:
             # the look's word, here, before the upload: in a burst a new session is refused at this call and makes no
             # other (1,500 new sessions at once each paying a header call, a look and a body failed 900 open). By what
             # the brain measures of its own reading alone: a size declared and never sent charges nobody else

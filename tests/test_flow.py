@@ -275,7 +275,7 @@ def test_a_held_request_whose_replica_is_busy_does_not_block_one_that_has_room_e
 
 def test_a_request_held_past_its_class_s_deadline_is_refused_and_a_gone_client_leaves():
     router, t = _flow_router()
-    _busy(router, t, tokens=2_000_000)
+    _busy(router, t, tokens=500_000)
     router.flow.deadlines = (None, None, 1e5)  # predicted to make it when held (see the admission test below)
     shed = dataclasses.replace(prof(session="b", tokens=2000), priority=SHEDDABLE)
     assert router.select(shed, t, hold_key="late").reason is Reason.HELD

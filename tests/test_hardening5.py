@@ -185,7 +185,9 @@ def test_the_picker_books_an_upload_decided_past_its_byte_limit_only_once_its_bo
     from .helpers import live_brain
 
     b = live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(2)],
-                                 "brain": {"protocol": "endpoint-picker"}}))
+                                 "brain": {"protocol": "endpoint-picker"},
+                                 # KV for four million tokens: a declared 15 MB (a million by its size) is a prompt these replicas take
+                                 "warm": {"cache_tokens": 4_000_000}}))
 
     def pending() -> int:
         return sum(b.router.policy.state_of(r).pending_tokens for r in b.router.replicas)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
 
 from extproc.config import parse_config
 from extproc.contract import RESERVATION_HEADER, ROUTING_HEADER
@@ -56,6 +57,27 @@ def test_a_turn_under_way_is_routed_to_its_home_at_its_headers_and_booked_there(
     assert row["path"] == "headers" and row["reason"] == "affinity" and row["predicted_cached_tokens"] > 0
     pin = b.router.session_pins.get(next(iter(b.router.session_pins._pins)), b.clock())
     assert pin.unindexed  # the index lacks this turn's blocks: the pin says what the home holds
+
+
+def test_a_header_answer_envoy_gave_up_on_is_released_when_the_same_request_s_body_is_decided():
+    """Envoy's timer ran out on a busy brain's header answer: it failed open into the body call. The header route was
+    never applied, so its reservation must not outlive the request (the two bookings of one request id made the id
+    ambiguous, and the end released neither: one held until its safety timeout on make test's CI)."""
+    b = live_brain(parse_config(CFG))
+    first_turn(b)
+    doc = body(2)
+    h = headers("s1", len(doc))
+    before = b.router.open_reservations
+    assert b.at_headers(h) is not None and b.router.open_reservations == before + 1
+    out = b.decide(h, doc)  # the same request id: its body's own call
+    token = out.dynamic_metadata.fields["warmroute"].struct_value.fields["reservation"].string_value
+    assert b.router.open_reservations == before + 1 and b.ledger.superseded_at_headers == 1
+    end = al.HTTPAccessLogEntry()
+    end.request.request_id = h["x-request-id"]
+    end.request.request_headers[RESERVATION_HEADER] = token
+    end.response.response_code.value = 200
+    b.releaser.on_entry(end)
+    assert b.router.open_reservations == before
 
 
 def test_what_the_headers_cannot_decide_is_left_to_the_body_with_nothing_booked():
@@ -173,3 +195,21 @@ def test_a_turn_s_declared_size_decides_within_a_turn_s_growth_of_its_last_and_n
     assert size_decides(last, last + 32_768) and not size_decides(last, last + 32_769)
     assert size_decides(last, 9_000) and not size_decides(last, 8_999)
     assert not size_decides(0, 100)  # no last turn known: its body decides
+
+
+def test_a_body_beyond_what_any_replica_s_cache_holds_books_no_prefill_and_new_sessions_do_not_wait_behind_it():
+    """Envoy holds a 32 MiB body the brain is not sent (the big-body route): by its size, far more tokens than a
+    replica's KV cache holds, which the engine refuses before any prefill. Booked as a prefill, eight such bodies held
+    every new session behind them until the engines' 400s came back (12-15 of 200 refused, deadline_unmeetable)."""
+    b = live_brain(parse_config({**CFG, "replicas": REPLICAS[:2]}))
+    for s in ("a", "b"):  # sessions under way on both replicas
+        first_turn(b, s)
+    for i in range(4):
+        out = b.decide(headers(f"big-{i}", 32 << 20), None, "request_headers")
+        token = out.dynamic_metadata.fields["warmroute"].struct_value.fields["reservation"].string_value
+        res = b.router.reservation(int(token.split(".")[0]))
+        assert res.provisional and res.prefill_s == 0 and res.pending_tokens == 0
+    doc = body(1)
+    for i in range(10):
+        out = b.decide(headers(f"new-{i}", len(doc)), doc)
+        assert out.dynamic_metadata.fields["warmroute"].struct_value.fields["cluster"].string_value in ("r0", "r1")

@@ -363,6 +363,7 @@ class Brain:
         answer = self._immediate(d, headers)
         if answer is not None:
             return answer
+        d.reservation.at_headers = d.header_path
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
         self._remember(headers.get(REQUEST_ID_HEADER), d)
         sent = self._body_for(d, body)

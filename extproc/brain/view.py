@@ -71,6 +71,7 @@ def state_of(brain) -> dict:
                         "max_sessions": brain.chains.max_sessions, "max_blocks": brain.chains.max_blocks},
         "request_ids_held": len(brain.ledger.by_request_id),
         "released_at_issue": brain.ledger.released_at_issue,
+        "superseded_at_headers": brain.ledger.superseded_at_headers,
         "protocol": brain.cfg.brain.protocol,
         "releases_by_response": brain.stats.releases_by_response,
         "discovery": {"source": brain.cfg.discovery.source, "synced": brain.discovered,

@@ -43,6 +43,7 @@ class Reservation:
     transfer_tokens: int = 0  # a decode leg: the KV tokens it loads from its prefill replica (the rate is learned)
     # a decode leg: what to call when its request ended without reaching a replica (the KV is handed over anyway)
     handoff: "Callable[[], None] | None" = None
+    at_headers: bool = False  # named to Envoy at the request's headers (the header path): its body was never read
 
 
 @dataclass(frozen=True, slots=True)

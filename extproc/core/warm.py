@@ -297,6 +297,12 @@ class WarmPolicy(Shortlist, Policy):
             if pin is not None and (not chain or pin.unindexed) and pin.replica is r and pin.engine == engine \
                     and st.prefix_caching:
                 cached = max(cached, min(prompt - 1, int(pin.tokens * scale)))  # C4: the session's context lives here
+        if prompt > st.cache_tokens * (1 if profile.engine_tokens else 2):
+            # refused by the engine before any prefill (vLLM starts only with max_model_len within its KV cache): more
+            # tokens than the cache holds by the engine's count, twice that by a size's estimate (a text may run to
+            # more bytes per token). It queues nothing and holds no KV; priced as a prefill, eight 32 MiB bodies the
+            # engines answered 400 at once held every new session behind them (429, deadline_unmeetable)
+            prompt, cached, prefix = 0, 0, None
         if st.engine_block and cached:  # vLLM hits whole blocks only, and never the prompt's last token
             cached -= cached % st.engine_block
         wait = max(0.0, st.prefill_busy_until - now)

@@ -37,6 +37,11 @@ HOLD_FILTER = "warmroute.hold_for_brain"
 HEADER_PATH_FILTER = "warmroute.header_path"
 ROUTE_FROM_BRAIN_FILTER = "warmroute.route_from_brain"
 ACCESS_LOG_NAME = "warmroute"
+# access-log custom tags (microseconds, "-" when Envoy has no such time): from the request's last byte sent upstream,
+# and from its first byte received, to the first byte of the response body: on a streamed completion the first token
+# (the response headers come before it, so Envoy's time_to_first_upstream_rx_byte is not)
+FIRST_TOKEN_TAG = "warmroute_first_token_us"
+CLIENT_FIRST_TOKEN_TAG = "warmroute_client_first_token_us"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 RESERVED_NAME_PREFIX = "warmroute_"  # replica names may not start with it: the clusters above use it
 

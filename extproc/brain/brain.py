@@ -114,7 +114,7 @@ class Brain:
         self.scraper.on_paths = self._on_paths
         self.exact = Exact(cfg, self.router, self.scraper, self.clock, self.stats, self.models)  # the engines' own word
         self._set_replicas(cfg)
-        m = make_registry(self.router, self.stats, self.clock)
+        m = make_registry(self.router, self.stats, self.clock, self.releaser.outcomes)
         self.registry, self.decision_seconds, self.scraper.seconds = m.registry, m.decision, m.scrape
         self.predicted_ttft, self.releaser.ttft_error = m.predicted_ttft, m.ttft_error
 
@@ -543,7 +543,8 @@ class Brain:
         self.recent.append(((request_id or "")[:MAX_REQUEST_ID_CHARS], self.clock(), d.replica_name, d.engine,
                             d.reason, d.model, d.predicted_ttft_s, d.cached_tokens, d.prompt_tokens,
                             d.prefill.replica.name if d.prefill is not None else None,
-                            "headers" if d.header_path else "body"))
+                            "headers" if d.header_path else "body",
+                            d.reservation.prefill_s if d.reservation is not None else None))
 
     def caches_reset(self, name: str) -> None:
         """Replica ``name``'s engines emptied their prefix caches at the operator's word (admin API)."""
@@ -553,11 +554,12 @@ class Brain:
         """GET /decisions: the remembered decisions (of one request id, or the last ``last``), newest last."""
         rows = [r for r in self.recent if r[0] == request_id] if request_id is not None else \
             list(self.recent)[max(0, len(self.recent) - (last or 0)):]
+        seen = self.releaser.outcomes.observed_of
         return [{"request_id": rid, "at": round(at, 3), "replica": replica, "engine": engine, "reason": str(reason),
-                 "model": model, "predicted_ttft_s": None if ttft is None else round(ttft, 4),
+                 "model": model, "predicted_ttft_s": _r4(ttft), "predicted_prefill_s": _r4(prefill_s),
                  "predicted_cached_tokens": cached, "predicted_prompt_tokens": prompt, "prefill_replica": prefill,
-                 "path": path}
-                for rid, at, replica, engine, reason, model, ttft, cached, prompt, prefill, path in rows]
+                 "path": path, **_observed(seen(rid) if rid else None)}
+                for rid, at, replica, engine, reason, model, ttft, cached, prompt, prefill, path, prefill_s in rows]
 
     def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""
@@ -631,6 +633,8 @@ class Brain:
         if self.router.liveness_timeout_s is not None:  # the bound follows envoy.access_log_periodic_s (0: off)
             self.router.liveness_timeout_s = self.liveness_bound_s()
         self.stats.zero_series(r.name for r in self.cfg.replicas)
+        for name in info.get("removed", ()):  # pods renamed at every rollout: their errors must not pile up
+            self.releaser.outcomes.forget(name)
         return info
 
     def tick(self) -> None:
@@ -660,6 +664,17 @@ def ttft_slo_of(headers: dict[str, str]) -> float | None:
             return None
         return ms / 1000 if 0 < ms < float("inf") else None
     return None
+
+
+def _r4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def _observed(seen: "tuple[float, float | None] | None") -> dict:
+    """What Envoy saw of a decision's request: the engine's first token, and the client's (None: not yet ended, not
+    a streamed response, or no longer remembered)."""
+    engine_s, client_s = seen if seen is not None else (None, None)
+    return {"observed_ttft_s": _r4(engine_s), "observed_client_ttft_s": _r4(client_s)}
 
 
 __all__ = ["Brain", "Pick", "TTFT_SLO_HEADERS", "endpoint", "ttft_slo_of"]

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from ..core import BodyStatus, PinAction, Router, State, exact, imbalance_index
 from ..core.flow import CLASSES
+from .outcomes import WINDOW, Outcomes
 from .stats import BrainStats
 
 # One family per pin action; spill and pin are labelled by kind only (their cause is fixed).
@@ -310,9 +311,38 @@ class Instruments:
     ttft_error: Histogram
 
 
-def make_registry(router: Router, stats: BrainStats, clock: Callable[[], float]) -> Instruments:
+class PredictionCollector(Collector):
+    """Each replica's predicted time to first token against what Envoy saw (``outcomes.Outcomes``)."""
+
+    def __init__(self, router: Router, outcomes: Outcomes):
+        self.router, self.outcomes = router, outcomes
+
+    def collect(self) -> Iterable[Metric]:
+        p = "warmroute_ttft_prediction_"
+        joined = CounterMetricFamily(p + "joined", "Streamed requests whose first token, as Envoy saw it, was joined "
+                                     "with the brain's prediction", labels=["replica"])
+        bias = GaugeMetricFamily(p + "bias", "Summed predicted over summed observed time to first token, minus one, "
+                                 f"over the last {WINDOW} joined requests (+0.3: predicted 30% too slow)",
+                                 labels=["replica"])
+        mape = GaugeMetricFamily(p + "mape", "Mean absolute percentage error of the predicted time to first token, "
+                                 f"over the last {WINDOW} joined requests", labels=["replica"])
+        p90 = GaugeMetricFamily(p + "abs_error_p90_seconds", "90th percentile of |predicted - observed| time to first "
+                                f"token, over the last {WINDOW} joined requests", labels=["replica"])
+        for r in self.router.replicas:
+            joined.add_metric([r.name], self.outcomes.joined_total.get(r.name, 0))
+            e = self.outcomes.error(r.name)
+            if e is not None:
+                bias.add_metric([r.name], e.bias)
+                mape.add_metric([r.name], e.mape)
+                p90.add_metric([r.name], e.p90_abs_error_s)
+        yield from (joined, bias, mape, p90)
+
+
+def make_registry(router: Router, stats: BrainStats, clock: Callable[[], float],
+                  outcomes: Outcomes | None = None) -> Instruments:
     reg = CollectorRegistry()
     reg.register(BrainCollector(router, stats, clock))
+    reg.register(PredictionCollector(router, outcomes if outcomes is not None else Outcomes()))
     decision = Histogram("warmroute_decision_duration_seconds", "Profile + select + reserve, per request",
                          buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 5e-2, 0.25), registry=reg)
     scrape = Histogram("warmroute_scrape_duration_seconds", "Duration of one scrape of a replica's /metrics",
@@ -320,8 +350,9 @@ def make_registry(router: Router, stats: BrainStats, clock: Callable[[], float])
     ttft_buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
     predicted = Histogram("warmroute_predicted_ttft_seconds", "The warm policy's estimated time to first token of "
                           "the replica it chose (C3)", buckets=ttft_buckets, registry=reg)
-    error = Histogram("warmroute_ttft_prediction_error_seconds", "|predicted - observed| time to first token, "
-                      "observed as Envoy's first upstream byte", buckets=ttft_buckets, registry=reg)
+    error = Histogram("warmroute_ttft_prediction_error_seconds", "|predicted - observed| time to first token of a "
+                      "streamed request, observed by Envoy from its last byte sent to the replica to the response "
+                      "body's first byte", buckets=ttft_buckets, registry=reg)
     return Instruments(reg, decision, scrape, predicted, error)
 
 

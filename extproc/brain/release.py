@@ -18,8 +18,9 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from envoy.data.accesslog.v3.accesslog_pb2 import AccessLogType
 
-from ..contract import RESERVATION_HEADER
+from ..contract import CLIENT_FIRST_TOKEN_TAG, FIRST_TOKEN_TAG, RESERVATION_HEADER
 from ..core import Reservation, Router, UpstreamOutcome, upstream_failed, upstream_verdicts
+from .outcomes import Outcomes, observed_us
 from .stats import BrainStats
 
 
@@ -155,7 +156,8 @@ class Releaser:
         self.stats = stats
         self.clock = clock
         self.by_address: dict[str, str] = {}  # "host:port" -> replica name
-        self.ttft_error = None  # a prometheus Histogram of |predicted - observed| time to first byte
+        self.ttft_error = None  # a prometheus Histogram of |predicted - observed| time to first token
+        self.outcomes = Outcomes()  # each streamed request's first token joined with its prediction, per replica
         self.periodic_seen = False  # Envoy sends periodic entries of requests in flight (access_log_flush_interval)
         # shared state: hand an entry that names none of our reservations to the other brains (number, digest,
         # whether it ended: else it is alive, a periodic entry)
@@ -178,13 +180,15 @@ class Releaser:
                     self._forward(token, False)
             return
         res = self.ledger.find(entry.request.request_headers.get(RESERVATION_HEADER, ""), entry.request.request_id)
+        sock = common.upstream_remote_address.socket_address
+        served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
         chosen = None
         if res is not None and not res.released:
             chosen = res.replica.name
             first = common.time_to_first_upstream_rx_byte
-            if res.predicted_ttft_s is not None and self.ttft_error is not None and (first.seconds or first.nanos):
-                # Envoy's first upstream byte: the replica's time to first token, plus its network and headers
-                self.ttft_error.observe(abs(first.seconds + first.nanos / 1e9 - res.predicted_ttft_s))
+            if served_by in (None, chosen) and entry.response.response_code.value == 200 and \
+                    entry.response.response_headers.get("content-type", "").startswith("text/event-stream"):
+                self._join(res, entry.request.request_id, common.custom_tags)
             if res.transfer_tokens and (first.seconds or first.nanos):
                 self.router.transfer_observed(res, first.seconds + first.nanos / 1e9)
             self.router.release(res, now)
@@ -196,8 +200,6 @@ class Releaser:
             # and keeps that stream when its brain is back; several processes behind one Envoy get one log stream
             # between them: the entry's reservation is another brain's
             self._forward(entry.request.request_headers.get(RESERVATION_HEADER, ""), True)
-        sock = common.upstream_remote_address.socket_address
-        served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
         if res is not None and res.handoff is not None and not sock.address:
             res.handoff()  # a decode leg no replica got: its KV waits on the prefill replica for nobody
             res.handoff = None
@@ -206,6 +208,16 @@ class Releaser:
             self.router.on_upstream(name, ok, now)
         if chosen is None and served_by is None:
             self.stats.unmatched_log_entries += 1
+
+    def _join(self, res: Reservation, request_id: str, tags) -> None:
+        """A streamed response's first token, as Envoy timed it, beside what the brain predicted of it."""
+        engine_s = observed_us(tags, FIRST_TOKEN_TAG)
+        if engine_s is None:
+            return  # an Envoy config rendered before the tags (or a request that never reached a replica)
+        self.outcomes.join(res.replica.name, request_id, res.predicted_ttft_s, engine_s,
+                           observed_us(tags, CLIENT_FIRST_TOKEN_TAG))
+        if res.predicted_ttft_s is not None and self.ttft_error is not None:
+            self.ttft_error.observe(abs(engine_s - res.predicted_ttft_s))
 
     def _forward(self, token: str, ended: bool) -> None:
         num, _, secret = token.partition(".")
@@ -234,8 +246,11 @@ class Releaser:
             return
         now = self.clock()
         chosen = res.replica.name
-        if res.predicted_ttft_s is not None and self.ttft_error is not None and first_byte_s is not None:
-            self.ttft_error.observe(abs(first_byte_s - res.predicted_ttft_s))
+        if first_byte_s is not None and served_by in (None, chosen):
+            # the front's own clock, from its pick: the upload is in it, as it is in what the client saw
+            self.outcomes.join(chosen, None, res.predicted_ttft_s, first_byte_s, first_byte_s)
+            if res.predicted_ttft_s is not None and self.ttft_error is not None:
+                self.ttft_error.observe(abs(first_byte_s - res.predicted_ttft_s))
         self.router.release(res, now)
         self.stats.releases_by_response += 1
         if failed is None:

@@ -45,6 +45,9 @@ def state_of(brain) -> dict:
         # counted as held that the engine had evicted
         r["cached_tokens"] = {"predicted": brain.stats.predicted_cached[r["name"]],
                               "engine": brain.router.replica(r["name"]).engine_cached_tokens}
+        # the predicted time to first token against what Envoy saw, over the last streamed requests here
+        err = brain.releaser.outcomes.error(r["name"])
+        r["prediction_error"] = err.as_dict() if err is not None else None
     return {
         "policy": brain.router.cfg.policy,
         "selects": brain.router.selects,

@@ -26,9 +26,11 @@ from ..contract import (
     BODY_METADATA_NAMESPACE,
     BRAIN_CLUSTER,
     BRAIN_LOG_CLUSTER,
+    CLIENT_FIRST_TOKEN_TAG,
     DP_RANK_HEADER,
     EXT_PROC_FILTER,
     EXT_PROC_STAT_PREFIX,
+    FIRST_TOKEN_TAG,
     HEADER_PATH_FILTER,
     HEADER_PATH_METADATA,
     HOLD_FILTER,
@@ -396,6 +398,11 @@ def access_log(cfg: AppConfig) -> list[dict]:
                     # flush waited was dropped (logs_dropped), each a reservation open for an hour
                     "buffer_flush_interval": dur(cfg.envoy.access_log_flush_s),
                     "buffer_size_bytes": 1024 * 1024,
+                    # what the engine took to its first token, joined with the brain's prediction of it
+                    "custom_tags": [
+                        {"tag": FIRST_TOKEN_TAG, "value": "%COMMON_DURATION(US_TX_END:US_RX_BODY_BEG:us)%"},
+                        {"tag": CLIENT_FIRST_TOKEN_TAG, "value": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"},
+                    ],
                 },
                 "additional_request_headers_to_log": [RESERVATION_HEADER, ROUTING_HEADER],
                 # a 200 that is an HTML page is a replica (or a proxy in front of it) gone wrong

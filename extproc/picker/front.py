@@ -174,7 +174,8 @@ class _Stream:
     served: str | None = None
     response_seen: bool = False  # the response's first message (the one with its metadata) has been read
     status: int = 0
-    first_byte_s: float | None = None
+    first_byte_s: float | None = None  # from the pick to a streamed response's first body byte (its first token)
+    streamed: bool = False  # the response is an event stream
     ended: bool = False
     new_body: bytes | None = None  # the body the pick rewrote (its model alias), sent instead of the client's
     arriving: bool = False  # decided before its body ended: its work is booked when the body has passed
@@ -331,8 +332,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             st.status = int(code) if code.isascii() and code.isdigit() and len(code) <= 3 else 0
             st.served = served_of(req) or st.served
             st.response_seen = True
-            if st.picked_at:
-                st.first_byte_s = self.clock() - st.picked_at
+            # a streamed completion's first body chunk is its first token; its headers come before it
+            st.streamed = h.get("content-type", "").startswith("text/event-stream")
             if req.response_headers.end_of_stream:
                 self._finish(st)
             return [_PASS[kind]]
@@ -341,6 +342,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             if not st.response_seen:  # Envoy sends metadata and attributes with the first message of a phase
                 st.served = st.served or served_of(req)
                 st.response_seen = True
+            if st.streamed and st.first_byte_s is None and st.picked_at and chunk.body:
+                st.first_byte_s = self.clock() - st.picked_at
             if chunk.end_of_stream:
                 self._finish(st)
             if st.response_duplex:

@@ -99,8 +99,13 @@ class SimResult:
         } | per_class(self.requests, warmup_min * 60, self.minutes * 60) | self._prediction_error(ok)
 
     def _prediction_error(self, ok: list[Request]) -> dict:
-        errs = [abs(r.extra["predicted_ttft"] - r.ttft) for r in ok if "predicted_ttft" in r.extra]
-        return {"ttft_pred_err_p50": pct(errs, 0.5)} if errs else {}
+        pairs = [(r.extra["predicted_ttft"], max(r.ttft, 1e-3)) for r in ok if "predicted_ttft" in r.extra]
+        if not pairs:
+            return {}
+        # as the brain reports them per replica (extproc/brain/outcomes.py), over the whole run
+        return {"ttft_pred_err_p50": pct([abs(p - o) for p, o in pairs], 0.5),
+                "ttft_pred_mape": sum(abs(p - o) / o for p, o in pairs) / len(pairs),
+                "ttft_pred_bias": sum(p for p, _ in pairs) / sum(o for _, o in pairs) - 1.0}
 
 
 def ttft_floor(requests: list[Request], engine: EngineConfig) -> dict[int, float]:

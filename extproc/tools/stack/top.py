@@ -38,6 +38,7 @@ class Row:
     # control holds a new session that fits beside no replica's
     working_set: tuple[float, float] | None = None
     role: str = "both"  # prefill/decode disaggregation: a prefill replica takes prefill legs, never a decision
+    prediction_error: dict | None = None  # predicted time to first token against Envoy's (bias, mape, ...)
 
 
 @dataclass
@@ -77,7 +78,8 @@ def snapshot(brain_admin: str, envoy_admin: str | None, token: str | None = None
         Row(r["name"], r["state"], r["drained"], r["cooldown_remaining_s"], r["effective_running"], r["effective_waiting"],
             r["wlc_in_flight"], r["session_pins"], r["prefix_pins"], r["decisions"] / tot_d if tot_d else 0.0,
             envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"), r.get("engine", "vllm"),
-            r.get("candidate_decisions", 0), _working_set(r.get("predicted")), r.get("role", "both"))
+            r.get("candidate_decisions", 0), _working_set(r.get("predicted")), r.get("role", "both"),
+            r.get("prediction_error"))
         for r in st["replicas"]
     ]
     allowed = sum(v for k, v in stats.items() if k.endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
@@ -97,11 +99,12 @@ def _k(tokens: float) -> str:
 
 
 HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share", "envoy share",
-        "engine", "last scrape error")
+        "ttft bias/err", "engine", "last scrape error")
 # the same columns in a narrow terminal; LEGEND says what they are
-SHORT = ("replica", "state", "cool", "run", "wait", "infl", "spin", "ppin", "brain", "envoy", "engine")
+SHORT = ("replica", "state", "cool", "run", "wait", "infl", "spin", "ppin", "brain", "envoy", "ttft", "engine")
 LEGEND = ("cool: cooldown left; run/wait: effective running/waiting; infl: in-flight weight; spin/ppin: session/prefix "
-          "pins; brain/envoy: traffic share as the brain decided it / as Envoy counted it")
+          "pins; brain/envoy: traffic share as the brain decided it / as Envoy counted it; ttft: the predicted time "
+          "to first token against Envoy's, bias/mean absolute error")
 LOW_SHARE = 0.05  # below this share of the decisions a replica's row gets a line saying why
 _WHY_PASSED_OVER = {
     "warm": "the policy's cost estimate was lower elsewhere each time: sessions stay on the replica that holds their "
@@ -114,7 +117,13 @@ _WHY_PASSED_OVER = {
 def _cells(r: Row) -> list[str]:
     return [r.name, r.state + ("*" if r.drained else ""), f"{r.cooldown_left:.0f}s", f"{r.effective_running:.1f}",
             f"{r.effective_waiting:.1f}", f"{r.wlc_in_flight:.1f}", str(r.session_pins), str(r.prefix_pins),
-            f"{r.brain_share:.0%}", f"{r.envoy_share:.0%}", r.engine, (r.scrape_error or "")[:60]]
+            f"{r.brain_share:.0%}", f"{r.envoy_share:.0%}", _prediction(r.prediction_error), r.engine,
+            (r.scrape_error or "")[:60]]
+
+
+def _prediction(e: dict | None) -> str:
+    """The bias and the mean absolute error of the predicted time to first token, e.g. ``+12%/25%`` (-: none)."""
+    return f"{e['bias']:+.0%}/{e['mape']:.0%}" if e else "-"
 
 
 def _totals(s: Snapshot) -> str:
@@ -207,7 +216,7 @@ def rich_view(s: Snapshot, title: str):
 
     t = Table(title=title, expand=False)
     for i, h in enumerate(HEAD):
-        t.add_column(h, justify="left" if i < 2 or i >= 10 else "right")
+        t.add_column(h, justify="left" if i < 2 or i >= 11 else "right")
     for r in s.rows:
         cells = _cells(r)
         cells[1] = f"[{_COLOR.get(r.state, 'white')}]{cells[1]}[/]"

@@ -1,0 +1,137 @@
+"""Issue 62, item 1: each decision's predicted time to first token joined with what Envoy saw of the same request,
+and the error per replica in /metrics, /state, /decisions and ``warmroute top``."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from prometheus_client import generate_latest
+
+from extproc.brain.outcomes import WINDOW, Outcomes
+from extproc.brain.view import state_of
+from extproc.config import parse_config
+from extproc.contract import CLIENT_FIRST_TOKEN_TAG, FIRST_TOKEN_TAG, METADATA_NAMESPACE, RESERVATION_HEADER
+from extproc.envoy_config.filters import access_log
+from extproc.tools.stack.top import Row, Snapshot, text_table
+
+from .helpers import live_brain
+
+CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(2)]})
+BODY = orjson.dumps({"messages": [{"role": "user", "content": "hello " * 400}], "stream": True})
+
+
+def decided(b, rid: str):
+    out = b.decide({"x-session-id": rid, "x-request-id": rid}, BODY)
+    answer = out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+    res = b.router.reservation(int(answer["reservation"].string_value.split(".")[0]))
+    return answer["reservation"].string_value, res
+
+
+def ended(rid: str, token: str, first_us: str | None, client_us: str | None = None, code: int = 200,
+          content_type: str = "text/event-stream", upstream: int | None = None):
+    e = al.HTTPAccessLogEntry()
+    e.request.request_id = rid
+    e.request.request_headers[RESERVATION_HEADER] = token
+    e.response.response_code.value = code
+    e.response.response_code_details = "via_upstream"
+    e.response.response_headers["content-type"] = content_type
+    if first_us is not None:
+        e.common_properties.custom_tags[FIRST_TOKEN_TAG] = first_us
+    if client_us is not None:
+        e.common_properties.custom_tags[CLIENT_FIRST_TOKEN_TAG] = client_us
+    if upstream is not None:
+        e.common_properties.upstream_remote_address.socket_address.address = "127.0.0.1"
+        e.common_properties.upstream_remote_address.socket_address.port_value = upstream
+    e.common_properties.upstream_request_attempt_count = 1
+    return e
+
+
+def test_the_error_per_replica_is_its_bias_its_mean_absolute_percentage_and_its_p90():
+    o = Outcomes()
+    for _ in range(9):
+        o.join("a", None, 0.2, 0.1)  # predicted twice what it took
+    o.join("a", None, 0.1, 0.1)
+    e = o.error("a")
+    assert e.joined == 10
+    assert e.bias == pytest.approx((9 * 0.2 + 0.1) / 1.0 - 1.0)
+    assert e.mape == pytest.approx(0.9)
+    assert e.p90_abs_error_s == pytest.approx(0.1)
+    assert o.error("b") is None
+    for _ in range(WINDOW):  # only the last WINDOW count: a replica fixed is seen fixed
+        o.join("a", None, 0.1, 0.1)
+    assert o.error("a").mape == 0.0 and o.joined_total["a"] == 10 + WINDOW
+    o.forget("a")
+    assert o.error("a") is None
+
+
+def test_a_streamed_request_s_first_token_is_joined_with_its_prediction_and_shown_everywhere():
+    b = live_brain(CFG)
+    token, res = decided(b, "q1")
+    predicted = res.predicted_ttft_s
+    assert predicted is not None and predicted > 0
+    b.releaser.on_entry(ended("q1", token, str(int(predicted * 2e6)), str(int(predicted * 2e6) + 5000)))
+    assert res.released
+    err = b.releaser.outcomes.error(res.replica.name)
+    assert err.joined == 1 and err.bias == pytest.approx(-0.5, abs=1e-3)  # predicted half of what it took
+    row = b.recent_decisions(request_id="q1")[0]
+    assert row["observed_ttft_s"] == pytest.approx(predicted * 2, abs=1e-4)
+    assert row["observed_client_ttft_s"] == pytest.approx(predicted * 2 + 0.005, abs=1e-4)
+    assert row["predicted_prefill_s"] is not None and row["predicted_prefill_s"] <= row["predicted_ttft_s"]
+    state = {r["name"]: r for r in state_of(b)["replicas"]}
+    assert state[res.replica.name]["prediction_error"]["joined"] == 1
+    other = next(n for n in state if n != res.replica.name)
+    assert state[other]["prediction_error"] is None
+    text = generate_latest(b.registry).decode()
+    assert f'warmroute_ttft_prediction_joined_total{{replica="{res.replica.name}"}} 1.0' in text
+    assert f'warmroute_ttft_prediction_bias{{replica="{res.replica.name}"}} -0.5' in text
+    assert f'warmroute_ttft_prediction_mape{{replica="{res.replica.name}"}}' in text
+    assert f'warmroute_ttft_prediction_joined_total{{replica="{other}"}} 0.0' in text
+
+
+@pytest.mark.parametrize("why", ["not_streamed", "error", "no_tag", "retried_elsewhere"])
+def test_what_is_no_observation_of_the_chosen_replica_s_first_token_is_not_joined(why):
+    b = live_brain(CFG)
+    b.releaser.by_address = {"127.0.0.1:8001": "r0", "127.0.0.1:8002": "r1"}
+    token, res = decided(b, "q1")
+    elsewhere = 8002 if res.replica.name == "r0" else 8001
+    entry = {
+        # a whole completion's body starts with its last token
+        "not_streamed": ended("q1", token, "120000", content_type="application/json"),
+        "error": ended("q1", token, "120000", code=500),
+        "no_tag": ended("q1", token, None),  # an Envoy config rendered before the tags; or Envoy wrote "-"
+        "retried_elsewhere": ended("q1", token, "120000", upstream=elsewhere),
+    }[why]
+    b.releaser.on_entry(entry)
+    assert res.released  # released all the same
+    assert b.releaser.outcomes.error(res.replica.name) is None
+    assert b.recent_decisions(request_id="q1")[0]["observed_ttft_s"] is None
+
+
+def test_envoy_writes_a_dash_for_a_time_that_never_came_and_it_joins_nothing():
+    b = live_brain(CFG)
+    token, res = decided(b, "q1")
+    b.releaser.on_entry(ended("q1", token, "-"))
+    assert b.releaser.outcomes.error(res.replica.name) is None
+
+
+def test_the_shipped_access_log_asks_envoy_for_both_first_token_times():
+    tags = {t["tag"]: t["value"] for t in access_log(CFG)[0]["typed_config"]["common_config"]["custom_tags"]}
+    assert tags[FIRST_TOKEN_TAG] == "%COMMON_DURATION(US_TX_END:US_RX_BODY_BEG:us)%"
+    assert tags[CLIENT_FIRST_TOKEN_TAG] == "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"
+
+
+def test_the_picker_front_s_own_first_token_is_joined_too():
+    b = live_brain(CFG)
+    token, res = decided(b, "q1")
+    b.end_picked(res, None, False, 0.25)
+    assert b.releaser.outcomes.error(res.replica.name).joined == 1
+
+
+def test_top_shows_each_replica_s_bias_and_error():
+    rows = [Row("r0", "LIVE", False, 0.0, 1.0, 0.0, 1.0, 3, 0, 0.5, 0.5, None, "vllm", 10,
+                prediction_error={"joined": 40, "bias": 0.12, "mape": 0.25, "p90_abs_error_s": 0.05}),
+            Row("r1", "LIVE", False, 0.0, 1.0, 0.0, 1.0, 3, 0, 0.5, 0.5, None, "vllm", 10)]
+    text = text_table(Snapshot(rows, 10, 10, 0, 0, 0, {}, [], "warm", 10), 160)
+    lines = text.splitlines()
+    assert "+12%/25%" in lines[1].split() and "-" in lines[2].split()

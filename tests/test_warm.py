@@ -500,3 +500,17 @@ def test_C2_a_replica_that_has_not_learned_its_scale_is_priced_with_its_peers():
     turn(router, t + 2, session="y", tokens=1_000, system="other")
     # both priced at 0.6 of the estimate: a cold prompt of 600 engine tokens on either
     assert len({round(c[2], 4) for c in trace}) == 1, trace
+
+
+def test_C3_a_turn_whose_context_is_counted_in_the_scraped_usage_is_predicted_its_own_prefill_not_the_whole_again():
+    """A scrape taken while the session's last turn ran counts its context as used KV; its next turn reuses those
+    blocks. Counted twice, the turn was predicted to wait for KV and lose its whole cache (a 250K-token turn found
+    cached was predicted 50 s and took 0.33 s in the simulator); the eviction risk stays a cost of the choice."""
+    router, t = warm_router(1)
+    first = turn(router, t, tokens=200_000)
+    router.release(first.reservation, t + 30)
+    router.on_load("r0", LoadSample(0, 0, 200_000 / 300_000, cache_tokens=300_000), t + 31)
+    nxt = turn(router, t + 32, tokens=202_000)
+    assert nxt.reason is Reason.AFFINITY and nxt.cached_tokens >= 199_000
+    rate = router.policy.state_of(router.replicas[0]).rates.prefill_tokens_per_s
+    assert nxt.predicted_ttft_s < 10_000 / rate  # its 2K new tokens, not 200K again (~40 s at the prior rate)

@@ -19,6 +19,8 @@ COLUMNS = [
     ("requests", "requests", "{:>9}"),
     ("errors", "errors", "{:>7}"),
     ("ttft_pred_err_p50", "pred err", "{:>9.2f}"),
+    ("ttft_pred_mape", "MAPE", "{:>6.2f}"),
+    ("ttft_pred_bias", "bias", "{:>+6.0%}"),
 ]
 
 
@@ -31,7 +33,8 @@ def table(results: list, title: str | None = None) -> str:
         lines.append("".join(fmt.format(s[key]) if key in s else f"{'-':>{_width(fmt)}}" for key, _, fmt in COLUMNS))
     lines.append("TTFT and e2e in seconds (after a 2 min warm-up); imbalance = max share / mean share per minute, "
                  "mean and worst minute; prefix hit = the replicas' own prefix-cache hit rate in tokens; "
-                 "pred err = median |predicted - observed| TTFT of the warm policy")
+                 "pred err = median |predicted - observed| TTFT of the warm policy, MAPE its mean absolute "
+                 "percentage error, bias summed predicted over summed observed, minus one")
     return "\n".join(lines)
 
 

@@ -58,3 +58,18 @@ def test_a_metric_s_total_is_every_series_of_that_name_and_no_other():
     assert metric_total(text, "warmroute_flow_wait_seconds_total") == 3.5
     assert metric_total(text, "vllm:time_to_first_token_seconds_sum") == 3.0
     assert metric_total(text, "absent") == 0.0
+
+
+def test_the_prediction_error_is_read_from_the_brain_s_joined_decisions():
+    from bench.runs.real import joined_predictions, prediction_error, table
+
+    decisions = [{"predicted_ttft_s": 0.2, "observed_ttft_s": 0.1}, {"predicted_ttft_s": 0.1, "observed_ttft_s": 0.1},
+                 {"predicted_ttft_s": 0.3, "observed_ttft_s": None},  # not ended yet, or not streamed: not joined
+                 {"predicted_ttft_s": None, "observed_ttft_s": 0.1}]  # decided by no prediction (seed policy)
+    pairs = joined_predictions(decisions)
+    assert pairs == [(0.2, 0.1), (0.1, 0.1)]
+    mape, bias = prediction_error(pairs)
+    assert mape == pytest.approx(0.5) and bias == pytest.approx(0.5)
+    row = _row("warmroute", 1.0)
+    row.predictions = pairs
+    assert "| 1 | warmroute | 2 | 0.50 | +50% |" in table([row])

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import json
 import random
 import statistics
 import sys
@@ -107,6 +108,9 @@ class Row:
     engine_ttft_mean: float = float("nan")  # the engines' own mean TTFT over the run
     brain_cpu: float | None = None  # warmroute: the brain's CPU seconds per second of the run (cores it used)
     held_s: float = 0.0  # warmroute: seconds flow control held requests in the brain, summed over the run
+    # warmroute: each streamed request's predicted time to first token against Envoy's observed one, joined by the
+    # brain (GET /decisions): (predicted, observed) seconds, and per replica its (bias, MAPE) at the end of the run
+    predictions: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
@@ -173,6 +177,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
                 row.brain_cpu = (_cpu_s(s.brain.popen.pid) - brain_cpu0) / elapsed
             learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
+            row.predictions = joined_predictions(json.loads(s.admin_get("/decisions?last=2000"))["decisions"])
             for rep, before in zip(replicas, h0):
                 d = {k: v - before[k] for k, v in histogram_sums(http_get(rep.url + "/metrics", 5).decode()).items()}
                 mine = learned.get(rep.name, {})
@@ -205,6 +210,19 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         row.pace = (f"{row.not_engine:.0%} of the mean TTFT was not the engines' (client, router, Envoy, HTTP): "
                     f"the run measured the machine")
     return row
+
+
+def joined_predictions(decisions: list[dict]) -> list[tuple[float, float]]:
+    """(predicted, observed) time to first token of each decision whose request Envoy's entry joined."""
+    return [(d["predicted_ttft_s"], d["observed_ttft_s"]) for d in decisions
+            if d.get("predicted_ttft_s") is not None and d.get("observed_ttft_s") is not None]
+
+
+def prediction_error(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """(MAPE, bias) as the brain reports them per replica (extproc/brain/outcomes.py), over ``pairs``."""
+    pairs = [(p, max(o, 1e-3)) for p, o in pairs]
+    return (sum(abs(p - o) / o for p, o in pairs) / len(pairs),
+            sum(p for p, _ in pairs) / sum(o for _, o in pairs) - 1.0)
 
 
 def _cpu_s(pid: int) -> float:
@@ -321,6 +339,19 @@ def table(rows: list[Row]) -> str:
                 lines.append(f"| all | {c} | {n} answered | | {_ms(st['p50'])} | {_ms(st['p99'])} | "
                              f"{st['hit'][0]:.1%} [{st['hit'][1]:.1%}, {st['hit'][2]:.1%}] | | | | | "
                              f"{_vs(st.get('vs_hit'), 'hit')} | {_vs(st.get('vs_p50'), 't')} | {_vs(st.get('vs_p99'), 't')} |")
+    predicted = [r for r in rows if r.predictions]
+    if predicted:
+        lines += ["", "warmroute's predicted time to first token against Envoy's (from the request's last byte sent to "
+                  "the replica to the response's first body byte), every streamed request joined by the brain:", "",
+                  "| seed | router | joined | MAPE | bias | predicted p50 ms | observed p50 ms |", "|---|---|---|---|---|---|---|"]
+        for r in predicted:
+            mape, bias = prediction_error(r.predictions)
+            lines.append(f"| {r.seed} | {r.contender} | {len(r.predictions)} | {mape:.2f} | {bias:+.0%} | "
+                         f"{statistics.median(p for p, _ in r.predictions) * 1000:.0f} | "
+                         f"{statistics.median(o for _, o in r.predictions) * 1000:.0f} |")
+        pooled = [x for r in predicted for x in r.predictions]
+        mape, bias = prediction_error(pooled)
+        lines.append(f"| all | | {len(pooled)} | {mape:.2f} | {bias:+.0%} | | |")
     learned = [r for r in rows if r.rates]
     if learned:
         lines += ["", "warmroute's learned rates at the end of each run (beside no other request) against the engines' "
@@ -367,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                 if row.brain_cpu is not None:
                     hdr += f", brain {row.brain_cpu:.2f} cores, held {row.held_s:.1f} s in all"
                 hdr += f", engines' own mean TTFT {row.engine_ttft_mean * 1000:.0f} ms"
+                if row.predictions:
+                    mape, bias = prediction_error(row.predictions)
+                    hdr += f", predicted TTFT: MAPE {mape:.2f} bias {bias:+.0%} over {len(row.predictions)} joined"
                 print(f"  seed {seed} {c}: sent {row.sent}, errors {row.errors}, TTFT p50 {row.ttft_p50 * 1000:.0f} ms "
                       f"p99 {row.ttft_p99 * 1000:.0f} ms, engine hit {row.hit:.1%}{hdr} {row.note}", flush=True)
     t0 = time.monotonic()

@@ -135,3 +135,75 @@ def test_top_shows_each_replica_s_bias_and_error():
     text = text_table(Snapshot(rows, 10, 10, 0, 0, 0, {}, [], "warm", 10), 160)
     lines = text.splitlines()
     assert "+12%/25%" in lines[1].split() and "-" in lines[2].split()
+
+
+def _warm(n=3):
+    from extproc.core import HealthConfig, RouterConfig
+
+    from .helpers import live_router
+
+    return live_router(n, RouterConfig(policy="warm", health=HealthConfig(stale_scrape_intervals=1e9)))
+
+
+def _turn(router, t, session, tokens=2_000):
+    from .helpers import chain, prof
+
+    return router.select(prof(session=session, tokens=tokens, blocks=chain("sys", session, tokens)), t)
+
+
+def test_issue62_a_replica_s_first_token_overhead_is_learned_from_what_envoy_saw_and_corrects_its_predictions():
+    router, t = _warm(3)
+    before = []
+    for i in range(12):  # each first token took 25 ms beyond the cost model's prediction
+        d = _turn(router, t + i, f"s{i}")
+        before.append(d.predicted_ttft_s)
+        router.first_token_observed(d.reservation, d.predicted_ttft_s - d.reservation.overhead_s + 0.025, t + i + 0.5)
+        router.release(d.reservation, t + i + 1)
+    d = _turn(router, t + 20, "s-next")
+    assert d.reservation.overhead_s == pytest.approx(0.025, abs=1e-6)  # in the prediction now
+    assert before[0] is not None and router.policy.state_of(router.replicas[0]).overhead.value is not None
+
+
+def test_issue62_a_replica_never_measured_is_priced_at_its_peers_overhead_and_an_old_reading_drifts_to_it():
+    from extproc.core.warm import OVERHEAD_HALF_LIFE_S
+
+    router, t = _warm(3)
+    pol = router.policy
+    r0, r1, r2 = router.replicas
+    for i in range(10):
+        pol.state_of(r0).overhead.add(0.020, t)
+        pol.state_of(r1).overhead.add(0.030, t)
+    pol.on_first_token(_FakeRes(r1), 0.030, t)  # the fleet's level is recomputed as samples come
+    assert pol.overhead_of(r2, t) == pytest.approx(pol._overhead_level)  # never measured: its peers' level
+    assert 0.020 <= pol._overhead_level <= 0.030
+    for i in range(10):
+        pol.state_of(r2).overhead.add(0.500, t)  # a slow API server, measured once
+    pol.on_first_token(_FakeRes(r2), 0.500, t)
+    assert pol.overhead_of(r2, t) == pytest.approx(0.5, abs=0.01)
+    # no traffic since: after a half-life, halfway back to its peers (it is not kept off forever by one reading)
+    later = pol.overhead_of(r2, t + OVERHEAD_HALF_LIFE_S)
+    assert later == pytest.approx((0.5 + pol._overhead_level) / 2, abs=0.01)
+
+
+class _FakeRes:
+    """A reservation of ``replica`` whose prediction (without overhead) was 0: the whole observed time is overhead."""
+
+    def __init__(self, replica):
+        self.replica, self.predicted_ttft_s, self.overhead_s, self.remote, self.transfer_tokens = replica, 0.0, 0.0, False, 0
+
+
+def test_issue62_the_brain_learns_the_overhead_from_the_access_log_join():
+    b = live_brain(CFG)
+    names = set()
+    for i in range(20):
+        token, res = decided(b, f"q{i}")
+        names.add(res.replica.name)
+        model_part = res.predicted_ttft_s - res.overhead_s
+        b.releaser.on_entry(ended(f"q{i}", token, str(int((model_part + 0.03) * 1e6))))
+    pol = b.router.policy
+    learned = [pol.state_of(b.router.replica(n)).overhead.value for n in names]
+    assert all(v is not None and v == pytest.approx(0.03, abs=1e-3) for v in learned)
+    # the predictions made since carry it: the last joined ones were right to the millisecond, the first 30 ms short
+    last = [b.releaser.outcomes.by_replica[n][-1] for n in names]
+    first = [b.releaser.outcomes.by_replica[n][0] for n in names]
+    assert all(abs(p - o) < 1e-3 for p, o in last) and all(o - p == pytest.approx(0.03, abs=1e-3) for p, o in first)

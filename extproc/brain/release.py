@@ -216,6 +216,7 @@ class Releaser:
             return  # an Envoy config rendered before the tags (or a request that never reached a replica)
         self.outcomes.join(res.replica.name, request_id, res.predicted_ttft_s, engine_s,
                            observed_us(tags, CLIENT_FIRST_TOKEN_TAG))
+        self.router.first_token_observed(res, engine_s, self.clock())
         if res.predicted_ttft_s is not None and self.ttft_error is not None:
             self.ttft_error.observe(abs(engine_s - res.predicted_ttft_s))
 
@@ -247,7 +248,8 @@ class Releaser:
         now = self.clock()
         chosen = res.replica.name
         if first_byte_s is not None and served_by in (None, chosen):
-            # the front's own clock, from its pick: the upload is in it, as it is in what the client saw
+            # the front's own clock, from its pick: the upload is in it, as it is in what the client saw (so it is
+            # reported, and no overhead is learned from it)
             self.outcomes.join(chosen, None, res.predicted_ttft_s, first_byte_s, first_byte_s)
             if res.predicted_ttft_s is not None and self.ttft_error is not None:
                 self.ttft_error.observe(abs(first_byte_s - res.predicted_ttft_s))

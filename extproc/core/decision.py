@@ -23,6 +23,7 @@ class Reservation:
     released: bool = False
     work_s: float = 0.0  # the warm policy's predicted engine seconds for this request (C1)
     predicted_ttft_s: float | None = None  # the warm policy's estimate, to compare with what Envoy saw
+    overhead_s: float = 0.0  # of which the replica's learned first-token overhead (the rest is the cost model's)
     token: str = ""  # the shell's unguessable name for it (only its holder, Envoy, can name it back)
     seen_at: float = 0.0  # when Envoy last said the request is alive (its start, or a periodic log entry)
     engine: int | None = None  # the data-parallel engine it went to (warm policy)

@@ -131,6 +131,10 @@ class Router:
         self.pool_epoch += 1
         return r
 
+    def first_token_observed(self, res: Reservation, observed_s: float, now: float) -> None:
+        """A request's first token came ``observed_s`` after it was sent to its replica (Envoy's timing)."""
+        self.policy.on_first_token(res, observed_s, now)
+
     def transfer_observed(self, res: Reservation, first_byte_s: float) -> None:
         """A decode leg's first byte, ``first_byte_s`` after its request began (its prefill leg included)."""
         if res.transfer_tokens:

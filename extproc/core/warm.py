@@ -61,6 +61,8 @@ from .working_set import WorkingSet
 _INF = float("inf")
 _LONG_ANSWER_TOKENS = 8192  # another brain's request: its decode priced as at most this long an answer (x4 slack)
 _TIE_S, _TIE_SHARE = 0.01, 0.02  # cost differences below a decode step or 2% are ties
+# a replica's own first-token overhead counts half as much after this long without a sample (its peers' the rest)
+OVERHEAD_HALF_LIFE_S = 120.0
 PROMISE_SLACK_S = 2.0  # a block sent to an exact engine counts as held until its predicted prefill + this (llm-d: 2 s)
 
 
@@ -109,6 +111,7 @@ class WarmPolicy(Shortlist, Policy):
         self.hold_on_wait = False
         self.held_drain_tps = 0.0  # the prompt tokens per second the candidates prefilled at the last hold
         self.held_free_at = 0.0
+        self._overhead_level = 0.0  # the median of the measured replicas' first-token overheads
         self.outbox = None  # shared state: the router's Outbox while sharing is on (core.shared)
         self.trace: list | None = None  # a list: each candidate's (name, cost, ttft, cached, wait, work) is appended
         self.update_config(cfg)
@@ -489,7 +492,7 @@ class WarmPolicy(Shortlist, Policy):
         ests = [self._estimate(r, st, rate, dec, profile, pin, now, k, agg.peer_scale)
                 for (r, st, k), rate, dec in rows]
         for e in ests:
-            e.ttft = e.wait + e.lora + e.prefill
+            e.ttft = e.wait + e.lora + e.prefill + self.overhead_of(e.replica, now)
             if self.use_kv_risk:
                 self._kv(e, out_tokens, mine, profile.session_key is not None, now)
             e.cost += e.ttft + e.stall
@@ -594,6 +597,8 @@ class WarmPolicy(Shortlist, Policy):
 
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         st = self.engine_state(d.replica.name, d.engine) or self.state_of(d.replica)
+        if d.reservation is not None:
+            d.reservation.overhead_s = self.overhead_of(d.replica, now)  # as priced: what the model's part excludes
         prompt = self._chosen_prompt  # the engine's tokens, as priced
         if profile.deferred and d.reservation is not None:
             # its body is still on its way: no engine has it, so nothing queues or holds KV for it until it arrives
@@ -691,6 +696,26 @@ class WarmPolicy(Shortlist, Policy):
     def on_transfer(self, tokens: int, seconds: float) -> None:
         """A decode leg's first token came ``seconds`` after it was sent: what its transfer took, near enough."""
         self.transfer.observe(tokens, seconds)
+
+    def on_first_token(self, res, observed_s: float, now: float) -> None:
+        """What the request's first token took beyond the cost model's part of its prediction: its replica's
+        overhead (``warm_replica.Overhead``)."""
+        if res.predicted_ttft_s is None or res.remote or res.transfer_tokens:
+            return  # nothing predicted, another brain's, or a decode leg (its transfer is learned apart)
+        st = self.state_of(res.replica)
+        st.overhead.add(observed_s - (res.predicted_ttft_s - res.overhead_s), now)
+        measured = sorted(x.overhead.value for x in self._state.values() if x.overhead.value is not None)
+        self._overhead_level = measured[len(measured) // 2] if measured else 0.0
+
+    def overhead_of(self, r: Replica, now: float) -> float:
+        """A replica's first-token overhead: its own, drifting to its peers' level as its samples age (a replica
+        that stopped getting traffic is not kept off by an old reading); its peers' until it has its own (one never
+        measured is priced as they are, neither shunned nor trusted blindly)."""
+        own = self.state_of(r).overhead
+        if own.value is None:
+            return self._overhead_level
+        w = 0.5 ** ((now - own.at) / OVERHEAD_HALF_LIFE_S)
+        return w * own.value + (1.0 - w) * self._overhead_level
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
                            prompt: int, at: float, now: float, estimated: int | None = None,

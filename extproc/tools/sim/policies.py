@@ -773,6 +773,9 @@ class Warmroute(Policy):
     def done(self, req, now):
         super().done(req, now)
         res = req.extra.pop("reservation", None)
+        if res is not None and req.ttft is not None:
+            # as the brain joins Envoy's entry: from when the request was sent (its decision), not its arrival
+            self.router.first_token_observed(res, req.arrival + req.ttft - res.started_at, now)
         if res is not None and res.transfer_tokens and req.ttft is not None and "leg_s" in req.extra:
             res.leg_s = req.extra["leg_s"]
             self.router.transfer_observed(res, req.ttft)

@@ -111,6 +111,7 @@ class Row:
     # warmroute: each streamed request's predicted time to first token against Envoy's observed one, joined by the
     # brain (GET /decisions): (predicted, observed) seconds, and per replica its (bias, MAPE) at the end of the run
     predictions: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    joined: list[dict] = dataclasses.field(default_factory=list)  # those decisions whole (what the error is read from)
 
 
 def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
@@ -177,7 +178,9 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
                 row.brain_cpu = (_cpu_s(s.brain.popen.pid) - brain_cpu0) / elapsed
             learned = {r["name"]: r.get("learned") or {} for r in s.state()["replicas"]}
-            row.predictions = joined_predictions(json.loads(s.admin_get("/decisions?last=2000"))["decisions"])
+            decisions = json.loads(s.admin_get("/decisions?last=2000"))["decisions"]
+            row.predictions = joined_predictions(decisions)
+            row.joined = [d for d in decisions if d.get("observed_ttft_s") is not None]
             for rep, before in zip(replicas, h0):
                 d = {k: v - before[k] for k, v in histogram_sums(http_get(rep.url + "/metrics", 5).decode()).items()}
                 mine = learned.get(rep.name, {})
@@ -411,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out = Path(args.out) / "bench-real.md"
         out.write_text(f"<!-- written by {invocation(argv)} on {datetime.date.today()} -->\n\n{text}\n")
+        # each joined decision (hashes and replica names only: what /decisions shows), to study the prediction error
+        (Path(args.out) / "bench-real-predictions.json").write_text(json.dumps(
+            [{"seed": r.seed, "router": r.contender, **d} for r in rows for d in r.joined]))
         print(f"\n{out} written ({time.monotonic() - t0:.0f} s of bootstrap)")
     return 0
 

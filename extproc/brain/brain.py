@@ -544,7 +544,8 @@ class Brain:
                             d.reason, d.model, d.predicted_ttft_s, d.cached_tokens, d.prompt_tokens,
                             d.prefill.replica.name if d.prefill is not None else None,
                             "headers" if d.header_path else "body",
-                            d.reservation.prefill_s if d.reservation is not None else None))
+                            d.reservation.prefill_s if d.reservation is not None else None,
+                            d.reservation.overhead_s if d.reservation is not None else None))
 
     def caches_reset(self, name: str) -> None:
         """Replica ``name``'s engines emptied their prefix caches at the operator's word (admin API)."""
@@ -557,9 +558,11 @@ class Brain:
         seen = self.releaser.outcomes.observed_of
         return [{"request_id": rid, "at": round(at, 3), "replica": replica, "engine": engine, "reason": str(reason),
                  "model": model, "predicted_ttft_s": _r4(ttft), "predicted_prefill_s": _r4(prefill_s),
+                 "predicted_overhead_s": _r4(overhead_s),
                  "predicted_cached_tokens": cached, "predicted_prompt_tokens": prompt, "prefill_replica": prefill,
                  "path": path, **_observed(seen(rid) if rid else None)}
-                for rid, at, replica, engine, reason, model, ttft, cached, prompt, prefill, path, prefill_s in rows]
+                for rid, at, replica, engine, reason, model, ttft, cached, prompt, prefill, path, prefill_s, overhead_s
+                in rows]
 
     def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""

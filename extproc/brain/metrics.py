@@ -45,6 +45,8 @@ WARM_VIEW = {
     "pending_kv_tokens": "Prompt tokens of requests still in their predicted prefill: KV not yet in the scraped usage",
     "engine_tokens_per_estimated_token": "The engine's prompt tokens per token the profile estimated (its tokenizer "
                                          "and chat template, learned from its prompt_tokens; 1 until learned)",
+    "first_token_overhead_seconds": "What the replica's first tokens take beyond the cost model (its API server's "
+                                    "own work), learned from Envoy's timing; its peers' level until measured",
 }
 
 

@@ -39,7 +39,8 @@ def state_of(brain) -> dict:
             r["learned"] = {k: round(v[k], 6) for k in ("prefill_tokens_per_second", "decode_seconds_per_token",
                                                         "prefill_slowdown_per_running_request",
                                                         "decode_slowdown_per_running_request",
-                                                        "engine_tokens_per_estimated_token")}
+                                                        "engine_tokens_per_estimated_token",
+                                                        "first_token_overhead_seconds")}
         r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         # routing's predicted cached tokens beside the engine's own hits: a shortfall is context the brain
         # counted as held that the engine had evicted

@@ -180,7 +180,7 @@ class WarmPolicy(Shortlist, Policy):
         for p in parts:
             p.kv_ahead(now, 0.0)  # prefills predicted done by now leave the pending KV
         self.sessions.expire(now, self.cfg.warm.active_session_s)  # sessions quiet for warm.active_session_s left the working set, asked or not
-        return replica_view(st, parts, now)
+        return {**replica_view(st, parts, now), "first_token_overhead_seconds": self.overhead_of(r, now)}
 
     def pin_tables(self) -> tuple[PinTable, ...]:
         return (self.session_pins,)

@@ -87,3 +87,25 @@ def test_the_simulated_brain_learns_the_engines_tokens_per_estimated_token():
     sim.run()
     scales = [sim.policy.router.policy.state_of(r).scale for r in sim.policy.router.replicas]
     assert all(s.learned and 1.2 <= s.value <= 1.9 for s in scales), [(s.learned, s.value) for s in scales]
+
+
+def test_llmd_token_aware_sticks_to_the_cached_endpoint_until_its_backlog_passes_the_penalty():
+    """llm-d's default since mid-2026 ("sticky until saturated"), as its source and Dynamo's port test it: a cached
+    endpoint keeps the request despite a backlog within maxTTFTPenaltyMs; past it, the lighter token load wins; the
+    in-flight tokens go at the first token."""
+    from extproc.tools.sim.policies import LlmdTokenAware
+
+    def req(rid: int, sid: int) -> Request:
+        return Request(rid, sid, 0, 20_000, 1_000, 8, 0.0)
+
+    p = LlmdTokenAware(2, seed=1)
+    first = req(1, 7)
+    home = p.choose(first, 0.0)
+    other = 1 - home
+    assert p.tokens[home] == 20_000  # its uncached prompt, in flight until its first token
+    p.first_token(first, 0.5)
+    assert p.tokens == [0, 0]
+    p.tokens[home] = int(0.5 * p.PENALTY_S * p.peak_tps)  # half the allowance of backlog: it stays
+    assert p.choose(req(2, 7), 1.0) == home
+    p.tokens[home] = int(2 * p.PENALTY_S * p.peak_tps)  # twice the allowance: stickiness breaks
+    assert p.choose(req(3, 7), 2.0) == other

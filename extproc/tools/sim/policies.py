@@ -91,6 +91,9 @@ class Policy:
         if req.replica is not None:
             self.in_flight[req.replica] -= 1
 
+    def first_token(self, req: Request, now: float) -> None:
+        """The request's first token streamed (what a front sees as the response body's first chunk)."""
+
     def on_scrape(self, i: int, ok: bool, now: float, sample: LoadSample | None = None) -> None:
         pass
 
@@ -333,6 +336,73 @@ class LlmdEndpointPicker(Policy):
         i = self.rng.choice(best)
         self.index[i].insert(blocks)
         return i
+
+
+class LlmdTokenAware(LlmdEndpointPicker):
+    """llm-d's default since mid-2026, "sticky until saturated" (llm-d ``guides/optimized-baseline``; llm-d-router
+    ``pkg/epp/framework/plugins/scheduling/filter/prefixcacheaffinity/plugin.go``, ``scorer/tokenload/token_load.go``,
+    ``requestcontrol/dataproducer/inflightload/``; Dynamo's port ``llm-d-optimized-baseline``). The approximate prefix
+    index is ``llmd_epp``'s. An endpoint is sticky when the share of the prompt's blocks it holds is at least 0.8
+    (``affinityThreshold``); only the sticky ones stay, unless the best sticky one's estimated TTFT (its in-flight
+    tokens / ``peakPrefillThroughput``) passes the best other's by more than ``maxTTFTPenaltyMs`` (18,000 ms). Then
+    ``token-load-scorer``: 1 - min(1, (in-flight tokens + this request's uncached tokens there) / 4,194,304), the
+    highest wins, ties random. In-flight tokens: the uncached prompt tokens of the requests sent to an endpoint, from
+    dispatch to their first streamed token (``addEstimatedOutputTokens`` off, its default).
+    ``peakPrefillThroughput`` is calibrated on the simulated engine as llm-d's recipe does (B over the time to first
+    token of a cold B-token prompt alone, B = 8,192): its default, 15,928 tok/s, is Qwen3-32B's on two H100s, and the
+    guide says to measure it for other hardware."""
+
+    name = "llmd_token_aware"
+    AFFINITY, PENALTY_S, QUEUE_TOKENS, CALIBRATION_TOKENS = 0.8, 18.0, 4_194_304, 8192
+
+    def __init__(self, n: int, seed: int, cache_tokens: int = 300_000):
+        super().__init__(n, seed, cache_tokens)
+        from extproc.tools.engine.model import EngineConfig
+
+        e = EngineConfig()
+        b = self.CALIBRATION_TOKENS
+        steps = -(-b // e.max_num_batched_tokens)
+        self.peak_tps = b / (steps * (e.step_base_s + e.step_per_seq_s) + b * e.prefill_s_per_token)
+        self.tokens = [0] * n  # in-flight uncached prompt tokens per endpoint
+        self.charged: dict[int, tuple[int, int]] = {}  # request id -> (endpoint, tokens) until its first token
+
+    def choose(self, req, now, exclude=frozenset()):
+        self._release(req)  # a retry's earlier pick carries nothing any more
+        pool = self.pool(exclude)
+        if not pool:
+            return None
+        blocks = req.blocks()
+        full = req.prompt_tokens // BLOCK  # llm-d measures the share against complete blocks only
+        matched = {i: self.index[i].match(blocks) for i in pool}
+        sticky = [i for i in pool if full and matched[i] / full >= self.AFFINITY]
+        others = [i for i in pool if i not in sticky]
+        keep = pool
+        if sticky:
+            keep = sticky
+            if others:
+                ttft = lambda i: self.tokens[i] / self.peak_tps  # noqa: E731
+                if min(map(ttft, sticky)) - min(map(ttft, others)) > self.PENALTY_S:
+                    keep = pool
+        uncached = {i: max(0, req.prompt_tokens - matched[i] * BLOCK) for i in keep}
+        score = {i: 1.0 - min(1.0, (self.tokens[i] + uncached[i]) / self.QUEUE_TOKENS) for i in keep}
+        top = max(score.values())
+        i = self.rng.choice([k for k in keep if score[k] >= top - 1e-12])
+        self.index[i].insert(blocks)
+        self.tokens[i] += uncached[i]
+        self.charged[req.rid] = (i, uncached[i])
+        return i
+
+    def first_token(self, req, now):
+        self._release(req)
+
+    def done(self, req, now):
+        super().done(req, now)
+        self._release(req)  # one that failed before its first token
+
+    def _release(self, req) -> None:
+        got = self.charged.pop(req.rid, None)
+        if got is not None:
+            self.tokens[got[0]] -= got[1]
 
 
 class LlmdPrecise(LlmdEndpointPicker):
@@ -818,6 +888,9 @@ REFERENCE = {"oracle": Oracle}
 LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_weight=4.0)}
 # peers with flow control, as shipped but opt-in (issue 34's extra peer row); not in COMPARE
 FLOW_PEERS = {"llmd_epp_flowcontrol": LlmdFlowControl}
+# llm-d's default since mid-2026 (issue 62's new peer); not in COMPARE until the README's llm-d rows are run again
+# against it (docs/routing.md, "Predictions")
+TOKEN_AWARE_PEERS = {"llmd_token_aware": LlmdTokenAware}
 # peers that read the engines' KV events (issue 45's rows); not in COMPARE
 EXACT_PEERS = {"llmd_precise": LlmdPrecise}
 # peers that disaggregate prefill and decode (issue 48's rows), and warmroute on the same replicas aggregated
@@ -834,8 +907,8 @@ EXACT = "warmroute_exact"  # as it ships, on a fleet whose engines publish KV ev
 BODY, EXACT_BODY = "warmroute_body", "warmroute_exact_body"
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, BODY, EXACT_BODY, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS, *EXACT_PEERS, *PD_PEERS,
-            *REFERENCE]
+POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, BODY, EXACT_BODY, AGGREGATED, *PEERS, *TOKEN_AWARE_PEERS, *LORA_PEERS, *FLOW_PEERS,
+            *EXACT_PEERS, *PD_PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
@@ -853,8 +926,8 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
         return w
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
-    factory = PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) or EXACT_PEERS.get(name) \
-        or PD_PEERS.get(name) or REFERENCE.get(name)
+    factory = PEERS.get(name) or TOKEN_AWARE_PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) \
+        or EXACT_PEERS.get(name) or PD_PEERS.get(name) or REFERENCE.get(name)
     if factory is None:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
     return factory(n, seed)

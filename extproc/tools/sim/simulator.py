@@ -321,6 +321,7 @@ class Simulation:
             item = self._inflight[i].get(er.rid)
             if item:
                 item[0].ttft = now - item[0].arrival
+                self.policy.first_token(item[0], now)
         for er in done:
             leg = self._legs[i].pop(er.rid, None)
             if leg is not None:

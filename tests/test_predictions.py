@@ -161,7 +161,7 @@ def test_issue62_a_replica_s_first_token_overhead_is_learned_from_what_envoy_saw
         router.release(d.reservation, t + i + 1)
     d = _turn(router, t + 20, "s-next")
     assert d.reservation.overhead_s == pytest.approx(0.025, abs=1e-6)  # in the prediction now
-    assert before[0] is not None and router.policy.state_of(router.replicas[0]).overhead.value is not None
+    assert before[0] is not None and router.policy.state_of(router.replicas[0]).overhead.line is not None
 
 
 def test_issue62_a_replica_never_measured_is_priced_at_its_peers_overhead_and_an_old_reading_drifts_to_it():
@@ -171,25 +171,43 @@ def test_issue62_a_replica_never_measured_is_priced_at_its_peers_overhead_and_an
     pol = router.policy
     r0, r1, r2 = router.replicas
     for i in range(10):
-        pol.state_of(r0).overhead.add(0.020, t)
-        pol.state_of(r1).overhead.add(0.030, t)
-    pol.on_first_token(_FakeRes(r1), 0.030, t)  # the fleet's level is recomputed as samples come
-    assert pol.overhead_of(r2, t) == pytest.approx(pol._overhead_level)  # never measured: its peers' level
-    assert 0.020 <= pol._overhead_level <= 0.030
+        pol.state_of(r0).overhead.add(1000, 0.020, t)
+        pol.state_of(r1).overhead.add(1000, 0.030, t)
+    pol.on_first_token(_FakeRes(r1, 1000), 0.030, t)  # the fleet's level is recomputed as samples come
+    assert pol.overhead_of(r2, t, 1000) == pytest.approx(0.030)  # never measured: its peers' (median) level
     for i in range(10):
-        pol.state_of(r2).overhead.add(0.500, t)  # a slow API server, measured once
-    pol.on_first_token(_FakeRes(r2), 0.500, t)
-    assert pol.overhead_of(r2, t) == pytest.approx(0.5, abs=0.01)
+        pol.state_of(r2).overhead.add(1000, 0.500, t)  # a slow API server, measured once
+    pol.on_first_token(_FakeRes(r2, 1000), 0.500, t)
+    assert pol.overhead_of(r2, t, 1000) == pytest.approx(0.5, abs=0.01)
+    level = pol.overhead_of(r2, t + 1e9, 1000)
+    assert level == pytest.approx(0.030)
     # no traffic since: after a half-life, halfway back to its peers (it is not kept off forever by one reading)
-    later = pol.overhead_of(r2, t + OVERHEAD_HALF_LIFE_S)
-    assert later == pytest.approx((0.5 + pol._overhead_level) / 2, abs=0.01)
+    assert pol.overhead_of(r2, t + OVERHEAD_HALF_LIFE_S, 1000) == pytest.approx((0.5 + level) / 2, abs=0.01)
+
+
+def test_issue62_the_overhead_grows_with_the_prompt_as_the_api_server_s_work_does_and_shrugs_off_an_outlier():
+    from extproc.core.warm_replica import Overhead, overhead_at
+
+    o = Overhead()
+    for k in range(40):
+        tokens = 1000 + 100 * k
+        o.add(tokens, 0.010 + 20e-6 * tokens, 0.0)  # 10 ms, and 20 us a prompt token
+    o.add(3000, 5.0, 0.0)  # one queue the model got badly wrong
+    a, b = o.line
+    assert b == pytest.approx(20e-6, rel=0.1) and a == pytest.approx(0.010, abs=0.005)
+    assert overhead_at(o.line, 5000) == pytest.approx(0.110, abs=0.01)
+    short = Overhead()
+    for _ in range(10):
+        short.add(2000, -0.050, 0.0)  # predicted too slow: no negative overhead
+    assert overhead_at(short.line, 2000) == 0.0
 
 
 class _FakeRes:
     """A reservation of ``replica`` whose prediction (without overhead) was 0: the whole observed time is overhead."""
 
-    def __init__(self, replica):
+    def __init__(self, replica, prompt_tokens=0):
         self.replica, self.predicted_ttft_s, self.overhead_s, self.remote, self.transfer_tokens = replica, 0.0, 0.0, False, 0
+        self.pending_tokens = prompt_tokens
 
 
 def test_issue62_the_brain_learns_the_overhead_from_the_access_log_join():
@@ -201,8 +219,8 @@ def test_issue62_the_brain_learns_the_overhead_from_the_access_log_join():
         model_part = res.predicted_ttft_s - res.overhead_s
         b.releaser.on_entry(ended(f"q{i}", token, str(int((model_part + 0.03) * 1e6))))
     pol = b.router.policy
-    learned = [pol.state_of(b.router.replica(n)).overhead.value for n in names]
-    assert all(v is not None and v == pytest.approx(0.03, abs=1e-3) for v in learned)
+    learned = [pol.state_of(b.router.replica(n)).overhead.line for n in names]
+    assert all(v is not None and v[0] == pytest.approx(0.03, abs=1e-3) for v in learned)
     # the predictions made since carry it: the last joined ones were right to the millisecond, the first 30 ms short
     last = [b.releaser.outcomes.by_replica[n][-1] for n in names]
     first = [b.releaser.outcomes.by_replica[n][0] for n in names]

@@ -46,7 +46,10 @@ WARM_VIEW = {
     "engine_tokens_per_estimated_token": "The engine's prompt tokens per token the profile estimated (its tokenizer "
                                          "and chat template, learned from its prompt_tokens; 1 until learned)",
     "first_token_overhead_seconds": "What the replica's first tokens take beyond the cost model (its API server's "
-                                    "own work), learned from Envoy's timing; its peers' level until measured",
+                                    "own work), learned from Envoy's timing: the line's value at 0 prompt tokens; its "
+                                    "peers' until measured",
+    "first_token_overhead_seconds_per_token": "The same overhead's growth per prompt token (tokenizing and hashing "
+                                              "the whole prompt)",
 }
 
 

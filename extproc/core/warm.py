@@ -55,7 +55,7 @@ from .prefix_index import Holders
 from .profile import RequestProfile
 from .replica import LIVE, Replica
 from .shortlist import SHORTLIST_FROM, Shortlist, View  # noqa: F401 (SHORTLIST_FROM: read from here)
-from .warm_replica import WarmReplica, peer_scale, replica_view
+from .warm_replica import WarmReplica, overhead_at, peer_scale, replica_view
 from .working_set import WorkingSet
 
 _INF = float("inf")
@@ -111,7 +111,7 @@ class WarmPolicy(Shortlist, Policy):
         self.hold_on_wait = False
         self.held_drain_tps = 0.0  # the prompt tokens per second the candidates prefilled at the last hold
         self.held_free_at = 0.0
-        self._overhead_level = 0.0  # the median of the measured replicas' first-token overheads
+        self._overhead_level = (0.0, 0.0)  # the measured replicas' median first-token overhead line
         self.outbox = None  # shared state: the router's Outbox while sharing is on (core.shared)
         self.trace: list | None = None  # a list: each candidate's (name, cost, ttft, cached, wait, work) is appended
         self.update_config(cfg)
@@ -180,7 +180,9 @@ class WarmPolicy(Shortlist, Policy):
         for p in parts:
             p.kv_ahead(now, 0.0)  # prefills predicted done by now leave the pending KV
         self.sessions.expire(now, self.cfg.warm.active_session_s)  # sessions quiet for warm.active_session_s left the working set, asked or not
-        return {**replica_view(st, parts, now), "first_token_overhead_seconds": self.overhead_of(r, now)}
+        line = st.overhead.line or self._overhead_level
+        return {**replica_view(st, parts, now), "first_token_overhead_seconds": overhead_at(line, 0),
+                "first_token_overhead_seconds_per_token": line[1]}
 
     def pin_tables(self) -> tuple[PinTable, ...]:
         return (self.session_pins,)
@@ -492,7 +494,7 @@ class WarmPolicy(Shortlist, Policy):
         ests = [self._estimate(r, st, rate, dec, profile, pin, now, k, agg.peer_scale)
                 for (r, st, k), rate, dec in rows]
         for e in ests:
-            e.ttft = e.wait + e.lora + e.prefill + self.overhead_of(e.replica, now)
+            e.ttft = e.wait + e.lora + e.prefill + self.overhead_of(e.replica, now, e.prompt)
             if self.use_kv_risk:
                 self._kv(e, out_tokens, mine, profile.session_key is not None, now)
             e.cost += e.ttft + e.stall
@@ -598,7 +600,8 @@ class WarmPolicy(Shortlist, Policy):
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         st = self.engine_state(d.replica.name, d.engine) or self.state_of(d.replica)
         if d.reservation is not None:
-            d.reservation.overhead_s = self.overhead_of(d.replica, now)  # as priced: what the model's part excludes
+            # as priced: what the model's part of the prediction excludes
+            d.reservation.overhead_s = self.overhead_of(d.replica, now, self._chosen_prompt)
         prompt = self._chosen_prompt  # the engine's tokens, as priced
         if profile.deferred and d.reservation is not None:
             # its body is still on its way: no engine has it, so nothing queues or holds KV for it until it arrives
@@ -703,19 +706,22 @@ class WarmPolicy(Shortlist, Policy):
         if res.predicted_ttft_s is None or res.remote or res.transfer_tokens:
             return  # nothing predicted, another brain's, or a decode leg (its transfer is learned apart)
         st = self.state_of(res.replica)
-        st.overhead.add(observed_s - (res.predicted_ttft_s - res.overhead_s), now)
-        measured = sorted(x.overhead.value for x in self._state.values() if x.overhead.value is not None)
-        self._overhead_level = measured[len(measured) // 2] if measured else 0.0
+        st.overhead.add(res.pending_tokens, observed_s - (res.predicted_ttft_s - res.overhead_s), now)
+        lines = [x.overhead.line for x in self._state.values() if x.overhead.line is not None]
+        if lines:
+            mid = len(lines) // 2
+            self._overhead_level = (sorted(a for a, _ in lines)[mid], sorted(b for _, b in lines)[mid])
 
-    def overhead_of(self, r: Replica, now: float) -> float:
-        """A replica's first-token overhead: its own, drifting to its peers' level as its samples age (a replica
-        that stopped getting traffic is not kept off by an old reading); its peers' until it has its own (one never
-        measured is priced as they are, neither shunned nor trusted blindly)."""
+    def overhead_of(self, r: Replica, now: float, prompt_tokens: int) -> float:
+        """A replica's first-token overhead for a prompt this long: its own, drifting to its peers' level as its
+        samples age (a replica that stopped getting traffic is not kept off by an old reading); its peers' until it
+        has its own (one never measured is priced as they are, neither shunned nor trusted blindly)."""
+        level = overhead_at(self._overhead_level, prompt_tokens)
         own = self.state_of(r).overhead
-        if own.value is None:
-            return self._overhead_level
+        if own.line is None:
+            return level
         w = 0.5 ** ((now - own.at) / OVERHEAD_HALF_LIFE_S)
-        return w * own.value + (1.0 - w) * self._overhead_level
+        return w * overhead_at(own.line, prompt_tokens) + (1.0 - w) * level
 
     def on_remote_reserved(self, res, prefill_s: float, prompt_tokens: int, session_key: bytes | None,
                            prompt: int, at: float, now: float, estimated: int | None = None,

@@ -179,6 +179,11 @@ def test_issue62_a_replica_never_measured_is_priced_at_its_peers_overhead_and_an
         pol.state_of(r2).overhead.add(1000, 0.500, t)  # a slow API server, measured once
     pol.on_first_token(_FakeRes(r2, 1000), 0.500, t)
     assert pol.overhead_of(r2, t, 1000) == pytest.approx(0.5, abs=0.01)
+    queued = _FakeRes(r0, 1000)
+    queued.predicted_ttft_s = 1.0  # of which 1 s predicted waiting behind others: the queue model's error, not r0's
+    samples = len(pol.state_of(r0).overhead.samples)
+    pol.on_first_token(queued, 3.0, t)
+    assert len(pol.state_of(r0).overhead.samples) == samples
     level = pol.overhead_of(r2, t + 1e9, 1000)
     assert level == pytest.approx(0.030)
     # no traffic since: after a half-life, halfway back to its peers (it is not kept off forever by one reading)
@@ -207,7 +212,7 @@ class _FakeRes:
 
     def __init__(self, replica, prompt_tokens=0):
         self.replica, self.predicted_ttft_s, self.overhead_s, self.remote, self.transfer_tokens = replica, 0.0, 0.0, False, 0
-        self.pending_tokens = prompt_tokens
+        self.pending_tokens, self.prefill_s = prompt_tokens, 0.0
 
 
 def test_issue62_the_brain_learns_the_overhead_from_the_access_log_join():

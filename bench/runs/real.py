@@ -61,8 +61,11 @@ from extproc.tools.workload.generate import WorkloadConfig
 from extproc.tools.workload.http_replay import replay
 from extproc.tools.workload.measure import per_class
 
-CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_router_cache_aware",
-              "vllm_router_cache_aware"]
+CONTENDERS = ["warmroute", "warmroute_estimate", "envoy_ring_hash_bounded_150", "envoy_least_request",
+              "sglang_router_cache_aware", "vllm_router_cache_aware"]
+# warmroute's rows: as `warmroute up --engine vllm` ships it (exact mode), the same counting by estimate (no KV events
+# read, no tokenizer), and flow control's burst pair
+WARMROUTE_ROWS = ("warmroute", "warmroute_estimate", "warmroute_flow", "warmroute_no_flow")
 BURST_CONTENDERS = ["warmroute_flow", "warmroute_no_flow", "envoy_ring_hash_bounded_150"]
 BURST = (1.0, 2.0, 2.0)  # from minute 1, for 2 minutes, twice the arrival rates (of a 4-minute run)
 # what the tiny model reads (8K tokens; the workload counts 4 characters a token, the model's tokenizer ~3: a
@@ -125,10 +128,12 @@ def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[s
                        "envoy": {"trust_downstream_tenant_header": True}})
     elif contender == "warmroute_no_flow":  # flow control is on by default
         config["flow_control"] = {"enabled": False}
+    elif contender == "warmroute_estimate":  # the engines still publish their KV events: the brain does not read them
+        config["exact_cache"] = {"enabled": False}
     s = Stack(0, config=config)
     try:
         proc = None
-        if contender in ("warmroute", "warmroute_flow", "warmroute_no_flow"):
+        if contender in WARMROUTE_ROWS:
             s.replicas = list(replicas)
             s.write_config()
             s.start_brain()
@@ -167,7 +172,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         engine_ttft = (e1[0] - e0[0]) / (e1[1] - e0[1]) if e1[1] > e0[1] else float("nan")
         row.engine_ttft_mean = engine_ttft
         decision, held = None, 0.0
-        if contender in ("warmroute", "warmroute_flow", "warmroute_no_flow"):
+        if contender in WARMROUTE_ROWS:
             brain = http_get(s.brain_metrics).decode()
             decision = brain_decision_mean(brain)
             # seconds flow control held requests in the brain: the router's choice, not this machine's slowness

@@ -249,14 +249,15 @@ NOT_CONFIG_KEYS = {"envoy.lb"}
 
 
 def _not_metrics() -> set[str]:
-    """Names that look like metrics but are not: the simulator's policy rows, the live benchmark's contenders
-    and Envoy's own clusters."""
+    """Names that look like metrics but are not: the simulator's policy rows, the live and real benchmarks'
+    contenders and Envoy's own clusters."""
     from bench.contenders import WARMROUTE
+    from bench.runs.real import WARMROUTE_ROWS
     from extproc.contract import BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER
     from extproc.core.policy import POLICIES
     from extproc.tools.sim.policies import POLICIES as SIMULATED
 
-    return ({f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | set(SIMULATED)
+    return ({f"warmroute_{p}" for p in POLICIES} | set(WARMROUTE) | set(WARMROUTE_ROWS) | set(SIMULATED)
             | {BRAIN_CLUSTER, FALLBACK_CLUSTER, PICKER_CLUSTER})
 
 

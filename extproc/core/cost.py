@@ -61,6 +61,9 @@ class Estimate:
     ttft: float = 0.0
     cost: float = 0.0
     work: float = 0.0
+    # KV risks of choosing it (its cache lost before or at this turn) that are no wait of this turn: in its cost, not
+    # its predicted time to first token; a prefill elsewhere avoids them, so disaggregation weighs them too
+    risk: float = 0.0
 
 
 @dataclass(slots=True)

@@ -367,7 +367,8 @@ class WarmPolicy(Shortlist, Policy):
         if e.cached and pressure > w.kv_pressure:
             # the active sessions here and this one do not fit together: LRU evicts each before its next turn. What
             # the index holds here now is here for this turn
-            e.cost += e.cached / e.rate
+            e.risk = e.cached / e.rate
+            e.cost += e.risk
         elif over > 0:
             # it does not fit beside what runs and what is queued: it waits for KV to free, and loses its cache
             lost = e.cached / e.rate + min(1.0, over / cap) * out_tokens * e.dec
@@ -377,6 +378,7 @@ class WarmPolicy(Shortlist, Policy):
             if used + prompt - e.cached > cap:
                 e.ttft += lost
             else:
+                e.risk = lost
                 e.cost += lost
 
     def select(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
@@ -681,7 +683,7 @@ class WarmPolicy(Shortlist, Policy):
         window = self.cfg.warm.arrival_window_s
         decoding = max(best.st.running(r), r.in_flight_requests - 1) + \
             recent(best.st.arrivals, now - window) / window * best.prefill / 2
-        if not worth_it(best.ttft, best.prefill, decoding, ttft, _TIE_S):
+        if not worth_it(best.ttft + best.risk, best.prefill, decoding, ttft, _TIE_S):
             return None
         return PrefillPlan(leg.replica, ttft, best.ttft, leg.prefill, leg.prompt, moved)
 

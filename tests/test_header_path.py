@@ -197,7 +197,7 @@ def test_a_turn_s_declared_size_decides_within_a_turn_s_growth_of_its_last_and_n
     assert not size_decides(0, 100)  # no last turn known: its body decides
 
 
-def test_a_body_beyond_what_any_replica_s_cache_holds_books_no_prefill_and_new_sessions_do_not_wait_behind_it():
+def test_C3_a_prompt_beyond_what_a_replica_s_cache_holds_books_no_prefill_and_new_sessions_do_not_wait_behind_it():
     """Envoy holds a 32 MiB body the brain is not sent (the big-body route): by its size, far more tokens than a
     replica's KV cache holds, which the engine refuses before any prefill. Booked as a prefill, eight such bodies held
     every new session behind them until the engines' 400s came back (12-15 of 200 refused, deadline_unmeetable)."""

@@ -38,7 +38,7 @@ class PredictionError:
 def observed_us(tags, key: str) -> float | None:
     """A duration custom tag in seconds (Envoy writes ``-`` when one end of it never happened)."""
     v = tags.get(key)
-    if not v or not v.isdigit():
+    if not v or len(v) > 12 or not v.isdigit():  # a day is 11 digits of microseconds: anything longer is not Envoy's
         return None
     return int(v) / 1e6
 

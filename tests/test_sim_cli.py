@@ -201,9 +201,9 @@ def test_sim_brains_prints_one_brain_each_k_and_delay_and_llmds_pickers_and_shar
     p = subprocess.run([sys.executable, "-m", "extproc.cli", "sim", "--brains", "1,4", "--sync-delay-ms", "10,off",
                         "--replicas", "8", "--load", "2", "--minutes", "6"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    rows = [line.split()[0] for line in p.stdout.splitlines() if line and re.match(r"^(warmroute|llmd_epp)\S* ", line)
+    rows = [line.split()[0] for line in p.stdout.splitlines() if line and re.match(r"^(warmroute|llmd_epp_2025)\S* ", line)
             and "hits" not in line]
-    assert rows[:5] == ["warmroute", "llmd_epp", "warmroute:4:10", "warmroute:4:off", "llmd_epp:4:off"]
+    assert rows[:5] == ["warmroute", "llmd_epp_2025", "warmroute:4:10", "warmroute:4:off", "llmd_epp_2025:4:off"]
     hits = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s+(\S+)\s+hits\s+([-+]\d+\.\d)", p.stdout, re.M)}
     # four brains that share lose nothing of one brain's hits; alone, each knows a quarter of each session
     assert hits["warmroute:4:10"] > -3.0 and hits["warmroute:4:off"] < -10.0
@@ -222,5 +222,14 @@ def test_noisy_versus_prints_each_policy_s_ratio_of_the_others_tail_with_and_wit
     out = capsys.readouterr().out
     rows = {line.split()[0]: float(line.split()[2].rstrip("x")) for line in out.splitlines()
             if line.startswith("  ") and "median" in line}
-    assert set(rows) >= {"warmroute", "warmroute_no_flow", "llmd_epp", "llmd_epp_flowcontrol"}
+    assert set(rows) >= {"warmroute", "warmroute_no_flow", "llmd_epp_2025", "llmd_token_aware", "llmd_epp_flowcontrol"}
     assert all(r > 0 for r in rows.values()) and max(rows.values()) > 1.0  # the flood is felt somewhere
+
+
+def test_llm_d_s_older_default_keeps_running_under_its_former_name_and_both_defaults_are_peers():
+    from extproc.tools.sim import cli
+    from extproc.tools.sim.policies import COMPARE, PEERS, make_policy
+
+    assert cli.policy_list("warmroute,llmd_epp") == "warmroute,llmd_epp_2025"
+    assert make_policy("llmd_epp", 4, 1).name == "llmd_epp_2025"
+    assert {"llmd_epp_2025", "llmd_token_aware"} <= set(PEERS) and {"llmd_epp_2025", "llmd_token_aware"} <= set(COMPARE)

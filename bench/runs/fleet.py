@@ -166,8 +166,8 @@ def run(contender: str, args) -> Result:
                   pace=pace_check(nums["ttft_p50"], res.client_lag_p99, not_engine, sp) or "")
 
 
-SIM_CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_cache_aware", "llmd_epp",
-                  "llmd_epp_lora", "dynamo_kv"]
+SIM_CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_cache_aware", "llmd_epp_2025",
+                  "llmd_token_aware", "llmd_epp_lora", "dynamo_kv"]
 
 
 def simulate(contender: str, args) -> Result:

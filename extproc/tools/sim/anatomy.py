@@ -19,7 +19,7 @@ from extproc.tools.sim.cli import parse_speeds, policy_list, seed_list, speed_li
 from extproc.tools.sim.simulator import Simulation
 from extproc.tools.workload.generate import WorkloadConfig
 
-POLICIES = ["warmroute", "envoy_ring_hash_bounded_150", "llmd_epp", "oracle"]
+POLICIES = ["warmroute", "envoy_ring_hash_bounded_150", "llmd_epp_2025", "oracle"]
 WARM_UP_S = 120.0  # as the simulator's summaries
 
 

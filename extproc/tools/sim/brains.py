@@ -5,7 +5,7 @@ brains share state: every decision's events reach the other brains ``delay_s`` l
 the Redis stream does); ``None``: no sharing, each brain knows its own share (llm-d's active-active pickers
 today, and warmroute with sharing off).
 
-Named ``<policy>:<K>:<delay ms | off>`` (``warmroute:4:100``, ``llmd_epp:4:off``).
+Named ``<policy>:<K>:<delay ms | off>`` (``warmroute:4:100``, ``llmd_epp_2025:4:off``).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def make(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -
 
 
 def parse(name: str) -> tuple[str, int, float | None] | None:
-    """``warmroute:4:100`` -> ("warmroute", 4, 0.1); ``llmd_epp:4:off`` -> (..., None); else None."""
+    """``warmroute:4:100`` -> ("warmroute", 4, 0.1); ``llmd_epp_2025:4:off`` -> (..., None); else None."""
     parts = name.split(":")
     if len(parts) not in (2, 3):
         return None

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from extproc.tools.sim.policies import AGGREGATED, COMPARE, FLOW_PEERS, NO_FLOW, PD_PEERS, PEERS, POLICIES
+from extproc.tools.sim.policies import AGGREGATED, ALIASES, COMPARE, FLOW_PEERS, NO_FLOW, PD_PEERS, PEERS, POLICIES
 from extproc.tools.sim.report import share_plot, table
 from extproc.tools.sim.simulator import Fault, Simulation
 from extproc.tools.workload.generate import WorkloadConfig
@@ -50,11 +50,13 @@ def speed_list(text: str) -> str:
 
 
 def policy_list(text: str) -> str:
-    """--policies' check: names the simulator knows, comma-separated (one line naming the first it does not)."""
-    unknown = [p for p in text.split(",") if p not in POLICIES]
+    """--policies' check: names the simulator knows, comma-separated (one line naming the first it does not); a
+    peer's former name is read as its name now."""
+    names = [ALIASES.get(p, p) for p in text.split(",")]
+    unknown = [p for p in names if p not in POLICIES]
     if unknown:
         raise argparse.ArgumentTypeError(f"no policy named {unknown[0]!r}; known: {', '.join(POLICIES)}")
-    return text
+    return ",".join(names)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -125,9 +127,9 @@ def brain_rows(policy: str, brains: str, delays: str) -> list[str]:
     """One brain, then each K > 1 at each delay, then llm-d's pickers active-active without sharing (the peer)."""
     ks = [int(k) for k in brains.split(",") if k.strip()]
     ds = [d.strip() for d in delays.split(",") if d.strip()]
-    rows = [policy, "llmd_epp"] if 1 in ks else []
+    rows = [policy, "llmd_epp_2025"] if 1 in ks else []
     for k in (k for k in ks if k > 1):
-        rows += [f"{policy}:{k}:{d}" for d in ds] + [f"llmd_epp:{k}:off"]
+        rows += [f"{policy}:{k}:{d}" for d in ds] + [f"llmd_epp_2025:{k}:off"]
     return rows
 
 

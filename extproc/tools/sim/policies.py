@@ -269,7 +269,7 @@ class SGLangCacheAware(Policy):
 
 
 class LlmdEndpointPicker(Policy):
-    """llm-d's default endpoint-picker scoring (kubernetes-sigs/gateway-api-inference-extension,
+    """llm-d's default endpoint-picker scoring from 2025 until mid-2026 (kubernetes-sigs/gateway-api-inference-extension,
     ``pkg/epp/config/loader/defaults.go``; scorers under ``pkg/epp/scheduling/framework/plugins/``):
     prefix-cache 3, queue 2, kv-cache-utilization 2, max-score picker (ties random); metrics every 50 ms.
 
@@ -278,7 +278,7 @@ class LlmdEndpointPicker(Policy):
     1 when all are equal; kv = 1 - usage.
     """
 
-    name = "llmd_epp"
+    name = "llmd_epp_2025"
     load_refresh_s = 0.05
 
     def __init__(self, n: int, seed: int, cache_tokens: int = 300_000, lora_weight: float = 0.0):
@@ -342,7 +342,7 @@ class LlmdTokenAware(LlmdEndpointPicker):
     """llm-d's default since mid-2026, "sticky until saturated" (llm-d ``guides/optimized-baseline``; llm-d-router
     ``pkg/epp/framework/plugins/scheduling/filter/prefixcacheaffinity/plugin.go``, ``scorer/tokenload/token_load.go``,
     ``requestcontrol/dataproducer/inflightload/``; Dynamo's port ``llm-d-optimized-baseline``). The approximate prefix
-    index is ``llmd_epp``'s. An endpoint is sticky when the share of the prompt's blocks it holds is at least 0.8
+    index is ``llmd_epp_2025``'s. An endpoint is sticky when the share of the prompt's blocks it holds is at least 0.8
     (``affinityThreshold``); only the sticky ones stay, unless the best sticky one's estimated TTFT (its in-flight
     tokens / ``peakPrefillThroughput``) passes the best other's by more than ``maxTTFTPenaltyMs`` (18,000 ms). Then
     ``token-load-scorer``: 1 - min(1, (in-flight tokens + this request's uncached tokens there) / 4,194,304), the
@@ -454,7 +454,7 @@ class LlmdFlowControl(LlmdEndpointPicker):
     ``pkg/epp/flowcontrol/``: ``controller/internal/processor.go``, ``filter.go``; ``saturationdetector``; PEERS.md
     "Flow control as the peers ship it"). Every request enters the queue; a dispatch loop takes the head of the
     highest non-empty priority band (global-strict fairness: one FCFS queue per band) whenever the pool is not
-    saturated, and the picker then scores the endpoints as ``llmd_epp`` does. Saturation: per endpoint
+    saturated, and the picker then scores the endpoints as ``llmd_epp_2025`` does. Saturation: per endpoint
     max(waiting / 5, KV usage / 0.8), 1 for an endpoint whose metrics are older than 200 ms; the pool's is the mean,
     saturated at >= 1. Dispatches between two 50 ms metric refreshes are not counted (the detector reads scraped
     queues only). Queued past the 60 s TTL: 429 ``rejected-ttl-expired`` (the client retries after Retry-After
@@ -775,7 +775,7 @@ class Warmroute(Policy):
         exclude = exclude - getattr(self, "prefill_set", frozenset())
         only = [f"r{i}" for i in range(self.n) if i not in exclude] if exclude else None
         if self.header_path and (d := self._at_headers(req, now, only)) is not None:
-            return self._accept(req, d)
+            return self._accept(req, d, now)
         if self.router.flow is not None:
             d = self.router.select(self._profile(req), now, only, hold_key=req.rid)
             if d.reason is Reason.HELD:
@@ -787,14 +787,14 @@ class Warmroute(Policy):
                 return REFUSED
         else:
             d = self.router.select(self._profile(req), now, only)
-        return self._accept(req, d)
+        return self._accept(req, d, now)
 
     def holds(self) -> bool:
         return bool(self._held)
 
     def take_ready(self, now):
         ready = [(self._held.pop(key), d) for key, d in self.router.offer(now)]
-        out = [(req, self._accept(req, d)) for req, d in ready]
+        out = [(req, self._accept(req, d, now)) for req, d in ready]
         out += [(self._held.pop(key), REFUSED) for key in self.router.flow.refused if key in self._held]
         self.router.flow.refused.clear()
         return out
@@ -818,7 +818,7 @@ class Warmroute(Policy):
         self.router.release(req.extra.pop("pd_reservation", None), now)
         req.extra["leg_s"] = now - req.arrival
 
-    def _accept(self, req, d):
+    def _accept(self, req, d, now):
         if d.replica is None:
             return None
         if d.prefill is not None:
@@ -826,7 +826,9 @@ class Warmroute(Policy):
         req.extra["reservation"] = d.reservation
         req.extra["reason"] = d.reason
         if d.predicted_ttft_s is not None:
-            req.extra["predicted_ttft"] = d.predicted_ttft_s
+            # a prediction counts from its decision, as the brain's join times it (Envoy's upstream request end):
+            # time held by flow control before it is no part of what was predicted
+            req.extra["predicted_ttft"] = (d.predicted_ttft_s, now - req.arrival)
             req.extra["predicted_cached"] = d.cached_tokens
         if any(e.action in ("pin", "rebind") for e in d.events) and d.replica.state.value != "LIVE":
             self.pins_on_non_live += 1
@@ -880,17 +882,18 @@ PEERS = {
     "envoy_ring_hash": RingHash,
     "envoy_ring_hash_bounded_150": lambda n, seed: RingHash(n, seed, hash_balance_factor=150),
     "sglang_cache_aware": SGLangCacheAware,
-    "llmd_epp": LlmdEndpointPicker,
+    "llmd_epp_2025": LlmdEndpointPicker,
+    # llm-d's default since mid-2026, "sticky until saturated" (issue 62)
+    "llmd_token_aware": LlmdTokenAware,
     "dynamo_kv": DynamoKvRouter,
 }
+# names a peer had before: commands in dated docs keep running (issue 62 named llm-d's older default by its version)
+ALIASES = {"llmd_epp": "llmd_epp_2025"}
 REFERENCE = {"oracle": Oracle}
 # peers as configured for a fleet that serves LoRA adapters (bench_fleet --simulated); not in COMPARE
 LORA_PEERS = {"llmd_epp_lora": lambda n, seed: LlmdEndpointPicker(n, seed, lora_weight=4.0)}
 # peers with flow control, as shipped but opt-in (issue 34's extra peer row); not in COMPARE
 FLOW_PEERS = {"llmd_epp_flowcontrol": LlmdFlowControl}
-# llm-d's default since mid-2026 (issue 62's new peer); not in COMPARE until the README's llm-d rows are run again
-# against it (docs/routing.md, "Predictions")
-TOKEN_AWARE_PEERS = {"llmd_token_aware": LlmdTokenAware}
 # peers that read the engines' KV events (issue 45's rows); not in COMPARE
 EXACT_PEERS = {"llmd_precise": LlmdPrecise}
 # peers that disaggregate prefill and decode (issue 48's rows), and warmroute on the same replicas aggregated
@@ -907,11 +910,12 @@ EXACT = "warmroute_exact"  # as it ships, on a fleet whose engines publish KV ev
 BODY, EXACT_BODY = "warmroute_body", "warmroute_exact_body"
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, BODY, EXACT_BODY, AGGREGATED, *PEERS, *TOKEN_AWARE_PEERS, *LORA_PEERS, *FLOW_PEERS,
+POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, BODY, EXACT_BODY, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS,
             *EXACT_PEERS, *PD_PEERS, *REFERENCE]
 
 
 def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = None) -> Policy:
+    name = ALIASES.get(name, name)
     if name in ("warmroute", FLOW_WAIT):
         return Warmroute(n, seed, router_cfg, name, flow=True, hold_on_wait=name == FLOW_WAIT, header_path=True)
     if name == NO_FLOW:
@@ -926,7 +930,7 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
         return w
     if name.startswith("warmroute_") and name[len("warmroute_"):] in CORE_POLICIES:
         return Warmroute(n, seed, router_cfg, name, name[len("warmroute_"):])
-    factory = PEERS.get(name) or TOKEN_AWARE_PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) \
+    factory = PEERS.get(name) or LORA_PEERS.get(name) or FLOW_PEERS.get(name) \
         or EXACT_PEERS.get(name) or PD_PEERS.get(name) or REFERENCE.get(name)
     if factory is None:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
@@ -934,5 +938,5 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
 
 
 __all__ = ["Policy", "RoundRobin", "LeastRequest", "RingHash", "SGLangCacheAware", "LlmdEndpointPicker",
-           "LlmdFlowControl", "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "COMPARE", "DEFAULT",
+           "LlmdFlowControl", "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "ALIASES", "COMPARE", "DEFAULT",
            "NO_FLOW"]

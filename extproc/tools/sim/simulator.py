@@ -99,7 +99,8 @@ class SimResult:
         } | per_class(self.requests, warmup_min * 60, self.minutes * 60) | self._prediction_error(ok)
 
     def _prediction_error(self, ok: list[Request]) -> dict:
-        pairs = [(r.extra["predicted_ttft"], max(r.ttft, 1e-3)) for r in ok if "predicted_ttft" in r.extra]
+        pairs = [(p, max(r.ttft - held, 1e-3)) for r in ok if "predicted_ttft" in r.extra
+                 for p, held in (r.extra["predicted_ttft"],)]
         if not pairs:
             return {}
         # as the brain reports them per replica (extproc/brain/outcomes.py), over the whole run

@@ -91,7 +91,8 @@ def _type_name(tp) -> str:
         (inner,) = [a for a in args if a is not type(None)]
         return _type_name(inner) + " or null"
     if origin is tuple:
-        return "list of strings"
+        # a tuple of pairs is read from a mapping (replicas[].kv_events: {endpoint, replay_endpoint, ...})
+        return "mapping" if typing.get_origin(args[0]) is tuple else "list of strings"
     return {int: "whole number", float: "number", str: "string", bool: "true / false"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -129,7 +130,8 @@ def config_fields() -> list[tuple[str, str, str, str]]:
             if f.name in _NESTED and cls in (RouterConfig, AppConfig):
                 continue
             key = f"{section}.{f.name}" if section else f.name
-            rows.append((key, _type_name(hints[f.name]), _default(f), notes.get(f.name, "")))
+            default = "null" if _type_name(hints[f.name]) == "mapping" else _default(f)
+            rows.append((key, _type_name(hints[f.name]), default, notes.get(f.name, "")))
     return rows
 
 

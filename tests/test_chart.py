@@ -104,9 +104,22 @@ def check_object(doc: dict, tmp: Path) -> None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-def brain_config(docs: list[dict]):
+def raw_config(docs: list[dict]) -> dict:
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "warmroute.yaml" in d["data"])
-    return parse_config(yaml.safe_load(cm["data"]["warmroute.yaml"]))
+    return yaml.safe_load(cm["data"]["warmroute.yaml"])
+
+
+def brain_config(docs: list[dict], tmp: Path | None = None):
+    """The rendered config as the brain parses it; the tokenizer directories it names are mounts from the operator's
+    volumes, stood in for by directories under ``tmp`` holding a tokenizer.json (the parse checks they are there)."""
+    doc = raw_config(docs)
+    tokenizers = (doc.get("exact_cache") or {}).get("tokenizers") or {}
+    for model, path in tokenizers.items():
+        here = tmp / "mounts" / path.strip("/")
+        here.mkdir(parents=True, exist_ok=True)
+        (here / "tokenizer.json").write_text("{}")
+        tokenizers[model] = str(here)
+    return parse_config(doc)
 
 
 def the(docs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -122,7 +135,7 @@ def test_every_shape_lints_renders_and_validates(case, tmp_path):
     docs = render(values, tmp_path)
     for doc in docs:
         check_object(doc, tmp_path)
-    cfg = brain_config(docs)  # the rendered config loads: every field checked as the brain checks it
+    cfg = brain_config(docs, tmp_path)  # the rendered config loads: every field checked as the brain checks it
     assert cfg.brain.protocol == "endpoint-picker"
     names = [(d["kind"], d["metadata"]["name"]) for d in docs]
     assert len(names) == len(set(names)), "an object rendered twice"
@@ -294,3 +307,25 @@ def test_the_values_schema_refuses_what_the_brain_refuses():
                 checked += 1
     assert checked > 100  # every scalar field of every section (140 today)
     jsonschema.validate({"replicas": [{"name": "r0", "url": "http://10.0.0.5:8000"}], "warm": {"kv_pressure": 0.9}}, schema)
+
+
+@pytest.mark.parametrize("case", ["gateway-exact-mode", "standalone-exact-mode"])
+def test_exact_mode_mounts_the_tokenizers_and_names_the_engines_publishers(case, tmp_path):
+    """Issue 63: each model's tokenizer files, from a volume the operator names, are mounted read-only into the brain
+    where the rendered exact_cache.tokenizers points; the engines' publisher ports reach discovery."""
+    values = MATRIX[case]
+    docs = render(values, tmp_path)
+    cfg = brain_config(docs, tmp_path)
+    paths = raw_config(docs)["exact_cache"]["tokenizers"]
+    brain = next(d for d in docs if d["kind"] == "Deployment" and any(
+        c["name"] == "brain" for c in d["spec"]["template"]["spec"]["containers"]))
+    pod = brain["spec"]["template"]["spec"]
+    [container] = [c for c in pod["containers"] if c["name"] == "brain"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    for i, t in enumerate(values["exactMode"]["tokenizers"]):
+        path = paths[t["model"]]
+        assert mounts[path]["readOnly"] and mounts[path].get("subPath") == t.get("subPath")
+        assert {k: v for k, v in volumes[mounts[path]["name"]].items() if k != "name"} == t["volume"]
+    assert cfg.exact_cache.enabled and cfg.discovery.kv_events_port == values["exactMode"]["kvEventsPort"]
+    assert cfg.discovery.kv_events_replay_port == values["exactMode"].get("kvEventsReplayPort")

@@ -58,6 +58,17 @@ def test_a_good_file_loads_and_keeps_spec_defaults_elsewhere(tmp_path):
         ("replicas: [{name: 'bad name', url: 'http://h:1'}]", "replicas[0].name"),
         ("replicas: [{name: r0, url: 'http://h:1'}, {name: r0, url: 'http://h:2'}]", "replicas[1].name"),
         ("replicas: [{name: r0, url: 'http://h:1', weight: 2}]", "replicas[0].weight"),
+        ("replicas: [{name: r0, url: 'http://h:1', kv_events: 'tcp://h:5557'}]", "replicas[0].kv_events"),
+        ("replicas: [{name: r0, url: 'http://h:1', kv_events: {endpoint: 'udp://h:5557'}}]",
+         "replicas[0].kv_events.endpoint"),
+        ("replicas: [{name: r0, url: 'http://h:1', kv_events: {endpoint: 'tcp://h:5557', replay: 'tcp://h:1'}}]",
+         "replicas[0].kv_events.replay"),
+        ("replicas: [{name: r0, url: 'http://h:1', kv_events: {endpoint: 'ipc:///tmp/p', data_parallel_size: 2}}]",
+         "replicas[0].kv_events.endpoint"),
+        ("replicas: [{name: r0, url: 'http://h:1', kv_events: {endpoint: 'tcp://h:1', data_parallel_size: 0}}]",
+         "replicas[0].kv_events.data_parallel_size"),
+        ("discovery: {kv_events_replay_port: 5558}", "discovery.kv_events_replay_port"),
+        ("discovery: {kv_events_port: 70000}", "discovery.kv_events_port"),
         ("brain: {grpc_socket: ''}", "brain.grpc_socket"),
         (f"brain: {{grpc_socket: /tmp/{'d' * 120}/brain.sock}}", "brain.grpc_socket"),
         ("bogus: 1", "bogus"),
@@ -208,3 +219,44 @@ def test_an_https_replica_gets_tls_in_envoy_with_its_own_name_and_ca():
         v = tls["common_tls_context"]["validation_context"]
         assert v["trusted_ca"]["filename"] == "/etc/ca.pem"
         assert v["match_typed_subject_alt_names"][0]["matcher"]["exact"] == "vllm-1.internal"
+
+
+def test_an_engine_s_kv_event_publishers_can_be_named_as_vllm_s_flag_names_them():
+    """Issue 63: for engines without GET /kv_event_sources. vLLM's bind address pasted (tcp://*:5557) is the
+    replica's own host; data-parallel ranks at the ports after, as vLLM offsets them; an ipc:// path as given."""
+    cfg = parse_config({"replicas": [
+        {"name": "a", "url": "http://10.0.0.5:8000",
+         "kv_events": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600", "data_parallel_size": 2}},
+        {"name": "b", "url": "http://[fd00::7]:8000", "kv_events": {"endpoint": "tcp://0.0.0.0:5557"}},
+        {"name": "c", "url": "http://127.0.0.1:8000", "kv_events": {"endpoint": "ipc:///run/vllm/kv.pub"}},
+        {"name": "d", "url": "http://10.0.0.6:8000", "kv_events": {"endpoint": "tcp://events.svc:7000"}},
+        {"name": "e", "url": "http://10.0.0.7:8000"}]})
+    got = {r.name: r.kv_events for r in cfg.replicas}
+    assert got == {"a": (("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5600"), ("tcp://10.0.0.5:5558", "tcp://10.0.0.5:5601")),
+                   "b": (("tcp://[fd00::7]:5557", None),), "c": (("ipc:///run/vllm/kv.pub", None),),
+                   "d": (("tcp://events.svc:7000", None),), "e": ()}
+
+
+def test_the_brain_follows_configured_publishers_and_asks_the_others_at_kv_event_sources():
+    """A replica whose publishers the config names is not asked at /kv_event_sources (an older vLLM has no such
+    route): its readers follow the config, and /state says where they came from; once the config names none, it
+    is asked again."""
+    from .helpers import live_brain
+
+    doc = {"replicas": [{"name": "r0", "url": "http://127.0.0.1:8001", "kv_events": {"endpoint": "tcp://*:5557"}},
+                        {"name": "r1", "url": "http://127.0.0.1:8002"}],
+           "exact_cache": {"enabled": True}}
+    b = live_brain(parse_config(doc))
+    assert b.exact.kv.sources["r0"] == {0: ("tcp://127.0.0.1:5557", None)}
+    assert b.scraper.kv_wanted == {"r1"} and "r0" not in b.scraper.kv_due
+    assert b.exact.replica_view("r0")["events_from"] == "configured"
+    assert b.exact.replica_view("r1")["events_from"] is None  # not listed yet
+    b.exact.kv.on_sources("r1", "http://127.0.0.1:8002", {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                                               "endpoint": "tcp://*:5560"}})
+    assert b.exact.replica_view("r1")["events_from"] == "listed"
+    doc["replicas"][0].pop("kv_events")
+    b.reload(parse_config(doc))
+    assert b.scraper.kv_wanted == {"r0", "r1"} and "r0" in b.scraper.kv_due
+    doc["exact_cache"]["enabled"] = False
+    b.reload(parse_config(doc))
+    assert not b.exact.kv.sources and not b.scraper.kv_wanted

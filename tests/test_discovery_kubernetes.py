@@ -8,6 +8,8 @@ JSON lines), at the paths and with the query parameters the client really sends.
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import json
 import threading
@@ -260,3 +262,24 @@ def test_a_source_naming_more_replicas_than_a_fleet_has_is_a_failure_not_a_fleet
     asyncio.run(scenario())
     assert len(applied) == 1 and len(applied[0]) == 2  # the last good set stays
     assert f"more than {MAX_REPLICAS}" in failures[0]
+
+
+def test_a_pod_names_its_kv_events_ports_by_annotation_else_the_config_s_ports_hold(api, tmp_path):
+    """Issue 63: exact mode on engines that do not list their publishers (vLLM before 0.32): a pod's annotations
+    name its publisher's and replay socket's ports on its own address; without them the config's ports hold; an
+    annotation that is no port is not believed."""
+    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder", kubeconfig=api.kubeconfig(tmp_path / "k"),
+                        kv_events_port=5557, kv_events_replay_port=5558)
+    own, plain, bad = pod("a-0", "10.0.0.30"), pod("b-0", "10.0.0.31"), pod("c-0", "10.0.0.32")
+    own["metadata"]["annotations"] = {"warmroute.io/kv-events-port": "6000", "warmroute.io/kv-events-replay-port": "6001"}
+    bad["metadata"]["annotations"] = {"warmroute.io/kv-events-port": "²"}
+    api.pods = [own, plain, bad]
+    found = {r.name: r.kv_events for r in asyncio.run(KubernetesSource(d).lookup())}
+    assert found == {"a-0": (("tcp://10.0.0.30:6000", "tcp://10.0.0.30:6001"),),
+                     "b-0": (("tcp://10.0.0.31:5557", "tcp://10.0.0.31:5558"),),
+                     "c-0": (("tcp://10.0.0.32:5557", "tcp://10.0.0.32:5558"),)}
+    # data-parallel engines publish at the ports after (vLLM offsets them by the rank); no config port: asked
+    d2 = dataclasses.replace(d, kv_events_port=None, kv_events_replay_port=None, kv_events_data_parallel_size=2)
+    found = {r.name: r.kv_events for r in asyncio.run(KubernetesSource(d2).lookup())}
+    assert found == {"a-0": (("tcp://10.0.0.30:6000", "tcp://10.0.0.30:6001"), ("tcp://10.0.0.30:6001", "tcp://10.0.0.30:6002")),
+                     "b-0": (), "c-0": ()}

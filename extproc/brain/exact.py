@@ -36,6 +36,7 @@ class Exact:
         self._sources: dict[str, tuple[str, str | None]] = {}  # model -> (its directory, its template file)
         self.block_size: int | None = None  # of the engines that verified (vLLM: one per fleet in practice)
         self.tokenized = self.untokenized = self.deferred = self.learned = self.worker_failed = 0
+        self.configured: set[str] = set()  # replicas whose publishers the config names
         self._pool: ProcessPoolExecutor | None = None  # started at the first prompt too long for the request path
         self._pending: set[bytes] = set()
         self._done: deque = deque()
@@ -44,11 +45,18 @@ class Exact:
     def configure(self, cfg: AppConfig) -> None:
         c = self.cfg = cfg.exact_cache
         self.root = none_hash(c.hash_seed)
-        self.scraper.kv_wanted = {r.name for r in cfg.replicas if r.engine in ("vllm", "auto")} if c.enabled else set()
+        # engines whose publishers the operator named are followed there; the others' are asked for at
+        # /kv_event_sources (vLLM 0.32) after each start
+        configured = {r.name: dict(enumerate(r.kv_events)) for r in cfg.replicas if r.kv_events} if c.enabled else {}
+        self.configured = set(configured)
+        self.scraper.kv_wanted = {r.name for r in cfg.replicas if r.engine in ("vllm", "auto")
+                                  and r.name not in configured} if c.enabled else set()
         for name in list(self.kv.sources):
-            if name not in self.scraper.kv_wanted:
+            if name not in self.scraper.kv_wanted and name not in configured:
                 self.kv.forget(name)
-        self.scraper.kv_due |= self.scraper.kv_wanted
+        for name, wanted in configured.items():
+            self.kv.follow(name, wanted)
+        self.scraper.kv_due = (self.scraper.kv_due | self.scraper.kv_wanted) & self.scraper.kv_wanted
         templates = dict(c.chat_templates)
         wanted = {m: (path, templates.get(m)) for m, path in c.tokenizers} if c.enabled else {}
         for model in [m for m in self.tokenizers if wanted.get(m) != self._sources.get(m)]:
@@ -199,6 +207,9 @@ class Exact:
         ranks = self.router.policy.engine_count(name)
         engines = exact.view(self.router.policy, name, ranks)
         mode, why = exact.mode_of(engines)
-        return {"mode": mode, "reason": why, "engines": engines,
+        # where the brain found the engines' publishers: the config's replicas[].kv_events (or discovery's ports), or
+        # the replica's own GET /kv_event_sources
+        events = "configured" if name in self.configured else "listed" if self.kv.sources.get(name) else None
+        return {"mode": mode, "reason": why, "engines": engines, "events_from": events,
                 "cached_tokens": {"achieved": self.stats.exact_achieved[name],
                                   "reachable": self.stats.exact_reachable[name]}}

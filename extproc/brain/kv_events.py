@@ -287,6 +287,11 @@ class KvEvents:
             if endpoint is None or int(rank) >= MAX_RANKS:
                 continue
             wanted[int(rank)] = (endpoint, endpoint_for(replay, url) if isinstance(replay, str) and replay else None)
+        self.follow(name, wanted)
+
+    def follow(self, name: str, wanted: dict[int, tuple[str, str | None]]) -> None:
+        """Replica ``name``'s engines publish at these (publisher, replay) endpoints by rank: what it listed, or
+        what the operator configured (``replicas[].kv_events``: their word, to any host)."""
         self.sources[name] = wanted
         for key in [k for k in self.readers if k[0] == name and wanted.get(k[1]) != (self.readers[k][0].endpoint,
                                                                                     self.readers[k][0].replay)]:

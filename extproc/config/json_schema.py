@@ -68,8 +68,13 @@ def _model_paths() -> dict:
 
 def config_schema() -> dict:
     """The config file as JSON Schema (draft 2020-12)."""
-    replica = _section("replicas[]", ReplicaSpec)
+    replica = _section("replicas[]", ReplicaSpec, skip={"kv_events"})
     replica["required"] = ["name", "url"]
+    endpoint = {"type": "string", "pattern": "^(tcp|ipc)://"}
+    replica["properties"]["kv_events"] = {
+        "type": "object", "additionalProperties": False, "required": ["endpoint"],
+        "properties": {"endpoint": endpoint, "replay_endpoint": endpoint,
+                       "data_parallel_size": {"type": "integer", "minimum": 1}}}
     exact = _section("exact_cache", ExactCacheConfig, skip={"tokenizers", "chat_templates"})
     exact["properties"] |= {"tokenizers": _model_paths(), "chat_templates": _model_paths()}
     target = {"type": "object", "additionalProperties": False, "required": ["model"],

@@ -136,11 +136,11 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
         if not isinstance(item, dict):
             raise ConfigError(f"{where}: expected a mapping with name and url")
         known = {"name", "url", "engine", "tls_ca_file", "tls_sni", "tls_cert_file", "tls_key_file", "models", "paths",
-                 "role"}
+                 "role", "kv_events"}
         extra = set(item) - known
         if extra:
             raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: {', '.join(sorted(known))})")
-        tls = {k: item[k] for k in known - {"name", "url", "engine", "models", "paths", "role"}
+        tls = {k: item[k] for k in known - {"name", "url", "engine", "models", "paths", "role", "kv_events"}
                if item.get(k) is not None}
         role = item.get("role", "both")
         if role not in ROLES:
@@ -186,9 +186,52 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
             parts.port
         except ValueError:
             raise ConfigError(f"{where}.url: bad port in {_short(url)}") from None
+        kv_events = _kv_events(f"{where}.kv_events", item.get("kv_events"), parts.hostname)
         out.append(ReplicaSpec(name, url.rstrip("/"), engine, **tls, models=tuple(models), paths=tuple(paths),
-                               role=role))
+                               role=role, kv_events=kv_events))
     return tuple(out)
+
+
+MAX_DATA_PARALLEL = 128  # as the brain's event readers bound a replica's ranks (brain/kv_events.py MAX_RANKS)
+
+
+def _kv_endpoint(where: str, value: Any, host: str, rank: int) -> str:
+    """A ZeroMQ endpoint as vLLM's --kv-events-config names it, for data-parallel rank ``rank``: its port offset by the
+    rank as vLLM offsets it; a wildcard host (vLLM's bind address, pasted) is the replica's own."""
+    text = value if isinstance(value, str) else ""
+    scheme, _, rest = text.partition("://")
+    if scheme == "ipc" and rest.startswith("/") and 1 < len(rest) < 108:
+        if rank:
+            raise ConfigError(f"{where}: vLLM offsets only tcp:// endpoints by data-parallel rank; use tcp:// with "
+                              "data_parallel_size > 1")
+        return text
+    addr, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not addr or not port.isdigit() or not 0 < int(port) < 65536 - rank:
+        raise ConfigError(f"{where}: expected tcp://host:port or ipc:///path as vLLM's --kv-events-config names it, "
+                          f"got {_short(value)}")
+    if addr.strip("[]") in ("*", "0.0.0.0", "::"):
+        addr = f"[{host}]" if ":" in host else host
+    return f"tcp://{addr}:{int(port) + rank}"
+
+
+def _kv_events(where: str, raw: Any, host: str) -> tuple[tuple[str, str | None], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or "endpoint" not in raw:
+        raise ConfigError(f"{where}: expected a mapping with endpoint (and replay_endpoint, data_parallel_size), "
+                          f"got {_short(raw)}")
+    extra = set(raw) - {"endpoint", "replay_endpoint", "data_parallel_size"}
+    if extra:
+        raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (known: data_parallel_size, endpoint, "
+                          "replay_endpoint)")
+    ranks = raw.get("data_parallel_size", 1)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_DATA_PARALLEL:
+        raise ConfigError(f"{where}.data_parallel_size: expected a whole number from 1 to {MAX_DATA_PARALLEL}, "
+                          f"got {_short(ranks)}")
+    replay = raw.get("replay_endpoint")
+    return tuple((_kv_endpoint(f"{where}.endpoint", raw["endpoint"], host, k),
+                  None if replay is None else _kv_endpoint(f"{where}.replay_endpoint", replay, host, k))
+                 for k in range(ranks))
 
 
 _LOOPBACK = ("127.", "localhost", "::1")
@@ -485,6 +528,17 @@ def _discovery(raw: Any) -> DiscoveryConfig:
         host, _, port = s.rpartition(":") if s.count(":") == 1 else (s, "", "")
         if not is_ip(host or s) or (port and not (port.isdigit() and 0 < int(port) <= 65535)):
             raise ConfigError(f"discovery.dns_servers[{i}]: expected an IP address or ip:port, got {_short(s)}")
+    for f in ("kv_events_port", "kv_events_replay_port"):
+        v = getattr(d, f)
+        if v is not None and not 0 < v < 65536 - d.kv_events_data_parallel_size:
+            raise ConfigError(f"discovery.{f}: expected a port number 1..65535 (and room for every data-parallel "
+                              f"rank's), got {v}")
+    if not 1 <= d.kv_events_data_parallel_size <= MAX_DATA_PARALLEL:
+        raise ConfigError(f"discovery.kv_events_data_parallel_size: expected a whole number from 1 to "
+                          f"{MAX_DATA_PARALLEL}, got {d.kv_events_data_parallel_size}")
+    if d.kv_events_replay_port is not None and d.kv_events_port is None:
+        raise ConfigError("discovery.kv_events_replay_port: a replay socket goes with a publisher: set "
+                          "kv_events_port too")
     if d.source == "kubernetes" and (d.inference_pool is None) == (d.service is None):
         raise ConfigError("discovery.inference_pool: source kubernetes follows one InferencePool or one service; "
                           "name exactly one")

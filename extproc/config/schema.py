@@ -38,6 +38,11 @@ class ReplicaSpec:
     # prefill/decode disaggregation: "prefill" takes only prefill legs, "decode" only requests (and their decode
     # legs), "both" either (docs/routing.md "Prefill/decode disaggregation")
     role: str = "both"
+    # exact mode on an engine that does not list its KV event publishers at GET /kv_event_sources (vLLM before
+    # 0.32, or a port the brain must reach another way): each data-parallel engine's (publisher, replay) endpoints,
+    # as the config's ``kv_events: {endpoint, replay_endpoint, data_parallel_size}`` names them (ports offset by the
+    # rank, as vLLM offsets them); empty: asked at /kv_event_sources
+    kv_events: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def tls(self) -> bool:
@@ -128,6 +133,13 @@ class DiscoveryConfig:
     service: str | None = None  # kubernetes: or a Service, whose EndpointSlices name the pods
     # kubernetes: a kubeconfig file; null: the pod's service account (in-cluster)
     kubeconfig: str | None = None
+    # exact mode where the engines do not list their KV event publishers at /kv_event_sources (vLLM before 0.32):
+    # every discovered replica's publisher at this port of its own address (its replay socket at the next field's;
+    # data-parallel ranks at the ports after, as vLLM offsets them); null: asked at /kv_event_sources. A Kubernetes
+    # pod may name its own: the annotations warmroute.io/kv-events-port and warmroute.io/kv-events-replay-port
+    kv_events_port: int | None = None  # the publisher's port on each discovered replica (null: asked at /kv_event_sources)
+    kv_events_replay_port: int | None = None  # its replay socket's port there (null: none)
+    kv_events_data_parallel_size: int = 1  # engines per replica: their publishers at the ports after, by rank
 
 
 @dataclass(frozen=True, slots=True)

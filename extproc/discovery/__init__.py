@@ -37,9 +37,14 @@ def replica_name(prefix: str, address: str, port: int) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{prefix}-{address}-{port}".strip("[]"))[:63]
 
 
-def spec(d: DiscoveryConfig, name: str, address: str, port: int, role: str = "both") -> ReplicaSpec:
+def spec(d: DiscoveryConfig, name: str, address: str, port: int, role: str = "both",
+         kv_ports: tuple[int | None, int | None] = (None, None)) -> ReplicaSpec:
+    """A discovered replica; ``kv_ports``: its own KV events (publisher, replay) ports, else the config's."""
     host = f"[{address}]" if ":" in address else address
-    return ReplicaSpec(name, f"{d.scheme}://{host}:{port}", d.engine, role=role)
+    pub, replay = kv_ports if kv_ports[0] is not None else (d.kv_events_port, d.kv_events_replay_port)
+    kv = tuple((f"tcp://{host}:{pub + k}", f"tcp://{host}:{replay + k}" if replay is not None else None)
+               for k in range(d.kv_events_data_parallel_size)) if pub is not None else ()
+    return ReplicaSpec(name, f"{d.scheme}://{host}:{port}", d.engine, role=role, kv_events=kv)
 
 
 class StaticSource:

@@ -55,6 +55,22 @@ def pod_role(pod: dict) -> str:
     return role if role in ("prefill", "decode") else "both"
 
 
+KV_PORT_ANNOTATION = "warmroute.io/kv-events-port"  # a pod's KV events publisher (exact mode, vLLM before 0.32)
+KV_REPLAY_ANNOTATION = "warmroute.io/kv-events-replay-port"  # and its replay socket
+
+
+def pod_kv_ports(pod: dict) -> tuple[int | None, int | None]:
+    """A pod's KV events ports from its annotations; one that is no port number is not believed (None)."""
+    notes = (pod.get("metadata") or {}).get("annotations") or {}
+
+    def port(key: str) -> int | None:
+        v = notes.get(key)
+        return int(v) if isinstance(v, str) and v.isascii() and v.isdigit() and 0 < int(v) < 65536 - 128 else None
+
+    pub = port(KV_PORT_ANNOTATION)
+    return (pub, port(KV_REPLAY_ANNOTATION)) if pub is not None else (None, None)
+
+
 def pool_replicas(d: DiscoveryConfig, pool: dict, pods: list[dict]) -> list[ReplicaSpec]:
     """The replicas of an InferencePool (v1) given its pods: every ready pod x every target port, each with its
     role (``llm-d.ai/role``)."""
@@ -66,7 +82,8 @@ def pool_replicas(d: DiscoveryConfig, pool: dict, pods: list[dict]) -> list[Repl
         if _pod_ready(pod):
             ip, name = pod["status"]["podIP"], pod["metadata"]["name"]
             for port in ports:
-                out.append(spec(d, name if len(ports) == 1 else f"{name}-{port}"[:63], ip, port, pod_role(pod)))
+                out.append(spec(d, name if len(ports) == 1 else f"{name}-{port}"[:63], ip, port, pod_role(pod),
+                                pod_kv_ports(pod)))
     return out
 
 

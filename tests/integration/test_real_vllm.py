@@ -209,6 +209,42 @@ def test_exact_mode_predicts_the_engine_s_cached_and_prompt_tokens_and_a_foreign
     assert fleet.replica_state("r0")["cache"]["engines"][0]["unverifiable_blocks"] == 0
 
 
+def _reload(fleet, exact_enabled: bool, r0: dict) -> None:
+    fleet.overrides = {**fleet.overrides, "exact_cache": {**fleet.overrides["exact_cache"], "enabled": exact_enabled}}
+    fleet.replica_config = {**fleet.replica_config, "r0": r0}
+    fleet.write_config()
+    fleet.admin_post("/reload")
+
+
+def test_exact_mode_through_publishers_named_in_the_config_as_on_a_vllm_without_kv_event_sources(fleet):
+    """Issue 63: an engine whose KV event publishers the operator names (``replicas[].kv_events``, as a vLLM before
+    0.32 needs: it has no GET /kv_event_sources) is priced as exactly as one whose publishers were listed: the
+    brain's predicted cached and prompt tokens are the engine's own on every request there."""
+    port = fleet.replicas[0].port
+    src = json.loads(http_get(f"http://127.0.0.1:{port}/kv_event_sources"))["0"]  # what the operator passed vLLM
+    named = {"kv_events": {"endpoint": src["endpoint"], "replay_endpoint": src["replay_endpoint"]}}
+    cache = lambda: fleet.replica_state("r0")["cache"]  # noqa: E731
+    try:
+        _reload(fleet, False, {})  # the readers the listing started are stopped
+        wait_for(lambda: cache()["events_from"] is None, 30, "r0's readers stopped")
+        _reload(fleet, True, named)
+        rng = random.Random(17)
+        wait_for(lambda: asyncio.run(_burst(fleet.url, 2, 2, rng)) and cache()["mode"] == "exact", 60,
+                 "r0 exact from its configured publisher", every=0.5)
+        assert cache()["events_from"] == "configured"
+        got = _conversation(fleet, random.Random(19), sessions=6, turns=4)
+        exact = [(g["decision"]["predicted_cached_tokens"], g["usage"]["prompt_tokens_details"]["cached_tokens"],
+                  g["decision"]["predicted_prompt_tokens"], g["usage"]["prompt_tokens"])
+                 for g in got if g["decision"]["replica"] == "r0"]
+        print(f"\nexact mode on r0 through its configured publisher: {len(exact)} requests {exact}")
+        assert len(exact) >= 6, got
+        assert all(p == e and pp == ep for p, e, pp, ep in exact), exact
+        assert sum(e for _, e, _, _ in exact) > 0, "some turn hit the cache"
+    finally:
+        _reload(fleet, True, {})
+    wait_for(lambda: cache()["events_from"] == "listed", 30, "r0 asked at /kv_event_sources again")
+
+
 def test_turns_under_way_decided_at_their_headers_reach_their_home_whole_and_find_their_context(fleet):
     """Issue 61 on real engines: a session's turns that name their model in a header are routed at their headers and
     their bodies streamed unread; the engine answers each from the context its home holds (its own cached_tokens),

@@ -75,6 +75,22 @@ it. The same file Envoy's bootstrap is rendered from in the standalone shape (wa
 {{- end -}}
 {{- $_ := set $cfg "envoy" $envoy -}}
 {{- end -}}
+{{- with .Values.exactMode -}}
+{{- if .tokenizers -}}
+{{- $tok := dict -}}
+{{- range $i, $t := .tokenizers -}}
+{{- $_ := set $tok $t.model (printf "/etc/warmroute/tokenizers/%d" $i) -}}
+{{- end -}}
+{{- $_ := set $cfg "exact_cache" (dict "tokenizers" $tok) -}}
+{{- end -}}
+{{- if .kvEventsPort -}}
+{{- $d := $cfg.discovery -}}
+{{- $_ := set $d "kv_events_port" (int .kvEventsPort) -}}
+{{- if .kvEventsReplayPort -}}
+{{- $_ := set $d "kv_events_replay_port" (int .kvEventsReplayPort) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if include "warmroute.several" . -}}
 {{- $_ := set $cfg "shared_state" (dict "redis_url" (include "warmroute.redisUrl" .) "password_file" "/etc/warmroute/redis/password" "secret_file" "/etc/warmroute/redis/secret") -}}
 {{- end -}}

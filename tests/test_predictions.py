@@ -215,7 +215,7 @@ class _FakeRes:
 
     def __init__(self, replica, prompt_tokens=0):
         self.replica, self.predicted_ttft_s, self.overhead_s, self.remote, self.transfer_tokens = replica, 0.0, 0.0, False, 0
-        self.pending_tokens, self.prefill_s = prompt_tokens, 0.0
+        self.pending_tokens, self.prefill_s, self.wait_s, self.engine = prompt_tokens, 0.0, 0.0, None
 
 
 def test_issue62_the_brain_learns_the_overhead_from_the_access_log_join():
@@ -255,3 +255,22 @@ def test_issue62_a_replica_s_own_overhead_predicts_its_first_token_but_the_choic
             assert d.reservation.overhead_s == pytest.approx(0.300, abs=0.01)  # its own, in its prediction
         router.release(d.reservation, t + i + 0.5)
     assert went == {"r0", "r1"}
+
+
+def test_the_simulator_times_a_prediction_from_its_decision_as_the_brain_s_join_does():
+    """Time a request spent held by flow control comes before its decision: no part of the predicted TTFT, as Envoy's
+    upstream first token (the brain's join) does not see it either. Counted, a fleet that holds would read as a badly
+    under-predicting one."""
+    from extproc.tools.sim.simulator import SimResult
+    from extproc.tools.workload.generate import Request
+
+    def req(rid: int, held_s: float, ttft: float) -> Request:
+        r = Request(rid=rid, sid=rid, project=0, prompt_tokens=1000, system_tokens=0, max_tokens=8, arrival=100.0,
+                    ttft=ttft)
+        r.extra["predicted_ttft"] = (0.5, held_s)
+        return r
+
+    got = SimResult._prediction_error(None, [req(1, 4.5, 5.0), req(2, 0.0, 0.5)])  # type: ignore[arg-type]
+    assert got["ttft_pred_mape"] == pytest.approx(0.0) and got["ttft_pred_bias"] == pytest.approx(0.0)
+    got = SimResult._prediction_error(None, [req(1, 0.0, 1.0)])  # type: ignore[arg-type]
+    assert got["ttft_pred_mape"] == pytest.approx(0.5) and got["ttft_pred_bias"] == pytest.approx(-0.5)

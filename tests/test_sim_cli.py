@@ -217,12 +217,14 @@ def test_noisy_versus_prints_each_policy_s_ratio_of_the_others_tail_with_and_wit
     ap = argparse.ArgumentParser()
     cli.add_arguments(ap)
     # L=2: the noisy tenant's flood lands on a busy fleet, so the others feel it under some policy
-    rc = cli.run(ap.parse_args(["--noisy-versus", "5", "--seeds", "2", "--minutes", "5", "--load", "2"]))
+    rc = cli.run(ap.parse_args(["--noisy-versus", "5", "--seeds", "2", "--minutes", "5", "--load", "2",
+                                "--tenant-cap", "noisy:30000"]))
     assert rc == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: float(line.split()[2].rstrip("x")) for line in out.splitlines()
             if line.startswith("  ") and "median" in line}
-    assert set(rows) >= {"warmroute", "warmroute_no_flow", "llmd_epp_2025", "llmd_token_aware", "llmd_epp_flowcontrol"}
+    assert set(rows) >= {"warmroute", "warmroute_no_flow", "llmd_epp_2025", "llmd_token_aware", "llmd_epp_flowcontrol",
+                         "warmroute_tenant_capped"}
     assert all(r > 0 for r in rows.values()) and max(rows.values()) > 1.0  # the flood is felt somewhere
 
 

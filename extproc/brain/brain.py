@@ -26,6 +26,7 @@ from ..core.models import ModelCatalog
 from ..core.apis import (PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id,
                         without_kv_transfer)
 from ..core.names import BodyStatus, PinKind, Reason
+from ..core.caps import caps_of
 from ..core.flow import CLASSES, CRITICAL, STANDARD, FlowControl, FlowQueue
 from ..core.profile import BODY_ARRIVING_KEY, BODY_KV_TRANSFER_KEY, credential_scope, replace_model, tenant_of
 from ..envoy_config import CdsFile
@@ -110,6 +111,7 @@ class Brain:
             f = cfg.flow_control
             self.router.flow = FlowControl(FlowQueue(f.max_requests, f.max_bytes),
                                            (None, f.wait_s, min(f.wait_s, f.sheddable_wait_s)), f.hold_on_wait)
+        self.router.caps = caps_of(cfg.flow_control)
         self.scraper.on_models = self._on_models
         self.scraper.on_paths = self._on_paths
         self.exact = Exact(cfg, self.router, self.scraper, self.clock, self.stats, self.models)  # the engines' own word
@@ -184,6 +186,11 @@ class Brain:
         if body is None and headers.get(BODY_KV_TRANSFER_KEY):
             d = Decision(None, Reason.CLIENT_KV_TRANSFER)
             self.stats.record_decision(d, BodyStatus.HEADERS_ONLY, now)
+            return d
+        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self._priority(headers), now)
+        if wait is not None:  # its tenant took its tokens for now: not even parsed
+            d = Decision(None, Reason.TENANT_CAP, retry_after_s=wait)
+            self.stats.record_decision(d, BodyStatus.ABSENT if body is None else BodyStatus.UNPARSED, now)
             return d
         profile = build_profile(headers, body, r.profile_cfg, self.chains if r.needs_blocks else None)
         if body is None and headers.get(BODY_ARRIVING_KEY):
@@ -289,8 +296,8 @@ class Brain:
         if d.reason is Reason.HELD:
             self.waiting[key] = (headers, body, phase, None)
             return Held(key)
-        if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE):
-            return self._too_many(d.reason.value)
+        if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE, Reason.TENANT_CAP):
+            return self._too_many(d, headers)
         return self._answer(d, headers, body, phase)
 
     def at_headers(self, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
@@ -341,6 +348,9 @@ class Brain:
         if self.router.flow is None:
             return None
         now = self.clock()
+        wait = self.router.over_cap(tenant_of(headers, self.router.profile_cfg), self._priority(headers), now)
+        if wait is not None:  # a capped tenant's large body: refused before it is uploaded
+            return self._too_many(Decision(None, Reason.TENANT_CAP, retry_after_s=wait), headers)
         if read_wait_s <= self.look_bound_s(now) or self._priority(headers) == CRITICAL:
             return None
         profile = build_profile(headers, None, self.router.profile_cfg, None)
@@ -360,6 +370,8 @@ class Brain:
         return bound
 
     def _answer(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str) -> ep.ProcessingResponse:
+        if d.reason is Reason.TENANT_CAP:  # at its headers: its body is never read
+            return self._too_many(d, headers)
         answer = self._immediate(d, headers)
         if answer is not None:
             return answer
@@ -428,9 +440,14 @@ class Brain:
         v = headers.get(self.cfg.flow_control.priority_header.lower(), "").strip().lower()
         return CLASSES.index(v) if v in CLASSES else STANDARD
 
-    def _too_many(self, why: str) -> ep.ProcessingResponse:
+    def _too_many(self, d: "Decision | str", headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
+        """Flow control's 429 (a reason, or a refused decision: a capped tenant's says when it may send again)."""
+        why = d if isinstance(d, str) else d.reason.value
         self.stats.flow_refused[why] += 1
-        return too_many_response(why, self.cfg.flow_control.retry_after_s)
+        retry = self.cfg.flow_control.retry_after_s
+        if not isinstance(d, str) and d.retry_after_s is not None:
+            retry = max(1, math.ceil(d.retry_after_s))
+        return too_many_response(why, retry, _path(headers) if headers is not None else "")
 
     def let_go(self, answered: "Callable[[object], bool]") -> list[tuple[object, ep.ProcessingResponse]]:
         """Flow control: the held requests that go now (each placed by the policy at this moment) and those refused
@@ -457,7 +474,7 @@ class Brain:
             held = self.waiting.pop(key, None)
             if held is not None:
                 self._held_profile.pop(key, None)
-                answer = self._too_many("waited_too_long")
+                answer = self._too_many("waited_too_long", held[0])
                 out.append((key, Pick([], None, immediate=answer) if held[2] == PICK else answer))
         flow.refused.clear()
         return out
@@ -514,13 +531,15 @@ class Brain:
         if d.reason is Reason.HELD:
             self.waiting[key] = (headers, body, PICK, only)
             return Pick([], None, held=key)
-        if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE):
-            return Pick([], None, immediate=self._too_many(d.reason.value))
+        if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE, Reason.TENANT_CAP):
+            return Pick([], None, immediate=self._too_many(d, headers))
         return self._pick_of(d, headers, body, only)
 
     def _pick_of(self, d: Decision, headers: dict[str, str], body: bytes | None,
                  only: "set[str] | None") -> Pick:
         """A placed decision as the endpoint picker's answer."""
+        if d.reason is Reason.TENANT_CAP:  # at its headers (the header path)
+            return Pick([], None, immediate=self._too_many(d, headers))
         if d.reason == Reason.UNKNOWN_MODEL:
             return Pick([], None, unknown_model=d.model or "", immediate=self._immediate(d, headers))
         if d.reason == Reason.UNSERVED_PATH:

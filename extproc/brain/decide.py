@@ -88,15 +88,18 @@ _REFUSED_WHY = {
                            "(x-warmroute-ttft-slo-ms, or its class's); retry after the time given",
     "router_behind": "the router is behind a burst of new requests: this body would wait to be read longer than the "
                      "sessions under way can afford; retry after the time given",
+    "tenant_over_cap": "this tenant has used its tokens for now (flow_control.tenant_tokens_per_minute); retry after "
+                       "the time given",
 }
 
 
-def too_many_response(why: str, retry_after_s: int) -> ep.ProcessingResponse:
-    """Flow control refuses the request: 429 in OpenAI's error shape, with Retry-After and the reason."""
+def too_many_response(why: str, retry_after_s: int, path: str = "") -> ep.ProcessingResponse:
+    """Flow control refuses the request: 429 with Retry-After and the reason, in the error shape of the path's API
+    (OpenAI's; Anthropic's for the Messages paths)."""
     out = openai_error(http_status_pb2.TooManyRequests, _REFUSED_WHY.get(why, _REFUSED_WHY["queue_full"]),
                        "rate_limit_error", why, f"warmroute_flow_{why}", retry_after_s)
     out.immediate_response.headers.set_headers.append(header_value(DROPPED_REASON_HEADER, why))
-    return out
+    return anthropic_shaped(out) if api_of(path) is Api.MESSAGES else out
 
 
 def no_healthy_response() -> ep.ProcessingResponse:

@@ -53,6 +53,26 @@ WARM_VIEW = {
 }
 
 
+MAX_TENANT_SERIES = 200  # tenants by their hash, the most spent first: a series per API key would be unbounded
+
+
+def _tenants(caps) -> Iterable[Metric]:
+    """Per tenant (its hash, as flow control counts it), what its token cap counted and refused."""
+    spent = CounterMetricFamily("warmroute_tenant_tokens", "Engine tokens a capped tenant's placed requests cost (their "
+                                "prompts' uncached part and expected answers), counted by every brain, by tenant "
+                                f"hash; the {MAX_TENANT_SERIES} largest", labels=["tenant"])
+    capped = CounterMetricFamily("warmroute_tenant_capped_requests", "Requests refused 429 at their tenant's token "
+                                 "cap, by tenant hash", labels=["tenant"])
+    if caps is not None:
+        top = sorted(caps.spent.items(), key=lambda kv: -kv[1])[:MAX_TENANT_SERIES]
+        for tenant, tokens in top:
+            spent.add_metric([tenant or "-"], tokens)
+        for tenant, n in sorted(caps.refused.items(), key=lambda kv: -kv[1])[:MAX_TENANT_SERIES]:
+            capped.add_metric([tenant or "-"], n)
+    yield spent
+    yield capped
+
+
 class BrainCollector(Collector):
     def __init__(self, router: Router, stats: BrainStats, clock: Callable[[], float]):
         self.router = router
@@ -225,10 +245,12 @@ class BrainCollector(Collector):
                                 "replica saturated for them); 0 while flow_control is off",
                                 value=len(r.flow) if r.flow is not None else 0)
         refused = CounterMetricFamily("warmroute_flow_refused", "Requests flow control answered 429 with Retry-After, "
-                                      "by reason (queue_full, waited_too_long, deadline_unmeetable)", labels=["reason"])
+                                      "by reason (queue_full, waited_too_long, deadline_unmeetable, router_behind, "
+                                      "tenant_over_cap)", labels=["reason"])
         for why, n in sorted(b.flow_refused.items()):
             refused.add_metric([why], n)
         yield refused
+        yield from _tenants(r.caps)
         depth = GaugeMetricFamily("warmroute_flow_queue_depth", "Requests held, by class (critical, standard, "
                                   "sheddable)", labels=["class"])
         released = CounterMetricFamily("warmroute_flow_released", "Held requests let go to a replica (or whose "

@@ -129,7 +129,7 @@ class BrainStats:
             for reason in Reason:
                 if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT,
                                   Reason.UNSUPPORTED_ENCODING, Reason.CLIENT_KV_TRANSFER, Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL, Reason.READ_BODY,
-                                  Reason.DEADLINE):
+                                  Reason.DEADLINE, Reason.TENANT_CAP):
                     self.decisions[(name, reason)] += 0
             for result in SCRAPE_RESULTS:
                 self.scrapes[(name, result)] += 0

@@ -68,6 +68,8 @@ def _model_paths() -> dict:
 
 def config_schema() -> dict:
     """The config file as JSON Schema (draft 2020-12)."""
+    flow = _section("flow_control", FlowControlConfig, skip={"tenant_caps"})
+    flow["properties"]["tenant_caps"] = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}
     replica = _section("replicas[]", ReplicaSpec, skip={"kv_events"})
     replica["required"] = ["name", "url"]
     endpoint = {"type": "string", "pattern": "^(tcp|ipc)://"}
@@ -91,7 +93,7 @@ def config_schema() -> dict:
         "envoy": _section("envoy", EnvoyConfig),
         "discovery": _section("discovery", DiscoveryConfig),
         "shared_state": _section("shared_state", SharedStateConfig),
-        "flow_control": _section("flow_control", FlowControlConfig),
+        "flow_control": flow,
         "disaggregation": _section("disaggregation", DisaggregationConfig),
         "exact_cache": exact,
         "models": {"type": "object", "additionalProperties": False,

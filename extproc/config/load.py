@@ -423,7 +423,22 @@ def _model_paths(field: str, raw: Any, what: str, ok, missing: str) -> tuple[tup
 
 
 def _flow_control(raw: Any) -> FlowControlConfig:
+    raw = dict(raw) if isinstance(raw, dict) else raw
+    caps = raw.pop("tenant_caps", None) if isinstance(raw, dict) else None
     c = FlowControlConfig(**_fill("flow_control", FlowControlConfig, raw))
+    if caps is not None:
+        if not isinstance(caps, dict):
+            raise ConfigError(f"flow_control.tenant_caps: expected a mapping of tenant name to tokens a minute, got "
+                              f"{_short(caps)}")
+        pairs = []
+        for name, rate in caps.items():
+            if not isinstance(name, str) or not name or isinstance(rate, bool) or not isinstance(rate, int) or rate < 0:
+                raise ConfigError(f"flow_control.tenant_caps.{_short(str(name))}: expected a whole number of tokens a "
+                                  f"minute >= 0, got {_short(rate)}")
+            pairs.append((name, rate))
+        c = dataclasses.replace(c, tenant_caps=tuple(pairs))
+    if c.tenant_tokens_per_minute < 0:
+        raise ConfigError("flow_control.tenant_tokens_per_minute: expected a whole number >= 0 (0: no cap)")
     if c.max_requests < 1 or c.max_bytes < 1:
         raise ConfigError("flow_control.max_requests, max_bytes: expected whole numbers >= 1")
     if not 0 < c.wait_s <= 3600:

@@ -301,6 +301,12 @@ class FlowControlConfig:
     # header only a trusted filter sets: Envoy strips it from what clients send unless trusted below
     priority_header: str = "x-warmroute-priority"
     trust_downstream_priority_header: bool = False  # true: clients may set it themselves (a trusted network)
+    # a tenant's engine tokens a minute at most (its prompts' uncached part and their answers), across brains; over
+    # it, 429 with Retry-After before anything is read or priced (docs/routing.md "Tenant caps"). 0: no cap. Only
+    # requests that name a tenant (profile.tenant_source) are capped, never critical work
+    tenant_tokens_per_minute: int = 0
+    # per tenant, by its name as profile.tenant_header gives it: its own tokens a minute (0: none), instead of the above
+    tenant_caps: tuple[tuple[str, int], ...] = ()
 
 
 FLOW_FIRST_ANSWER_S = 5.0

@@ -70,6 +70,7 @@ class Decision:
     work_s: float = 0.0  # warm policy: predicted engine seconds of this request
     # warm policy, a replica with several data-parallel engines: the engine priced (None: one engine)
     engine: int | None = None
+    retry_after_s: float | None = None  # Reason.TENANT_CAP: when its tenant may send again
     # stored responses: the id the brain writes into the body for the response this request creates (minted), or
     # the id of the one found gone
     response_id: str | None = None

@@ -41,6 +41,8 @@ class Reason(enum.StrEnum):
     # the header path: the request's headers alone do not decide it (its home would not take it, or no
     # home is known); nothing is booked, and its body decides it as any other's
     READ_BODY = "read_body"
+    # the request's tenant took its token cap for now (core.caps): an immediate 429 with Retry-After, nothing booked
+    TENANT_CAP = "tenant_over_cap"
 
 
 class PinKind(enum.StrEnum):

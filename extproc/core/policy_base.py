@@ -130,6 +130,11 @@ class Policy:
     def on_transfer(self, tokens: int, seconds: float) -> None:
         """A decode leg loaded ``tokens`` of KV in ``seconds`` (what a transfer rate is learned from)."""
 
+    def expected_output(self, r: "Replica") -> float:
+        """The tokens a request's answer is expected to run to on ``r`` (a tenant's cap counts them when it is
+        placed): 0 for a policy that learns none."""
+        return 0.0
+
     def on_first_token(self, res: "Reservation", observed_s: float, now: float) -> None:
         """The request ``res`` booked had its first token ``observed_s`` after it was sent, as its front saw it (a
         streamed response's first body byte): what predictions are checked and corrected by."""

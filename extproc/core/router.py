@@ -21,6 +21,7 @@ from .names import Reason
 from .pins import PREFIX, SESSION, PinTable
 from .policy import Policy, make_policy
 from .profile import RequestProfile
+from .caps import TenantCaps
 from .flow import CRITICAL, FlowControl, Held, tenant_key
 from .shared import Outbox, Remote
 from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
@@ -60,6 +61,7 @@ class Router:
         self.disaggregates = False
         self._prefills = False  # some replica is of role prefill (set_roles)
         self.flow: FlowControl | None = None  # flow control (core.flow): None, every request is placed at once
+        self.caps: TenantCaps | None = None  # per-tenant token caps (core.caps): None, no tenant is capped
         self._ready: list = []  # held requests a select let go before its newcomer, for the next offer
         self._offer_due = True  # something changed since the last offer (a release, a scrape): a newcomer offers
         self._offered_at = float("-inf")
@@ -332,6 +334,9 @@ class Router:
         if now >= self._next_due or now >= self._housekeeping_at:
             self.tick(now)
         self.selects += 1
+        wait = self.over_cap(profile.tenant, profile.priority, now)
+        if wait is not None:  # refused before anything is priced or booked: it costs the fleet nothing
+            return Decision(None, Reason.TENANT_CAP, retry_after_s=wait)
         if holder is not None:
             r = self._by_name.get(holder)
             if r is None or (only is not None and holder not in only):
@@ -404,6 +409,19 @@ class Router:
         d.reservation.predicted_ttft_s = d.predicted_ttft_s
         self.policy.on_reserved(d, profile, now)
         return self._shared(d, profile, now)
+
+    def over_cap(self, tenant: str | None, priority: int, now: float) -> float | None:
+        """Seconds until ``tenant`` may send again, its token cap taken (core.caps); None: it may now. A request
+        naming no tenant, and critical work, are never capped (with no tenant configured every client is one)."""
+        if self.caps is None or tenant is None or priority == CRITICAL:
+            return None
+        return self.caps.retry_after(tenant_key(tenant), now)
+
+    def _spend(self, tenant: str | None, tokens: float, now: float) -> None:
+        """A tenant's request placed: out of its cap here and, sharing state, in every brain."""
+        self.caps.spend(tenant, tokens, now)
+        if self.outbox is not None:
+            self.outbox.events.append(("t", tenant, round(tokens)))
 
     # ------------------------------------------------------------ flow control
 
@@ -493,6 +511,11 @@ class Router:
         return True
 
     def _shared(self, d: Decision, profile: RequestProfile, now: float) -> Decision:
+        """Every placement ends here: the other brains told, its tenant's cap charged."""
+        if self.caps is not None and profile.tenant is not None and d.replica is not None:
+            # what it makes the fleet compute: its prompt's uncached part as priced, and its expected answer
+            computed = d.prompt_tokens - d.cached_tokens if d.prompt_tokens else profile.tokens
+            self._spend(tenant_key(profile.tenant), computed + self.policy.expected_output(d.replica), now)
         if self.outbox is not None:
             self.outbox.decided(self, d, profile, now)
         return d

@@ -20,6 +20,8 @@ shell, a delayed queue in the simulator, a shuffling list in the tests) ships th
   id's digest it is, releases it. ``("a", rid, digest)``: the same for a periodic entry: the request is alive.
 - ``("v", tenant, tokens)``: flow control served a tenant (its hash) so many tokens: every brain's fairness
   counters count it.
+- ``("t", tenant, tokens)``: a request of a tenant (its hash) was placed, costing so many engine tokens: every brain's
+  token cap for it counts them (``core.caps``).
 - ``("c", rid)``: that reservation closed. Another brain's reservations also end when that brain stops
   being heard from (``forget_origin``) or after the safety timeout, so a lost close never holds load.
 - ``("i", replica, engine, tag, start, parent, blocks)``: blocks ``start..`` of the origin's chain ``tag`` were
@@ -180,6 +182,11 @@ class Remote:
                 elif kind == "v":
                     if router.flow is not None:  # another brain served a tenant: fairness holds across brains
                         router.flow.queue.charge(None if ev[1] is None else str(ev[1]), float(ev[2]))
+                elif kind == "t":
+                    tokens = float(ev[2])
+                    if router.caps is not None and 0 < tokens <= _MAX_TOKENS:
+                        # another brain placed a tenant's request: its cap holds across brains
+                        router.caps.spend(None if ev[1] is None else str(ev[1]), tokens, now)
                 elif kind == "x" or kind == "a":
                     if self.on_foreign_end is not None:
                         self.on_foreign_end(int(ev[1]), str(ev[2]), kind == "x")

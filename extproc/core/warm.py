@@ -706,6 +706,9 @@ class WarmPolicy(Shortlist, Policy):
         """A decode leg's first token came ``seconds`` after it was sent: what its transfer took, near enough."""
         self.transfer.observe(tokens, seconds)
 
+    def expected_output(self, r: Replica) -> float:
+        return self.state_of(r).rates.output_tokens
+
     def on_first_token(self, res, observed_s: float, now: float) -> None:
         """What the request's first token took beyond the cost model's part of its prediction: its replica's
         overhead (``warm_replica.Overhead``)."""

@@ -101,6 +101,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flow-versus", default=None, metavar="1,1.5,2",
                     help="at these loads, warmroute_flow and warmroute against the best peer and llm-d's flow control "
                          "on issue 34's numbers: standard TTFT p99, goodput, tokens/s, per seed and the median")
+    ap.add_argument("--tenant-cap", default="", metavar="[TENANT:]TOKENS",
+                    help="--noisy-versus: one more row, warmroute with every tenant capped at this many engine tokens "
+                         "a minute (flow_control.tenant_tokens_per_minute), or only the one named (noisy:30000: "
+                         "flow_control.tenant_caps)")
     ap.add_argument("--noisy-versus", type=float, default=None, metavar="X",
                     help="per policy (warmroute_flow, warmroute, the peers and llm-d's flow control), the other "
                          "tenants' TTFT p99 with a noisy tenant at X times an average project's rate over theirs "
@@ -449,15 +453,29 @@ def flow_versus(args, loads: list[float], seeds: list[int]) -> int:
     return 0
 
 
+CAPPED = "warmroute_tenant_capped"  # warmroute with every tenant capped at --tenant-cap tokens a minute
+
+
 def _others_p99(policy: str, args, seed: int, noisy_x: float) -> float:
     """The TTFT p99 (from the first attempt) of the requests of every tenant but the noisy one, after the
     warm-up."""
+    from extproc.core.caps import TenantCaps
+    from extproc.tools.sim.brains import make as make_policy
     from extproc.tools.workload.measure import pct
 
     w = dataclasses.replace(workload(args), noisy_tenant_x=noisy_x)
     speeds = parse_speeds(args.replica_speeds)
-    res = Simulation(policy, replicas=len(speeds) if speeds else args.replicas, workload=w, seed=seed,
-                     replica_speeds=speeds).run()
+    n = len(speeds) if speeds else args.replicas
+    pol: object = policy
+    if policy == CAPPED:
+        from extproc.core.flow import tenant_key
+
+        pol = make_policy("warmroute", n, seed)
+        name, _, rate = str(args.tenant_cap).rpartition(":")
+        # "N": every tenant at N tokens a minute; "tenant:N": that tenant alone (the others uncapped)
+        pol.router.caps = TenantCaps(0.0, {tenant_key(name): float(rate)}) if name \
+            else TenantCaps(float(rate))  # type: ignore[attr-defined]
+    res = Simulation(pol, replicas=n, workload=w, seed=seed, replica_speeds=speeds).run()
     return pct([r.ttft for r in res.requests if r.tenant != "noisy" and r.arrival >= WARM_UP_S
                 and r.error is None and r.ttft is not None], 0.99)
 
@@ -465,7 +483,8 @@ def _others_p99(policy: str, args, seed: int, noisy_x: float) -> float:
 def noisy_versus(args, x: float, seeds: list[int]) -> int:
     """Issue 34's fairness target: a noisy tenant must not hurt the others (their p99 within 1.25x of theirs
     without it). The others' workload is the same in both runs (the noisy tenant draws from its own stream)."""
-    policies = ["warmroute", NO_FLOW, *PEERS, *FLOW_PEERS]
+    policies = (args.policies.split(",") if args.policies else ["warmroute", NO_FLOW, *PEERS, *FLOW_PEERS]) \
+        + ([CAPPED] if args.tenant_cap else [])
     jobs = [(p, args, s, nx) for p in policies for s in seeds for nx in (0.0, x)]
     if args.jobs > 1:
         from multiprocessing import Pool

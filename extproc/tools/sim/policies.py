@@ -775,7 +775,7 @@ class Warmroute(Policy):
         exclude = exclude - getattr(self, "prefill_set", frozenset())
         only = [f"r{i}" for i in range(self.n) if i not in exclude] if exclude else None
         if self.header_path and (d := self._at_headers(req, now, only)) is not None:
-            return self._accept(req, d, now)
+            return REFUSED if d.reason is Reason.TENANT_CAP else self._accept(req, d, now)
         if self.router.flow is not None:
             d = self.router.select(self._profile(req), now, only, hold_key=req.rid)
             if d.reason is Reason.HELD:
@@ -783,10 +783,12 @@ class Warmroute(Policy):
                 self.held_total += 1
                 req.extra["held_at"] = now
                 return HOLD
-            if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE):
+            if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE, Reason.TENANT_CAP):
                 return REFUSED
         else:
             d = self.router.select(self._profile(req), now, only)
+            if d.reason is Reason.TENANT_CAP:
+                return REFUSED
         return self._accept(req, d, now)
 
     def holds(self) -> bool:

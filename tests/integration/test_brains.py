@@ -91,9 +91,15 @@ class Load:
             t.join(60)
 
 
+# a tenant cap that only test_a_tenant_s_cap_is_one_bucket_across_brains sends a tenant to (the others name none:
+# never capped), and the tenant header as a trusted proxy in front would set it
+CAPPED = {**FAST, "flow_control": {"tenant_tokens_per_minute": 4000},
+          "envoy": {**FAST["envoy"], "trust_downstream_tenant_header": True}}
+
+
 @pytest.fixture(scope="module")
 def pairs():
-    with BrainsStack(4, 2, config=FAST, mock_args=["--speedup", "20"]) as b:
+    with BrainsStack(4, 2, config=CAPPED, mock_args=["--speedup", "20"]) as b:
         b.wait_all_live(30)
         for s in b.stacks:
             wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 20, "the other brain heard from")
@@ -106,6 +112,41 @@ def test_sessions_alternating_envoys_stay_home_because_the_brains_share_state(pa
     for s in pairs.stacks:
         assert metric(s, "warmroute_shared_state_up") == 1
         assert metric(s, "warmroute_shared_state_events_applied_total") > 0
+
+
+def _tenant_post(url: str, i: int) -> int:
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 4, "messages": [
+        {"role": "user", "content": f"capped request {i}: " + "summarise the failing build. " * 50}]}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", "x-warmroute-tenant": "shared-cap"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_tenant_s_cap_is_one_bucket_across_brains(pairs):
+    """Issue 63: a tenant whose requests alternate between two brains gets one cap's worth in all, not one per
+    brain: each brain counts the other's placements (shared state) before the next request is sent."""
+    from extproc.core.flow import tenant_key
+
+    series = f'warmroute_tenant_tokens_total{{tenant="{tenant_key("shared-cap")}"}}'
+    codes = []
+    for i in range(30):
+        code = _tenant_post(pairs.urls[i % 2], i)
+        codes.append(code)
+        if code == 429:
+            break
+        # both brains have counted it (the other through Redis) before the next is sent
+        wait_for(lambda: metric(pairs.stacks[0], series) == metric(pairs.stacks[1], series), 20, "both brains counted")
+    spent = metric(pairs.stacks[0], series)
+    served = codes.count(200)
+    assert codes[-1] == 429 and served >= 2, codes
+    # one bucket: what was served, less the last one placed (the one that put it in debt), fits in one minute's cap
+    # and what refilled meanwhile (4,000 a minute: ~700 in 10 s); a bucket per brain would have let ~8,000 through
+    assert spent - spent / served <= 5000 and spent > 4000, (codes, spent)
 
 
 def test_redis_killed_mid_load_fails_no_client_and_sharing_comes_back(pairs):

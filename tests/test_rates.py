@@ -220,3 +220,18 @@ def test_C3_a_fast_engine_s_prefill_rate_replaces_the_prior_after_its_first_ten_
     # the next samples need their seconds, as before: ten more requests change nothing yet
     r.update(LoadSample(computed_at_finish=20_000.0, prefill_seconds=0.8, prefill_done=20.0), 11.0)
     assert r.prefill_tokens_per_s == pytest.approx(50_000.0)
+
+
+def test_C3_a_replica_never_measured_is_priced_as_the_slowest_measured_one_even_when_none_is_fresh():
+    """A fleet whose measured replicas last sampled longer ago than warm.rate_fresh_s: the never-measured one is priced
+    at the slowest measured rate, not at its prior (on a fast fleet the prior made it look 19x slower, and a turn left
+    its home for a measured replica)."""
+    from extproc.core.load import effective_rates
+
+    fast, slow, never = Rates(5_000.0, 0.03, 100.0), Rates(5_000.0, 0.03, 100.0), Rates(5_000.0, 0.03, 100.0)
+    fast.prefill_tokens_per_s, fast.prefill_at = 90_000.0, 0.0
+    slow.prefill_tokens_per_s, slow.prefill_at = 60_000.0, 0.0
+    prefill, _ = effective_rates([fast, slow, never], now=1_000.0, fresh_s=60.0)  # none sampled within 60 s
+    assert prefill == [90_000.0, 60_000.0, 60_000.0]
+    prefill, _ = effective_rates([never, never], now=1_000.0, fresh_s=60.0)  # nothing measured: the prior
+    assert prefill == [5_000.0, 5_000.0]

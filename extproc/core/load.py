@@ -369,16 +369,22 @@ def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slo
     sample, against the level then (a mean of raw rates would shift with which replicas happen to be fresh: the
     slow ones alone made every factor 1)."""
     rel_at = rel + "_at"
+    never = float("-inf")
     fresh = [r for r in rates if getattr(r, at) >= since]
     if not fresh:
-        return [getattr(r, value) for r in rates]
+        # none sampled lately: each its last rate, and one never measured still as the slowest measured one (at its
+        # prior it was 19x slower than its peers on a time-compressed fleet: a turn moved off its home to a measured one)
+        known = [getattr(r, value) for r in rates if getattr(r, at) != never]
+        if not known:
+            return [getattr(r, value) for r in rates]
+        k = slowest(known)
+        return [k if getattr(r, at) == never else getattr(r, value) for r in rates]
     level = sum(getattr(r, value) / getattr(r, rel) for r in fresh) / len(fresh)
     for r in fresh:  # new samples, each against the level before any of them moved it (order-free)
         if getattr(r, rel_at) != getattr(r, at):
             setattr(r, rel, getattr(r, value) / level)
             setattr(r, rel_at, getattr(r, at))
     level = sum(getattr(r, value) / getattr(r, rel) for r in fresh) / len(fresh)
-    never = float("-inf")
     out = [getattr(r, value) if getattr(r, at) >= since else None if getattr(r, at) == never
            else level * getattr(r, rel) for r in rates]
     known = slowest(x for x in out if x is not None)

@@ -85,6 +85,10 @@ def test_turns_under_way_are_routed_at_their_headers_and_reach_their_home_whole(
     status, h, out = post(s, conversation(6, size=60_000), sid)  # grows past the last turn by more than 32K tokens
     assert status == 200 and decided(s, h)["path"] == "body"
     home = out["system_fingerprint"]  # the cost model may move a turn that new: wherever it went is its home now
+    # an agent's next turn comes seconds later, once Envoy has logged this one's end: sent back to back, the next one
+    # would find this one's predicted prefill still booked there (priced at the prior rate while another replica had
+    # learned its own, it was 18 s of a wait that had ended) and rightly go elsewhere
+    wait_for(lambda: s.state()["open_reservations"] == 0, 10, "the last turn's reservation released")
     status, h, out = post(s, big, sid)
     assert status == 200 and decided(s, h)["path"] == "headers" and out["system_fingerprint"] == home
     # each one's reservation went back when Envoy logged its end, as a body-read turn's does

@@ -206,22 +206,6 @@ def test_C3_a_replica_never_measured_slows_with_its_batch_as_the_measured_ones_d
     assert measured.decode_slope > 0.1
 
 
-def test_C3_a_fast_engine_s_prefill_rate_replaces_the_prior_after_its_first_ten_requests():
-    """Issue 62: a replica's learned rate is within 1.5x of the engine's own after its first 10 finished requests, however
-    fast the engine: 10 prompts of 1,000 computed tokens at 50,000 tok/s are 0.2 s of prefill, short of the seconds a
-    sample otherwise needs, and the prior (5,000 tok/s) stayed 10x off."""
-    r = Rates(5_000.0, 0.03, 100.0)
-    r.update(LoadSample(computed_at_finish=0.0, prefill_seconds=0.0, prefill_done=0.0), 0.0)
-    for n in range(1, 10):
-        r.update(LoadSample(computed_at_finish=1000.0 * n, prefill_seconds=0.02 * n, prefill_done=float(n)), float(n))
-        assert r.prefill_tokens_per_s == 5_000.0, n  # fewer than ten: the prior holds
-    r.update(LoadSample(computed_at_finish=10_000.0, prefill_seconds=0.2, prefill_done=10.0), 10.0)
-    assert r.prefill_tokens_per_s == pytest.approx(50_000.0)
-    # the next samples need their seconds, as before: ten more requests change nothing yet
-    r.update(LoadSample(computed_at_finish=20_000.0, prefill_seconds=0.8, prefill_done=20.0), 11.0)
-    assert r.prefill_tokens_per_s == pytest.approx(50_000.0)
-
-
 def test_C3_a_replica_never_measured_is_priced_as_the_slowest_measured_one_even_when_none_is_fresh():
     """A fleet whose measured replicas last sampled longer ago than warm.rate_fresh_s: the never-measured one is priced
     at the slowest measured rate, not at its prior (on a fast fleet the prior made it look 19x slower, and a turn left

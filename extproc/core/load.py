@@ -27,10 +27,6 @@ from dataclasses import dataclass
 _ALPHA = 0.3  # EWMA weight of a new sample: a rate follows a changed replica within a few samples
 _MIN_PREFILL_S = 5.0  # seconds of prefill behind one sample of the prefill rate
 _MIN_DECODE_TOKENS = 500  # generated tokens behind one sample of the decode rate
-# the first sample of a replica's prefill rate replaces the configured prior after this many finished requests' prefill,
-# if a fifth of _MIN_PREFILL_S has not come sooner: on a fast engine that is 50-100 requests (a mock at 10x held
-# its prior, 11x off, for a whole 45 s phase), and a prior off by any factor prices worse than ten requests' mean
-_FIRST_PREFILL_REQUESTS = 10
 _CLIP = 64.0  # a sample this far from the config's value either way is an artefact (a small model on a GPU decodes
 # 15x faster than the default prior; 8x, the bound before, held a 2 ms/token engine at 3.75)
 _RIDGE = 0.25  # how firmly a rate's slope in the batch holds to none while the samples' batches barely differ
@@ -130,7 +126,7 @@ class Rates:
 
     __slots__ = ("prefill_tokens_per_s", "decode_s_per_token", "output_tokens", "_prev", "prefill_at", "decode_at",
                  "_acc", "_ref", "paired", "min_prefill_s", "prefill_rel", "decode_rel", "prefill_rel_at",
-                 "decode_rel_at", "_prefill_fit", "_decode_fit", "prefill_slope", "decode_slope", "_finished")
+                 "decode_rel_at", "_prefill_fit", "_decode_fit", "prefill_slope", "decode_slope")
 
     def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float,
                  paired: bool = True, min_prefill_s: float = _MIN_PREFILL_S, batch: bool = True):
@@ -147,7 +143,6 @@ class Rates:
         # prefill tokens, prefill s, generated tokens, decode s, requests, first tokens, finished requests,
         # then per rate (prefill, decode): the running requests summed over its scrapes, and how many scrapes
         self._acc = [0.0] * 11
-        self._finished = 0.0  # requests whose prefill the accumulated seconds cover (the first sample's count)
         self.prefill_at = float("-inf")  # when the last sample of each rate was taken
         self.decode_at = float("-inf")
         # each rate against the fleet's when it was measured: how this replica's hardware compares with the others'
@@ -168,7 +163,6 @@ class Rates:
         if any(a is not None and b is not None and a < b for a, b in
                ((s.prompt_tokens, p.prompt_tokens), (s.requests_done, p.requests_done))):
             self._acc = [0.0] * 11  # the replica restarted: its counters began again
-            self._finished = 0.0
             return
         acc = self._acc
         acc[7] += s.running
@@ -180,8 +174,6 @@ class Rates:
 
     def _prefill(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc
-        if s.prefill_done is not None and p.prefill_done is not None:
-            self._finished += s.prefill_done - p.prefill_done
         if self.paired and _both(s, p, "computed_at_finish", "prefill_seconds"):
             acc[0] += s.computed_at_finish - p.computed_at_finish
             acc[1] += s.prefill_seconds - p.prefill_seconds
@@ -208,8 +200,7 @@ class Rates:
         # that gets little traffic (a slow one) would otherwise be priced at the guess for many minutes
         first = self.prefill_at == float("-inf")
         need = self.min_prefill_s if not first else self.min_prefill_s / 5
-        enough = acc[1] >= need or (first and self._finished >= _FIRST_PREFILL_REQUESTS)
-        if enough and tokens > 0 and seconds > 0:
+        if acc[1] >= need and tokens > 0 and seconds > 0:
             ref = 1.0 / self._ref[0]
             sample = min(_CLIP * ref, max(ref / _CLIP, seconds / tokens))
             fit = self._prefill_fit
@@ -218,7 +209,6 @@ class Rates:
             self.prefill_tokens_per_s, self.prefill_slope = 1.0 / fit.a, fit.slope
             self.prefill_at = now
             acc[0] = acc[1] = acc[5] = acc[6] = acc[7] = acc[8] = 0.0
-            self._finished = 0.0
 
     def _decode(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc

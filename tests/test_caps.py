@@ -125,3 +125,40 @@ def test_the_brain_answers_a_capped_tenant_429_with_retry_after_in_the_api_s_own
     answer = b.at_headers(turn)
     assert answer is not None and _status(answer) == 429
     assert b.stats.flow_refused["tenant_over_cap"] >= 3
+
+
+def test_tenants_beyond_the_bound_are_forgotten_least_recently_charged_first_a_tenth_at_a_time(monkeypatch):
+    """As many tenants as credentials a client can invent: the buckets stay within MAX_TENANTS, the walk that trims
+    them runs once per tenth of the bound (not on every request), and the tenant charged last is kept."""
+    from extproc.core import caps as caps_module
+
+    monkeypatch.setattr(caps_module, "MAX_TENANTS", 100)
+    caps = TenantCaps(1000.0)
+    caps.spend("keep", 900.0, 0.0)  # 100 left: forgotten, it would come back with a full bucket
+    walks = 0
+    for i in range(1000):
+        before = len(caps.buckets)
+        caps.spend(f"t{i}", 500.0, 0.0)  # all in the same second: none full again, every one still in its bucket
+        caps.spend("keep", 0.01, 0.0)
+        walks += len(caps.buckets) <= before  # a new tenant came in and yet there are no more: a trim
+        assert len(caps.buckets) <= 100
+    assert walks <= 1000 // 9 and caps.buckets["keep"][0] < 100 and caps.retry_after("keep", 0.0) is None
+
+
+def test_the_metrics_show_the_largest_spenders_only_and_another_brain_names_tenants_by_hash_alone():
+    from prometheus_client.core import CounterMetricFamily
+
+    from extproc.brain.metrics import MAX_TENANT_SERIES, _tenants
+
+    caps = TenantCaps(10.0**9)
+    for i in range(MAX_TENANT_SERIES + 50):
+        caps.spend(tenant_key(f"t{i}"), float(i + 1), 0.0)
+    spent, _ = list(_tenants(caps))
+    assert isinstance(spent, CounterMetricFamily)
+    values = sorted(s.value for s in spent.samples if s.name.endswith("_total"))
+    assert len(values) == MAX_TENANT_SERIES and values[0] == 51.0  # the 50 smallest left out
+    router = _live(["r0"])
+    router.caps = TenantCaps(1000.0)
+    Remote().apply(router, "brain-a", [("t", "x" * 10_000, 5.0), ("t", "ZZZZZZZZZZZZZZZZ", 5.0), ("t", None, 5.0)],
+                   0.0, 1.0)
+    assert not router.caps.buckets  # a name, a non-hash or none: nothing a brain sends

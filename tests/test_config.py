@@ -61,6 +61,8 @@ def test_a_good_file_loads_and_keeps_spec_defaults_elsewhere(tmp_path):
         ("replicas: [{name: r0, url: 'http://h:1', kv_events: 'tcp://h:5557'}]", "replicas[0].kv_events"),
         ("replicas: [{name: r0, url: 'http://h:1', kv_events: {endpoint: 'udp://h:5557'}}]",
          "replicas[0].kv_events.endpoint"),
+        ("replicas: [{name: r0, url: 'http://h:1', kv_events: {endpoint: 'tcp://h:5²'}}]",
+         "replicas[0].kv_events.endpoint"),  # a Unicode digit passes isdigit() and breaks int()
         ("replicas: [{name: r0, url: 'http://h:1', kv_events: {endpoint: 'tcp://h:5557', replay: 'tcp://h:1'}}]",
          "replicas[0].kv_events.replay"),
         ("replicas: [{name: r0, url: 'http://h:1', kv_events: {endpoint: 'ipc:///tmp/p', data_parallel_size: 2}}]",

@@ -233,5 +233,16 @@ def test_llm_d_s_older_default_keeps_running_under_its_former_name_and_both_defa
     from extproc.tools.sim.policies import COMPARE, PEERS, make_policy
 
     assert cli.policy_list("warmroute,llmd_epp") == "warmroute,llmd_epp_2025"
+    import argparse
+
+    import pytest
+
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    assert ap.parse_args(["--policy", "llmd_epp"]).policy == "llmd_epp"  # read as llmd_epp_2025 by make_policy
+    for bad in ("", "noisy:", "x:-5", "3e4", "noisy:²"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.tenant_cap(bad)
+    assert cli.tenant_cap("noisy:30000") == "noisy:30000" and cli.tenant_cap("40000") == "40000"
     assert make_policy("llmd_epp", 4, 1).name == "llmd_epp_2025"
     assert {"llmd_epp_2025", "llmd_token_aware"} <= set(PEERS) and {"llmd_epp_2025", "llmd_token_aware"} <= set(COMPARE)

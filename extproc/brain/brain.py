@@ -187,7 +187,7 @@ class Brain:
             d = Decision(None, Reason.CLIENT_KV_TRANSFER)
             self.stats.record_decision(d, BodyStatus.HEADERS_ONLY, now)
             return d
-        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self._priority(headers), now)
+        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self._priority(headers), now) if r.caps else None
         if wait is not None:  # its tenant took its tokens for now: not even parsed
             d = Decision(None, Reason.TENANT_CAP, retry_after_s=wait)
             self.stats.record_decision(d, BodyStatus.ABSENT if body is None else BodyStatus.UNPARSED, now)
@@ -348,7 +348,8 @@ class Brain:
         if self.router.flow is None:
             return None
         now = self.clock()
-        wait = self.router.over_cap(tenant_of(headers, self.router.profile_cfg), self._priority(headers), now)
+        r = self.router
+        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self._priority(headers), now) if r.caps else None
         if wait is not None:  # a capped tenant's large body: refused before it is uploaded
             return self._too_many(Decision(None, Reason.TENANT_CAP, retry_after_s=wait), headers)
         if read_wait_s <= self.look_bound_s(now) or self._priority(headers) == CRITICAL:

@@ -206,7 +206,7 @@ def _kv_endpoint(where: str, value: Any, host: str, rank: int) -> str:
                               "data_parallel_size > 1")
         return text
     addr, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not addr or not port.isdigit() or not 0 < int(port) < 65536 - rank:
+    if scheme != "tcp" or not addr or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536 - rank:
         raise ConfigError(f"{where}: expected tcp://host:port or ipc:///path as vLLM's --kv-events-config names it, "
                           f"got {_short(value)}")
     if addr.strip("[]") in ("*", "0.0.0.0", "::"):

@@ -9,9 +9,14 @@ Tenants are counted by their hash (``flow.tenant_key``); nothing else of them is
 
 from __future__ import annotations
 
+import itertools
+
 from .flow import tenant_key
 
-MAX_TENANTS = 100_000  # buckets kept at most: past it, the full ones (as good as never seen) are forgotten
+# buckets kept at most (tenants as many as API keys, or a client inventing credentials): past it the full ones (as
+# good as never seen) are forgotten, then the least recently charged, down to nine tenths, so that the walk is paid
+# once per tenth of it and not on every request. A tenant forgotten in debt starts again with a full bucket
+MAX_TENANTS = 100_000
 
 
 class TenantCaps:
@@ -50,10 +55,14 @@ class TenantCaps:
         rate = self.rate_of(tenant)
         if rate <= 0 or tokens <= 0:
             return
-        self.buckets[tenant] = (max(-rate, self._left(tenant, rate, now) - tokens), now)
+        left = max(-rate, self._left(tenant, rate, now) - tokens)
+        self.buckets.pop(tenant, None)  # re-inserted last: the dict's order is the order of last charge
+        self.buckets[tenant] = (left, now)
         self.spent[tenant] = self.spent.get(tenant, 0.0) + tokens
         if len(self.buckets) > MAX_TENANTS:
             for t in [t for t in self.buckets if self._left(t, self.rate_of(t), now) >= self.rate_of(t)]:
+                del self.buckets[t]
+            for t in list(itertools.islice(self.buckets, max(0, len(self.buckets) - MAX_TENANTS * 9 // 10))):
                 del self.buckets[t]
         if len(self.spent) > MAX_TENANTS:
             self.spent.clear()  # a counter per API key is what MAX_TENANTS bounds: a restart of the counts

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 _MAX_WORK_S = 3600.0  # predicted seconds of one request's work (a 1M-token prefill on a slow engine: ~10 min)
 _MAX_WEIGHT_MILLI = 10_000_000  # one request's load weight, in thousandths
 _MAX_TOKENS = 10_000_000  # one request's prompt or pending tokens
+_HEX = frozenset("0123456789abcdef")
 _MAX_CHAINS = 200_000  # chains whose published length each side remembers (a turn of a known chain sends its delta)
 # one chain's blocks at most: a 1M-token context at 16 tokens a block (a brain's own chains stop at chain_max_bytes,
 # 16,384 blocks; an exact engine's at its context). 20 entries of longer ones added +557 MB to each brain
@@ -183,10 +184,12 @@ class Remote:
                     if router.flow is not None:  # another brain served a tenant: fairness holds across brains
                         router.flow.queue.charge(None if ev[1] is None else str(ev[1]), float(ev[2]))
                 elif kind == "t":
-                    tokens = float(ev[2])
-                    if router.caps is not None and 0 < tokens <= _MAX_TOKENS:
+                    tokens, tenant = float(ev[2]), ev[1]
+                    # a tenant's hash (flow.tenant_key: 16 hex digits) and a bounded cost, or nothing happened
+                    if router.caps is not None and 0 < tokens <= _MAX_TOKENS and isinstance(tenant, str) \
+                            and len(tenant) == 16 and all(c in _HEX for c in tenant):
                         # another brain placed a tenant's request: its cap holds across brains
-                        router.caps.spend(None if ev[1] is None else str(ev[1]), tokens, now)
+                        router.caps.spend(tenant, tokens, now)
                 elif kind == "x" or kind == "a":
                     if self.on_foreign_end is not None:
                         self.on_foreign_end(int(ev[1]), str(ev[2]), kind == "x")

@@ -59,9 +59,18 @@ def policy_list(text: str) -> str:
     return ",".join(names)
 
 
+def tenant_cap(text: str) -> str:
+    """--tenant-cap's check: ``TOKENS`` or ``TENANT:TOKENS``, tokens a whole number >= 1 (one line if not)."""
+    _, _, rate = text.rpartition(":")
+    if not (rate.isascii() and rate.isdigit() and int(rate) > 0):
+        raise argparse.ArgumentTypeError(f"expected TOKENS or TENANT:TOKENS (tokens a minute, a whole number >= 1), "
+                                         f"got {text[:40]!r}")
+    return text
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     w = WorkloadConfig()  # one place per default: the workload's own
-    ap.add_argument("--policy", default="warmroute", choices=POLICIES)
+    ap.add_argument("--policy", default="warmroute", choices=[*POLICIES, *ALIASES])
     ap.add_argument("--compare", action="store_true", help="the default policy, the other one, every peer and the oracle")
     ap.add_argument("--policies", type=policy_list, default=None, help="comma-separated list instead of --compare's")
     ap.add_argument("--minutes", type=float, default=w.minutes)
@@ -101,7 +110,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flow-versus", default=None, metavar="1,1.5,2",
                     help="at these loads, warmroute_flow and warmroute against the best peer and llm-d's flow control "
                          "on issue 34's numbers: standard TTFT p99, goodput, tokens/s, per seed and the median")
-    ap.add_argument("--tenant-cap", default="", metavar="[TENANT:]TOKENS",
+    ap.add_argument("--tenant-cap", default=None, type=tenant_cap, metavar="[TENANT:]TOKENS",
                     help="--noisy-versus: one more row, warmroute with every tenant capped at this many engine tokens "
                          "a minute (flow_control.tenant_tokens_per_minute), or only the one named (noisy:30000: "
                          "flow_control.tenant_caps)")

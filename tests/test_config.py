@@ -47,6 +47,10 @@ def test_a_good_file_loads_and_keeps_spec_defaults_elsewhere(tmp_path):
         ("warm: {prefill_tokens_per_s: 0}", "warm.prefill_tokens_per_s"),
         ("warm: {busy_wait_s: 0}", "warm.busy_wait_s"),  # divides the candidates' mean wait
         ("warm: {arrival_window_s: 0}", "warm.arrival_window_s"),
+        ("warm: {restore_cost_prior: 0}", "warm.restore_cost_prior"),
+        ("warm: {restore_cost_prior: 1.5}", "warm.restore_cost_prior"),
+        ("warm: {offload_tiers: [GPU]}", "warm.offload_tiers"),
+        ("warm: {offload_tiers: CPU}", "warm.offload_tiers"),
         ("envoy: {fail_open_hash_balance_factor: 50}", "envoy.fail_open_hash_balance_factor"),
         ("allow_no_replicas: maybe", "allow_no_replicas"),
         ("routing: {token_weight_unit: 0}", "routing.token_weight_unit"),

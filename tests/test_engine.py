@@ -179,3 +179,40 @@ def test_eviction_takes_a_finished_context_s_tail_before_its_head():
     e.add(again)
     drain(e, t)
     assert again.cached_tokens >= 25 * BLOCK, again.cached_tokens  # its head survived
+
+
+def test_a_cpu_tier_keeps_what_the_gpu_evicts_and_restores_it_faster_than_computing_it():
+    """Issue 63: a prompt whose blocks the GPU evicted but the CPU tier kept is restored past its GPU hit (counted
+    as cached, as vLLM's usage counts loaded tokens; timed in kv_offload_load_time), and its first token comes
+    sooner than on the same engine without the tier."""
+    def run(cpu_tier_tokens):
+        e = Engine(EngineConfig(kv_tokens=600 * BLOCK, cpu_tier_tokens=cpu_tier_tokens))
+        a = req(1, 400, 0)
+        e.add(a)
+        t = drain(e)
+        e.add(req(2, 0, 500, t=t))  # 500 blocks of its own: most of a's cached blocks leave the GPU
+        t = drain(e, t)
+        b = req(3, 400, 0, t=t)
+        e.add(b)
+        drain(e, t)
+        return e, b, b.first_token_at - t
+
+    plain, b0, ttft0 = run(0)
+    tiered, b1, ttft1 = run(100_000)
+    gpu_hit = b0.cached_tokens
+    assert gpu_hit < 200 * BLOCK and not plain.cpu and plain.restored_tokens_total == 0
+    assert b1.cached_tokens == 400 * BLOCK - 1 and b1.restored_tokens == b1.cached_tokens - gpu_hit
+    assert tiered.restored_tokens_total == b1.restored_tokens
+    assert tiered.restore_seconds_total == pytest.approx(b1.restored_tokens * tiered.cfg.restore_s_per_token)
+    assert ttft1 < 0.5 * ttft0
+
+
+def test_the_cpu_tier_holds_at_most_its_size_least_recently_used_out():
+    e = Engine(EngineConfig(kv_tokens=100 * BLOCK, cpu_tier_tokens=30 * BLOCK))
+    t = 0.0
+    for i in range(5):
+        e.add(req(i, 0, 60, t=t, salt=i))
+        t = drain(e, t)
+    assert len(e.cpu) == 30
+    newest = [h for h in req(3, 0, 60, salt=3).blocks]
+    assert any(h in e.cpu for h in newest) and not any(h in e.cpu for h in req(0, 0, 60, salt=0).blocks)

@@ -28,8 +28,9 @@ from extproc.core.engine_cache import (
 FIX = Path(__file__).parent / "fixtures" / "vllm-0.32"
 
 
-def recorded() -> list[list]:
-    data = (FIX / "kv-events.bin").read_bytes()
+def recorded(name: str = "kv-events.bin") -> list[list]:
+    """Each payload of a fixture after its 4-byte length, decoded."""
+    data = (FIX / name).read_bytes()
     out, i = [], 0
     while i < len(data):
         n = int.from_bytes(data[i:i + 4], "big")
@@ -88,7 +89,7 @@ def test_what_makes_no_hit_is_not_resident_and_an_unknown_parent_is_not_a_mismat
     cache.apply([ev], 0.0)
     _, sw = synth(list(range(8)), kind="sliding_window")
     cache.apply([sw], 0.0)
-    assert cache.cached_tokens([external(d) for d in a]) == 0 and cache.offloaded == 2
+    assert cache.cached_tokens([external(d) for d in a]) == 0 and cache.resident() == {"GPU": 0, "CPU": 2}
     orphan_parent = none_hash("elsewhere")
     o, ev = synth(list(range(8)), parent_digest=orphan_parent)
     cache.apply([ev], 1.0)
@@ -299,3 +300,158 @@ def test_more_resident_blocks_than_any_cache_holds_means_removals_were_missed(mo
     _, more = synth(list(range(100, 108)))  # 2 more: past it
     cache.apply([more], 1.0)
     assert not cache.exact and cache.gpu == {} and "removals were missed" in cache.reason
+
+
+def test_an_offloading_connector_s_tiers_are_held_per_medium_and_restorable_past_the_gpu_s_hit():
+    """vLLM's own offload events (engines/offload_events.py): CPU chunks that overlap announce a block twice and it
+    stays until both are evicted; a placeholder chunk is a residency claim; a REMOTE tier's copy is not this engine's."""
+    meta = json.loads((FIX / "kv-events-offload.json").read_text())
+    bs, tokens = meta["block_size"], meta["tokens"]
+    hashes = [external(d) for d in chain(tokens, bs, none_hash())]
+    gpu, cpu, placeholder, remote, gpu_evicts, cpu_evicts = recorded("kv-events-offload.bin")
+    cache = EngineCache()
+    cache.apply(gpu, 0.0)
+    assert cache.exact and cache.cached_tokens(hashes) == 8 * bs
+    cache.apply(cpu, 1.0)
+    assert cache.resident() == {"GPU": 8, "CPU": 8} and cache.tiers["CPU"][hashes[5]] == 2
+    cache.apply(placeholder, 2.0)
+    assert cache.resident()["CPU"] == 9 and cache.exact, "a chunk without tokens is believed, never a mismatch"
+    cache.apply(remote, 3.0)
+    assert cache.remote == 8 and cache.resident()["CPU"] == 9
+    cache.apply(gpu_evicts, 4.0)
+    assert cache.cached_tokens(hashes) == 4 * bs and cache.restorable(hashes, 4, "CPU") == 4
+    cache.apply(cpu_evicts, 5.0)
+    assert cache.restorable(hashes, 4, "CPU") == 2, "block 5 was announced by two chunks: one eviction keeps it"
+    assert cache.restorable(hashes, 4, "STORAGE") == 0 and cache.view()["resident_by_medium"] == {"GPU": 4, "CPU": 7}
+    cache.apply([Cleared()], 6.0)
+    assert cache.resident() == {"GPU": 0}
+
+
+def _tiered(router, name, hashes, tokens, gpu, cpu, t, locality="LOCAL", medium="CPU"):
+    """Replica ``name``'s engine: the prompt's first ``gpu`` blocks of 128 on the GPU, blocks ``gpu``..``cpu`` on an
+    offloaded tier (an offloading connector's stores)."""
+    from extproc.core import exact
+
+    evs = [Stored(hashes[:gpu], None, tuple(tokens[:gpu * 128]), 128)]
+    if cpu > gpu:
+        evs.append(Stored(hashes[gpu:cpu], hashes[gpu - 1] if gpu else None, tuple(tokens[gpu * 128:cpu * 128]), 128,
+                          medium=medium, locality=locality))
+    assert exact.apply_events(router.policy, name, 0, evs, t, EngineCache)
+
+
+def test_a_prefix_an_offloaded_tier_holds_is_priced_as_its_restore_never_above_computing_it():
+    """Issue 63: past the GPU's hit, the run a local CPU tier holds is restored, not computed: at
+    warm.restore_cost_prior of its prefill until the replica's counters time restores, then at what they measured,
+    never above computing it. A REMOTE tier's copy and a medium not in warm.offload_tiers count as nothing; a
+    tier-blind brain (offload_tiers: []) prices it all as computed."""
+    import dataclasses
+
+    from extproc.core import RouterConfig
+    from extproc.core.profile import RequestProfile
+
+    from .helpers import live_router
+
+    tokens = list(range(4000))
+    hashes = tuple(external(d) for d in chain(tokens, 128, none_hash()))  # 31 full blocks
+    prof = RequestProfile(tokens=2000, engine_tokens=4000, engine_hashes=(128, hashes))
+
+    def priced(cfg=RouterConfig(), locality="LOCAL", medium="CPU", restore_s=None):
+        router, t = live_router(2, cfg)
+        _tiered(router, "r0", hashes, tokens, 2, 2, t)  # r0: 2 blocks on the GPU, nothing offloaded
+        _tiered(router, "r1", hashes, tokens, 2, 30, t, locality, medium)  # r1: 2 on the GPU, 28 more offloaded
+        st = router.policy.state_of(router.replica("r1"))
+        st.rates.restore_s_per_token = restore_s
+        rate = st.rates.prefill_tokens_per_s
+        return router.select(prof, t), rate
+
+    d, rate = priced()
+    assert d.replica.name == "r1" and d.cached_tokens == 256 and d.restored_tokens == 28 * 128 and \
+        d.restored_from == "CPU", d
+    r0_prefill = (4000 - 256) / rate
+    prior = RouterConfig().warm.restore_cost_prior
+    want = (4000 - 256 - 28 * 128) / rate + 28 * 128 * prior / rate
+    assert d.predicted_ttft_s == pytest.approx(want, rel=0.05) and d.predicted_ttft_s < 0.7 * r0_prefill
+    # measured restores: their time, never more than computing
+    fast, _ = priced(restore_s=0.01 / rate)
+    assert fast.predicted_ttft_s < d.predicted_ttft_s
+    slow, _ = priced(restore_s=5.0 / rate)
+    # as dear as computing: r1 is no cheaper than r0 (either may be chosen), whichever tokens it restores
+    assert slow.predicted_ttft_s == pytest.approx(r0_prefill, rel=0.05)
+    for kw in ({"locality": "REMOTE"}, {"medium": "STORAGE"},
+               {"cfg": dataclasses.replace(RouterConfig(), warm=dataclasses.replace(RouterConfig().warm,
+                                                                                       offload_tiers=()))}):
+        blind, _ = priced(**kw)
+        assert blind.restored_tokens == 0 and blind.predicted_ttft_s == pytest.approx(r0_prefill, rel=0.05), kw
+
+
+def test_restores_are_counted_per_tier_in_state_and_metrics():
+    from prometheus_client import generate_latest
+
+    from extproc.core.replica import LIVE
+
+    from .helpers import scrape_all
+
+    from extproc.brain.brain import Brain
+    from extproc.config import parse_config
+    from extproc.core.profile import RequestProfile
+
+    b = Brain(parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:1"}]}))
+    tokens = list(range(4000))
+    hashes = tuple(external(d) for d in chain(tokens, 128, none_hash()))
+    now = 0.0
+    while b.router.replica("r0").state is not LIVE:  # start-up: two good scrapes and 15 s
+        scrape_all(b.router, now)
+        now += 3.0
+    _tiered(b.router, "r0", hashes, tokens, 2, 30, now)
+    prof = RequestProfile(tokens=2000, engine_tokens=4000, engine_hashes=(128, hashes))
+    d = b.router.select(prof, now)
+    b.exact.observe(prof, d)
+    view = b.exact.replica_view("r0")
+    assert view["resident_by_medium"] == {"GPU": 2, "CPU": 28} and view["restored_tokens"] == {"CPU": d.restored_tokens}
+    assert d.restored_tokens == 28 * 128
+    text = generate_latest(b.registry).decode()
+    assert 'warmroute_exact_resident_blocks{medium="CPU",replica="r0"} 28.0' in text
+    assert f'warmroute_exact_restored_tokens_total{{medium="CPU",replica="r0"}} {28 * 128}.0' in text
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_flow_control_holds_a_turn_that_would_evict_active_contexts_unless_an_offloaded_tier_keeps_them(tiered):
+    """Issue 63: where every cache is taken by the active sessions' contexts, a new session waits in the router lest
+    their next turns compute them again; an engine with an offloaded tier gives them back at a restore's price, so
+    the turn is held only while it does not fit beside what runs."""
+    import dataclasses
+
+    from extproc.core import Reason, RouterConfig, exact, hash_key
+    from extproc.core.flow import FlowControl
+    from extproc.core.profile import RequestProfile
+
+    from .helpers import live_router
+
+    cfg = RouterConfig()
+    router, t = live_router(2, dataclasses.replace(cfg, warm=dataclasses.replace(cfg.warm, cache_tokens=30_000)))
+    router.flow = FlowControl()
+
+    def turn(name, n):
+        tokens = [hash(name) % 1000 * 100_000 + j for j in range(n)]
+        hashes = tuple(external(d) for d in chain(tokens, 128, none_hash()))
+        return RequestProfile(hash_key("session", None, name), None, n // 2, "ok", engine_tokens=n,
+                              engine_hashes=(128, hashes)), tokens, hashes
+
+    for k, r in enumerate(router.replicas):  # each engine: exact, and with or without an offloaded tier
+        other = tuple(range(50_000 * (k + 1), 50_000 * (k + 1) + 256))
+        ds = [external(d) for d in chain(other, 128, none_hash())]
+        evs = [Stored((ds[0],), None, other[:128], 128)]
+        if tiered:
+            evs.append(Stored((ds[1],), ds[0], other[128:], 128, medium="CPU"))
+        assert exact.apply_events(router.policy, r.name, 0, evs, t, EngineCache)
+    for k, r in enumerate(router.replicas):  # an active session of 25K tokens on each, its turn over
+        p, _, _ = turn(f"s{k}", 25_000)
+        d = router.select(p, t, only=[r.name])
+        assert d.replica is r
+        router.release(d.reservation, t + 1.0)
+    p, _, _ = turn("new", 10_000)
+    d = router.select(p, t + 2.0, hold_key="new")
+    if tiered:
+        assert d.replica is not None and d.reason is not Reason.HELD, d
+    else:
+        assert d.reason is Reason.HELD and d.replica is None

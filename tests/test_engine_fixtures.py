@@ -46,6 +46,9 @@ def test_every_number_the_router_reads_is_the_one_the_history_put_there(name):
         assert s.generated_at_finish == want["generated"] and s.generation_tokens == want["generated"]
     if dialect == "vllm":
         assert s.computed_at_finish == want["computed"] and s.computed_tokens == want["computed"]
+        # an offloading connector's restores: the tokens it loaded and its load seconds (none without one)
+        assert s.restored_tokens == want["restored"]
+        assert s.restore_seconds == (pytest.approx(want["restore_s"]) if want["restore_s"] else None)
     else:  # vLLM before 0.11 has neither
         assert s.computed_at_finish is None and s.computed_tokens is None
     # vLLM's cache holds whole blocks of cache_config_info's block_size (16 in these fixtures); SGLang's any count
@@ -70,7 +73,7 @@ def test_a_text_is_never_read_as_the_other_engine(name):
     assert not r.ok and r.missing
 
 
-@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.32.txt", "vllm-0.8.txt", "vllm-0.32-lora.txt")), (SGLANG, ("sglang-0.5.txt",))])
+@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.32.txt", "vllm-0.8.txt", "vllm-0.32-lora.txt", "vllm-0.32-offload.txt")), (SGLANG, ("sglang-0.5.txt",))])
 def test_every_name_the_parser_wants_is_one_an_engine_exports(dialect, files):
     """A misspelt or invented metric name reads nothing, silently: each one must be in some engine's text."""
     names = set()

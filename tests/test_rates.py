@@ -219,3 +219,18 @@ def test_C3_a_replica_never_measured_is_priced_as_the_slowest_measured_one_even_
     assert prefill == [90_000.0, 60_000.0, 60_000.0]
     prefill, _ = effective_rates([never, never], now=1_000.0, fresh_s=60.0)  # nothing measured: the prior
     assert prefill == [5_000.0, 5_000.0]
+
+
+def test_C3_restore_time_is_learned_from_the_connector_s_load_seconds_over_the_tokens_it_loaded():
+    """Issue 63: vllm:kv_offload_load_time over prompt_tokens_by_source{external_kv_transfer}; a window whose
+    loaded tokens moved without load seconds (a P/D decode leg's transfer) is no sample; a counter reset starts
+    again."""
+    r = Rates(5000.0, 0.03, 256.0)
+    assert r.restore_s_per_token is None
+    r.update(LoadSample(restored_tokens=0, restore_seconds=0.0), 0.0)
+    r.update(LoadSample(restored_tokens=1000, restore_seconds=0.0), 1.0)  # P/D: tokens, no offload seconds
+    r.update(LoadSample(restored_tokens=1000 + 2048, restore_seconds=0.2048), 2.0)
+    assert r.restore_s_per_token == pytest.approx(1e-4)
+    r.update(LoadSample(restored_tokens=10, restore_seconds=0.001), 3.0)  # the engine restarted
+    r.update(LoadSample(restored_tokens=10 + 4096, restore_seconds=0.001 + 0.8192), 4.0)
+    assert r.restore_s_per_token == pytest.approx(1e-4 + 0.3 * (2e-4 - 1e-4))

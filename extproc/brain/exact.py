@@ -191,6 +191,8 @@ class Exact:
         got = exact.cached_on(pol, d.replica.name, count(d.replica.name), profile.engine_hashes)
         if got is None:
             return
+        if d.restored_tokens and d.restored_from is not None:
+            self.stats.exact_restored[(d.replica.name, d.restored_from)] += d.restored_tokens
         # only an engine that holds the first block the chosen one lacks can have held more: one look at each,
         # a walk only there (walking every replica's run cost replicas x blocks on every request)
         bs, hashes = profile.engine_hashes
@@ -210,6 +212,12 @@ class Exact:
         # where the brain found the engines' publishers: the config's replicas[].kv_events (or discovery's ports), or
         # the replica's own GET /kv_event_sources
         events = "configured" if name in self.configured else "listed" if self.kv.sources.get(name) else None
+        resident: dict[str, int] = {}
+        for e in engines or ():
+            for m, n in e["resident_by_medium"].items():
+                resident[m] = resident.get(m, 0) + n
         return {"mode": mode, "reason": why, "engines": engines, "events_from": events,
+                "resident_by_medium": resident,
                 "cached_tokens": {"achieved": self.stats.exact_achieved[name],
-                                  "reachable": self.stats.exact_reachable[name]}}
+                                  "reachable": self.stats.exact_reachable[name]},
+                "restored_tokens": {m: n for (r, m), n in sorted(self.stats.exact_restored.items()) if r == name}}

@@ -71,11 +71,14 @@ VLLM = Dialect(
         "vllm:request_prefill_kv_computed_tokens_sum": "computed_at_finish",
         "vllm:request_generation_tokens_sum": "generated_at_finish",
         "vllm:request_decode_time_seconds_count": "decode_done",
+        # an offloading connector's seconds loading KV into the GPU (vLLM's OffloadingConnector; none without one)
+        "vllm:kv_offload_load_time_total": "restore_seconds",
     },
     fallback={"vllm:gpu_prefix_cache_hits_total": "cached_tokens"},
     cache_info="vllm:cache_config_info",
     lora_info="vllm:lora_requests_info",
-    by_label={("vllm:prompt_tokens_by_source_total", "source", "local_compute"): "computed_tokens"},
+    by_label={("vllm:prompt_tokens_by_source_total", "source", "local_compute"): "computed_tokens",
+              ("vllm:prompt_tokens_by_source_total", "source", "external_kv_transfer"): "restored_tokens"},
     engine_label="engine",
     name="vllm",
     # vLLM's async_llm.py builds its stat loggers only when log_stats is on: --disable-log-stats leaves /metrics

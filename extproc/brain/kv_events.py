@@ -21,14 +21,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ..core.engine_cache import Cleared, Removed, Stored
+from ..core.engine_cache import GPU, Cleared, Removed, Stored
 
 log = logging.getLogger("warmroute.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # BlockStored's fields in the order an array-form event lists them after its type (vllm/distributed/kv_events.py)
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-                  "extra_keys", "group_idx", "kv_cache_spec_kind")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+                  "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+                  "ownership", "session_id")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 MAX_FRAME_BYTES = 16 * 2**20  # a batch bigger than this is no engine's: dropped, counted as lost
 MAX_REPLAY_BATCHES = 20_000
 _decoder = msgspec.msgpack.Decoder()
@@ -45,6 +46,15 @@ def _as_map(ev: Any) -> dict:
         fields = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(ev[0], ())
         return {"type": ev[0], **dict(zip(fields, ev[1:]))}
     raise BadBatch(f"an event of type {type(ev).__name__}")
+
+
+def _text(v: Any) -> str | None:
+    """A medium or locality: vLLM names them in capitals; another publisher's "cpu" is the same tier."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or len(v) > 64:
+        raise BadBatch("a medium or locality that is not a short string")
+    return v.upper()
 
 
 def _hashes(v: Any) -> tuple[int, ...]:
@@ -82,15 +92,19 @@ def decode_batch(payload: bytes) -> tuple[float, list, int | None]:
                 parent = int.from_bytes(parent[-8:], "big")
             tokens = ev.get("token_ids") or ()
             size = ev.get("block_size")
-            if not isinstance(size, int) or size <= 0 or not all(isinstance(t, int) for t in tokens):
+            medium, locality = _text(ev.get("medium")), _text(ev.get("locality"))
+            # an offloading connector's store of a chunk it has no tokens for is a residency claim alone (vLLM's
+            # placeholder: block_size 0, no tokens): a tier's blocks are never verified, only looked up
+            offloaded = medium not in (None, GPU)
+            if not isinstance(size, int) or size < (0 if offloaded else 1) or not all(isinstance(t, int) for t in tokens):
                 raise BadBatch("a stored block without its size or tokens")
             extra = ev.get("extra_keys")
-            events.append(Stored(_hashes(ev.get("block_hashes")), parent, tuple(tokens), size, ev.get("medium"),
+            events.append(Stored(_hashes(ev.get("block_hashes")), parent, tuple(tokens), size, medium,
                                  ev.get("lora_name"),
                                  tuple(tuple(k) if isinstance(k, (list, tuple)) else k for k in extra) if extra else None,
-                                 ev.get("kv_cache_spec_kind")))
+                                 ev.get("kv_cache_spec_kind"), locality))
         elif kind == "BlockRemoved":
-            events.append(Removed(_hashes(ev.get("block_hashes")), ev.get("medium")))
+            events.append(Removed(_hashes(ev.get("block_hashes")), _text(ev.get("medium")), _text(ev.get("locality"))))
         elif kind == "AllBlocksCleared":
             events.append(Cleared())
         # an event type a later vLLM adds is skipped: it cannot change what the three above say

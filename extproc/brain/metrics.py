@@ -225,13 +225,29 @@ class BrainCollector(Collector):
         blocks = CounterMetricFamily("warmroute_kv_event_blocks", "Blocks the replica's engines reported stored, "
                                      "by what re-hashing them said (verified, mismatched, unverifiable)",
                                      labels=["replica", "result"])
+        resident = GaugeMetricFamily("warmroute_exact_resident_blocks", "Exact mode: blocks the replica's engines "
+                                     "hold by their KV events, per medium (GPU; an offloading connector's CPU, "
+                                     "STORAGE)", labels=["replica", "medium"])
         for rep in reps:
             engines = exact.view(r.policy, rep.name, count(rep.name))
             mode.add_metric([rep.name], 1.0 if exact.mode_of(engines)[0] == "exact" else 0.0)
             for res in ("verified", "mismatched", "unverifiable"):
                 blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines or ()))
+            held: dict[str, int] = {}
+            for e in engines or ():
+                for m, n in e["resident_by_medium"].items():
+                    held[m] = held.get(m, 0) + n
+            for m, n in sorted(held.items()):
+                resident.add_metric([rep.name, m], n)
         yield mode
         yield blocks
+        yield resident
+        restored = CounterMetricFamily("warmroute_exact_restored_tokens", "Exact mode: prompt tokens past the GPU's "
+                                       "hit that routing priced as restored from an offloaded tier of the chosen "
+                                       "replica, per medium (warm.offload_tiers)", labels=["replica", "medium"])
+        for (name, m), n in sorted(b.exact_restored.items()):
+            restored.add_metric([name, m], n)
+        yield restored
         hits = CounterMetricFamily("warmroute_exact_cached_tokens", "Exact mode: the engine's cached tokens of "
                                    "the prompts routed to the replica (achieved), and the most any exact replica "
                                    "held of each of them (reachable)", labels=["replica", "of"])

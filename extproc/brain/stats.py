@@ -108,6 +108,8 @@ class BrainStats:
         # the most any exact replica held of each (reachable)
         self.exact_achieved: Counter[str] = Counter()
         self.exact_reachable: Counter[str] = Counter()
+        # exact mode with an offloaded tier: (replica, medium) -> prompt tokens routing priced as restored from it
+        self.exact_restored: Counter[tuple[str, str]] = Counter()
         self.shared = SharedStats()
         self.zero_series(replica_names)
 

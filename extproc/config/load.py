@@ -296,6 +296,14 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
         raise ConfigError("warm.balance_factor: expected a number >= 1 (1.25-1.5 is typical)")
     if not 0.0 < router.warm.kv_pressure <= 1.0:
         raise ConfigError("warm.kv_pressure: expected a number in (0, 1]")
+    if not 0.0 < router.warm.restore_cost_prior <= 1.0:
+        raise ConfigError("warm.restore_cost_prior: expected a number in (0, 1] (a restore's share of a recompute)")
+    for tier in router.warm.offload_tiers:
+        if tier.upper() == "GPU" or len(tier) > 32:
+            raise ConfigError(f"warm.offload_tiers: expected media besides the GPU (CPU, STORAGE), got {_short(tier)}")
+    if any(t != t.upper() for t in router.warm.offload_tiers):
+        router = dataclasses.replace(router, warm=dataclasses.replace(
+            router.warm, offload_tiers=tuple(t.upper() for t in router.warm.offload_tiers)))
     for f in ("prefill_tokens_per_s", "decode_s_per_token", "load_refresh_s", "cache_tokens", "arrival_window_s",
               "busy_wait_s"):
         if getattr(router.warm, f) <= 0:

@@ -127,6 +127,16 @@ class WarmConfig:
     # request for an adapter prices it where the adapter is not in a slot, and more where every slot is in use;
     # the load stalls the replica's batch, so it is priced again for each request in flight there
     lora_load_s: float = 0.5
+    # C2: the media besides the GPU whose blocks a hit may be restored from (an offloading connector's KV events name
+    # each block's medium: vLLM's OffloadingConnector CPU, LMCache CPU or STORAGE). A prefix past the GPU's hit that a
+    # listed tier holds on the same instance is priced as its restore, never above computing it; another medium, or a
+    # tier on another instance, counts as nothing. []: tier-blind (what is offloaded is priced as computed)
+    offload_tiers: tuple[str, ...] = ("CPU",)
+    # C3: a restored token's time as a share of computing it there, until the replica's own counters time its
+    # restores (vllm:kv_offload_load_time over the tokens it loaded). More cautious than the peers' weights (llm-d
+    # counts a CPU block 0.8 of a GPU one, Dynamo 0.75: a restore at 20-25% of a recompute), at the low end of what
+    # restores save when measured (45-88% of the prefill they replace, more for long prefixes)
+    restore_cost_prior: float = 0.5
 
 
 ROLES = ("both", "prefill", "decode")  # what a replica serves in a disaggregated fleet (llm-d.ai/role's values)

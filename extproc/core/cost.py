@@ -64,6 +64,8 @@ class Estimate:
     # KV risks of choosing it (its cache lost before or at this turn) that are no wait of this turn: in its cost, not
     # its predicted time to first token; a prefill elsewhere avoids them, so disaggregation weighs them too
     risk: float = 0.0
+    restored: int = 0  # of the prompt past ``cached``, tokens an offloaded tier holds there: restored, not computed
+    medium: str | None = None  # that tier (CPU, STORAGE)
 
 
 @dataclass(slots=True)

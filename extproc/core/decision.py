@@ -67,6 +67,8 @@ class Decision:
     cached_tokens: int = 0  # warm policy: prompt tokens the chosen replica probably holds (the engine's tokens)
     prompt_tokens: int = 0  # warm policy: the prompt in the chosen engine's tokens, as priced
     prefix: int | None = None  # warm policy: the last block hash of ``cached_tokens`` (what it shares there)
+    restored_tokens: int = 0  # warm policy: of the prompt past ``cached_tokens``, what an offloaded tier restores there
+    restored_from: str | None = None  # warm policy: that tier's medium (CPU, STORAGE)
     work_s: float = 0.0  # warm policy: predicted engine seconds of this request
     # warm policy, a replica with several data-parallel engines: the engine priced (None: one engine)
     engine: int | None = None

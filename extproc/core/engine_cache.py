@@ -10,14 +10,20 @@ only be recomputed from its parent's full digest: this keeps the full digest of 
 
 An engine is **exact** once a stored block's published hash equals the one computed here from its tokens; one
 mismatch (another seed, another algorithm, a different block size in the hash) makes it **estimated** for good (until
-its events start again from a new engine), with the reason. Only what a hit needs counts as resident: blocks on the
-engine's GPU (``medium``) of full-attention cache groups (``kv_cache_spec_kind``: a sliding-window group's blocks do
-not make a prefix hit). No I/O here: a reader in the shell turns the wire into these values (``brain/kv_events.py``).
+its events start again from a new engine), with the reason. Only what a hit needs counts as resident: blocks of
+full-attention cache groups (``kv_cache_spec_kind``: a sliding-window group's blocks do not make a prefix hit), each
+on its ``medium``. The GPU's blocks are a hit; an offloading connector's (vLLM's ``OffloadingConnector``, LMCache)
+publish the same hashes with ``medium`` CPU or STORAGE: a prefix past the GPU's hit that such a tier holds is restored
+instead of computed, which the policy prices by what a restore takes (``restorable``). A store on another instance
+(``locality`` REMOTE) is no hit here. An offloading connector announces a block once per chunk that holds it and
+removes it as many times: a tier counts announcements, not blocks. No I/O here: a reader in the shell turns the wire
+into these values (``brain/kv_events.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -26,6 +32,7 @@ NONE_HASH_SEED = "vllm-none-hash"
 HASH_ALGOS = ("sha256",)  # sha256_cbor needs cbor2; xxhash seeds itself at random per process: never reproducible
 EXACT, ESTIMATED = "exact", "estimated"
 GPU = "GPU"
+LOCAL = "LOCAL"
 FULL_ATTENTION = "full_attention"
 # more resident blocks than any engine's cache holds (an 80 GB cache of 16-token blocks is ~10^6): events were lost
 MAX_BLOCKS = 4_000_000
@@ -70,12 +77,18 @@ class Stored:
     lora_name: str | None = None
     extra_keys: tuple | None = None  # per block, untagged as events publish them
     kind: str | None = FULL_ATTENTION  # kv_cache_spec_kind (None: a publisher older than 0.32, full attention)
+    locality: str | None = None  # LOCAL or REMOTE to the publisher (None: unspecified, as the GPU's own stores)
 
 
 @dataclass(frozen=True, slots=True)
 class Removed:
     hashes: tuple[int, ...]
     medium: str | None = GPU
+    locality: str | None = None
+
+
+def _local(locality: str | None) -> bool:
+    return locality is None or locality == LOCAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +108,9 @@ class EngineCache:
         self.seed, self.algo = seed, algo
         self.lora_paths = lora_paths or {}  # adapter name -> path: vLLM hashes both, its events name the first
         self.gpu: dict[int, bytes | None] = {}  # published hash -> full digest (None: held, its chain unknown here)
-        self.offloaded = 0  # blocks stored to another medium (CPU): a cheaper miss, never a hit
+        # blocks of other media on this instance (CPU, STORAGE): medium -> published hash -> announcements held
+        self.tiers: dict[str, dict[int, int]] = {}
+        self.remote = 0  # blocks announced on another instance's tier: not this engine's to restore
         self.block_size: int | None = None
         self.mode, self.reason = ESTIMATED, "no KV events yet"
         self.verified = self.mismatched = self.unverifiable = 0
@@ -137,7 +152,14 @@ class EngineCache:
         if ev.kind not in (None, FULL_ATTENTION):
             return  # a sliding-window or mamba group: its blocks make no prefix hit
         if ev.medium not in (None, GPU):
-            self.offloaded += len(ev.hashes)
+            if not _local(ev.locality):
+                self.remote += len(ev.hashes)
+                return
+            tier = self.tiers.setdefault(str(ev.medium), {})
+            for h in ev.hashes:
+                tier[h] = tier.get(h, 0) + 1
+            if len(tier) > MAX_BLOCKS:
+                self.lost(f"more than {MAX_BLOCKS:,} blocks on {ev.medium}: removals were missed")
             return
         self.stored += len(ev.hashes)
         if self.block_size is None:
@@ -188,14 +210,25 @@ class EngineCache:
                     for h in ev.hashes:
                         if self.gpu.pop(h, 0) != 0:
                             self.removed += 1
+                elif _local(ev.locality) and (tier := self.tiers.get(str(ev.medium))) is not None:
+                    for h in ev.hashes:
+                        n = tier.get(h, 0) - 1
+                        if n > 0:
+                            tier[h] = n
+                        else:
+                            tier.pop(h, None)
             elif isinstance(ev, Cleared):
+                # vLLM publishes one clear for a prefix-cache reset, whatever its connector keeps: an offloaded
+                # block believed gone is the safe error (priced as computed)
                 self.gpu.clear()
+                self.tiers.clear()
                 self.cleared += 1
 
     def lost(self, why: str = "events lost") -> None:
         """Events were missed and not replayed: what is resident is unknown. Nothing is believed resident (the safe
         error: a request is priced as uncached), and the engine is estimated until a stored block verifies again."""
         self.gpu.clear()
+        self.tiers.clear()
         if self.mode == EXACT or not self.reason.startswith("block hash mismatch"):
             self.mode, self.reason = ESTIMATED, f"events lost: {why}" if not why.startswith("events lost") else why
 
@@ -213,8 +246,25 @@ class EngineCache:
             n += 1
         return n * (self.block_size or 0)
 
+    def restorable(self, hashes: Sequence[int], start: int, medium: str) -> int:
+        """How many of ``hashes`` from index ``start`` (where the GPU's hit ends) tier ``medium`` holds in a run: vLLM's
+        connector looks up what follows the GPU's hit and loads the run it finds."""
+        tier = self.tiers.get(medium)
+        if not tier:
+            return 0
+        n = 0
+        for h in itertools.islice(hashes, start, None):
+            if h not in tier:
+                break
+            n += 1
+        return n
+
+    def resident(self) -> dict[str, int]:
+        """Blocks held per medium (the GPU's first)."""
+        return {GPU: len(self.gpu), **{m: len(t) for m, t in sorted(self.tiers.items()) if t}}
+
     def view(self) -> dict:
         return {"cache_mode": self.mode, "reason": self.reason, "resident_blocks": len(self.gpu),
+                "resident_by_medium": self.resident(), "remote_blocks": self.remote,
                 "block_size": self.block_size, "verified_blocks": self.verified, "mismatched_blocks": self.mismatched,
-                "unverifiable_blocks": self.unverifiable, "offloaded_blocks": self.offloaded,
-                "cleared": self.cleared}
+                "unverifiable_blocks": self.unverifiable, "cleared": self.cleared}

@@ -29,6 +29,7 @@ _MIN_PREFILL_S = 5.0  # seconds of prefill behind one sample of the prefill rate
 _MIN_DECODE_TOKENS = 500  # generated tokens behind one sample of the decode rate
 _CLIP = 64.0  # a sample this far from the config's value either way is an artefact (a small model on a GPU decodes
 # 15x faster than the default prior; 8x, the bound before, held a 2 ms/token engine at 3.75)
+_MIN_RESTORE_TOKENS = 2048  # restored tokens behind one sample of the restore time
 _RIDGE = 0.25  # how firmly a rate's slope in the batch holds to none while the samples' batches barely differ
 
 
@@ -68,6 +69,10 @@ class LoadSample:
     max_lora: int | None = None
     # vllm:cache_config_info's block_size: the engine caches whole blocks of this many tokens (None: any count)
     engine_block: int | None = None
+    # what a KV connector loaded instead of computing: prompt tokens (prompt_tokens_by_source{external_kv_transfer})
+    # and the seconds its loads took (vllm:kv_offload_load_time, an offloading connector's restores)
+    restored_tokens: float | None = None
+    restore_seconds: float | None = None
 
 
 class BatchFit:
@@ -126,7 +131,8 @@ class Rates:
 
     __slots__ = ("prefill_tokens_per_s", "decode_s_per_token", "output_tokens", "_prev", "prefill_at", "decode_at",
                  "_acc", "_ref", "paired", "min_prefill_s", "prefill_rel", "decode_rel", "prefill_rel_at",
-                 "decode_rel_at", "_prefill_fit", "_decode_fit", "prefill_slope", "decode_slope")
+                 "decode_rel_at", "_prefill_fit", "_decode_fit", "prefill_slope", "decode_slope",
+                 "restore_s_per_token", "_restore_acc")
 
     def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float,
                  paired: bool = True, min_prefill_s: float = _MIN_PREFILL_S, batch: bool = True):
@@ -150,6 +156,9 @@ class Rates:
         # sample it was taken from
         self.prefill_rel = self.decode_rel = 1.0
         self.prefill_rel_at = self.decode_rel_at = float("-inf")
+        # seconds an offloading connector takes to restore a token (None: not measured; the policy's prior holds)
+        self.restore_s_per_token: float | None = None
+        self._restore_acc = [0.0, 0.0]  # restored tokens, their load seconds, since the last sample
 
     def at_batch(self, batch: float) -> tuple[float, float]:
         """(prefill tokens/s, decode s/token) beside ``batch`` requests running (the request itself included)."""
@@ -171,6 +180,28 @@ class Rates:
         acc[10] += 1
         self._prefill(s, p, now)
         self._decode(s, p, now)
+        self._restore(s, p)
+
+    def _restore(self, s: LoadSample, p: LoadSample) -> None:
+        """Seconds per restored token: the connector's load seconds over the tokens it loaded, both counted by the
+        engine as the loads finish. A P/D decode leg's loads count as tokens without load seconds of this counter:
+        only windows where both moved make a sample."""
+        if not _both(s, p, "restored_tokens", "restore_seconds"):
+            return
+        acc = self._restore_acc
+        dt, ds = s.restored_tokens - p.restored_tokens, s.restore_seconds - p.restore_seconds
+        if dt < 0 or ds < 0:
+            self._restore_acc = [0.0, 0.0]
+            return
+        if ds == 0:
+            return
+        acc[0] += dt
+        acc[1] += ds
+        if acc[0] >= _MIN_RESTORE_TOKENS:
+            sample = acc[1] / acc[0]
+            old = self.restore_s_per_token
+            self.restore_s_per_token = sample if old is None else old + _ALPHA * (sample - old)
+            acc[0] = acc[1] = 0.0
 
     def _prefill(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc

@@ -286,10 +286,13 @@ class WarmPolicy(Shortlist, Policy):
                   pin: Pin | None, now: float, engine: int | None = None, peer_scale: float = 1.0) -> "Estimate":
         """Cached tokens, wait and prefill on one candidate (C2, C3, C4), in the engine's tokens."""
         ex, hashes = st.exact, profile.engine_hashes
+        restored, medium = 0, None
         if ex is not None and ex.exact and hashes is not None and hashes[0] == ex.block_size and profile.engine_tokens:
             prompt = profile.engine_tokens  # the engine's own tokens and its own word on what it holds
             cached = min(prompt - 1, st.exact_cached(hashes[1], now)) if self.use_index else 0
             prefix = hashes[1][cached // ex.block_size - 1] if cached >= ex.block_size else None
+            if ex.tiers and self.use_index:
+                restored, medium = self._restorable(ex, hashes[1], cached, prompt)
         else:
             # tokenized as the engine does: this text's own scale, else the replica's learned one
             scale = profile.engine_tokens / profile.tokens if profile.engine_tokens and profile.tokens else \
@@ -307,7 +310,7 @@ class WarmPolicy(Shortlist, Policy):
             # tokens than the cache holds by the engine's count, twice that by a size's estimate (a text may run to
             # more bytes per token). It queues nothing and holds no KV; priced as a prefill, eight 32 MiB bodies the
             # engines answered 400 at once held every new session behind them (429, deadline_unmeetable)
-            prompt, cached, prefix = 0, 0, None
+            prompt, cached, prefix, restored = 0, 0, None, 0
         if st.engine_block and cached:  # vLLM hits whole blocks only, and never the prompt's last token
             cached -= cached % st.engine_block
         wait = max(0.0, st.prefill_busy_until - now)
@@ -315,7 +318,11 @@ class WarmPolicy(Shortlist, Policy):
         if waiting:
             wait = max(wait, waiting * max(st.uncached_ewma, 1.0) / rate)
         e = Estimate(r, st, rate, dec, cached, wait, (prompt - cached) / rate, engine=engine, prompt=prompt,
-                     prefix=prefix if cached else None)
+                     prefix=prefix if cached else None, restored=restored, medium=medium)
+        if restored:
+            # C3: a restore is priced at what this replica's restores took (its connector's load seconds over the
+            # tokens loaded), until measured at a share of computing them; never above computing them
+            e.prefill -= restored * (1.0 - self._restore_share(e)) / rate
         if profile.adapter is not None:
             loads, lora_wait = self._lora_s(self.state_of(r), profile.adapter, dec, now)
             e.lora, e.lora_wait = loads + lora_wait, lora_wait
@@ -324,6 +331,27 @@ class WarmPolicy(Shortlist, Policy):
                 # there waits for it too (the brain's own count: fresher than a scrape)
                 e.stall = self.cfg.warm.lora_load_s * r.in_flight_requests
         return e
+
+    def _restore_share(self, e: "Estimate") -> float:
+        """What restoring a token costs on ``e``'s engine against computing it there: 1 where nothing is restored
+        (no offloaded tier in warm.offload_tiers by its events, or the policy does not read events)."""
+        ex = e.st.exact
+        if ex is None or not ex.exact or not ex.tiers or not self.use_index or \
+                not any(m in ex.tiers for m in self.cfg.warm.offload_tiers):
+            return 1.0
+        s_per = e.st.rates.restore_s_per_token
+        return min(1.0, s_per * e.rate if s_per is not None else self.cfg.warm.restore_cost_prior)
+
+    def _restorable(self, ex, hashes, cached: int, prompt: int) -> tuple[int, str | None]:
+        """The prompt's tokens past the GPU's hit that one of ``offload_tiers`` holds in a run on this engine (vLLM's
+        connector loads the run that follows the hit), and which tier: the longest."""
+        bs = ex.block_size
+        best, medium = 0, None
+        for m in self.cfg.warm.offload_tiers:
+            n = ex.restorable(hashes, cached // bs, m)
+            if n > best:
+                best, medium = n, m
+        return min(best * bs, max(0, prompt - 1 - cached)), medium
 
     def _lora_s(self, st: WarmReplica, adapter: str, dec: float, now: float) -> tuple[float, float]:
         """What bringing the request's LoRA adapter in costs on a replica (C3): nothing where it runs, waits or
@@ -351,27 +379,34 @@ class WarmPolicy(Shortlist, Policy):
         # what the others count already of this context: the prefix it shares with them, counted once
         shared = self.sessions.shares(st, mine.shared[1]) if home and mine.shared is not None else \
             0 if home else self.sessions.shares(st, e.prefix)
+        used = st.kv_ahead(now, st.kv_usage(e.replica))
+        over = used + prompt + out_tokens - w.kv_pressure * cap
+        # an engine with an offloaded tier keeps what its GPU evicts: a context lost there is restored, not computed
+        share = self._restore_share(e)
         e.room = st.active_tokens - (mine.own if home else 0) + prompt - min(shared, e.cached) + out_tokens \
             <= w.kv_pressure * cap
+        if share < 1.0 and not e.room:
+            # flow control holds a turn that would evict the active sessions' contexts, lest their next turns compute
+            # them again; an offloaded tier gives them back at a restore's price: held only while it does not fit
+            # beside what runs (placement still prefers where the contexts fit)
+            e.room = over - e.cached <= 0
         others = st.active_whole - (mine.whole if home else 0)
         pressure = (others + prompt + out_tokens) / cap
         e.fits = pressure <= w.kv_pressure
         if session and pressure > w.evict_start:
             risk = min(1.0, (pressure - w.evict_start) / (w.kv_pressure - w.evict_start))
-            e.cost += risk * prompt / e.rate
-        used = st.kv_ahead(now, st.kv_usage(e.replica))
-        over = used + prompt + out_tokens - w.kv_pressure * cap
+            e.cost += risk * share * prompt / e.rate
         # The risks below are costs of the choice; this turn's time to first token carries only what this turn waits.
         # Counted in the prediction, a 250K-token turn found cached was predicted 50 s and took 0.33 s (the
         # simulator's worst predictions were all of these kinds: its MAPE 0.58, bias +87% at load 1)
         if e.cached and pressure > w.kv_pressure:
             # the active sessions here and this one do not fit together: LRU evicts each before its next turn. What
             # the index holds here now is here for this turn
-            e.risk = e.cached / e.rate
+            e.risk = share * e.cached / e.rate
             e.cost += e.risk
         elif over > 0:
             # it does not fit beside what runs and what is queued: it waits for KV to free, and loses its cache
-            lost = e.cached / e.rate + min(1.0, over / cap) * out_tokens * e.dec
+            lost = share * e.cached / e.rate + min(1.0, over / cap) * out_tokens * e.dec
             # vLLM admits a prefill whose new blocks are free now (its output's come step by step), and its cached
             # blocks may be the very ones the scrape counts as used (taken while its last turn ran): within that it
             # runs at once, and the margin is a risk, not a wait
@@ -599,7 +634,8 @@ class WarmPolicy(Shortlist, Policy):
                     pin.unindexed = profile.header_path
                     self.session_pins.touch(profile.session_key, pin, now)
         return Decision(chosen, reason, pin_kind, events, predicted_ttft_s=best.ttft, cached_tokens=best.cached,
-                        prompt_tokens=best.prompt, prefix=best.prefix,
+                        prompt_tokens=best.prompt, prefix=best.prefix, restored_tokens=best.restored,
+                        restored_from=best.medium,
                         work_s=best.work, engine=best.engine,
                         steer=best.engine is not None and self.cfg.warm.steer_data_parallel)
 
@@ -616,7 +652,7 @@ class WarmPolicy(Shortlist, Policy):
             d.reservation.engine = d.engine
             d.reservation.deferred = (self._chosen_prefill_s, prompt, d.work_s)
             return
-        uncached = max(1, prompt - d.cached_tokens)
+        uncached = max(1, prompt - d.cached_tokens - d.restored_tokens)
         st.book(now, self._chosen_prefill_s, prompt, d.work_s, None if profile.provisional else profile.tokens)
         if not profile.provisional:  # a size declared in a header says nothing of this replica's typical request
             st.uncached_ewma += 0.2 * (uncached - st.uncached_ewma)

@@ -858,3 +858,19 @@ def test_a_new_session_waits_in_the_brain_while_active_sessions_fill_the_real_ca
         fleet.admin_post("/reload")
         for t in held_thread:
             t.join(timeout=60)
+
+
+def test_the_offload_events_fixture_is_what_vllm_s_own_classes_encode(tmp_path):
+    """tests/fixtures/vllm-0.32/kv-events-offload.bin (an offloading connector's KV events, which this CPU build of
+    vLLM cannot produce by running: its CPU offloading needs CUDA) is rebuilt from the engine venv's own event
+    classes, block hash and encoder, byte for byte."""
+    import subprocess
+
+    from extproc.tools.stack.real_vllm import REPO, engine_python, vllm_env
+
+    done = subprocess.run([str(engine_python()), str(REPO / "engines" / "offload_events.py"), str(tmp_path)],
+                          env=vllm_env(VllmOptions()), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fix = REPO / "tests" / "fixtures" / "vllm-0.32"
+    for name in ("kv-events-offload.bin", "kv-events-offload.json"):
+        assert (tmp_path / name).read_bytes() == (fix / name).read_bytes(), name

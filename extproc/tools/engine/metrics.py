@@ -99,7 +99,7 @@ class MetricDef:
 LORA_INFO = "vllm:lora_requests_info"
 
 
-def _vllm_defs(old: bool, max_model_len: int, lora: bool = False) -> list[MetricDef]:
+def _vllm_defs(old: bool, max_model_len: int, lora: bool = False, offload: bool = False) -> list[MetricDef]:
     L = ("model_name", "engine")
     tokens = buckets_1_2_5(max_model_len)
     kv = "vllm:gpu_cache_usage_perc" if old else "vllm:kv_cache_usage_perc"
@@ -151,6 +151,9 @@ def _vllm_defs(old: bool, max_model_len: int, lora: bool = False) -> list[Metric
                       "Histogram of new KV tokens computed during prefill (excluding cached tokens).", L, "finish",
                       tokens),
         ]
+    if offload:  # vLLM's OffloadingConnector (kv_connector/v1/offloading/metrics.py), per engine
+        out.append(MetricDef("vllm:kv_offload_load_time", "counter",
+                             "Total load time from offload storage to GPU, in seconds.", L, "first_token"))
     return out
 
 
@@ -182,11 +185,13 @@ def _sglang_defs(dp: bool) -> list[MetricDef]:
 DIALECTS = ("vllm", "vllm-old", "sglang")
 
 
-def definitions(dialect: str, max_model_len: int = 32768, data_parallel: int = 1, max_loras: int = 0) -> list[MetricDef]:
+def definitions(dialect: str, max_model_len: int = 32768, data_parallel: int = 1, max_loras: int = 0,
+                offload: bool = False) -> list[MetricDef]:
     if dialect == "sglang":
         return _sglang_defs(data_parallel > 1)
     # vLLM: "LoRA in DP mode is not supported yet" (no lora_requests_info with several engines)
-    return _vllm_defs(dialect == "vllm-old", max_model_len, lora=max_loras > 0 and data_parallel == 1)
+    return _vllm_defs(dialect == "vllm-old", max_model_len, lora=max_loras > 0 and data_parallel == 1,
+                      offload=offload and dialect == "vllm")
 
 
 @dataclass(frozen=True)
@@ -201,14 +206,14 @@ class Exporter:
 
     def __init__(self, dialect: str, model: str, engines: int = 1, cache: CacheInfo | None = None,
                  tp: int = 1, all_ranks: bool = False, max_model_len: int = 32768, max_loras: int = 0,
-                 clock=time.time):
+                 clock=time.time, offload: bool = False):
         self.dialect = dialect
         self.model = model
         self.engines = engines
         self.tp = tp if all_ranks else 1  # SGLang --enable-metrics-for-all-schedulers: a copy per TP rank
         self._cache, self._max_model_len, self.max_loras, self.clock = cache, max_model_len, max_loras, clock
         self.registry = CollectorRegistry(auto_describe=True)
-        self.defs = {d.name: d for d in definitions(dialect, max_model_len, engines, max_loras)}
+        self.defs = {d.name: d for d in definitions(dialect, max_model_len, engines, max_loras, offload)}
         self.m = {}
         for d in self.defs.values():
             kw = {"buckets": d.buckets} if d.kind == "histogram" else {}
@@ -348,7 +353,7 @@ class Exporter:
             for name, v in values.items():
                 self.m[name].labels(**self._sched(k, t)).set(v)
 
-    def first_token(self, k: int, er, ttft_s: float, prefill_s: float) -> None:
+    def first_token(self, k: int, er, ttft_s: float, prefill_s: float, restore_s: float = 0.0) -> None:
         """A request's prefill ended (``prefill_s``: since it entered the running batch)."""
         if self.dialect == "sglang":
             self.m["sglang:time_to_first_token_seconds"].labels(model_name=self.model).observe(ttft_s)
@@ -365,6 +370,8 @@ class Exporter:
             by.labels(**lv, source="local_compute").inc(er.prompt_tokens - er.cached_tokens)
             by.labels(**lv, source="local_cache_hit").inc(er.cached_tokens - er.external_tokens)
             by.labels(**lv, source="external_kv_transfer").inc(er.external_tokens)
+            if restore_s and "vllm:kv_offload_load_time" in self.m:
+                self.m["vllm:kv_offload_load_time"].labels(**lv).inc(restore_s)
 
     def chunk(self, k: int, n: int, interval_s: float) -> None:
         """n tokens of one request streamed after interval_s: vLLM counts generation tokens every step; both
@@ -448,7 +455,7 @@ class Exporter:
 # ---------------------------------------------------------------- fixtures
 
 
-def fixture(dialect: str, engines: int = 1, tp: int = 1, max_loras: int = 0) -> tuple[bytes, dict]:
+def fixture(dialect: str, engines: int = 1, tp: int = 1, max_loras: int = 0, offload: bool = False) -> tuple[bytes, dict]:
     """A /metrics text in the dialect's exact shape, after a fixed history of requests, and the numbers a
     parser must read from it (what the history put there)."""
     import prometheus_client
@@ -460,18 +467,19 @@ def fixture(dialect: str, engines: int = 1, tp: int = 1, max_loras: int = 0) -> 
     # rendering differ, and no parser reads them
     prometheus_client.disable_created_metrics()
     try:
-        return _fixture(dialect, engines, tp, cache, EngineRequest, max_loras)
+        return _fixture(dialect, engines, tp, cache, EngineRequest, max_loras, offload)
     finally:
         prometheus_client.enable_created_metrics()
 
 
-def _fixture(dialect: str, engines: int, tp: int, cache: "CacheInfo", EngineRequest, max_loras: int) -> tuple[bytes, dict]:
+def _fixture(dialect: str, engines: int, tp: int, cache: "CacheInfo", EngineRequest, max_loras: int,
+             offload: bool = False) -> tuple[bytes, dict]:
     clock = iter(range(1_800_000_000, 1_800_001_000))
     ex = Exporter(dialect, "served-model", engines, cache, tp=tp, all_ranks=tp > 1, max_loras=max_loras,
-                  clock=lambda: float(next(clock)))
+                  clock=lambda: float(next(clock)), offload=offload)
     want = {"running": 0, "waiting": 0, "kv": [], "prompt": 0, "cached": 0, "computed": 0, "generated": 0,
             "prefill_s": 0.0, "decode_s": 0.0, "done": 0, "first": 0, "cache_tokens": 10_000 * 16,
-            "itl_s": 0.0, "itl_n": 0}
+            "itl_s": 0.0, "itl_n": 0, "restored": 0, "restore_s": 0.0}
     for k in range(engines):
         eng = _FixtureEngine(running=3 + k, waiting=k, kv=0.25 + 0.1 * k)
         want["running"] += eng.num_running
@@ -480,7 +488,12 @@ def _fixture(dialect: str, engines: int, tp: int, cache: "CacheInfo", EngineRequ
         for i in range(4 + k):  # requests that finished on engine k
             er = EngineRequest(i, (), 1000 + 100 * i, 50 + i, 0.0)
             er.cached_tokens, er.generated = 400 + 10 * i, 50 + i
-            ex.first_token(k, er, 0.2 + 0.01 * i, 0.1 + 0.01 * i)
+            restore_s = 0.0
+            if offload:  # of the cached tokens, what the offloaded tier restored
+                er.external_tokens, restore_s = 160 + 16 * i, 0.002 * (i + 1)
+                want["restored"] += er.external_tokens
+                want["restore_s"] += restore_s
+            ex.first_token(k, er, 0.2 + 0.01 * i, 0.1 + 0.01 * i, restore_s)
             ex.chunk(k, er.generated - 1, 0.03 * (er.generated - 1))
             ex.finished(k, er, queued_s=0.05, prefill_s=0.1 + 0.01 * i, decode_s=0.03 * (er.generated - 1),
                         e2e_s=0.25 + 0.03 * er.generated)
@@ -526,6 +539,7 @@ FIXTURES = {  # file name -> (dialect, data-parallel engines, tensor-parallel co
     "sglang-0.5-tp2-all-ranks.txt": ("sglang", 1, 2),
     "sglang-0.5-dp2.txt": ("sglang", 2, 1),
     "vllm-0.32-lora.txt": ("vllm", 1, 1, 2),
+    "vllm-0.32-offload.txt": ("vllm", 1, 1, 0, True),
 }
 
 

@@ -16,6 +16,14 @@ What it models, after vLLM v1's scheduler:
   each) and prefill chunks.
 - Step time = base + per-sequence cost + cost of the prefill tokens
   computed (the uncached part only) + cost of KV read by the decodes.
+- Optionally a CPU tier under the GPU cache (vLLM's OffloadingConnector,
+  LMCache): a cached block evicted from the GPU goes down to it (least
+  recently used out when full); a prompt's run of blocks past its GPU hit
+  that the tier holds is restored at ``restore_s_per_token`` instead of
+  computed. The load is charged to the step that admits the request, as a
+  prefill chunk would be (vLLM loads on a stream of its own while the
+  request waits: the request's time is the same, the others' a little
+  longer here).
 
 Defaults are calibrated to the seed's replica: a ~30B coding model
 (MoE, ~3B active) on 2x RTX 3090 with TP=2, ~300K tokens of KV. See
@@ -58,6 +66,12 @@ class EngineConfig:
     # brings an adapter into a slot pays lora_load_s for it (0 slots: LoRA off)
     max_loras: int = 0
     lora_load_s: float = 0.0
+    # an offloaded tier under the GPU cache (0: none): blocks evicted from the GPU are kept here, least recently used
+    # out first, and a prompt's run of them past its GPU hit is restored at restore_s_per_token. KV at ~96 KB a token
+    # (the default engine) over PCIe 4.0 x16 at ~6 GB/s effective for paged blocks: ~16 us a token, a tenth of
+    # computing it; llm-d's measured pull of 48K tokens took 12% of the recompute, 2K tokens 45%
+    cpu_tier_tokens: int = 0
+    restore_s_per_token: float = 1 / 60000
 
     @property
     def num_blocks(self) -> int:
@@ -72,6 +86,7 @@ class EngineConfig:
             step_per_seq_s=self.step_per_seq_s / speed,
             kv_read_s_per_ktoken=self.kv_read_s_per_ktoken / speed,
             prefill_s_per_token=self.prefill_s_per_token / speed,
+            restore_s_per_token=self.restore_s_per_token / speed,
         )
 
 
@@ -98,6 +113,8 @@ class EngineRequest:
     # whether its blocks stay held when it ends, for a decode replica to read (the prefill leg)
     external: int = 0
     external_tokens: int = 0  # of them, what it loaded (beyond its local cache hit)
+    restored_tokens: int = 0  # prompt tokens restored from the CPU tier (beyond the GPU's hit)
+    restore_s: float = 0.0  # the engine seconds their load took
     keep: bool = False
 
     @property
@@ -148,6 +165,11 @@ class Engine:
         self.true_decode_seconds = 0.0
         # prefill legs of disaggregated requests whose blocks wait for a decode replica to read them (rid -> request)
         self.kept: dict[int, EngineRequest] = {}
+        # the CPU tier: hash -> None, least recently used first; what a router's KV events would say of it
+        self.cpu: OrderedDict[int, None] = OrderedDict()
+        self.restored_tokens_total = 0  # vLLM's prompt_tokens_by_source{external_kv_transfer} of its restores
+        self.restore_seconds_total = 0.0  # vllm:kv_offload_load_time
+        self._restore_s = 0.0  # loads of the requests admitted in the step being formed
 
     # ------------------------------------------------------------------ state
 
@@ -217,11 +239,22 @@ class Engine:
 
     # ----------------------------------------------------------------- blocks
 
+    def _offload(self, h: int) -> None:
+        """A cached block leaves the GPU: the CPU tier keeps it (most recently used), if there is one."""
+        if not self.cfg.cpu_tier_tokens:
+            return
+        cpu = self.cpu
+        cpu[h] = None
+        cpu.move_to_end(h)
+        if len(cpu) > self.cfg.cpu_tier_tokens // BLOCK:
+            cpu.popitem(last=False)
+
     def _take_block(self) -> bool:
         if self.free_blocks:
             self.free_blocks -= 1
         elif self.cached:
-            self.cached.popitem(last=False)  # evict the least recently used unreferenced block
+            h, _ = self.cached.popitem(last=False)  # evict the least recently used unreferenced block
+            self._offload(h)
         else:
             return False
         self.used_blocks += 1
@@ -263,6 +296,13 @@ class Engine:
             else:
                 break
         need_new = -(-r.prompt_tokens // BLOCK) - hit
+        restore = 0
+        if self.cpu and r.preemptions == 0 and not r.external:
+            for h in r.blocks[hit:full]:
+                if h not in self.cpu or h in self.refs:
+                    break
+                self.cpu.move_to_end(h)  # in use: the blocks the GPU evicts to admit it go down behind these
+                restore += 1
         self.lookup_queries += r.prompt_tokens
         self.lookup_hits += min(hit * BLOCK, r.prompt_tokens - 1)
         if need_new > self._available() - sum(1 for h in r.blocks[:hit] if h in self.cached):
@@ -290,15 +330,22 @@ class Engine:
             held.append(h)
         # vLLM always recomputes the last prompt token, so a fully cached prompt hits one block less
         cached_tokens = min(hit * BLOCK, r.prompt_tokens - 1)
+        restored = min(restore * BLOCK, r.prompt_tokens - 1 - cached_tokens)
+        if restored > 0:
+            self._restore_s += restored * self.cfg.restore_s_per_token
+            self.restored_tokens_total += restored
+            self.restore_seconds_total += restored * self.cfg.restore_s_per_token
+            r.restored_tokens, r.restore_s = restored, restored * self.cfg.restore_s_per_token
         # what a remote prefill computed is loaded into the new blocks instead of computed (vLLM's connector:
         # get_num_new_matched_tokens, beyond the local hit); a preempted request recomputes it
         external = max(0, min(r.external, r.prompt_tokens - 1) - cached_tokens) if r.preemptions == 0 else 0
-        r.computed = cached_tokens + external
+        r.computed = cached_tokens + external + restored
         if r.preemptions == 0:
             self.prefix_queries += r.prompt_tokens
             self.prefix_hits += cached_tokens
-            r.cached_tokens = cached_tokens + external  # vLLM's usage counts the loaded tokens as cached
-            r.external_tokens = external
+            # vLLM's usage counts the loaded tokens as cached (a connector's, an offloaded tier's)
+            r.cached_tokens = cached_tokens + external + restored
+            r.external_tokens = external + restored
         r.held = held
         return True
 
@@ -425,6 +472,8 @@ class Engine:
             return 0.0, [], []
         dur = cfg.step_base_s + cfg.step_per_seq_s * n + cfg.prefill_s_per_token * prefill_tokens + cfg.kv_read_s_per_ktoken * kv_read / 1000
         dur += loads * cfg.lora_load_s
+        dur += self._restore_s  # what the admitted requests restored from the CPU tier
+        self._restore_s = 0.0
 
         repeat = 1
         self._run = None

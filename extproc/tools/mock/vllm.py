@@ -255,7 +255,8 @@ class MockReplica:
         max_loras = max(1, getattr(args, "max_loras", 1)) if self.adapters else 0
         self.engine_cfg = replace(EngineConfig(max_num_seqs=args.max_num_seqs).scaled(args.speed, args.kv_tokens),
                                   prefix_caching=getattr(args, "prefix_caching", "on") == "on", max_loras=max_loras,
-                                  lora_load_s=getattr(args, "lora_load_s", 0.0) if self.adapters else 0.0)
+                                  lora_load_s=getattr(args, "lora_load_s", 0.0) if self.adapters else 0.0,
+                                  cpu_tier_tokens=getattr(args, "cpu_tier_tokens", 0))
         self.dp = max(1, getattr(args, "data_parallel", 1))
         # vLLM's --max-model-len: the longest prompt + output one request may have (default here: the KV cache's size)
         self.max_model_len = getattr(args, "max_model_len", None) or self.engine_cfg.kv_tokens
@@ -273,7 +274,8 @@ class MockReplica:
         cache = CacheInfo(16, self.engine_cfg.num_blocks, self.engine_cfg.prefix_caching)
         self.exporter = Exporter(self.dialect if self.dialect != "none" else "vllm", self.model, self.dp, cache,
                                  tp=getattr(args, "tp", 1), all_ranks=getattr(args, "metrics_all_ranks", False),
-                                 max_model_len=self.max_model_len, max_loras=max_loras)
+                                 max_model_len=self.max_model_len, max_loras=max_loras,
+                                 offload=self.engine_cfg.cpu_tier_tokens > 0)
         self._logged: list[tuple[int, int, int, float]] = [(0, 0, 0, 0.0)] * self.dp  # SGLang: last stats log
         # not an engine's metric: how late the mock's event loop delivered first tokens (wall seconds), so a
         # benchmark can tell the engine's time from the mock's own overhead; and the engine's true speeds
@@ -297,7 +299,8 @@ class MockReplica:
         ex, sp = self.exporter, self.args.speedup
 
         def first(k, er):
-            ex.first_token(k, er, (er.first_token_at - er.arrival) / sp, (er.first_token_at - er.scheduled_at) / sp)
+            ex.first_token(k, er, (er.first_token_at - er.arrival) / sp, (er.first_token_at - er.scheduled_at) / sp,
+                           er.restore_s / sp)
 
         def done(k, er):
             ex.finished(k, er, queued_s=(er.scheduled_at - er.arrival) / sp,
@@ -787,6 +790,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="mock-coder-30b")
     ap.add_argument("--name", default="mock", help="reported as system_fingerprint, so a client can see who served it")
     ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens, help="KV cache size in tokens")
+    ap.add_argument("--cpu-tier-tokens", type=int, default=0, help="a CPU tier under the KV cache, in tokens (vLLM's "
+                    "OffloadingConnector): blocks evicted from the GPU go down, a prompt's run of them past its GPU hit "
+                    "is restored ~10x faster than computed; exports vllm:kv_offload_load_time (0: none)")
     ap.add_argument("--speed", type=float, default=1.0, help="prefill and decode speed against the default engine "
                     "(0.5: a GPU half as fast); exported cache size and rates follow")
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)

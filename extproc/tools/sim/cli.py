@@ -15,6 +15,7 @@ from pathlib import Path
 
 from extproc.tools.sim.policies import AGGREGATED, ALIASES, COMPARE, FLOW_PEERS, NO_FLOW, PD_PEERS, PEERS, POLICIES
 from extproc.tools.sim.report import share_plot, table
+from extproc.tools.engine.model import EngineConfig
 from extproc.tools.sim.simulator import Fault, Simulation
 from extproc.tools.workload.generate import WorkloadConfig
 
@@ -118,6 +119,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="per policy (warmroute_flow, warmroute, the peers and llm-d's flow control), the other "
                          "tenants' TTFT p99 with a noisy tenant at X times an average project's rate over theirs "
                          "without it (issue 34's fairness target: <= 1.25x), per seed and the median")
+    ap.add_argument("--cpu-tier", action="store_true",
+                    help="engines with an offloaded tier (issue 63): a GPU cache a tenth of the default's over a CPU "
+                         "tier of the default's size; blocks evicted from the GPU go down, a hit there is restored "
+                         "~10x faster than computed; a session ends when its context would not fit the GPU. Compare warmroute_exact, warmroute_exact_tierblind, llmd_precise")
     ap.add_argument("--prefill-replicas", type=int, default=0, metavar="K",
                     help="prefill/decode disaggregation: replicas 0..K-1 of role prefill, the rest of role decode")
     ap.add_argument("--transfer-tokens-per-s", type=float, default=100_000.0,
@@ -206,7 +211,14 @@ def _burst(text: str | None) -> tuple[float, float, float] | None:
 def simulate(policy: str, args, seed: int, load: float | None = None, faults=()):
     speeds = parse_speeds(args.replica_speeds)
     n = len(speeds) if speeds else args.replicas
-    return Simulation(policy, replicas=n, workload=workload(args, load), seed=seed, faults=faults,
+    engine, wl = None, workload(args, load)
+    if getattr(args, "cpu_tier", False):
+        d = EngineConfig()
+        engine = EngineConfig(kv_tokens=d.kv_tokens // 10, cpu_tier_tokens=d.kv_tokens)
+        # vLLM serves no request longer than its GPU cache (its max_model_len must fit there): a session ends when its
+        # next turn and answer would not, as it does at max_context (long-context sessions cannot start)
+        wl = dataclasses.replace(wl, max_context=engine.kv_tokens - wl.output_tokens_max)
+    return Simulation(policy, replicas=n, workload=wl, seed=seed, faults=faults, engine=engine,
                       replica_speeds=speeds, prefill_replicas=getattr(args, "prefill_replicas", 0),
                       transfer_tokens_per_s=getattr(args, "transfer_tokens_per_s", 100_000.0)).run()
 

@@ -832,6 +832,8 @@ class Warmroute(Policy):
             # time held by flow control before it is no part of what was predicted
             req.extra["predicted_ttft"] = (d.predicted_ttft_s, now - req.arrival)
             req.extra["predicted_cached"] = d.cached_tokens
+            if d.restored_tokens:
+                req.extra["predicted_restored"] = d.restored_tokens
         if any(e.action in ("pin", "rebind") for e in d.events) and d.replica.state.value != "LIVE":
             self.pins_on_non_live += 1
         for e in d.events:
@@ -907,12 +909,14 @@ AGGREGATED = "warmroute_aggregated"
 NO_FLOW = "warmroute_no_flow"
 FLOW_WAIT = "warmroute_flow_wait"
 EXACT = "warmroute_exact"  # as it ships, on a fleet whose engines publish KV events and whose tokenizer it has
+# the same, blind to an offloaded tier (warm.offload_tiers: []): what is offloaded is priced as computed (issue 63)
+EXACT_TIERBLIND = "warmroute_exact_tierblind"
 # as it ships, every turn of a session under way is first asked about at its headers (the header path, issue 61); the
 # same brains with every body read (envoy.header_path: false) have names of their own
 BODY, EXACT_BODY = "warmroute_body", "warmroute_exact_body"
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, BODY, EXACT_BODY, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS,
+POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, EXACT_TIERBLIND, BODY, EXACT_BODY, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS,
             *EXACT_PEERS, *PD_PEERS, *REFERENCE]
 
 
@@ -924,6 +928,12 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
         return Warmroute(n, seed, router_cfg, name, header_path=True)
     if name in (EXACT, EXACT_BODY):
         return Warmroute(n, seed, router_cfg, name, flow=True, exact=True, header_path=name == EXACT)
+    if name == EXACT_TIERBLIND:
+        import dataclasses
+
+        cfg = router_cfg or RouterConfig()
+        cfg = dataclasses.replace(cfg, warm=dataclasses.replace(cfg.warm, offload_tiers=()))
+        return Warmroute(n, seed, cfg, name, flow=True, exact=True, header_path=True)
     if name == BODY:
         return Warmroute(n, seed, router_cfg, name, flow=True)
     if name == AGGREGATED:

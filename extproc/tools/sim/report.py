@@ -26,13 +26,18 @@ COLUMNS = [
 
 def table(results: list, title: str | None = None) -> str:
     """One row per result (anything with ``summary()``)."""
-    head = "".join(f"{label:<30}" if key == "policy" else f"{label:>{_width(fmt)}}" for key, label, fmt in COLUMNS)
+    sums = [r.summary() for r in results]
+    cols = COLUMNS
+    if any(x.get("restore_hit_rate") for x in sums):  # engines with an offloaded tier: hits by tier
+        k = next(i for i, c in enumerate(COLUMNS) if c[0] == "prefix_hit_rate") + 1
+        cols = [*COLUMNS[:k], ("restore_hit_rate", "CPU hit", "{:>8.1%}"), *COLUMNS[k:]]
+    head = "".join(f"{label:<30}" if key == "policy" else f"{label:>{_width(fmt)}}" for key, label, fmt in cols)
     lines = ([title] if title else []) + [head, "-" * len(head)]
-    for r in results:
-        s = r.summary()
-        lines.append("".join(fmt.format(s[key]) if key in s else f"{'-':>{_width(fmt)}}" for key, _, fmt in COLUMNS))
+    for s in sums:
+        lines.append("".join(fmt.format(s[key]) if key in s else f"{'-':>{_width(fmt)}}" for key, _, fmt in cols))
     lines.append("TTFT and e2e in seconds (after a 2 min warm-up); imbalance = max share / mean share per minute, "
-                 "mean and worst minute; prefix hit = the replicas' own prefix-cache hit rate in tokens; "
+                 "mean and worst minute; prefix hit = the replicas' own prefix-cache hit rate in tokens (CPU hit: "
+                 "restored from an offloaded tier); "
                  "pred err = median |predicted - observed| TTFT of the warm policy, MAPE its mean absolute "
                  "percentage error, bias summed predicted over summed observed, minus one")
     return "\n".join(lines)

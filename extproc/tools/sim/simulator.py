@@ -51,6 +51,7 @@ class SimResult:
     pins_on_non_live: int = 0
     fastest: EngineConfig = field(default_factory=EngineConfig)  # the fastest replica's engine (for the floor)
     lora_loads: int = 0  # LoRA adapters brought into a GPU slot, over every engine
+    restored: int = 0  # prompt tokens restored from an offloaded tier (hits past the GPU's), over every engine
 
     def summary(self, warmup_min: float = 2.0) -> dict:
         ok = [r for r in self.requests if r.error is None and r.ttft is not None and r.arrival >= warmup_min * 60]
@@ -88,6 +89,8 @@ class SimResult:
             "disaggregated": sum(1 for r in ok if "prefill_replica" in r.extra),
             "output_tok_s": self.output_tokens / (self.minutes * 60),
             "prefix_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+            # hits by tier: the GPU's above, what an offloaded CPU tier restored here
+            "restore_hit_rate": self.restored / self.prefix_queries if self.prefix_queries else 0.0,
             "imbalance_mean": sum(idx) / len(idx) if idx else 1.0,
             "imbalance_max": max(idx) if idx else 1.0,
             "imbalance_floor_mean": sum(idx_floor) / len(idx_floor) if idx_floor else 1.0,
@@ -174,7 +177,7 @@ class Simulation:
         self.routable = [list(range(replicas)) for _ in range(minutes)]
         self.to_ejected = 0
         self.pins_on_non_live = 0
-        self._retired_counters = [0, 0, 0]  # prefix queries, hits, preemptions of engines replaced on revive
+        self._retired_counters = [0, 0, 0, 0]  # prefix queries, hits, preemptions, restored of engines replaced on revive
         self._retired_lora_loads = 0
         self._flow_ticking = False  # a "flow" event is due (requests held by flow control)
         # prefill/decode disaggregation: replicas 0..k-1 of role prefill (a policy that is ``aggregated`` sees every
@@ -193,6 +196,12 @@ class Simulation:
         if e.cfg.max_loras:  # vllm:lora_requests_info
             lora = {"lora_running": frozenset(e.lora_running), "lora_waiting": frozenset(e.lora_waiting),
                     "max_lora": e.cfg.max_loras}
+        if e.cfg.cpu_tier_tokens:
+            # an offloading connector's restores (vllm:kv_offload_load_time), and the tokens computed apart from them
+            # (prompt_tokens_by_source{local_compute}): prefix_cache_hits counts the GPU's hits only, so without it a
+            # restore would read as computed and the prefill rate 1.4x too fast
+            lora |= {"restored_tokens": e.restored_tokens_total, "restore_seconds": e.restore_seconds_total,
+                     "computed_tokens": e.true_prefill_tokens}
         return LoadSample(e.num_running, e.num_waiting, e.kv_usage, e.prompt_tokens_total, e.prefix_hits,
                           e.prefill_seconds_total, e.generation_tokens_total, e.decode_seconds_total, e.finished,
                           e.cfg.kv_tokens, prompt_requests=e.prompt_requests_total, **lora)
@@ -378,6 +387,7 @@ class Simulation:
         self._retired_counters[0] += old.prefix_queries
         self._retired_counters[1] += old.prefix_hits
         self._retired_counters[2] += old.preemptions
+        self._retired_counters[3] += old.restored_tokens_total
         self._retired_lora_loads += old.lora_loads
         self.engines[i] = Engine(old.cfg)  # a restarted vLLM has a cold cache (and counters from 0)
 
@@ -472,6 +482,7 @@ class Simulation:
             prefix_hits=self._retired_counters[1] + sum(e.prefix_hits for e in self.engines),
             preemptions=self._retired_counters[2] + sum(e.preemptions for e in self.engines),
             lora_loads=self._retired_lora_loads + sum(e.lora_loads for e in self.engines),
+            restored=self._retired_counters[3] + sum(e.restored_tokens_total for e in self.engines),
             output_tokens=sum(r.max_tokens for r in self.requests if r.e2e is not None and r.error is None),
             transitions=transitions,
             to_ejected=self.to_ejected,

@@ -39,6 +39,21 @@ class EngineTruth:
     def cached_tokens(self, hashes) -> int:
         return held_run(self.sim.engines[self.i], hashes) * BLOCK
 
+    @property
+    def tiers(self) -> dict:
+        """The engine's offloaded tier as its events would list it (an offloading connector's CPU stores)."""
+        cpu = self.sim.engines[self.i].cpu
+        return {"CPU": cpu} if cpu else {}
+
+    def restorable(self, hashes, start: int, medium: str) -> int:
+        cpu = self.sim.engines[self.i].cpu if medium == "CPU" else None
+        n = 0
+        for h in hashes[start:] if cpu else ():
+            if h not in cpu:
+                break
+            n += 1
+        return n
+
 
 class Speculative:
     """llm-d's speculative index entries (``speculativeIndexing``): the blocks of a request sent to a pod count as
@@ -66,13 +81,18 @@ class Speculative:
                 else:
                     del self.held[h]
 
-    def run(self, engine, blocks, now: float) -> int:
-        """The longest prefix of ``blocks`` the engine holds or this index says it will."""
+    def run(self, engine, blocks, now: float, cpu_weight: float = 0.8) -> float:
+        """The longest prefix of ``blocks`` the engine holds on any tier or this index says it will, each block
+        weighted by the best tier that holds it (llm-d-router ``LongestPrefixScorer``: GPU 1.0, CPU 0.8 by
+        default, ``DefaultKVCacheBackendConfig``)."""
         self._expire(now)
-        refs, cached, spec = engine.refs, engine.cached, self.held
-        n = 0
+        refs, cached, spec, cpu = engine.refs, engine.cached, self.held, engine.cpu
+        n = 0.0
         for h in blocks:
-            if h not in refs and h not in cached and h not in spec:
+            if h in refs or h in cached or h in spec:
+                n += 1.0
+            elif h in cpu:
+                n += cpu_weight
+            else:
                 break
-            n += 1
         return n

@@ -48,6 +48,8 @@ class Dialect:
     name: str = ""
     # what a /metrics without this engine's metrics most likely means, said in the scrape reason
     missing_hint: str = ""
+    # families read when there, which only an optional part of the engine exports (an offloading connector)
+    optional: frozenset[str] = frozenset()
 
     def wanted(self) -> frozenset[str]:
         return frozenset((self.running, self.waiting, *self.kv, *self.counters, *(k[0] for k in self.by_label),
@@ -81,6 +83,7 @@ VLLM = Dialect(
               ("vllm:prompt_tokens_by_source_total", "source", "external_kv_transfer"): "restored_tokens"},
     engine_label="engine",
     name="vllm",
+    optional=frozenset({"vllm:kv_offload_load_time_total"}),
     # vLLM's async_llm.py builds its stat loggers only when log_stats is on: --disable-log-stats leaves /metrics
     # with the process and HTTP metrics and no vllm:* engine metrics
     missing_hint="a vLLM started with --disable-log-stats exports no engine metrics: drop the flag, or set the "

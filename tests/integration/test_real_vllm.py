@@ -122,7 +122,8 @@ def test_auto_finds_vllm_and_every_family_warmroute_reads_is_there(fleet):
     names |= {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
     read = {VLLM.running, VLLM.waiting, VLLM.kv[0], VLLM.cache_info, VLLM.lora_info, *VLLM.counters,
             *(m for m, _, _ in VLLM.by_label)}
-    assert read <= names, f"vLLM 0.32 does not export {sorted(read - names)}"
+    # an offloading connector's families only with one (which this CPU build cannot run)
+    assert read - VLLM.optional <= names, f"vLLM 0.32 does not export {sorted(read - VLLM.optional - names)}"
     r = parse_metrics(text, VLLM)
     assert r.ok, r.error
     cfg = dict(series(text, "vllm:cache_config_info")[0][0])

@@ -411,6 +411,10 @@ def test_restores_are_counted_per_tier_in_state_and_metrics():
     assert d.restored_tokens == 28 * 128
     text = generate_latest(b.registry).decode()
     assert 'warmroute_exact_resident_blocks{medium="CPU",replica="r0"} 28.0' in text
+    assert "warmroute_restore_seconds_per_token{" not in text  # not measured yet: no sample
+    st = b.router.policy.state_of(b.router.replica("r0"))
+    st.rates.restore_s_per_token = 2e-5
+    assert 'warmroute_restore_seconds_per_token{replica="r0"} 2e-05' in generate_latest(b.registry).decode()
     assert f'warmroute_exact_restored_tokens_total{{medium="CPU",replica="r0"}} {28 * 128}.0' in text
 
 

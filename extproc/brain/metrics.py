@@ -51,6 +51,8 @@ WARM_VIEW = {
                                     "peers' until measured",
     "first_token_overhead_seconds_per_token": "The same overhead's growth per prompt token (tokenizing and hashing "
                                               "the whole prompt)",
+    "restore_seconds_per_token": "An offloading connector's time to restore a token to the GPU, learned from "
+                                 "vllm:kv_offload_load_time over the tokens it loaded (no sample until measured)",
 }
 
 

@@ -41,7 +41,8 @@ def state_of(brain) -> dict:
                                                         "decode_slowdown_per_running_request",
                                                         "engine_tokens_per_estimated_token",
                                                         "first_token_overhead_seconds",
-                                                        "first_token_overhead_seconds_per_token")}
+                                                        "first_token_overhead_seconds_per_token",
+                                                        "restore_seconds_per_token") if k in v}
         r["cooldown_remaining_s"] = max(0.0, r.pop("cooldown_until") - now)
         # routing's predicted cached tokens beside the engine's own hits: a shortfall is context the brain
         # counted as held that the engine had evicted

@@ -183,6 +183,9 @@ def replica_view(st: WarmReplica, parts: list[WarmReplica], now: float) -> dict[
         "cache_tokens": sum(p.cache_tokens for p in parts),
         "pending_kv_tokens": sum(p.pending_tokens for p in parts),
         "engine_tokens_per_estimated_token": st.scale.value,
+        # an offloading connector's restores, once its counters measured one (warm.restore_cost_prior until then)
+        **({"restore_seconds_per_token": st.rates.restore_s_per_token}
+           if st.rates.restore_s_per_token is not None else {}),
     }
 
 

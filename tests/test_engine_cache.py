@@ -418,11 +418,12 @@ def test_restores_are_counted_per_tier_in_state_and_metrics():
     assert f'warmroute_exact_restored_tokens_total{{medium="CPU",replica="r0"}} {28 * 128}.0' in text
 
 
-@pytest.mark.parametrize("tiered", [False, True])
-def test_flow_control_holds_a_turn_that_would_evict_active_contexts_unless_an_offloaded_tier_keeps_them(tiered):
+@pytest.mark.parametrize("tier", ["none", "small", "large"])
+def test_flow_control_holds_a_turn_that_would_evict_active_contexts_unless_an_offloaded_tier_keeps_them(tier):
     """Issue 63: where every cache is taken by the active sessions' contexts, a new session waits in the router lest
-    their next turns compute them again; an engine with an offloaded tier gives them back at a restore's price, so
-    the turn is held only while it does not fit beside what runs."""
+    their next turns compute them again; an engine whose offloaded tier already holds as much as those contexts gives
+    them back at a restore's price, so the turn is held only while it does not fit beside what runs. A tier that
+    holds less would lose them too: held."""
     import dataclasses
 
     from extproc.core import Reason, RouterConfig, exact, hash_key
@@ -441,21 +442,22 @@ def test_flow_control_holds_a_turn_that_would_evict_active_contexts_unless_an_of
         return RequestProfile(hash_key("session", None, name), None, n // 2, "ok", engine_tokens=n,
                               engine_hashes=(128, hashes)), tokens, hashes
 
-    for k, r in enumerate(router.replicas):  # each engine: exact, and with or without an offloaded tier
-        other = tuple(range(50_000 * (k + 1), 50_000 * (k + 1) + 256))
-        ds = [external(d) for d in chain(other, 128, none_hash())]
-        evs = [Stored((ds[0],), None, other[:128], 128)]
-        if tiered:
-            evs.append(Stored((ds[1],), ds[0], other[128:], 128, medium="CPU"))
-        assert exact.apply_events(router.policy, r.name, 0, evs, t, EngineCache)
     for k, r in enumerate(router.replicas):  # an active session of 25K tokens on each, its turn over
-        p, _, _ = turn(f"s{k}", 25_000)
+        p, tokens, hashes = turn(f"s{k}", 25_000)
+        evs = [Stored(hashes[:1], None, tuple(tokens[:128]), 128)]  # the engine: exact
+        if tier != "none":  # its offloaded tier: one block of the context, or all of it and an earlier prompt's
+            n = 1 if tier == "small" else len(hashes)
+            evs.append(Stored(hashes[:n], None, tuple(tokens[:n * 128]), 128, medium="CPU"))
+            if tier == "large":
+                _, earlier, more = turn(f"earlier{k}", 2048)
+                evs.append(Stored(more, None, tuple(earlier), 128, medium="CPU"))
+        assert exact.apply_events(router.policy, r.name, 0, evs, t, EngineCache)
         d = router.select(p, t, only=[r.name])
         assert d.replica is r
         router.release(d.reservation, t + 1.0)
     p, _, _ = turn("new", 10_000)
     d = router.select(p, t + 2.0, hold_key="new")
-    if tiered:
+    if tier == "large":
         assert d.replica is not None and d.reason is not Reason.HELD, d
     else:
         assert d.reason is Reason.HELD and d.replica is None

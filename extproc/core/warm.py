@@ -342,6 +342,10 @@ class WarmPolicy(Shortlist, Policy):
         s_per = e.st.rates.restore_s_per_token
         return min(1.0, s_per * e.rate if s_per is not None else self.cfg.warm.restore_cost_prior)
 
+    def _tier_tokens(self, ex) -> int:
+        """Tokens the engine's offloaded tiers in warm.offload_tiers hold by its events: at least what they can hold."""
+        return sum(len(ex.tiers.get(m, ())) for m in self.cfg.warm.offload_tiers) * (ex.block_size or 0)
+
     def _restorable(self, ex, hashes, cached: int, prompt: int) -> tuple[int, str | None]:
         """The prompt's tokens past the GPU's hit that one of ``offload_tiers`` holds in a run on this engine (vLLM's
         connector loads the run that follows the hit), and which tier: the longest."""
@@ -381,8 +385,11 @@ class WarmPolicy(Shortlist, Policy):
             0 if home else self.sessions.shares(st, e.prefix)
         used = st.kv_ahead(now, st.kv_usage(e.replica))
         over = used + prompt + out_tokens - w.kv_pressure * cap
-        # an engine with an offloaded tier keeps what its GPU evicts: a context lost there is restored, not computed
+        # an engine with an offloaded tier keeps what its GPU evicts: a context lost there is restored, not computed,
+        # while the tier already holds as much as the contexts under way (a small one would lose them too)
         share = self._restore_share(e)
+        if share < 1.0 and self._tier_tokens(e.st.exact) < st.active_tokens:
+            share = 1.0
         e.room = st.active_tokens - (mine.own if home else 0) + prompt - min(shared, e.cached) + out_tokens \
             <= w.kv_pressure * cap
         if share < 1.0 and not e.room:

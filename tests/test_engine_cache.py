@@ -302,6 +302,21 @@ def test_more_resident_blocks_than_any_cache_holds_means_removals_were_missed(mo
     assert not cache.exact and cache.gpu == {} and "removals were missed" in cache.reason
 
 
+def test_a_publisher_s_tiers_are_bounded_in_media_and_blocks_and_an_overflow_forgets_only_that_tier(monkeypatch):
+    """One replica's events cannot grow the brain by a dictionary per medium they name, nor a tier past MAX_BLOCKS;
+    a tier forgotten for its size leaves the GPU's blocks and the engine's proof as they were."""
+    import extproc.core.engine_cache as ec
+
+    monkeypatch.setattr(ec, "MAX_BLOCKS", 5)
+    cache = EngineCache()
+    _, gpu = synth(list(range(16)))
+    cache.apply([gpu], 0.0)
+    cache.apply([Stored((1000 + k,), None, (), 0, medium=f"TIER{k}") for k in range(10)], 1.0)
+    assert len(cache.tiers) == ec.MAX_MEDIA and cache.ignored == 10 - ec.MAX_MEDIA
+    cache.apply([Stored(tuple(range(2000, 2006)), None, (), 0, medium="TIER0")], 2.0)  # 7 blocks on TIER0: past 5
+    assert "TIER0" not in cache.tiers and cache.exact and len(cache.gpu) == 4
+
+
 def test_an_offloading_connector_s_tiers_are_held_per_medium_and_restorable_past_the_gpu_s_hit():
     """vLLM's own offload events (engines/offload_events.py): CPU chunks that overlap announce a block twice and it
     stays until both are evicted; a placeholder chunk is a residency claim; a REMOTE tier's copy is not this engine's."""
@@ -339,7 +354,7 @@ def _tiered(router, name, hashes, tokens, gpu, cpu, t, locality="LOCAL", medium=
     assert exact.apply_events(router.policy, name, 0, evs, t, EngineCache)
 
 
-def test_a_prefix_an_offloaded_tier_holds_is_priced_as_its_restore_never_above_computing_it():
+def test_C3_a_prefix_an_offloaded_tier_holds_is_priced_as_its_restore_never_above_computing_it():
     """Issue 63: past the GPU's hit, the run a local CPU tier holds is restored, not computed: at
     warm.restore_cost_prior of its prefill until the replica's counters time restores, then at what they measured,
     never above computing it. A REMOTE tier's copy and a medium not in warm.offload_tiers count as nothing; a
@@ -461,3 +476,49 @@ def test_flow_control_holds_a_turn_that_would_evict_active_contexts_unless_an_of
         assert d.replica is not None and d.reason is not Reason.HELD, d
     else:
         assert d.reason is Reason.HELD and d.replica is None
+
+
+def test_C3_a_context_an_offloaded_tier_would_keep_risks_its_restore_not_its_recompute():
+    """Issue 63: where the active sessions and this turn do not fit together, the cost model prices the eviction of
+    the cached context at its recompute; on an engine whose tier holds as much as the contexts under way, at its
+    restore (warm.restore_cost_prior of it until measured). The other replica's price does not move."""
+    import dataclasses
+
+    from extproc.core import RouterConfig, exact, hash_key
+    from extproc.core.profile import RequestProfile
+
+    from .helpers import live_router
+
+    cfg = RouterConfig()
+    cfg = dataclasses.replace(cfg, warm=dataclasses.replace(cfg.warm, cache_tokens=30_000))
+
+    def turn(name, n):
+        tokens = [hash(name) % 1000 * 100_000 + j for j in range(n)]
+        hashes = tuple(external(d) for d in chain(tokens, 128, none_hash()))
+        return RequestProfile(hash_key("session", None, name), None, n // 2, "ok", engine_tokens=n,
+                              engine_hashes=(128, hashes)), tokens, hashes
+
+    def costs(tier: bool) -> dict[str, float]:
+        router, t = live_router(2, cfg)
+        first, tokens, hashes = turn("s", 21_000)
+        for r in router.replicas:
+            evs = [Stored(hashes[:1], None, tuple(tokens[:128]), 128)]  # exact; r0 holds the session's 20K below
+            if tier and r.name == "r0":  # a tier holding 51K tokens of older prompts: more than the contexts here
+                _, old, old_h = turn("old", 400 * 128)
+                evs.append(Stored(old_h, None, tuple(old), 128, medium="CPU"))
+            assert exact.apply_events(router.policy, r.name, 0, evs, t, EngineCache)
+        for name, n in (("o", 15_000), ("s", 20_000)):  # two sessions under way on r0, their turns over
+            p, tk, hs = turn(name, n) if name != "s" else (None, tokens[:n], hashes[:n // 128])
+            if p is None:
+                p = RequestProfile(first.session_key, None, n // 2, "ok", engine_tokens=n, engine_hashes=(128, hs))
+            d = router.select(p, t, only=["r0"])
+            router.release(d.reservation, t + 0.5)
+        assert exact.apply_events(router.policy, "r0", 0, [Stored(hashes[1:156], hashes[0], tuple(tokens[128:156 * 128]),
+                                                                  128)], t + 1, EngineCache)
+        trace = router.policy.trace = []
+        router.select(first, t + 2.0)
+        return {name: cost for name, cost, *_ in trace}
+
+    blind, tiered = costs(False), costs(True)
+    assert tiered["r1"] == pytest.approx(blind["r1"])
+    assert tiered["r0"] < blind["r0"] - 0.3 * 156 * 128 / RouterConfig().warm.prefill_tokens_per_s, (blind, tiered)

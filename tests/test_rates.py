@@ -222,14 +222,21 @@ def test_C3_a_replica_never_measured_is_priced_as_the_slowest_measured_one_even_
 
 
 def test_C3_restore_time_is_learned_from_the_connector_s_load_seconds_over_the_tokens_it_loaded():
-    """Issue 63: vllm:kv_offload_load_time over prompt_tokens_by_source{external_kv_transfer}; a window whose
-    loaded tokens moved without load seconds (a P/D decode leg's transfer) is no sample; a counter reset starts
-    again."""
+    """Issue 63: vllm:kv_offload_load_time over prompt_tokens_by_source{external_kv_transfer}, summed over scrapes
+    until 2,048 tokens are behind a sample (a load's seconds and its tokens may land in different scrapes); a
+    replica without the connector's counter learns nothing; a counter reset starts again."""
     r = Rates(5000.0, 0.03, 256.0)
     assert r.restore_s_per_token is None
+    plain = Rates(5000.0, 0.03, 256.0)
+    for k in range(3):  # no offloading connector: P/D transfers alone, no load seconds exported
+        plain.update(LoadSample(restored_tokens=5000 * k), float(k))
+    assert plain.restore_s_per_token is None
     r.update(LoadSample(restored_tokens=0, restore_seconds=0.0), 0.0)
-    r.update(LoadSample(restored_tokens=1000, restore_seconds=0.0), 1.0)  # P/D: tokens, no offload seconds
-    r.update(LoadSample(restored_tokens=1000 + 2048, restore_seconds=0.2048), 2.0)
+    r.update(LoadSample(restored_tokens=0, restore_seconds=0.1024), 1.0)  # the loads ended, first tokens not yet
+    assert r.restore_s_per_token is None
+    r.update(LoadSample(restored_tokens=1024, restore_seconds=0.1024), 2.0)  # 1,024 tokens: not enough yet
+    assert r.restore_s_per_token is None
+    r.update(LoadSample(restored_tokens=2048, restore_seconds=0.2048), 3.0)
     assert r.restore_s_per_token == pytest.approx(1e-4)
     r.update(LoadSample(restored_tokens=10, restore_seconds=0.001), 3.0)  # the engine restarted
     r.update(LoadSample(restored_tokens=10 + 4096, restore_seconds=0.001 + 0.8192), 4.0)

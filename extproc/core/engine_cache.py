@@ -36,6 +36,9 @@ LOCAL = "LOCAL"
 FULL_ATTENTION = "full_attention"
 # more resident blocks than any engine's cache holds (an 80 GB cache of 16-token blocks is ~10^6): events were lost
 MAX_BLOCKS = 4_000_000
+# media an engine's events may name besides the GPU (vLLM: CPU, STORAGE): a publisher naming more is not believed past
+# these, so that one replica's events cannot grow the brain by a dictionary per name
+MAX_MEDIA = 4
 
 
 def vllm_hash(obj: Any) -> bytes:
@@ -111,6 +114,7 @@ class EngineCache:
         # blocks of other media on this instance (CPU, STORAGE): medium -> published hash -> announcements held
         self.tiers: dict[str, dict[int, int]] = {}
         self.remote = 0  # blocks announced on another instance's tier: not this engine's to restore
+        self.ignored = 0  # blocks of a medium past MAX_MEDIA, or of a tier forgotten past MAX_BLOCKS
         self.block_size: int | None = None
         self.mode, self.reason = ESTIMATED, "no KV events yet"
         self.verified = self.mismatched = self.unverifiable = 0
@@ -155,11 +159,19 @@ class EngineCache:
             if not _local(ev.locality):
                 self.remote += len(ev.hashes)
                 return
-            tier = self.tiers.setdefault(str(ev.medium), {})
+            tier = self.tiers.get(ev.medium)
+            if tier is None:
+                if len(self.tiers) >= MAX_MEDIA:
+                    self.ignored += len(ev.hashes)
+                    return
+                tier = self.tiers[ev.medium] = {}
             for h in ev.hashes:
                 tier[h] = tier.get(h, 0) + 1
             if len(tier) > MAX_BLOCKS:
-                self.lost(f"more than {MAX_BLOCKS:,} blocks on {ev.medium}: removals were missed")
+                # removals were missed, or a tier bigger than any this bounds: that tier alone is forgotten (priced
+                # as computed); the GPU's blocks and the engine's proof stand
+                del self.tiers[ev.medium]
+                self.ignored += MAX_BLOCKS
             return
         self.stored += len(ev.hashes)
         if self.block_size is None:
@@ -210,7 +222,7 @@ class EngineCache:
                     for h in ev.hashes:
                         if self.gpu.pop(h, 0) != 0:
                             self.removed += 1
-                elif _local(ev.locality) and (tier := self.tiers.get(str(ev.medium))) is not None:
+                elif _local(ev.locality) and (tier := self.tiers.get(ev.medium)) is not None:
                     for h in ev.hashes:
                         n = tier.get(h, 0) - 1
                         if n > 0:
@@ -265,6 +277,6 @@ class EngineCache:
 
     def view(self) -> dict:
         return {"cache_mode": self.mode, "reason": self.reason, "resident_blocks": len(self.gpu),
-                "resident_by_medium": self.resident(), "remote_blocks": self.remote,
+                "resident_by_medium": self.resident(), "remote_blocks": self.remote, "ignored_blocks": self.ignored,
                 "block_size": self.block_size, "verified_blocks": self.verified, "mismatched_blocks": self.mismatched,
                 "unverifiable_blocks": self.unverifiable, "cleared": self.cleared}

@@ -183,21 +183,20 @@ class Rates:
         self._restore(s, p)
 
     def _restore(self, s: LoadSample, p: LoadSample) -> None:
-        """Seconds per restored token: the connector's load seconds over the tokens it loaded, both counted by the
-        engine as the loads finish. A P/D decode leg's loads count as tokens without load seconds of this counter:
-        only windows where both moved make a sample."""
+        """Seconds per restored token: the connector's load seconds over the tokens it loaded, summed over scrapes
+        until enough tokens are behind them (vLLM counts the seconds as a load ends and the tokens at the request's
+        first token, which may fall in the next scrape). Only a replica with an offloading connector exports the
+        seconds; one that also takes P/D transfers (a MultiConnector) counts those tokens too and reads fast."""
         if not _both(s, p, "restored_tokens", "restore_seconds"):
             return
         acc = self._restore_acc
         dt, ds = s.restored_tokens - p.restored_tokens, s.restore_seconds - p.restore_seconds
-        if dt < 0 or ds < 0:
+        if dt < 0 or ds < 0:  # the engine restarted: its counters began again
             self._restore_acc = [0.0, 0.0]
-            return
-        if ds == 0:
             return
         acc[0] += dt
         acc[1] += ds
-        if acc[0] >= _MIN_RESTORE_TOKENS:
+        if acc[0] >= _MIN_RESTORE_TOKENS and acc[1] > 0:
             sample = acc[1] / acc[0]
             old = self.restore_s_per_token
             self.restore_s_per_token = sample if old is None else old + _ALPHA * (sample - old)

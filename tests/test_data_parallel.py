@@ -35,7 +35,7 @@ def turn(router, t, session, tokens=8_000):
 
 def test_C2_each_engine_has_its_own_cache_of_its_own_size():
     router, t = _one_dp_replica()
-    subs = router.policy._engines["r0"]
+    subs = router.policy.states.engines["r0"]
     assert [s.index.capacity for s in subs] == [5000, 5000]  # not one cache of 10,000 blocks
     assert router.policy.engine_count("r0") == 2
 
@@ -50,7 +50,7 @@ def test_C4_a_session_stays_on_its_engine_and_a_second_one_takes_the_other():
     again = turn(router, t + 5, "a", 9_000)
     assert again.engine == a.engine and again.cached_tokens >= 7_900  # its context is in that engine's cache
     # what one engine holds is no hit on the other
-    other = router.policy._engines["r0"][1 - a.engine]
+    other = router.policy.states.engines["r0"][1 - a.engine]
     assert other.index.match(chain("a", "a", 8_000)) < 50
 
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.core.shortlist import tracing
 from extproc.brain.kv_events import BadBatch, decode_batch, endpoint_for
 from extproc.core.engine_cache import (
     ESTIMATED,
@@ -284,7 +285,7 @@ def test_a_prefix_sent_to_an_exact_engine_counts_there_until_its_events_can_have
     st = router.policy.state_of(first.replica)
     assert st.exact_cached(hashes, t + 0.1) == len(hashes) * 128  # promised, no event yet
     due = st.promised[hashes[0]]
-    assert due == pytest.approx(first.reservation.prefill_end + PROMISE_SLACK_S)
+    assert due == pytest.approx(first.reservation.booking.prefill_end + PROMISE_SLACK_S)
     router.release(first.reservation, t + 0.2)
     assert st.exact_cached(hashes, due + 0.01) == 0  # no event came: the promise is gone
 
@@ -515,7 +516,7 @@ def test_C3_a_context_an_offloaded_tier_would_keep_risks_its_restore_not_its_rec
             router.release(d.reservation, t + 0.5)
         assert exact.apply_events(router.policy, "r0", 0, [Stored(hashes[1:156], hashes[0], tuple(tokens[128:156 * 128]),
                                                                   128)], t + 1, EngineCache)
-        trace = router.policy.trace = []
+        trace = tracing(router.policy)
         router.select(first, t + 2.0)
         return {name: cost for name, cost, *_ in trace}
 

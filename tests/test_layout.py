@@ -227,7 +227,7 @@ def test_a_policy_with_only_the_required_methods_serves_through_the_fleet_and_th
         def __init__(self):
             self.session_pins = PinTable(SESSION, 60.0)
 
-        def select(self, fleet, profile, now):
+        def select(self, fleet, profile, now, hold=None):
             live, _ = fleet.pool()
             return Decision(live[0], Reason.LOAD) if live else None
 

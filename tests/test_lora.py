@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from extproc.core import HealthConfig, LoadSample, Reason, RouterConfig
+from extproc.core.cost import lora_cost
 from extproc.tools.engine.model import Engine, EngineConfig, EngineRequest
 
 from .helpers import chain, live_router, prof
@@ -77,7 +78,7 @@ def test_C3_a_request_goes_where_its_adapter_runs_then_where_a_slot_is_free():
     # d: not loaded anywhere; r0 and r1 have a free slot, r2's two slots serve running adapters
     e = router.policy
     st1, st2 = e.state_of(router.replicas[1]), e.state_of(router.replicas[2])
-    assert sum(e._lora_s(st2, "d", 0.03, t)) > sum(e._lora_s(st1, "d", 0.03, t)) > 0
+    assert sum(lora_cost(st2, "d", 0.03, t, e.cfg.warm)) > sum(lora_cost(st1, "d", 0.03, t, e.cfg.warm)) > 0
     assert pick(router, t, "d", "s2").replica.name in ("r0", "r1")
 
 
@@ -86,7 +87,7 @@ def test_C3_an_adapter_sent_lately_is_taken_as_still_in_its_slot():
     first = pick(router, t, "e", "s3")
     router.release(first.reservation, t)
     st = router.policy.state_of(first.replica)
-    assert router.policy._lora_s(st, "e", 0.03, t) == (0.0, 0.0)
+    assert lora_cost(st, "e", 0.03, t, router.policy.cfg.warm) == (0.0, 0.0)
     assert pick(router, t + 1, "e", "s4").replica is first.replica
 
 
@@ -107,7 +108,7 @@ def test_C3_a_load_is_priced_for_every_request_it_stalls():
         router.select(prof(session=f"o{i}", tokens=20, blocks=chain("o", f"o{i}", 20)), t, {home.name})
     e = pick(router, t + 0.1, "z", "home")
     assert e.replica is not home and e.replica.index != home.index
-    est = router.policy._estimate(home, router.policy.state_of(home), 5000.0, 0.03,
+    est = router.policy.estimate(home, router.policy.state_of(home), 5000.0, 0.03,
                                   dataclasses.replace(prof(session="x", tokens=100), adapter="z"), None, t, None)
     assert est.stall == 2.0 * home.in_flight_requests
 

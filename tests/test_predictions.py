@@ -177,20 +177,20 @@ def test_issue62_a_replica_never_measured_is_priced_at_its_peers_overhead_and_an
         pol.state_of(r0).overhead.add(1000, 0.020, t)
         pol.state_of(r1).overhead.add(1000, 0.030, t)
     pol.on_first_token(_FakeRes(r1, 1000), 0.030, t)  # the fleet's level is recomputed as samples come
-    assert pol.overhead_of(r2, t, 1000) == pytest.approx(0.030)  # never measured: its peers' (median) level
+    assert pol.states.overhead_of(r2, t, 1000) == pytest.approx(0.030)  # never measured: its peers' (median) level
     for i in range(10):
         pol.state_of(r2).overhead.add(1000, 0.500, t)  # a slow API server, measured once
     pol.on_first_token(_FakeRes(r2, 1000), 0.500, t)
-    assert pol.overhead_of(r2, t, 1000) == pytest.approx(0.5, abs=0.01)
+    assert pol.states.overhead_of(r2, t, 1000) == pytest.approx(0.5, abs=0.01)
     queued = _FakeRes(r0, 1000)
     queued.predicted_ttft_s = 1.0  # of which 1 s predicted waiting behind others: the queue model's error, not r0's
     samples = len(pol.state_of(r0).overhead.samples)
     pol.on_first_token(queued, 3.0, t)
     assert len(pol.state_of(r0).overhead.samples) == samples
-    level = pol.overhead_of(r2, t + 1e9, 1000)
+    level = pol.states.overhead_of(r2, t + 1e9, 1000)
     assert level == pytest.approx(0.030)
     # no traffic since: after a half-life, halfway back to its peers (it is not kept off forever by one reading)
-    assert pol.overhead_of(r2, t + OVERHEAD_HALF_LIFE_S, 1000) == pytest.approx((0.5 + level) / 2, abs=0.01)
+    assert pol.states.overhead_of(r2, t + OVERHEAD_HALF_LIFE_S, 1000) == pytest.approx((0.5 + level) / 2, abs=0.01)
 
 
 def test_issue62_the_overhead_grows_with_the_prompt_as_the_api_server_s_work_does_and_shrugs_off_an_outlier():

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.core.shortlist import agreement, tracing
 from extproc.core.prefix_index import _SAMPLE, Holders, PrefixIndex
 from extproc.core.warm import SHORTLIST_FROM
 from extproc.tools.sim.simulator import Simulation
@@ -90,9 +91,9 @@ def _agreement(n: int, load: float, seed: int, minutes: float, speeds=None) -> l
     sim = Simulation("warmroute", replicas=n, workload=WorkloadConfig(minutes=minutes).at_load(load), seed=seed,
                      replica_speeds=speeds)
     policy = sim.policy.router.policy
-    policy.verify = []
+    verify = agreement(policy)
     sim.run()
-    return policy.verify
+    return verify
 
 
 @pytest.mark.parametrize("n, load, seed, speeds", [
@@ -110,19 +111,18 @@ def test_C3_a_big_fleet_s_shortlist_chooses_what_full_pricing_chooses_on_the_sim
 
 def test_C3_a_small_fleet_prices_every_candidate_as_always():
     router, t = live_router(SHORTLIST_FROM - 1, WARM)
-    router.policy.verify = []
-    router.policy.trace = []
+    verify, trace = agreement(router.policy), tracing(router.policy)
     d = router.select(prof(session="s", tokens=4000, blocks=chain("sys", "s", 4000)), t)
-    assert d.replica is not None and router.policy.verify == []
-    assert len(router.policy.trace) == SHORTLIST_FROM - 1
+    assert d.replica is not None and verify == []
+    assert len(trace) == SHORTLIST_FROM - 1
 
 
 def test_a_big_fleet_prices_a_shortlist_that_follows_the_pool_and_the_session():
     router, t = live_router(60, WARM)
     pol = router.policy
-    pol.trace = []
+    trace = tracing(pol)
     first = router.select(prof(session="s", tokens=8000, blocks=chain("sys", "s", 8000)), t)
-    assert 0 < len(pol.trace) < 40  # a shortlist, not the 60
+    assert 0 < len(trace) < 40  # a shortlist, not the 60
     router.release(first.reservation, t + 1)
     # many other conversations in flight elsewhere: the session's next turn still finds its replica
     held = [router.select(prof(session=f"o{i}", tokens=3000, blocks=chain(f"p{i}", f"o{i}", 3000)), t + 2)

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from extproc.core.shortlist import tracing
 from extproc.core import Cause, HealthConfig, LoadSample, PinAction, Reason, RouterConfig, WarmConfig
 from extproc.core.warm import WarmPolicy
 
@@ -447,7 +448,7 @@ def test_no_hit_is_predicted_on_a_replica_that_runs_without_prefix_caching():
     assert st.index.match(blocks) > 0
     router.on_load(home.name, LoadSample(prefix_caching=False), now)
     assert st.index.match(blocks) == 0 and not st.prefix_caching  # what it was thought to hold is forgotten
-    e = router.policy._estimate(home, st, 5000.0, 0.03, p, None, now)
+    e = router.policy.estimate(home, st, 5000.0, 0.03, p, None, now)
     assert e.cached == 0
     for k in range(6):  # wherever these land, nothing new is indexed on the replica without a cache
         d2 = router.select(prof(session=f"t{k}", tokens=2000, blocks=blocks), now)
@@ -496,7 +497,7 @@ def test_C2_a_replica_that_has_not_learned_its_scale_is_priced_with_its_peers():
     router.on_load(d.replica.name, LoadSample(prompt_tokens=600, prompt_requests=1), t + 1)
     other = router.policy.state_of(next(r for r in router.replicas if r is not d.replica))
     assert not other.scale.learned
-    trace = router.policy.trace = []
+    trace = tracing(router.policy)
     turn(router, t + 2, session="y", tokens=1_000, system="other")
     # both priced at 0.6 of the estimate: a cold prompt of 600 engine tokens on either
     assert len({round(c[2], 4) for c in trace}) == 1, trace

@@ -185,7 +185,7 @@ def warm_costs() -> list[str]:
     by_size = {}
     for n, short in ((4, True), (100, True), (300, True), (300, False)):
         b, _ = _brain("warm", n)
-        b.router.policy.shortlist = short
+        b.router.policy.shortlist.on = short
         _decide_each(b, eight, 50)
         by_size[n, short] = 1 / (sum(took := _decide_each(b, [eight[-1]] * 40, 50)) / len(took))
     ratio = by_size[300, True] / by_size[4, True]

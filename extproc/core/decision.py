@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -27,17 +28,12 @@ class Reservation:
     token: str = ""  # the shell's unguessable name for it (only its holder, Envoy, can name it back)
     seen_at: float = 0.0  # when Envoy last said the request is alive (its start, or a periodic log entry)
     engine: int | None = None  # the data-parallel engine it went to (warm policy)
-    # warm policy: what the request added to its replica's predicted prefill queue, taken back when it ends,
-    # whatever the ending (a 413, a reset, a cancel, a body never sent): its prefill seconds, when they were
-    # predicted to end, and its prompt tokens counted as pending KV
+    # what the request added to its replica's predicted prefill queue, taken back when it ends, whatever the ending
+    # (a 413, a reset, a cancel, a body never sent): its prefill seconds and its prompt tokens counted as pending KV
     prefill_s: float = 0.0
-    prefill_end: float = 0.0
     pending_tokens: int = 0
-    arrived_at: float | None = None  # its place in the replica's arrivals (what queues behind a prefill)
     provisional: bool = False  # charged before its body was known (headers alone): a bounded guess
-    # warm policy, a request decided while its body was arriving: (prefill seconds, prompt tokens, work seconds) to
-    # book once it has arrived (None: booked, or nothing to book)
-    deferred: "tuple[float, int, float] | None" = None
+    booking: object = None  # the policy's own books of it (``Decision.booking``): nobody else reads them
     claimed: int = 0  # another brain's reservation: the pending tokens it claimed on its replica (Remote's bound)
     remote: bool = False  # another brain's (shared state): its end is that brain's to say
     leg_s: float = 0.0  # a decode leg: seconds from the decision to its send (its prefill leg's)
@@ -85,6 +81,12 @@ class Decision:
     prefill: "PrefillPlan | None" = None
     prefill_reservation: Reservation | None = None
     header_path: bool = False  # decided at its request headers: its body never read
+    # what the policy priced, to take back in on_reserved / plan_prefill: opaque to the fleet
+    booking: object = None
+    # Reason.HELD: the prompt tokens a second its candidates prefill at (what drains the queue) and when its best
+    # replica was predicted to have room (0: the policy does not say)
+    drain_tps: float = 0.0
+    free_at: float = 0.0
 
     @property
     def replica_name(self) -> str | None:
@@ -95,6 +97,9 @@ class FleetView(Protocol):
     """What a policy sees of the fleet: the replicas (read only) and the candidate pool (A4 step 1)."""
 
     replicas_view: list["Replica"]
+    # the pool's version: it changes whenever the pool does (None: a view of one replica, priced whole each time)
+    pool_epoch: int | None
+    only: "Collection[str] | None"  # the replicas a gateway allows (None: every one)
 
     def pool(self) -> tuple[list["Replica"], list["Replica"]]:
         """(LIVE, PROBING) replicas, drained ones left out."""

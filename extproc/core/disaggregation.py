@@ -23,6 +23,9 @@ from .apis import Api
 from .names import BodyStatus
 
 if TYPE_CHECKING:
+    from .config import DisaggregationConfig
+    from .cost import Estimate
+    from .profile import RequestProfile
     from .replica import Replica
 
 DISAGGREGATED_APIS = (Api.CHAT, Api.COMPLETIONS)  # vLLM reads kv_transfer_params on these paths
@@ -56,6 +59,24 @@ class TransferRate:
         rate = min(max(tokens / seconds, self.value / _CLIP), self.value * _CLIP)
         self.value = rate if self.samples == 0 else self.value + _ALPHA * (rate - self.value)
         self.samples += 1
+
+
+def eligible(profile: "RequestProfile", prompt: int, cfg: "DisaggregationConfig") -> bool:
+    """Whether a request may have its prefill elsewhere at all: its body held as JSON on an API whose engines read
+    kv_transfer_params, no adapter, no size alone, and no more KV to move than ``max_transfer_tokens``."""
+    return not (profile.provisional or profile.header_path or profile.body_status not in LEG_BODIES
+                or profile.api not in DISAGGREGATED_APIS or profile.adapter is not None
+                or (cfg.max_transfer_tokens is not None and prompt > cfg.max_transfer_tokens))
+
+
+def plan(best: "Estimate", leg: "Estimate", transfer_tps: float, decoding: float, tie_s: float) -> PrefillPlan | None:
+    """The prefill leg's plan on ``leg``'s replica when it beats ``best``'s (the decode replica's) own prefill, what
+    that costs the ``decoding`` streams there included; else None."""
+    moved = best.prompt - best.cached
+    ttft = leg.wait + leg.prefill + moved / transfer_tps + best.dec
+    if not worth_it(best.ttft + best.risk, best.prefill, decoding, ttft, tie_s):
+        return None
+    return PrefillPlan(leg.replica, ttft, best.ttft, leg.prefill, leg.prompt, moved)
 
 
 def worth_it(local_ttft: float, local_prefill_s: float, decoding: float, remote_s: float, tie_s: float) -> bool:

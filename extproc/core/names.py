@@ -45,6 +45,15 @@ class Reason(enum.StrEnum):
     TENANT_CAP = "tenant_over_cap"
 
 
+class Hold(enum.Enum):
+    """What may make a policy hold a request in the router (Reason.HELD) instead of placing it: flow control's word
+    for one ``select``."""
+
+    NEVER = 0  # flow control off, or critical work: always placed
+    SATURATED = 1  # a request that fits on no candidate (or waits behind every session under way) is held
+    WAITING = 2  # that, and one every candidate makes wait longer than its own prefill (flow_control.hold_on_wait)
+
+
 class PinKind(enum.StrEnum):
     SESSION = "session"
     PREFIX = "prefix"

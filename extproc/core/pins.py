@@ -9,12 +9,11 @@ expires, never to the number of pins.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
 
-from .names import PinKind
-
-if TYPE_CHECKING:
-    from .replica import Replica
+from .decision import PinEvent
+from .names import Cause, PinAction, PinKind, Reason
+from .replica import LIVE, Replica
 
 SESSION, PREFIX = PinKind.SESSION, PinKind.PREFIX
 
@@ -22,7 +21,7 @@ SESSION, PREFIX = PinKind.SESSION, PinKind.PREFIX
 class Pin:
     __slots__ = ("replica", "last_used", "spills", "tokens", "engine", "unindexed", "tail")
 
-    def __init__(self, replica: "Replica", now: float):
+    def __init__(self, replica: Replica, now: float):
         self.replica = replica
         self.last_used = now
         self.spills = 0
@@ -81,7 +80,7 @@ class PinTable:
         """The pin of ``key`` as it stands, expired or not (no bookkeeping)."""
         return self._pins.get(key)
 
-    def apply(self, key: bytes, replica: "Replica", engine: int | None, tokens: int, at: float) -> None:
+    def apply(self, key: bytes, replica: Replica, engine: int | None, tokens: int, at: float) -> None:
         """Another brain used the key at ``at`` on ``replica`` (shared state): the newest use wins."""
         pin = self._pins.get(key)
         if pin is None:
@@ -99,7 +98,7 @@ class PinTable:
         pin.last_used = now
         self._pins.move_to_end(key)
 
-    def put(self, key: bytes, replica: "Replica", now: float) -> Pin:
+    def put(self, key: bytes, replica: Replica, now: float) -> Pin:
         pin = Pin(replica, now)
         old = self._pins.get(key)
         if old is not None:
@@ -114,7 +113,7 @@ class PinTable:
             self.evicted += 1
         return pin
 
-    def move(self, pin: Pin, replica: "Replica") -> None:
+    def move(self, pin: Pin, replica: Replica) -> None:
         """Rebind a pin in the table to another replica."""
         self._count(pin, -1)
         pin.replica = replica
@@ -150,3 +149,34 @@ class PinTable:
     def count_by_replica(self) -> dict[str, int]:
         """Pins per replica name: O(replicas), kept up to date (not a walk over the pins)."""
         return dict(self._counts)
+
+    def follow(self, key: bytes, pin: Pin | None, chosen: Replica, engine: int | None, prompt: int,
+               tail: tuple[int, int] | None, header_path: bool,
+               now: float) -> tuple[Reason, PinKind | None, list[PinEvent]]:
+        """C4: a session's turn went to ``chosen``: its pin follows where its context now lives (a new one, or
+        moved only because moving was cheaper, re-prefill included). (the decision's reason, the pin resolved, the
+        pin events)."""
+        live = chosen.health.state is LIVE and not chosen.drained
+        events: list[PinEvent] = []
+        if pin is None:
+            if live:
+                new = self.put(key, chosen, now)
+                new.tokens, new.engine, new.tail = prompt, engine, tail
+                events.append(PinEvent(PinAction.PIN, self.kind, Cause.NEW))
+            return Reason.LOAD, None, events
+        reason = Reason.LOAD
+        if live:  # A2: a PROBING replica never takes a pin, nor refreshes one
+            if pin.replica is chosen and pin.engine == engine:
+                reason = Reason.AFFINITY
+                pin.tail = tail or pin.tail  # a turn not priced by the engine's tokens leaves the last known
+            else:
+                dead = pin.replica.removed or pin.replica.health.state is not LIVE
+                self.move(pin, chosen)
+                events.append(PinEvent(PinAction.REBIND, self.kind, Cause.DEAD if dead else Cause.COST))
+                pin.tail = tail
+            pin.tokens, pin.engine = prompt, engine
+            # a turn decided at its headers adds no blocks to the index: until a body is read again, the pin says how
+            # much of the session the home holds
+            pin.unindexed = header_path
+            self.touch(key, pin, now)
+        return reason, self.kind, events

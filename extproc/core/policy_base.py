@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .names import Hold
 from .pins import PREFIX, PinTable
 
 if TYPE_CHECKING:
     from .config import RouterConfig
-    from .decision import Decision, Reservation
+    from .decision import Decision, FleetView, Reservation
     from .disaggregation import PrefillPlan
     from .engine_cache import EngineCache  # noqa: F401 (named in engine_state's docstring)
     from .load import LoadSample
@@ -35,13 +36,6 @@ class Policy:
     # the router's Outbox while shared state is on: what the policy changes beyond pins and reservations (its
     # index) goes out through it
     outbox: "Outbox | None" = None
-    # set by the router around a select that flow control may hold; a policy that never holds ignores them
-    may_hold: bool = False
-    hold_on_wait: bool = False
-    # what a held request's wait is estimated from: the prefill rate that drains the queue, and when its best
-    # replica was predicted to have room (0: the policy does not say)
-    held_drain_tps: float = 0.0
-    held_free_at: float = 0.0
     transfer = None  # the learned KV transfer rate (prefill/decode disaggregation), if the policy learns one
     prefix_pins: PinTable = _NO_PINS  # a policy without prefix pins: an empty table nobody writes
     # a turn of a session under way may be decided at its request headers (a profile with ``header_path``): the
@@ -50,11 +44,17 @@ class Policy:
 
     # ------------------------------------------------------------------ required
 
-    def select(self, fleet, profile: "RequestProfile", now: float) -> "Decision | None":
-        """A replica from ``fleet.pool()`` (None: the pool is empty, the fleet falls back)."""
+    def select(self, fleet: "FleetView", profile: "RequestProfile", now: float,
+               hold: Hold = Hold.NEVER) -> "Decision | None":
+        """A replica from ``fleet.pool()`` (None: the pool is empty, the fleet falls back). ``hold``: flow control's
+        word; a policy that may hold answers Reason.HELD with what its wait is estimated from (``Decision.drain_tps``,
+        ``free_at``), nothing booked; one that never holds ignores it. What the policy priced for the decision it may
+        keep in ``Decision.booking``, which the fleet hands back in ``on_reserved`` and ``plan_prefill``."""
         raise NotImplementedError
 
     def on_reserved(self, d: "Decision", profile: "RequestProfile", now: float) -> None:
+        """``d`` was reserved (``d.reservation``): the policy books it (its own books go in ``Reservation.booking``,
+        handed back in ``on_release``)."""
         raise NotImplementedError
 
     def on_release(self, res: "Reservation", now: float) -> None:

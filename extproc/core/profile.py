@@ -77,6 +77,12 @@ class RequestProfile:
     # instead of parsing the body again. Never compared, never shown: it holds the prompt's text
     doc: Any = field(default=None, compare=False, repr=False)
 
+    @property
+    def tail(self) -> tuple[int, int] | None:
+        """(block size, its last full block's hash) of a prompt priced by the engine's tokens; None otherwise."""
+        h = self.engine_hashes
+        return (h[0], h[1][-1]) if h is not None and h[1] else None
+
 
 def hash_key(kind: str, tenant: str | None, value: str) -> bytes:
     """MD5 (A3) of kind, tenant and value, so equal values in two tenants never share a pin."""

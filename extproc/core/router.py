@@ -17,7 +17,7 @@ from typing import Callable, Collection, Iterable
 from .config import RouterConfig
 from .decision import Decision, FleetView, PinEvent, Reservation
 from .load import LoadSample
-from .names import Reason
+from .names import Hold, Reason
 from .pins import PREFIX, SESSION, PinTable
 from .policy import Policy, make_policy
 from .profile import RequestProfile
@@ -56,6 +56,7 @@ class Router:
         # bumped whenever the pool may have changed (a health transition, a drain, a replica added or removed): a
         # policy may keep what it derives from the pool until then
         self.pool_epoch = 0
+        self.only: Collection[str] | None = None  # as a FleetView: the router's own pool, every replica
         # prefill/decode disaggregation: whether the front sends prefill legs (the brain behind Envoy does; a picker's
         # gateway carries one request per pick)
         self.disaggregates = False
@@ -65,6 +66,7 @@ class Router:
         self._ready: list = []  # held requests a select let go before its newcomer, for the next offer
         self._offer_due = True  # something changed since the last offer (a release, a scrape): a newcomer offers
         self._offered_at = float("-inf")
+        self._last_hold = (0.0, 0.0)  # the last held decision's (drain_tps, free_at): what a queued request waits by
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
         self.transitions: deque[Transition] = deque(maxlen=1000)
         self.listeners: list[Callable[[Transition], None]] = []
@@ -375,9 +377,8 @@ class Router:
                         return Decision(None, Reason.READ_BODY)  # held, it is held with its body, as any other
                     # its wait: until the replica the last request held was priced for has room, then the queue
                     # before it (not priced: a wait, not a choice)
-                    drain = self.policy.held_drain_tps
-                    wait = max(0.0, self.policy.held_free_at - now) + tokens_ahead / drain \
-                        if drain > 0 else None
+                    drain, free_at = self._last_hold
+                    wait = max(0.0, free_at - now) + tokens_ahead / drain if drain > 0 else None
                     return self._hold(hold_key, profile, only, now, hold_bytes, wait)
                 d = self._select_may_hold(fleet, profile, now)
                 if d is not None and d.reason is Reason.HELD:
@@ -429,12 +430,10 @@ class Router:
         return profile.session_key is not None and self.session_pins.get(profile.session_key, now) is None
 
     def _select_may_hold(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
-        self.policy.may_hold = True
-        self.policy.hold_on_wait = self.flow.hold_on_wait
-        try:
-            return self.policy.select(fleet, profile, now)
-        finally:
-            self.policy.may_hold = False
+        d = self.policy.select(fleet, profile, now, Hold.WAITING if self.flow.hold_on_wait else Hold.SATURATED)
+        if d is not None and d.reason is Reason.HELD:
+            self._last_hold = (d.drain_tps, d.free_at)
+        return d
 
     def _hold(self, key: object, profile: RequestProfile, only: "Collection[str] | _Pinned | None", now: float,
               size: int, predicted_s: float | None) -> Decision:

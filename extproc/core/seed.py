@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from .config import RouterConfig
 from .decision import Decision, FleetView, PinEvent
-from .names import Cause, PinAction, Reason
+from .names import Cause, Hold, PinAction, Reason
 from .pins import PREFIX, SESSION, Pin, PinTable
 from .policy_base import Policy
 from .profile import RequestProfile
@@ -107,7 +107,7 @@ class SeedPolicy(Policy):
         cap = self.cfg.probing_max_in_flight
         return live + [p for p in probing if p.in_flight_requests < cap]
 
-    def select(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
+    def select(self, fleet: FleetView, profile: RequestProfile, now: float, hold: Hold = Hold.NEVER) -> Decision | None:
         live, probing = fleet.pool()
         if not live:
             if not probing:

@@ -115,6 +115,28 @@ class WarmReplica:
         if estimated is not None:
             self.scale.sent(estimated)
 
+    def take_back(self, prefill_end: float, arrived_at: float | None, prefill_s: float, prompt_tokens: int,
+                  provisional: bool, now: float) -> None:
+        """A request booked here ended before its predicted prefill did (a 413, a reset, a cancel, a prediction too
+        long): it no longer queues ahead of anyone, so its remaining prefill seconds and its pending KV go."""
+        remaining = prefill_end - now
+        if remaining <= 0 or prefill_s <= 0:
+            return
+        self.prefill_busy_until = max(now, self.prefill_busy_until - min(remaining, prefill_s))
+        try:
+            self.pending.remove((prefill_end, prompt_tokens))
+            self.pending_tokens -= prompt_tokens
+        except ValueError:  # already past, or cleared when the replica was ejected
+            pass
+        # a size declared in a header and gone before its prefill ended (a probe, a 413) never arrived at the engine:
+        # nothing will queue behind it. Only those: the search is linear in the arrival window, and an ordinary
+        # request that ends early did arrive
+        if arrived_at is not None and provisional:
+            try:
+                self.arrivals.remove(arrived_at)
+            except ValueError:
+                pass
+
     def exact_cached(self, hashes, now: float) -> int:
         """The engine's cached tokens for a prompt of these block hashes: the longest run from its start that its
         events say it holds or that requests sent to it are about to compute."""

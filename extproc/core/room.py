@@ -1,0 +1,126 @@
+"""Room in a replica's KV cache (C3): what a request risks where it does not fit, what an offloaded tier gives back,
+and flow control's saturation (a request that fits nowhere waits in the router)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .cost import Estimate, evict_risk
+
+if TYPE_CHECKING:
+    from .config import WarmConfig
+    from .engine_cache import EngineCache
+    from .pins import Pin
+    from .profile import RequestProfile
+    from .working_set import Active, WorkingSet
+
+TIE_S = 0.01  # cost differences below a decode step are ties; what flow control counts as no wait at all
+
+
+def restore_share(e: Estimate, w: "WarmConfig", use_index: bool) -> float:
+    """What restoring a token costs on ``e``'s engine against computing it there: 1 where nothing is restored
+    (no offloaded tier in warm.offload_tiers by its events, or the policy does not read events)."""
+    ex = e.st.exact
+    if ex is None or not ex.exact or not ex.tiers or not use_index or not any(m in ex.tiers for m in w.offload_tiers):
+        return 1.0
+    s_per = e.st.rates.restore_s_per_token
+    return min(1.0, s_per * e.rate if s_per is not None else w.restore_cost_prior)
+
+
+def tier_tokens(ex: "EngineCache", w: "WarmConfig") -> int:
+    """Tokens the engine's offloaded tiers in warm.offload_tiers hold by its events: at least what they can hold."""
+    return sum(len(ex.tiers.get(m, ())) for m in w.offload_tiers) * (ex.block_size or 0)
+
+
+def restorable(ex: "EngineCache", hashes, cached: int, prompt: int, w: "WarmConfig") -> tuple[int, str | None]:
+    """The prompt's tokens past the GPU's hit that one of ``offload_tiers`` holds in a run on this engine (vLLM's
+    connector loads the run that follows the hit), and which tier: the longest."""
+    bs = ex.block_size
+    best, medium = 0, None
+    for m in w.offload_tiers:
+        n = ex.restorable(hashes, cached // bs, m)
+        if n > best:
+            best, medium = n, m
+    return min(best * bs, max(0, prompt - 1 - cached)), medium
+
+
+def price_kv(e: Estimate, out_tokens: float, mine: "Active | None", session: bool, now: float, w: "WarmConfig",
+             sessions: "WorkingSet", use_index: bool) -> None:
+    """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
+    st, cap, prompt = e.st, e.st.cache_tokens, e.prompt
+    home = mine is not None and mine.st is st
+    # what the others count already of this context: the prefix it shares with them, counted once
+    shared = sessions.shares(st, mine.shared[1]) if home and mine.shared is not None else \
+        0 if home else sessions.shares(st, e.prefix)
+    used = st.kv_ahead(now, st.kv_usage(e.replica))
+    over = used + prompt + out_tokens - w.kv_pressure * cap
+    # an engine with an offloaded tier keeps what its GPU evicts: a context lost there is restored, not computed,
+    # while the tier already holds as much as the contexts under way (a small one would lose them too)
+    share = restore_share(e, w, use_index)
+    if share < 1.0 and tier_tokens(e.st.exact, w) < st.active_tokens:
+        share = 1.0
+    e.room = st.active_tokens - (mine.own if home else 0) + prompt - min(shared, e.cached) + out_tokens \
+        <= w.kv_pressure * cap
+    if share < 1.0 and not e.room:
+        # flow control holds a turn that would evict the active sessions' contexts, lest their next turns compute
+        # them again; an offloaded tier gives them back at a restore's price: held only while it does not fit
+        # beside what runs (placement still prefers where the contexts fit)
+        e.room = over - e.cached <= 0
+    others = st.active_whole - (mine.whole if home else 0)
+    pressure = (others + prompt + out_tokens) / cap
+    e.fits = pressure <= w.kv_pressure
+    if session:
+        risk = evict_risk(pressure, w)
+        if risk:
+            e.cost += risk * share * prompt / e.rate
+    # The risks below are costs of the choice; this turn's time to first token carries only what this turn waits
+    # (docs/routing.md, "Predictions": counted in the prediction, a turn found cached was predicted its whole
+    # context's prefill)
+    if e.cached and pressure > w.kv_pressure:
+        # the active sessions here and this one do not fit together: LRU evicts each before its next turn. What
+        # the index holds here now is here for this turn
+        e.risk = share * e.cached / e.rate
+        e.cost += e.risk
+    elif over > 0:
+        # it does not fit beside what runs and what is queued: it waits for KV to free, and loses its cache
+        lost = share * e.cached / e.rate + min(1.0, over / cap) * out_tokens * e.dec
+        # vLLM admits a prefill whose new blocks are free now (its output's come step by step), and its cached
+        # blocks may be the very ones the scrape counts as used (taken while its last turn ran): within that it
+        # runs at once, and the margin is a risk, not a wait
+        if used + prompt - e.cached > cap:
+            e.ttft += lost
+        else:
+            e.risk = lost
+            e.cost += lost
+
+
+def saturated(best: Estimate, profile: "RequestProfile", pin: "Pin | None", ests: list[Estimate],
+              w: "WarmConfig", hold_on_wait: bool) -> bool:
+    """Flow control's saturation, with nothing to tune. A turn that needs new room in a cache (a new session, or
+    one that must prefill most of its context again: no home yet, or less than half of it cached on the best
+    candidate) and fits on no candidate beside the active sessions' contexts (C3's fit rule, the best not
+    fitting: none does) waits in the router for a replica where it fits: placed now, the engine's LRU would
+    evict active sessions' contexts while they think, and their next turns would prefill them again (the tail
+    of every router in lasting overload, docs/routing.md). A context too big for an empty replica is placed as
+    today: waiting would not make it fit. Turns that keep their cache are never held, nor one-shots.
+    With hold_on_wait, also: even the best candidate makes the request wait longer than its own prefill there
+    (half of it, sheddable), so holding it loses no engine time while it keeps the choice of replica open."""
+    fresh = pin is None or best.cached < best.prompt / 2
+    if fresh and profile.session_key is not None:
+        if not any(e.room for e in ests) and best.prompt <= w.kv_pressure * best.st.cache_tokens:
+            return True
+        # Sessions under way on it (active contexts) come back for their next turns, and an engine runs its
+        # queue in order: each new session placed behind a queue longer than its own prefill only lengthens
+        # what their cached turns wait (a flood of new sessions, docs/routing.md). A new session (no home yet)
+        # waits here instead while every candidate with sessions under way has more than its prefill queued: no
+        # engine time lost. A session under way is never held for this. Only while the fleet is busy (every such
+        # queue at least warm.busy_wait_s, the cost model's mark of no idle capacity): a queue of a tenth of a
+        # second comes and goes on any busy fleet (three real vLLMs, docs/routing.md)
+        floor = max(TIE_S, w.busy_wait_s)
+        if pin is None and all(e.st.active_tokens > 0 and e.wait + e.lora_wait > max(e.prefill, floor)
+                               for e in ests):
+            return True
+    if not hold_on_wait:
+        return False
+    afford = max(best.prefill, TIE_S) * (0.5 if profile.priority >= 2 else 1.0)
+    return best.wait + best.lora_wait > afford  # an adapter's load is paid whenever it goes: no reason to wait

@@ -11,7 +11,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from extproc.brain.admin import admin_app
 from extproc.brain.brain import Brain
 from extproc.config import parse_config
-from extproc.core import exact
 from extproc.core.engine_cache import EngineCache, Stored, chain, external, none_hash
 
 
@@ -28,7 +27,7 @@ def test_the_view_is_emptied_when_the_engine_emptied_its_cache_and_not_before():
             b = Brain(parse_config({"replicas": [{"name": "r0", "url": str(es.make_url("")).rstrip("/")}]}))
             toks = tuple(range(64))
             ev = Stored(tuple(external(d) for d in chain(toks, 16, none_hash())), None, toks, 16)
-            assert exact.apply_events(b.router.policy, "r0", 0, [ev], 0.0, EngineCache)
+            assert b.router.policy.apply_events("r0", 0, [ev], 0.0, EngineCache)
             resident = lambda: b.exact.replica_view("r0")["engines"][0]["resident_blocks"]  # noqa: E731
             async with TestClient(TestServer(admin_app(b), host="127.0.0.1")) as c:
                 r = await c.post("/replicas/r0/reset_prefix_cache")  # blocks held: vLLM reset nothing

@@ -246,9 +246,9 @@ def test_as_an_endpoint_picker_the_brain_picks_the_replica_holding_the_response_
     for headers, body in (({":path": "/v1/responses/" + rid, ":method": "GET"}, None),
                           ({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
                                                                      "previous_response_id": rid}))):
-        p = brain.pick(headers, body, None)
+        p = brain.picks.pick(headers, body, None)
         assert p.endpoints[0] == brain.endpoint_of[home]
-    gone = brain.pick({":path": "/v1/responses/" + mint_response_id("r9", None), ":method": "GET"}, None, None)
+    gone = brain.picks.pick({":path": "/v1/responses/" + mint_response_id("r9", None), ":method": "GET"}, None, None)
     assert gone.endpoints == [] and gone.immediate.immediate_response.status.code == 404
 
 

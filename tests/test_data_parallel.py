@@ -125,14 +125,14 @@ def test_the_picker_names_no_engine_when_a_fallback_does_not_have_it():
     body = b'{"messages": [{"role": "user", "content": "hi"}]}'
     brain.router.on_load("r0", _engines((0, 0, 0.0), (0, 0, 0.0)), t)
     brain.router.on_load("r1", _engines((0, 0, 0.0), (0, 0, 0.0)), t)
-    picks = [brain.pick({"x-session-id": f"s{i}"}, body, None) for i in range(4)]
+    picks = [brain.picks.pick({"x-session-id": f"s{i}"}, body, None) for i in range(4)]
     assert {p.dp_rank for p in picks} == {0, 1}  # both have two engines: the rank is named
     brain.router.on_load("r1", LoadSample(0, 0, 0.0, cache_tokens=16 * 5000), t)  # r1: one engine now
-    alone = [brain.pick({"x-session-id": f"u{i}"}, body, ["127.0.0.1:8000"]) for i in range(4)]
+    alone = [brain.picks.pick({"x-session-id": f"u{i}"}, body, ["127.0.0.1:8000"]) for i in range(4)]
     assert {p.dp_rank for p in alone} == {0, 1}  # no fallback: the engine chosen is named, whichever it is
     seen = set()
     for i in range(12):
-        p = brain.pick({"x-session-id": f"v{i}"}, body, None)
+        p = brain.picks.pick({"x-session-id": f"v{i}"}, body, None)
         if len(p.endpoints) == 2 and p.endpoints[0] == "127.0.0.1:8000":
             # r1, the fallback, has engine 0 only: r0's engine 1 may not be named
             assert p.dp_rank == (None if p.reservation.engine == 1 else 0)

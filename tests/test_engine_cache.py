@@ -189,7 +189,6 @@ def test_achieved_and_reachable_cached_tokens_are_counted_per_replica():
     """What the chosen replica's engine held of a prompt, beside the most any exact replica held of it."""
     from extproc.brain.brain import Brain
     from extproc.config import parse_config
-    from extproc.core import exact
     from extproc.core.decision import Decision
     from extproc.core.names import Reason
     from extproc.core.profile import RequestProfile
@@ -201,11 +200,11 @@ def test_achieved_and_reachable_cached_tokens_are_counted_per_replica():
     held = {"r0": 3, "r1": 7}
     for name, n in held.items():
         part = Stored(ev.hashes[:n], None, ev.tokens[:n * 4], 4)
-        assert exact.apply_events(b.router.policy, name, 0, [part], 0.0, b.exact._make)
+        assert b.router.policy.apply_events(name, 0, [part], 0.0, b.exact._make)
     prompt = (4, ev.hashes)
-    assert exact.cached_on(b.router.policy, "r0", 1, prompt) == 12
-    assert exact.cached_on(b.router.policy, "r1", 1, prompt) == 28
-    assert exact.cached_on(b.router.policy, "r1", 1, (16, ev.hashes)) is None  # another block size: not exact
+    assert b.router.policy.cached_on("r0", prompt) == 12
+    assert b.router.policy.cached_on("r1", prompt) == 28
+    assert b.router.policy.cached_on("r1", (16, ev.hashes)) is None  # another block size: not exact
     b.exact.observe(RequestProfile(engine_hashes=prompt), Decision(b.router.replica("r0"), Reason.LOAD))
     b.exact.observe(RequestProfile(engine_hashes=prompt), Decision(b.router.replica("r1"), Reason.LOAD))
     assert (b.stats.exact_achieved["r0"], b.stats.exact_reachable["r0"]) == (12, 28)
@@ -216,7 +215,7 @@ def test_achieved_and_reachable_cached_tokens_are_counted_per_replica():
 def test_an_exact_engine_is_priced_by_what_it_holds_in_its_own_tokens():
     """The warm policy's price: on an exact engine the prompt is the engine's tokens and its cached part the
     engine's own word; the other replica, without events, is priced by the estimate as before."""
-    from extproc.core import RouterConfig, exact
+    from extproc.core import RouterConfig
 
     from .helpers import live_router
     from extproc.core.profile import RequestProfile
@@ -225,7 +224,7 @@ def test_an_exact_engine_is_priced_by_what_it_holds_in_its_own_tokens():
     tokens = list(range(2000))
     digests = chain(tokens, 128, none_hash())  # 15 full blocks
     held = Stored(tuple(external(d) for d in digests[:10]), None, tuple(tokens[:1280]), 128)
-    assert exact.apply_events(router.policy, "r1", 0, [held], t, EngineCache)
+    assert router.policy.apply_events("r1", 0, [held], t, EngineCache)
     prof = RequestProfile(tokens=1000, engine_tokens=2000, engine_hashes=(128, tuple(external(d) for d in digests)))
     d = router.select(prof, t)
     assert d.replica.name == "r1" and d.cached_tokens == 1280 and d.prompt_tokens == 2000, d
@@ -235,7 +234,7 @@ def test_sessions_over_a_prefix_an_exact_engine_holds_count_it_once_in_the_worki
     """Issue 46, on the engine's own word: sessions whose prompts start with the blocks the engine's events say it
     holds (a system prompt) share them; flow control's working set counts them once for all, the engine's block
     hash naming the prefix, while the routing terms keep each session's whole context."""
-    from extproc.core import RouterConfig, exact, hash_key
+    from extproc.core import RouterConfig, hash_key
 
     from .helpers import live_router
     from extproc.core.profile import RequestProfile
@@ -244,7 +243,7 @@ def test_sessions_over_a_prefix_an_exact_engine_holds_count_it_once_in_the_worki
     system = list(range(1280))  # 10 blocks of 128
     held = chain(system, 128, none_hash())
     for name in ("r0", "r1"):
-        assert exact.apply_events(router.policy, name, 0, [Stored(tuple(external(d) for d in held), None,
+        assert router.policy.apply_events(name, 0, [Stored(tuple(external(d) for d in held), None,
                                                                   tuple(system), 128)], t, EngineCache)
     pol = router.policy
     for i in range(3):
@@ -266,7 +265,7 @@ def test_a_prefix_sent_to_an_exact_engine_counts_there_until_its_events_can_have
     """Between a request's decision and the engine's BlockStored for it, a request with the same prefix would see
     nothing held: the blocks sent count as held until the sent request's predicted prefill ends + PROMISE_SLACK_S,
     then only the engine's word counts."""
-    from extproc.core import RouterConfig, exact
+    from extproc.core import RouterConfig
 
     from .helpers import live_router
     from extproc.core.profile import RequestProfile
@@ -276,7 +275,7 @@ def test_a_prefix_sent_to_an_exact_engine_counts_there_until_its_events_can_have
     other = tuple(range(9000, 9128))
     for name in ("r0", "r1"):  # both engines exact, neither holding the prompt
         ev = Stored((external(chain(other, 128, none_hash())[0]),), None, other, 128)
-        assert exact.apply_events(router.policy, name, 0, [ev], t, EngineCache)
+        assert router.policy.apply_events(name, 0, [ev], t, EngineCache)
     tokens = list(range(2000))
     hashes = tuple(external(d) for d in chain(tokens, 128, none_hash()))
     prof = RequestProfile(tokens=1000, engine_tokens=2000, engine_hashes=(128, hashes))
@@ -346,13 +345,12 @@ def test_an_offloading_connector_s_tiers_are_held_per_medium_and_restorable_past
 def _tiered(router, name, hashes, tokens, gpu, cpu, t, locality="LOCAL", medium="CPU"):
     """Replica ``name``'s engine: the prompt's first ``gpu`` blocks of 128 on the GPU, blocks ``gpu``..``cpu`` on an
     offloaded tier (an offloading connector's stores)."""
-    from extproc.core import exact
 
     evs = [Stored(hashes[:gpu], None, tuple(tokens[:gpu * 128]), 128)]
     if cpu > gpu:
         evs.append(Stored(hashes[gpu:cpu], hashes[gpu - 1] if gpu else None, tuple(tokens[gpu * 128:cpu * 128]), 128,
                           medium=medium, locality=locality))
-    assert exact.apply_events(router.policy, name, 0, evs, t, EngineCache)
+    assert router.policy.apply_events(name, 0, evs, t, EngineCache)
 
 
 def test_C3_a_prefix_an_offloaded_tier_holds_is_priced_as_its_restore_never_above_computing_it():
@@ -442,7 +440,7 @@ def test_flow_control_holds_a_turn_that_would_evict_active_contexts_unless_an_of
     holds less would lose them too: held."""
     import dataclasses
 
-    from extproc.core import Reason, RouterConfig, exact, hash_key
+    from extproc.core import Reason, RouterConfig, hash_key
     from extproc.core.flow import FlowControl
     from extproc.core.profile import RequestProfile
 
@@ -467,7 +465,7 @@ def test_flow_control_holds_a_turn_that_would_evict_active_contexts_unless_an_of
             if tier == "large":
                 _, earlier, more = turn(f"earlier{k}", 2048)
                 evs.append(Stored(more, None, tuple(earlier), 128, medium="CPU"))
-        assert exact.apply_events(router.policy, r.name, 0, evs, t, EngineCache)
+        assert router.policy.apply_events(r.name, 0, evs, t, EngineCache)
         d = router.select(p, t, only=[r.name])
         assert d.replica is r
         router.release(d.reservation, t + 1.0)
@@ -485,7 +483,7 @@ def test_C3_a_context_an_offloaded_tier_would_keep_risks_its_restore_not_its_rec
     restore (warm.restore_cost_prior of it until measured). The other replica's price does not move."""
     import dataclasses
 
-    from extproc.core import RouterConfig, exact, hash_key
+    from extproc.core import RouterConfig, hash_key
     from extproc.core.profile import RequestProfile
 
     from .helpers import live_router
@@ -507,14 +505,14 @@ def test_C3_a_context_an_offloaded_tier_would_keep_risks_its_restore_not_its_rec
             if tier and r.name == "r0":  # a tier holding 51K tokens of older prompts: more than the contexts here
                 _, old, old_h = turn("old", 400 * 128)
                 evs.append(Stored(old_h, None, tuple(old), 128, medium="CPU"))
-            assert exact.apply_events(router.policy, r.name, 0, evs, t, EngineCache)
+            assert router.policy.apply_events(r.name, 0, evs, t, EngineCache)
         for name, n in (("o", 15_000), ("s", 20_000)):  # two sessions under way on r0, their turns over
             p, tk, hs = turn(name, n) if name != "s" else (None, tokens[:n], hashes[:n // 128])
             if p is None:
                 p = RequestProfile(first.session_key, None, n // 2, "ok", engine_tokens=n, engine_hashes=(128, hs))
             d = router.select(p, t, only=["r0"])
             router.release(d.reservation, t + 0.5)
-        assert exact.apply_events(router.policy, "r0", 0, [Stored(hashes[1:156], hashes[0], tuple(tokens[128:156 * 128]),
+        assert router.policy.apply_events("r0", 0, [Stored(hashes[1:156], hashes[0], tuple(tokens[128:156 * 128]),
                                                                   128)], t + 1, EngineCache)
         trace = tracing(router.policy)
         router.select(first, t + 2.0)

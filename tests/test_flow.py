@@ -579,7 +579,7 @@ def test_llm_d_flow_control_holds_while_the_mean_saturation_is_one_and_lets_go_b
 
 
 def test_a_client_s_ttft_deadline_header_refuses_at_once_what_cannot_make_it_and_a_bad_one_is_ignored():
-    from extproc.brain.brain import ttft_slo_of
+    from extproc.core.profile import ttft_slo_of
 
     assert ttft_slo_of({"x-warmroute-ttft-slo-ms": "1500"}) == 1.5 and ttft_slo_of({"x-llm-d-slo-ttft-ms": "20"}) == 0.02
     for bad in ("soon", "-5", "0", "inf", "nan"):
@@ -862,17 +862,17 @@ def test_as_a_picker_behind_a_foreign_gateway_a_client_s_own_class_and_tenant_ar
         b, clock = live({"brain": {"protocol": "endpoint-picker", **more.pop("brain", {})},
                          "flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600}, **more})
         for i in range(3):  # a long prefill on every replica: a standard request is held
-            b.pick({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"), None)
+            b.picks.pick({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"), None)
         return b
 
     b = brain()
-    sneaky = b.pick({"x-request-id": "c", "x-warmroute-priority": "critical", "x-warmroute-tenant": "victim"},
+    sneaky = b.picks.pick({"x-request-id": "c", "x-warmroute-priority": "critical", "x-warmroute-tenant": "victim"},
                     _body(3000, "crit"), None)
     assert sneaky.held is not None  # held as the standard request it is
     [h] = [h for h in b.router.flow.queue.in_order(5) if h.key == sneaky.held]
     assert h.klass == STANDARD and h.tenant is None
     trusted = brain(brain={"trust_gateway_headers": True})
-    crit = trusted.pick({"x-request-id": "c", "x-warmroute-priority": "critical"}, _body(3000, "crit"), None)
+    crit = trusted.picks.pick({"x-request-id": "c", "x-warmroute-priority": "critical"}, _body(3000, "crit"), None)
     assert crit.held is None and crit.endpoints  # the gateway set it: placed at once
 
 

@@ -295,5 +295,5 @@ def test_any_status_or_subset_a_gateway_sends_is_no_crash(status, subset):
         async def write(self, msg):
             pass
 
-    asyncio.run(EndpointPicker(b.pick, b.end_picked, 1 << 20, b.clock).Process(None, Ctx()))
+    asyncio.run(EndpointPicker(b.picks.pick, b.picks.end, 1 << 20, b.clock).Process(None, Ctx()))
     assert b.router.open_reservations == 0

@@ -215,7 +215,7 @@ def test_the_picker_books_an_upload_decided_past_its_byte_limit_only_once_its_bo
     chunk = b"x" * (512 * 1024)
 
     async def scenario():
-        front = EndpointPicker(b.pick, b.end_picked, b.cfg.envoy.brain_body_max_bytes, b.clock,
+        front = EndpointPicker(b.picks.pick, b.picks.end, b.cfg.envoy.brain_body_max_bytes, b.clock,
                                arrived=lambda res: b.router.arrived(res, b.clock()))
         ctxs = [Held([head(i), *(ep.ProcessingRequest(request_body=ep.HttpBody(body=chunk)) for _ in range(5))])
                 for i in range(4)]

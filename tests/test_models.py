@@ -136,7 +136,7 @@ def test_an_alias_is_rewritten_in_the_body_the_replica_gets():
 async def _picker_answer(brain, body: bytes) -> list:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-    picker = EndpointPicker(brain.pick, brain.end_picked, 1 << 20)
+    picker = EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 20)
     st_headers = ep.ProcessingRequest(request_headers=ep.HttpHeaders(end_of_stream=False))
     st_body = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
     from extproc.picker.front import _Stream
@@ -238,7 +238,7 @@ def test_the_picker_answers_404_for_a_path_no_replica_serves():
 
     reps = [{**REPLICAS[0], "paths": ["/v1/chat/completions"]}, {**REPLICAS[1], "paths": ["/v1/chat/completions"]}]
     brain = live_brain(parse_config({"replicas": reps}))
-    picker = EndpointPicker(brain.pick, brain.end_picked, 1 << 20)
+    picker = EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 20)
     from extproc.picker.front import _Stream
 
     async def ask(path: str):
@@ -289,7 +289,7 @@ def test_a_hostile_path_template_costs_a_linear_match():
 
 
 def test_the_brain_remembers_what_it_decided_by_envoy_s_request_id_and_forgets_past_its_bound():
-    from extproc.brain.brain import RECENT_DECISIONS
+    from extproc.brain.decision_log import RECENT_DECISIONS
 
     brain = _brain()
     body = orjson.dumps({"model": "chat", "messages": [{"role": "user", "content": "q"}]})

@@ -89,7 +89,7 @@ def request(data: bytes = BODY, hdrs=None, subset=None, pieces: int = 3) -> list
 
 def run(brain: Brain, msgs) -> list[ep.ProcessingResponse]:
     ctx = Ctx(msgs)
-    front = EndpointPicker(brain.pick, brain.end_picked, brain.cfg.envoy.brain_body_max_bytes, brain.clock)
+    front = EndpointPicker(brain.picks.pick, brain.picks.end, brain.cfg.envoy.brain_body_max_bytes, brain.clock)
     asyncio.run(front.Process(None, ctx))
     return ctx.out
 
@@ -215,7 +215,7 @@ class QueueCtx(Ctx):
 def test_a_reservation_is_held_until_the_response_ends(brain):
     async def scenario():
         ctx = QueueCtx()
-        front = EndpointPicker(brain.pick, brain.end_picked, 1 << 20, brain.clock)
+        front = EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 20, brain.clock)
         task = asyncio.ensure_future(front.Process(None, ctx))
         resp = response(chunks=(b"a", b"b"))
         for m in [*request(), *resp[:2]]:
@@ -237,7 +237,7 @@ def test_a_retry_elsewhere_counts_against_the_chosen_endpoint(brain):
 
     async def scenario():
         ctx = QueueCtx()
-        task = asyncio.ensure_future(EndpointPicker(brain.pick, brain.end_picked, 1 << 20, brain.clock).Process(None, ctx))
+        task = asyncio.ensure_future(EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 20, brain.clock).Process(None, ctx))
         for m in request():
             ctx.q.put_nowait(m)
         while not ctx.out:
@@ -295,7 +295,7 @@ def test_an_ejected_endpoint_is_never_listed(brain):
 def test_bodies_held_across_streams_are_bounded_together_and_returned_when_streams_end(brain):
     """Streams that never end each held up to the body limit with no overall bound: past buffered_max_bytes a body
     is decided on its headers and streamed on, and what a stream held is no longer counted once it ends."""
-    front = EndpointPicker(brain.pick, brain.end_picked, 1 << 20, brain.clock, buffered_max_bytes=100_000)
+    front = EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 20, brain.clock, buffered_max_bytes=100_000)
 
     async def scenario():
         never_end = [Ctx([*request(BODY)[:1], body(b"x" * 40_000, False)]) for _ in range(2)]
@@ -361,7 +361,7 @@ def test_with_flow_control_a_saturated_pick_waits_until_a_response_ends_and_a_ga
             await asyncio.sleep(0.001)
 
     async def scenario():
-        front = EndpointPicker(brain.pick, brain.end_picked, 1 << 24, brain.clock, wait=waits.wait,
+        front = EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 24, brain.clock, wait=waits.wait,
                                cancel=waits.cancel, hold_s=3605)
         busy = [QueueCtx() for _ in range(2)]
         tasks = [asyncio.ensure_future(front.Process(None, c)) for c in busy]
@@ -403,9 +403,9 @@ def test_a_held_pick_placed_as_the_gateway_leaves_gives_its_reservation_back():
     small = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "small"}]})
 
     async def scenario():
-        front = EndpointPicker(brain.pick, brain.end_picked, 1 << 24, brain.clock, wait=waits.wait,
+        front = EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 24, brain.clock, wait=waits.wait,
                                cancel=waits.cancel, hold_s=3605)
-        first = brain.pick({":path": "/v1/chat/completions"}, big, None)
+        first = brain.picks.pick({":path": "/v1/chat/completions"}, big, None)
         ctx = QueueCtx()
         task = asyncio.ensure_future(front.Process(None, ctx))
         for m in request(small):
@@ -431,8 +431,8 @@ def test_a_turn_under_way_is_picked_at_its_headers_and_its_body_passes_through_u
     cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000", "models": ["mock-coder-30b"]}
                                      for i in range(N)], "brain": {"protocol": "endpoint-picker"}})
     b = live_brain(cfg)
-    front = EndpointPicker(b.pick, b.end_picked, b.cfg.envoy.brain_body_max_bytes, b.clock,
-                           arrived=lambda res: b.router.arrived(res, b.clock()), pick_at_headers=b.pick_at_headers)
+    front = EndpointPicker(b.picks.pick, b.picks.end, b.cfg.envoy.brain_body_max_bytes, b.clock,
+                           arrived=lambda res: b.router.arrived(res, b.clock()), pick_at_headers=b.picks.pick_at_headers)
 
     seen: list[float] = []  # the home's booked work when the gateway has sent all it will
 

@@ -127,7 +127,7 @@ def test_the_shipped_access_log_asks_envoy_for_both_first_token_times():
 def test_the_picker_front_s_own_first_token_is_joined_too():
     b = live_brain(CFG)
     token, res = decided(b, "q1")
-    b.end_picked(res, None, False, 0.25)
+    b.picks.end(res, None, False, 0.25)
     assert b.releaser.outcomes.error(res.replica.name).joined == 1
 
 

@@ -13,63 +13,38 @@ import json
 import math
 import ssl
 import time
-from collections import deque
-from dataclasses import dataclass
+
 from typing import Callable, Collection
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from ..config import AppConfig, ConfigError, first_answer_s, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
-from ..core import NO_HEALTHY, ChainCache, Decision, PinAction, Reservation, Router, Transition, build_profile
+from ..core import ChainCache, Decision, PinAction, Router, Transition, build_profile
 from ..core.models import ModelCatalog
 from ..core.apis import (PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id,
                         without_kv_transfer)
 from ..core.names import BodyStatus, PinKind, Reason
 from ..core.caps import caps_of
 from ..core.flow import CLASSES, CRITICAL, STANDARD, FlowControl, FlowQueue
-from ..core.profile import BODY_ARRIVING_KEY, BODY_KV_TRANSFER_KEY, credential_scope, replace_model, tenant_of
+from ..core.profile import BODY_ARRIVING_KEY, BODY_KV_TRANSFER_KEY, credential_scope, replace_model, tenant_of, \
+    ttft_slo_of
 from ..envoy_config import CdsFile
 from . import header_path, logs
 from .decide import Held, immediate_answer, models_response, route_answer, too_many_response
+from ..picker.messages import path_of
 from .legs import Legs, new_session
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
 from .exact import Exact
 from .scraper import Scraper, tls_context
+from .decision_log import DecisionLog
+from .picks import PICK, Pick, Picks, endpoint
 from .stats import BrainStats
 from .view import state_of
 
 _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
-RECENT_DECISIONS = 2000  # GET /decisions keeps this many (a few hundred bytes each)
-MAX_REQUEST_ID_CHARS = 64  # Envoy's are UUIDs (36); a client's own may be anything
-
-
-def endpoint(r) -> str:
-    """A replica as gateways name it: ``ip:port``, an IPv6 address in brackets."""
-    return f"[{r.host}]:{r.port}" if ":" in r.host else f"{r.host}:{r.port}"
-
-
-@dataclass(slots=True)
-class Pick:
-    endpoints: list[str]  # best first, then where the gateway retries; empty: nothing to pick
-    reservation: Reservation | None
-    dp_rank: int | None = None  # the pick's data-parallel engine, sent as X-data-parallel-rank
-    subset_empty: bool = False  # the gateway's subset named no endpoint the brain knows
-    body: bytes | None = None  # the body to send instead (a model alias rewritten to the served name)
-    unknown_model: str | None = None  # no replica serves the model the body names: answer 404
-    unserved_path: str | None = None  # no replica (of the model) serves the request's path: answer 404
-    immediate: "ep.ProcessingResponse | None" = None  # the answer to give at once instead (a 413)
-    held: object = None  # flow control holds it: the pick comes later from ``let_go`` under this key
-
-
-def _path(headers: dict[str, str]) -> str:
-    """The request's path without its query (Envoy's ``request.url_path`` attribute, or the ``:path`` header)."""
-    return headers.get(":path", "").split("?", 1)[0]
-
-
-PICK = "pick"  # a held request's phase when the endpoint picker's front waits for it (its answer is a Pick)
 
 
 class Brain:
@@ -98,7 +73,8 @@ class Brain:
         self.models = ModelCatalog(dict(cfg.aliases))
         # the last decisions by Envoy's request id (which the client gets back as x-request-id): what the brain
         # predicted for a request, to hold against what the engine reported (GET /decisions). Hashes and names only
-        self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)
+        self.decisions = DecisionLog()
+        self.picks = Picks(self)  # the endpoint picker's front asks these
         self._legs_http = None  # prefill legs' HTTP session, made at the first (legs.py)
         self.router.disaggregates = cfg.brain.protocol != "endpoint-picker"  # a picker's gateway carries one leg
         # flow control: what each held request needs to be answered (key -> headers, body, phase; body status)
@@ -224,9 +200,9 @@ class Brain:
             home = self.response_homes.get(profile.response_id, now, profile.response_scope)
             holder = home if home is not None and r.find(home) is not None else None
         if profile.candidates is not None:
-            res = self.models.resolve_candidates(profile.candidates, profile.session_key, _path(headers) or None)
+            res = self.models.resolve_candidates(profile.candidates, profile.session_key, path_of(headers) or None)
         else:
-            res = self.models.resolve(profile.model, profile.session_key, _path(headers) or None)
+            res = self.models.resolve(profile.model, profile.session_key, path_of(headers) or None)
         bound = self.models.max_model_len(res.model)
         if bound is not None and profile.tokens > bound:  # no replica of it reads more: never price it as more
             profile = dataclasses.replace(profile, tokens=bound)
@@ -289,7 +265,7 @@ class Brain:
                phase: str = "request_body") -> "ep.ProcessingResponse | Held":
         """The rendered Envoy's front: the choice as a cluster name and a reservation id Envoy logs back; with
         flow control, ``Held``: the answer comes from ``let_go`` once a replica has room."""
-        if body is None and headers.get(":method") == "GET" and _path(headers) == "/v1/models":
+        if body is None and headers.get(":method") == "GET" and path_of(headers) == "/v1/models":
             return models_response(self.models.union())  # Envoy's models route: the fleet's, not one replica's
         key = next(self._hold_keys) if self.router.flow is not None else None
         d = self.choose(headers, body, hold_key=key)
@@ -297,30 +273,16 @@ class Brain:
             self.waiting[key] = (headers, body, phase, None)
             return Held(key)
         if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE, Reason.TENANT_CAP):
-            return self._too_many(d, headers)
+            return self.too_many(d, headers)
         return self._answer(d, headers, body, phase)
 
     def at_headers(self, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
         """The header path (``header_path``): a turn of a session under way answered at its request headers, its
         body streamed to its home without passing through the brain. None: its body decides (Envoy sends it)."""
-        d = self._at_headers(headers, None)
+        d = self.decide_at_headers(headers, None)
         return self._answer(d, headers, None, "request_headers") if d is not None else None
 
-    def pick_at_headers(self, headers: dict[str, str], subset: list[str] | None) -> "Pick | None":
-        """The endpoint picker's header path: the pick of a turn its headers decide (its work booked once its body has
-        passed: ``Router.arrived``), or None (its body decides)."""
-        only = None
-        if subset is not None:
-            only = {self.releaser.by_address[a] for a in subset if a in self.releaser.by_address}
-            if not only:
-                return None
-        untrusted = self._picker_untrusted
-        if untrusted and any(h in headers for h in untrusted):
-            headers = {k: v for k, v in headers.items() if k not in untrusted}
-        d = self._at_headers(headers, only, arriving=True)
-        return self._pick_of(d, headers, None, only) if d is not None else None
-
-    def _at_headers(self, headers: dict[str, str], only: "set[str] | None", arriving: bool = False) -> Decision | None:
+    def decide_at_headers(self, headers: dict[str, str], only: "set[str] | None", arriving: bool = False) -> Decision | None:
         t0 = time.perf_counter()
         now = self.clock()
         why, profile, res = header_path.turn(self, headers, now)
@@ -351,7 +313,7 @@ class Brain:
         r = self.router
         wait = r.over_cap(tenant_of(headers, r.profile_cfg), self._priority(headers), now) if r.caps else None
         if wait is not None:  # a capped tenant's large body: refused before it is uploaded
-            return self._too_many(Decision(None, Reason.TENANT_CAP, retry_after_s=wait), headers)
+            return self.too_many(Decision(None, Reason.TENANT_CAP, retry_after_s=wait), headers)
         if read_wait_s <= self.look_bound_s(now) or self._priority(headers) == CRITICAL:
             return None
         profile = build_profile(headers, None, self.router.profile_cfg, None)
@@ -372,14 +334,14 @@ class Brain:
 
     def _answer(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str) -> ep.ProcessingResponse:
         if d.reason is Reason.TENANT_CAP:  # at its headers: its body is never read
-            return self._too_many(d, headers)
-        answer = self._immediate(d, headers)
+            return self.too_many(d, headers)
+        answer = self.immediate(d, headers)
         if answer is not None:
             return answer
         d.reservation.at_headers = d.header_path
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
-        self._remember(headers.get(REQUEST_ID_HEADER), d)
-        sent = self._body_for(d, body)
+        self.decisions.remember(headers.get(REQUEST_ID_HEADER), d, self.clock())
+        sent = self.body_for(d, body)
         engine = d.engine if d.steer else None
         if d.prefill is not None:
             legs = self._legs(d, headers, sent if sent is not None else body, phase,
@@ -401,7 +363,7 @@ class Brain:
             self.router.release(d.prefill_reservation, self.clock())
             d.reservation.transfer_tokens = 0
             return None
-        return Legs(self, d, headers, doc, _path(headers), answer)
+        return Legs(self, d, headers, doc, path_of(headers), answer)
 
     def legs_http(self):
         """The prefill legs' connections (one pool for the brain's life)."""
@@ -414,41 +376,23 @@ class Brain:
         if self._legs_http is not None:
             await self._legs_http.close()
 
-    @property
-    def _picker_untrusted(self) -> frozenset[str]:
-        """Headers a picker ignores: what the gateway in front may pass from clients unstripped (brain.trust_gateway_
-        headers, or the trust_downstream_* settings, say otherwise). Worked out once per config, not per pick."""
-        cached = getattr(self, "_untrusted_of", None)
-        if cached is not None and cached[0] is self.cfg:
-            return cached[1]
-        self._untrusted_of = (self.cfg, self._untrusted(self.cfg))
-        return self._untrusted_of[1]
-
-    @staticmethod
-    def _untrusted(cfg) -> frozenset[str]:
-        if cfg.brain.trust_gateway_headers:
-            return frozenset()
-        out = set()
-        if cfg.flow_control.enabled and not cfg.flow_control.trust_downstream_priority_header:
-            out.add(cfg.flow_control.priority_header.lower())
-        p = cfg.router.profile
-        if p.tenant_source == "header" and p.tenant_header and not cfg.envoy.trust_downstream_tenant_header:
-            out.add(p.tenant_header.lower())
-        return frozenset(out)
-
     def _priority(self, headers: dict[str, str]) -> int:
         """The request's class from flow_control.priority_header (a name of CLASSES; anything else: standard)."""
         v = headers.get(self.cfg.flow_control.priority_header.lower(), "").strip().lower()
         return CLASSES.index(v) if v in CLASSES else STANDARD
 
-    def _too_many(self, d: "Decision | str", headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
+    def too_many(self, d: "Decision | str", headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
         """Flow control's 429 (a reason, or a refused decision: a capped tenant's says when it may send again)."""
         why = d if isinstance(d, str) else d.reason.value
         self.stats.flow_refused[why] += 1
         retry = self.cfg.flow_control.retry_after_s
         if not isinstance(d, str) and d.retry_after_s is not None:
             retry = max(1, math.ceil(d.retry_after_s))
-        return too_many_response(why, retry, _path(headers) if headers is not None else "")
+        return too_many_response(why, retry, path_of(headers) if headers is not None else "")
+
+    def hold_key(self) -> object:
+        """A key to hold a request under while flow control is on (None: it is off)."""
+        return next(self._hold_keys) if self.router.flow is not None else None
 
     def let_go(self, answered: "Callable[[object], bool]") -> list[tuple[object, ep.ProcessingResponse]]:
         """Flow control: the held requests that go now (each placed by the policy at this moment) and those refused
@@ -469,13 +413,13 @@ class Brain:
                 self.router.release(d.prefill_reservation, now)  # a prefill leg planned for it: never sent
                 continue
             d = self._decided(d, profile, res, now)
-            out.append((key, self._pick_of(d, headers, body, only) if phase == PICK
+            out.append((key, self.picks.pick_of(d, headers, body, only) if phase == PICK
                         else self._answer(d, headers, body, phase)))
         for key in flow.refused:
             held = self.waiting.pop(key, None)
             if held is not None:
                 self._held_profile.pop(key, None)
-                answer = self._too_many("waited_too_long", held[0])
+                answer = self.too_many("waited_too_long", held[0])
                 out.append((key, Pick([], None, immediate=answer) if held[2] == PICK else answer))
         flow.refused.clear()
         return out
@@ -489,17 +433,17 @@ class Brain:
         if held is not None:
             self.stats.flow_abandoned[CLASSES[held[0].priority]] += 1
 
-    def _immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
+    def immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
         """The brain's own answer when no replica is to be asked (None: one is), in the shape the path's API
         answers errors in."""
-        return immediate_answer(d.reason, _path(headers), model=d.model or "", served=self.models.base_models,
+        return immediate_answer(d.reason, path_of(headers), model=d.model or "", served=self.models.base_models,
                                 inflate_ratio=self.cfg.envoy.max_inflate_ratio, response_id=d.response_id or "")
 
     def prefill_fleet(self) -> bool:
         """A fleet with prefill replicas: its engines run a KV connector that reads kv_transfer_params."""
         return self.router.disaggregates and any(r.role == "prefill" for r in self.router.replicas)
 
-    def _body_for(self, d: Decision, body: bytes | None) -> bytes | None:
+    def body_for(self, d: Decision, body: bytes | None) -> bytes | None:
         """The body to send instead of the client's (None: the client's): without a client's kv_transfer_params, the
         served model for an alias, the response's minted id."""
         if body is None:
@@ -513,80 +457,13 @@ class Brain:
             out = with_request_id(out if out is not None else body, d.response_id)
         return out
 
-    def pick(self, headers: dict[str, str], body: bytes | None, subset: list[str] | None) -> Pick:
-        """The endpoint picker's front: the choice and its fallbacks as ``ip:port``, and the reservation the
-        front itself releases when the response ends (no access log comes from a foreign gateway).
-
-        ``subset``: the gateway's hint; endpoints it names that the brain does not know are ignored, and
-        none known -> no pick (the front answers 503, as the protocol asks)."""
-        only = None
-        if subset is not None:
-            only = {self.releaser.by_address[a] for a in subset if a in self.releaser.by_address}
-            if not only:
-                return Pick([], None, None, subset_empty=True)
-        untrusted = self._picker_untrusted
-        if untrusted and any(h in headers for h in untrusted):  # a client's own class or tenant: nobody stripped it
-            headers = {k: v for k, v in headers.items() if k not in untrusted}
-        key = next(self._hold_keys) if self.router.flow is not None else None
-        d = self.choose(headers, body, only, hold_key=key)
-        if d.reason is Reason.HELD:
-            self.waiting[key] = (headers, body, PICK, only)
-            return Pick([], None, held=key)
-        if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE, Reason.TENANT_CAP):
-            return Pick([], None, immediate=self._too_many(d, headers))
-        return self._pick_of(d, headers, body, only)
-
-    def _pick_of(self, d: Decision, headers: dict[str, str], body: bytes | None,
-                 only: "set[str] | None") -> Pick:
-        """A placed decision as the endpoint picker's answer."""
-        if d.reason is Reason.TENANT_CAP:  # at its headers (the header path)
-            return Pick([], None, immediate=self._too_many(d, headers))
-        if d.reason == Reason.UNKNOWN_MODEL:
-            return Pick([], None, unknown_model=d.model or "", immediate=self._immediate(d, headers))
-        if d.reason == Reason.UNSERVED_PATH:
-            return Pick([], None, unserved_path=_path(headers), immediate=self._immediate(d, headers))
-        if d.reason in (Reason.INFLATE_LIMIT, Reason.UNSUPPORTED_ENCODING, Reason.CLIENT_KV_TRANSFER,
-                        Reason.RESPONSE_GONE):
-            return Pick([], None, immediate=self._immediate(d, headers))
-        if d.reason == NO_HEALTHY:
-            return Pick([], None)
-        names = [d.replica, *self.router.next_best(d.replica, self.cfg.brain.picker_fallbacks, only)]
-        rank = d.engine if d.steer else None
-        count = self.router.policy.engine_count
-        if rank is not None and any(count(r.name) <= rank for r in names):
-            rank = None  # a fallback without that engine would refuse the header: let the front ends choose
-        self._remember(headers.get(REQUEST_ID_HEADER), d)
-        return Pick([self.endpoint_of[r.name] for r in names], d.reservation, rank, body=self._body_for(d, body))
-
-    def _remember(self, request_id: str | None, d: Decision) -> None:
-        # on every request's path: a tuple here, the document only when GET /decisions asks
-        self.recent.append(((request_id or "")[:MAX_REQUEST_ID_CHARS], self.clock(), d.replica_name, d.engine,
-                            d.reason, d.model, d.predicted_ttft_s, d.cached_tokens, d.prompt_tokens,
-                            d.prefill.replica.name if d.prefill is not None else None,
-                            "headers" if d.header_path else "body",
-                            d.reservation.prefill_s if d.reservation is not None else None,
-                            d.reservation.overhead_s if d.reservation is not None else None))
-
     def caches_reset(self, name: str) -> None:
         """Replica ``name``'s engines emptied their prefix caches at the operator's word (admin API)."""
         self.router.policy.caches_reset(name, self.clock())
 
     def recent_decisions(self, request_id: str | None = None, last: int | None = None) -> list[dict]:
         """GET /decisions: the remembered decisions (of one request id, or the last ``last``), newest last."""
-        rows = [r for r in self.recent if r[0] == request_id] if request_id is not None else \
-            list(self.recent)[max(0, len(self.recent) - (last or 0)):]
-        seen = self.releaser.outcomes.observed_of
-        return [{"request_id": rid, "at": round(at, 3), "replica": replica, "engine": engine, "reason": str(reason),
-                 "model": model, "predicted_ttft_s": _r4(ttft), "predicted_prefill_s": _r4(prefill_s),
-                 "predicted_overhead_s": _r4(overhead_s),
-                 "predicted_cached_tokens": cached, "predicted_prompt_tokens": prompt, "prefill_replica": prefill,
-                 "path": path, **_observed(seen(rid) if rid else None)}
-                for rid, at, replica, engine, reason, model, ttft, cached, prompt, prefill, path, prefill_s, overhead_s
-                in rows]
-
-    def end_picked(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
-        """A picked request ended (its response's end, or the stream's): release it and count the outcome."""
-        self.releaser.finish(res, self.releaser.by_address.get(served) if served else None, failed, first_byte_s)
+        return self.decisions.rows(request_id, last, self.releaser.outcomes.observed_of)
 
     def on_log_entry(self, entry) -> None:
         self.releaser.on_entry(entry)
@@ -670,34 +547,4 @@ class Brain:
         return state_of(self)
 
 
-# a request's own time-to-first-token deadline in milliseconds; llm-d's name too, so that a gateway set up for llm-d
-# works unchanged. A client may set it: a deadline only ever gets its own request refused sooner
-TTFT_SLO_HEADERS = ("x-warmroute-ttft-slo-ms", "x-llm-d-slo-ttft-ms")
-
-
-def ttft_slo_of(headers: dict[str, str]) -> float | None:
-    """The request's deadline in seconds (None: none, or not a positive number of milliseconds: its class's)."""
-    for name in TTFT_SLO_HEADERS:
-        v = headers.get(name)
-        if v is None:
-            continue
-        try:
-            ms = float(v.strip())
-        except ValueError:
-            return None
-        return ms / 1000 if 0 < ms < float("inf") else None
-    return None
-
-
-def _r4(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
-
-
-def _observed(seen: "tuple[float, float | None] | None") -> dict:
-    """What Envoy saw of a decision's request: the engine's first token, and the client's (None: not yet ended, not
-    a streamed response, or no longer remembered)."""
-    engine_s, client_s = seen if seen is not None else (None, None)
-    return {"observed_ttft_s": _r4(engine_s), "observed_client_ttft_s": _r4(client_s)}
-
-
-__all__ = ["Brain", "Pick", "TTFT_SLO_HEADERS", "endpoint", "ttft_slo_of"]
+__all__ = ["Brain", "Pick", "endpoint"]

@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import orjson
 
 from ..config import AppConfig
-from ..core import exact
+from ..core.engine_cache import mode_of
 from ..core.apis import Api
 from ..core.engine_cache import EngineCache, none_hash
 from . import logs
@@ -75,7 +75,7 @@ class Exact:
     def _on_batch(self, name: str, rank: int, events: list, now: float) -> None:
         st = self.router.policy.engine_state(name, rank)
         paths = self.models.adapter_paths(name)  # the adapters' blocks verify with the paths this replica lists
-        if not exact.apply_events(self.router.policy, name, rank, events, now,
+        if not self.router.policy.apply_events(name, rank, events, now,
                                   lambda: EngineCache(self.cfg.hash_seed, self.cfg.hash_algo, paths)):
             return
         st = st or self.router.policy.engine_state(name, rank)
@@ -85,7 +85,7 @@ class Exact:
             self.block_size = st.exact.block_size
 
     def _on_lost(self, name: str, rank: int, why: str) -> None:
-        exact.events_lost(self.router.policy, name, rank, why)
+        self.router.policy.events_lost(name, rank, why)
         logs.event("kv_events_lost", replica=name, rank=rank, reason=why[:120])
 
     def forget(self, name: str) -> None:
@@ -185,10 +185,7 @@ class Exact:
         if profile.engine_hashes is None or d.replica is None:
             return
         pol = self.router.policy
-        count = getattr(pol, "engine_count", None)
-        if count is None:
-            return
-        got = exact.cached_on(pol, d.replica.name, count(d.replica.name), profile.engine_hashes)
+        got = pol.cached_on(d.replica.name, profile.engine_hashes)
         if got is None:
             return
         if d.restored_tokens and d.restored_from is not None:
@@ -200,15 +197,14 @@ class Exact:
         if bs and got // bs < len(hashes):
             beyond = hashes[got // bs]
             for r in self.router.replicas:
-                if r is not d.replica and exact.holds(pol, r.name, count(r.name), bs, beyond):
-                    best = max(best, exact.cached_on(pol, r.name, count(r.name), profile.engine_hashes) or 0)
+                if r is not d.replica and pol.holds_block(r.name, bs, beyond):
+                    best = max(best, pol.cached_on(r.name, profile.engine_hashes) or 0)
         self.stats.exact_achieved[d.replica.name] += got
         self.stats.exact_reachable[d.replica.name] += best
 
     def replica_view(self, name: str) -> dict:
-        ranks = self.router.policy.engine_count(name)
-        engines = exact.view(self.router.policy, name, ranks)
-        mode, why = exact.mode_of(engines)
+        engines = self.router.policy.exact_view(name)
+        mode, why = mode_of(engines)
         # where the brain found the engines' publishers: the config's replicas[].kv_events (or discovery's ports), or
         # the replica's own GET /kv_event_sources
         events = "configured" if name in self.configured else "listed" if self.kv.sources.get(name) else None

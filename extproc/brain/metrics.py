@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core import BodyStatus, PinAction, Router, State, exact, imbalance_index
+from ..core import BodyStatus, PinAction, Router, State, imbalance_index
+from ..core.engine_cache import mode_of
 from ..core.flow import CLASSES
 from .outcomes import WINDOW, Outcomes
 from .stats import BrainStats
@@ -220,7 +221,6 @@ class BrainCollector(Collector):
                 for k, v in (view or {}).items():
                     fams[k].add_metric([rep.name], v)
             yield from fams.values()
-        count = r.policy.engine_count
         # each replica's cache mode and what re-hashing its engines' events said
         mode = GaugeMetricFamily("warmroute_cache_exact", "1 when the replica's engines' KV events verified (its "
                                  "cached tokens are the engine's own word), 0 when it is estimated", labels=["replica"])
@@ -231,8 +231,8 @@ class BrainCollector(Collector):
                                      "hold by their KV events, per medium (GPU; an offloading connector's CPU, "
                                      "STORAGE)", labels=["replica", "medium"])
         for rep in reps:
-            engines = exact.view(r.policy, rep.name, count(rep.name))
-            mode.add_metric([rep.name], 1.0 if exact.mode_of(engines)[0] == "exact" else 0.0)
+            engines = r.policy.exact_view(rep.name)
+            mode.add_metric([rep.name], 1.0 if mode_of(engines)[0] == "exact" else 0.0)
             for res in ("verified", "mismatched", "unverifiable"):
                 blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines or ()))
             held: dict[str, int] = {}

@@ -262,14 +262,14 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
             brain.stats.picker_streams_reset += 1
 
         def end_picked(*args) -> None:  # a response's end: a held request may go now
-            brain.end_picked(*args)
+            brain.picks.end(*args)
             if brain.waiting:
                 waits.woken.set()
 
-        front = EndpointPicker(brain.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,
+        front = EndpointPicker(brain.picks.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,
                                wait=waits.wait, cancel=waits.cancel, hold_s=held_s(cfg),
                                arrived=lambda res: brain.router.arrived(res, brain.clock()),
-                               pick_at_headers=brain.pick_at_headers if cfg.envoy.header_path else None).Process
+                               pick_at_headers=brain.picks.pick_at_headers if cfg.envoy.header_path else None).Process
     else:
         front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
                                   held_s(cfg), brain.look,

@@ -280,3 +280,12 @@ class EngineCache:
                 "resident_by_medium": self.resident(), "remote_blocks": self.remote, "ignored_blocks": self.ignored,
                 "block_size": self.block_size, "verified_blocks": self.verified, "mismatched_blocks": self.mismatched,
                 "unverifiable_blocks": self.unverifiable, "cleared": self.cleared}
+
+
+def mode_of(engines: list[dict] | None) -> tuple[str, str]:
+    """(``exact`` or ``estimated``, why) for a replica whose engines' ``view`` is ``engines``: exact when every engine
+    that sent events is."""
+    if not engines:
+        return "estimated", "no KV events (none configured, or the engine publishes none)"
+    off = [e for e in engines if e["cache_mode"] != "exact"]
+    return ("estimated", off[0]["reason"]) if off else ("exact", "every stored block verified")

@@ -20,6 +20,10 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .decision import Decision
+from .names import Reason
+from .profile import RequestProfile
+
 CLASSES = ("critical", "standard", "sheddable")
 MAX_TENANTS = 100_000  # fairness counters kept before those that owe nothing are forgotten
 
@@ -315,6 +319,24 @@ class FlowControl:
 
     def __len__(self) -> int:
         return len(self.queue)
+
+    def hold(self, key: object, profile: RequestProfile, only: object, now: float, size: int,
+             predicted_s: float | None) -> Decision:
+        """Queue it, or refuse it at once (Reason.DEADLINE) when its predicted time to first token already passes
+        its deadline: the client learns now, with Retry-After, what it would learn when the deadline passed."""
+        within = self.within(profile.priority, profile.ttft_slo_s)
+        if within is not None and predicted_s is not None and predicted_s > within:
+            return Decision(None, Reason.DEADLINE, predicted_ttft_s=predicted_s)
+        queued, displaced = self.queue.push(Held(key, profile.priority, tenant_key(profile.tenant),
+                                                 float(profile.tokens), size, now,
+                                                 None if within is None else now + within))
+        if not queued:
+            return Decision(None, Reason.QUEUE_FULL)
+        for v in displaced:
+            self.held.pop(v.key, None)
+            self.refused.append(v.key)
+        self.held[key] = (profile, only)
+        return Decision(None, Reason.HELD, predicted_ttft_s=predicted_s)
 
 
 __all__ = ["CLASSES", "CRITICAL", "STANDARD", "SHEDDABLE", "FlowControl", "FlowQueue", "Held", "tenant_key"]

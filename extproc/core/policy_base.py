@@ -15,10 +15,12 @@ from .names import Hold
 from .pins import PREFIX, PinTable
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
     from .config import RouterConfig
     from .decision import Decision, FleetView, Reservation
     from .disaggregation import PrefillPlan
-    from .engine_cache import EngineCache  # noqa: F401 (named in engine_state's docstring)
+    from .engine_cache import EngineCache
     from .load import LoadSample
     from .prefix_index import PrefixIndex
     from .profile import RequestProfile
@@ -138,6 +140,52 @@ class Policy:
     def on_first_token(self, res: "Reservation", observed_s: float, now: float) -> None:
         """The request ``res`` booked had its first token ``observed_s`` after it was sent, as its front saw it (a
         streamed response's first body byte): what predictions are checked and corrected by."""
+
+    # ------------------------------------------------------------------ the engines' own word (exact mode)
+
+    def apply_events(self, name: str, rank: int, events: list, now: float,
+                     make: "Callable[[], EngineCache]") -> bool:
+        """One batch of engine ``rank``'s KV events on replica ``name``: they become that engine's ``EngineCache``
+        (which the warm policy prices a request against once it is exact). False when the policy keeps no such
+        engine (the seed's keeps none: it takes no events)."""
+        st = self.engine_state(name, rank)
+        if st is None:
+            return False
+        if st.exact is None:
+            st.exact = make()
+        st.exact.apply(events, now)
+        return True
+
+    def events_lost(self, name: str, rank: int, why: str) -> None:
+        st = self.engine_state(name, rank)
+        if st is not None and st.exact is not None:
+            st.exact.lost(why)
+
+    def _exact_caches(self, name: str) -> "Iterator[tuple[int, EngineCache]]":
+        for rank in range(max(1, self.engine_count(name))):
+            st = self.engine_state(name, rank)
+            if st is not None and st.exact is not None:
+                yield rank, st.exact
+
+    def exact_view(self, name: str) -> list[dict] | None:
+        """Each engine's cache of replica ``name`` as its events say (/state), None when none of them sent any."""
+        return [{"rank": rank, **ex.view()} for rank, ex in self._exact_caches(name)] or None
+
+    def cached_on(self, name: str, hashes: tuple[int, tuple[int, ...]] | None) -> int | None:
+        """The most of a prompt (``(block_size, hashes)``) any exact engine of replica ``name`` holds, in tokens; None
+        when none of its engines is exact for that block size."""
+        if hashes is None:
+            return None
+        best = None
+        for _, ex in self._exact_caches(name):
+            if ex.exact and ex.block_size == hashes[0]:
+                n = ex.cached_tokens(hashes[1])
+                best = n if best is None else max(best, n)
+        return best
+
+    def holds_block(self, name: str, block_size: int, h: int) -> bool:
+        """Whether any exact engine of replica ``name`` (of that block size) holds block ``h``."""
+        return any(ex.exact and ex.block_size == block_size and ex.holds(h) for _, ex in self._exact_caches(name))
 
 
 __all__ = ["Policy"]

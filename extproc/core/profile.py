@@ -169,11 +169,11 @@ def system_prompt(body: Mapping[str, Any]) -> str | None:
 
 def _body_chars(body: Mapping[str, Any]) -> int:
     n = 0
-    for field in ("messages", "input", "prompt"):
-        if field in body:
-            n += _chars_of(body[field])
-    for field in ("instructions", "system"):
-        v = body.get(field)
+    for key in ("messages", "input", "prompt"):
+        if key in body:
+            n += _chars_of(body[key])
+    for key in ("instructions", "system"):
+        v = body.get(key)
         if isinstance(v, str):
             n += len(v)
         elif isinstance(v, list):
@@ -440,3 +440,22 @@ def build_profile(
 
     tokens = min(int(_body_chars(doc) / cfg.chars_per_token), cfg.max_prompt_tokens)
     return RequestProfile(session_key, prefix_key, tokens, BODY_OK, session_source, blocks, model, **stored)
+
+
+# a request's own time-to-first-token deadline in milliseconds; llm-d's name too, so that a gateway set up for llm-d
+# works unchanged. A client may set it: a deadline only ever gets its own request refused sooner
+TTFT_SLO_HEADERS = ("x-warmroute-ttft-slo-ms", "x-llm-d-slo-ttft-ms")
+
+
+def ttft_slo_of(headers: dict[str, str]) -> float | None:
+    """The request's deadline in seconds (None: none, or not a positive number of milliseconds: its class's)."""
+    for name in TTFT_SLO_HEADERS:
+        v = headers.get(name)
+        if v is None:
+            continue
+        try:
+            ms = float(v.strip())
+        except ValueError:
+            return None
+        return ms / 1000 if 0 < ms < float("inf") else None
+    return None

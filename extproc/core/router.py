@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Callable, Collection, Iterable
 
 from .config import RouterConfig
@@ -22,8 +22,10 @@ from .pins import PREFIX, SESSION, PinTable
 from .policy import Policy, make_policy
 from .profile import RequestProfile
 from .caps import TenantCaps
-from .flow import CRITICAL, FlowControl, Held, tenant_key
+from .flow import CRITICAL, FlowControl, tenant_key
 from .shared import Outbox, Remote
+from .fleet_views import Pinned, Subset
+from .reservations import OpenReservations
 from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Transition
 
 AFFINITY, LOAD, FALLBACK, NO_HEALTHY = Reason.AFFINITY, Reason.LOAD, Reason.FALLBACK, Reason.NO_HEALTHY
@@ -42,8 +44,7 @@ class Router:
         self.policy = policy if policy is not None else make_policy(cfg.policy, cfg)
         self._replicas: list[Replica] = []
         self._by_name: dict[str, Replica] = {}
-        self._reservations: OrderedDict[int, Reservation] = OrderedDict()
-        self._next_reservation_id = 1
+        self._reservations = OpenReservations()
         self._random = random.Random(cfg.seed)
         self._next_due = float("inf")
         self._housekeeping_at = now + _HOUSEKEEPING_EVERY_S
@@ -288,21 +289,12 @@ class Router:
         return out
 
     def _expire_reservations(self, now: float) -> None:
-        limit = now - self.cfg.reservation_timeout_s
-        res = self._reservations
-        old = []
-        for r in res.values():  # oldest first
-            if r.started_at > limit:
-                break
-            if r.seen_at <= limit:  # a request Envoy still logs as in flight is alive, however long it runs
-                old.append(r)
-        for r in old:
-            self.release(r, now)
+        for res in self._reservations.timed_out(now, self.cfg.reservation_timeout_s):
+            self.release(res, now)
             self.safety_timeouts += 1
         if self.liveness_timeout_s is not None:
-            unseen = now - self.liveness_timeout_s
-            for r in [r for r in res.values() if r.seen_at < unseen]:
-                self.release(r, now)
+            for res in self._reservations.unseen(now, self.liveness_timeout_s):
+                self.release(res, now)
                 self.liveness_timeouts += 1
 
     # ---------------------------------------------------------------- pipeline
@@ -343,14 +335,14 @@ class Router:
             r = self._by_name.get(holder)
             if r is None or (only is not None and holder not in only):
                 return Decision(None, NO_HEALTHY)
-            pinned = _Pinned(self, r)
+            pinned = Pinned(self, r)
             flow = self.flow
             if flow is not None and hold_key is not None and profile.priority != CRITICAL:
                 # bound to one replica, and still flow control's like any request: 40 follow-ups of one stored
                 # response went to its replica at once with 20.6 s predicted there, none held
                 d = self._select_may_hold(pinned, profile, now)
                 if d is not None and d.reason is Reason.HELD:
-                    return self._hold(hold_key, profile, pinned, now, hold_bytes, d.predicted_ttft_s)
+                    return self.flow.hold(hold_key, profile, pinned, now, hold_bytes, d.predicted_ttft_s)
                 self._charge(tenant_key(profile.tenant), profile.tokens)
             else:
                 d = self.policy.select(pinned, profile, now)
@@ -358,7 +350,7 @@ class Router:
                 return self._shared(Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile, now)), profile, now)
             d.reason = Reason.HOLDER
         else:
-            fleet: FleetView = self if only is None else _Subset(self, only)
+            fleet: FleetView = self if only is None else Subset(self, only)
             flow = self.flow
             if flow is not None and hold_key is not None and profile.priority != CRITICAL:
                 if flow.queue.ahead(profile.priority)[0] and (self._offer_due or now - self._offered_at >= _OFFER_GAP_S):
@@ -379,12 +371,12 @@ class Router:
                     # before it (not priced: a wait, not a choice)
                     drain, free_at = self._last_hold
                     wait = max(0.0, free_at - now) + tokens_ahead / drain if drain > 0 else None
-                    return self._hold(hold_key, profile, only, now, hold_bytes, wait)
+                    return self.flow.hold(hold_key, profile, only, now, hold_bytes, wait)
                 d = self._select_may_hold(fleet, profile, now)
                 if d is not None and d.reason is Reason.HELD:
                     if profile.header_path:
                         return Decision(None, Reason.READ_BODY, predicted_ttft_s=d.predicted_ttft_s)
-                    return self._hold(hold_key, profile, only, now, hold_bytes, d.predicted_ttft_s)
+                    return self.flow.hold(hold_key, profile, only, now, hold_bytes, d.predicted_ttft_s)
             else:
                 d = self.policy.select(fleet, profile, now)
             if profile.header_path and (d is None or d.reason is Reason.READ_BODY):
@@ -435,25 +427,6 @@ class Router:
             self._last_hold = (d.drain_tps, d.free_at)
         return d
 
-    def _hold(self, key: object, profile: RequestProfile, only: "Collection[str] | _Pinned | None", now: float,
-              size: int, predicted_s: float | None) -> Decision:
-        """Queue it, or refuse it at once (Reason.DEADLINE) when its predicted time to first token already passes
-        its deadline: the client learns now, with Retry-After, what it would learn when the deadline passed."""
-        flow = self.flow
-        within = flow.within(profile.priority, profile.ttft_slo_s)
-        if within is not None and predicted_s is not None and predicted_s > within:
-            return Decision(None, Reason.DEADLINE, predicted_ttft_s=predicted_s)
-        queued, displaced = flow.queue.push(Held(key, profile.priority, tenant_key(profile.tenant),
-                                                 float(profile.tokens), size, now,
-                                                 None if within is None else now + within))
-        if not queued:
-            return Decision(None, Reason.QUEUE_FULL)
-        for v in displaced:
-            flow.held.pop(v.key, None)
-            flow.refused.append(v.key)
-        flow.held[key] = (profile, only)
-        return Decision(None, Reason.HELD, predicted_ttft_s=predicted_s)
-
     def offer(self, now: float) -> list[tuple[object, Decision]]:
         """Held requests that can go now, in the queue's order, each placed by the policy at this moment (late
         binding): (its key, its decision). Also what a ``select`` let go before a newcomer (taken once)."""
@@ -467,8 +440,8 @@ class Router:
         # that has room for it: no head-of-line blocking
         for h in flow.queue.in_order(_OFFER_SCAN):
             profile, only = flow.held[h.key]
-            # the one replica holding what it reads (a _Pinned view, whatever that replica's state), or a subset
-            fleet: FleetView = only if isinstance(only, _Pinned) else self if only is None else _Subset(self, only)
+            # the one replica holding what it reads (a Pinned view, whatever that replica's state), or a subset
+            fleet: FleetView = only if isinstance(only, Pinned) else self if only is None else Subset(self, only)
             d = self._select_may_hold(fleet, profile, now)
             if d is not None and d.reason is Reason.HELD:
                 continue
@@ -476,7 +449,7 @@ class Router:
             if self.outbox is not None:
                 self.outbox.events.append(("v", h.tenant, h.tokens))
             del flow.held[h.key]
-            if isinstance(only, _Pinned):
+            if isinstance(only, Pinned):
                 r = only.replica
                 if d is None:  # it does not fit there at all: that replica answers, as without flow control
                     out.append((h.key, self._shared(Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile, now)),
@@ -533,7 +506,7 @@ class Router:
         no cache of the request either way, so load is the one thing worth ordering by."""
         if k <= 0:
             return []
-        live, probing = (self if only is None else _Subset(self, only)).pool()
+        live, probing = (self if only is None else Subset(self, only)).pool()
         rest = [r for r in live if r is not chosen] or [r for r in probing if r is not chosen]
         return sorted(rest, key=lambda r: (r.wlc_milli, r.index))[:k]
 
@@ -545,11 +518,9 @@ class Router:
 
     def _reserve(self, r: Replica, profile: RequestProfile, now: float) -> Reservation:
         w = self.weight_milli(profile.tokens)
-        res = Reservation(self._next_reservation_id, r, w, now, seen_at=now, provisional=profile.provisional)
-        self._next_reservation_id += 1
+        res = self._reservations.open(r, w, now, profile.provisional)
         r.wlc_milli += w
         r.in_flight_requests += 1
-        self._reservations[res.id] = res
         return res
 
     def reserve_remote(self, r: Replica, weight_milli: int, started_at: float, provisional: bool) -> Reservation:
@@ -569,7 +540,7 @@ class Router:
         r.wlc_milli -= res.weight_milli
         r.in_flight_requests -= 1
         if not res.remote:
-            self._reservations.pop(res.id, None)
+            self._reservations.close(res)
             if self.outbox is not None:
                 self.outbox.events.append(("c", res.id))
         self.policy.on_release(res, now)
@@ -587,7 +558,7 @@ class Router:
     def release_started_before(self, t: float, now: float) -> int:
         """Release every open reservation made before ``t`` (the Envoy that carried them is gone); how many."""
         n = 0
-        for r in [r for r in self._reservations.values() if r.started_at <= t]:
+        for r in self._reservations.started_before(t):
             n += self.release(r, now)
         return n
 
@@ -601,14 +572,7 @@ class Router:
 
     def oldest_reservations(self, now: float, k: int = 5) -> list[dict]:
         """The ``k`` oldest open reservations, for an operator asking what holds load (O(k))."""
-        out = []
-        for res in self._reservations.values():
-            if len(out) >= k:
-                break
-            out.append({"replica": res.replica.name, "age_s": round(now - res.started_at, 1),
-                        "seen_s_ago": round(now - res.seen_at, 1), "weight": res.weight_milli / 1000,
-                        "provisional": res.provisional, "named_to_envoy": bool(res.token)})
-        return out
+        return self._reservations.oldest(now, k)
 
     # ------------------------------------------------------------------- views
 
@@ -628,54 +592,6 @@ class Router:
 
 _OFFER_SCAN = 32  # held requests an offer looks at, in order
 _OFFER_GAP_S = 0.01  # a newcomer's offer, when nothing changed since the last: at most this often (the brain's tick)
-
-
-class _Subset:
-    """The fleet as one request may see it: the pool cut to the names a gateway allows."""
-
-    __slots__ = ("_router", "_only")
-
-    def __init__(self, router: Router, only: Collection[str]):
-        self._router = router
-        self._only = only
-
-    @property
-    def replicas_view(self) -> list[Replica]:
-        return self._router.replicas_view  # round-robin positions stay the fleet's
-
-    @property
-    def pool_epoch(self) -> int:
-        return self._router.pool_epoch
-
-    @property
-    def only(self) -> Collection[str]:
-        """The names allowed (a model's replicas, usually the same set object from one request to the next)."""
-        return self._only
-
-    def pool(self) -> tuple[list[Replica], list[Replica]]:
-        live, probing = self._router.pool()
-        return [r for r in live if r.name in self._only], [r for r in probing if r.name in self._only]
-
-
-class _Pinned(_Subset):
-    """The fleet as a request that only one replica can serve sees it: that replica, whatever its state."""
-
-    __slots__ = ("_replica",)
-
-    def __init__(self, router: Router, replica: Replica):
-        super().__init__(router, (replica.name,))
-        self._replica = replica
-
-    @property
-    def replica(self) -> Replica:
-        return self._replica
-
-    @property
-    def pool_epoch(self) -> None:
-        return None  # one replica: nothing to shortlist
-
-    def pool(self) -> tuple[list[Replica], list[Replica]]:
-        return [self._replica], []
 
 
 __all__ = [

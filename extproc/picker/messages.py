@@ -76,3 +76,8 @@ def anthropic_shaped(answer: ep.ProcessingResponse) -> ep.ProcessingResponse:
         return answer
     out.immediate_response.body = json.dumps(anthropic_error_body(doc)).encode()
     return out
+
+
+def path_of(headers: dict[str, str]) -> str:
+    """The request's path without its query (Envoy's ``request.url_path`` attribute, or the ``:path`` header)."""
+    return headers.get(":path", "").split("?", 1)[0]

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tls-name", default=None, help="the name to check in the brain's certificate")
 
     m = command("mock-vllm")
-    from .tools.mock.vllm import add_arguments
+    from .tools.mock.options import add_arguments
 
     add_arguments(m)
 

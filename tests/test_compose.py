@@ -10,7 +10,7 @@ import yaml
 
 from extproc.config import load_config
 from extproc.envoy_config import SHIPPED
-from extproc.tools.mock.vllm import add_arguments
+from extproc.tools.mock.options import add_arguments
 from extproc.tools.stack.local import mock_argv
 
 ROOT = Path(__file__).resolve().parents[1]

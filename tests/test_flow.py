@@ -546,7 +546,8 @@ def _sample(waiting, kv):
 
 
 def test_llm_d_flow_control_holds_while_the_mean_saturation_is_one_and_lets_go_by_band_then_arrival():
-    from extproc.tools.sim.policies import HOLD, REFUSED, LlmdFlowControl
+    from extproc.tools.sim.peers import LlmdFlowControl
+    from extproc.tools.sim.policy_base import HOLD, REFUSED
     from extproc.tools.workload.generate import Request
 
     p = LlmdFlowControl(2, 1)

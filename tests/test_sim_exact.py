@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from extproc.core.blocks import BLOCK_TOKENS as BLOCK
 from extproc.tools.engine.model import Engine, EngineRequest
-from extproc.tools.sim.policies import LlmdPrecise
+from extproc.tools.sim.peers import LlmdPrecise
 from extproc.tools.sim.simulator import Simulation
 from extproc.tools.workload.generate import Request, Workload, WorkloadConfig
 
@@ -93,7 +93,7 @@ def test_llmd_token_aware_sticks_to_the_cached_endpoint_until_its_backlog_passes
     """llm-d's default since mid-2026 ("sticky until saturated"), as its source and Dynamo's port test it: a cached
     endpoint keeps the request despite a backlog within maxTTFTPenaltyMs; past it, the lighter token load wins; the
     in-flight tokens go at the first token."""
-    from extproc.tools.sim.policies import LlmdTokenAware
+    from extproc.tools.sim.peers import LlmdTokenAware
 
     def req(rid: int, sid: int) -> Request:
         return Request(rid, sid, 0, 20_000, 1_000, 8, 0.0)

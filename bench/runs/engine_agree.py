@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from extproc.tools.engine.model import EngineConfig
-from extproc.tools.mock.vllm import CHARS_PER_TOKEN, text_blocks
+from extproc.tools.mock.responses import CHARS_PER_TOKEN, text_blocks
 from extproc.tools.sim.simulator import Simulation
 from extproc.tools.workload.generate import Request, WorkloadConfig
 

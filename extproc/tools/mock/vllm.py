@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import logging
-import math
 import random
 import sys
 import time
@@ -39,11 +37,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from extproc.core.apis import anthropic_error_body
-from extproc.core.blocks import BLOCK_CHARS, block_hashes
 from extproc.core.models import not_found_body
-from extproc.tools.engine.metrics import DIALECTS, SGLANG_DECODE_LOG_INTERVAL, CacheInfo, Exporter
-from extproc.tools.engine.model import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
+from extproc.tools.engine.metrics import SGLANG_DECODE_LOG_INTERVAL, CacheInfo, Exporter
+from extproc.tools.engine.model import EngineConfig
 from extproc.tools.mock.kv_transfer import KvConnector, LoadFailed
+from extproc.tools.mock.driver import Aborted, Driver, Waiter  # noqa: F401 (Waiter: read from here)
+from extproc.tools.mock.options import add_arguments
+from extproc.tools.mock.responses import chunk, error, text_blocks, final_body, json_object, prompt_text, sse, text_token_ids, usage
 from extproc.tools.mock.apis import (
     MessagesShape,
     ResponsesShape,
@@ -53,188 +53,11 @@ from extproc.tools.mock.apis import (
     responses_input,
 )
 
-CHARS_PER_TOKEN = 4
+from extproc.tools.mock.responses import CHARS_PER_TOKEN  # noqa: E402 (read from here too)
 ENGINE_HEADER = "x-mock-engine"  # which data-parallel engine served (not vLLM's; for tests and benchmarks)
 REPLICA_HEADER = "x-mock-replica"  # which replica served (chat has its system_fingerprint; the other APIs this)
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 POOLING_PATHS = ("/v1/embeddings", "/pooling")
-MIN_EMIT_WALL_S = 0.002  # a decode run's tokens go out at most this often (wall time); at real speed, every step
-
-
-def text_blocks(text: str) -> list[int]:
-    """The prefix cache's view of a prompt: the router's own block hashes (``extproc.core.blocks``), so a
-    "cache hit" means the same thing to the mock, the router and the simulator. The last, partial block
-    gets a hash of its own (the engine never shares it)."""
-    data = text.encode("utf-8", "replace")
-    out = block_hashes(data)
-    if len(data) % BLOCK_CHARS:
-        out.append(zlib.crc32(data) << 32 | len(data))
-    return out
-
-
-class _Aborted(Exception):
-    pass
-
-
-class Waiter:
-    """Token events of one request from the engine loop to its HTTP handler."""
-
-    __slots__ = ("queue", "req", "first_at", "last_at")
-
-    def __init__(self, req: EngineRequest):
-        self.req = req
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.first_at: float | None = None  # engine time of the first token (a preempted request keeps its first)
-        self.last_at: float | None = None  # engine time of its last tokens (inter-token latency)
-
-
-class Driver:
-    """Runs the engine in workload time, with the simulator's stepping, against the wall clock.
-
-    The engine's clock is workload time: a step starts where the previous one
-    ended (or at the arrival that woke an idle engine), and a client is
-    answered when the wall clock reaches that step's end divided by
-    ``speedup``. A late event loop therefore delays the answer but never the
-    engine, so the simulator and the mock compute the same schedule, and the
-    mock's own lateness (asyncio, HTTP, a busy machine) is measured per
-    request as ``lag`` instead of silently inflating every later step.
-    Pure-decode steps are run ``horizon_s`` at a time, as the simulator does
-    (an arrival cuts the run at the next step boundary), so a 20x-compressed
-    14 ms step is not a 0.7 ms timer the event loop cannot keep.
-    """
-
-    def __init__(self, cfg: EngineConfig, speedup: float, horizon_s: float = DECODE_HORIZON_S, index: int = 0):
-        self.engine = Engine(cfg)
-        self.index = index  # its data-parallel rank
-        self.speedup = speedup
-        self.horizon_s = horizon_s
-        self.w0 = time.monotonic()
-        self.clock = 0.0  # workload time where the next step starts
-        self.waiters: dict[int, Waiter] = {}
-        self.prefilled: set[int] = set()
-        # the moments an engine's metrics move (engine_metrics.Exporter): first token, tokens streamed, finish, step
-        self.on_first = lambda k, er: None
-        self.on_chunk = lambda k, n, interval_s: None  # n tokens of one request, interval_s wall after its last
-        self.on_done = lambda k, er: None
-        self.on_step = lambda k: None
-        self.on_lag = lambda lag_s: None  # wall seconds a first token reached its client after its due time
-        self._wake = asyncio.Event()
-        self._end: float | None = None  # workload time the step (or decode run) in progress ends
-        self._next_rid = 0
-        self.task: asyncio.Task | None = None
-
-    def now(self) -> float:
-        return (time.monotonic() - self.w0) * self.speedup
-
-    def wall(self, t: float) -> float:
-        return self.w0 + t / self.speedup
-
-    def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run())
-
-    def _emit(self, w: Waiter, n: int, first: bool, at: float) -> None:
-        if not first and w.last_at is not None:
-            self.on_chunk(self.index, n, (at - w.last_at) / self.speedup)
-        elif first and n > 1:
-            self.on_chunk(self.index, n - 1, 0.0)
-        w.last_at = at
-        w.queue.put_nowait((n, first))
-
-    def submit(self, blocks: list[int], prompt_tokens: int, max_tokens: int, lora: str | None = None,
-               external: int = 0, keep: bool = False) -> Waiter:
-        self._next_rid += 1
-        er = EngineRequest(self._next_rid, blocks, prompt_tokens, max_tokens, self.now(), lora=lora,
-                           external=external, keep=keep)
-        w = Waiter(er)
-        self.waiters[er.rid] = w
-        self.engine.add(er)
-        if self._end is None:
-            self._wake.set()
-        else:
-            cut = self.engine.cut_run(er.arrival)  # vLLM admits it at the next step boundary
-            if cut is not None:
-                self._end = cut
-                self._wake.set()
-        return w
-
-    def abort(self, w: Waiter) -> None:
-        self.waiters.pop(w.req.rid, None)
-        self.prefilled.discard(w.req.rid)
-        self.engine.abort(w.req)
-
-    def abort_all(self) -> None:
-        self.engine.abort_all()
-        self.prefilled.clear()
-        for w in self.waiters.values():
-            w.queue.put_nowait(_Aborted())
-        self.waiters.clear()
-
-    async def _sleep_until(self, t: float) -> None:
-        """Until the wall clock reaches engine time ``t``, or the step in progress ends earlier (an arrival cut it)."""
-        while (delay := self.wall(min(t, self._end)) - time.monotonic()) > 0:
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
-
-    async def _run(self) -> None:
-        e = self.engine
-        while True:
-            if not e.busy:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if e.waiting and not e.running:  # idle until now: the step starts at the arrival
-                self.clock = max(self.clock, e.waiting[0].arrival)
-            before = {r.rid: r.generated for r in e.running}
-            dur, first, done = e.step(self.clock, self.horizon_s)
-            if dur <= 0:
-                await asyncio.sleep(0.001)
-                continue
-            self._end = self.clock + dur
-            emitted = dict(before)
-            run = e._run  # a run of pure-decode steps: each of its requests gets one token per step
-            if run is not None:
-                start, step_s, _, decoding = run
-                # stream as vLLM does, a token per step, but not more often than the event loop can keep at high
-                # compression (the schedule is the engine's either way; only the chunking changes)
-                every = max(1, math.ceil(MIN_EMIT_WALL_S * self.speedup / step_s))
-                k = every
-                while start + k * step_s < self._end - 1e-12:
-                    await self._sleep_until(start + k * step_s)
-                    if start + k * step_s >= self._end - 1e-12:  # an arrival cut the run before this boundary
-                        break
-                    for r in decoding:
-                        w = self.waiters.get(r.rid)
-                        upto = min(r.generated, before.get(r.rid, 0) + k)
-                        if w is not None and upto > emitted.get(r.rid, 0):
-                            self._emit(w, upto - emitted.get(r.rid, 0), False, start + k * step_s)
-                            emitted[r.rid] = upto
-                    k += every
-            await self._sleep_until(self._end)
-            self.clock, self._end = self._end, None
-            late = time.monotonic() - self.wall(self.clock)
-            self.on_step(self.index)
-            for r in first:
-                if r.rid not in self.prefilled:  # once per request, as vLLM counts it (not again after preemption)
-                    self.prefilled.add(r.rid)
-                    self.on_first(self.index, r)
-                    self.on_lag(late)
-            firsts = {r.rid for r in first}
-            for r in [*e.running, *done]:
-                w = self.waiters.get(r.rid)
-                new = r.generated - emitted.get(r.rid, 0)
-                if w is not None and new > 0:
-                    if w.first_at is None:
-                        w.first_at = self.clock
-                    self._emit(w, new, r.rid in firsts, self.clock)
-            for r in done:
-                self.prefilled.discard(r.rid)
-                self.on_done(self.index, r)
-                w = self.waiters.pop(r.rid, None)
-                if w is not None:
-                    w.queue.put_nowait(None)
 
 
 class MockReplica:
@@ -396,24 +219,24 @@ class MockReplica:
                                   "model_type": "mock"})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        doc = await _json_object(request)
+        doc = await json_object(request)
         if doc is None:
-            return _error(400, "expected a JSON object")
-        text = _prompt_text(doc)
+            return error(400, "expected a JSON object")
+        text = prompt_text(doc)
         ids = text_token_ids(text)
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
 
     async def render(self, request: web.Request) -> web.Response:
-        doc = await _json_object(request)
+        doc = await json_object(request)
         if doc is None:
-            return _error(400, "expected a JSON object")
-        text = _prompt_text(doc)
+            return error(400, "expected a JSON object")
+        text = prompt_text(doc)
         return web.json_response({"prompt": text, "prompt_token_ids": text_token_ids(text)})
 
     async def fault(self, request: web.Request) -> web.Response:
-        doc = await _json_object(request)
+        doc = await json_object(request)
         if doc is None:
-            return _error(400, "expected a JSON object")
+            return error(400, "expected a JSON object")
         if "healthy" in doc:
             self.healthy = bool(doc["healthy"])
         if "fail_rate" in doc:
@@ -477,23 +300,23 @@ class MockReplica:
         except ValueError:  # what vLLM 0.32 (FastAPI) answers a body it cannot parse, a compressed one included
             return web.json_response({"detail": "There was an error parsing the body"}, status=400)
         if not isinstance(doc, dict):
-            return _error(400, "request body is not a JSON object")
+            return error(400, "request body is not a JSON object")
         if not self.healthy or (self.fail_rate and self.rng.random() < self.fail_rate):
-            return _error(503, "injected failure", "ServiceUnavailableError")
+            return error(503, "injected failure", "ServiceUnavailableError")
         if self.html:
             return web.Response(text="<html><body>Welcome to nginx!</body></html>", content_type="text/html")
         if self.stall_s:
             await asyncio.sleep(self.stall_s)
         messages_api, responses_api = request.path == "/v1/messages", request.path == "/v1/responses"
         if (chat or messages_api) and not isinstance(doc.get("messages"), list):
-            return _error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
+            return error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
         model = doc.get("model")
         if model is not None and model != self.model and model not in self.adapters:  # OpenAIServing._check_model
             self.c_not_found.inc()
             body = not_found_body(str(model), [self.model])
             return web.json_response(anthropic_error_body(body) if messages_api else body, status=404)
         lora = model if model in self.adapters else None
-        text = _prompt_text(doc)
+        text = prompt_text(doc)
         shape = history = None
         if messages_api:
             text, shape = messages_prompt(doc), MessagesShape(self.model)
@@ -513,18 +336,18 @@ class MockReplica:
         try:
             max_tokens = max(1, min(int(max_tokens), 32_768))
         except (TypeError, ValueError):
-            return _error(400, "1 validation error: max_tokens: Input should be a valid integer", param="body.max_tokens")
+            return error(400, "1 validation error: max_tokens: Input should be a valid integer", param="body.max_tokens")
         prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
         rank = request.headers.get("X-data-parallel-rank")  # vLLM and SGLang read it case-insensitively
         if rank is not None and not (rank.isdigit() and int(rank) < self.dp):
-            return _error(400, f"X-data-parallel-rank {rank[:20]!r} is not a rank of this server's {self.dp} engines")
+            return error(400, f"X-data-parallel-rank {rank[:20]!r} is not a rank of this server's {self.dp} engines")
         if prompt_tokens > self.max_model_len:  # vLLM's renderer refuses it before the engine sees it
-            return _error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+            return error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                           f"prompt contains at least {prompt_tokens} input tokens, which exceeds this limit even without "
                           "any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
                           f"value={prompt_tokens})", "BadRequestError", "input_tokens")
         if not self.driver.engine.fits(prompt_tokens, max_tokens):
-            return _error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
+            return error(400, f"prompt of {prompt_tokens} tokens does not fit this replica's KV cache")
         stream = bool(doc.get("stream")) and not embed
         pd = self.kv.role(doc.get("kv_transfer_params")) if self.kv is not None and shape is None and not embed \
             else None
@@ -536,7 +359,7 @@ class MockReplica:
             keep = lambda response, out: self.store.put(response, history + out)  # noqa: E731
         if responses_api and doc.get("background"):
             if keep is None:  # vLLM: background mode needs the store
-                return _error(400, "This vLLM engine does not support `store=True` and therefore does not support "
+                return error(400, "This vLLM engine does not support `store=True` and therefore does not support "
                               "the background mode.", "invalid_request_error", "background")
             queued = shape.response("queued")
             self.store.put(queued, history)
@@ -559,7 +382,7 @@ class MockReplica:
             return web.json_response(body, status=status)
         if request.method == "POST":
             if response.get("status") not in ("queued", "in_progress"):
-                return _error(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
+                return error(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
             response["status"] = "cancelled"
             task = self.background.pop(rid, None)
             if task is not None:
@@ -567,10 +390,10 @@ class MockReplica:
         return web.json_response(response)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        doc = await _json_object(request)
+        doc = await json_object(request)
         text = messages_prompt(doc) if doc is not None else None
         if text is None:
-            return _error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
+            return error(400, "1 validation error: messages: Input should be a valid list", param="body.messages")
         return web.json_response({"input_tokens": max(1, len(text) // CHARS_PER_TOKEN)})
 
     async def _generate(self, request, chat, text, prompt_tokens, max_tokens, stream, include_usage, driver, lora=None,
@@ -586,7 +409,7 @@ class MockReplica:
                 external = await self.kv.load(pd[1], driver.engine.hit_tokens(blocks, prompt_tokens))
             except LoadFailed as e:
                 if self.args.kv_load_failure_policy == "fail":  # vLLM's default: the request fails
-                    return _error(500, f"KV transfer from the prefill replica failed ({e})", "InternalServerError")
+                    return error(500, f"KV transfer from the prefill replica failed ({e})", "InternalServerError")
                 external = 0  # "recompute": the engine computes the prompt itself
         waiter = driver.submit(blocks, prompt_tokens, max_tokens, lora, external=external,
                                keep=pd is not None and pd[0] == "prefill")
@@ -605,7 +428,7 @@ class MockReplica:
                         await resp.write(event)
             while True:
                 ev = await waiter.queue.get()
-                if isinstance(ev, _Aborted):
+                if isinstance(ev, Aborted):
                     raise ConnectionResetError("replica died")
                 if ev is None:
                     break
@@ -613,7 +436,7 @@ class MockReplica:
                 if stream:
                     piece = "".join(("" if produced + k == 0 else " ") + "tok" for k in range(n))
                     await resp.write(shape.piece(piece) if shape is not None
-                                     else _sse(_chunk(chat, rid, created, self.model, piece, None, fp)))
+                                     else sse(chunk(chat, rid, created, self.model, piece, None, fp)))
                 produced += n
             cached = waiter.req.cached_tokens
             if embed:
@@ -634,21 +457,21 @@ class MockReplica:
                 await resp.write_eof()
                 return resp
             if not stream:
-                body = _final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens), prompt_tokens,
+                body = final_body(chat, rid, created, self.model, " ".join(["tok"] * max_tokens), prompt_tokens,
                                    max_tokens, cached, fp)
                 if waiter.req.keep:
                     body["kv_transfer_params"] = transfer = self.kv.keep(driver, waiter.req.rid, prompt_tokens, blocks)
                 return web.json_response(body, headers={ENGINE_HEADER: str(driver.index)})
-            await resp.write(_sse(_chunk(chat, rid, created, self.model, "", "length", fp)))
+            await resp.write(sse(chunk(chat, rid, created, self.model, "", "length", fp)))
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 # beside the usage, what the engine alone took (workload seconds): a benchmark subtracts nothing, but
                 # can tell the engine's time to first token from the time the HTTP path and routers added
                 er = waiter.req
                 engine = {"ttft_s": round(waiter.first_at - er.arrival, 6), "e2e_s": round(er.finished_at - er.arrival, 6)}
-                await resp.write(_sse({"id": rid, "object": obj, "created": created, "model": self.model,
+                await resp.write(sse({"id": rid, "object": obj, "created": created, "model": self.model,
                                        "system_fingerprint": fp, "choices": [],
-                                       "usage": _usage(prompt_tokens, max_tokens, cached), "x_mock_engine": engine}))
+                                       "usage": usage(prompt_tokens, max_tokens, cached), "x_mock_engine": engine}))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -661,73 +484,6 @@ class MockReplica:
             driver.abort(waiter)  # no-op once finished; frees KV when the client left early
             if waiter.req.keep and transfer is None:  # a prefill leg nobody will hear of: nothing to read
                 driver.engine.free_kept(waiter.req.rid)
-
-
-def text_token_ids(text: str) -> list[int]:
-    """Deterministic token ids, 4 characters a token: equal prefixes give equal ids."""
-    return [int.from_bytes(hashlib.blake2b(text[i : i + 4].encode("utf-8", "replace"), digest_size=2).digest(), "big")
-            for i in range(0, len(text), CHARS_PER_TOKEN)]
-
-
-def _prompt_text(doc: dict) -> str:
-    msgs = doc.get("messages")
-    if isinstance(msgs, list):
-        return "".join(_content_text(m.get("content")) for m in msgs if isinstance(m, dict))
-    p = doc.get("prompt", doc.get("input", doc.get("text", "")))
-    if isinstance(p, str):
-        return p
-    return "".join(x for x in p if isinstance(x, str)) if isinstance(p, list) else ""
-
-
-async def _json_object(request: web.Request) -> dict | None:
-    try:
-        doc = await request.json()
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _content_text(c) -> str:
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):
-        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
-
-
-def _usage(p: int, c: int, cached: int) -> dict:
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _final_body(chat, rid, created, model, text, p, c, cached, fp) -> dict:
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length", "logprobs": None}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": fp,
-            "choices": [choice], "usage": _usage(p, c, cached)}
-
-
-def _chunk(chat, rid, created, model, piece, finish, fp) -> dict:
-    if chat:
-        delta = {"content": piece} if piece or finish is None else {}
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": fp, "choices": [choice]}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": fp,
-            "choices": [{"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}]}
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _error(status: int, message: str, typ: str = "Bad Request", param: str | None = None) -> web.Response:
-    """vLLM 0.32's error body (``ErrorResponse``): message, type, param, code; a request that fails validation
-    is "Bad Request" with the field's location as param."""
-    return web.json_response({"error": {"message": message, "type": typ, "param": param, "code": status}}, status=status)
 
 
 def build_app(rep: MockReplica) -> web.Application:
@@ -781,65 +537,6 @@ def build_app(rep: MockReplica) -> web.Application:
 
     app.router.add_route("*", "/{tail:.*}", unknown)
     return app
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0 lets the OS pick; the bound port is printed")
-    ap.add_argument("--model", default="mock-coder-30b")
-    ap.add_argument("--name", default="mock", help="reported as system_fingerprint, so a client can see who served it")
-    ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens, help="KV cache size in tokens")
-    ap.add_argument("--cpu-tier-tokens", type=int, default=0, help="a CPU tier under the KV cache, in tokens (vLLM's "
-                    "OffloadingConnector): blocks evicted from the GPU go down, a prompt's run of them past its GPU hit "
-                    "is restored ~10x faster than computed; exports vllm:kv_offload_load_time (0: none)")
-    ap.add_argument("--speed", type=float, default=1.0, help="prefill and decode speed against the default engine "
-                    "(0.5: a GPU half as fast); exported cache size and rates follow")
-    ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    ap.add_argument("--max-model-len", type=int, default=None, help="the longest request it reads (vLLM's flag; "
-                    "default: the KV cache's size); a longer prompt is vLLM's 400")
-    ap.add_argument("--default-max-tokens", type=int, default=64)
-    ap.add_argument("--speedup", type=float, default=1.0, help="divide every engine step time by this")
-    ap.add_argument("--decode-horizon-s", type=float, default=DECODE_HORIZON_S,
-                    help="pure-decode steps are run and streamed this much engine time at a time (0: token by token)")
-    ap.add_argument("--fail-rate", type=float, default=0.0, help="share of requests answered 503")
-    ap.add_argument("--flap-every", type=float, default=0.0, help="die every this many seconds (0: never)")
-    ap.add_argument("--flap-down", type=float, default=5.0, help="and stay down this long")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--keep-alive-s", type=float, default=5.0, help="close a keep-alive connection idle this long, as "
-                    "vLLM's uvicorn does (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)")
-    ap.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
-    ap.add_argument("--tls-key", default=None)
-    ap.add_argument("--prefix-caching", choices=("on", "off"), default="on",
-                    help="off: vLLM's --no-enable-prefix-caching (every prompt computed whole; cache_config_info says so)")
-    ap.add_argument("--metrics", choices=(*DIALECTS, "none"), default="vllm",
-                    help="whose /metrics to export, as that engine's code defines and moves them: vllm (0.11+), "
-                    "vllm-old (0.8-0.10), sglang (none: no /metrics at all, like a foreign OpenAI server)")
-    ap.add_argument("--no-metrics", action="store_true", help="no /metrics (vLLM --disable-log-stats; SGLang without "
-                    "--enable-metrics)")
-    ap.add_argument("--data-parallel", type=int, default=1, help="engines behind one front end (vLLM "
-                    "--data-parallel-size): each its own scheduler and KV cache of --kv-tokens, spread by vLLM's rule "
-                    "or the X-data-parallel-rank header")
-    ap.add_argument("--lora-adapters", default="", help="comma-separated LoRA adapter names it serves (vLLM "
-                    "--lora-modules); a request names one as its model")
-    ap.add_argument("--max-loras", type=int, default=1, help="adapters on the GPU at once (vLLM --max-loras)")
-    ap.add_argument("--lora-load-s", type=float, default=0.5, help="engine seconds a step pays to bring an adapter "
-                    "into a GPU slot")
-    ap.add_argument("--runner", choices=("generate", "pooling"), default="generate",
-                    help="vLLM --runner: generate serves completions, pooling serves /v1/embeddings and /pooling")
-    ap.add_argument("--responses-store", action="store_true", help="keep Responses API responses in memory for "
-                    "previous_response_id, retrieval and cancel (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
-    ap.add_argument("--kv-transfer-tokens-per-s", type=float, default=0.0, help="prefill/decode disaggregation (vLLM "
-                    "--kv-transfer-config, kv_role kv_both, NIXL's exchange): KV moves between replicas at this many "
-                    "prompt tokens a second; 0: no connector, kv_transfer_params ignored")
-    ap.add_argument("--kv-lease-s", type=float, default=30.0, help="a prefill leg's blocks wait this long for a decode "
-                    "replica to read them (NixlConnector kv_lease_duration)")
-    ap.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail",
-                    help="a decode leg whose KV cannot be loaded fails (vLLM's default) or computes the prompt itself")
-    ap.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json (vLLM's flag of that name)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (only what /metrics and /server_info say)")
-    ap.add_argument("--metrics-all-ranks", action="store_true", help="SGLang --enable-metrics-for-all-schedulers: "
-                    "every tensor-parallel rank exports a copy of its scheduler's gauges")
 
 
 def _no_request_content(record: logging.LogRecord) -> bool:

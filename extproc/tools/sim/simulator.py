@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from extproc.core import LoadSample, RouterConfig, UpstreamOutcome, imbalance_index, upstream_failed, upstream_verdicts
 from extproc.tools.engine.model import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
 from extproc.tools.sim.brains import make as make_policy
-from extproc.tools.sim.policies import HOLD, REFUSED, RETRY_AFTER_S, Policy
+from extproc.tools.sim.policy_base import HOLD, REFUSED, RETRY_AFTER_S, Policy
 from extproc.tools.workload.generate import Request, Workload, WorkloadConfig
 from extproc.tools.workload.measure import pct, per_class
 

@@ -82,7 +82,7 @@ demo: install
 # they keep what they need, the engine's install (~3 min with pip's cache, more cold) and the tests that start
 # no process (CPU-bound, timing-free, two at a time). Then the tests that start real engines (~4 min; four engines
 # start at once), while the no-process tests finish at their lower priority. ~14 min from a fresh clone.
-test: install system-deps k8s-tools
+test: install system-deps k8s-tools lint
 	@mkdir -p $(ENGINE_DIR); rm -f $(ENGINE_DIR)/install.rc $(ENGINE_DIR)/unit.rc $(ENGINE_DIR)/unit.log; \
 	( nice -n 10 $(MAKE) --no-print-directory engines > $(ENGINE_DIR)/install.log 2>&1; echo $$? > $(ENGINE_DIR)/install.rc ) & \
 	install=$$!; \
@@ -93,6 +93,9 @@ test: install system-deps k8s-tools
 	$(PY) -m pytest -q -p no:cacheprovider -m real_engine || rc=1; wait $$unit; \
 	echo "--- no process: pytest -m 'not integration' ($(ENGINE_DIR)/unit.log)"; tail -30 $(ENGINE_DIR)/unit.log; \
 	[ "$$(cat $(ENGINE_DIR)/unit.rc)" = 0 ] || rc=1; exit $$rc
+
+lint: install  ## ruff (errors, bugbear, simplify, 120 columns) on the product, as pyproject.toml configures it
+	$(PY) -m ruff check extproc
 
 test-unit: install k8s-tools  ## everything but the tests that start Envoy, brains and replicas, two at a time (~2 min on 2 cores)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not integration"

@@ -32,7 +32,8 @@ class Scenario:
 
     def run(self, extra: list[str]) -> int:
         module = importlib.import_module(f"bench.{self.runner}")
-        sys.argv[:] = [f"python -m bench {self.name}", *extra]  # the runner's usage and its result files name the scenario
+        # the runner's usage and its result files name the scenario
+        sys.argv[:] = [f"python -m bench {self.name}", *extra]
         return int(module.main([*self.args, *extra]) or 0)
 
 

@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST", "envoy_ring_hash": "RING_HASH",
+ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST",
+                  "envoy_ring_hash": "RING_HASH",
                   "envoy_ring_hash_bounded_150": "RING_HASH"}
 ROUTERS = {
     "vllm_router_cache_aware": ("vllm-router", "cache_aware"),

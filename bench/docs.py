@@ -40,7 +40,8 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
      "brains\"); off unless redis_url is set."),
     ("", AppConfig, "Top-level fields."),
 )
-_NESTED = {"health", "pins", "profile", "warm", "disaggregation", "router", "replicas", "brain", "envoy", "discovery", "shared_state", "source",
+_NESTED = {"health", "pins", "profile", "warm", "disaggregation", "router", "replicas", "brain", "envoy", "discovery",
+           "shared_state", "source",
            "aliases"}
 MODELS_SECTION = [
     "## `models`",
@@ -93,13 +94,15 @@ def _type_name(tp) -> str:
     if origin is tuple:
         # a tuple of pairs is read from a mapping (replicas[].kv_events: {endpoint, replay_endpoint, ...})
         return "mapping" if typing.get_origin(args[0]) is tuple else "list of strings"
-    return {int: "whole number", float: "number", str: "string", bool: "true / false"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {int: "whole number", float: "number", str: "string", bool: "true / false"}.get(tp, getattr(tp, "__name__",
+                                                                                                       str(tp)))
 
 
 def _yaml(value) -> str:
     if dataclasses.is_dataclass(value):  # a section's default: YAML a user can paste, not the dataclass's repr
         return "{" + ", ".join(f"{f.name}: {_yaml(getattr(value, f.name))}" for f in dataclasses.fields(value)) + "}"
-    if isinstance(value, str) and (not value or any(c in value for c in ":{}[],#&*!|>'\"%@`") or value != value.strip()):
+    if isinstance(value,
+                  str) and (not value or any(c in value for c in ":{}[],#&*!|>'\"%@`") or value != value.strip()):
         return "'" + value.replace("'", "''") + "'"
     if value is None:
         return "null"
@@ -162,7 +165,8 @@ def config_reference() -> str:
     ]
     rows = config_fields()
     for section, cls, blurb in SECTIONS:
-        out += [f"## `{section}`" if section else "## Top level", "", blurb, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"## `{section}`" if section else "## Top level", "", blurb, "", "| key | type | default | meaning |",
+                "|---|---|---|---|"]
         prefix = f"{section}." if section else ""
         for key, tp, default, meaning in rows:
             if (prefix and key.startswith(prefix)) or (not prefix and "." not in key):
@@ -218,7 +222,8 @@ def values_table(root: Path = ROOT) -> str:
                     continue
                 walk(sub, f"{path}.{k}" if path else k, (default or {}).get(k) if isinstance(default, dict) else None)
             return
-        shown = json.dumps(default, separators=(", ", ": ")) if default not in (None, "") else ('""' if default == "" else "")
+        shown = json.dumps(default, separators=(", ", ": ")) if default not in (None,
+                                                                                "") else ('""' if default == "" else "")
         desc = node.get("description", "") if path != "config" else ("the brain's config file, as in "
                                                                         "[configuration.md](configuration.md); the "
                                                                         "shape's ports, TLS files, discovery and "

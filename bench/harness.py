@@ -68,7 +68,8 @@ def find_bin(name: str) -> str | None:
     return str(here) if here.exists() else shutil.which(name)
 
 
-def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float, hash_balance_factor: int | None = None) -> dict:
+def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float,
+                  hash_balance_factor: int | None = None) -> dict:
     """A plain Envoy a user would write: one cluster over the replicas, retries, health checks."""
     hc = max(0.1, 3.0 / speedup)
     cluster = {
@@ -76,7 +77,8 @@ def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float, ha
         "per_connection_buffer_limit_bytes": 64 * 2**20,
         "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
                                              "max_requests": 100000, "max_retries": 100000}]},
-        "health_checks": [{"timeout": f"{hc:.3f}s", "interval": f"{hc:.3f}s", "unhealthy_threshold": 1, "healthy_threshold": 2,
+        "health_checks": [{"timeout": f"{hc:.3f}s", "interval": f"{hc:.3f}s", "unhealthy_threshold": 1,
+                           "healthy_threshold": 2,
                            "http_health_check": {"path": "/health"}}],
         "load_assignment": {"cluster_name": "fleet", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in ports]}]},
@@ -91,12 +93,14 @@ def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float, ha
         cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": hash_balance_factor}}
     hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
            "stat_prefix": "ingress", "stream_idle_timeout": "0s",
-           "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+           "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"},
+                                                                                            "route": route}]}]},
            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
     return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
             "static_resources": {
-                "listeners": [{"name": "l", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                "listeners": [{"name": "l", "address": {"socket_address": {"address": "127.0.0.1",
+                                                                           "port_value": listen}},
                                "per_connection_buffer_limit_bytes": 64 * 2**20,
                                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                                "typed_config": hcm}]}]}],
@@ -106,7 +110,8 @@ def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float, ha
 def envoy_proc(doc: dict, workdir: Path) -> Proc:
     path = workdir / "envoy.yaml"
     path.write_text(dump(doc))
-    return Proc("envoy", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l", "error"],
+    return Proc("envoy", [envoy_binary(), "-c", str(path), "--use-dynamic-base-id", "--concurrency", "1", "-l",
+                          "error"],
                 workdir)
 
 

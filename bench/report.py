@@ -40,8 +40,10 @@ class Row:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| contender | scenario | pace | TTFT p50 s | TTFT p99 s | not-engine p50 s | brain ms | e2e p50 s | e2e p99 s | "
-            "out tok/s | prefix hit | imbalance | sent | errors | lost |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| contender | scenario | pace | TTFT p50 s | TTFT p99 s | not-engine p50 s | brain ms | e2e p50 s | e2e "
+            "p99 s | "
+            "out tok/s | prefix hit | imbalance | sent | errors | lost "
+            "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if r.note:
@@ -50,7 +52,8 @@ def table(rows: list[Row]) -> str:
         brain = f"{r.brain_ms:.1f}" if r.brain_ms == r.brain_ms else "—"
         pace = f"{r.speedup:g}x" + (f" (measured the machine: {r.pace})" if r.pace else "") + \
             "".join(f" (left {p})" for p in r.paces)
-        lines.append(f"| {r.contender} | {r.scenario} | {pace} | {r.ttft_p50:.2f} | {r.ttft_p99:.1f} | {r.not_engine_p50:.3f} | {brain} | "
+        lines.append(f"| {r.contender} | {r.scenario} | {pace} | {r.ttft_p50:.2f} | {r.ttft_p99:.1f} | "
+                     f"{r.not_engine_p50:.3f} | {brain} | "
                      f"{r.e2e_p50:.1f} | {r.e2e_p99:.1f} | "
                      f"{r.out_tok_s:.0f} | {r.prefix_hit:.1%} | {r.imbalance:.2f} | {r.sent} | {r.errors} | {r.lost} |")
     return "\n".join(lines)
@@ -78,8 +81,10 @@ def flow_table(rows: list[Row]) -> str:
             base = plain.get(r.contender)
             others = f"{r.others_p99:.1f}" + (f" ({r.others_p99 / base.ttft_p99:.2f}x)" if base else "")
         lines.append(f"| {r.contender} | {r.scenario} | {r.speedup:g}x{' (' + r.pace + ')' if r.pace else ''} | "
-                     f"{num('standard_ttft_p50', '{:.2f}')} | {num('standard_ttft_p99')} | {num('critical_ttft_p99')} | "
-                     f"{num('sheddable_ttft_p99')} | {c.get('goodput', 0.0):.1f} | {r.refused} | {r.errors} | {r.lost} | "
+                     f"{num('standard_ttft_p50', '{:.2f}')} | {num('standard_ttft_p99')} | {num('critical_ttft_p99')} "
+                     f"| "
+                     f"{num('sheddable_ttft_p99')} | {c.get('goodput', 0.0):.1f} | {r.refused} | {r.errors} | {r.lost} "
+                     f"| "
                      f"{others} |")
     return "\n".join(lines) if len(lines) > 1 else ""
 

@@ -17,7 +17,7 @@ def _config_or_exit(path: str | None):
         return load_config(path)
     except ConfigError as e:
         print(f"warmroute: config error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 # (name, what it does in one line, an example): `warmroute --help` lists them, `warmroute NAME --help` shows both
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     u = command("up")
     u.add_argument("--replicas", type=int, default=None, help="how many (default: 4 mocks, or 2 real vLLMs)")
     u.add_argument("--engine", choices=("mock", "vllm"), default="mock",
-                   help="vllm: real vLLM 0.32 engines on the CPU with the tiny model (make engines; ~2 GB and ~20 s each)")
+                   help="vllm: real vLLM 0.32 engines on the CPU with the tiny model (make engines; ~2 GB and ~20 s "
+                   "each)")
     u.add_argument("--minutes", type=float, default=2.0, help="workload minutes of demo load (about 30 s of wall time)")
     u.add_argument("--sessions-per-min", type=float, default=6.0)
     u.add_argument("--no-serve", action="store_true", help="stop after the load instead of serving until Ctrl-C")
@@ -68,9 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--shape", choices=("pairs", "picker", "processes"), default="pairs",
                    help="with --brains: pairs; the brains as endpoint pickers behind one Envoy; or several ext_proc "
                         "brain processes behind one Envoy (one host's cores)")
-    u.add_argument("--port", type=int, default=0, help="Envoy's listen port on 127.0.0.1, for a stable URL (default: any free)")
-    u.add_argument("--pd", action="store_true", help="a disaggregated fleet: r0 of role prefill, the rest of role decode, "
-                   "their KV handed over by a connector (mocks: NIXL's exchange; vllm: the file-based ExampleConnector)")
+    u.add_argument("--port", type=int, default=0,
+                   help="Envoy's listen port on 127.0.0.1, for a stable URL (default: any free)")
+    u.add_argument("--pd", action="store_true",
+                   help="a disaggregated fleet: r0 of role prefill, the rest of role decode, "
+                   "their KV handed over by a connector (mocks: NIXL's exchange; vllm: the file-based "
+                   "ExampleConnector)")
 
     d = command("demo-core")
     d.add_argument("--seed", type=int, default=7)

@@ -30,7 +30,8 @@ def scrape_all(router: Router, now: float, loads: dict[str, tuple[int, int]] | N
         router.on_scrape(r.name, ok, now, running=running, waiting=waiting)
 
 
-def prof(session: str | None = None, prefix: str | None = None, tokens: int = 0, blocks: list[int] = ()) -> RequestProfile:
+def prof(session: str | None = None, prefix: str | None = None, tokens: int = 0,
+         blocks: list[int] = ()) -> RequestProfile:
     return RequestProfile(
         session_key=hash_key("session", None, session) if session else None,
         prefix_key=hash_key("prefix", None, prefix) if prefix else None,
@@ -47,7 +48,8 @@ def chain(system: str, session: str | None, tokens: int, system_tokens: int = 40
     return [hash((system, i)) for i in range(k)] + [hash((system, session, i)) for i in range(k, n)]
 
 
-def scrape_until(router: Router, t: float, done, loads=None, failing: frozenset[str] = frozenset(), limit_s: float = 3600.0) -> float:
+def scrape_until(router: Router, t: float, done, loads=None, failing: frozenset[str] = frozenset(),
+                 limit_s: float = 3600.0) -> float:
     """Scrape every 3 s from ``t`` (replicas in ``failing`` fail) until ``done()``; returns the time reached."""
     end = t + limit_s
     while not done():

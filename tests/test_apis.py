@@ -104,7 +104,8 @@ def test_a_responses_follow_up_belongs_to_its_conversation_and_names_the_respons
     r2 = mint_response_id("r2", second.response_root)
     third = _profile("/v1/responses", {"model": "m", "input": "again", "previous_response_id": r2})
     assert third.session_key == second.session_key and third.response_root == conversation_root(r1)
-    other = _profile("/v1/responses", {"model": "m", "input": "x", "previous_response_id": mint_response_id("r1", None)})
+    other = _profile("/v1/responses", {"model": "m", "input": "x", "previous_response_id": mint_response_id("r1",
+                                                                                                            None)})
     assert other.session_key != second.session_key
     mine = _profile("/v1/responses", {"model": "m", "input": "x", "request_id": "client-1"})
     assert mine.response_id == "client-1"

@@ -31,7 +31,8 @@ def test_the_chain_is_seeded_by_model_and_tenant():
 
 
 @settings(max_examples=200, deadline=None)
-@given(turns=st.lists(st.binary(min_size=0, max_size=3 * BLOCK_CHARS), min_size=1, max_size=6), start=st.integers(0, 10))
+@given(turns=st.lists(st.binary(min_size=0, max_size=3 * BLOCK_CHARS), min_size=1, max_size=6), start=st.integers(0,
+                                                                                                                  10))
 def test_a_session_s_cached_chain_equals_a_fresh_one_and_only_new_blocks_are_hashed(turns, start):
     cache = ChainCache()
     seed = chain_seed("m", None)
@@ -150,7 +151,8 @@ def test_C2_a_next_turn_that_rewrites_only_the_previous_bodys_json_tail_reuses_i
     size = 20_000
     while len(a := orjson.dumps({"messages": [{"role": "user", "content": "x" * size}], "stream": True})) % 64 != 5:
         size += 1  # the closing '}],"stream":true}' reaches into the last full block, which the next turn rewrites
-    b = orjson.dumps({"messages": [{"role": "user", "content": "x" * size}, {"role": "assistant", "content": "y" * 900}],
+    b = orjson.dumps({"messages": [{"role": "user", "content": "x" * size}, {"role": "assistant",
+                                                                             "content": "y" * 900}],
                       "stream": True})
     cache = ChainCache()
     old = list(cache.chain(b"s", a, 0, seed))

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "warmroute"
 TOOLS = ROOT / ".tools" / "bin"
 K8S_VERSION = "1.35.0"  # kubectl's, from the same package as helm
-CRD = yaml.safe_load((ROOT / "tests" / "fixtures" / "gie" / "inference.networking.k8s.io_inferencepools.yaml").read_text())
+CRD = yaml.safe_load((ROOT / "tests" / "fixtures" / "gie"
+                      / "inference.networking.k8s.io_inferencepools.yaml").read_text())
 
 # shape x values: every combination a user is told about in docs/kubernetes.md, as chart-testing finds them
 MATRIX = {p.name.removesuffix("-values.yaml"): yaml.safe_load(p.read_text()) or {}
@@ -224,7 +225,8 @@ def test_several_brains_share_state_through_redis_spread_over_nodes(tmp_path):
     redis = the(docs, "Deployment", u.hostname)
     assert svc["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
     # the password file the config names is the mounted secret's key, and Redis requires the same secret
-    mount = next(m for m in pod["containers"][0]["volumeMounts"] if cfg.shared_state.password_file.startswith(m["mountPath"]))
+    mount = next(m for m in pod["containers"][0]["volumeMounts"]
+                 if cfg.shared_state.password_file.startswith(m["mountPath"]))
     vol = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     key = cfg.shared_state.password_file[len(mount["mountPath"]):].strip("/")
     env = redis["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]
@@ -258,7 +260,8 @@ def test_the_dashboard_is_the_shipped_one(tmp_path):
     docs = render(MATRIX["gateway-several-brains-in-chart-redis"], tmp_path)
     cm = the(docs, "ConfigMap", "wr-warmroute-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert json.loads(cm["data"]["warmroute.json"]) == json.loads((ROOT / "extproc" / "ops" / "grafana-dashboard.json").read_text())
+    assert json.loads(cm["data"]["warmroute.json"]) == json.loads((ROOT / "extproc" / "ops"
+                                                                   / "grafana-dashboard.json").read_text())
 
 
 BAD = [
@@ -306,7 +309,8 @@ def test_the_values_schema_refuses_what_the_brain_refuses():
                     parse_config(copy.deepcopy(doc))
                 checked += 1
     assert checked > 100  # every scalar field of every section (140 today)
-    jsonschema.validate({"replicas": [{"name": "r0", "url": "http://10.0.0.5:8000"}], "warm": {"kv_pressure": 0.9}}, schema)
+    jsonschema.validate({"replicas": [{"name": "r0", "url": "http://10.0.0.5:8000"}], "warm": {"kv_pressure": 0.9}},
+                        schema)
 
 
 @pytest.mark.parametrize("case", ["gateway-exact-mode", "standalone-exact-mode"])

@@ -121,10 +121,12 @@ def test_the_default_policy_is_warm_and_seed_and_the_ablations_can_be_named():
 def test_each_replica_names_its_engine():
     from extproc.config import ConfigError, parse_config
 
-    cfg = parse_config({"replicas": [{"name": "a", "url": "http://h:1"}, {"name": "b", "url": "http://h:2", "engine": "sglang"},
+    cfg = parse_config({"replicas": [{"name": "a", "url": "http://h:1"}, {"name": "b", "url": "http://h:2",
+                                                                          "engine": "sglang"},
                                      {"name": "c", "url": "http://h:3", "engine": "none"}]})
     assert [r.engine for r in cfg.replicas] == ["vllm", "sglang", "none"]
-    with pytest.raises(ConfigError, match=r"^replicas\[0\]\.engine: expected one of vllm, sglang, none, auto, got 'tgi'$"):
+    with pytest.raises(ConfigError,
+                       match=r"^replicas\[0\]\.engine: expected one of vllm, sglang, none, auto, got 'tgi'$"):
         parse_config({"replicas": [{"name": "a", "url": "http://h:1", "engine": "tgi"}]})
 
 
@@ -216,7 +218,8 @@ def test_an_https_replica_gets_tls_in_envoy_with_its_own_name_and_ca():
     from extproc.envoy_config import bootstrap
 
     cfg = parse_config({"replicas": [{"name": "r0", "url": "http://10.0.0.1:8000"},
-                                     {"name": "r1", "url": "https://vllm-1.internal:8443", "tls_ca_file": "/etc/ca.pem"}]})
+                                     {"name": "r1", "url": "https://vllm-1.internal:8443",
+                                      "tls_ca_file": "/etc/ca.pem"}]})
     clusters = {c["name"]: c for c in bootstrap(cfg)["static_resources"]["clusters"]}
     for name in ("r0", "r1", "warmroute_fallback"):
         (match,) = clusters[name]["transport_socket_matches"]  # only r1's endpoints speak TLS

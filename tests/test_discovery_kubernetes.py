@@ -67,7 +67,8 @@ class FakeApi:
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
         app = web.Application()
-        app.router.add_get(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/{{name}}", self.get_pool)
+        app.router.add_get(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/{{name}}",
+                           self.get_pool)
         app.router.add_get(f"/api/v1/namespaces/{NS}/pods", self.list_pods)
         app.router.add_get(f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices", self.list_slices)
         # handlers still open at shutdown (a watch) are cancelled after 5 s instead of aiohttp's 60
@@ -152,7 +153,8 @@ def api():
 
 
 def test_an_inference_pools_ready_pods_on_its_target_ports(api, tmp_path):
-    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder", kubeconfig=api.kubeconfig(tmp_path / "k"))
+    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder",
+                        kubeconfig=api.kubeconfig(tmp_path / "k"))
     found = asyncio.run(KubernetesSource(d).lookup())
     assert [(r.name, r.url) for r in found] == [("coder-0", "http://10.0.0.10:8000")]  # coder-1 is not Ready
     assert "app=vllm-coder" in api.selectors
@@ -163,7 +165,8 @@ def test_an_inference_pools_ready_pods_on_its_target_ports(api, tmp_path):
 
 
 def test_a_pods_llm_d_role_label_is_its_role(api, tmp_path):
-    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder", kubeconfig=api.kubeconfig(tmp_path / "k"))
+    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder",
+                        kubeconfig=api.kubeconfig(tmp_path / "k"))
     prefill, decode, other = pod("p-0", "10.0.0.20"), pod("d-0", "10.0.0.21"), pod("x-0", "10.0.0.22")
     prefill["metadata"]["labels"]["llm-d.ai/role"] = "prefill"
     decode["metadata"]["labels"]["llm-d.ai/role"] = "decode"
@@ -218,7 +221,8 @@ def test_missing_credentials_and_a_missing_pool_are_one_line_errors(api, tmp_pat
     d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder", kubeconfig=str(tmp_path / "none"))
     with pytest.raises(DiscoveryError, match="cannot load credentials"):
         asyncio.run(KubernetesSource(d).lookup())
-    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="nope", kubeconfig=api.kubeconfig(tmp_path / "k"))
+    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="nope",
+                        kubeconfig=api.kubeconfig(tmp_path / "k"))
     with pytest.raises(DiscoveryError, match="404"):
         asyncio.run(KubernetesSource(d).lookup())
 
@@ -268,10 +272,12 @@ def test_a_pod_names_its_kv_events_ports_by_annotation_else_the_config_s_ports_h
     """Issue 63: exact mode on engines that do not list their publishers (vLLM before 0.32): a pod's annotations
     name its publisher's and replay socket's ports on its own address; without them the config's ports hold; an
     annotation that is no port is not believed."""
-    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder", kubeconfig=api.kubeconfig(tmp_path / "k"),
+    d = DiscoveryConfig(source="kubernetes", namespace=NS, inference_pool="coder",
+                        kubeconfig=api.kubeconfig(tmp_path / "k"),
                         kv_events_port=5557, kv_events_replay_port=5558)
     own, plain, bad = pod("a-0", "10.0.0.30"), pod("b-0", "10.0.0.31"), pod("c-0", "10.0.0.32")
-    own["metadata"]["annotations"] = {"warmroute.io/kv-events-port": "6000", "warmroute.io/kv-events-replay-port": "6001"}
+    own["metadata"]["annotations"] = {"warmroute.io/kv-events-port": "6000",
+                                      "warmroute.io/kv-events-replay-port": "6001"}
     bad["metadata"]["annotations"] = {"warmroute.io/kv-events-port": "²"}
     api.pods = [own, plain, bad]
     found = {r.name: r.kv_events for r in asyncio.run(KubernetesSource(d).lookup())}

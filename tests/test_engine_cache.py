@@ -134,7 +134,8 @@ def test_an_adapter_is_priced_exactly_with_the_path_its_replicas_list():
     cat.configure({"r0": None, "r1": None})
     base = {"id": "m", "root": "/models/m"}
     cat.learned("r0", [base, {"id": "a", "parent": "m", "root": "/adapters/a"}])
-    cat.learned("r1", [base, {"id": "a", "parent": "m", "root": "/adapters/a"}, {"id": "b", "parent": "m", "root": "/x"}])
+    cat.learned("r1", [base, {"id": "a", "parent": "m", "root": "/adapters/a"}, {"id": "b", "parent": "m",
+                                                                                 "root": "/x"}])
     assert cat.adapter_of("a") == ("m", "/adapters/a") and cat.adapter_of("m") is None
     assert cat.adapter_paths("r1") == {"a": "/adapters/a", "b": "/x"}
     cat.learned("r0", [base, {"id": "a", "parent": "m", "root": "/elsewhere/a"}])
@@ -319,7 +320,8 @@ def test_a_publisher_s_tiers_are_bounded_in_media_and_blocks_and_an_overflow_for
 
 def test_an_offloading_connector_s_tiers_are_held_per_medium_and_restorable_past_the_gpu_s_hit():
     """vLLM's own offload events (engines/offload_events.py): CPU chunks that overlap announce a block twice and it
-    stays until both are evicted; a placeholder chunk is a residency claim; a REMOTE tier's copy is not this engine's."""
+    stays until both are evicted; a placeholder chunk is a residency claim; a REMOTE tier's copy is not this
+    engine's."""
     meta = json.loads((FIX / "kv-events-offload.json").read_text())
     bs, tokens = meta["block_size"], meta["tokens"]
     hashes = [external(d) for d in chain(tokens, bs, none_hash())]

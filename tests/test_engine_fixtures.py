@@ -73,7 +73,8 @@ def test_a_text_is_never_read_as_the_other_engine(name):
     assert not r.ok and r.missing
 
 
-@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.32.txt", "vllm-0.8.txt", "vllm-0.32-lora.txt", "vllm-0.32-offload.txt")), (SGLANG, ("sglang-0.5.txt",))])
+@pytest.mark.parametrize("dialect,files", [(VLLM, ("vllm-0.32.txt", "vllm-0.8.txt", "vllm-0.32-lora.txt",
+                                                   "vllm-0.32-offload.txt")), (SGLANG, ("sglang-0.5.txt",))])
 def test_every_name_the_parser_wants_is_one_an_engine_exports(dialect, files):
     """A misspelt or invented metric name reads nothing, silently: each one must be in some engine's text."""
     names = set()

@@ -96,7 +96,8 @@ def test_a_long_conversation_s_turn_hashes_its_new_blocks_only():
     assert inc.reused_blocks == len(toks) // 128 and inc.hashed_blocks - before == len(toks2) // 128 - len(toks) // 128
     assert hashes == block_hashes(toks2, 128, none_hash())
     # another block size (or seed) shares nothing with the chain kept
-    assert inc.prompt({"messages": msgs}, b"s", blocks=(64, none_hash(), None))[1] == block_hashes(toks2, 64, none_hash())
+    assert inc.prompt({"messages": msgs}, b"s", blocks=(64, none_hash(), None))[1] == block_hashes(toks2, 64,
+                                                                                                   none_hash())
 
 
 def test_a_turn_too_long_for_the_request_path_is_tokenized_by_a_worker_and_the_next_turn_extends_it():

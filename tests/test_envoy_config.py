@@ -68,7 +68,8 @@ def test_routes_by_the_brain_header_and_fails_open_to_a_bounded_ring_hash_over_a
 def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
     names = [f["name"] for f in hcm(bootstrap(CFG))["http_filters"]]
     assert names == ["warmroute.inflate_gzip_requests", "warmroute.inflated_body_limit",
-                     "warmroute.header_path", "warmroute.look_whole_body", "warmroute.look_upload_time", "warmroute.look",
+                     "warmroute.header_path", "warmroute.look_whole_body", "warmroute.look_upload_time",
+                     "warmroute.look",
                      "warmroute.big_body_model",
                      "envoy.filters.http.ext_proc", HOLD_FILTER, ROUTE_FROM_BRAIN_FILTER, "envoy.filters.http.router"]
     (early,) = hcm(bootstrap(CFG))["early_header_mutation_extensions"]
@@ -140,7 +141,8 @@ def test_bodies_of_32_mib_fit_envoy_and_the_grpc_message_limit():
 
 def test_retry_on_another_replica_after_refused_connection_or_reset_before_response():
     doc = bootstrap(CFG)
-    rp = next(r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"] if "route" in r)["route"]["retry_policy"]
+    rp = next(r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"] if "route"
+              in r)["route"]["retry_policy"]
     assert {"connect-failure", "reset"} <= set(rp["retry_on"].split(","))
     assert rp["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
     clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
@@ -181,7 +183,10 @@ def test_the_brain_is_health_checked_with_grpc_health_v1_and_logs_reach_it():
 def test_hostnames_render_as_dns_clusters():
     from extproc.config import parse_config
 
-    cfg = parse_config({"replicas": [{"name": "a", "url": "http://vllm-a:8000"}], "brain": {"host": "brain", "grpc_socket": None, "grpc_port": 9100, "insecure": True}})
+    cfg = parse_config({"replicas": [{"name": "a", "url": "http://vllm-a:8000"}], "brain": {"host": "brain",
+                                                                                            "grpc_socket": None,
+                                                                                            "grpc_port": 9100,
+                                                                                            "insecure": True}})
     clusters = {c["name"]: c for c in bootstrap(cfg)["static_resources"]["clusters"]}
     assert clusters["a"]["type"] == "STRICT_DNS" and clusters[BRAIN_CLUSTER]["type"] == "STRICT_DNS"
     assert bootstrap(AppConfig())["static_resources"]["clusters"][0]["name"] == BRAIN_CLUSTER
@@ -236,7 +241,8 @@ def test_the_picker_shape_routes_by_override_host_with_a_bounded_ring_hash_fallb
     assert sources[0] == {"metadata": {"key": DESTINATION_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}
     fallback = policy["typed_config"]["fallback_policy"]["policies"][0]["typed_extension_config"]
     assert fallback["typed_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 150
-    hosts = [e["endpoint"]["address"]["socket_address"]["address"] for e in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    hosts = [e["endpoint"]["address"]["socket_address"]["address"] for e
+             in pool["load_assignment"]["endpoints"][0]["lb_endpoints"]]
     assert hosts == ["10.0.0.5", "10.0.0.6", "10.0.0.7"]
     route = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
     assert route["cluster"] == PICKER_CLUSTER and route["timeout"] == "0s"
@@ -252,7 +258,8 @@ def test_the_picker_shapes_body_modes():
     buffered = ext_proc_of(picker_doc())["processing_mode"]
     duplex = ext_proc_of(picker_doc(picker_body_mode="full-duplex"))["processing_mode"]
     assert (buffered["request_body_mode"], buffered["response_body_mode"]) == ("BUFFERED", "STREAMED")
-    assert (duplex["request_body_mode"], duplex["response_body_mode"]) == ("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED")
+    assert (duplex["request_body_mode"], duplex["response_body_mode"]) == ("FULL_DUPLEX_STREAMED",
+                                                                           "FULL_DUPLEX_STREAMED")
     assert duplex["request_trailer_mode"] == duplex["response_trailer_mode"] == "SEND"  # Envoy requires it
     for p in (buffered, duplex):
         assert p["request_header_mode"] == p["response_header_mode"] == "SEND"

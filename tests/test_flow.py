@@ -413,7 +413,8 @@ def test_the_class_comes_from_the_trusted_header_and_envoy_strips_it_from_client
     assert isinstance(other, HeldAnswer)  # a name it does not know is standard
     assert b.router.flow.queue.in_order(5)[0].klass == STANDARD
     assert "x-warmroute-priority" in edge_headers_removed(b.cfg) and "x-warmroute-priority" in brain_headers(b.cfg)
-    trusted, _ = live({"flow_control": {"enabled": True, "hold_on_wait": True, "trust_downstream_priority_header": True}})
+    trusted, _ = live({"flow_control": {"enabled": True, "hold_on_wait": True,
+                                        "trust_downstream_priority_header": True}})
     assert "x-warmroute-priority" not in edge_headers_removed(trusted.cfg)
     off, _ = live({"flow_control": {"enabled": False}})
     assert "x-warmroute-priority" not in edge_headers_removed(off.cfg) + brain_headers(off.cfg)
@@ -767,7 +768,8 @@ def test_new_sessions_are_not_held_for_queues_shorter_than_a_busy_fleet_s():
     # a queue of 0.5 s on each replica (below busy_wait_s = 1 s), then new sessions of 0.1 s of prefill each
     for i, name in enumerate(("r0", "r1")):
         router.select(prof(tokens=int(0.5 * rate), blocks=chain(f"q{i}", None, int(0.5 * rate))), t, only=[name])
-    placed = [router.select(prof(session=f"s{k}", tokens=int(0.1 * rate), blocks=chain(f"s{k}", f"s{k}", int(0.1 * rate))),
+    placed = [router.select(prof(session=f"s{k}", tokens=int(0.1 * rate), blocks=chain(f"s{k}", f"s{k}",
+                                                                                       int(0.1 * rate))),
                             t + 0.001 * k, hold_key=f"s{k}") for k in range(4)]
     assert not any(d.reason is Reason.HELD for d in placed)
     assert all(d.replica is not None for d in placed)
@@ -907,7 +909,8 @@ def test_sessions_that_never_come_back_stop_filling_the_working_set_flow_control
     st = pol.state_of(placed[0].replica)
     before = st.active_tokens
     again = turn("new0", 51_000, now + 1)
-    assert again.replica is placed[0].replica and st.active_tokens >= before + 51_000 - int(50_000 * pol.sessions.return_share) - 1
+    assert again.replica is placed[0].replica and st.active_tokens >= before + 51_000 - int(50_000
+                                                                                            * pol.sessions.return_share) - 1
     assert pol.sessions.return_share > 0.0
 
 
@@ -920,7 +923,8 @@ def test_sessions_that_ended_leave_the_working_set_once_quiet_for_longer_than_th
     from extproc.core.config import WarmConfig
 
     def active_after(gap: float, quiet: float) -> tuple[int, float]:
-        router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=60)))
+        router, t = live_router(2, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000,
+                                                                             active_session_s=60)))
         router.flow = FlowControl()
         pol = router.policy
         at = t

@@ -40,14 +40,18 @@ def fuzz(n: int):
 
 # ------------------------------------------------------------------ bodies
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False, allow_infinity=False),
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False,
+                                                                                             allow_infinity=False),
                          st.text(max_size=50))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner,
+                                                                max_size=5) | st.dictionaries(st.text(max_size=10),
+                                                                                              inner, max_size=5),
                            max_leaves=30)
 message = st.fixed_dictionaries({}, optional={
     "role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer"]), json_values),
     "content": st.one_of(st.text(max_size=300), json_values,
-                         st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=100)}), max_size=3)),
+                         st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=100)}),
+                                  max_size=3)),
     "name": json_values,
 })
 chat_body = st.fixed_dictionaries({}, optional={
@@ -79,7 +83,8 @@ raw_bodies = st.one_of(
     st.binary(max_size=2000),  # non-UTF-8, truncated, anything
     st.text(max_size=500).map(lambda t: t.encode("utf-8", "surrogatepass")),
     st.integers(1, 200_000).map(_deep),  # nesting far past any parser's recursion limit
-    st.integers(1, 3_000_000).map(lambda n: b'{"messages":[{"role":"user","content":"' + b"x" * n + b'"}]}'),  # huge strings
+    # huge strings
+    st.integers(1, 3_000_000).map(lambda n: b'{"messages":[{"role":"user","content":"' + b"x" * n + b'"}]}'),
     chat_body.map(lambda d: gzip.compress(orjson.dumps(d))),  # compressed bytes the brain did not expect
     chat_body.map(lambda d: zlib.compress(orjson.dumps(d))[: len(orjson.dumps(d)) // 2]),
     st.just(b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),  # a lone surrogate escape
@@ -100,7 +105,8 @@ headers = st.dictionaries(
 def _live_brain(policy: str):
     # flow control off: thousands of new sessions at one instant fill every cache's active set, and it would hold
     # them (tests/test_flow.py); here each case must be routed and taken back at once
-    return live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)],
+    return live_brain(parse_config({"replicas": [{"name": f"r{i}",
+                                                  "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)],
                                     "routing": {"policy": policy}, "flow_control": {"enabled": False}}))
 
 
@@ -133,7 +139,8 @@ NAMES = [VLLM.running, VLLM.waiting, *VLLM.kv, *VLLM.counters, VLLM.cache_info, 
 values = st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.integers().map(str),
                    st.sampled_from(["NaN", "+Inf", "-Inf", "1e12", "-1", "0x10", "", "1 2 3", "nan"]),
                    st.text(max_size=8))
-labels = st.one_of(st.just(""), st.dictionaries(st.sampled_from(["model_name", "engine", "num_gpu_blocks", "block_size", 'a"b']),
+labels = st.one_of(st.just(""), st.dictionaries(st.sampled_from(["model_name", "engine", "num_gpu_blocks",
+                                                                 "block_size", 'a"b']),
                                                 st.text(max_size=8), max_size=3)
                    .map(lambda d: "{" + ",".join(f'{k}="{v}"' for k, v in d.items()) + "}"),
                    st.text(max_size=12))
@@ -156,17 +163,22 @@ def test_any_metrics_text_is_load_or_a_failed_scrape_with_a_reason(dialect, line
 
 SECTIONS = {
     "replicas": None, "routing": ["policy", "token_weight_unit", "reservation_timeout_s", "seed", "nope"],
-    "health": ["scrape_interval_s", "good_scrapes_to_probe", "cooldown_base_s"], "pins": ["session_ttl_s", "prefix_slack"],
-    "profile": ["session_headers", "tenant_source", "tenant_header", "max_body_bytes", "chars_per_token", "block_chars"],
+    "health": ["scrape_interval_s", "good_scrapes_to_probe", "cooldown_base_s"], "pins": ["session_ttl_s",
+                                                                                          "prefix_slack"],
+    "profile": ["session_headers", "tenant_source", "tenant_header", "max_body_bytes", "chars_per_token",
+                "block_chars"],
     "warm": ["balance_factor", "kv_pressure", "cache_tokens"], "brain": ["host", "grpc_port", "grpc_socket"],
     "envoy": ["listen_port", "allowed_paths", "fail_open_hash_balance_factor", "max_body_bytes"],
     "allow_no_replicas": None, "bogus": None,
 }
 scalar = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=12),
                    st.lists(st.text(max_size=8), max_size=3))
-replica = st.fixed_dictionaries({}, optional={"name": st.one_of(st.sampled_from(["r0", "r1", "warmroute_x", "bad name"]), scalar),
-                                              "url": st.one_of(st.sampled_from(["http://127.0.0.1:8000", "ftp://x", "http://h:99999"]), scalar),
-                                              "engine": st.one_of(st.sampled_from(["vllm", "sglang", "none", "tgi"]), scalar),
+replica = st.fixed_dictionaries({}, optional={"name": st.one_of(st.sampled_from(["r0", "r1", "warmroute_x",
+                                                                                 "bad name"]), scalar),
+                                              "url": st.one_of(st.sampled_from(["http://127.0.0.1:8000", "ftp://x",
+                                                                                "http://h:99999"]), scalar),
+                                              "engine": st.one_of(st.sampled_from(["vllm", "sglang", "none", "tgi"]),
+                                                                  scalar),
                                               "extra": scalar})
 
 
@@ -245,7 +257,9 @@ def test_the_model_read_is_the_one_json_loads_reads(body):
     assert engine_model(raw) == (want if isinstance(want, str) and want else None)
 
 
-replica_json = st.one_of(json_values.map(json.dumps), st.integers(1, 120_000).map(lambda d: '{"data": ' + "[" * d + "]" * d + "}"),
+replica_json = st.one_of(json_values.map(json.dumps), st.integers(1,
+                                                                  120_000).map(lambda d: '{"data": ' + "[" * d + "]"
+                                                                               * d + "}"),
                          st.integers(1, 120_000).map(lambda d: '{"paths": ' + '{"a":' * d + "1" + "}" * (d + 1)),
                          st.text(max_size=300),
                          st.lists(st.text(max_size=30), max_size=20).map(

@@ -102,11 +102,13 @@ def test_an_estimate_from_a_body_is_bounded_by_the_largest_max_model_len_too():
 def _openai_sdk_body(content_bytes: int, model: str = "coder") -> bytes:
     """The OpenAI Python SDK's layout: messages first, then model, then the tools (10 KB) last."""
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 200,
-                                               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+                                               "parameters": {"type": "object",
+                                                              "properties": {"x": {"type": "string"}}}}}
              for i in range(40)]
     turns = max(1, content_bytes // 2000)
     messages = [{"role": "system", "content": "You are a coding agent."}] + [
-        {"role": "user" if k % 2 else "assistant", "content": "def f(x):\n    return \"x\" * 2\n" * 70} for k in range(turns)]
+        {"role": "user" if k % 2 else "assistant",
+         "content": "def f(x):\n    return \"x\" * 2\n" * 70} for k in range(turns)]
     return json.dumps({"messages": messages, "model": model, "stream": True, "tools": tools}).encode()
 
 
@@ -267,9 +269,11 @@ def test_many_path_templates_match_as_one_walk_and_agree_with_the_segment_matche
     c.configure({"r0": templates["r0"], "r1": templates["r1"], "r2": ["/only/here"]},
                 {"r0": templates["r0"], "r1": templates["r1"], "r2": ["/only/here"]})
     for _ in range(500):
-        path = "/" + "/".join(rnd.choice(["v1", "responses", "x", "abc", "chat", "cz", ""]) for _ in range(rnd.randint(1, 6)))
+        path = "/" + "/".join(rnd.choice(["v1", "responses", "x", "abc", "chat", "cz",
+                                          ""]) for _ in range(rnd.randint(1, 6)))
         want = {r for r, ps in templates.items()
-                if any((p == path) if isinstance(path_pattern(p), str) else path_matches(path_pattern(p), path) for p in ps)}
+                if any((p == path) if isinstance(path_pattern(p), str) else path_matches(path_pattern(p),
+                                                                                         path) for p in ps)}
         got = c._serving_path(path)
         assert (got if got is not None else {"r0", "r1", "r2"}) == want | ({"r2"} if path == "/only/here" else set())
 

@@ -47,7 +47,8 @@ def _brain(**extra):
 
     from .helpers import live_brain
 
-    return live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(2)],
+    return live_brain(parse_config({"replicas": [{"name": f"r{i}",
+                                                  "url": f"http://127.0.0.1:{8001 + i}"} for i in range(2)],
                                     "flow_control": {"enabled": False}, **extra}))
 
 
@@ -57,7 +58,8 @@ def _sent_body(out, body: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("body", [
-    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": {"remote_host": "10.9.9.9", '
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": {"remote_host": '
+    b'"10.9.9.9", '
     b'"remote_port": 5600, "remote_block_ids": [1, 2], "remote_request_id": "victim", "do_remote_prefill": true}}',
     # the same key as the engine's parser reads it: escaped, duplicated, beside a NaN only Python's json reads
     b'{"model": "m", "messages": [], "kv\\u005ftransfer_params": {"remote_host": "10.9.9.9"}}',
@@ -184,9 +186,11 @@ def test_the_picker_books_an_upload_decided_past_its_byte_limit_only_once_its_bo
 
     from .helpers import live_brain
 
-    b = live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(2)],
+    b = live_brain(parse_config({"replicas": [{"name": f"r{i}",
+                                               "url": f"http://127.0.0.{i + 1}:8000"} for i in range(2)],
                                  "brain": {"protocol": "endpoint-picker"},
-                                 # KV for four million tokens: a declared 15 MB (a million by its size) is a prompt these replicas take
+                                 # KV for four million tokens: a declared 15 MB (a million by its size) is a prompt
+                                 # these replicas take
                                  "warm": {"cache_tokens": 4_000_000}}))
 
     def pending() -> int:
@@ -395,7 +399,8 @@ def test_a_flush_of_more_than_a_peer_reads_goes_as_several_entries(tmp_path):
     events = [("i", "r0", None, k, 0, None, list(range(10**12, 10**12 + 4000))) for k in range(200)]  # ~11 MB
     fields = brain._fields(events, now)
     assert len(fields) > 4 and all(len(f["e"]) <= _ENTRY_MAX_BYTES for f in fields)
-    reader._apply_entries([(f"{k + 1}-0".encode(), {a.encode(): v for a, v in f.items()}) for k, f in enumerate(fields)])
+    reader._apply_entries([(f"{k + 1}-0".encode(), {a.encode(): v for a, v in f.items()}) for k,
+                           f in enumerate(fields)])
     assert reader.stats.rejected == {} and reader.router.remote.blocks == 800_000
 
 

@@ -40,7 +40,8 @@ def first_turn(b, session: str = "s1", turns: int = 1) -> str:
 
 
 def routed(answer) -> dict[str, str]:
-    return {h.header.key: h.header.raw_value.decode() for h in answer.request_headers.response.header_mutation.set_headers}
+    return {h.header.key: h.header.raw_value.decode() for h
+            in answer.request_headers.response.header_mutation.set_headers}
 
 
 def test_a_turn_under_way_is_routed_to_its_home_at_its_headers_and_booked_there():

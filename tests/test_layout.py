@@ -102,7 +102,8 @@ def test_the_product_imports_no_instrument():
 
 def test_nothing_shipped_imports_what_only_the_repository_runs():
     g = graph()
-    bad = [(m, t) for m, ts in g.items() if m.startswith("extproc") for t in ts if t == "bench" or t.startswith("bench.")]
+    bad = [(m, t) for m,
+           ts in g.items() if m.startswith("extproc") for t in ts if t == "bench" or t.startswith("bench.")]
     assert not bad, bad
 
 
@@ -112,7 +113,9 @@ def test_the_engine_and_the_workload_import_no_other_instrument():
     for room in ("extproc.tools.engine", "extproc.tools.workload"):
         for m, ts in g.items():
             if m == room or m.startswith(room + "."):
-                bad += [(m, t) for t in ts if t.startswith("extproc.tools") and not (t == room or t.startswith(room + "."))]
+                bad += [(m,
+                         t) for t in ts if t.startswith("extproc.tools") and not (t == room or t.startswith(room
+                                                                                                            + "."))]
     assert not bad, bad
 
 
@@ -131,13 +134,15 @@ def test_no_private_name_crosses_files_of_the_product():
 
 def test_the_instruments_are_a_few_rooms():
     rooms = [p.name for p in (PKG / "tools").iterdir()
-             if p.name != "__init__.py" and p.name != "__pycache__" and (p.suffix == ".py" or (p / "__init__.py").exists())]
+             if p.name != "__init__.py" and p.name != "__pycache__" and (p.suffix == ".py" or (p
+                                                                                               / "__init__.py").exists())]
     assert len(rooms) <= 8, sorted(rooms)
 
 
 def test_the_core_imports_nothing_of_the_shell():
     g = graph()
-    bad = [(m, t) for m, ts in g.items() if m.startswith("extproc.core") for t in ts if not t.startswith("extproc.core")]
+    bad = [(m, t) for m,
+           ts in g.items() if m.startswith("extproc.core") for t in ts if not t.startswith("extproc.core")]
     assert not bad, bad
 
 

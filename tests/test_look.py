@@ -1,4 +1,5 @@
-"""Issue 43, a flood of new sessions: the look at a large body's headers before the brain reads it, and how far behind the
+"""Issue 43, a flood of new sessions: the look at a large body's headers before the brain reads it, and how far behind
+the
 brain reads (``extproc/brain/intake.py``)."""
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def test_behind_a_burst_a_new_session_is_refused_before_its_upload_and_a_session
     behind = bound * 1.5
     out = b.look(_headers("someone-new"), behind)
     assert out is not None and out.immediate_response.status.code == 429
-    headers = {h.header.key: h.header.raw_value.decode() or h.header.value for h in out.immediate_response.headers.set_headers}
+    headers = {h.header.key: h.header.raw_value.decode() or h.header.value for h
+               in out.immediate_response.headers.set_headers}
     assert headers[dc.DROPPED_REASON_HEADER] == "router_behind" and int(headers["retry-after"]) >= 1
     assert json.loads(out.immediate_response.body)["error"]["code"] == "router_behind"
     assert b.look(_headers("mine"), behind) is None  # its turn is never refused

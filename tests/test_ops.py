@@ -23,7 +23,8 @@ def promtool() -> str:
 def test_alert_rules_are_valid_and_each_alert_fires_and_stays_quiet_in_promtool_tests():
     check = subprocess.run([promtool(), "check", "rules", str(OPS / "alerts.yaml")], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    test = subprocess.run([promtool(), "test", "rules", str(OPS / "alerts_test.yaml")], capture_output=True, text=True, cwd=OPS)
+    test = subprocess.run([promtool(), "test", "rules", str(OPS / "alerts_test.yaml")], capture_output=True, text=True,
+                          cwd=OPS)
     assert test.returncode == 0, test.stdout + test.stderr
     tested = yaml.safe_load((OPS / "alerts_test.yaml").read_text())
     by_alert: dict[str, set[bool]] = {}
@@ -45,7 +46,8 @@ def test_every_alert_has_a_one_line_runbook():
 
 def metric_names() -> set[str]:
     """Every metric name the dashboard and the alert rules use (histograms by their _bucket series)."""
-    exprs = [t["expr"] for p in json.loads((OPS / "grafana-dashboard.json").read_text())["panels"] for t in p["targets"]]
+    exprs = [t["expr"] for p in json.loads((OPS / "grafana-dashboard.json").read_text())["panels"] for t
+             in p["targets"]]
     exprs += [r["expr"] for g in yaml.safe_load((OPS / "alerts.yaml").read_text())["groups"] for r in g["rules"]]
     out = set()
     for e in exprs:
@@ -57,7 +59,8 @@ def metric_names() -> set[str]:
 
 def test_the_dashboard_covers_what_operators_watch():
     names = metric_names()
-    for m in ["warmroute_decisions_total", "warmroute_imbalance_index", "warmroute_replica_state", "warmroute_cooldown_seconds",
+    for m in ["warmroute_decisions_total", "warmroute_imbalance_index", "warmroute_replica_state",
+              "warmroute_cooldown_seconds",
               "warmroute_pins", "warmroute_spills_total", "warmroute_rebinds_total", "warmroute_scrapes_total",
               "warmroute_decision_duration_seconds_bucket", "envoy_cluster_upstream_rq_total",
               "envoy_http_ext_proc_warmroute_failure_mode_allowed"]:

@@ -98,7 +98,8 @@ def picked(out: list[ep.ProcessingResponse]) -> tuple[str, str]:
     """(header value, metadata value) of the headers answer."""
     first = out[0]
     assert first.WhichOneof("response") == "request_headers"
-    hdr = {h.header.key: h.header.raw_value.decode() for h in first.request_headers.response.header_mutation.set_headers}
+    hdr = {h.header.key: h.header.raw_value.decode() for h
+           in first.request_headers.response.header_mutation.set_headers}
     meta = first.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value
     assert first.request_headers.response.clear_route_cache
     return hdr[DESTINATION_HEADER], meta
@@ -133,7 +134,8 @@ def test_a_big_body_goes_back_in_chunks_of_at_most_62000_bytes(brain):
     chunks = [o.request_body.response.body_mutation.streamed_response.body for o in out[1:]]
     assert max(len(c) for c in chunks) <= PICKER_BODY_CHUNK and len(chunks) >= 4
     assert b"".join(chunks) == big
-    hdr = {h.header.key: h.header.raw_value.decode() for h in out[0].request_headers.response.header_mutation.set_headers}
+    hdr = {h.header.key: h.header.raw_value.decode() for h
+           in out[0].request_headers.response.header_mutation.set_headers}
     assert hdr["content-length"] == str(len(big))
 
 
@@ -237,7 +239,8 @@ def test_a_retry_elsewhere_counts_against_the_chosen_endpoint(brain):
 
     async def scenario():
         ctx = QueueCtx()
-        task = asyncio.ensure_future(EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 20, brain.clock).Process(None, ctx))
+        task = asyncio.ensure_future(EndpointPicker(brain.picks.pick, brain.picks.end, 1 << 20,
+                                                    brain.clock).Process(None, ctx))
         for m in request():
             ctx.q.put_nowait(m)
         while not ctx.out:
@@ -277,7 +280,8 @@ def test_a_buffered_gateway_is_answered_on_the_body_message(brain):
 
 def test_a_config_with_a_host_name_is_refused_in_picker_mode():
     with pytest.raises(ConfigError, match=r"replicas\[0\]\.url: brain.protocol endpoint-picker"):
-        parse_config({"replicas": [{"name": "a", "url": "http://vllm-0:8000"}], "brain": {"protocol": "endpoint-picker"}})
+        parse_config({"replicas": [{"name": "a", "url": "http://vllm-0:8000"}],
+                      "brain": {"protocol": "endpoint-picker"}})
     with pytest.raises(ConfigError, match=r"^brain.protocol: expected one of"):
         parse_config({"brain": {"protocol": "epp"}})
 
@@ -347,7 +351,9 @@ def test_with_flow_control_a_saturated_pick_waits_until_a_response_ends_and_a_ga
     from extproc.brain.server import FlowWaits
 
     cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000"} for i in range(2)],
-                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600}})
+                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True,
+                                                                                   "hold_on_wait": True,
+                                                                                   "wait_s": 3600}})
     brain = live_brain(cfg)
     waits = FlowWaits(brain)
 
@@ -396,7 +402,9 @@ def test_a_held_pick_placed_as_the_gateway_leaves_gives_its_reservation_back():
     from extproc.brain.server import FlowWaits
 
     cfg = parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:8000"}],
-                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600}})
+                        "brain": {"protocol": "endpoint-picker"}, "flow_control": {"enabled": True,
+                                                                                   "hold_on_wait": True,
+                                                                                   "wait_s": 3600}})
     brain = live_brain(cfg)
     waits = FlowWaits(brain)
     big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "big " + "x" * 2_000_000}]})
@@ -428,11 +436,13 @@ def test_a_held_pick_placed_as_the_gateway_leaves_gives_its_reservation_back():
 def test_a_turn_under_way_is_picked_at_its_headers_and_its_body_passes_through_unread():
     """Issue 61 in the full-duplex shape: the pick comes before any body chunk, the body is echoed as it comes, and the
     turn's work is booked only once its body has passed (an upload held open books nothing)."""
-    cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000", "models": ["mock-coder-30b"]}
+    cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000",
+                                      "models": ["mock-coder-30b"]}
                                      for i in range(N)], "brain": {"protocol": "endpoint-picker"}})
     b = live_brain(cfg)
     front = EndpointPicker(b.picks.pick, b.picks.end, b.cfg.envoy.brain_body_max_bytes, b.clock,
-                           arrived=lambda res: b.router.arrived(res, b.clock()), pick_at_headers=b.picks.pick_at_headers)
+                           arrived=lambda res: b.router.arrived(res, b.clock()),
+                           pick_at_headers=b.picks.pick_at_headers)
 
     seen: list[float] = []  # the home's booked work when the gateway has sent all it will
 

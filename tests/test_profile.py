@@ -74,7 +74,8 @@ def test_session_header_list_is_configurable():
         ({"messages": [{"role": "developer", "content": SYS}]}, SYS),
         ({"messages": [{"role": "user", "content": "u"}, {"role": "system", "content": SYS}]}, SYS),
         # content as a list of parts
-        ({"messages": [{"role": "system", "content": [{"type": "text", "text": SYS[:50]}, {"type": "text", "text": SYS[50:]}]}]}, SYS),
+        ({"messages": [{"role": "system", "content": [{"type": "text", "text": SYS[:50]}, {"type": "text",
+                                                                                           "text": SYS[50:]}]}]}, SYS),
         ({"prompt": SYS}, SYS),  # /v1/completions
         ({"prompt": [SYS, "other"]}, SYS),
         ({"instructions": SYS, "input": "hi"}, SYS),  # Responses API
@@ -101,7 +102,8 @@ def test_token_estimate_is_characters_over_4_of_the_text_the_model_reads():
     doc = {
         "messages": [
             {"role": "system", "content": "s" * 4000},
-            {"role": "user", "content": [{"type": "text", "text": "u" * 2000}, {"type": "image_url", "image_url": {"url": "x" * 9999}}]},
+            {"role": "user", "content": [{"type": "text", "text": "u" * 2000}, {"type": "image_url",
+                                                                                "image_url": {"url": "x" * 9999}}]},
             {"role": "assistant", "content": "a" * 2000},
         ]
     }

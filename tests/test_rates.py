@@ -28,7 +28,8 @@ def _scrape(arrivals: list[float], t: float) -> LoadSample:
     done = [a for a in arrivals if a + PREFILL_S + OUT * STEP_S <= t]
     generated = sum(1 + min(OUT, int((t - f) / STEP_S)) for f in first)
     return LoadSample(prompt_tokens=COMPUTED * len(first), cached_tokens=0.0, computed_tokens=COMPUTED * len(first),
-                      first_tokens=len(first), prompt_requests=len(first), prefill_seconds=PREFILL_S * len(done), prefill_done=len(done),
+                      first_tokens=len(first), prompt_requests=len(first), prefill_seconds=PREFILL_S * len(done),
+                      prefill_done=len(done),
                       computed_at_finish=COMPUTED * len(done), generation_tokens=generated,
                       generated_at_finish=(OUT + 1) * len(done), decode_seconds=OUT * STEP_S * len(done),
                       decode_done=len(done), requests_done=len(done))
@@ -131,7 +132,8 @@ def _batched(phases: list[tuple[int, float]], p0: float, kp: float, d0: float, k
             prefill_s += per_scrape * COMPUTED * p0 * (1 + kp * batch)
             generated += per_scrape * (out + 1)
             decode_s += per_scrape * out * d0 * (1 + kd * batch)
-            r.update(LoadSample(running=batch, prompt_tokens=computed, prompt_requests=done, computed_at_finish=computed,
+            r.update(LoadSample(running=batch, prompt_tokens=computed, prompt_requests=done,
+                                computed_at_finish=computed,
                                 prefill_seconds=prefill_s, prefill_done=done, generated_at_finish=generated,
                                 decode_seconds=decode_s, decode_done=done, requests_done=done), t)
             t += 0.5

@@ -91,7 +91,8 @@ def test_the_access_log_releases_the_reservation_named_in_the_entry(brain):
 
 def test_a_request_reset_before_envoy_applied_our_header_is_released_by_its_request_id(brain):
     brain.decide({"x-request-id": "q-reset"}, BODY)
-    brain.on_log_entry(entry("q-reset", "", code=0, details="downstream_remote_disconnect", downstream_remote_reset=True))
+    brain.on_log_entry(entry("q-reset", "", code=0, details="downstream_remote_disconnect",
+                             downstream_remote_reset=True))
     assert brain.router.open_reservations == 0
     assert not brain.ledger.by_request_id
 
@@ -110,7 +111,8 @@ def test_a_reservation_id_from_an_earlier_brain_releases_nothing(brain):
         ({"code": 503, "details": "upstream_reset_before_response_started"}, False),  # Envoy's own, flags decide
         ({"code": 503, "details": "x", "upstream_connection_failure": True}, True),
         ({"code": 200, "upstream_remote_reset": True}, True),
-        ({"code": 0, "details": "x", "downstream_remote_reset": True}, False),  # the client left: not the replica's fault
+        # the client left: not the replica's fault
+        ({"code": 0, "details": "x", "downstream_remote_reset": True}, False),
         ({"code": 400}, False),
     ],
 )

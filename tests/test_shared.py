@@ -14,7 +14,8 @@ from .helpers import live_router
 
 
 def _turn(sid: int, turn: int) -> RequestProfile:
-    blocks = [chain_seed("sys", str(j)) for j in range(8)] + [chain_seed(str(sid), str(j)) for j in range(12 + 6 * turn)]
+    blocks = [chain_seed("sys", str(j)) for j in range(8)] + [chain_seed(str(sid),
+                                                                         str(j)) for j in range(12 + 6 * turn)]
     return RequestProfile(hash_key("session", None, str(sid)), None, len(blocks) * 16, "ok", None, blocks)
 
 

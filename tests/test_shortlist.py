@@ -100,7 +100,8 @@ def _agreement(n: int, load: float, seed: int, minutes: float, speeds=None) -> l
     (48, 12.0, 3, None),
     (40, 14.0, 4, tuple([1.0, 1.0, 0.7, 0.7, 0.4, 0.4][i % 6] for i in range(40))),  # three speeds, loaded
 ])
-def test_C3_a_big_fleet_s_shortlist_chooses_what_full_pricing_chooses_on_the_simulator_s_workloads(n, load, seed, speeds):
+def test_C3_a_big_fleet_s_shortlist_chooses_what_full_pricing_chooses_on_the_simulator_s_workloads(n, load, seed,
+                                                                                                   speeds):
     """Every shortlisted decision is priced once more over every candidate, under the same view of the fleet."""
     verify = _agreement(n, load, seed, 3.0, speeds)
     assert len(verify) > 300

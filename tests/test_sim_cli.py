@@ -66,7 +66,8 @@ def test_versus_peers_does_not_reuse_a_peers_cache_made_by_another_simulator(tmp
     ap = argparse.ArgumentParser()
     cli.add_arguments(ap)
     cache = tmp_path / "peers.pkl"
-    argv = ["--versus-peers", "0.25", "--seed", "1", "--minutes", "2", "--mine", "warmroute", "--peers-cache", str(cache)]
+    argv = ["--versus-peers", "0.25", "--seed", "1", "--minutes", "2", "--mine", "warmroute", "--peers-cache",
+            str(cache)]
     cli.run(ap.parse_args(argv))
     doc = pickle.loads(cache.read_bytes())
     assert doc["fingerprint"] == cli.simulator_fingerprint() and len(doc["runs"]) == len(PEERS)
@@ -188,7 +189,8 @@ def test_sim_and_anatomy_refuse_replica_speeds_that_are_not_positive_numbers_in_
 
 
 def test_unknown_policy_names_and_bench_live_speeds_are_refused_in_one_line():
-    for cmd in (["extproc.cli", "sim", "--policies", "warmroute,nope"], ["extproc.tools.sim.anatomy", "--policies", "nope"],
+    for cmd in (["extproc.cli", "sim", "--policies", "warmroute,nope"], ["extproc.tools.sim.anatomy", "--policies",
+                                                                         "nope"],
                 ["bench", "live", "--replica-speeds", "1,x"]):
         r = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (cmd, r.stderr)
@@ -199,9 +201,11 @@ def test_sim_brains_prints_one_brain_each_k_and_delay_and_llmds_pickers_and_shar
     import re
 
     p = subprocess.run([sys.executable, "-m", "extproc.cli", "sim", "--brains", "1,4", "--sync-delay-ms", "10,off",
-                        "--replicas", "8", "--load", "2", "--minutes", "6"], capture_output=True, text=True, timeout=300)
+                        "--replicas", "8", "--load", "2", "--minutes", "6"], capture_output=True, text=True,
+                        timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    rows = [line.split()[0] for line in p.stdout.splitlines() if line and re.match(r"^(warmroute|llmd_epp_2025)\S* ", line)
+    rows = [line.split()[0] for line in p.stdout.splitlines() if line and re.match(r"^(warmroute|llmd_epp_2025)\S* ",
+                                                                                   line)
             and "hits" not in line]
     assert rows[:5] == ["warmroute", "llmd_epp_2025", "warmroute:4:10", "warmroute:4:off", "llmd_epp_2025:4:off"]
     hits = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s+(\S+)\s+hits\s+([-+]\d+\.\d)", p.stdout, re.M)}

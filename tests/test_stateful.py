@@ -19,7 +19,8 @@ from extproc.core import (
 
 from .helpers import chain, names, prof
 
-SETTINGS = settings(max_examples=80, stateful_step_count=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=80, stateful_step_count=100, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 class HealthMachineRules(RuleBasedStateMachine):
@@ -81,7 +82,8 @@ class HealthMachineRules(RuleBasedStateMachine):
     def cooldown_follows_30_60_120_240_300(self):
         for c in self.cooldowns:
             assert c in (30.0, 60.0, 120.0, 240.0, 300.0)
-        assert self.h.cooldown_s == min(300.0, 30.0 * 2 ** (self.h.streak - 1)) if self.h.streak else self.h.cooldown_s == 0
+        assert self.h.cooldown_s == min(300.0,
+                                        30.0 * 2 ** (self.h.streak - 1)) if self.h.streak else self.h.cooldown_s == 0
 
 
 TestHealthMachine = HealthMachineRules.TestCase

@@ -208,7 +208,8 @@ def nan_metrics(stack: Stack, load: Load) -> tuple[float, str]:
 def spoofed_headers(stack: Stack, load: Load) -> tuple[float, str]:
     """Each session's first turn says where the brain keeps it; its next turns name another replica in the routing
     header (or the brain's own cluster). Served by the named replica = routed by the client's header."""
-    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "spoof"}]}).encode()
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                 "content": "spoof"}]}).encode()
     names = [r.name for r in stack.replicas]
 
     def served(headers: dict) -> str:
@@ -228,7 +229,8 @@ def spoofed_headers(stack: Stack, load: Load) -> tuple[float, str]:
         by_header += got == named
         for path in ("/metrics", "/admin/fault"):
             try:
-                urllib.request.urlopen(urllib.request.Request(stack.url + path, data=b"{}" if "admin" in path else None),
+                urllib.request.urlopen(urllib.request.Request(stack.url + path,
+                                                              data=b"{}" if "admin" in path else None),
                                        timeout=10).read()
                 reached += 1
             except urllib.error.HTTPError as e:
@@ -240,7 +242,9 @@ def spoofed_headers(stack: Stack, load: Load) -> tuple[float, str]:
 
 def big_bodies(stack: Stack, load: Load) -> tuple[float, str]:
     before = stack.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0)
-    big = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "x " * (16 * 2**20)}]}).encode()
+    big = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                "content": "x " * (16
+                                                                                                   * 2**20)}]}).encode()
 
     def send(i):
         req = urllib.request.Request(stack.url + "/v1/chat/completions", data=big, method="POST",
@@ -306,7 +310,8 @@ def alias_bomb_reload(stack: Stack, load: Load) -> tuple[float, str]:
     t_during = time.monotonic()
     answers = []
     # 0.9 MiB that parses slowly and is refused only after the parse (an unknown field at the end)
-    big = (good + "# " + "padding " * 100_000 + "\nprofile: {session_headers: [" + ", ".join(f"h{i}" for i in range(20_000))
+    big = (good + "# " + "padding " * 100_000 + "\nprofile: {session_headers: [" + ", ".join(f"h{i}" for i
+                                                                                             in range(20_000))
            + "], not_a_field: 1}\n")
     try:
         while time.monotonic() < t_during + 10:
@@ -327,7 +332,8 @@ def alias_bomb_reload(stack: Stack, load: Load) -> tuple[float, str]:
         return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
 
     return time.monotonic(), (f"{len(answers)} reloads of an alias bomb and a 0.9 MiB file in 10 s: answers "
-                              f"{sorted(set(answers))} (refused, old config kept); request p99 {p99(before):.2f} s in the 10 s "
+                              f"{sorted(set(answers))} (refused, old config kept); request p99 {p99(before):.2f} s in "
+                              f"the 10 s "
                               f"before, {p99(during):.2f} s during (same run)")
 
 
@@ -340,7 +346,8 @@ def rogue_client(stack: Stack, load: Load) -> tuple[float, str]:
     except urllib.error.HTTPError as e:
         drain = f"HTTP {e.code}"
     ejected = [r["name"] for r in stack.state()["replicas"] if r["state"] != "LIVE" or r["drained"]]
-    return time.monotonic(), (f"as user nobody: connect to the brain's socket: {as_nobody}; POST drain without the admin "
+    return time.monotonic(), (f"as user nobody: connect to the brain's socket: {as_nobody}; POST drain without the "
+                              f"admin "
                               f"token: {drain}; replicas out of service after: {ejected or 'none'}. (With auth off, "
                               "i.e. brain.grpc_port on a reachable address and insecure: true, a peer can forge "
                               "access-log entries: up to health.max_passive_ejection_percent of the fleet ejected, "
@@ -364,14 +371,17 @@ def burst(stack: Stack, load: Load) -> tuple[float, str]:
     script.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\ncounter = 0\n'
         'request = function()\n  counter = counter + 1\n  wrk.headers["x-session-id"] = "burst-" .. (counter % 300)\n'
-        '  wrk.body = \'{"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "turn \' .. counter '
+        '  wrk.body = \'{"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "turn \' '
+        '.. counter '
         '.. \' hello"}]}\'\n  return wrk.format()\nend\n')
     procs = {"brain": stack.brain.popen.pid, "envoy": stack.envoy.popen.pid,
              **{r.name: r.proc.popen.pid for r in stack.replicas}}
     prefix = f"http.ingress.ext_proc.{EXT_PROC_STAT_PREFIX}."
     keys = {"failed_open": prefix + "failure_mode_allowed", "timeouts": prefix + "message_timeouts",
-            "busy": "cluster.warmroute_brain.upstream_rq_active_overflow", "requests": "http.ingress.downstream_rq_total"}
-    st0, c0, m0, t0, d0 = stack.envoy_stats(), {k: cpu_s(p) for k, p in procs.items()}, _machine_busy(), time.monotonic(), \
+            "busy": "cluster.warmroute_brain.upstream_rq_active_overflow",
+            "requests": "http.ingress.downstream_rq_total"}
+    st0, c0, m0, t0, d0 = stack.envoy_stats(), {k: cpu_s(p) for k,
+                                                p in procs.items()}, _machine_busy(), time.monotonic(), \
         _decisions(stack)
     subprocess.run(["wrk", "-t2", "-c1500", "-d20s", "--timeout", "30s", "-s", str(script),
                     stack.url + "/v1/chat/completions"], capture_output=True, timeout=120)

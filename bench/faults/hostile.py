@@ -63,7 +63,8 @@ def connect_as(path: str, user: str = "nobody", group: str = "nogroup") -> str:
     """Try to connect to a Unix socket as another local user (needs root): "connected", or the error's kind."""
     import subprocess
 
-    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1]); print('connected')\n"
+    code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1]); "
+            "print('connected')\n"
             "except OSError as e:\n    print(type(e).__name__)")
     return subprocess.run(["/usr/bin/python3", "-c", code, path], user=user, group=group, extra_groups=[],
                           capture_output=True, text=True, timeout=30).stdout.strip()

@@ -104,7 +104,8 @@ class Probes:
                         {"x-data-parallel-rank": "7"}),
                     self._post(http, "compressed_inside_the_ratio", self._ordinary, {"content-encoding": "gzip"}),
                     self._post(http, "forged_response_id", json.dumps(
-                        {"model": MODEL, "input": "x", "previous_response_id": forged_response_id(f"r{i % 4}")}).encode(),
+                        {"model": MODEL, "input": "x",
+                         "previous_response_id": forged_response_id(f"r{i % 4}")}).encode(),
                         path="/v1/responses"),
                     # issue 59: an encoding Envoy does not inflate reaches no replica; a client's own
                     # kv_transfer_params are dropped and the request served

@@ -60,7 +60,8 @@ class Load:
             {"role": "system", "content": f"You are agent {i % 4} for the monorepo. " * 60},
             {"role": "user", "content": f"unique session {i}: " + "context line\n" * 40}]}
         try:
-            async with http.post(self.url + "/v1/chat/completions", json=body, headers={"x-session-id": f"soak-{i}"}) as r:
+            async with http.post(self.url + "/v1/chat/completions", json=body,
+                                 headers={"x-session-id": f"soak-{i}"}) as r:
                 await r.read()
                 self.ok += r.status == 200
                 self.failed += r.status != 200
@@ -128,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + f"\n\n{load.sent} requests ({load.ok} ok, {load.failed} failed) in {minutes:g} min: {verdict}.\n"
     write_report(args.out, "`make soak`: unique sessions at a steady rate",
                  f"{args.rate:g} new sessions/s for {minutes:g} min through Envoy + brain + 4 mock replicas (pin TTLs "
-                 f"{SESSION_TTL_S:g} s / {PREFIX_TTL_S:g} s so that the run reaches the steady state). Bounds: session pins "
-                 "= rate x TTL (+10%); index = the replicas' cache sizes in blocks; chain cache = its max_sessions.", text)
+                 f"{SESSION_TTL_S:g} s / {PREFIX_TTL_S:g} s so that the run reaches the steady state). Bounds: session "
+                 f"pins "
+                 "= rate x TTL (+10%); index = the replicas' cache sizes in blocks; chain cache = its max_sessions.",
+                 text)
     return 1 if grown else 0
 
 

@@ -81,7 +81,8 @@ class StreamDiff:
         return (f"requests sim {a} / live {b}, sessions {self.sessions[0]} / {self.sessions[1]}, one-shots "
                 f"{self.oneshots[0]} / {self.oneshots[1]}, prompt tokens {self.prompt_tokens[0]:,} / "
                 f"{self.prompt_tokens[1]:,}, output tokens {self.output_tokens[0]:,} / {self.output_tokens[1]:,}; "
-                f"{len(self.mismatched)} sessions differ; turns only simulated {self.only_sim}, only live {self.only_live} "
+                f"{len(self.mismatched)} sessions differ; turns only simulated {self.only_sim}, only live "
+                f"{self.only_live} "
                 f"(sessions answered sooner fit more turns before the end)")
 
 
@@ -173,7 +174,8 @@ def ratio(row: dict, base: dict, key: str) -> float:
 
 
 def agree_table(results: dict, speedups: list[float], contenders: list[str]) -> str:
-    head = ("| speed-up | contender | p50 ratio sim / live | p99 ratio sim / live | hits − baseline, points, sim / live | "
+    head = ("| speed-up | contender | p50 ratio sim / live | p99 ratio sim / live | hits − baseline, points, sim / "
+            "live | "
             "tok/s ratio sim / live | live TTFT p50 s (engine's) | not-engine p50 s | brain decision, workload ms |\n"
             "|---|---|---|---|---|---|---|---|---|")
     lines = [head]
@@ -189,8 +191,10 @@ def agree_table(results: dict, speedups: list[float], contenders: list[str]) -> 
             dec = v.get("decision_s")
             cells = [f"{sp:g}x", c]
             if s is None:
-                cells += ["— / " + f"{ratio(v, base_l, 'ttft_p50'):.2f}", "— / " + f"{ratio(v, base_l, 'ttft_p99'):.2f}",
-                          "— / " + f"{(v['hits'] - base_l['hits']) * 100:+.1f}", "— / " + f"{ratio(v, base_l, 'tok_s'):.3f}"]
+                cells += ["— / " + f"{ratio(v, base_l, 'ttft_p50'):.2f}",
+                          "— / " + f"{ratio(v, base_l, 'ttft_p99'):.2f}",
+                          "— / " + f"{(v['hits'] - base_l['hits']) * 100:+.1f}",
+                          "— / " + f"{ratio(v, base_l, 'tok_s'):.3f}"]
             else:
                 cells += [f"{ratio(s, base_s, 'ttft_p50'):.2f} / {ratio(v, base_l, 'ttft_p50'):.2f}",
                           f"{ratio(s, base_s, 'ttft_p99'):.2f} / {ratio(v, base_l, 'ttft_p99'):.2f}",
@@ -204,13 +208,15 @@ def agree_table(results: dict, speedups: list[float], contenders: list[str]) -> 
 
 
 def absolute_table(results: dict, speedups: list[float], contenders: list[str]) -> str:
-    lines = ["| speed-up | contender | side | requests | TTFT p50 s | TTFT p99 s | hits | tok/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| speed-up | contender | side | requests | TTFT p50 s | TTFT p99 s | hits | tok/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for sp in speedups:
         for c in contenders:
             for side in ("sim", "live"):
                 r = results.get((sp, c, side))
                 if r is not None:
-                    lines.append(f"| {sp:g}x | {c} | {side} | {r['requests']} | {r['ttft_p50']:.3f} | {r['ttft_p99']:.2f} | "
+                    lines.append(f"| {sp:g}x | {c} | {side} | {r['requests']} | {r['ttft_p50']:.3f} | "
+                                 f"{r['ttft_p99']:.2f} | "
                                  f"{r['hits']:.1%} | {r['tok_s']:.0f} |")
     return "\n".join(lines)
 
@@ -254,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
                           "simulated", file=sys.stderr)
             v = results[(sp, c, "live")]
             print(f"{sp:4g}x {c:<28} {time.monotonic() - t:5.1f}s live p50 {v['ttft_p50']:.3f} p99 {v['ttft_p99']:.2f} "
-                  f"hits {v['hits']:.1%} tok/s {v['tok_s']:.0f} not-engine p50 {v.get('overhead_p50', float('nan')):.3f}"
-                  + (f" | sim p50 {results[(sp, c, 'sim')]['ttft_p50']:.3f} p99 {results[(sp, c, 'sim')]['ttft_p99']:.2f} "
+                  f"hits {v['hits']:.1%} tok/s {v['tok_s']:.0f} not-engine p50 "
+                  f"{v.get('overhead_p50', float('nan')):.3f}"
+                  + (f" | sim p50 {results[(sp, c, 'sim')]['ttft_p50']:.3f} p99 "
+                     f"{results[(sp, c, 'sim')]['ttft_p99']:.2f} "
                      f"hits {results[(sp, c, 'sim')]['hits']:.1%} tok/s {results[(sp, c, 'sim')]['tok_s']:.0f}"
                      if c in sims else ""), flush=True)
     wall = time.monotonic() - t0
@@ -263,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = (f"# Live and simulated, side by side\n\nCommand: `{invocation(argv)}` (bench/scenarios/agree.yaml), "
           f"{wall:.0f} s wall on this machine.\n\n"
-          f"Workload: {args.minutes:g} minutes, {wl.sessions_per_min:g} agent sessions/min over {wl.projects} projects, "
+          f"Workload: {args.minutes:g} minutes, {wl.sessions_per_min:g} agent sessions/min over {wl.projects} "
+          f"projects, "
           f"{wl.oneshots_per_min:g} one-shots/min, seed {args.seed}, {args.replicas} replicas; measured after "
           f"{args.warmup_min:g} warm-up minutes. Ratios are to `{BASELINE}` of the same side.\n\n"
           + agree_table(results, args.speedups, contenders) + "\n\n## Absolute numbers\n\n"
@@ -271,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
           + "\n".join(f"- {sp:g}x: {line}" for sp, line in engine_lines.items()) + "\n\n## Same workload\n\n"
           + "\n".join(f"- {n}" for n in notes) + "\n")
     (out / "bench-agree.md").write_text(md)
-    (out / "bench-agree.json").write_text(json.dumps({f"{k[0]:g}|{k[1]}|{k[2]}": v for k, v in results.items()}, indent=1))
+    (out / "bench-agree.json").write_text(json.dumps({f"{k[0]:g}|{k[1]}|{k[2]}": v for k, v in results.items()},
+                                                     indent=1))
     print("\n" + agree_table(results, args.speedups, contenders))
     print(f"\nwrote {out / 'bench-agree.md'} in {wall:.0f} s")
     return 0

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{ca:9.0f} {ratio:6.3f}")
         print(f"{t:4d} {p:7.0f} {c:7.0f} " + " ".join(cells))
     print("\nover turns 2+, cached tokens against chat's: " + ", ".join(
-        f"{a} {sum(turns[a][t][1] for t in range(1, args.turns)) / max(1.0, sum(turns['chat'][t][1] for t in range(1, args.turns))):.3f}x"
+        f"{a} "
+        f"{sum(turns[a][t][1] for t in range(1, args.turns)) / max(1.0, sum(turns['chat'][t][1] for t in range(1, args.turns))):.3f}x"
         for a in ("messages", "responses")))
     print("follow-ups that found less than half their conversation cached (the session moved, or was evicted): " +
           ", ".join(f"{a} {cache_lost(results[a]['log'])}" for a in APIS))

@@ -25,26 +25,31 @@ PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses"
 READ = {"name": "read_file", "description": "Read a file of the repository",
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
 CASES = [
-    ("chat", "chat", {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]}),
+    ("chat", "chat", {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user",
+                                                                                     "content": "hi"}]}),
     ("chat-parts", "chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                        {"type": "text", "text": "b c"}]}]}),
     ("chat-tools", "chat", {"tools": [{"type": "function", "function": {**READ, "strict": True}}], "messages": [
         {"role": "user", "content": "read x"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{\"path\": \"x\"}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "l1"}, {"type": "text", "text": "l2"}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "l1"}, {"type": "text",
+                                                                                            "text": "l2"}]},
         {"role": "user", "content": "and now?"}]}),
-    ("chat-developer", "chat", {"messages": [{"role": "developer", "content": "be kind"}, {"role": "user", "content": "hi"}]}),
+    ("chat-developer", "chat", {"messages": [{"role": "developer", "content": "be kind"}, {"role": "user",
+                                                                                           "content": "hi"}]}),
     ("messages", "messages", {"system": "You are terse.", "messages": [{"role": "user", "content": "hi"}]}),
     ("messages-blocks", "messages", {
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"}, {"type": "text", "text": "sys A"},
                    {"type": "text", "text": "sys B"}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]}),
-    ("messages-tools", "messages", {"system": "sys", "tools": [{"name": READ["name"], "description": READ["description"],
+    ("messages-tools", "messages", {"system": "sys", "tools": [{"name": READ["name"],
+                                                                "description": READ["description"],
                                                               "input_schema": READ["parameters"]}], "messages": [
         {"role": "user", "content": "read x"},
         {"role": "assistant", "content": [{"type": "text", "text": "sure"},
-                                          {"type": "tool_use", "id": "tu1", "name": "read_file", "input": {"path": "x"}}]},
+                                          {"type": "tool_use", "id": "tu1", "name": "read_file",
+                                           "input": {"path": "x"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1",
                                       "content": [{"type": "text", "text": "l1"}, {"type": "text", "text": "l2"}]},
                                      {"type": "text", "text": "now what"}]}]}),
@@ -54,7 +59,8 @@ CASES = [
                                           {"type": "text", "text": "answer"}]},
         {"role": "user", "content": "more"}]}),
     ("messages-inline-system", "messages", {"system": "top", "messages": [
-        {"role": "user", "content": "q"}, {"role": "system", "content": "reminder"}, {"role": "user", "content": "q2"}]}),
+        {"role": "user", "content": "q"}, {"role": "system", "content": "reminder"}, {"role": "user",
+                                                                                      "content": "q2"}]}),
     ("responses", "responses", {"instructions": "be terse", "input": "hi", "store": False}),
     ("responses-items", "responses", {"tools": [{"type": "function", **READ}], "store": False, "input": [
         {"role": "user", "content": "read x"},
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     parser = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     out = []
-    for template, extra in (("model", parser), (TOOLS_TEMPLATE.name, (*parser, "--chat-template", str(TOOLS_TEMPLATE)))):
+    for template, extra in (("model", parser), (TOOLS_TEMPLATE.name, (*parser, "--chat-template",
+                                                                      str(TOOLS_TEMPLATE)))):
         with tempfile.TemporaryDirectory(prefix="warmroute-capture-") as d:
             proc, port = real_vllm.start_vllm("vllm", Path(d), real_vllm.VllmOptions(lora=(), extra=extra))
             try:

@@ -3,7 +3,8 @@
 
 One replica of the tiny model with both LoRA adapters is started, sent a fixed history (a chat, a completion on
 each adapter, a streamed chat), and read: ``/metrics``, ``/v1/models``, ``/openapi.json``, and its error bodies
-(an unknown model, a malformed request, the agents' APIs' not-found answers), and the routes it logs as it starts. Local paths and ids are replaced
+(an unknown model, a malformed request, the agents' APIs' not-found answers), and the routes it logs as it starts. Local
+paths and ids are replaced
 by placeholders; values stay (the comparison is of names, types, label keys and shapes, not numbers).
 """
 
@@ -27,7 +28,8 @@ ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
 
 # what is sent, by name; the mock is sent the same (tests/integration/test_mock_against_vllm.py)
 HISTORY = [
-    ("/v1/chat/completions", {"model": "{model}", "max_tokens": 8, "messages": [{"role": "user", "content": "hello " * 40}]}),
+    ("/v1/chat/completions", {"model": "{model}", "max_tokens": 8, "messages": [{"role": "user",
+                                                                                 "content": "hello " * 40}]}),
     ("/v1/completions", {"model": "tiny-lora-a", "prompt": "adapter a " * 20, "max_tokens": 8}),
     ("/v1/completions", {"model": "tiny-lora-b", "prompt": "adapter b " * 20, "max_tokens": 8}),
     ("/v1/chat/completions", {"model": "{model}", "max_tokens": 8, "stream": True,
@@ -35,7 +37,8 @@ HISTORY = [
                               "messages": [{"role": "user", "content": "hello " * 40}]}),
 ]
 ERRORS = {
-    "unknown-model": ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}),
+    "unknown-model": ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user",
+                                                                                       "content": "x"}]}),
     "messages-not-a-list": ("/v1/chat/completions", {"model": "{model}", "messages": "x"}),
     # what the mock refuses itself: a max_tokens that is no number, a prompt longer than the model reads
     "max-tokens-not-a-number": ("/v1/chat/completions", {"model": "{model}", "max_tokens": "many",
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     mdir = str(real_vllm.model_dir())
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "metrics.txt").write_text(clean(read["/metrics"], mdir))
-    (OUT / "models.json").write_text(clean(json.dumps(json.loads(read["/v1/models"]), indent=1, sort_keys=True), mdir) + "\n")
+    (OUT / "models.json").write_text(clean(json.dumps(json.loads(read["/v1/models"]), indent=1, sort_keys=True),
+                                           mdir) + "\n")
     (OUT / "openapi-paths.json").write_text(json.dumps(
         {p: sorted(m.upper() for m in ops) for p, ops in json.loads(read["/openapi.json"])["paths"].items()},
         indent=1, sort_keys=True) + "\n")

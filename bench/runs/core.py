@@ -175,7 +175,8 @@ def warm_costs() -> list[str]:
     took = _decide_each(warm_brain, [eight[-1]] * 40, 50)
     warm_rate = 1 / (sum(took) / len(took))
     ratio = warm_rate / seed_rate
-    lines.append(f"warm decide, 8 KB multi-turn bodies: {warm_rate:,.0f}/s; seed decide, 2 KB bodies: {seed_rate:,.0f}/s; "
+    lines.append(f"warm decide, 8 KB multi-turn bodies: {warm_rate:,.0f}/s; seed decide, 2 KB bodies: "
+                 f"{seed_rate:,.0f}/s; "
                  f"ratio {ratio:.2f} (target >= 0.30) {'ok' if ratio >= 0.3 else 'MISSED'}")
 
     # issue 33 item 9: the decision at 300 replicas against 4, the same bodies and sessions; a fleet of
@@ -189,7 +190,8 @@ def warm_costs() -> list[str]:
         _decide_each(b, eight, 50)
         by_size[n, short] = 1 / (sum(took := _decide_each(b, [eight[-1]] * 40, 50)) / len(took))
     ratio = by_size[300, True] / by_size[4, True]
-    lines.append(f"warm decide by fleet size, 8 KB multi-turn bodies, 50 sessions: 4 replicas {by_size[4, True]:,.0f}/s, "
+    lines.append(f"warm decide by fleet size, 8 KB multi-turn bodies, 50 sessions: 4 replicas "
+                 f"{by_size[4, True]:,.0f}/s, "
                  f"100 {by_size[100, True]:,.0f}/s, 300 {by_size[300, True]:,.0f}/s; 300 against 4: {ratio:.2f} "
                  f"(target >= 0.5) {'ok' if ratio >= 0.5 else 'MISSED'}; every candidate priced at 300 (no shortlist "
                  f"from {SHORTLIST_FROM}): {by_size[300, False]:,.0f}/s ({by_size[300, False] / by_size[4, True]:.2f})")
@@ -201,8 +203,10 @@ def warm_costs() -> list[str]:
     first = _decide_each(brain, [mb[0]], 1)[0]
     nxt = min(_decide_each(brain, [mb[1]], 1) + _decide_each(brain, [mb[1]], 1))
     loads = min(_time(lambda: orjson.loads(mb[1])) for _ in range(5))
-    lines.append(f"warm decide at {len(mb[1]) / 1e6:.1f} MB, the conversation's next turn: {nxt * 1e3:.2f} ms; one orjson.loads "
-                 f"of it: {loads * 1e3:.2f} ms; ratio {nxt / loads:.2f} (target <= 1) {'ok' if nxt <= loads else 'MISSED'}; "
+    lines.append(f"warm decide at {len(mb[1]) / 1e6:.1f} MB, the conversation's next turn: {nxt * 1e3:.2f} ms; one "
+                 f"orjson.loads "
+                 f"of it: {loads * 1e3:.2f} ms; ratio {nxt / loads:.2f} (target <= 1) "
+                 f"{'ok' if nxt <= loads else 'MISSED'}; "
                  f"the turn that crossed 1 MB (its chain extended from the last turn, then indexed whole): "
                  f"{first * 1e3:.2f} ms")
 
@@ -214,8 +218,10 @@ def warm_costs() -> list[str]:
         next_turn = _decide_each(brain, [b + b"  "], 1)[0]  # the same session, its history unchanged
         one_load = min(_time(lambda: orjson.loads(b)) for _ in range(3))
         worst.append((size, max(first_sight, next_turn)))
-        rows.append(f"{size / 1e6:g} MB first sight {first_sight * 1e3:.2f} ms ({first_sight / one_load:.1f}x one orjson.loads "
-                    f"of it{(', target <= 2x: ' + ('ok' if first_sight <= 2 * one_load else 'MISSED')) if size == 1_000_000 else ''}), "
+        rows.append(f"{size / 1e6:g} MB first sight {first_sight * 1e3:.2f} ms ({first_sight / one_load:.1f}x one "
+                    f"orjson.loads "
+                    f"of "
+                    f"it{(', target <= 2x: ' + ('ok' if first_sight <= 2 * one_load else 'MISSED')) if size == 1_000_000 else ''}), "
                     f"next turn {next_turn * 1e3:.2f} ms")
     lines.append("warm decide by body size (the chain covers at most profile.chain_max_bytes, hashing at most "
                  "chain_step_bytes of it per request): " + "; ".join(rows))
@@ -342,7 +348,8 @@ def exact_costs() -> list[str]:
              f"{new_tokens * per_token * 1e3:.2f} ms (the body path)",
              f"exact mode as it ships (issue 61: a turn under way decided at its headers, {decided[True]} of "
              f"{len(bodies) * 4} requests exact, {decided[False]} estimated; the rest, each session's first turn, by "
-             f"their bodies, a first turn past exact_cache.inline_chars tokenized by a worker): {shipped[True] * 1e3:.2f} ms a request exact, {shipped[False] * 1e3:.2f} ms estimated; "
+             f"their bodies, a first turn past exact_cache.inline_chars tokenized by a worker): "
+             f"{shipped[True] * 1e3:.2f} ms a request exact, {shipped[False] * 1e3:.2f} ms estimated; "
              f"ratio {shipped[True] / shipped[False]:.2f} (target <= 1.3) "
              f"{'ok' if shipped[True] <= 1.3 * shipped[False] else 'MISSED'}; against the body path estimated "
              f"{took[False] / shipped[False]:.1f}x"]
@@ -353,7 +360,8 @@ def exact_costs() -> list[str]:
     t2 = time.perf_counter()
     loads = min(_time(lambda: orjson.loads(bodies[-1])) for _ in range(3))
     lines.append(f"exact mode: a first turn of {len(toks):,} tokens ({len(bodies[-1]) / 1e3:.0f} KB) rendered and "
-                 f"tokenized in {(t1 - t0) * 1e3:.0f} ms, its {len(toks) // 128} blocks hashed in {(t2 - t1) * 1e3:.1f} ms "
+                 f"tokenized in {(t1 - t0) * 1e3:.0f} ms, its {len(toks) // 128} blocks hashed in "
+                 f"{(t2 - t1) * 1e3:.1f} ms "
                  f"({(t2 - t0) / loads:.0f}x one orjson.loads of it); a later turn of the same session extends the last")
     return lines
 
@@ -367,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     targets = {4: 50_000, 30: 20_000}
-    print(f"routing core (seed policy): select + reserve + release, {args.pins:,} live session pins, {args.decisions:,} decisions")
+    print(f"routing core (seed policy): select + reserve + release, {args.pins:,} live session pins, "
+          f"{args.decisions:,} decisions")
     print(f"{'replicas':>8} {'decisions/s':>12} {'target':>8} {'round-robin/s':>14} {'rr/warmroute':>13}")
     for n in args.replicas:
         ours, rr = decisions_per_second(n, args.pins, args.decisions)

@@ -72,7 +72,8 @@ def simulate_trace(trace: list[TraceRequest], engine: EngineConfig | None = None
     return [r.ttft for r in reqs]
 
 
-async def replay_trace(url: str, trace: list[TraceRequest], speedup: float, timeout: float = 120.0) -> list[float | None]:
+async def replay_trace(url: str, trace: list[TraceRequest], speedup: float,
+                       timeout: float = 120.0) -> list[float | None]:
     """Each request's TTFT in workload seconds (wall x ``speedup``), sent open-loop at its arrival over HTTP."""
     out: list[float | None] = [None] * len(trace)
     t0 = time.monotonic()
@@ -104,7 +105,8 @@ class Agreement:
     worst_rel: float  # the largest |live - sim| / sim
 
     def line(self) -> str:
-        return (f"{self.n} requests: simulated TTFT p50 {self.sim_p50:.3f} s, live {self.live_p50:.3f} s; live - simulated "
+        return (f"{self.n} requests: simulated TTFT p50 {self.sim_p50:.3f} s, live {self.live_p50:.3f} s; live - "
+                f"simulated "
                 f"median {self.diff_p50 * 1000:+.0f} ms, |diff| p90 {self.absdiff_p90 * 1000:.0f} ms (workload time), "
                 f"largest relative {self.worst_rel:.0%}")
 

@@ -166,7 +166,8 @@ def run(contender: str, args) -> Result:
                   pace=pace_check(nums["ttft_p50"], res.client_lag_p99, not_engine, sp) or "")
 
 
-SIM_CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_cache_aware", "llmd_epp_2025",
+SIM_CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_cache_aware",
+                  "llmd_epp_2025",
                   "llmd_token_aware", "llmd_epp_lora", "dynamo_kv"]
 
 
@@ -236,7 +237,8 @@ def report(results: list[Result], args, wall: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contenders", nargs="+", default=None, choices=[*CONTENDERS, *ABLATIONS, *SIM_CONTENDERS])
-    ap.add_argument("--simulated", action="store_true", help="the simulator instead of live mocks (every modelled peer)")
+    ap.add_argument("--simulated", action="store_true",
+                    help="the simulator instead of live mocks (every modelled peer)")
     workload_arguments(ap, minutes=5.0)
     ap.add_argument("--seeds", default=None, help="with --simulated: a range like 1-10, every seed's requests pooled")
     args = ap.parse_args(argv)

@@ -72,9 +72,11 @@ async def _flood(url: str, n: int, tokens: int) -> dict[str, int]:
         async def one(i: int) -> None:
             body = {"model": MODEL, "max_tokens": 8, "messages": [
                 {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"new session {i}: " + "def handler(event):\n    return event\n" * (tokens // 9)}]}
+                {"role": "user",
+                 "content": f"new session {i}: " + "def handler(event):\n    return event\n" * (tokens // 9)}]}
             try:
-                async with http.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": f"flood-{i}"}) as r:
+                async with http.post(url + "/v1/chat/completions", json=body,
+                                     headers={"x-session-id": f"flood-{i}"}) as r:
                     await r.read()
                     key = str(r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -94,7 +96,8 @@ async def _phase(url: str, seconds: float, think_s: float, flood: int, tokens: i
     ttfts: list[float] = []
     failed = [0]
     until = time.monotonic() + seconds
-    tasks = [_under_way(url, f"under-way-{k}", until, think_s, ttfts, failed, histories[k]) for k in range(len(histories))]
+    tasks = [_under_way(url, f"under-way-{k}", until, think_s, ttfts, failed,
+                        histories[k]) for k in range(len(histories))]
     # the flood comes from other clients: its own process, so that building and sending 2,000 uploads does not delay
     # the measured sessions' own client (in one event loop it did, whatever the router did)
     ctx = multiprocessing.get_context("spawn")
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=40.0, help="each phase's length, wall seconds")
     ap.add_argument("--speedup", type=float, default=10.0, help="the mock replicas' time compression")
     ap.add_argument("--think", type=float, default=0.5, help="wall seconds between a session's turns")
-    ap.add_argument("--ext-proc-timeout", type=float, default=None, help="envoy.ext_proc_timeout_s (default: the config's)")
+    ap.add_argument("--ext-proc-timeout", type=float, default=None,
+                    help="envoy.ext_proc_timeout_s (default: the config's)")
     args = ap.parse_args(argv)
     rows = []
     config = {"envoy": {"ext_proc_timeout_s": args.ext_proc_timeout}} if args.ext_proc_timeout else None

@@ -65,12 +65,14 @@ NOISY_X = 5.0
 # ---------------------------------------------------------------------------- measurement
 
 
-def faults(scenario: str, run: "Running", speedup: float, duration: float, stop: threading.Event) -> threading.Thread | None:
+def faults(scenario: str, run: "Running", speedup: float, duration: float,
+           stop: threading.Event) -> threading.Thread | None:
     replicas = run.stack.replicas
 
     def die(rep, seconds):
         try:
-            req = urllib.request.Request(rep.url + "/admin/fault", data=json.dumps({"die_for_s": seconds}).encode(), method="POST")
+            req = urllib.request.Request(rep.url + "/admin/fault", data=json.dumps({"die_for_s": seconds}).encode(),
+                                         method="POST")
             urllib.request.urlopen(req, timeout=2).read()
         except OSError:
             pass
@@ -255,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     fleet = f"{len(speeds)} (speeds {','.join(f'{x:g}' for x in speeds)})" if speeds else str(args.replicas)
     header = (f"# warmroute benchmark\n\nCommand: `{invocation(argv)}`\n\n"
               f"Machine: {cpu} cores, loopback only. Each contender got a fresh fleet of {fleet} mock vLLM replicas "
-              f"(engine model, same seed), the same workload ({args.minutes:g} workload minutes, {args.sessions_per_min:g} agent "
-              f"sessions/min over {args.projects} projects, {args.oneshots_per_min:g} one-shots/min, seed {args.seed}) run "
+              f"(engine model, same seed), the same workload ({args.minutes:g} workload minutes, "
+              f"{args.sessions_per_min:g} agent "
+              f"sessions/min over {args.projects} projects, {args.oneshots_per_min:g} one-shots/min, seed {args.seed}) "
+              f"run "
               f"faster than real time (the pace column; the plain workload at {args.speedup:g}x, the faults at "
               f"{args.fault_speedup:g}x); times below are workload time, measured after {args.warmup_min:g} warm-up "
               f"minutes by the simulator's rule (`sim.measure.window_numbers`). \"not-engine\" is the median part of a "

@@ -40,9 +40,13 @@ from extproc.tools.stack.local import Proc, _cli, wait_for
 
 METRICS = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\",engine=\"0\"} 0\n" \
           "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 0\n"
-COMPLETION = json.dumps({"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+COMPLETION = json.dumps({"id": "x", "object": "chat.completion", "choices": [{"index": 0,
+                                                                              "message": {"role": "assistant",
+                                                                                          "content": "ok"},
+                                                                                          "finish_reason": "stop"}]})
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-ROUTER = {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+ROUTER = {"name": "envoy.filters.http.router",
+          "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
 BIG = 64 * 1024 * 1024
 
 
@@ -52,7 +56,8 @@ def _listener(name: str, routes: list, filters: list, port: int = 0) -> dict:
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
         "per_connection_buffer_limit_bytes": BIG,
         "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
-            "@type": HCM, "stat_prefix": name, "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
+            "@type": HCM, "stat_prefix": name, "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                                                                                   "routes": routes}]},
             "http_filters": [*filters, ROUTER]}}]}],
     }
 
@@ -73,14 +78,16 @@ def direct_front(ports: list[int]) -> dict:
     cluster = {"name": "fleet", "type": "STATIC", "connect_timeout": "1s", "lb_policy": "LEAST_REQUEST",
                "per_connection_buffer_limit_bytes": BIG,
                "load_assignment": {"cluster_name": "fleet", "endpoints": [{"lb_endpoints": [
-                   {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}} for p in ports]}]}}
+                   {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                                "port_value": p}}}} for p in ports]}]}}
     routes = [{"match": {"prefix": "/"}, "route": {"cluster": "fleet", "timeout": "0s"}}]
     return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
             "static_resources": {"listeners": [_listener("direct", routes, [])], "clusters": [cluster]}}
 
 
 def body_of(size: int, i: int) -> bytes:
-    head = {"model": "mock-coder-30b", "max_tokens": 1, "messages": [{"role": "system", "content": "You are a coding agent. " * 4},
+    head = {"model": "mock-coder-30b", "max_tokens": 1, "messages": [{"role": "system",
+                                                                      "content": "You are a coding agent. " * 4},
                                                          {"role": "user", "content": ""}]}
     base = len(json.dumps(head))
     head["messages"][1]["content"] = f"{i} " + "x" * max(0, size - base - 8)
@@ -97,7 +104,8 @@ async def fixed_rate(url: str, rate: float, count: int, size: int) -> list[float
         async def one(i: int):
             await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
             t0 = time.monotonic()
-            async with http.post(url, data=bodies[i % 50], headers={"content-type": "application/json", "x-session-id": f"s{i % 100}"}) as r:
+            async with http.post(url, data=bodies[i % 50], headers={"content-type": "application/json",
+                                                                    "x-session-id": f"s{i % 100}"}) as r:
                 await r.read()
                 assert r.status == 200, r.status
             lat.append(time.monotonic() - t0)
@@ -280,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         floor_file = work / "floor.port"
         floor = Proc("floor", [sys.executable, "-m", "bench.runs.overhead", "--serve-floor", str(floor_file)], work)
         procs.append(floor)
-        floor_port = int(wait_for(lambda: floor_file.exists() and floor_file.read_text(), 30, "the do-nothing server", floor))
+        floor_port = int(wait_for(lambda: floor_file.exists() and floor_file.read_text(), 30, "the do-nothing server",
+                                  floor))
         cfg_floor = dataclasses.replace(cfg_tcp, brain=dataclasses.replace(cfg_tcp.brain, grpc_port=floor_port))
         # a second brain sharing state through a real Redis (several brains): what shipping its changes costs
         cfg_shared = None
@@ -334,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         procs += list(fronts.values())
         state_url = f"http://127.0.0.1:{info['admin_port']}/state"
         auth = {"Authorization": "Bearer " + (work / "admin.token").read_text().strip()}
-        wait_for(lambda: all(r["state"] == "LIVE" for r in json.loads(admin_http.request(state_url, headers=auth))["replicas"]),
+        wait_for(lambda: all(r["state"] == "LIVE" for r in json.loads(admin_http.request(state_url,
+                                                                                         headers=auth))["replicas"]),
                  60, "replicas LIVE")
         urls = {name: f"http://127.0.0.1:{e.ports[0]}/v1/chat/completions" for name, e in fronts.items()}
         names = list(urls)
@@ -344,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, list[float]] = {}
         for _ in range(2):  # interleaved: drift hits every front
             for name in names:
-                res.setdefault(name, []).extend(asyncio.run(fixed_rate(urls[name], 100.0, args.rate_requests // 2, 2048)))
+                res.setdefault(name, []).extend(asyncio.run(fixed_rate(urls[name], 100.0, args.rate_requests // 2,
+                                                                       2048)))
         d50, d99 = pct(res["direct"], 0.5), pct(res["direct"], 0.99)
         print(f"{'':<17}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>11}{'added p99':>11}")
         for name in names:
@@ -417,12 +428,14 @@ def main(argv: list[str] | None = None) -> int:
                     alone = wrk_rps(urls["brain over unix"], args.wrk_seconds, args.wrk_connections, work)
                     shared = wrk_rps(urls["brain shared, unix"], args.wrk_seconds, args.wrk_connections, work)
                     ratios.append(shared / alone)
-                print(f"a brain sharing state through Redis against the same brain alone (both over unix), 4 alternating "
+                print(f"a brain sharing state through Redis against the same brain alone (both over unix), 4 "
+                      f"alternating "
                       f"pairs: {' '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.3f}x req/s "
                       "(target: >= 0.95x)")
 
         print("\nadded latency by body size (sequential, median of n)")
-        short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix", "brain, flow ctl": "flow ctl",
+        short = {"do-nothing, TCP": "do-nothing", "brain over TCP": "brain TCP", "brain over unix": "brain unix",
+                 "brain, flow ctl": "flow ctl",
                  "brain shared, unix": "shared unix", "2 brains, unix": "2 brains"}
         print(f"{'body':<8}{'n':>5}{'direct ms':>11}" + "".join(f"{'+' + short[n]:>14}" for n in names[1:]))
         for label, size, n in (("1 KB", 1024, 200), ("1 MB", 2**20, 30), ("16 MB", 16 * 2**20, 6)):
@@ -433,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                   + "".join(f"{(med[name] - med['direct']) * 1e3:>14.2f}" for name in names[1:]))
         two_paths(args, urls, brain, f"http://127.0.0.1:{info['metrics_port']}/metrics")
         st = json.loads(admin_http.request(state_url, headers=auth))
-        wait_for(lambda: json.loads(admin_http.request(state_url, headers=auth))["open_reservations"] == 0, 10, "releases")
+        wait_for(lambda: json.loads(admin_http.request(state_url, headers=auth))["open_reservations"] == 0, 10,
+                 "releases")
         print(f"\nbrain: {sum(r['decisions'] for r in st['replicas'])} decisions, open reservations drained to 0")
     finally:
         for p in reversed(procs):

@@ -107,7 +107,8 @@ async def _load(url: str, args, stop: asyncio.Event, sent: list[int]) -> None:
             if args.real:
                 prompt, out = rng.choice(systems) + " " + _words(rng, rng.randint(512, 4096)), rng.randint(16, 128)
             else:
-                prompt = rng.choice(systems) + "".join(rng.choice("klmnopqrst ") for _ in range(rng.randint(2048, 16384)))
+                prompt = rng.choice(systems) + "".join(rng.choice("klmnopqrst ") for _ in range(rng.randint(2048,
+                                                                                                            16384)))
                 out = rng.randint(256, 1024)
             task = asyncio.create_task(one(prompt, out))
             tasks.add(task)

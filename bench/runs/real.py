@@ -178,7 +178,8 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             # seconds flow control held requests in the brain: the router's choice, not this machine's slowness
             held = metric_total(brain, "warmroute_flow_wait_seconds_total")
             row.held_s = held
-            by_path = {p: metric_total(brain, f'warmroute_decisions_by_path_total{{path="{p}"}}') for p in ("headers", "body")}
+            by_path = {p: metric_total(brain, f'warmroute_decisions_by_path_total{{path="{p}"}}') for p in ("headers",
+                                                                                                            "body")}
             row.header_share = by_path["headers"] / max(1.0, sum(by_path.values()))
             if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
                 row.brain_cpu = (_cpu_s(s.brain.popen.pid) - brain_cpu0) / elapsed
@@ -321,7 +322,8 @@ def _vs(x: tuple | None, kind: str) -> str:
 def table(rows: list[Row]) -> str:
     """Per seed, then the seeds pooled: each router's TTFT p50 and p99 and engine-reported hit share with their
     bootstrap 95% intervals, and warmroute's against the best peer's (ratio, or difference of hit shares)."""
-    lines = ["| seed | router | sent | errors | TTFT p50 ms [95% CI] | TTFT p99 ms [95% CI] | engine prefix-hit [95% CI] | "
+    lines = ["| seed | router | sent | errors | TTFT p50 ms [95% CI] | TTFT p99 ms [95% CI] | engine prefix-hit [95% "
+             "CI] | "
              "output tok/s | busiest / fair share | brain's share of TTFT | not the engines' | "
              "vs best peer: hit | p50 | p99 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     seeds = sorted({r.seed for r in rows})
@@ -335,7 +337,8 @@ def table(rows: list[Row]) -> str:
             share = f"{r.brain_share:.1%}" if r.brain_share is not None else "-"
             pace = f" (refused: {r.pace})" if r.pace else ""
             if st is None:
-                lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | | | | | | | {r.not_engine:.0%}{pace} | | | |")
+                lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | | | | | | | {r.not_engine:.0%}{pace} "
+                             f"| | | |")
                 continue
             lines.append(f"| {seed} | {r.contender} | {r.sent} | {r.errors} | {_ms(st['p50'])} | {_ms(st['p99'])} | "
                          f"{st['hit'][0]:.1%} [{st['hit'][1]:.1%}, {st['hit'][2]:.1%}] | {r.out_tok_s:.0f} | "
@@ -346,12 +349,14 @@ def table(rows: list[Row]) -> str:
                 n = sum(len(r.ttfts) for r in rows if r.contender == c and not r.note and not r.pace)
                 lines.append(f"| all | {c} | {n} answered | | {_ms(st['p50'])} | {_ms(st['p99'])} | "
                              f"{st['hit'][0]:.1%} [{st['hit'][1]:.1%}, {st['hit'][2]:.1%}] | | | | | "
-                             f"{_vs(st.get('vs_hit'), 'hit')} | {_vs(st.get('vs_p50'), 't')} | {_vs(st.get('vs_p99'), 't')} |")
+                             f"{_vs(st.get('vs_hit'), 'hit')} | {_vs(st.get('vs_p50'), 't')} | "
+                             f"{_vs(st.get('vs_p99'), 't')} |")
     predicted = [r for r in rows if r.predictions]
     if predicted:
         lines += ["", "warmroute's predicted time to first token against Envoy's (from the request's last byte sent to "
                   "the replica to the response's first body byte), every streamed request joined by the brain:", "",
-                  "| seed | router | joined | MAPE | bias | predicted p50 ms | observed p50 ms |", "|---|---|---|---|---|---|---|"]
+                  "| seed | router | joined | MAPE | bias | predicted p50 ms | observed p50 ms |",
+                  "|---|---|---|---|---|---|---|"]
         for r in predicted:
             mape, bias = prediction_error(r.predictions)
             lines.append(f"| {r.seed} | {r.contender} | {len(r.predictions)} | {mape:.2f} | {bias:+.0%} | "

@@ -63,7 +63,7 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
         try:
             brain.router.drain(name, on)
         except KeyError:
-            raise web.HTTPNotFound(text=f"unknown replica {name!r}\n")
+            raise web.HTTPNotFound(text=f"unknown replica {name!r}\n") from None
         logs.event("drain" if on else "undrain", replica=name)
         return web.json_response({"replica": name, "drained": on})
 
@@ -78,9 +78,9 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
         tls = brain.scraper.tls.get(name)
         kw = {"ssl": tls[0], "server_hostname": tls[1]} if tls is not None else {}
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-                async with http.post(url + "/reset_prefix_cache", **kw) as r:
-                    status, body = r.status, await r.content.read(2000)  # vLLM's answer is a line: no more
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http, \
+                    http.post(url + "/reset_prefix_cache", **kw) as r:
+                status, body = r.status, await r.content.read(2000)  # vLLM's answer is a line: no more
         except (aiohttp.ClientError, TimeoutError) as e:
             return web.json_response({"replica": name, "reset": False, "error": f"{type(e).__name__}: {e}"[:200]},
                                      status=502)
@@ -90,7 +90,8 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
             done = status == 200
         if not done:
             return web.json_response({"replica": name, "reset": False, "engine_status": status,
-                                      "engine_answer": body.decode(errors="replace")}, status=409 if status == 200 else 502)
+                                      "engine_answer": body.decode(errors="replace")},
+                                      status=409 if status == 200 else 502)
         brain.caches_reset(name)
         logs.event("prefix_cache_reset", replica=name)
         return web.json_response({"replica": name, "reset": True})
@@ -129,7 +130,7 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
         try:
             last = max(0, int(request.query.get("last", "100")))
         except ValueError:
-            raise web.HTTPBadRequest(text="last: expected a whole number\n")
+            raise web.HTTPBadRequest(text="last: expected a whole number\n") from None
         return web.json_response({"decisions": brain.recent_decisions(last=last)})
 
     app.router.add_get("/state", state)

@@ -111,8 +111,9 @@ class Brain:
         self.scraper.models_wanted = {r.name for r in cfg.replicas if not r.models}
         self.scraper.paths_wanted = {r.name for r in cfg.replicas if not r.paths}
         # a replica no longer configured with paths, or new: its /openapi.json at its next good scrape
-        self.scraper.paths_due = (self.scraper.paths_due | {n for n in self.scraper.paths_wanted
-                                                             if self.models.paths_of(n) is None}) & self.scraper.paths_wanted
+        wanted = self.scraper.paths_wanted
+        missing = {n for n in wanted if self.models.paths_of(n) is None}
+        self.scraper.paths_due = (self.scraper.paths_due | missing) & wanted
         self.exact.configure(cfg)
         self.router.set_roles({r.name: r.role for r in cfg.replicas})
 
@@ -140,7 +141,8 @@ class Brain:
         e = self.cfg.envoy
         if not e.access_log_periodic_s:
             return None
-        return 2 * e.access_log_periodic_s + first_answer_s(self.cfg) + (e.retries + 1) * e.upstream_connect_timeout_s + 1.0
+        return 2 * e.access_log_periodic_s + first_answer_s(self.cfg) + (e.retries
+                                                                         + 1) * e.upstream_connect_timeout_s + 1.0
 
     def _on_transition(self, t: Transition) -> None:
         logs.event("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
@@ -282,7 +284,8 @@ class Brain:
         d = self.decide_at_headers(headers, None)
         return self._answer(d, headers, None, "request_headers") if d is not None else None
 
-    def decide_at_headers(self, headers: dict[str, str], only: "set[str] | None", arriving: bool = False) -> Decision | None:
+    def decide_at_headers(self, headers: dict[str, str], only: "set[str] | None",
+                          arriving: bool = False) -> Decision | None:
         t0 = time.perf_counter()
         now = self.clock()
         why, profile, res = header_path.turn(self, headers, now)
@@ -290,7 +293,8 @@ class Brain:
             key = None
             if self.router.flow is not None:
                 key = next(self._hold_keys)  # never held: a turn flow control would hold reads its body
-                profile = dataclasses.replace(profile, priority=self._priority(headers), ttft_slo_s=ttft_slo_of(headers))
+                profile = dataclasses.replace(profile, priority=self._priority(headers),
+                                              ttft_slo_s=ttft_slo_of(headers))
             if arriving:
                 profile = dataclasses.replace(profile, deferred=True)
             allowed = res.replicas if only is None else only if res.replicas is None else res.replicas & only
@@ -305,7 +309,8 @@ class Brain:
     def look(self, headers: dict[str, str], read_wait_s: float) -> "ep.ProcessingResponse | None":
         """The look at a large body's headers before its body is read (flow control on; ``envoy_config`` renders it): a
         request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
-        than a turn of the sessions under way takes (``look_bound_s``), is refused with 429 before it is sent, instead of delaying their turns behind it or timing
+        than a turn of the sessions under way takes (``look_bound_s``), is refused with 429 before it is sent, instead
+        of delaying their turns behind it or timing
         out and failing open into the engines ahead of them. Critical work is never refused. None: let it come."""
         if self.router.flow is None:
             return None

@@ -58,7 +58,8 @@ def route_answer(cluster: str, reservation: str, phase: str, dp_rank: int | None
         common.body_mutation.body = body
     # Applied only where Envoy sent the headers; in the one-message config it is the dynamic metadata
     # that routes, but a header mutation must be present for Envoy to honour clear_route_cache.
-    common.header_mutation.set_headers.extend([header_value(ROUTING_HEADER, cluster), header_value(RESERVATION_HEADER, reservation)])
+    common.header_mutation.set_headers.extend([header_value(ROUTING_HEADER, cluster), header_value(RESERVATION_HEADER,
+                                                                                                   reservation)])
     if dp_rank is not None:
         common.header_mutation.set_headers.append(header_value(DP_RANK_HEADER, str(dp_rank)))
     common.clear_route_cache = True
@@ -218,7 +219,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self.open_calls = 0  # calls read and not yet answered: past BEHIND, the brain is behind a burst
         # flow control: how to wait for a held request's answer, and to give it up when Envoy closes the call
         self.wait, self.cancel, self.hold_s = wait, cancel, hold_s
-        # the look before a large body (headers, once Envoy holds the body): (headers, how long its body would wait to be
+        # the look before a large body (headers, once Envoy holds the body): (headers, how long its body would wait to
+        # be
         # read) -> None to let it come, or the answer instead; and how far behind the brain reads
         self.look, self.intake = look, intake
         self.legs_s = legs_s  # a disaggregated request's call stays open this long for its prefill leg
@@ -282,7 +284,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         await context.write(out if out is not None else _PASS["request_headers"])
 
     async def _look(self, context) -> None:
-        """``warmroute.look``: a large body's headers, sent once Envoy holds the body, before the brain reads it. Answered at once: let it
+        """``warmroute.look``: a large body's headers, sent once Envoy holds the body, before the brain reads it.
+        Answered at once: let it
         come (the body call follows), or the brain's answer instead (then Envoy never sends the body)."""
         req = await context.read()
         if req is grpc.aio.EOF or req.WhichOneof("request") != "request_headers":

@@ -156,7 +156,8 @@ def _tool_result_text(content: Any) -> str:
                 raise Unrenderable("tool result media")
             if isinstance(item, dict) and item.get("type") == "tool_reference":
                 raise Unrenderable("tool reference")
-        return "\n".join(item.get("text", "") for item in content if isinstance(item, dict) and item.get("type") == "text")
+        return "\n".join(item.get("text", "") for item in content if isinstance(item,
+                                                                                dict) and item.get("type") == "text")
     return ""
 
 
@@ -216,7 +217,8 @@ def _response_item(item: dict, prev_assistant: dict | None) -> dict | None:
         return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
     if item.get("role") == "assistant":
         content = item.get("content")
-        text = content if isinstance(content, str) else content[0].get("text") if isinstance(content, list) and content \
+        text = content if isinstance(content, str) else content[0].get("text") if isinstance(content,
+                                                                                             list) and content \
             else None
         if text is not None:
             if prev_assistant is not None and prev_assistant.get("content") is None:

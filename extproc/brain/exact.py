@@ -149,7 +149,8 @@ class Exact:
             self._pool = None
             return
         self._pending.add(key)
-        fut.add_done_callback(lambda f: self._done.append((ct, key, later.text, f)))  # deque: safe from the pool's thread
+        # deque: safe from the pool's thread
+        fut.add_done_callback(lambda f: self._done.append((ct, key, later.text, f)))
 
     def _learn_done(self) -> None:
         while self._done:

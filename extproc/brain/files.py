@@ -77,7 +77,8 @@ def read_secret_file(path: str, field: str) -> bytes:
         raise ConfigError(f"{field}: {path} may be read or written by other users (mode {oct(st.st_mode & 0o777)}): "
                           "chmod 600 it")
     if len(secret) < 16:
-        raise ConfigError(f"{field}: {path} holds {len(secret)} bytes; a secret needs at least 16 (openssl rand -hex 32)")
+        raise ConfigError(f"{field}: {path} holds {len(secret)} bytes; a secret needs at least 16 (openssl rand -hex "
+                          f"32)")
     return secret
 
 

@@ -12,7 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 def check(target: str, service: str = "readiness", timeout_s: float = 2.0, ca: str | None = None,
           cert: str | None = None, key: str | None = None, name: str | None = None) -> tuple[bool, str]:
     if ca or cert:
-        read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+        def read(p: str | None) -> bytes | None:
+            if not p:
+                return None
+            with open(p, "rb") as f:
+                return f.read()
+
         creds = grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
         options = [("grpc.ssl_target_name_override", name)] if name else []
         channel = grpc.secure_channel(target, creds, options=options)

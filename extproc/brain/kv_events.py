@@ -96,12 +96,14 @@ def decode_batch(payload: bytes) -> tuple[float, list, int | None]:
             # an offloading connector's store of a chunk it has no tokens for is a residency claim alone (vLLM's
             # placeholder: block_size 0, no tokens): a tier's blocks are never verified, only looked up
             offloaded = medium not in (None, GPU)
-            if not isinstance(size, int) or size < (0 if offloaded else 1) or not all(isinstance(t, int) for t in tokens):
+            if not isinstance(size, int) or size < (0 if offloaded else 1) or not all(isinstance(t,
+                                                                                                 int) for t in tokens):
                 raise BadBatch("a stored block without its size or tokens")
             extra = ev.get("extra_keys")
             events.append(Stored(_hashes(ev.get("block_hashes")), parent, tuple(tokens), size, medium,
                                  ev.get("lora_name"),
-                                 tuple(tuple(k) if isinstance(k, (list, tuple)) else k for k in extra) if extra else None,
+                                 tuple(tuple(k) if isinstance(k, (list,
+                                                                  tuple)) else k for k in extra) if extra else None,
                                  ev.get("kv_cache_spec_kind"), locality))
         elif kind == "BlockRemoved":
             events.append(Removed(_hashes(ev.get("block_hashes")), _text(ev.get("medium")), _text(ev.get("locality"))))
@@ -188,7 +190,8 @@ class EngineEvents:
         last = self.next_seq - 1
         got = await self._replayed(last)
         if got is None:
-            self.on_lost("its replay did not answer" if upto is None else f"batches {self.next_seq}-{upto - 1} missed", now)
+            self.on_lost("its replay did not answer" if upto is None else f"batches {self.next_seq}-{upto - 1} missed",
+                         now)
             return
         if upto is None and (not got or got[0][0] != last or hashlib.blake2b(got[0][1]).digest() != self._last_digest):
             # not the stream it was: the engine started again (a new cache, a new sequence)

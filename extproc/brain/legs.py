@@ -80,7 +80,8 @@ class Legs:
     async def run(self) -> "ep.ProcessingResponse":
         b, d = self.brain, self.d
         t0 = b.clock()
-        self._leg = asyncio.ensure_future(asyncio.wait_for(self._prefill(), b.cfg.router.disaggregation.prefill_timeout_s))
+        self._leg = asyncio.ensure_future(asyncio.wait_for(self._prefill(),
+                                                           b.cfg.router.disaggregation.prefill_timeout_s))
         try:
             self.params = await asyncio.shield(self._leg)  # the client leaving does not cut it (see the docstring)
         except asyncio.CancelledError:

@@ -33,7 +33,8 @@ PIN_ACTION_METRICS: dict[PinAction, tuple[str, str, bool]] = {
 
 WARM_VIEW = {
     "prefill_tokens_per_second": "Prefill rate learned from the replica's counters, beside no other request (C3)",
-    "decode_seconds_per_token": "Decode time per token learned from the replica's counters, beside no other request (C3)",
+    "decode_seconds_per_token": "Decode time per token learned from the replica's counters, beside no other request "
+    "(C3)",
     "prefill_slowdown_per_running_request": "How much each request running beside one makes its prefill seconds "
                                             "per token grow, learned (0.1: 10% a request)",
     "decode_slowdown_per_running_request": "How much each request running beside one makes its decode seconds per "
@@ -62,7 +63,8 @@ MAX_TENANT_SERIES = 200  # tenants by their hash, the most spent first: a series
 
 def _tenants(caps) -> Iterable[Metric]:
     """Per tenant (its hash, as flow control counts it), what its token cap counted and refused."""
-    spent = CounterMetricFamily("warmroute_tenant_tokens", "Engine tokens a capped tenant's placed requests cost (their "
+    spent = CounterMetricFamily("warmroute_tenant_tokens",
+                                "Engine tokens a capped tenant's placed requests cost (their "
                                 "prompts' uncached part and expected answers), counted by every brain, by tenant "
                                 f"hash; the {MAX_TENANT_SERIES} largest", labels=["tenant"])
     capped = CounterMetricFamily("warmroute_tenant_capped_requests", "Requests refused 429 at their tenant's token "
@@ -88,23 +90,28 @@ class BrainCollector(Collector):
         now = self.clock()
         reps = r.replicas
 
-        c = CounterMetricFamily("warmroute_decisions", "Routing decisions by replica and reason", labels=["replica", "reason"])
+        c = CounterMetricFamily("warmroute_decisions", "Routing decisions by replica and reason", labels=["replica",
+                                                                                                          "reason"])
         for (name, reason), n in sorted(b.decisions.items()):
             c.add_metric([name, reason], n)
         yield c
-        c = CounterMetricFamily("warmroute_predicted_cached_tokens", "Prompt tokens routing predicted the chosen replica "
-                                "held, over the requests placed (engine tokens): against warmroute_engine_cached_tokens, "
+        c = CounterMetricFamily("warmroute_predicted_cached_tokens",
+                                "Prompt tokens routing predicted the chosen replica "
+                                "held, over the requests placed (engine tokens): against "
+                                "warmroute_engine_cached_tokens, "
                                 "how far the brain's belief of the caches holds", labels=["replica"])
         for name, n in sorted(b.predicted_cached.items()):
             c.add_metric([name], n)
         yield c
-        c = CounterMetricFamily("warmroute_engine_cached_tokens", "The replica's own prefix-cache hits in tokens since it "
+        c = CounterMetricFamily("warmroute_engine_cached_tokens",
+                                "The replica's own prefix-cache hits in tokens since it "
                                 "started (vllm:prefix_cache_hits), as last scraped", labels=["replica"])
         for rep in reps:
             if rep.engine_cached_tokens is not None:
                 c.add_metric([rep.name], rep.engine_cached_tokens)
         yield c
-        c = CounterMetricFamily("warmroute_decision_pins", "Decisions by the pin kind that was resolved (none: no pin)", labels=["kind"])
+        c = CounterMetricFamily("warmroute_decision_pins",
+                                "Decisions by the pin kind that was resolved (none: no pin)", labels=["kind"])
         for kind, n in sorted(b.decisions_by_pin.items()):
             c.add_metric([kind], n)
         yield c
@@ -133,7 +140,8 @@ class BrainCollector(Collector):
         yield from (f for f, _ in fams.values())
         g = GaugeMetricFamily("warmroute_pins", "Live pins", labels=["kind"])
         e = CounterMetricFamily("warmroute_pin_expirations", "Pins that died of idleness (TTL)", labels=["kind"])
-        ev = CounterMetricFamily("warmroute_pin_evictions", "Pins dropped, least recently used first, past pins.max_pins",
+        ev = CounterMetricFamily("warmroute_pin_evictions",
+                                 "Pins dropped, least recently used first, past pins.max_pins",
                                  labels=["kind"])
         for t in (r.session_pins, r.prefix_pins):
             g.add_metric([t.kind], len(t))
@@ -143,18 +151,28 @@ class BrainCollector(Collector):
         yield e
         yield ev
 
-        state = GaugeMetricFamily("warmroute_replica_state", "1 for the replica's current health state", labels=["replica", "state"])
-        drained = GaugeMetricFamily("warmroute_replica_drained", "1 if an operator drained the replica", labels=["replica"])
+        state = GaugeMetricFamily("warmroute_replica_state", "1 for the replica's current health state",
+                                  labels=["replica", "state"])
+        drained = GaugeMetricFamily("warmroute_replica_drained", "1 if an operator drained the replica",
+                                    labels=["replica"])
         ejections = CounterMetricFamily("warmroute_ejections", "Ejections of the replica", labels=["replica"])
-        cooldown = GaugeMetricFamily("warmroute_cooldown_seconds", "Ejection cooldown of the replica's current streak", labels=["replica"])
-        remaining = GaugeMetricFamily("warmroute_cooldown_remaining_seconds", "Seconds left of the current cooldown", labels=["replica"])
+        cooldown = GaugeMetricFamily("warmroute_cooldown_seconds", "Ejection cooldown of the replica's current streak",
+                                     labels=["replica"])
+        remaining = GaugeMetricFamily("warmroute_cooldown_remaining_seconds", "Seconds left of the current cooldown",
+                                      labels=["replica"])
         er = GaugeMetricFamily("warmroute_effective_running", "max(scraped running, wlc_in_flight)", labels=["replica"])
-        ew = GaugeMetricFamily("warmroute_effective_waiting", "scraped waiting + in-flight not yet seen by a scrape", labels=["replica"])
-        wlc = GaugeMetricFamily("warmroute_wlc_in_flight", "Token-weighted in-flight work of this router", labels=["replica"])
-        inflight = GaugeMetricFamily("warmroute_in_flight_requests", "Requests of this router in flight", labels=["replica"])
-        sr = GaugeMetricFamily("warmroute_scraped_running", "vllm:num_requests_running at the last good scrape", labels=["replica"])
-        sw = GaugeMetricFamily("warmroute_scraped_waiting", "vllm:num_requests_waiting at the last good scrape", labels=["replica"])
-        kv = GaugeMetricFamily("warmroute_scraped_kv_usage", "KV cache usage (0-1) at the last good scrape", labels=["replica"])
+        ew = GaugeMetricFamily("warmroute_effective_waiting", "scraped waiting + in-flight not yet seen by a scrape",
+                               labels=["replica"])
+        wlc = GaugeMetricFamily("warmroute_wlc_in_flight", "Token-weighted in-flight work of this router",
+                                labels=["replica"])
+        inflight = GaugeMetricFamily("warmroute_in_flight_requests", "Requests of this router in flight",
+                                     labels=["replica"])
+        sr = GaugeMetricFamily("warmroute_scraped_running", "vllm:num_requests_running at the last good scrape",
+                               labels=["replica"])
+        sw = GaugeMetricFamily("warmroute_scraped_waiting", "vllm:num_requests_waiting at the last good scrape",
+                               labels=["replica"])
+        kv = GaugeMetricFamily("warmroute_scraped_kv_usage", "KV cache usage (0-1) at the last good scrape",
+                               labels=["replica"])
         for rep in reps:
             h = rep.health
             for s in State:
@@ -174,28 +192,34 @@ class BrainCollector(Collector):
         yield GaugeMetricFamily("warmroute_cooldown_max_seconds", "The cooldown ceiling (SPEC A2: 300 s)",
                                 value=r.cfg.health.cooldown_max_s)
 
-        sc = CounterMetricFamily("warmroute_scrapes", "Scrapes of the replicas' /metrics by result", labels=["replica", "result"])
+        sc = CounterMetricFamily("warmroute_scrapes", "Scrapes of the replicas' /metrics by result", labels=["replica",
+                                                                                                             "result"])
         for (name, result), n in sorted(b.scrapes.items()):
             sc.add_metric([name, result], n)
         yield sc
         yield CounterMetricFamily("warmroute_reservation_safety_timeouts",
-                                  "Reservations released by the safety timeout (their end was never seen)", value=r.safety_timeouts)
+                                  "Reservations released by the safety timeout (their end was never seen)",
+                                  value=r.safety_timeouts)
         yield CounterMetricFamily("warmroute_reservation_liveness_timeouts",
                                   "Reservations no access-log entry named within the liveness bound (a lost or rogue "
                                   "ext_proc call)", value=r.liveness_timeouts)
         yield CounterMetricFamily("warmroute_passive_ejections_refused",
                                   "Users' requests' failures that would have ejected more than "
                                   "health.max_passive_ejection_percent of the fleet", value=r.passive_ejections_refused)
-        yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released", value=r.open_reservations)
+        yield GaugeMetricFamily("warmroute_open_reservations", "Reservations not yet released",
+                                value=r.open_reservations)
         yield CounterMetricFamily("warmroute_access_log_releases", "Reservations released by Envoy's access log",
                                   value=b.releases_by_log)
         yield CounterMetricFamily("warmroute_forged_response_ids", "Stored-response ids in the brain's minted form "
-                                  "whose MAC did not verify: answered 404, no replica asked", value=b.forged_response_ids)
+                                  "whose MAC did not verify: answered 404, no replica asked",
+                                  value=b.forged_response_ids)
         yield CounterMetricFamily("warmroute_response_releases", "Reservations released by the endpoint picker at "
                                   "the response's end (or its stream's)", value=b.releases_by_response)
         yield CounterMetricFamily("warmroute_picker_streams_reset", "Endpoint-picker streams that ended before their "
-                                  "response did (client gone, replica reset, gateway restart)", value=b.picker_streams_reset)
-        yield CounterMetricFamily("warmroute_discovery_failures", "Replica discovery lookups that failed; the last good "
+                                  "response did (client gone, replica reset, gateway restart)",
+                                  value=b.picker_streams_reset)
+        yield CounterMetricFamily("warmroute_discovery_failures",
+                                  "Replica discovery lookups that failed; the last good "
                                   "replica set stays", value=b.discovery_failures)
         yield GaugeMetricFamily("warmroute_discovery_up", "1 when the discovery source's last lookup succeeded; 0: "
                                 "the replica set is frozen at the last good one", value=b.discovery_up)
@@ -205,7 +229,8 @@ class BrainCollector(Collector):
                                   "Reservations released because every access-log stream from Envoy closed (it died "
                                   "or restarted)", value=b.released_envoy_gone)
         yield CounterMetricFamily("warmroute_access_log_unmatched", "Access-log entries that named no open reservation "
-                                  "and no known replica (e.g. requests Envoy answered itself)", value=b.unmatched_log_entries)
+                                  "and no known replica (e.g. requests Envoy answered itself)",
+                                  value=b.unmatched_log_entries)
         routable = [x.name for x in reps if x.health.state is not State.EJECTED and not x.drained]
         yield GaugeMetricFamily("warmroute_imbalance_index",
                                 "max(share)/mean(share) of decisions over 5 min across routable replicas (SPEC B)",

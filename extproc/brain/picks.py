@@ -129,11 +129,13 @@ class Picks:
         if rank is not None and any(count(r.name) <= rank for r in names):
             rank = None  # a fallback without that engine would refuse the header: let the front ends choose
         self.brain.decisions.remember(headers.get(REQUEST_ID_HEADER), d, self.brain.clock())
-        return Pick([self.brain.endpoint_of[r.name] for r in names], d.reservation, rank, body=self.brain.body_for(d, body))
+        return Pick([self.brain.endpoint_of[r.name] for r in names], d.reservation, rank, body=self.brain.body_for(d,
+                                                                                                                   body))
 
     def end(self, res: Reservation, served: str | None, failed: bool | None, first_byte_s: float | None) -> None:
         """A picked request ended (its response's end, or the stream's): release it and count the outcome."""
-        self.brain.releaser.finish(res, self.brain.releaser.by_address.get(served) if served else None, failed, first_byte_s)
+        self.brain.releaser.finish(res, self.brain.releaser.by_address.get(served) if served else None, failed,
+                                   first_byte_s)
 
     @property
     def untrusted(self) -> frozenset[str]:

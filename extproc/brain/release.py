@@ -203,7 +203,8 @@ class Releaser:
         if res is not None and res.handoff is not None and not sock.address:
             res.handoff()  # a decode leg no replica got: its KV waits on the prefill replica for nobody
             res.handoff = None
-        verdicts = upstream_verdicts(chosen, served_by, common.upstream_request_attempt_count, upstream_failed(outcome_of(entry)))
+        verdicts = upstream_verdicts(chosen, served_by, common.upstream_request_attempt_count,
+                                     upstream_failed(outcome_of(entry)))
         for name, ok in verdicts:
             self.router.on_upstream(name, ok, now)
         if chosen is None and served_by is None:

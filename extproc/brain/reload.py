@@ -40,7 +40,8 @@ def apply_config(router: Router, old: AppConfig, new: AppConfig, now: float) -> 
     for name in old_names - new_names:
         router.remove_replica(name)
     router.update_config(new.router)
-    info = {"added": sorted(new_names - old_names), "removed": sorted(old_names - new_names), "replicas": len(new_names)}
+    info = {"added": sorted(new_names - old_names), "removed": sorted(old_names - new_names),
+            "replicas": len(new_names)}
     if _headers(new) != _headers(old):
         # Envoy sends only the headers its (static) ext_proc config names: until it runs a bootstrap rendered
         # from this file, a new session or tenant header never reaches the brain.

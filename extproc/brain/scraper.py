@@ -106,7 +106,8 @@ class Scraper:
         engine = self.engines.get(name, "vllm")
         return self.detected.get(name, "vllm") if engine == "auto" else engine
 
-    async def scrape_once(self, session: ClientSession, name: str, url: str, timeout: float | None = None) -> ScrapeResult:
+    async def scrape_once(self, session: ClientSession, name: str, url: str,
+                          timeout: float | None = None) -> ScrapeResult:
         t0 = time.perf_counter()
         engine = self.engines.get(name, "vllm")
         stalled = self.stalled_s
@@ -164,7 +165,8 @@ class Scraper:
                     return ""
                 # never more than max_bytes in memory: a /metrics that streams forever (or 50 MB of it) must not
                 # grow the brain nor be parsed twice a second
-                too_big = ScrapeResult(False, error=f"{path} larger than {self.max_bytes} bytes (health.max_metrics_bytes)")
+                too_big = ScrapeResult(False,
+                                       error=f"{path} larger than {self.max_bytes} bytes (health.max_metrics_bytes)")
                 if resp.content_length is not None and resp.content_length > self.max_bytes:
                     return too_big
                 buf = bytearray()
@@ -305,7 +307,8 @@ class Scraper:
                         self.on_kv_sources(name, self.urls[name], listed)
                     except Exception as e:
                         self.loop_errors += 1
-                        logs.event("loop_error", loop="kv_sources", replica=name, error=f"{type(e).__name__}: {e}"[:200])
+                        logs.event("loop_error", loop="kv_sources", replica=name,
+                                   error=f"{type(e).__name__}: {e}"[:200])
             if health and r.ok and name in self.paths_due and name in self.paths_wanted and name in self.urls:
                 read, paths = await self.fetch_paths(session, name, self.urls[name], health_timeout)
                 if read:

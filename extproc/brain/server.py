@@ -105,7 +105,8 @@ def claim_socket_path(path: str, group: str | None = None) -> str:
         try:
             os.makedirs(directory, mode=0o750 if group else 0o700)
         except OSError as e:
-            raise ConfigError(f"brain.grpc_socket: cannot create {directory} ({e.strerror}): set brain.grpc_socket to a "
+            raise ConfigError(f"brain.grpc_socket: cannot create {directory} ({e.strerror}): set brain.grpc_socket to "
+                              f"a "
                               "path this user may write, where Envoy connects") from None
         if group:
             os.chown(directory, -1, _gid(group))
@@ -341,7 +342,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
         loop.create_task(hup())
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"), asyncio.create_task(_tick_loop(brain), name="tick"),
+    tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"), asyncio.create_task(_tick_loop(brain),
+                                                                                            name="tick"),
              asyncio.create_task(brain.exact.kv.loop(), name="kv_events")]
     source = None
     if cfg.discovery.source != "static":
@@ -386,6 +388,8 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     finally:
         for t in tasks:
             t.cancel()
+        if readying is not None:
+            readying.cancel()
         brain.exact.close()
         if source is not None:
             await source.close()

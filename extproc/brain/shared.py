@@ -550,7 +550,8 @@ class SharedState:
         every = self.cfg.snapshot_every_s
         await asyncio.sleep(every * random.uniform(0.5, 1.0))
         while True:
-            if await asyncio.wait_for(r.set(self.lock_key, self.id, nx=True, ex=max(1, int(every))), self.cfg.timeout_s):
+            if await asyncio.wait_for(r.set(self.lock_key, self.id, nx=True, ex=max(1, int(every))),
+                                      self.cfg.timeout_s):
                 await self.write_snapshot()
             await asyncio.sleep(every)
 

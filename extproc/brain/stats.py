@@ -75,7 +75,8 @@ class BrainStats:
         self.decisions_by_pin: Counter[str] = Counter()  # pin kind resolved, or "none"
         self.pin_events: Counter[tuple[str, str, str]] = Counter()  # (action, kind, cause)
         self.bodies: Counter[str] = Counter()  # body status: how much traffic is routed by headers only
-        self.scrapes: Counter[tuple[str, str]] = Counter()  # (replica, ok|failed|deferred: timed out while the loop stalled, retried)
+        # (replica, ok|failed|deferred: timed out while the loop stalled, retried)
+        self.scrapes: Counter[tuple[str, str]] = Counter()
         self.window = DecisionWindow()
         self.releases_by_log = 0
         self.forged_response_ids = 0  # stored-response ids in the minted form whose MAC did not verify: answered 404
@@ -130,7 +131,8 @@ class BrainStats:
             self.predicted_cached[name] += 0
             for reason in Reason:
                 if reason not in (Reason.NO_HEALTHY, Reason.UNKNOWN_MODEL, Reason.UNSERVED_PATH, Reason.INFLATE_LIMIT,
-                                  Reason.UNSUPPORTED_ENCODING, Reason.CLIENT_KV_TRANSFER, Reason.RESPONSE_GONE, Reason.HELD, Reason.QUEUE_FULL, Reason.READ_BODY,
+                                  Reason.UNSUPPORTED_ENCODING, Reason.CLIENT_KV_TRANSFER, Reason.RESPONSE_GONE,
+                                  Reason.HELD, Reason.QUEUE_FULL, Reason.READ_BODY,
                                   Reason.DEADLINE, Reason.TENANT_CAP):
                     self.decisions[(name, reason)] += 0
             for result in SCRAPE_RESULTS:

@@ -34,7 +34,9 @@ from .schema import (
 
 __all__ = [
     "DISCOVERY_SOURCES", "ENGINES", "FLOW_FIRST_ANSWER_S", "MAX_ALIASES", "MAX_CONFIG_BYTES", "PROTOCOLS", "AppConfig",
-    "BrainConfig", "ConfigError", "DiscoveryConfig", "EnvoyConfig", "ExactCacheConfig", "FlowControlConfig", "HealthConfig", "PinConfig",
+    "BrainConfig", "ConfigError", "DiscoveryConfig", "EnvoyConfig", "ExactCacheConfig", "FlowControlConfig",
+    "HealthConfig", "PinConfig",
     "ProfileConfig", "ReplicaSpec", "RouterConfig", "SharedStateConfig", "WarmConfig", "brain_calls_max",
-    "check_brain_access", "first_answer_s", "held_s", "legs_s", "max_message_s", "is_ip", "is_loopback", "load_config", "parse_config",
+    "check_brain_access", "first_answer_s", "held_s", "legs_s", "max_message_s", "is_ip", "is_loopback", "load_config",
+    "parse_config",
 ]

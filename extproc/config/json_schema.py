@@ -80,7 +80,8 @@ def config_schema() -> dict:
     exact = _section("exact_cache", ExactCacheConfig, skip={"tokenizers", "chat_templates"})
     exact["properties"] |= {"tokenizers": _model_paths(), "chat_templates": _model_paths()}
     target = {"type": "object", "additionalProperties": False, "required": ["model"],
-              "properties": {"model": {"type": "string", "minLength": 1}, "weight": {"type": "number", "exclusiveMinimum": 0}}}
+              "properties": {"model": {"type": "string", "minLength": 1}, "weight": {"type": "number",
+                                                                                     "exclusiveMinimum": 0}}}
     alias = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": target}]}
     props = {
         "replicas": {"type": "array", "items": replica},

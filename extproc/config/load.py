@@ -183,7 +183,7 @@ def _replicas(raw: Any) -> tuple[ReplicaSpec, ...]:
         if ("tls_cert_file" in tls) != ("tls_key_file" in tls):
             raise ConfigError(f"{where}.tls_key_file: tls_cert_file and tls_key_file go together")
         try:
-            parts.port
+            _ = parts.port  # urllib checks the port only when asked
         except ValueError:
             raise ConfigError(f"{where}.url: bad port in {_short(url)}") from None
         kv_events = _kv_events(f"{where}.kv_events", item.get("kv_events"), parts.hostname)
@@ -259,7 +259,8 @@ def check_brain_access(brain: BrainConfig, envoy: EnvoyConfig) -> None:
     if (envoy.brain_tls_cert_file is None) != (envoy.brain_tls_key_file is None):
         raise ConfigError("envoy.brain_tls_key_file: brain_tls_cert_file and brain_tls_key_file go together")
     if brain.tls_client_ca_file is not None and brain.grpc_socket is None and envoy.brain_tls_cert_file is None:
-        raise ConfigError("envoy.brain_tls_cert_file: the brain asks for a client certificate (brain.tls_client_ca_file)"
+        raise ConfigError("envoy.brain_tls_cert_file: the brain asks for a client certificate "
+                          "(brain.tls_client_ca_file)"
                           "; give Envoy one")
 
 
@@ -292,7 +293,7 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     if router.profile.block_chars != 64:
         # the router, the mock and the simulator share one block function of 64-byte blocks
         raise ConfigError("profile.block_chars: only 64 is supported (16 tokens at 4 characters a token)")
-    if not 1.0 <= router.warm.balance_factor:
+    if not router.warm.balance_factor >= 1.0:
         raise ConfigError("warm.balance_factor: expected a number >= 1 (1.25-1.5 is typical)")
     if not 0.0 < router.warm.kv_pressure <= 1.0:
         raise ConfigError("warm.kv_pressure: expected a number in (0, 1]")
@@ -364,7 +365,8 @@ def parse_config(doc: Any, source: str = "<dict>") -> AppConfig:
     if not isinstance(allow, bool):
         raise ConfigError(f"allow_no_replicas: expected true or false, got {_short(allow)}")
     if envoy.picker_body_mode not in ("buffered", "full-duplex"):
-        raise ConfigError(f"envoy.picker_body_mode: expected buffered or full-duplex, got {_short(envoy.picker_body_mode)}")
+        raise ConfigError(f"envoy.picker_body_mode: expected buffered or full-duplex, got "
+                          f"{_short(envoy.picker_body_mode)}")
     for field_ in ("brain_endpoints", "brain_failover"):
         for i, ep in enumerate(getattr(envoy, field_)):
             host, _, port = ep.rpartition(":")
@@ -482,12 +484,14 @@ def _aliases(raw: Any) -> tuple[tuple[str, tuple[Target, ...]], ...]:
             out.append((alias, (Target(value, 1.0),)))
             continue
         if not isinstance(value, list) or not value:
-            raise ConfigError(f"{where}: expected a served model name or a list of {{model, weight}}, got {_short(value)}")
+            raise ConfigError(f"{where}: expected a served model name or a list of {{model, weight}}, got "
+                              f"{_short(value)}")
         targets = []
         for i, t in enumerate(value):
             if not isinstance(t, dict) or set(t) - {"model", "weight"} or not isinstance(t.get("model"), str) \
                     or not t["model"]:
-                raise ConfigError(f"{where}[{i}]: expected {{model: <served name>, weight: <number > 0>}}, got {_short(t)}")
+                raise ConfigError(f"{where}[{i}]: expected {{model: <served name>, weight: <number > 0>}}, got "
+                                  f"{_short(t)}")
             w = t.get("weight", 1)
             if isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0:
                 raise ConfigError(f"{where}[{i}].weight: expected a number > 0, got {_short(w)}")

@@ -121,7 +121,8 @@ class DiscoveryConfig:
     """Where the replica set comes from (docs/kubernetes.md "Discovery"). A source that fails keeps the last
     set it gave; a replica it adds starts EJECTED and earns LIVE from its scrapes; one it drops gets nothing new."""
 
-    source: str = "static"  # static: the replicas list; dns: the records of dns_name; kubernetes: an InferencePool's pods
+    # static: the replicas list; dns: the records of dns_name; kubernetes: an InferencePool's pods
+    source: str = "static"
     interval_s: float = 10.0  # DNS is resolved again this often; Kubernetes lists again this often besides its watch
     port: int = 8000  # the engines' port (dns; kubernetes reads the pool's targetPorts or the slices' ports)
     scheme: str = "http"  # http or https, for discovered replicas
@@ -137,7 +138,7 @@ class DiscoveryConfig:
     # every discovered replica's publisher at this port of its own address (its replay socket at the next field's;
     # data-parallel ranks at the ports after, as vLLM offsets them); null: asked at /kv_event_sources. A Kubernetes
     # pod may name its own: the annotations warmroute.io/kv-events-port and warmroute.io/kv-events-replay-port
-    kv_events_port: int | None = None  # the publisher's port on each discovered replica (null: asked at /kv_event_sources)
+    kv_events_port: int | None = None  # the publisher's port on each replica (null: asked at /kv_event_sources)
     kv_events_replay_port: int | None = None  # its replay socket's port there (null: none)
     kv_events_data_parallel_size: int = 1  # engines per replica: their publishers at the ports after, by rank
 
@@ -193,7 +194,8 @@ class EnvoyConfig:
     # Bodies with a Content-Length above this reach the brain as headers only (session header, size): a body of
     # tens of MiB costs the brain ~70 ms of gRPC copying on its event loop, and a few at once would push small
     # requests past ext_proc_timeout_s. The prefix chain reads at most the first 1 MiB anyway; the seed policy loses
-    # the body's keys (A3: conversation_id, the system prompt) above it: raise it to profile.max_body_bytes to keep them.
+    # the body's keys (A3: conversation_id, the system prompt) above it: raise it to profile.max_body_bytes to keep
+    # them.
     brain_body_max_bytes: int = 2 * 1024 * 1024
     # The header path (docs/architecture.md, "Two paths"): a request that names a session in a header and declares
     # its size is first asked about with its headers alone; a turn whose home takes it is routed there at once and its
@@ -348,7 +350,8 @@ class AppConfig:
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
-    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)  # issue 34: on; holds new sessions that fit nowhere
+    # issue 34: on; holds new sessions that fit nowhere
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
     # models.aliases: a client's model name -> the served names it goes to, with weights (a canary's share)
     aliases: tuple[tuple[str, tuple[Target, ...]], ...] = ()
     source: str = "<defaults>"

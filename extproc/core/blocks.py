@@ -205,5 +205,6 @@ class ChainCache:
         extend_chain(chain, data, done, end, state)
         self.hashed_blocks += len(chain) - before
         if key is not None:  # an entry extended in place was counted for its length before
-            self._keep(key, entry, seed, chain, 0 if entry is None else len(entry[1]) if entry[1] is not chain else before)
+            self._keep(key, entry, seed, chain,
+                       0 if entry is None else len(entry[1]) if entry[1] is not chain else before)
         return chain

@@ -43,7 +43,8 @@ class HealthConfig:
 class PinConfig:
     session_ttl_s: float = 3600.0  # A3: session pins live 60 min idle
     prefix_ttl_s: float = 300.0  # A3: prefix pins live 5 min idle
-    session_slack: int = 1  # A3: a session pin is used while its replica is within this many requests of the least loaded
+    # A3: a session pin is used while its replica is within this many requests of the least loaded
+    session_slack: int = 1
     prefix_slack: int = 0  # A3: the same slack for prefix (system prompt) pins
     session_spills_to_rebind: int = 3  # A3: 3 spills in a row -> the session pin moves
     prefix_spills_to_delete: int = 2  # B: the second consecutive prefix spill deletes it
@@ -59,9 +60,12 @@ CREDENTIAL_HEADER = "authorization"  # tenant_source "credential": the API key (
 
 @dataclass(frozen=True, slots=True)
 class ProfileConfig:
-    session_headers: tuple[str, ...] = ("x-session-id", "x-kilo-session", "x-conversation-id")  # A3: request headers that name the session, first present wins
-    session_body_fields: tuple[str, ...] = ("conversation_id", "thread_id")  # A3: body fields that name the session when no header does
-    tenant_header: str | None = "x-warmroute-tenant"  # A3: the seed's project_id: a header only a trusted filter or proxy sets
+    # A3: request headers that name the session, first present wins
+    session_headers: tuple[str, ...] = ("x-session-id", "x-kilo-session", "x-conversation-id")
+    # A3: body fields that name the session when no header does
+    session_body_fields: tuple[str, ...] = ("conversation_id", "thread_id")
+    # A3: the seed's project_id: a header only a trusted filter or proxy sets
+    tenant_header: str | None = "x-warmroute-tenant"
     # Where the tenant comes from (docs/guide.md "Tenants"): "header" = tenant_header, which Envoy strips from what
     # clients send (only the operator's own auth filter, or a trusted proxy, sets it); "credential" = a hash of
     # the Authorization header (an API key is a tenant); "none" = one tenant.

@@ -70,7 +70,8 @@ def chain(tokens: Sequence[int], block_size: int, root: bytes, parent: bytes | N
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """vLLM's ``BlockStored``: consecutive blocks of one request, the first after ``parent`` (None: a prompt's start)."""
+    """vLLM's ``BlockStored``: consecutive blocks of one request, the first after ``parent`` (None: a prompt's
+    start)."""
 
     hashes: tuple[int, ...]
     parent: int | None
@@ -192,7 +193,8 @@ class EngineCache:
                 if len(ev.tokens) < bs * len(ev.hashes):
                     raise Unverifiable("fewer tokens than blocks")
                 for k, h in enumerate(ev.hashes):
-                    keys = self._tagged(extra[k] if k < len(extra) else None, ev.lora_name, ev.parent is None and k == 0)
+                    keys = self._tagged(extra[k] if k < len(extra) else None, ev.lora_name,
+                                        ev.parent is None and k == 0)
                     prev = vllm_hash((prev, tuple(ev.tokens[k * bs:(k + 1) * bs]), keys))
                     if external(prev) != h:
                         self._mismatch(f"the engine's hash of a block is not vLLM {self.algo} with seed {self.seed!r} "

@@ -53,7 +53,8 @@ class LoadSample:
     computed_tokens: float | None = None
     # counts and sums observed with the same requests (see the module's doc): None where not exported
     first_tokens: float | None = None  # time_to_first_token_seconds_count: requests whose prefill ended
-    prompt_requests: float | None = None  # the requests whose prompt tokens prompt_tokens counts (Dialect.prompt_counted)
+    # the requests whose prompt tokens prompt_tokens counts (Dialect.prompt_counted)
+    prompt_requests: float | None = None
     prefill_done: float | None = None  # request_prefill_time_seconds_count: requests that finished
     computed_at_finish: float | None = None  # request_prefill_kv_computed_tokens_sum (newer vLLM)
     generated_at_finish: float | None = None  # request_generation_tokens_sum
@@ -242,7 +243,8 @@ class Rates:
 
     def _decode(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc
-        if self.paired and _both(s, p, "generated_at_finish", "decode_seconds") and _both(s, p, "decode_done", "decode_done"):
+        if self.paired and _both(s, p, "generated_at_finish", "decode_seconds") and _both(s, p, "decode_done",
+                                                                                          "decode_done"):
             done = s.decode_done - p.decode_done
             acc[2] += s.generated_at_finish - p.generated_at_finish - done  # decode time starts after the first token
             acc[3] += s.decode_seconds - p.decode_seconds
@@ -393,7 +395,8 @@ def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slo
     fresh = [r for r in rates if getattr(r, at) >= since]
     if not fresh:
         # none sampled lately: each its last rate, and one never measured still as the slowest measured one (at its
-        # prior it was 19x slower than its peers on a time-compressed fleet: a turn moved off its home to a measured one)
+        # prior it was 19x slower than its peers on a time-compressed fleet: a turn moved off its home to a measured
+        # one)
         known = [getattr(r, value) for r in rates if getattr(r, at) != never]
         if not known:
             return [getattr(r, value) for r in rates]

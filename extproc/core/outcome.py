@@ -39,7 +39,8 @@ def upstream_failed(o: UpstreamOutcome) -> bool:
             or (o.via_upstream and o.code in REPLICA_FAULT_CODES))
 
 
-def upstream_verdicts(chosen: Name | None, served_by: Name | None, attempts: int, failed: bool) -> list[tuple[Name, bool]]:
+def upstream_verdicts(chosen: Name | None, served_by: Name | None, attempts: int, failed: bool) -> list[tuple[Name,
+                                                                                                              bool]]:
     """Which replicas the outcome counts for, and whether as a success.
 
     ``chosen`` is the replica the router picked; ``served_by`` the one whose address Envoy

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 import orjson
 
-from .apis import KV_TRANSFER_KEY, Api, api_of, conversation_bytes, conversation_root, session_of_messages, stored_response_id
+from .apis import (KV_TRANSFER_KEY, Api, api_of, conversation_bytes, conversation_root, session_of_messages,
+                   stored_response_id)
 from .blocks import BLOCK_CHARS, ChainCache, chain_seed
 from .config import ProfileConfig
 from .names import BodyStatus
@@ -288,7 +289,8 @@ def tenant_of(headers: Mapping[str, str], cfg: ProfileConfig) -> str | None:
     return value
 
 
-def _session_header(headers: Mapping[str, str], cfg: ProfileConfig, tenant: str | None) -> tuple[bytes | None, str | None]:
+def _session_header(headers: Mapping[str, str], cfg: ProfileConfig, tenant: str | None) -> tuple[bytes | None,
+                                                                                                 str | None]:
     """The session a header names (the first configured one present), hashed with its tenant, and its source."""
     for h in cfg.session_headers:
         v = headers.get(h)
@@ -407,7 +409,8 @@ def build_profile(
     stored = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id,
               "doc": doc if status is BODY_OK else None,
               "stores_response": api is Api.RESPONSES and status is BODY_OK and doc.get("store") is not False,
-              "kv_transfer": KV_TRANSFER_KEY in doc if status is BODY_OK else False if status is BODY_NOT_OBJECT else None}
+              "kv_transfer": KV_TRANSFER_KEY in doc if status is BODY_OK else False if status is BODY_NOT_OBJECT
+              else None}
 
     blocks: list[int] = []
     candidates = None

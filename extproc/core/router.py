@@ -353,7 +353,8 @@ class Router:
             fleet: FleetView = self if only is None else Subset(self, only)
             flow = self.flow
             if flow is not None and hold_key is not None and profile.priority != CRITICAL:
-                if flow.queue.ahead(profile.priority)[0] and (self._offer_due or now - self._offered_at >= _OFFER_GAP_S):
+                if flow.queue.ahead(profile.priority)[0] and (self._offer_due or now - self._offered_at
+                                                              >= _OFFER_GAP_S):
                     # whatever can go now goes before it. offer() replaces self._ready: read it after the call.
                     # Not again before something changed (a release, a scrape) or a moment passed: an offer prices
                     # up to 32 held requests, and one per arrival in a flood of 2,000 made the brain fall behind
@@ -452,7 +453,8 @@ class Router:
             if isinstance(only, Pinned):
                 r = only.replica
                 if d is None:  # it does not fit there at all: that replica answers, as without flow control
-                    out.append((h.key, self._shared(Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile, now)),
+                    out.append((h.key, self._shared(Decision(r, Reason.HOLDER, None, [], self._reserve(r, profile,
+                                                                                                       now)),
                                                     profile, now)))
                     continue
                 d.reason = Reason.HOLDER
@@ -494,7 +496,8 @@ class Router:
 
     def _fallback(self, profile: RequestProfile, now: float, only: Collection[str] | None = None) -> Decision:
         """Step 5: nothing LIVE or PROBING -> a random known replica; nothing known -> no_healthy_instances."""
-        known = [r for r in self._replicas if not r.drained and r.role != "prefill" and (only is None or r.name in only)]
+        known = [r for r in self._replicas if not r.drained and r.role != "prefill" and (only is None or r.name
+                                                                                         in only)]
         if not known:
             return Decision(None, NO_HEALTHY)
         r = self._random.choice(known)

@@ -166,10 +166,10 @@ class SeedPolicy(Policy):
 
         # B: each key without a live pin is pinned to the chosen replica (never a PROBING one).
         if chosen.health.state is LIVE:
-            if profile.session_key is not None and pin_kind != SESSION:
-                if self.session_pins.get(profile.session_key, now) is None:
-                    self.session_pins.put(profile.session_key, chosen, now)
-                    events.append(PinEvent(PinAction.PIN, SESSION, Cause.NEW))
+            if profile.session_key is not None and pin_kind != SESSION and \
+                    self.session_pins.get(profile.session_key, now) is None:
+                self.session_pins.put(profile.session_key, chosen, now)
+                events.append(PinEvent(PinAction.PIN, SESSION, Cause.NEW))
             if profile.prefix_key is not None and pin_kind != PREFIX:
                 ppin = self.prefix_pins.get(profile.prefix_key, now)
                 if ppin is None:

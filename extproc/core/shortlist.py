@@ -9,7 +9,8 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .cost import Aggregates, Estimate, decode_penalty, evict_risk, fair_share, interference, queue_wait, recent, work_unit
+from .cost import (Aggregates, Estimate, decode_penalty, evict_risk, fair_share, interference, queue_wait, recent,
+                   work_unit)
 from .decision import FleetView
 from .load import effective_rates
 from .pins import Pin
@@ -37,7 +38,8 @@ _VIEW_DECISIONS_SHARE, _VIEW_MAX_AGE_S, _VIEW_MAX_EASED = 16, 0.05, 16
 class View:
     """A big fleet looked at whole (``Shortlist.look``): rows, aggregates and the shortlist's standing picks."""
 
-    __slots__ = ("epoch", "only", "at", "left", "rows", "n_live", "cap", "aggregates", "picks", "pos_of_bit", "pos_of_state",
+    __slots__ = ("epoch", "only", "at", "left", "rows", "n_live", "cap", "aggregates", "picks", "pos_of_bit",
+                 "pos_of_state",
                  "pos_of", "index_at", "by_load", "bit_at")
 
 

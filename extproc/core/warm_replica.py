@@ -55,7 +55,8 @@ class WarmReplica:
     """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens", "active_whole", "arrivals", "prefix_caching", "scraped", "lora", "lora_sent", "scale",
+                 "pending_tokens", "active_tokens", "active_whole", "arrivals", "prefix_caching", "scraped", "lora",
+                 "lora_sent", "scale",
                  "engine_block", "exact", "promised", "overhead")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,

@@ -136,7 +136,8 @@ class KubernetesSource:
                     POOL_GROUP, POOL_VERSION, d.namespace, POOL_PLURAL, d.inference_pool)
                 labels = (pool.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
                 if not labels:
-                    raise DiscoveryError(f"kubernetes: InferencePool {d.inference_pool} has no spec.selector.matchLabels")
+                    raise DiscoveryError(f"kubernetes: InferencePool {d.inference_pool} has no "
+                                         f"spec.selector.matchLabels")
                 selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
                 pods = api.sanitize_for_serialization(
                     client.CoreV1Api(api).list_namespaced_pod(d.namespace, label_selector=selector).items)

@@ -40,10 +40,12 @@ def upstream_tls(sni: str, ca_file: str | None, cert_file: str | None = None, ke
     system's bundle by default) and its name against ``sni``; a client certificate when one is given."""
     ctx: dict[str, Any] = {"validation_context": {
         "trusted_ca": {"filename": ca_file or SYSTEM_CA_BUNDLE},
-        "match_typed_subject_alt_names": [{"san_type": "IP_ADDRESS" if is_ip(sni) else "DNS", "matcher": {"exact": sni}}],
+        "match_typed_subject_alt_names": [{"san_type": "IP_ADDRESS" if is_ip(sni) else "DNS",
+                                           "matcher": {"exact": sni}}],
     }}
     if cert_file:
-        ctx["tls_certificates"] = [{"certificate_chain": {"filename": cert_file}, "private_key": {"filename": key_file}}]
+        ctx["tls_certificates"] = [{"certificate_chain": {"filename": cert_file},
+                                    "private_key": {"filename": key_file}}]
     if alpn:
         ctx["alpn_protocols"] = list(alpn)
     return {"name": "envoy.transport_sockets.tls", "typed_config": {

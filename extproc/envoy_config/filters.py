@@ -83,7 +83,7 @@ def early_header_mutation(cfg: AppConfig) -> list[dict]:
     return [{
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",  # noqa: E501 (a type URL)
             "mutations": [*({"remove": h} for h in edge_headers_removed(cfg)),
                           # the encoding the body came in, before the decompressor inflates it and drops the header
                           {"append": {"header": {"key": INFLATED_FROM_HEADER, "value": "%REQ(content-encoding)%"},
@@ -364,9 +364,11 @@ def http_filters(cfg: AppConfig) -> list[dict]:
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
                 "mutations": {"request_mutations": [
-                    *({"append": {"header": {"key": header, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{field})%"},
+                    *({"append": {"header": {"key": header,
+                                             "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{field})%"},
                                   "append_action": "ADD_IF_ABSENT", "keep_empty_value": False}}
-                      for header, field in ((ROUTING_HEADER, ANSWER_CLUSTER), (RESERVATION_HEADER, ANSWER_RESERVATION))),
+                      for header, field in ((ROUTING_HEADER, ANSWER_CLUSTER), (RESERVATION_HEADER,
+                                                                               ANSWER_RESERVATION))),
                     {"remove": LOOK_UPLOAD_HEADER},  # the look's, not the replica's
                     # the data-parallel engine the brain priced, when it chose one: its header replaces a client's
                     {"append": {"header": {"key": DP_RANK_HEADER,
@@ -393,7 +395,8 @@ def access_log(cfg: AppConfig) -> list[dict]:
                     "log_name": ACCESS_LOG_NAME,
                     "transport_api_version": "V3",
                     "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_LOG_CLUSTER}},
-                    # each entry releases a reservation: flushed every access_log_flush_s (10 ms). The buffer is also the
+                    # each entry releases a reservation: flushed every access_log_flush_s (10 ms). The buffer is also
+                    # the
                     # most Envoy holds while its stream is not writable: at 1 byte, every entry logged while one
                     # flush waited was dropped (logs_dropped), each a reservation open for an hour
                     "buffer_flush_interval": dur(cfg.envoy.access_log_flush_s),
@@ -429,7 +432,7 @@ def local_reply_config() -> dict:
         "mappers": [{
             "filter": {"extension_filter": {
                 "name": "envoy.access_loggers.extension_filters.cel",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",  # noqa: E501 (a type URL)
                                  "expression": "response.code_details == 'direct_response' || "
                                                "response.code_details.startsWith('warmroute_')"}}},
             "body_format_override": {"text_format": "%LOCAL_REPLY_BODY%", "content_type": "application/json"},

@@ -137,7 +137,7 @@ def picker_bootstrap(cfg: AppConfig) -> dict[str, Any]:
     # a client's own destination header would pick the host whenever the brain does not answer
     mutation[0]["typed_config"]["mutations"].append({"remove": DESTINATION_HEADER})
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",  # noqa: E501 (a type URL)
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
         "stream_idle_timeout": dur(e.stream_idle_timeout_s),

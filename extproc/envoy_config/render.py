@@ -24,7 +24,8 @@ from .filters import (
     local_reply_config,
 )
 from .routes import allowed_path_regex, routes  # noqa: F401 (allowed_path_regex: read from here)
-from .clusters import brain_cluster, brain_log_cluster, clusters, fallback_cluster, replica_cluster, replica_clusters
+from .clusters import (brain_cluster, brain_log_cluster, clusters, fallback_cluster, replica_cluster,  # noqa: F401
+                       replica_clusters)  # (replica_clusters: read from here)
 
 
 ADMIN_CLUSTER = "warmroute_envoy_admin"
@@ -43,7 +44,7 @@ def stats_listener(cfg: AppConfig) -> tuple[list[dict], list[dict]]:
     if e.stats_port is None:
         return [], []
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",  # noqa: E501 (a type URL)
         "stat_prefix": "warmroute_stats",
         "route_config": {"name": "stats", "virtual_hosts": [{"name": "stats", "domains": ["*"], "routes": [
             {"match": {"path": "/stats/prometheus", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
@@ -83,7 +84,8 @@ def overload_manager(cfg: AppConfig) -> dict:
              "triggers": [trigger(scaled={"scaling_threshold": 0.85, "saturation_threshold": 0.95})]},
             # memory a burst took goes back to the system once it is over, not only near the bound
             {"name": "envoy.overload_actions.shrink_heap", "triggers": [trigger(threshold={"value": 0.15})]},
-            {"name": "envoy.overload_actions.stop_accepting_requests", "triggers": [trigger(threshold={"value": 0.95})]},
+            {"name": "envoy.overload_actions.stop_accepting_requests",
+             "triggers": [trigger(threshold={"value": 0.95})]},
         ],
     }
 
@@ -95,7 +97,7 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
     """The default shape's bootstrap (``shapes.bootstrap`` chooses the shape)."""
     e = cfg.envoy
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",  # noqa: E501 (a type URL)
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
         "stream_idle_timeout": dur(e.stream_idle_timeout_s),
@@ -119,7 +121,8 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
         },
         "http_filters": [
             *http_filters(cfg),
-            {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+            {"name": "envoy.filters.http.router",
+             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
     stats_listeners, stats_clusters = stats_listener(cfg)
@@ -134,9 +137,11 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
                     # How much Envoy reads from a client before it stops reading: each piece read is what the gzip
                     # decompressor inflates at once (up to max_inflate_ratio times it), before any body limit is
                     # seen. At max_body_bytes a 1 MB upload read in one piece became 62 MB, sixteen took Envoy
-                    # past 1 GiB. Bodies still reach max_body_bytes: the virtual host's request_body_buffer_limit bounds them
+                    # past 1 GiB. Bodies still reach max_body_bytes: the virtual host's request_body_buffer_limit bounds
+                    # them
                     "per_connection_buffer_limit_bytes": LISTENER_READ_BYTES,
-                    "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+                    "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                    "typed_config": hcm}]}],
                 },
                 *stats_listeners,
             ],

@@ -27,14 +27,14 @@ def retry_policy(cfg: AppConfig) -> dict:
         "retry_priority": {
             "name": "envoy.retry_priorities.previous_priorities",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
+                "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",  # noqa: E501 (a type URL)
                 "update_frequency": 1,
             },
         },
         "retry_host_predicate": [
             {
                 "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},  # noqa: E501 (a type URL)
             }
         ],
         "host_selection_retry_max_attempts": 5,
@@ -58,7 +58,8 @@ def not_allowed(paths) -> list[dict]:
             for p in paths]
 
 
-NOT_SERVED_BODY = '{"error": {"message": "this path is not served here", "type": "not_found", "code": "path_not_served"}}'
+NOT_SERVED_BODY = ('{"error": {"message": "this path is not served here", "type": "not_found", '
+                   '"code": "path_not_served"}}')
 
 
 def routes(cfg: AppConfig) -> list[dict]:

@@ -293,7 +293,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         if kind == "request_body":
             chunk = req.request_body
             if st.request_mode in _BUFFERED:
-                return [await self._decide(st, chunk.body, context, "request_body")] if not st.answered else [_PASS[kind]]
+                return [await self._decide(st, chunk.body, context,
+                                           "request_body")] if not st.answered else [_PASS[kind]]
             if chunk.end_of_stream:
                 self._body_ended(st)
             if st.request_mode != _DUPLEX:

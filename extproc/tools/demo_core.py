@@ -136,7 +136,8 @@ def run(out: TextIO, seed: int = 7, quiet: bool = False, policy: str | None = No
             label = f"one-shot #{args[0]}"
         prof = build_profile(headers, body, router.profile_cfg, chains)
         d = router.select(prof, now)
-        ev = " ".join(f"{e.action}:{e.kind}" + (f"({e.cause})" if e.cause and e.cause != "new" else "") for e in d.events)
+        ev = " ".join(f"{e.action}:{e.kind}" + (f"({e.cause})" if e.cause and e.cause != "new" else "") for e
+                      in d.events)
         est = f" cached {d.cached_tokens:>5} ttft~{d.predicted_ttft_s:.2f}s" if d.predicted_ttft_s is not None else ""
         say(f"  t={now:6.1f}s  {label:<28} -> {d.replica_name or '-':<3} {d.reason:<9}{est} {ev}")
         if d.replica is None:
@@ -161,7 +162,8 @@ def run(out: TextIO, seed: int = 7, quiet: bool = False, policy: str | None = No
 
 def _table(router: Router, now: float, say: Callable[[str], None]) -> None:
     say(f"\n  replica table at t={now:.1f}s")
-    say(f"  {'replica':<8}{'state':<9}{'drained':<9}{'eff_run':>8}{'eff_wait':>9}{'in_flight':>10}{'sess_pins':>10}{'pfx_pins':>9}{'cooldown':>9}")
+    say(f"  "
+        f"{'replica':<8}{'state':<9}{'drained':<9}{'eff_run':>8}{'eff_wait':>9}{'in_flight':>10}{'sess_pins':>10}{'pfx_pins':>9}{'cooldown':>9}")
     for r in router.snapshot():
         say(
             f"  {r['name']:<8}{r['state']:<9}{str(r['drained']):<9}{r['effective_running']:>8.1f}"

@@ -10,10 +10,12 @@ from bench.runs.live import measure, table
 
 pytestmark = pytest.mark.integration
 
-ARGS = Namespace(minutes=1.5, speedup=20.0, fault_speedup=20.0, warmup_min=0.5, replicas=3, sessions_per_min=8.0, oneshots_per_min=8.0, projects=2, seed=3)
+ARGS = Namespace(minutes=1.5, speedup=20.0, fault_speedup=20.0, warmup_min=0.5, replicas=3, sessions_per_min=8.0,
+                 oneshots_per_min=8.0, projects=2, seed=3)
 
 
-@pytest.mark.parametrize("contender,scenario", [("warmroute", "workload"), ("envoy_least_request", "replica_dies_and_returns")])
+@pytest.mark.parametrize("contender,scenario", [("warmroute", "workload"), ("envoy_least_request",
+                                                                            "replica_dies_and_returns")])
 def test_the_harness_measures_a_contender(contender, scenario):
     row = measure(contender, scenario, ARGS)
     assert not row.note, row.note

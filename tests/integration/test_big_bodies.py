@@ -28,9 +28,11 @@ def test_small_requests_are_all_decided_by_the_brain_while_8_bodies_of_32_mib_ar
     s = own_stack(2)
     s.wait_all_live(30)
     big = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [
-        {"role": "system", "content": "agent " * 100}, {"role": "user", "content": "lorem ipsum " * (32 * 2**20 // 12)}]}).encode()
+        {"role": "system", "content": "agent " * 100}, {"role": "user",
+                                                        "content": "lorem ipsum " * (32 * 2**20 // 12)}]}).encode()
     assert len(big) >= 32 * 2**20
-    small = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "quick question"}]}).encode()
+    small = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                  "content": "quick question"}]}).encode()
     before = _stats(s)
     headers_only = s.state()["bodies"].get("headers_only", 0)
 

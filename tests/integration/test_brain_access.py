@@ -103,7 +103,8 @@ def _process(target: str, creds=None) -> None:
         try:
             stub = ep_grpc.ExternalProcessorStub(ch)
             call = stub.Process(timeout=5)
-            await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(body=b'{"messages": []}', end_of_stream=True)))
+            await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(body=b'{"messages": []}',
+                                                                           end_of_stream=True)))
             await call.read()
             await call.done_writing()
         finally:
@@ -138,7 +139,8 @@ def test_over_tcp_the_brain_wants_mutual_tls_and_envoy_presents_its_certificate(
         with pytest.raises(grpc.aio.AioRpcError):
             _process(target, creds)
     assert s.state()["open_reservations"] == 0  # none of them opened a reservation
-    client = grpc.ssl_channel_credentials(ca, Path(pki["client.key"]).read_bytes(), Path(pki["client.pem"]).read_bytes())
+    client = grpc.ssl_channel_credentials(ca, Path(pki["client.key"]).read_bytes(),
+                                          Path(pki["client.pem"]).read_bytes())
     _process(target, client)  # a holder of a client certificate is let in
     assert s.state()["open_reservations"] == 1
 
@@ -147,7 +149,8 @@ def test_a_reservation_no_request_follows_expires_and_a_long_stream_keeps_its_ow
     s = own_stack(2, config={"envoy": {"access_log_periodic_s": 0.5}}, mock_args=["--speedup", "1"])
     s.wait_all_live(30)
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    stream = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "write a long story"}],
+    stream = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user",
+                                                                          "content": "write a long story"}],
                                        max_tokens=1500, stream=True)  # outlasts the bound (~10 s)
     it = iter(stream)
     next(it)  # streaming: Envoy logs it every 0.5 s from now on

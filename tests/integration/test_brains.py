@@ -241,7 +241,8 @@ def test_two_pickers_behind_one_envoy_share_their_sessions_and_survive_one_kille
     with Load([url], "pick-kill", clients=2) as load:
         wait_for(lambda: load.ok >= 10, 60, "load running")
         pickers.stacks[1].brain.kill()
-        wait_for(lambda: metric(pickers.stacks[0], "warmroute_shared_state_peers") == 0, 20, "the dead picker forgotten")
+        wait_for(lambda: metric(pickers.stacks[0], "warmroute_shared_state_peers") == 0, 20,
+                 "the dead picker forgotten")
         ok = load.ok
         wait_for(lambda: load.ok >= ok + 8, 60, "requests served by the other picker")
     assert load.errors[0] <= 2  # at most what was in flight on the killed picker's streams

@@ -95,7 +95,8 @@ def test_a_replica_without_prefix_caching_gets_no_predicted_hits():
 
 def post_engine(stack, session: str, text: str) -> tuple[str, str]:
     """(replica, data-parallel engine) that served one turn."""
-    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": text}]}).encode()
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                 "content": text}]}).encode()
     req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json", "x-session-id": session})
     with urllib.request.urlopen(req, timeout=30) as r:

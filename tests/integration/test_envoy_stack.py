@@ -24,7 +24,8 @@ SYSTEM = "You are a coding agent for the payments repository. Follow the house s
 
 
 def client(stack, **headers) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", default_headers=headers or None, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", default_headers=headers or None, max_retries=0,
+                         timeout=60)
 
 
 def chat(c: openai.OpenAI, system: str = SYSTEM, user: str = "fix the bug", stream: bool = False, **extra):
@@ -156,7 +157,8 @@ def test_a_gzip_body_is_inflated_before_the_brain_and_one_past_the_inflate_ratio
 
     quiet(stack)
     rnd = random.Random(3)
-    words = [rnd.choice(["def", "return", "self", "x", "value", "import", "class", "for", "in", "if"]) + str(rnd.randrange(99))
+    words = [rnd.choice(["def", "return", "self", "x", "value", "import", "class", "for", "in",
+                         "if"]) + str(rnd.randrange(99))
              for _ in range(20000)]  # code-like text: compresses a few times, as a conversation does
     body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "conversation_id": "gzip-conv",
                        "messages": [{"role": "user", "content": " ".join(words)}]}).encode()
@@ -210,7 +212,8 @@ def test_a_request_without_a_body_takes_the_fail_open_route_without_asking_the_b
         assert r.status == 200
     assert fallback_count(stack) == before_f + 1
     assert decisions(stack) == before_d
-    assert stack.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) == allowed  # not a failure
+    # not a failure
+    assert stack.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0) == allowed
 
 
 def test_a_malformed_json_body_is_routed_by_headers(stack):
@@ -229,7 +232,8 @@ def test_streaming_passes_through_chunk_by_chunk(own_stack):
     c = client(s)
     t0 = time.monotonic()
     arrivals = []
-    for chunk in c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}], max_tokens=40, stream=True):
+    for chunk in c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=40, stream=True):
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.monotonic() - t0)
     assert len(arrivals) == 40
@@ -246,20 +250,24 @@ def test_every_reservation_is_released_after_disconnects_and_cut_streams(own_sta
             async def full(i, stream):
                 body = {"model": "mock-coder-30b", "max_tokens": 20, "stream": stream,
                         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"q{i}" * 300}]}
-                async with http.post(s.url + "/v1/chat/completions", json=body, headers={"x-session-id": f"s{i % 7}"}) as r:
+                async with http.post(s.url + "/v1/chat/completions", json=body,
+                                     headers={"x-session-id": f"s{i % 7}"}) as r:
                     assert r.status == 200
                     await r.read()
 
             async def cut_mid_stream(i):
-                body = {"model": "mock-coder-30b", "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "long"}]}
+                body = {"model": "mock-coder-30b", "max_tokens": 200, "stream": True, "messages": [{"role": "user",
+                                                                                                    "content": "long"}]}
                 async with http.post(s.url + "/v1/chat/completions", json=body) as r:
                     await r.content.readline()  # first SSE line, then hang up
                     r.close()
 
             async def disconnect_before_response(i):
-                body = {"model": "mock-coder-30b", "max_tokens": 200, "messages": [{"role": "user", "content": "slow " * 100}]}
+                body = {"model": "mock-coder-30b", "max_tokens": 200, "messages": [{"role": "user",
+                                                                                    "content": "slow " * 100}]}
                 try:
-                    async with http.post(s.url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.15)) as r:
+                    async with http.post(s.url + "/v1/chat/completions", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=0.15)) as r:
                         await r.read()
                 except asyncio.TimeoutError:
                     pass
@@ -294,7 +302,8 @@ def test_a_killed_replica_is_retried_elsewhere_then_ejected_by_scraping_and_reco
     c = client(s)
     # a session living on r1: its next turn, sent the moment r1 dies, is the brain's choice of r1 for certain (a
     # new conversation would go where round-robin points, and by the second one the scrape may have seen r1 dead)
-    sid = next(f"s{i}" for i in range(60) if chat(c, system=f"home {i}", extra_headers={"x-session-id": f"s{i}"}) == "r1")
+    sid = next(f"s{i}" for i in range(60) if chat(c, system=f"home {i}",
+                                                  extra_headers={"x-session-id": f"s{i}"}) == "r1")
     quiet(s)
     chosen_before = s.replica_state("r1")["decisions"]
     s.kill_replica("r1")
@@ -359,12 +368,14 @@ def test_reservations_of_a_killed_envoy_are_released_within_seconds_and_never_tw
     s.wait_all_live(30)
     c = client(s)
     assert chat(c).startswith("r")  # Envoy's access-log stream to the brain is open from here on
-    wait_for(lambda: s.state()["open_reservations"] == 0 and s.state()["access_log_streams"] >= 1, 10, "an open log stream")
+    wait_for(lambda: s.state()["open_reservations"] == 0 and s.state()["access_log_streams"] >= 1, 10,
+             "an open log stream")
     before = s.state()
 
     def long_stream(i):
         try:
-            for _ in c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": f"long {i}"}],
+            for _ in c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user",
+                                                                                  "content": f"long {i}"}],
                                                max_tokens=2000, stream=True):
                 pass
         except Exception:
@@ -393,7 +404,8 @@ def test_reservations_of_a_killed_envoy_are_released_within_seconds_and_never_tw
 
 def test_503_with_json_and_retry_after_when_no_replica_is_known(own_stack):
     s = own_stack(0)
-    status, headers, body = raw_post(s, json.dumps({"model": "mock-coder-30b", "messages": [{"role": "user", "content": "hi"}]}).encode())
+    status, headers, body = raw_post(s, json.dumps({"model": "mock-coder-30b", "messages": [{"role": "user",
+                                                                                             "content": "hi"}]}).encode())
     assert status == 503
     assert headers.get("retry-after") or headers.get("Retry-After")
     err = json.loads(body)["error"]

@@ -114,7 +114,8 @@ def test_twenty_gzip_bombs_at_once_cost_envoy_a_bounded_amount_and_other_clients
     async def run():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
             async def one(data: bytes, headers: dict) -> int:
-                async with http.post(s.url + CHAT, data=data, headers={"content-type": "application/json", **headers}) as r:
+                async with http.post(s.url + CHAT, data=data, headers={"content-type": "application/json",
+                                                                       **headers}) as r:
                     await r.read()
                     return r.status
 
@@ -150,7 +151,8 @@ def test_sixteen_compressed_uploads_inside_the_ratio_are_refused_at_the_edge_and
     async def run():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
             async def one(data: bytes, headers: dict) -> tuple[int, dict]:
-                async with http.post(s.url + CHAT, data=data, headers={"content-type": "application/json", **headers}) as r:
+                async with http.post(s.url + CHAT, data=data, headers={"content-type": "application/json",
+                                                                       **headers}) as r:
                     return r.status, json.loads(await r.read())
 
             uploads = [one(upload, {"content-encoding": "gzip", "x-session-id": f"u{i}"}) for i in range(16)]
@@ -277,7 +279,8 @@ def test_declared_bodies_that_never_come_and_slow_uploads_do_not_make_the_brain_
     """Issue 59, finding 1: 8 requests declaring 2 MB each and sending none of it, renewed every 4.5 s, made the
     look count 16 MB the brain never read and refuse 24-25 of 40 new sessions with 429 router_behind (default config,
     a session under way: half a second behind refuses). Here 48 of them (96 MB: three seconds behind, past any bound
-    this stack's config sets), and 30 small ones after them. Envoy now looks only once it holds the whole body, and counts the look's lateness
+    this stack's config sets), and 30 small ones after them. Envoy now looks only once it holds the whole body, and
+    counts the look's lateness
     from the upload's end: neither the declarations nor three uploads of 3 s each are refused, and the look still
     looked at every new session."""
     s = own_stack(4, mock_args=["--speedup", "10"])

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 
 
 def post(s, body: bytes, headers: dict | None = None, path="/v1/chat/completions"):
-    req = urllib.request.Request(s.url + path, data=body, headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(s.url + path, data=body, headers={"content-type": "application/json",
+                                                                   **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.headers.get("content-type", ""), r.read()
@@ -28,7 +29,8 @@ def post(s, body: bytes, headers: dict | None = None, path="/v1/chat/completions
 def raw_post(s, session: bytes) -> tuple[int, str]:
     """A request whose session header carries bytes that are not UTF-8 (urllib would refuse to send them)."""
     body = b'{"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]}'
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nx-session-id: " + session
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nx-session-id: "
+            + session
             + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n")
     port = int(s.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
@@ -42,7 +44,8 @@ def raw_post(s, session: bytes) -> tuple[int, str]:
 
 def fail_open_count(s) -> int:
     stats = json.loads(http_get(s.envoy_admin + "/stats?format=json"))["stats"]
-    return sum(x.get("value", 0) for x in stats if x.get("name", "").endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
+    return sum(x.get("value", 0) for x in stats if x.get("name",
+                                                         "").endswith(f"ext_proc.{EXT_PROC_STAT_PREFIX}.failure_mode_allowed"))
 
 
 def decisions(s) -> int:

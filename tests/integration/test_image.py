@@ -80,7 +80,8 @@ def _the_charts_init_container_renders_envoys_bootstrap(tmp: Path) -> None:
     # the pod's paths on this host: the Secret's CA and the admin socket's emptyDir
     ca = tmp / "ca.crt"
     ca.write_text(Path("/etc/ssl/certs/ca-certificates.crt").read_text())
-    (tmp / "envoy.yaml").write_text(text.replace("/etc/envoy/tls/ca.crt", str(ca)).replace("/run/warmroute/", f"{tmp}/"))
+    (tmp / "envoy.yaml").write_text(text.replace("/etc/envoy/tls/ca.crt", str(ca)).replace("/run/warmroute/",
+                                                                                           f"{tmp}/"))
     v = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(tmp / "envoy.yaml"), "-l", "error"],
                        capture_output=True, text=True, timeout=60)
     assert v.returncode == 0, v.stdout[-2000:] + v.stderr[-2000:]
@@ -95,7 +96,8 @@ def test_the_brain_started_from_the_image_runs_as_non_root_and_routes_a_request(
     grpc_port = free_port()
     cfg = {k: dict(v) for k, v in FAST.items()}
     cfg["brain"] = {"protocol": "endpoint-picker", "grpc_socket": None, "grpc_port": grpc_port, "insecure": True,
-                    "admin_token_file": "/tmp/warmroute/admin.token", "response_key_file": "/tmp/warmroute/response.key"}
+                    "admin_token_file": "/tmp/warmroute/admin.token",
+                    "response_key_file": "/tmp/warmroute/response.key"}
     cfg["envoy"]["cds_path"] = None  # the brain in the container cannot write Envoy's CDS file on this host
     s = Stack(2, config=cfg, mock_args=["--speedup", "20"])
     ctr = proc = None
@@ -119,7 +121,8 @@ def test_the_brain_started_from_the_image_runs_as_non_root_and_routes_a_request(
         assert proc.poll() is None, (tmp_path / "brain.log").read_text()[-2000:]
         s.brain_ports = {"grpc_port": grpc_port}
         s.start_envoy()
-        body = json.dumps({"model": "mock-coder-30b", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        body = json.dumps({"model": "mock-coder-30b", "max_tokens": 4, "messages": [{"role": "user",
+                                                                                     "content": "hi"}]}).encode()
         req = urllib.request.Request(s.url + "/v1/chat/completions", body, {"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
             answer = json.loads(r.read())

@@ -40,10 +40,12 @@ def value(url: str, sample_name: str) -> float:
 def test_chat_streamed_and_not_with_usage_and_completions(replica):
     r = replica("--speedup", "20")
     c = client(r.url)
-    out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi " * 100}], max_tokens=12)
+    out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi " * 100}],
+                                    max_tokens=12)
     assert out.choices[0].message.content.split() == ["tok"] * 12
     assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == 75
-    chunks = list(c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+    chunks = list(c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=7,
                                             stream=True, stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text.split() == ["tok"] * 7
@@ -143,8 +145,10 @@ def test_flap_flags_make_it_die_and_return_on_a_timer(replica):
 
 def test_a_prompt_longer_than_the_kv_cache_is_refused_with_400(replica):
     r = replica("--kv-tokens", "1000")
-    body = json.dumps({"model": "mock-coder-30b", "messages": [{"role": "user", "content": "x" * 8000}], "max_tokens": 4}).encode()
-    req = urllib.request.Request(r.url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+    body = json.dumps({"model": "mock-coder-30b", "messages": [{"role": "user", "content": "x" * 8000}],
+                       "max_tokens": 4}).encode()
+    req = urllib.request.Request(r.url + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400
@@ -179,7 +183,8 @@ def test_the_mock_never_logs_what_a_request_carried(replica):
     r = replica()
     for n in (20_000, 70_000):  # within Envoy's 60 KiB of headers, and past it (refused)
         req = urllib.request.Request(r.url + "/v1/chat/completions", data=b'{"messages": []}',
-                                     headers={"x-session-id": "SECRET-SESSION-" + "a" * n, "content-type": "application/json"})
+                                     headers={"x-session-id": "SECRET-SESSION-" + "a" * n,
+                                              "content-type": "application/json"})
         try:
             urllib.request.urlopen(req, timeout=10).read()
         except urllib.error.HTTPError as e:
@@ -255,7 +260,8 @@ def test_a_compressed_body_is_read_as_sent_and_refused_as_vllm_refuses_it(replic
     import zlib
 
     r = replica()
-    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                 "content": "hi"}]}).encode()
     for enc, data in (("deflate", zlib.compress(body)), ("gzip", gzip.compress(body))):
         req = urllib.request.Request(r.url + "/v1/chat/completions", data=data, method="POST",
                                      headers={"content-type": "application/json", "content-encoding": enc})

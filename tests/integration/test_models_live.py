@@ -65,7 +65,8 @@ def test_requests_reach_only_replicas_serving_their_model_and_path():
         assert upstream_requests(s) == after
         status, doc = post(s, "gpt-4o", "x")
         # vLLM 0.32's answer (tests/fixtures/vllm-0.32/errors.json), naming the fleet's models
-        assert status == 404 and doc == {"error": {"message": "The model `gpt-4o` does not exist. Valid aliases: chat, coder.",
+        assert status == 404 and doc == {"error": {"message": "The model `gpt-4o` does not exist. Valid aliases: chat, "
+                                                   "coder.",
                                                    "type": "NotFoundError", "param": "model", "code": 404}}
         assert upstream_requests(s) == after  # refused at the edge: no replica was asked
         listed = json.loads(http_get(s.url + "/v1/models"))

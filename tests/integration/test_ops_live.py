@@ -24,11 +24,14 @@ def names_in(text: str) -> set[str]:
 
 
 def test_dashboard_and_alert_metrics_exist_in_live_scrapes(stack):
-    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "system", "content": "s" * 500},
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "system",
+                                                                                 "content": "s" * 500},
                                                                    {"role": "user", "content": "u"}]}).encode()
     for _ in range(3):
-        req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+        req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
         urllib.request.urlopen(req, timeout=30).read()
-    live = names_in(http_get(stack.brain_metrics).decode()) | names_in(http_get(stack.envoy_admin + "/stats/prometheus").decode())
+    live = names_in(http_get(stack.brain_metrics).decode()) | names_in(http_get(stack.envoy_admin
+                                                                                + "/stats/prometheus").decode())
     missing = sorted(m for m in metric_names() if m not in live)
     assert not missing, missing

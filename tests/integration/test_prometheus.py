@@ -59,7 +59,8 @@ def test_alerts_fire_for_a_crystallizing_fleet_and_a_flapping_replica(own_stack,
     }))
     port = free_port()
     prom = Proc("prometheus", [prom_bin, f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"], tmp_path)
+                               f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                               tmp_path)
     stop = threading.Event()
     try:
         api = f"http://127.0.0.1:{port}"
@@ -67,11 +68,13 @@ def test_alerts_fire_for_a_crystallizing_fleet_and_a_flapping_replica(own_stack,
 
         # one shared system prompt, a new session each time: the prefix pin holds one replica
         body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [
-            {"role": "system", "content": "You are the one shared agent prompt. " * 40}, {"role": "user", "content": "go"}]}).encode()
+            {"role": "system", "content": "You are the one shared agent prompt. " * 40}, {"role": "user",
+                                                                                          "content": "go"}]}).encode()
 
         def traffic():
             while not stop.is_set():
-                req = urllib.request.Request(s.url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+                req = urllib.request.Request(s.url + "/v1/chat/completions", data=body,
+                                             headers={"content-type": "application/json"})
                 try:
                     urllib.request.urlopen(req, timeout=10).read()
                 except OSError:

@@ -9,7 +9,8 @@ One fleet for the module, started side by side (~100 s on two cores: each engine
 vLLM anew): r0 serves tiny-llama with both adapters, r1 tiny-llama with one adapter and run-time LoRA updating,
 r2 the same weights as another model (tiny-coder) on two data-parallel engines behind one port (~3.9 GB), r3
 tiny-llama started with --disable-log-stats. r0 and r1 publish KV events (r1 with another PYTHONHASHSEED), and the
-brain has tiny-llama's tokenizer: r0 is priced in exact mode, r1 estimated. r0-r2's engine is "auto"; r3 is configured as vllm, so that it
+brain has tiny-llama's tokenizer: r0 is priced in exact mode, r1 estimated. r0-r2's engine is "auto"; r3 is configured
+as vllm, so that it
 says what is missing. The tiny-llama replicas keep stored Responses (VLLM_ENABLE_RESPONSES_API_STORE=1).
 """
 
@@ -164,7 +165,8 @@ def test_predicted_cached_tokens_are_what_the_engine_reports(fleet):
     share = sum(r[-1] for r in rows) / len(rows)
     print(f"\npredicted cached tokens within a block of the engine's: {share:.0%} of {len(rows)} requests")
     for pred, true, prompt, pprompt, ok in rows:
-        print(f"  predicted {pred:5d} cached of {pprompt:5d} | engine {true:5d} cached of {prompt:5d} {'' if ok else 'MISS'}")
+        print(f"  predicted {pred:5d} cached of {pprompt:5d} | engine {true:5d} cached of {prompt:5d} "
+              f"{'' if ok else 'MISS'}")
     assert share >= 0.9, rows
     # the scale the brain learned is the engine's tokens per estimated token: prompts agree too
     assert sum(abs(r[3] - r[2]) <= 0.1 * r[2] for r in rows[-12:]) >= 10, rows[-12:]
@@ -291,7 +293,8 @@ def _agent_turn(api: str, system: str, turns: list[tuple[str, str, str]], k: int
         msgs: list[dict] = [{"role": "system", "content": system}]
         for t, (out, call, answer) in enumerate(turns):
             msgs += [{"role": "user", "content": ask(t)},
-                     {"role": "assistant", "content": None, "tool_calls": [{"id": call, "type": "function", "function": {
+                     {"role": "assistant", "content": None, "tool_calls": [{"id": call, "type": "function",
+                                                                            "function": {
                          "name": "read_file", "arguments": json.dumps({"path": f"src/m{t}.py"})}}]},
                      {"role": "tool", "tool_call_id": call, "content": out}, {"role": "assistant", "content": answer}]
         msgs.append({"role": "user", "content": ask(k)})
@@ -449,7 +452,8 @@ async def _burst(url: str, n: int, concurrency: int, rng: random.Random, model: 
 def _engine_rates(text: str) -> tuple[float, float, float, float]:
     """(computed prefill tokens, prefill seconds, decoded tokens, decode seconds) from the engine's own histograms."""
     done = total(text, "vllm:request_decode_time_seconds_count")
-    return (total(text, "vllm:request_prefill_kv_computed_tokens_sum"), total(text, "vllm:request_prefill_time_seconds_sum"),
+    return (total(text, "vllm:request_prefill_kv_computed_tokens_sum"), total(text,
+                                                                              "vllm:request_prefill_time_seconds_sum"),
             total(text, "vllm:request_generation_tokens_sum") - done,  # each request's first token is prefill's
             total(text, "vllm:request_decode_time_seconds_sum"))
 
@@ -482,7 +486,8 @@ def _served(fleet, model: str, n: int = 6) -> set[str]:
     names = set()
     for k in range(n):
         status, headers, doc = post(fleet.url, "/v1/completions",
-                                    {"model": model, "prompt": f"served {model} {k} {time.monotonic()}", "max_tokens": 2})
+                                    {"model": model, "prompt": f"served {model} {k} {time.monotonic()}",
+                                     "max_tokens": 2})
         assert status == 200, doc
         rid = headers.get("x-request-id") or headers.get("X-Request-Id")
         names.add(json.loads(fleet.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]["replica"])
@@ -569,7 +574,8 @@ def test_the_agents_sdks_converse_through_warmroute_with_real_engines(fleet):
     counted = a.messages.count_tokens(model=MODEL, system=system, messages=history[:-1]).input_tokens
     assert abs(counted - prompt) <= 8, (counted, prompt)  # the last turn's messages: its prompt, template aside
     bad = {"model": "no-such-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    (s1, _, ours), (s2, _, theirs) = post(fleet.url, "/v1/messages", bad), post(fleet.replicas[0].url, "/v1/messages", bad)
+    (s1, _, ours), (s2, _, theirs) = post(fleet.url, "/v1/messages", bad), post(fleet.replicas[0].url, "/v1/messages",
+                                                                                bad)
     assert s1 == s2 == 404 and set(ours) == set(theirs) == {"type", "error"}
     assert set(ours["error"]) == set(theirs["error"]) and ours["error"]["type"] == theirs["error"]["type"]
 
@@ -630,7 +636,8 @@ def test_the_engine_the_brain_names_is_the_one_whose_counters_move(fleet):
     unnamed = 0
     for k in range(8):
         before = metrics_of(port)
-        status, headers, doc = post(s.url, "/v1/completions", {"model": "tiny-coder", "prompt": f"dp {k} " * 50, "max_tokens": 2})
+        status, headers, doc = post(s.url, "/v1/completions", {"model": "tiny-coder", "prompt": f"dp {k} " * 50,
+                                                               "max_tokens": 2})
         assert status == 200, doc
         rid = headers.get("x-request-id") or headers.get("X-Request-Id")
         engine = json.loads(s.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]["engine"]

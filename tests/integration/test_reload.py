@@ -34,7 +34,8 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
     served = set()
     while "r1" not in served:
         sid = f"sess-{len(served)}-{os.getpid()}"
-        out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        out = c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "x"}],
+                                        max_tokens=2,
                                         extra_headers={"x-session-id": sid})
         served.add(out.system_fingerprint)
         quiet(s)
@@ -44,7 +45,8 @@ def test_reload_adds_and_removes_replicas_without_dropping_in_flight_requests(ow
 
     def long_stream():
         chunks = list(c.chat.completions.create(model="mock-coder-30b", messages=[{"role": "user", "content": "long"}],
-                                                max_tokens=150, stream=True, extra_headers={"x-session-id": pinned_sid}))
+                                                max_tokens=150, stream=True,
+                                                extra_headers={"x-session-id": pinned_sid}))
         result["tokens"] = sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content)
 
     t = threading.Thread(target=long_stream)

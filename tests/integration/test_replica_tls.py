@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 
 
 def served_by(s, session: str) -> str:
-    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                 "content": "hi"}]}).encode()
     req = urllib.request.Request(s.url + "/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json", "x-session-id": session})
     with urllib.request.urlopen(req, timeout=30) as r:

@@ -23,7 +23,8 @@ def test_an_endless_metrics_page_leaves_the_brain_s_memory_near_its_baseline():
         baseline = rss_mib(pid)
         endless = Proc("endless", [sys.executable, "-c", ENDLESS_METRICS], s.dir)
         s._started.append(endless)
-        port = wait_for(lambda: json.loads(endless.log_path.read_text().splitlines()[0])["port"], 20, "the endless server")
+        port = wait_for(lambda: json.loads(endless.log_path.read_text().splitlines()[0])["port"], 20,
+                        "the endless server")
         doc = yaml.safe_load((s.dir / "warmroute.yaml").read_text())
         doc["replicas"].append({"name": "endless", "url": f"http://127.0.0.1:{port}"})
         (s.dir / "warmroute.yaml").write_text(yaml.safe_dump(doc))

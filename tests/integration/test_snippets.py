@@ -30,7 +30,8 @@ def foreign_bootstrap(legacy_port: int) -> dict:
                         "stat_prefix": "theirs",
                         "route_config": {"virtual_hosts": [{
                             "name": "all", "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/legacy"}, "route": {"cluster": "legacy", "prefix_rewrite": "/v1/models"}}],
+                            "routes": [{"match": {"prefix": "/legacy"}, "route": {"cluster": "legacy",
+                                                                                  "prefix_rewrite": "/v1/models"}}],
                         }]},
                         "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
                             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
@@ -40,7 +41,8 @@ def foreign_bootstrap(legacy_port: int) -> dict:
             "clusters": [{
                 "name": "legacy", "type": "STATIC", "connect_timeout": "1s",
                 "load_assignment": {"cluster_name": "legacy", "endpoints": [{"lb_endpoints": [
-                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": legacy_port}}}}]}]},
+                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                                 "port_value": legacy_port}}}}]}]},
             }],
         },
     }

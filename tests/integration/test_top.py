@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 def test_top_shows_states_pins_shares_and_last_changes(own_stack):
     s = own_stack(2)
     s.wait_all_live(30)
-    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "u"}]}).encode()
+    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                 "content": "u"}]}).encode()
     for i in range(6):
         req = urllib.request.Request(s.url + "/v1/chat/completions", data=body,
                                      headers={"content-type": "application/json", "x-session-id": f"t{i}"})
@@ -30,7 +31,8 @@ def test_top_shows_states_pins_shares_and_last_changes(own_stack):
                        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr
     out = p.stdout
-    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 5 and ("r0" in line or "r1" in line)}
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 5 and ("r0" in line
+                                                                                                      or "r1" in line)}
     assert set(rows) == {"r0", "r1"}
     assert "LIVE*" in rows["r1"]  # drained
     assert "envoy share" in out and "brain share" in out

@@ -54,8 +54,10 @@ def test_warmroute_up_restarts_a_killed_brain_and_says_so():
         assert new_pid != pid
 
         def decided_by_new_brain() -> bool:
-            body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
-            req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+            body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+                                                                                         "content": "hi"}]}).encode()
+            req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                         headers={"content-type": "application/json"})
             urllib.request.urlopen(req, timeout=30).read()  # served all along: fail-open, then the brain
             token = (workdir / "admin.token").read_text().strip()
             req = urllib.request.Request(admin + "/state", headers={"Authorization": f"Bearer {token}"})

@@ -63,7 +63,8 @@ SGLANG_STAGE_BUCKETS = tuple(0.001 * 1.62 ** i for i in range(30))
 SGLANG_DECODE_LOG_INTERVAL = 40  # server_args.decode_log_interval's default
 
 # vllm/config/cache.py CacheConfig fields, in declaration order (metrics_info exports each as str(value))
-# vLLM 0.32's CacheConfig as cache_config_info labels it (tests/fixtures/vllm-0.32/metrics.txt, captured from the engine)
+# vLLM 0.32's CacheConfig as cache_config_info labels it (tests/fixtures/vllm-0.32/metrics.txt, captured from the
+# engine)
 VLLM_CACHE_FIELDS = ("_block_size_resolved", "block_size", "cache_dtype", "cache_hit_alignment_tokens",
                      "effective_attention_block_size", "enable_mamba_shared_prefix_checkpoint", "enable_prefix_caching",
                      "gpu_memory_utilization", "hash_block_size", "is_attention_free", "kv_cache_dtype_skip_layers",
@@ -75,7 +76,8 @@ VLLM_CACHE_FIELDS = ("_block_size_resolved", "block_size", "cache_dtype", "cache
                      "sliding_window", "swa_bounded_replay", "use_kda_recoverssm", "use_replayssm",
                      "user_specified_block_size")
 VLLM_OLD_CACHE_FIELDS = ("block_size", "gpu_memory_utilization", "swap_space", "cache_dtype", "is_attention_free",
-                         "num_gpu_blocks_override", "sliding_window", "enable_prefix_caching", "prefix_caching_hash_algo",
+                         "num_gpu_blocks_override", "sliding_window", "enable_prefix_caching",
+                         "prefix_caching_hash_algo",
                          "cpu_offload_gb", "calculate_kv_scales", "num_gpu_blocks", "num_cpu_blocks")
 
 
@@ -118,7 +120,8 @@ def _vllm_defs(old: bool, max_model_len: int, lora: bool = False, offload: bool 
         MetricDef("vllm:generation_tokens", "counter", "Number of generation tokens processed.", L, "step"),
         MetricDef("vllm:request_success", "counter", "Count of successfully processed requests.",
                   (*L, "finished_reason"), "finish"),
-        MetricDef("vllm:request_prompt_tokens", "histogram", "Number of prefill tokens processed.", L, "finish", tokens),
+        MetricDef("vllm:request_prompt_tokens", "histogram", "Number of prefill tokens processed.", L, "finish",
+                  tokens),
         MetricDef("vllm:request_generation_tokens", "histogram", "Number of generation tokens processed.", L, "finish",
                   tokens),
         MetricDef("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.", L,
@@ -390,7 +393,8 @@ class Exporter:
         if self.dialect == "sglang":
             itl, gen = "sglang:inter_token_latency_seconds", None
         else:
-            itl = "vllm:time_per_output_token_seconds" if self.dialect == "vllm-old" else "vllm:inter_token_latency_seconds"
+            itl = "vllm:time_per_output_token_seconds" if self.dialect == "vllm-old" else \
+                "vllm:inter_token_latency_seconds"
             gen = "vllm:generation_tokens"
         for k, (n, total, buckets) in self._streamed.items():
             if gen is not None:
@@ -455,7 +459,8 @@ class Exporter:
 # ---------------------------------------------------------------- fixtures
 
 
-def fixture(dialect: str, engines: int = 1, tp: int = 1, max_loras: int = 0, offload: bool = False) -> tuple[bytes, dict]:
+def fixture(dialect: str, engines: int = 1, tp: int = 1, max_loras: int = 0, offload: bool = False) -> tuple[bytes,
+                                                                                                             dict]:
     """A /metrics text in the dialect's exact shape, after a fixed history of requests, and the numbers a
     parser must read from it (what the history put there)."""
     import prometheus_client

@@ -381,7 +381,8 @@ class Engine:
         in_batch = {r.lora for r in self.running if r.lora is not None} if cfg.max_loras else set()
         loads = 0
         skipped: list[EngineRequest] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self.waiting[0].arrival <= now + 1e-9:
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and \
+                self.waiting[0].arrival <= now + 1e-9:
             r = self.waiting[0]
             lora = r.lora if cfg.max_loras else None
             if lora is not None and lora not in in_batch and len(in_batch) >= cfg.max_loras:
@@ -463,14 +464,15 @@ class Engine:
                 prefilling.append((r, chunk))
                 budget -= chunk
         budget, loads = self._admit_queue(now, budget, prefilling)
-        for r, chunk in prefilling:
+        for _, chunk in prefilling:
             prefill_tokens += chunk
 
         kv_read = sum(r.context for r in decoding)
         n = len(decoding) + len(prefilling)
         if n == 0:
             return 0.0, [], []
-        dur = cfg.step_base_s + cfg.step_per_seq_s * n + cfg.prefill_s_per_token * prefill_tokens + cfg.kv_read_s_per_ktoken * kv_read / 1000
+        dur = cfg.step_base_s + cfg.step_per_seq_s * n + cfg.prefill_s_per_token * prefill_tokens + \
+            cfg.kv_read_s_per_ktoken * kv_read / 1000
         dur += loads * cfg.lora_load_s
         dur += self._restore_s  # what the admitted requests restored from the CPU tier
         self._restore_s = 0.0

@@ -16,7 +16,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--name", default="mock", help="reported as system_fingerprint, so a client can see who served it")
     ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens, help="KV cache size in tokens")
     ap.add_argument("--cpu-tier-tokens", type=int, default=0, help="a CPU tier under the KV cache, in tokens (vLLM's "
-                    "OffloadingConnector): blocks evicted from the GPU go down, a prompt's run of them past its GPU hit "
+                    "OffloadingConnector): blocks evicted from the GPU go down, a prompt's run of them past its GPU "
+                    "hit "
                     "is restored ~10x faster than computed; exports vllm:kv_offload_load_time (0: none)")
     ap.add_argument("--speed", type=float, default=1.0, help="prefill and decode speed against the default engine "
                     "(0.5: a GPU half as fast); exported cache size and rates follow")
@@ -36,7 +37,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tls-cert", default=None, help="serve HTTPS with this PEM certificate (and --tls-key)")
     ap.add_argument("--tls-key", default=None)
     ap.add_argument("--prefix-caching", choices=("on", "off"), default="on",
-                    help="off: vLLM's --no-enable-prefix-caching (every prompt computed whole; cache_config_info says so)")
+                    help="off: vLLM's --no-enable-prefix-caching (every prompt computed whole; cache_config_info says "
+                    "so)")
     ap.add_argument("--metrics", choices=(*DIALECTS, "none"), default="vllm",
                     help="whose /metrics to export, as that engine's code defines and moves them: vllm (0.11+), "
                     "vllm-old (0.8-0.10), sglang (none: no /metrics at all, like a foreign OpenAI server)")

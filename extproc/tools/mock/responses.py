@@ -47,12 +47,14 @@ def content_text(c) -> str:
 
 
 def usage(p: int, c: int, cached: int) -> dict:
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": {"cached_tokens": cached}}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def final_body(chat, rid, created, model, text, p, c, cached, fp) -> dict:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length", "logprobs": None}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length",
+                  "logprobs": None}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
@@ -78,7 +80,8 @@ def sse(obj: dict) -> bytes:
 def error(status: int, message: str, typ: str = "Bad Request", param: str | None = None) -> web.Response:
     """vLLM 0.32's error body (``ErrorResponse``): message, type, param, code; a request that fails validation
     is "Bad Request" with the field's location as param."""
-    return web.json_response({"error": {"message": message, "type": typ, "param": param, "code": status}}, status=status)
+    return web.json_response({"error": {"message": message, "type": typ, "param": param, "code": status}},
+                             status=status)
 
 
 def text_blocks(text: str) -> list[int]:

@@ -43,7 +43,8 @@ from extproc.tools.engine.model import EngineConfig
 from extproc.tools.mock.kv_transfer import KvConnector, LoadFailed
 from extproc.tools.mock.driver import Aborted, Driver, Waiter  # noqa: F401 (Waiter: read from here)
 from extproc.tools.mock.options import add_arguments
-from extproc.tools.mock.responses import chunk, error, text_blocks, final_body, json_object, prompt_text, sse, text_token_ids, usage
+from extproc.tools.mock.responses import (chunk, error, text_blocks, final_body, json_object, prompt_text, sse,
+                                          text_token_ids, usage)
 from extproc.tools.mock.apis import (
     MessagesShape,
     ResponsesShape,
@@ -210,9 +211,11 @@ class MockReplica:
     # ---- what other routers ask of a replica (vllm-router, sglang-router) --------------------
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.model, "served_model_name": self.model, "tp_size": getattr(self.args, "tp", 1),
+        return web.json_response({"model_path": self.model, "served_model_name": self.model,
+                                  "tp_size": getattr(self.args, "tp", 1),
                                   "dp_size": self.dp,
-                                  "max_total_num_tokens": self.engine_cfg.kv_tokens, "page_size": 16, "version": "mock"})
+                                  "max_total_num_tokens": self.engine_cfg.kv_tokens, "page_size": 16,
+                                  "version": "mock"})
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.model, "tokenizer_path": self.model, "is_generation": True,
@@ -336,14 +339,16 @@ class MockReplica:
         try:
             max_tokens = max(1, min(int(max_tokens), 32_768))
         except (TypeError, ValueError):
-            return error(400, "1 validation error: max_tokens: Input should be a valid integer", param="body.max_tokens")
+            return error(400, "1 validation error: max_tokens: Input should be a valid integer",
+                         param="body.max_tokens")
         prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
         rank = request.headers.get("X-data-parallel-rank")  # vLLM and SGLang read it case-insensitively
         if rank is not None and not (rank.isdigit() and int(rank) < self.dp):
             return error(400, f"X-data-parallel-rank {rank[:20]!r} is not a rank of this server's {self.dp} engines")
         if prompt_tokens > self.max_model_len:  # vLLM's renderer refuses it before the engine sees it
             return error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                          f"prompt contains at least {prompt_tokens} input tokens, which exceeds this limit even without "
+                          f"prompt contains at least {prompt_tokens} input tokens, which exceeds this limit even "
+                          f"without "
                           "any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
                           f"value={prompt_tokens})", "BadRequestError", "input_tokens")
         if not self.driver.engine.fits(prompt_tokens, max_tokens):
@@ -468,7 +473,8 @@ class MockReplica:
                 # beside the usage, what the engine alone took (workload seconds): a benchmark subtracts nothing, but
                 # can tell the engine's time to first token from the time the HTTP path and routers added
                 er = waiter.req
-                engine = {"ttft_s": round(waiter.first_at - er.arrival, 6), "e2e_s": round(er.finished_at - er.arrival, 6)}
+                engine = {"ttft_s": round(waiter.first_at - er.arrival, 6), "e2e_s": round(er.finished_at - er.arrival,
+                                                                                           6)}
                 await resp.write(sse({"id": rid, "object": obj, "created": created, "model": self.model,
                                        "system_fingerprint": fp, "choices": [],
                                        "usage": usage(prompt_tokens, max_tokens, cached), "x_mock_engine": engine}))

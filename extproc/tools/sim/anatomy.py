@@ -37,7 +37,8 @@ def anatomy(policy: str, load: float, seeds: list[int], replicas: int) -> dict[s
     w = _workload(load)
     for seed in seeds:
         seen: set[int] = set()
-        for r in sorted(Simulation(policy, replicas=replicas, workload=w, seed=seed).run().requests, key=lambda x: x.arrival):
+        for r in sorted(Simulation(policy, replicas=replicas, workload=w, seed=seed).run().requests,
+                        key=lambda x: x.arrival):
             if r.ttft is None or r.arrival < WARM_UP_S:
                 seen.add(r.sid)
                 continue
@@ -56,7 +57,8 @@ def moves(policy: str, load: float, seed: int, replicas: int, every_s: float = 1
     w = _workload(load, minutes)
     last: dict[int, int] = {}
     rows: dict[int, list[int]] = {}
-    for r in sorted(Simulation(policy, replicas=replicas, workload=w, seed=seed).run().requests, key=lambda x: x.arrival):
+    for r in sorted(Simulation(policy, replicas=replicas, workload=w, seed=seed).run().requests,
+                    key=lambda x: x.arrival):
         row = rows.setdefault(int(r.arrival // every_s), [0, 0, 0, 0])
         row[0] += 1
         if r.replica is None:
@@ -144,23 +146,27 @@ def main(argv: list[str] | None = None) -> int:
             kinds: dict[str, list[tuple[float, int]]] = {k: [] for k in TAIL_KINDS}
             per_speed: dict[float, dict] = {}
             for seed in seeds:
-                reqs = Simulation(p, replicas=args.replicas, workload=w, seed=seed, replica_speeds=speeds).run().requests
+                reqs = Simulation(p, replicas=args.replicas, workload=w, seed=seed,
+                                  replica_speeds=speeds).run().requests
                 for k, v in tail_kinds(reqs).items():
                     kinds[k] += v
                 if speeds:
                     tail_by_speed(reqs, speeds, into=per_speed)
             n = sum(len(v) for v in kinds.values()) or 1
             print(f"{p:<30} " + " | ".join(
-                f"{k} {100 * len(v) / n:3.0f}% ({_q([t for t, _ in v], .5):5.1f} s, {_q([u for _, u in v], .5) / 1e3:5.1f}K)"
+                f"{k} {100 * len(v) / n:3.0f}% ({_q([t for t, _ in v], .5):5.1f} s, "
+                f"{_q([u for _, u in v], .5) / 1e3:5.1f}K)"
                 for k, v in kinds.items()))
-            all_turns, all_tail = sum(r["turns"] for r in per_speed.values()) or 1, sum(r["tail"] for r in per_speed.values()) or 1
+            all_turns, all_tail = sum(r["turns"] for r in per_speed.values()) or 1, sum(r["tail"] for r
+                                                                                        in per_speed.values()) or 1
             for speed, row in sorted(per_speed.items()):
                 print(f"{'':<4}speed {speed:g}: {100 * row['turns'] / all_turns:4.1f}% of the turns, "
                       f"{100 * row['tail'] / all_tail:4.1f}% of the tail (" + ", ".join(
                           f"{k} {c}" for k, c in row["kinds"].items() if c) + ")")
         return 0
     if args.moves:
-        print(f"per 2 minutes, load {args.load:g}, {args.replicas} replicas, seed {seeds[0]}: requests, sessions moved to "
+        print(f"per 2 minutes, load {args.load:g}, {args.replicas} replicas, seed {seeds[0]}: requests, sessions moved "
+              f"to "
               "another replica than their last turn's, the context they carried, uncached prompt tokens of the fleet")
         for p in args.policies.split(","):
             print(p)
@@ -168,11 +174,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {minute:4.0f} min  requests {n:4d}  moved {moved:3d}  carrying {carried / 1e3:6.0f}K  "
                       f"uncached {uncached / 1e3:6.0f}K")
         return 0
-    print(f"TTFT p50 by kind of request, load {args.load:g}, {args.replicas} replicas, seeds {args.seeds} (after {WARM_UP_S:g} s)")
+    print(f"TTFT p50 by kind of request, load {args.load:g}, {args.replicas} replicas, seeds {args.seeds} (after "
+          f"{WARM_UP_S:g} s)")
     for p in args.policies.split(","):
         k = anatomy(p, args.load, seeds, args.replicas)
-        print(f"{p:<30} all {_q(k['all'], .5):.3f} | first turns {_q(k['first'], .5):.3f} (n {len(k['first'])}) | later turns "
-              f"{_q(k['later'], .5):.3f} (n {len(k['later'])}, uncached median {_q(k['later_uncached'], .5):.0f} tokens) | "
+        print(f"{p:<30} all {_q(k['all'], .5):.3f} | first turns {_q(k['first'], .5):.3f} (n {len(k['first'])}) | "
+              f"later turns "
+              f"{_q(k['later'], .5):.3f} (n {len(k['later'])}, uncached median {_q(k['later_uncached'], .5):.0f} "
+              f"tokens) | "
               f"one-shots {_q(k['oneshot'], .5):.3f} (n {len(k['oneshot'])})")
     return 0
 

@@ -72,7 +72,8 @@ def tenant_cap(text: str) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     w = WorkloadConfig()  # one place per default: the workload's own
     ap.add_argument("--policy", default="warmroute", choices=[*POLICIES, *ALIASES])
-    ap.add_argument("--compare", action="store_true", help="the default policy, the other one, every peer and the oracle")
+    ap.add_argument("--compare", action="store_true",
+                    help="the default policy, the other one, every peer and the oracle")
     ap.add_argument("--policies", type=policy_list, default=None, help="comma-separated list instead of --compare's")
     ap.add_argument("--minutes", type=float, default=w.minutes)
     ap.add_argument("--replicas", type=int, default=4)
@@ -98,7 +99,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kill", action="append", default=[], metavar="R:START:DURATION")
     ap.add_argument("--flap", action="append", default=[], metavar="R:START:DOWN:EVERY:UNTIL")
     ap.add_argument("--capacity", action="store_true",
-                    help=f"per policy, the highest --load with TTFT p90 <= {CAPACITY_TTFT_P90_S:g} s (median over --seeds)")
+                    help=f"per policy, the highest --load with TTFT p90 <= {CAPACITY_TTFT_P90_S:g} s (median over "
+                    f"--seeds)")
     ap.add_argument("--versus-peers", default=None, metavar="0.25,0.5,1",
                     help="at these loads, warmroute / warmroute_seed / oracle against the best peer on each number, "
                          "per seed and the median (issue 10's targets)")
@@ -122,7 +124,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cpu-tier", action="store_true",
                     help="engines with an offloaded tier (issue 63): a GPU cache a tenth of the default's over a CPU "
                          "tier of the default's size; blocks evicted from the GPU go down, a hit there is restored "
-                         "~10x faster than computed; a session ends when its context would not fit the GPU. Compare warmroute_exact, warmroute_exact_tierblind, llmd_precise")
+                         "~10x faster than computed; a session ends when its context would not fit the GPU. Compare "
+                         "warmroute_exact, warmroute_exact_tierblind, llmd_precise")
     ap.add_argument("--prefill-replicas", type=int, default=0, metavar="K",
                     help="prefill/decode disaggregation: replicas 0..K-1 of role prefill, the rest of role decode")
     ap.add_argument("--transfer-tokens-per-s", type=float, default=100_000.0,
@@ -194,7 +197,8 @@ def _span(text: str | None) -> tuple[float, float] | None:
     try:
         lo, hi = (float(x) for x in text.split(":"))
     except ValueError:
-        raise SystemExit(f"--estimate-error: expected LOW:HIGH engine tokens per estimated token, got {text!r}")
+        raise SystemExit(
+            f"--estimate-error: expected LOW:HIGH engine tokens per estimated token, got {text!r}") from None
     if not 0 < lo <= hi:
         raise SystemExit(f"--estimate-error: expected 0 < LOW <= HIGH, got {text!r}")
     return lo, hi
@@ -238,13 +242,15 @@ def capacity(policy: str, args, seed: int, lo: float = 0.05, hi: float = 4.0, st
 
 def run(args: argparse.Namespace) -> int:
     faults = tuple([_fault(s, False) for s in args.kill] + [_fault(s, True) for s in args.flap])
-    policies = args.policies.split(",") if args.policies else (COMPARE if args.compare or args.capacity else [args.policy])
+    policies = args.policies.split(",") if args.policies else (COMPARE if args.compare or args.capacity
+                                                               else [args.policy])
     if args.brains:
         policies = brain_rows(args.policy, args.brains, args.sync_delay_ms)
     seeds = _seeds(args)
     speeds = parse_speeds(args.replica_speeds)
     fleet = f"replicas at speeds {args.replica_speeds}" if speeds else f"{args.replicas} replicas"
-    print(f"{args.minutes:g} simulated minutes, {fleet}, load {args.load:g} ({args.sessions_per_min * args.load:g} agent "
+    print(f"{args.minutes:g} simulated minutes, {fleet}, load {args.load:g} ({args.sessions_per_min * args.load:g} "
+          f"agent "
           f"sessions/min over {args.projects} projects, {args.oneshots_per_min * args.load:g} one-shots/min), "
           f"seed{'s' if len(seeds) > 1 else ''} {seeds_text(seeds)}" + (f", faults {faults}" if faults else ""))
     if args.versus_peers:
@@ -394,16 +400,19 @@ def versus_peers(args, loads: list[float], seeds: list[int]) -> int:
             rows = []
             for s in seeds:
                 m, pe = got[(p, L, s)], [got[(q, L, s)] for q in PEERS]
-                rows.append((m["ttft_p50"] / min(x["ttft_p50"] for x in pe), m["ttft_p99"] / min(x["ttft_p99"] for x in pe),
+                rows.append((m["ttft_p50"] / min(x["ttft_p50"] for x in pe),
+                             m["ttft_p99"] / min(x["ttft_p99"] for x in pe),
                              100 * (m["prefix_hit_rate"] - max(x["prefix_hit_rate"] for x in pe)),
-                             m["output_tok_s"] / max(x["output_tok_s"] for x in pe), m["imbalance_mean"], m["imbalance_max"]))
+                             m["output_tok_s"] / max(x["output_tok_s"] for x in pe), m["imbalance_mean"],
+                             m["imbalance_max"]))
             med = [statistics.median(r[i] for r in rows) for i in range(6)]
             print(f"  {p:<16} median p50 {med[0]:.2f} p99 {med[1]:.2f} hits {med[2]:+.1f} tok/s {med[3]:.3f} "
                   f"imbalance {med[4]:.2f}/{med[5]:.2f} | per seed: "
                   + " ".join(f"[{r[0]:.2f} {r[1]:.2f} {r[2]:+.1f} {r[3]:.3f}]" for r in rows))
         # what no router can beat: each request alone on an idle replica with the best cache it could have
         floors = [(got[(mine[0], L, s)]["ttft_floor_p50"] / min(got[(q, L, s)]["ttft_p50"] for q in PEERS),
-                   got[(mine[0], L, s)]["ttft_floor_p99"] / min(got[(q, L, s)]["ttft_p99"] for q in PEERS)) for s in seeds]
+                   got[(mine[0], L, s)]["ttft_floor_p99"] / min(got[(q, L,
+                                                                     s)]["ttft_p99"] for q in PEERS)) for s in seeds]
         own = [got[(mine[0], L, s)] for s in seeds]
         print(f"  {'floor':<16} median p50 {statistics.median(f[0] for f in floors):.2f} "
               f"p99 {statistics.median(f[1] for f in floors):.2f} imbalance "

@@ -140,7 +140,8 @@ class SGLangCacheAware(Policy):
 
     name = "sglang_cache_aware"
 
-    def __init__(self, n: int, seed: int, cache_threshold: float = 0.3, abs_threshold: int = 64, rel_threshold: float = 1.5):
+    def __init__(self, n: int, seed: int, cache_threshold: float = 0.3, abs_threshold: int = 64,
+                 rel_threshold: float = 1.5):
         super().__init__(n, seed)
         self.trees = _BlockTrees(n)
         self.cache_threshold = cache_threshold
@@ -167,7 +168,8 @@ class SGLangCacheAware(Policy):
 
 
 class LlmdEndpointPicker(Policy):
-    """llm-d's default endpoint-picker scoring from 2025 until mid-2026 (kubernetes-sigs/gateway-api-inference-extension,
+    """llm-d's default endpoint-picker scoring from 2025 until mid-2026
+    (kubernetes-sigs/gateway-api-inference-extension,
     ``pkg/epp/config/loader/defaults.go``; scorers under ``pkg/epp/scheduling/framework/plugins/``):
     prefix-cache 3, queue 2, kv-cache-utilization 2, max-score picker (ties random); metrics every 50 ms.
 

@@ -252,7 +252,8 @@ EXACT_TIERBLIND = "warmroute_exact_tierblind"
 BODY, EXACT_BODY = "warmroute_body", "warmroute_exact_body"
 WARMROUTE = ["warmroute", NO_FLOW] + [f"warmroute_{p}" for p in CORE_POLICIES]
 COMPARE = ["warmroute", NO_FLOW, f"warmroute_{'seed' if DEFAULT != 'seed' else 'warm'}", *PEERS, "oracle"]
-POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, EXACT_TIERBLIND, BODY, EXACT_BODY, AGGREGATED, *PEERS, *LORA_PEERS, *FLOW_PEERS,
+POLICIES = [*WARMROUTE, FLOW_WAIT, EXACT, EXACT_TIERBLIND, BODY, EXACT_BODY, AGGREGATED, *PEERS, *LORA_PEERS,
+            *FLOW_PEERS,
             *EXACT_PEERS, *PD_PEERS, *REFERENCE]
 
 
@@ -286,5 +287,6 @@ def make_policy(name: str, n: int, seed: int, router_cfg: RouterConfig | None = 
 
 
 __all__ = ["Policy", "RoundRobin", "LeastRequest", "RingHash", "SGLangCacheAware", "LlmdEndpointPicker",
-           "LlmdFlowControl", "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "ALIASES", "COMPARE", "DEFAULT",
+           "LlmdFlowControl", "DynamoKvRouter", "Oracle", "Warmroute", "make_policy", "POLICIES", "PEERS", "ALIASES",
+           "COMPARE", "DEFAULT",
            "NO_FLOW"]

@@ -177,7 +177,8 @@ class Simulation:
         self.routable = [list(range(replicas)) for _ in range(minutes)]
         self.to_ejected = 0
         self.pins_on_non_live = 0
-        self._retired_counters = [0, 0, 0, 0]  # prefix queries, hits, preemptions, restored of engines replaced on revive
+        # prefix queries, hits, preemptions, restored of engines replaced on revive
+        self._retired_counters = [0, 0, 0, 0]
         self._retired_lora_loads = 0
         self._flow_ticking = False  # a "flow" event is due (requests held by flow control)
         # prefill/decode disaggregation: replicas 0..k-1 of role prefill (a policy that is ``aggregated`` sees every
@@ -426,12 +427,7 @@ class Simulation:
                 break
             if kind == "step_end":
                 self._step_end(args[0], now, args[1], args[2], args[3])
-            elif kind == "turn":
-                req = self.workload.next_turn(args[0], now)
-                if req is not None:
-                    self.requests.append(req)
-                    self._dispatch(req, now)
-            elif kind == "start_session":
+            elif kind == "turn" or kind == "start_session":
                 req = self.workload.next_turn(args[0], now)
                 if req is not None:
                     self.requests.append(req)

@@ -249,7 +249,8 @@ class Stack:
         # reach), unless the workdir path is too long to name one or the caller asks for TCP
         sock = str(self.dir.resolve() / "brain.sock")
         doc: dict[str, Any] = {
-            "replicas": [{"name": r.name, "url": r.url, **({"engine": self.engines[r.name]} if r.name in self.engines else {}),
+            "replicas": [{"name": r.name, "url": r.url,
+                          **({"engine": self.engines[r.name]} if r.name in self.engines else {}),
                           **self.replica_config.get(r.name, {})} for r in self.replicas],
             "brain": {"host": "127.0.0.1", "admin_port": 0, "metrics_port": 0,
                       "admin_token_file": str(self.dir.resolve() / "admin.token"),
@@ -326,7 +327,8 @@ class Stack:
     def live_config(self) -> AppConfig:
         """The config with the brain's bound port, as Envoy must see it."""
         assert self.cfg is not None
-        return dataclasses.replace(self.cfg, brain=dataclasses.replace(self.cfg.brain, grpc_port=self.brain_ports["grpc_port"]))
+        return dataclasses.replace(self.cfg, brain=dataclasses.replace(self.cfg.brain,
+                                                                       grpc_port=self.brain_ports["grpc_port"]))
 
     def start_envoy(self, bootstrap_doc: dict | None = None) -> Proc:
         """Envoy with the rendered bootstrap, or with ``bootstrap_doc`` (e.g. a foreign one with our snippets)."""
@@ -375,7 +377,8 @@ class Stack:
             if c["name"] == "warmroute_brain":
                 hs = c.get("host_statuses", [])
                 return bool(hs) and all(h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
-                                        and not h.get("health_status", {}).get("failed_active_health_check") for h in hs)
+                                        and not h.get("health_status",
+                                                      {}).get("failed_active_health_check") for h in hs)
         return False
 
     def envoy_stats(self) -> dict[str, int]:

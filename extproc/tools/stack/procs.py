@@ -34,7 +34,8 @@ def rss_mib(pid: int) -> float:
         return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmRSS:"))
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, proc: "Proc | None" = None, every: float = 0.05) -> Any:
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, proc: "Proc | None" = None,
+             every: float = 0.05) -> Any:
     """Poll ``cond`` until it returns something truthy; fail clearly past ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -45,7 +46,8 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, proc: "Proc | N
         if v:
             return v
         if proc is not None and proc.popen.poll() is not None:
-            raise StackError(f"{proc.name} exited with {proc.popen.returncode} while waiting for {what}; log: {proc.log_tail()}")
+            raise StackError(f"{proc.name} exited with {proc.popen.returncode} while waiting for {what}; log: "
+                             f"{proc.log_tail()}")
         if time.monotonic() > deadline:
             raise StackError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(every)
@@ -68,7 +70,7 @@ class Proc:
         self.name = name
         self.argv = argv
         self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (the process's log, closed when it is stopped)
         if _SETPRIV and threading.current_thread() is threading.main_thread():
             argv = [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]
         self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -35,7 +35,8 @@ class RedisServer:
                  acl_user: tuple[str, str] | None = None, key_prefix: str = "warmroute:", port: int = 0,
                  tls: dict[str, str] | None = None, tls_auth_clients: bool = False):
         self.workdir, self.name = Path(workdir), name
-        # tls: {"cert": server certificate, "key": its key, "ca": the CA of clients' certificates}: TLS only, no plain port
+        # tls: {"cert": server certificate, "key": its key, "ca": the CA of clients' certificates}: TLS only, no plain
+        # port
         self.tls, self.tls_auth_clients = tls, tls_auth_clients
         self.password, self.acl_user, self.key_prefix = password, acl_user, key_prefix
         self.port = port or free_port()
@@ -47,7 +48,7 @@ class RedisServer:
 
     def conf(self) -> str:
         """redis.conf: the secrets go in this file (mode 0600), never in argv, which every local user can read."""
-        lines = [f"bind 127.0.0.1", "protected-mode yes", 'save ""', "appendonly no", f"dir {self.workdir.resolve()}",
+        lines = ["bind 127.0.0.1", "protected-mode yes", 'save ""', "appendonly no", f"dir {self.workdir.resolve()}",
                  "loglevel notice"]
         if self.tls:
             lines += ["port 0", f"tls-port {self.port}", f"tls-cert-file {self.tls['cert']}",

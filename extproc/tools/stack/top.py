@@ -67,7 +67,8 @@ def snapshot(brain_admin: str, envoy_admin: str | None, token: str | None = None
     stats: dict[str, int] = {}
     if envoy_admin:
         try:
-            stats = {s["name"]: s["value"] for s in _get_json(envoy_admin + "/stats?format=json")["stats"] if "value" in s}
+            stats = {s["name"]: s["value"] for s in _get_json(envoy_admin + "/stats?format=json")["stats"] if "value"
+                     in s}
         except OSError:
             stats = {}
     names = [r["name"] for r in st["replicas"]]
@@ -75,7 +76,8 @@ def snapshot(brain_admin: str, envoy_admin: str | None, token: str | None = None
     tot_d = sum(r["decisions"] for r in st["replicas"]) or 0
     tot_e = sum(envoy.values())
     rows = [
-        Row(r["name"], r["state"], r["drained"], r["cooldown_remaining_s"], r["effective_running"], r["effective_waiting"],
+        Row(r["name"], r["state"], r["drained"], r["cooldown_remaining_s"], r["effective_running"],
+            r["effective_waiting"],
             r["wlc_in_flight"], r["session_pins"], r["prefix_pins"], r["decisions"] / tot_d if tot_d else 0.0,
             envoy[r["name"]] / tot_e if tot_e else 0.0, r.get("scrape_error"), r.get("engine", "vllm"),
             r.get("candidate_decisions", 0), _working_set(r.get("predicted")), r.get("role", "both"),
@@ -98,7 +100,8 @@ def _k(tokens: float) -> str:
     return f"{tokens / 1000:.1f}K"
 
 
-HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share", "envoy share",
+HEAD = ("replica", "state", "cooldown", "eff_run", "eff_wait", "in_flight", "sess_pins", "pfx_pins", "brain share",
+        "envoy share",
         "ttft bias/err", "engine", "last scrape error")
 # the same columns in a narrow terminal; LEGEND says what they are
 SHORT = ("replica", "state", "cool", "run", "wait", "infl", "spin", "ppin", "brain", "envoy", "ttft", "engine")
@@ -131,7 +134,8 @@ def _totals(s: Snapshot) -> str:
     # those it is never asked about (no body: GET /v1/models, probes), which are not a failure
     bodyless = max(0, s.fail_open - s.failure_mode_allowed)
     return (f"decisions {s.decisions}; Envoy upstream requests {s.envoy_requests}; fail-open (brain did not answer) "
-            f"{s.failure_mode_allowed}; without a body (brain not asked) {bodyless}; open reservations {s.open_reservations}")
+            f"{s.failure_mode_allowed}; without a body (brain not asked) {bodyless}; open reservations "
+            f"{s.open_reservations}")
 
 
 def flow_line(s: Snapshot) -> str | None:
@@ -260,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
     token = None
     if token_file:
         try:
-            token = open(token_file).read().strip()
+            with open(token_file) as f:
+                token = f.read().strip()
         except OSError as e:
             print(f"warmroute top: cannot read the admin token {token_file} ({e.strerror})", file=sys.stderr)
             return 2

@@ -58,14 +58,16 @@ def up(args: argparse.Namespace) -> int:
             return 1
         # as an operator who enabled vLLM's store runs it: Responses follow-ups (previous_response_id) work; and with
         # its KV events on and the model's tokenizer given to the brain, in exact mode (docs/routing.md)
-        options, model = real_vllm.VllmOptions(responses_store=True, kv_events=True), real_vllm.model_info()["served_name"]
+        options, model = real_vllm.VllmOptions(responses_store=True,
+                                               kv_events=True), real_vllm.model_info()["served_name"]
     config = {"exact_cache": {"tokenizers": {model: str(real_vllm.model_dir())}}} if real else {}
     stack = Stack(n_replicas=n, listen_port=args.port, keep_logs=True, real_vllm=options,
                   mock_args=MOCK_ARGS + (PD_MOCK_ARGS if pd else []), config=config)
     if pd:
         stack.replica_config = {f"r{i}": {"role": "prefill" if i == 0 else "decode"} for i in range(n)}
         if real:  # the file-based connector (the one that runs on this CPU), KV in the stack's directory
-            stack.real_vllm = dataclasses.replace(options, extra=real_vllm.pd_extra(stack.dir / "kv", options.max_model_len))
+            stack.real_vllm = dataclasses.replace(options, extra=real_vllm.pd_extra(stack.dir / "kv",
+                                                                                    options.max_model_len))
             config["disaggregation"] = {"max_transfer_tokens": options.max_model_len}
     return _guarded(stack, lambda: _up(args, stack, n, real, model))
 
@@ -97,7 +99,8 @@ def _up(args: argparse.Namespace, stack: Stack, n: int, real: bool, model: str |
     what = f"real vLLM {real_vllm.VERSION} replicas (the tiny model, on the CPU)" if real else "mock vLLM replicas"
     print(f"starting {n} {what}, the brain and Envoy ...", flush=True)
     stack.start()
-    print(f"Envoy listens on {stack.url}  (Envoy admin socket {stack.envoy_admin_path}, brain admin {stack.brain_admin})")
+    print(f"Envoy listens on {stack.url}  (Envoy admin socket {stack.envoy_admin_path}, brain admin "
+          f"{stack.brain_admin})")
     print(f"logs (kept after exit): {stack.dir}/  " + " ".join(sorted(p.name for p in stack.logs().values())))
     print("every replica starts EJECTED and must earn 2 good scrapes + a 15 s clean window before it is LIVE")
     t0 = time.monotonic()
@@ -124,7 +127,8 @@ def _up(args: argparse.Namespace, stack: Stack, n: int, real: bool, model: str |
     e2e = sorted(r.e2e for r in res.requests if r.e2e is not None and r.error is None)
     p50 = e2e[len(e2e) // 2] if e2e else float("nan")
     ok = res.answered - sum(res.errors.values())
-    print(f"done: {ok}/{res.sent} ok, errors {res.errors or 'none'}, lost {res.lost}, p50 latency {p50 * 1000:.0f} ms\n")
+    print(f"done: {ok}/{res.sent} ok, errors {res.errors or 'none'}, lost {res.lost}, "
+          f"p50 latency {p50 * 1000:.0f} ms\n")
     # the last access-log entries release their reservations just after the responses end
     wait_for(lambda: stack.state()["open_reservations"] == 0, 10, "the last releases")
     print(table(stack))

@@ -65,7 +65,8 @@ class WorkloadConfig:
 
     def at_load(self, load: float) -> "WorkloadConfig":
         """The load ladder (``--load L``): every arrival rate scaled by ``load``."""
-        return replace(self, sessions_per_min=self.sessions_per_min * load, oneshots_per_min=self.oneshots_per_min * load)
+        return replace(self, sessions_per_min=self.sessions_per_min * load,
+                       oneshots_per_min=self.oneshots_per_min * load)
 
 
 @dataclass(slots=True)

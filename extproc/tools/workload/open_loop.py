@@ -12,7 +12,8 @@ import aiohttp
 class OpenLoop:
     """``send(http, i)`` is started at ``rate`` per second until ``stop()``, which waits for those in flight."""
 
-    def __init__(self, rate: float, send: Callable[[aiohttp.ClientSession, int], Awaitable[None]], timeout_s: float = 60.0):
+    def __init__(self, rate: float, send: Callable[[aiohttp.ClientSession, int], Awaitable[None]],
+                 timeout_s: float = 60.0):
         self.rate = rate
         self.send = send
         self.timeout_s = timeout_s

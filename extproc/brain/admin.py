@@ -76,10 +76,10 @@ def admin_app(brain: "Brain", token: str | None = None) -> web.Application:
         if url is None:
             raise web.HTTPNotFound(text=f"unknown replica {name!r}\n")
         tls = brain.scraper.tls.get(name)
-        kw = {"ssl": tls[0], "server_hostname": tls[1]} if tls is not None else {}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http, \
-                    http.post(url + "/reset_prefix_cache", **kw) as r:
+                    http.post(url + "/reset_prefix_cache", ssl=tls[0] if tls is not None else True,
+                              server_hostname=tls[1] if tls is not None else None) as r:
                 status, body = r.status, await r.content.read(2000)  # vLLM's answer is a line: no more
         except (aiohttp.ClientError, TimeoutError) as e:
             return web.json_response({"replica": name, "reset": False, "error": f"{type(e).__name__}: {e}"[:200]},

@@ -297,13 +297,14 @@ class Brain:
                                               ttft_slo_s=ttft_slo_of(headers))
             if arriving:
                 profile = dataclasses.replace(profile, deferred=True)
+            assert res is not None  # a profile comes with its model's resolution
             allowed = res.replicas if only is None else only if res.replicas is None else res.replicas & only
             d = self.router.select(profile, now, allowed, hold_key=key)
             if d.reason is not Reason.READ_BODY:
                 d.header_path = True
                 return self._decided(d, profile, res, now, t0)
             why = "home_declined"
-        self.stats.header_path_declined[why] += 1
+        self.stats.header_path_declined[why or "unknown"] += 1
         return None
 
     def look(self, headers: dict[str, str], read_wait_s: float) -> "ep.ProcessingResponse | None":
@@ -343,17 +344,19 @@ class Brain:
         answer = self.immediate(d, headers)
         if answer is not None:
             return answer
+        assert d.replica is not None and d.reservation is not None  # placed: an answer naming a replica
         d.reservation.at_headers = d.header_path
         rid = self.ledger.issue(d.reservation, headers.get(REQUEST_ID_HEADER))
         self.decisions.remember(headers.get(REQUEST_ID_HEADER), d, self.clock())
         sent = self.body_for(d, body)
         engine = d.engine if d.steer else None
+        replica = d.replica.name
         if d.prefill is not None:
             legs = self._legs(d, headers, sent if sent is not None else body, phase,
-                              lambda b: route_answer(d.replica.name, rid, phase, engine, b if b is not None else sent))
+                              lambda b: route_answer(replica, rid, phase, engine, b if b is not None else sent))
             if legs is not None:
                 return legs
-        return route_answer(d.replica.name, rid, phase, engine, sent)
+        return route_answer(replica, rid, phase, engine, sent)
 
     def _legs(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str, answer) -> Legs | None:
         """The two legs of a request the policy disaggregated (None: it is prefilled where it goes after all: no
@@ -366,7 +369,8 @@ class Brain:
                 pass
         if not isinstance(doc, dict) or "kv_transfer_params" in doc:
             self.router.release(d.prefill_reservation, self.clock())
-            d.reservation.transfer_tokens = 0
+            if d.reservation is not None:
+                d.reservation.transfer_tokens = 0
             return None
         return Legs(self, d, headers, doc, path_of(headers), answer)
 
@@ -456,7 +460,7 @@ class Brain:
         # only the brain's prefill leg sets them (legs.py)
         known = d.kv_transfer
         out = without_kv_transfer(body, known, known is None and self.prefill_fleet())
-        if d.rewrite_model:
+        if d.rewrite_model and d.model is not None:
             out = replace_model(out if out is not None else body, d.model) or out
         if d.response_id is not None:
             out = with_request_id(out if out is not None else body, d.response_id)

@@ -220,8 +220,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         # flow control: how to wait for a held request's answer, and to give it up when Envoy closes the call
         self.wait, self.cancel, self.hold_s = wait, cancel, hold_s
         # the look before a large body (headers, once Envoy holds the body): (headers, how long its body would wait to
-        # be
-        # read) -> None to let it come, or the answer instead; and how far behind the brain reads
+        # be read) -> None to let it come, or the answer instead; and how far behind the brain reads
         self.look, self.intake = look, intake
         self.legs_s = legs_s  # a disaggregated request's call stays open this long for its prefill leg
         # the header path: (headers) -> the route of a turn its headers decide, or None (its body decides)
@@ -229,6 +228,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     async def _answer(self, out, context) -> None:
         if isinstance(out, Held):
+            assert self.wait is not None and self.cancel is not None  # only flow control holds
             answer = self.wait(out.key)  # registered before any await: the answer may come at the next tick
             try:
                 # Envoy gives up on the call (and fails open) after its message_timeout: held, it waits longer
@@ -274,6 +274,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         if req is grpc.aio.EOF or req.WhichOneof("request") != "request_headers":
             return
         headers = headers_of(req.request_headers)
+        assert self.at_headers is not None  # only its filter's calls come here
         out = self.at_headers(headers)
         if out is None and self.look is not None and self.intake is not None \
                 and (size := declared_size(headers) or 0) > LOOK_BYTES:
@@ -291,6 +292,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         if req is grpc.aio.EOF or req.WhichOneof("request") != "request_headers":
             return
         headers = headers_of(req.request_headers)
+        assert self.look is not None and self.intake is not None  # only the look's calls come here
         size = declared_size(headers) or 0
         late = self.intake.late_s(_attribute(req, TIME_ATTRIBUTE), headers.get(LOOK_UPLOAD_HEADER))
         out = self.look(headers, max(late, self.intake.behind_s() + self.intake.own_s(size)))

@@ -309,7 +309,9 @@ def conversation(messages: list, fmt: str, developer_role: bool) -> list[dict]:
 
 def _consolidate(conv: list[dict]) -> list[dict]:
     """``_consolidate_system_messages``: system messages after the first place become one, at the front."""
-    texts, rest, needed = [], [], False
+    texts: list = []
+    rest: list[dict] = []
+    needed = False
     for i, m in enumerate(conv):
         if m["role"] != "system":
             rest.append(m)

@@ -129,6 +129,7 @@ class ChatTokens:
         """The prompt's token ids for a body of ``api``; ``key`` (its session) to tokenize only what is new since
         that session's last turn."""
         got = self.prompt(body, key, api)
+        assert not isinstance(got, Later)  # no inline_chars: tokenized here
         return got[0] if got is not None else None
 
     def prompt(self, body: dict, key: bytes | None = None, api: Api = Api.CHAT,
@@ -148,7 +149,7 @@ class ChatTokens:
             head, start, old = memo.head, memo.cut, memo.chain
         if inline_chars is not None and len(text) - start > inline_chars:
             return Later(text)
-        if memo is not None:
+        if memo is not None and key is not None:
             del self._memo[key]
             self._memo_bytes -= memo.size
         enc = self.tokenizer.encode(text[start:], add_special_tokens=False)
@@ -166,16 +167,16 @@ class ChatTokens:
         from it."""
         bs, root, salt, lora = _blocks(blocks)
         n = len(toks) // bs
-        reuse = 0
-        if old is not None and old[:4] == (bs, root, salt, lora):
-            reuse = min(len(old[4]), shared // bs, n)
-        parent = old[5][(reuse - 1) * 32:reuse * 32] if reuse else None
+        prior = old if old is not None and old[:4] == (bs, root, salt, lora) else None
+        reuse = min(len(prior[4]), shared // bs, n) if prior is not None else 0
+        parent = prior[5][(reuse - 1) * 32:reuse * 32] if reuse and prior is not None else None
         digests = chain(toks[reuse * bs:n * bs], bs, root, parent, extra=extra_keys(n - reuse, salt if not reuse
                                                                                      else None, lora))
         self.reused_blocks += reuse
         self.hashed_blocks += len(digests)
-        hashes = (old[4][:reuse] if reuse else ()) + tuple(external(d) for d in digests)
-        return bs, root, salt, lora, hashes, (old[5][:reuse * 32] if reuse else b"") + b"".join(digests)
+        kept = prior if reuse and prior is not None else None
+        hashes = (kept[4][:reuse] if kept is not None else ()) + tuple(external(d) for d in digests)
+        return bs, root, salt, lora, hashes, (kept[5][:reuse * 32] if kept is not None else b"") + b"".join(digests)
 
     def _remember(self, key: bytes, text: str, start: int, shared: int, toks: array, chain_of) -> None:
         """Keep this turn's text up to its last special token, the tokens of that text and this turn's chain: the

@@ -10,7 +10,7 @@ import logging
 import multiprocessing
 from array import array
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 
 import orjson
 
@@ -58,10 +58,10 @@ class Exact:
             self.kv.follow(name, wanted)
         self.scraper.kv_due = (self.scraper.kv_due | self.scraper.kv_wanted) & self.scraper.kv_wanted
         templates = dict(c.chat_templates)
-        wanted = {m: (path, templates.get(m)) for m, path in c.tokenizers} if c.enabled else {}
-        for model in [m for m in self.tokenizers if wanted.get(m) != self._sources.get(m)]:
+        sources = {m: (path, templates.get(m)) for m, path in c.tokenizers} if c.enabled else {}
+        for model in [m for m in self.tokenizers if sources.get(m) != self._sources.get(m)]:
             del self.tokenizers[model]
-        for model, (path, template) in wanted.items():
+        for model, (path, template) in sources.items():
             if model not in self.tokenizers:
                 self._sources[model] = (path, template)
                 try:
@@ -139,10 +139,12 @@ class Exact:
         if self._pool is None:
             # spawned, not forked: a fork of a process with gRPC's threads is not safe
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        fut: Future
         try:
             if later.text is not None:
                 fut = self._pool.submit(encode_in_worker, ct.tokenizer_json, later.text)
             else:  # rendered there too
+                assert model is not None and later.request is not None  # a body to render, of a known model
                 path, template = self._sources[model]
                 fut = self._pool.submit(render_in_worker, path, template, *later.request)
         except RuntimeError:  # the pool broke (its process died) or is shut down: a fresh one next time

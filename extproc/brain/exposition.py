@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -200,7 +201,7 @@ def parse_metrics(text: str, d: Dialect, max_series: int = MAX_SERIES, max_engin
             return ScrapeResult(False, error=f"/metrics has {lines - comments:,} series: more than {max_series:,} "
                                              f"(health.max_metrics_series)")
     engines: dict[str, _Engine] = {}
-    counters: dict[str, float] = {}
+    counters: dict[str, Any] = {}
     fallback: dict[str, float] = {}
     activity = 0.0
     lora: tuple[float, dict[str, str]] | None = None

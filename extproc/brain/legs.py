@@ -74,6 +74,8 @@ class Legs:
     def __init__(self, brain, d: "Decision", headers: dict[str, str], doc: dict, path: str,
                  answer: "Callable[[bytes | None], ep.ProcessingResponse]"):
         self.brain, self.d, self.headers, self.doc, self.path = brain, d, headers, doc, path
+        assert d.prefill is not None and d.reservation is not None  # a planned and reserved prefill leg
+        self.plan, self.res = d.prefill, d.reservation
         self.answer = answer  # the decode replica's route answer, with this body (None: the client's own)
         self.params: dict | None = None
 
@@ -90,15 +92,15 @@ class Legs:
             # the decode replica prefills it itself: slower, never an error
             self._end_prefill(b.clock())
             b.stats.disaggregated["local_fallback"] += 1
-            logs.event("prefill_leg_failed", replica=d.prefill.replica.name, decode=d.replica_name,
+            logs.event("prefill_leg_failed", replica=self.plan.replica.name, decode=d.replica_name,
                        error=type(e).__name__ if not isinstance(e, _Refused) else str(e))
-            d.reservation.transfer_tokens = 0
+            self.res.transfer_tokens = 0
             return self.answer(None)
         now = b.clock()
         self._end_prefill(now)
-        d.reservation.leg_s = now - t0
+        self.res.leg_s = now - t0
         if self.params:
-            d.reservation.handoff = self.never_sent
+            self.res.handoff = self.never_sent
         b.stats.disaggregated["remote"] += 1
         # no params: a connector that finds the KV by the prompt itself (vLLM's ExampleConnector, shared storage)
         return self.answer(decode_body(self.doc, self.params) if self.params else None)
@@ -107,8 +109,8 @@ class Legs:
         self.brain.router.release(self.d.prefill_reservation, now)
 
     async def _prefill(self) -> dict | None:
-        b, d = self.brain, self.d
-        name = d.prefill.replica.name
+        b = self.brain
+        name = self.plan.replica.name
         url = b.scraper.urls.get(name)
         if url is None:
             raise _Refused("replica gone")
@@ -163,14 +165,16 @@ class Legs:
 
     async def _release(self) -> None:
         """The decode leg for a client gone: one token, read and dropped (the decode replica takes the KV)."""
-        b, name = self.brain, self.d.replica_name
+        b, name, params = self.brain, self.d.replica_name, self.params
+        if not params or name is None:
+            return
         url = b.scraper.urls.get(name)
         if url is None:
             return
         ctx = b.scraper.tls.get(name)
         headers = {"content-type": "application/json", **{h: self.headers[h] for h in FORWARDED if h in self.headers}}
         try:
-            async with b.legs_http().post(url + self.path, data=decode_body(self.doc, self.params, one_token=True),
+            async with b.legs_http().post(url + self.path, data=decode_body(self.doc, params, one_token=True),
                                           headers=headers, ssl=ctx[0] if ctx else None,
                                           server_hostname=ctx[1] if ctx else None,
                                           timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as r:

@@ -132,8 +132,9 @@ class BrainCollector(Collector):
         for why, n in sorted(b.header_path_declined.items()):
             c.add_metric([why], n)
         yield c
-        fams = {a: (CounterMetricFamily(name, doc, labels=["kind", "cause"] if by_cause else ["kind"]), by_cause)
-                for a, (name, doc, by_cause) in PIN_ACTION_METRICS.items()}
+        fams: dict[str, tuple[CounterMetricFamily, bool]] = {
+            a: (CounterMetricFamily(name, doc, labels=["kind", "cause"] if by_cause else ["kind"]), by_cause)
+            for a, (name, doc, by_cause) in PIN_ACTION_METRICS.items()}
         for (action, kind, cause), n in sorted(b.pin_events.items()):
             fam, by_cause = fams[action]
             fam.add_metric([kind, cause] if by_cause else [kind], n)
@@ -241,11 +242,11 @@ class BrainCollector(Collector):
         yield info
         views = [(rep, r.policy.replica_view(rep, now)) for rep in reps]
         if any(v is not None for _, v in views):  # the warm policy: what it believes of each replica
-            fams = {k: GaugeMetricFamily(f"warmroute_{k}", doc, labels=["replica"]) for k, doc in WARM_VIEW.items()}
+            gauges = {k: GaugeMetricFamily(f"warmroute_{k}", doc, labels=["replica"]) for k, doc in WARM_VIEW.items()}
             for rep, view in views:
                 for k, v in (view or {}).items():
-                    fams[k].add_metric([rep.name], v)
-            yield from fams.values()
+                    gauges[k].add_metric([rep.name], v)
+            yield from gauges.values()
         # each replica's cache mode and what re-hashing its engines' events said
         mode = GaugeMetricFamily("warmroute_cache_exact", "1 when the replica's engines' KV events verified (its "
                                  "cached tokens are the engine's own word), 0 when it is estimated", labels=["replica"])
@@ -259,12 +260,12 @@ class BrainCollector(Collector):
             engines = r.policy.exact_view(rep.name)
             mode.add_metric([rep.name], 1.0 if mode_of(engines)[0] == "exact" else 0.0)
             for res in ("verified", "mismatched", "unverifiable"):
-                blocks.add_metric([rep.name, res], sum(e[f"{res}_blocks"] for e in engines or ()))
-            held: dict[str, int] = {}
-            for e in engines or ():
-                for m, n in e["resident_by_medium"].items():
-                    held[m] = held.get(m, 0) + n
-            for m, n in sorted(held.items()):
+                blocks.add_metric([rep.name, res], sum(eng[f"{res}_blocks"] for eng in engines or ()))
+            per_medium: dict[str, int] = {}
+            for eng in engines or ():
+                for m, n in eng["resident_by_medium"].items():
+                    per_medium[m] = per_medium.get(m, 0) + n
+            for m, n in sorted(per_medium.items()):
                 resident.add_metric([rep.name, m], n)
         yield mode
         yield blocks
@@ -303,11 +304,11 @@ class BrainCollector(Collector):
         abandoned = CounterMetricFamily("warmroute_flow_abandoned", "Held requests whose call ended before the brain "
                                         "answered: the client went away, or Envoy's message timer ran out and it "
                                         "failed the request open, by class", labels=["class"])
-        for k, name in enumerate(CLASSES):
-            depth.add_metric([name], r.flow.queue.depth(k) if r.flow is not None else 0)
-            released.add_metric([name], b.flow_released[name])
-            waited.add_metric([name], b.flow_wait_s[name])
-            abandoned.add_metric([name], b.flow_abandoned[name])
+        for rank, klass in enumerate(CLASSES):
+            depth.add_metric([klass], r.flow.queue.depth(rank) if r.flow is not None else 0)
+            released.add_metric([klass], b.flow_released[klass])
+            waited.add_metric([klass], b.flow_wait_s[klass])
+            abandoned.add_metric([klass], b.flow_abandoned[klass])
         yield from (depth, released, waited, abandoned)
         pd = CounterMetricFamily("warmroute_disaggregated", "Requests whose prefill went to a replica of role prefill, "
                                  "by outcome (remote: the decode replica loaded the KV; local_fallback: the leg failed "

@@ -123,6 +123,7 @@ class Picks:
             return Pick([], None, immediate=self.brain.immediate(d, headers))
         if d.reason == NO_HEALTHY:
             return Pick([], None)
+        assert d.replica is not None  # placed
         names = [d.replica, *self.brain.router.next_best(d.replica, self.brain.cfg.brain.picker_fallbacks, only)]
         rank = d.engine if d.steer else None
         count = self.brain.router.policy.engine_count

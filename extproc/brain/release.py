@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from prometheus_client import Histogram
 
 from envoy.data.accesslog.v3.accesslog_pb2 import AccessLogType
 
@@ -156,7 +157,7 @@ class Releaser:
         self.stats = stats
         self.clock = clock
         self.by_address: dict[str, str] = {}  # "host:port" -> replica name
-        self.ttft_error = None  # a prometheus Histogram of |predicted - observed| time to first token
+        self.ttft_error: Histogram | None = None  # |predicted - observed| time to first token
         self.outcomes = Outcomes()  # each streamed request's first token joined with its prediction, per replica
         self.periodic_seen = False  # Envoy sends periodic entries of requests in flight (access_log_flush_interval)
         # shared state: hand an entry that names none of our reservations to the other brains (number, digest,

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from aiohttp import ClientSession, ClientTimeout
+from prometheus_client import Histogram
 
 from ..core import Router
 from . import logs
@@ -65,7 +66,7 @@ class Scraper:
         # lazy gauges: replica -> (activity counters, gauges, since when both stood still)
         self._still: dict[str, tuple[float, tuple[int, int], float]] = {}
         self.loop_errors = 0
-        self.seconds = None  # a prometheus Histogram, set by the brain
+        self.seconds: Histogram | None = None  # set by the brain
         self.max_series, self.max_engines = MAX_SERIES, MAX_ENGINES  # health.max_metrics_series, max_engines
         # One thread parses the large pages: a replica's 4 MiB page never holds the event loop (decisions, the other
         # replicas' scrapes), and a flood of them queues behind each other, not beside the loop
@@ -278,7 +279,7 @@ class Scraper:
             health = fast is None or started >= next_health - 1e-3
             # an engine without load metrics ("none") has nothing to refresh between health scrapes
             if health or self.engine_of(name) != "none":
-                timeout = health_timeout if health else max(0.05, fast * 0.8)
+                timeout = health_timeout if health or fast is None else max(0.05, fast * 0.8)
                 r = await self.scrape_once(session, name, self.urls[name], timeout)
                 try:
                     if name in self.urls:

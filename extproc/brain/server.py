@@ -302,6 +302,7 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
     if cfg.shared_state.redis_url:
         shared = SharedState(cfg.shared_state, brain.router, brain.clock, brain.stats.shared)
         outbox = brain.router.outbox
+        assert outbox is not None  # SharedState turned sharing on
         brain.releaser.forward = lambda num, digest, ended: outbox.events.append(("x" if ended else "a", num, digest))
         brain.router.remote.on_foreign_end = brain.releaser.end_forwarded
 

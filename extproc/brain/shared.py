@@ -33,6 +33,8 @@ path touches the network. Here, off the request path:
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncio
 import hashlib
 import hmac
@@ -136,11 +138,13 @@ class SharedState:
         self._peer_keys: dict[str, Ed25519PublicKey] = {}  # origin -> its verified key (the heard ones)
         p = cfg.key_prefix
         self.stream, self.snapshot_key, self.lock_key = f"{p}events", f"{p}snapshot", f"{p}snapshot:lock"
-        self.outbox = router.share(True)
+        outbox = router.share(True)
+        assert outbox is not None
+        self.outbox = outbox
         router.remote.max_open = cfg.peer_max_reservations
         self.last_id = "0-0"
         self.peers: dict[str, float] = {}  # brain id -> when we last heard from it (our clock)
-        self._redis = None
+        self._redis: Any = None  # redis.asyncio.Redis once connected (imported only with sharing on)
         self._down_logged: str | None = None  # the failure kind last logged (one line per change)
         self._connected = asyncio.Event()
         self._last_flush = 0.0

@@ -338,5 +338,6 @@ def response_not_found_body(response_id: str) -> dict:
 
 def anthropic_error_body(openai_body: Mapping[str, Any]) -> dict:
     """An error in OpenAI's shape as vLLM answers it on the Messages paths (``translate_error_response``)."""
-    err = openai_body.get("error") if isinstance(openai_body.get("error"), dict) else {}
+    found = openai_body.get("error")
+    err: Mapping[str, Any] = found if isinstance(found, dict) else {}
     return {"type": "error", "error": {"type": str(err.get("type", "error")), "message": str(err.get("message", ""))}}

@@ -96,10 +96,16 @@ class Decision:
 class FleetView(Protocol):
     """What a policy sees of the fleet: the replicas (read only) and the candidate pool (A4 step 1)."""
 
-    replicas_view: list["Replica"]
-    # the pool's version: it changes whenever the pool does (None: a view of one replica, priced whole each time)
-    pool_epoch: int | None
-    only: "Collection[str] | None"  # the replicas a gateway allows (None: every one)
+    @property
+    def replicas_view(self) -> list["Replica"]: ...
+
+    @property
+    def pool_epoch(self) -> int | None:
+        """The pool's version: it changes whenever the pool does (None: a view of one replica, priced whole)."""
+
+    @property
+    def only(self) -> "Collection[str] | None":
+        """The replicas a gateway allows (None: every one)."""
 
     def pool(self) -> tuple[list["Replica"], list["Replica"]]:
         """(LIVE, PROBING) replicas, drained ones left out."""

@@ -156,22 +156,23 @@ class EngineCache:
     def _store(self, ev: Stored) -> None:
         if ev.kind not in (None, FULL_ATTENTION):
             return  # a sliding-window or mamba group: its blocks make no prefix hit
-        if ev.medium not in (None, GPU):
+        medium = ev.medium
+        if medium is not None and medium != GPU:
             if not _local(ev.locality):
                 self.remote += len(ev.hashes)
                 return
-            tier = self.tiers.get(ev.medium)
+            tier = self.tiers.get(medium)
             if tier is None:
                 if len(self.tiers) >= MAX_MEDIA:
                     self.ignored += len(ev.hashes)
                     return
-                tier = self.tiers[ev.medium] = {}
+                tier = self.tiers[medium] = {}
             for h in ev.hashes:
                 tier[h] = tier.get(h, 0) + 1
             if len(tier) > MAX_BLOCKS:
                 # removals were missed, or a tier bigger than any this bounds: that tier alone is forgotten (priced
                 # as computed); the GPU's blocks and the engine's proof stand
-                del self.tiers[ev.medium]
+                del self.tiers[medium]
                 self.ignored += MAX_BLOCKS
             return
         self.stored += len(ev.hashes)
@@ -182,6 +183,7 @@ class EngineCache:
         digests: list[bytes | None] = [None] * len(ev.hashes)
         if self.mode == EXACT or self.reason.startswith(("no KV events", "events lost")):
             try:
+                prev: bytes | None
                 if ev.parent is None:
                     prev = self.root
                 else:
@@ -224,7 +226,7 @@ class EngineCache:
                     for h in ev.hashes:
                         if self.gpu.pop(h, 0) != 0:
                             self.removed += 1
-                elif _local(ev.locality) and (tier := self.tiers.get(ev.medium)) is not None:
+                elif ev.medium is not None and _local(ev.locality) and (tier := self.tiers.get(ev.medium)) is not None:
                     for h in ev.hashes:
                         n = tier.get(h, 0) - 1
                         if n > 0:

@@ -22,7 +22,7 @@ class Subset:
         return self._router.replicas_view  # round-robin positions stay the fleet's
 
     @property
-    def pool_epoch(self) -> int:
+    def pool_epoch(self) -> int | None:
         return self._router.pool_epoch
 
     @property

@@ -188,10 +188,11 @@ class Rates:
         until enough tokens are behind them (vLLM counts the seconds as a load ends and the tokens at the request's
         first token, which may fall in the next scrape). Only a replica with an offloading connector exports the
         seconds; one that also takes P/D transfers (a MultiConnector) counts those tokens too and reads fast."""
-        if not _both(s, p, "restored_tokens", "restore_seconds"):
+        d = _deltas(s, p, "restored_tokens", "restore_seconds")
+        if d is None:
             return
         acc = self._restore_acc
-        dt, ds = s.restored_tokens - p.restored_tokens, s.restore_seconds - p.restore_seconds
+        dt, ds = d
         if dt < 0 or ds < 0:  # the engine restarted: its counters began again
             self._restore_acc = [0.0, 0.0]
             return
@@ -205,11 +206,13 @@ class Rates:
 
     def _prefill(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc
-        if self.paired and _both(s, p, "computed_at_finish", "prefill_seconds"):
-            acc[0] += s.computed_at_finish - p.computed_at_finish
-            acc[1] += s.prefill_seconds - p.prefill_seconds
+        paired = _deltas(s, p, "computed_at_finish", "prefill_seconds") if self.paired else None
+        if paired is not None:
+            acc[0] += paired[0]
+            acc[1] += paired[1]
             tokens, seconds = acc[0], acc[1]
-        elif None not in (s.prompt_tokens, s.prefill_seconds, p.prompt_tokens, p.prefill_seconds):
+        elif s.prompt_tokens is not None and s.prefill_seconds is not None and p.prompt_tokens is not None \
+                and p.prefill_seconds is not None:
             if s.computed_tokens is not None and p.computed_tokens is not None:
                 acc[0] += s.computed_tokens - p.computed_tokens
             else:
@@ -217,11 +220,12 @@ class Rates:
                 acc[0] += (s.prompt_tokens - (s.cached_tokens or 0)) - (p.prompt_tokens - (p.cached_tokens or 0))
             acc[1] += s.prefill_seconds - p.prefill_seconds
             tokens, seconds = acc[0], acc[1]
-            if self.paired and _both(s, p, "prompt_requests", "prefill_done"):
+            counted = _deltas(s, p, "prompt_requests", "prefill_done") if self.paired else None
+            if counted is not None:
                 # tokens and seconds counted at different moments of a request (vLLM: tokens at its first token,
                 # seconds at finish; SGLang the other way round): compare the mean request of each
-                acc[5] += s.prompt_requests - p.prompt_requests
-                acc[6] += s.prefill_done - p.prefill_done
+                acc[5] += counted[0]
+                acc[6] += counted[1]
                 if acc[5] <= 0 or acc[6] <= 0:
                     return
                 tokens, seconds = acc[0] / acc[5], acc[1] / acc[6]
@@ -243,22 +247,23 @@ class Rates:
 
     def _decode(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc
-        if self.paired and _both(s, p, "generated_at_finish", "decode_seconds") and _both(s, p, "decode_done",
-                                                                                          "decode_done"):
-            done = s.decode_done - p.decode_done
-            acc[2] += s.generated_at_finish - p.generated_at_finish - done  # decode time starts after the first token
-            acc[3] += s.decode_seconds - p.decode_seconds
+        at_finish = _deltas(s, p, "generated_at_finish", "decode_seconds", "decode_done") if self.paired else None
+        itl = _deltas(s, p, "itl_seconds", "itl_tokens") if self.paired and at_finish is None else None
+        if at_finish is not None:
+            generated_d, seconds_d, done = at_finish
+            acc[2] += generated_d - done  # decode time starts after the first token
+            acc[3] += seconds_d
             acc[4] += done
             generated = acc[2] + acc[4]
-        elif self.paired and _both(s, p, "itl_seconds", "itl_tokens"):
-            acc[2] += s.itl_tokens - p.itl_tokens
-            acc[3] += s.itl_seconds - p.itl_seconds
+        elif itl is not None:
+            acc[2] += itl[1]
+            acc[3] += itl[0]
             if s.requests_done is not None and p.requests_done is not None:
                 acc[4] += s.requests_done - p.requests_done
             generated = acc[2] + acc[4]
-        elif None not in (s.generation_tokens, s.decode_seconds, p.generation_tokens, p.decode_seconds):
-            acc[2] += s.generation_tokens - p.generation_tokens
-            acc[3] += s.decode_seconds - p.decode_seconds
+        elif (plain := _deltas(s, p, "generation_tokens", "decode_seconds")) is not None:
+            acc[2] += plain[0]
+            acc[3] += plain[1]
             if s.requests_done is not None and p.requests_done is not None:
                 acc[4] += s.requests_done - p.requests_done
             generated = acc[2]
@@ -302,7 +307,7 @@ class TokenScale:
         self.sent_tokens = 0.0  # estimated prompt tokens of the requests this router sent (not provisional ones)
         self.sent_requests = 0
         self._prev: tuple[float, float, float, int] | None = None
-        self._windows: deque[tuple[float, float, float, float]] = deque()  # per scrape: the four deltas
+        self._windows: deque[tuple[float, ...]] = deque()  # per scrape: the four deltas
         self._sums = [0.0] * 4  # engine tokens, engine requests, sent tokens, sent requests over _windows
 
     def sent(self, estimated_tokens: int) -> None:
@@ -339,8 +344,12 @@ class TokenScale:
         self.learned = True
 
 
-def _both(s: LoadSample, p: LoadSample, a: str, b: str) -> bool:
-    return None not in (getattr(s, a), getattr(s, b), getattr(p, a), getattr(p, b))
+def _deltas(s: LoadSample, p: LoadSample, *names: str) -> tuple[float, ...] | None:
+    """Each counter's change from scrape ``p`` to scrape ``s``; None when either lacks one of them."""
+    now, before = [getattr(s, a) for a in names], [getattr(p, a) for a in names]
+    if None in now or None in before:
+        return None
+    return tuple(a - b for a, b in zip(now, before))
 
 
 def effective_rates(rates: list[Rates], now: float, fresh_s: float,

@@ -215,8 +215,9 @@ class ModelCatalog:
             del self._paths[name]
         was_configured, self._paths_configured = self._paths_configured, {n for n in replicas if paths.get(n)}
         for name in replicas:
-            if paths.get(name):
-                self._paths[name] = frozenset(paths[name])
+            named = paths.get(name)
+            if named:
+                self._paths[name] = frozenset(named)
             elif name in was_configured or name not in self._paths:
                 self._paths[name] = None  # to be learned
         for name in [n for n in self._served if n not in replicas]:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from .config import RouterConfig
     from .decision import Decision, FleetView, Reservation
-    from .disaggregation import PrefillPlan
+    from .disaggregation import PrefillPlan, TransferRate
     from .engine_cache import EngineCache
     from .load import LoadSample
     from .prefix_index import PrefixIndex
@@ -38,7 +38,8 @@ class Policy:
     # the router's Outbox while shared state is on: what the policy changes beyond pins and reservations (its
     # index) goes out through it
     outbox: "Outbox | None" = None
-    transfer = None  # the learned KV transfer rate (prefill/decode disaggregation), if the policy learns one
+    # the learned KV transfer rate (prefill/decode disaggregation), if the policy learns one
+    transfer: "TransferRate | None" = None
     prefix_pins: PinTable = _NO_PINS  # a policy without prefix pins: an empty table nobody writes
     # a turn of a session under way may be decided at its request headers (a profile with ``header_path``): the
     # policy keeps it on its home or answers Reason.READ_BODY; a policy that cannot is always asked with the body

@@ -21,6 +21,8 @@ matching it on each replica (``levels``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from collections import OrderedDict
 
 # blocks at the head of a re-routed chain that are stamped again: 32 KiB, a long shared system prompt
@@ -78,7 +80,7 @@ class Holders:
             index.holders, index.bit = self, self.bit()
             self.add(index._stamp_of, index.bit)
 
-    def anchors(self, chain: list[int]) -> list[tuple[int, int]]:
+    def anchors(self, chain: Sequence[int]) -> list[tuple[int, int]]:
         """The chain's sampled blocks with their positions, shallowest first."""
         got = self._anchors.get(id(chain))
         if got is not None and 0 < got[0] <= len(chain) and chain[got[0] - 1] == got[1]:
@@ -94,7 +96,7 @@ class Holders:
                 self._anchored -= len(self._anchors.pop(next(iter(self._anchors)))[2])
         return out
 
-    def levels(self, chain: list[int], most: int = 8) -> list[tuple[int, int]]:
+    def levels(self, chain: Sequence[int], most: int = 8) -> list[tuple[int, int]]:
         """Who holds the chain, deepest first: (bit mask, depth in blocks at least) per level, at most ``most``
         levels. An index's blocks of a chain are a prefix of it, so the masks only grow towards the chain's
         start: each next level is a binary search away."""
@@ -136,7 +138,7 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._stamp_of)
 
-    def match(self, chain: list[int]) -> int:
+    def match(self, chain: Sequence[int]) -> int:
         """How many blocks from the start of ``chain`` the replica probably holds.
 
         Chains are inserted from their start, so what is present is a prefix: a binary search finds its end.
@@ -156,7 +158,7 @@ class PrefixIndex:
     def holds(self, block: int) -> bool:
         return block in self._stamp_of
 
-    def insert(self, chain: list[int], n: int | None = None) -> None:
+    def insert(self, chain: Sequence[int], n: int | None = None) -> None:
         """The first ``n`` blocks of ``chain`` were just routed here (they are the most recently used)."""
         n = len(chain) if n is None else n
         if n <= 0:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import orjson
 
@@ -44,7 +45,7 @@ class RequestProfile:
     tokens: int = 0  # prompt_tokens_estimate
     body_status: BodyStatus = BODY_ABSENT
     session_source: str | None = None  # e.g. "header:x-session-id", "body:metadata.thread_id"
-    blocks: list[int] = ()  # C2: chained block hashes of the conversation (only for policies that read them)
+    blocks: Sequence[int] = ()  # C2: chained block hashes of the conversation (only for policies that read them)
     model: str | None = None  # the body's "model" (a served model, an alias, or a LoRA adapter's name)
     adapter: str | None = None  # the LoRA adapter it runs with (the catalog says which models are adapters)
     # the body could not be read as the engine reads it: its model is one of these (empty: any), never refused
@@ -343,11 +344,12 @@ def build_profile(
     api = api_of(headers.get(":path", "").split("?", 1)[0])
     if api is Api.STORED_RESPONSE:  # a retrieval or a cancel: where its response lives is all there is to know
         ref = stored_response_id(headers[":path"].split("?", 1)[0])
-        root = conversation_root(ref)
+        assert ref is not None  # api_of named it a stored response's path
+        its_root = conversation_root(ref)
         if session_key is None:
-            session_key, session_source = hash_key("session", tenant, "response:" + root), "path:response_id"
+            session_key, session_source = hash_key("session", tenant, "response:" + its_root), "path:response_id"
         return RequestProfile(session_key, None, 0, BODY_ABSENT if not body else BODY_OK, session_source,
-                              api=api, stored_ref=ref, response_root=root)
+                              api=api, stored_ref=ref, response_root=its_root)
 
     if body is None:
         size = declared_size(headers)
@@ -370,7 +372,7 @@ def build_profile(
         # compressed bytes carry no key, and their size understates the prompt: count it, route by headers
         return RequestProfile(session_key, None, bytes_estimate, BODY_ENCODED, session_source, candidates=(),
                               provisional=True)
-    doc = None
+    doc: Any = None
     status = BODY_UNPARSED
     if size <= (cfg.parse_max_bytes if cfg.parse_max_bytes is not None else cfg.max_body_bytes):
         try:
@@ -378,8 +380,10 @@ def build_profile(
             status = BODY_OK if isinstance(doc, dict) else BODY_NOT_OBJECT
         except (orjson.JSONDecodeError, ValueError, TypeError):
             status = BODY_NOT_JSON
-    stored_ref = root = response_id = None
-    conversation = None
+    stored_ref: str | None = None
+    root: str | None = None
+    response_id: str | None = None
+    conversation: bytes | None = None
     if status is BODY_OK and api in (Api.MESSAGES, Api.RESPONSES):
         prev = doc.get("previous_response_id") if api is Api.RESPONSES else None
         conversation = conversation_bytes(api, doc, follows=isinstance(prev, str) and bool(prev))
@@ -389,7 +393,7 @@ def build_profile(
             # a new conversation's root: its first turn and Envoy's request id, hashed (two users' identical first
             # turns are two conversations); its follow-ups find that turn's chain by it
             root = conversation_root(stored_ref) if stored_ref else hashlib.blake2b(
-                conversation + headers.get("x-request-id", "").encode("utf-8", "surrogatepass"),
+                (conversation or b"") + headers.get("x-request-id", "").encode("utf-8", "surrogatepass"),
                 digest_size=8).hexdigest()
             response_id = rid if isinstance(rid, str) and rid else None
     if status is BODY_OK and session_key is None:
@@ -406,7 +410,7 @@ def build_profile(
         elif root is not None:  # a follow-up belongs to the conversation of the response it continues
             session_key = hash_key("session", tenant, "response:" + root)
             session_source = "body:previous_response_id" if stored_ref else "body:response"
-    stored = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id,
+    stored: dict[str, Any] = {"api": api, "stored_ref": stored_ref, "response_root": root, "response_id": response_id,
               "doc": doc if status is BODY_OK else None,
               "stores_response": api is Api.RESPONSES and status is BODY_OK and doc.get("store") is not False,
               "kv_transfer": KV_TRANSFER_KEY in doc if status is BODY_OK else False if status is BODY_NOT_OBJECT

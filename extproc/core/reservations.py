@@ -55,7 +55,7 @@ class OpenReservations:
 
     def oldest(self, now: float, k: int = 5) -> list[dict]:
         """The ``k`` oldest, for an operator asking what holds load (O(k))."""
-        out = []
+        out: list[dict] = []
         for res in self._open.values():
             if len(out) >= k:
                 break

@@ -36,6 +36,7 @@ def restorable(ex: "EngineCache", hashes, cached: int, prompt: int, w: "WarmConf
     """The prompt's tokens past the GPU's hit that one of ``offload_tiers`` holds in a run on this engine (vLLM's
     connector loads the run that follows the hit), and which tier: the longest."""
     bs = ex.block_size
+    assert bs is not None  # an engine that stored blocks said their size
     best, medium = 0, None
     for m in w.offload_tiers:
         n = ex.restorable(hashes, cached // bs, m)
@@ -48,25 +49,25 @@ def price_kv(e: Estimate, out_tokens: float, mine: "Active | None", session: boo
              sessions: "WorkingSet", use_index: bool) -> None:
     """KV pressure now (C3) and the eviction risk of a session's context before its next turn."""
     st, cap, prompt = e.st, e.st.cache_tokens, e.prompt
-    home = mine is not None and mine.st is st
+    home = mine if mine is not None and mine.st is st else None  # the session's context is here already
     # what the others count already of this context: the prefix it shares with them, counted once
-    shared = sessions.shares(st, mine.shared[1]) if home and mine.shared is not None else \
-        0 if home else sessions.shares(st, e.prefix)
+    shared = sessions.shares(st, home.shared[1]) if home is not None and home.shared is not None else \
+        0 if home is not None else sessions.shares(st, e.prefix)
     used = st.kv_ahead(now, st.kv_usage(e.replica))
     over = used + prompt + out_tokens - w.kv_pressure * cap
     # an engine with an offloaded tier keeps what its GPU evicts: a context lost there is restored, not computed,
     # while the tier already holds as much as the contexts under way (a small one would lose them too)
     share = restore_share(e, w, use_index)
-    if share < 1.0 and tier_tokens(e.st.exact, w) < st.active_tokens:
+    if share < 1.0 and e.st.exact is not None and tier_tokens(e.st.exact, w) < st.active_tokens:
         share = 1.0
-    e.room = st.active_tokens - (mine.own if home else 0) + prompt - min(shared, e.cached) + out_tokens \
+    e.room = st.active_tokens - (home.own if home is not None else 0) + prompt - min(shared, e.cached) + out_tokens \
         <= w.kv_pressure * cap
     if share < 1.0 and not e.room:
         # flow control holds a turn that would evict the active sessions' contexts, lest their next turns compute
         # them again; an offloaded tier gives them back at a restore's price: held only while it does not fit
         # beside what runs (placement still prefers where the contexts fit)
         e.room = over - e.cached <= 0
-    others = st.active_whole - (mine.whole if home else 0)
+    others = st.active_whole - (home.whole if home is not None else 0)
     pressure = (others + prompt + out_tokens) / cap
     e.fits = pressure <= w.kv_pressure
     if session:

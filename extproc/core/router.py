@@ -276,7 +276,8 @@ class Router:
         for r in self._replicas:
             t = r.health.advance(r.name, now)
             if t is not None:
-                out.append(self._emit(t))
+                self._emit(t)
+                out.append(t)
             d = r.health.next_due()
             if d < due:
                 due = d
@@ -342,7 +343,7 @@ class Router:
                 # response went to its replica at once with 20.6 s predicted there, none held
                 d = self._select_may_hold(pinned, profile, now)
                 if d is not None and d.reason is Reason.HELD:
-                    return self.flow.hold(hold_key, profile, pinned, now, hold_bytes, d.predicted_ttft_s)
+                    return flow.hold(hold_key, profile, pinned, now, hold_bytes, d.predicted_ttft_s)
                 self._charge(tenant_key(profile.tenant), profile.tokens)
             else:
                 d = self.policy.select(pinned, profile, now)
@@ -372,12 +373,12 @@ class Router:
                     # before it (not priced: a wait, not a choice)
                     drain, free_at = self._last_hold
                     wait = max(0.0, free_at - now) + tokens_ahead / drain if drain > 0 else None
-                    return self.flow.hold(hold_key, profile, only, now, hold_bytes, wait)
+                    return flow.hold(hold_key, profile, only, now, hold_bytes, wait)
                 d = self._select_may_hold(fleet, profile, now)
                 if d is not None and d.reason is Reason.HELD:
                     if profile.header_path:
                         return Decision(None, Reason.READ_BODY, predicted_ttft_s=d.predicted_ttft_s)
-                    return self.flow.hold(hold_key, profile, only, now, hold_bytes, d.predicted_ttft_s)
+                    return flow.hold(hold_key, profile, only, now, hold_bytes, d.predicted_ttft_s)
             else:
                 d = self.policy.select(fleet, profile, now)
             if profile.header_path and (d is None or d.reason is Reason.READ_BODY):
@@ -390,6 +391,7 @@ class Router:
                only: Collection[str] | None) -> Decision:
         if d is None:
             return self._shared(self._fallback(profile, now, only), profile, now)
+        assert d.replica is not None  # a policy's decision names its replica, or is None
         d.reservation = self._reserve(d.replica, profile, now)
         pd = self.cfg.disaggregation
         if pd.enabled and self.disaggregates and d.reason is not Reason.HOLDER:
@@ -413,6 +415,7 @@ class Router:
 
     def _spend(self, tenant: str | None, tokens: float, now: float) -> None:
         """A tenant's request placed: out of its cap here and, sharing state, in every brain."""
+        assert self.caps is not None
         self.caps.spend(tenant, tokens, now)
         if self.outbox is not None:
             self.outbox.events.append(("t", tenant, round(tokens)))
@@ -423,6 +426,7 @@ class Router:
         return profile.session_key is not None and self.session_pins.get(profile.session_key, now) is None
 
     def _select_may_hold(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
+        assert self.flow is not None  # only flow control holds
         d = self.policy.select(fleet, profile, now, Hold.WAITING if self.flow.hold_on_wait else Hold.SATURATED)
         if d is not None and d.reason is Reason.HELD:
             self._last_hold = (d.drain_tps, d.free_at)
@@ -465,6 +469,7 @@ class Router:
 
     def _charge(self, tenant: str | None, tokens: float) -> None:
         """Service a tenant got: counted here and, sharing state, by every brain (fairness across brains)."""
+        assert self.flow is not None
         self.flow.queue.charge(tenant, tokens)
         if self.outbox is not None:
             self.outbox.events.append(("v", tenant, tokens))

@@ -137,7 +137,7 @@ class SeedPolicy(Policy):
             if pin is not None:
                 pin_kind, table, key = PREFIX, self.prefix_pins, profile.prefix_key
 
-        if pin is not None:
+        if pin is not None and table is not None and key is not None and pin_kind is not None:
             pr = pin.replica
             slack = pcfg.session_slack if pin_kind == SESSION else pcfg.prefix_slack
             if pr.removed or pr.drained or pr.health.state is not LIVE:

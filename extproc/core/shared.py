@@ -36,6 +36,8 @@ Times are in the origin's clock; the transport passes the offset to the receiver
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -73,7 +75,7 @@ class Outbox:
         ev, self.events = self.events, []
         return ev
 
-    def indexed(self, replica: str, engine: int | None, chain: list[int], n: int) -> None:
+    def indexed(self, replica: str, engine: int | None, chain: Sequence[int], n: int) -> None:
         t = self._tags.get(id(chain))
         if t is not None and t[0] is chain and t[2] <= n:
             start = t[2]
@@ -133,7 +135,7 @@ class Remote:
         # ("x"/"a", number, digest): another brain got the end (or a periodic entry) of a reservation that may be
         # ours (the shell's access log, which names it by a token the core does not keep); the shell sets this:
         # (number, digest, ended)
-        self.on_foreign_end = None
+        self.on_foreign_end: Callable[[int, str, bool], None] | None = None
         # A peer's blast radius: what one origin may claim. Its open reservations at most ``max_open``;
         # on one replica, pending tokens at most what that replica's KV holds (the policy's view of it); its
         # chains at most _ORIGIN_MAX_BLOCKS. What is past a bound is not applied, and counted by kind
@@ -283,7 +285,7 @@ class Remote:
                 or self._blocks.get(origin, 0) + grown > _ORIGIN_MAX_BLOCKS:
             self.refused["blocks"] += 1
             return
-        if extend:
+        if extend and chain is not None:
             chain.extend(blocks)
         else:  # a new chain, or a delta whose prefix is indexed here already: a batch of its own
             chain = list(blocks)

@@ -20,7 +20,7 @@ from .warm_replica import WarmReplica, peer_scale
 from .working_set import Active
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Collection
 
     from .config import RouterConfig
     from .warm_states import WarmStates
@@ -39,8 +39,22 @@ class View:
     """A big fleet looked at whole (``Shortlist.look``): rows, aggregates and the shortlist's standing picks."""
 
     __slots__ = ("epoch", "only", "at", "left", "rows", "n_live", "cap", "aggregates", "picks", "pos_of_bit",
-                 "pos_of_state",
-                 "pos_of", "index_at", "by_load", "bit_at")
+                 "pos_of_state", "pos_of", "index_at", "by_load", "bit_at")
+    epoch: int
+    only: "Collection[str] | None"
+    at: float
+    left: int
+    rows: list | None  # None: a pool too small to shortlist, until it changes
+    n_live: int
+    cap: int
+    aggregates: Aggregates
+    picks: list[int]
+    pos_of_bit: dict[int, int]
+    pos_of_state: dict[int, int]
+    pos_of: dict[tuple[str, int | None], int]
+    index_at: list[int]
+    by_load: list[int]
+    bit_at: list[int]
 
 
 @dataclass(slots=True)
@@ -100,6 +114,7 @@ class Shortlist:
 
     def totals(self, agg: Aggregates) -> tuple[float, int, int]:
         """The pool's work, requests in flight and size now: the view's, with what changed since."""
+        assert agg.total_work is not None  # a view's aggregates carry the pool's totals
         return max(0.0, agg.total_work + self.work_delta), max(0, agg.in_flight + self.flight_delta), agg.n
 
     def view_of(self, fleet: FleetView, now: float, pol: Pricing) -> "View | None":
@@ -144,19 +159,18 @@ class Shortlist:
         v.rows = rows
         v.n_live = n_live
         v.cap = pol.cfg.probing_max_in_flight
-        v.aggregates = Aggregates(out_tokens, min(decode_s), peer_scale(states),
-                                   busy=min(1.0, sum(live_waits) / n_live / w.busy_wait_s),
-                                   total_work=sum(st.work_s for st in states[:n_live]),
-                                   in_flight=sum({id(r): r.in_flight_requests
-                                                  for r, _, _ in cands[:n_live]}.values()), n=n_live)
+        busy = min(1.0, sum(live_waits) / n_live / w.busy_wait_s)
+        work_total = sum(st.work_s for st in states[:n_live])
+        v.aggregates = agg = Aggregates(out_tokens, min(decode_s), peer_scale(states), busy=busy, total_work=work_total,
+                                        in_flight=sum({id(r): r.in_flight_requests
+                                                       for r, _, _ in cands[:n_live]}.values()), n=n_live)
         # what a typical request, its cache left aside, would cost on each LIVE candidate: the terms of the price
         # that depend on the replica alone (wait, prefill at its rate, decode slower than the fastest, arrivals'
         # interference, eviction risk, the guard's overload); equal keys go round-robin, as ties do
-        agg = v.aggregates
-        fastest, idle = agg.fastest_decode, 1.0 - agg.busy
+        fastest, idle = agg.fastest_decode, 1.0 - busy
         since = now - w.arrival_window_s
-        unit = work_unit(agg.total_work, agg.in_flight, typical / prefill_rate[0] + out_tokens * fastest)
-        bound = fair_share(agg.total_work, unit, w.balance_factor, n_live)
+        unit = work_unit(work_total, agg.in_flight, typical / prefill_rate[0] + out_tokens * fastest)
+        bound = fair_share(work_total, unit, w.balance_factor, n_live)
         rr, n_all = pol.rr_replica, max(1, len(fleet.replicas_view))
         load = []
         for i in range(n_live):
@@ -223,6 +237,7 @@ class Shortlist:
         start = bisect.bisect_left(v.index_at, pol.rr_replica)
         for j in range(_NEXT_RR):
             picks.add((start + j) % n)
+        assert v.rows is not None  # a view_of answer: a pool big enough
         rows = [v.rows[i] for i in sorted(picks)]
         cap = v.cap
         rows += [row for row in v.rows[v.n_live:] if row[0][0].in_flight_requests < cap]
@@ -230,6 +245,7 @@ class Shortlist:
 
     def every(self, v: View) -> list:
         """Every row the view's pool prices without a shortlist (what ``agreement`` checks it against)."""
+        assert v.rows is not None
         return v.rows[:v.n_live] + [row for row in v.rows[v.n_live:] if row[0][0].in_flight_requests < v.cap]
 
 

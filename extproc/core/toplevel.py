@@ -71,11 +71,11 @@ def scan_model(body: bytes):
     body is not an object) or ``UNKNOWN`` (not readable as JSON); ``span`` the (start, end) of the winning
     value's string token (with its quotes), for rewriting it in place, or None."""
     steps = [0]
-    i = _WS.match(body, 0).end()
+    i = _skip_ws(body, 0)
     if body[i:i + 1] != b"{":
         return None, None  # not an object: the engine refuses it (400), whatever it names
     model, span = None, None
-    i = _WS.match(body, i + 1).end()
+    i = _skip_ws(body, i + 1)
     if body[i:i + 1] == b"}":
         return None, None
     n = len(body)
@@ -85,10 +85,10 @@ def scan_model(body: bytes):
             return UNKNOWN, None
         raw_key = k.group()
         is_model = raw_key == _MODEL or (b"\\" in raw_key and _decode(raw_key) == "model")
-        i = _WS.match(body, k.end()).end()
+        i = _skip_ws(body, k.end())
         if body[i:i + 1] != b":":
             return UNKNOWN, None
-        i = _WS.match(body, i + 1).end()
+        i = _skip_ws(body, i + 1)
         c = body[i:i + 1]
         if c == b'"':
             v = _STRING.match(body, i)
@@ -113,13 +113,13 @@ def scan_model(body: bytes):
             if is_model:
                 model, span = None, None
             i = v.end()
-        i = _WS.match(body, i).end()
+        i = _skip_ws(body, i)
         c = body[i:i + 1]
         if c == b",":
-            i = _WS.match(body, i + 1).end()
+            i = _skip_ws(body, i + 1)
             continue
         if c == b"}":
-            if _WS.match(body, i + 1).end() != n:
+            if _skip_ws(body, i + 1) != n:
                 return UNKNOWN, None  # trailing bytes: json.loads refuses it
             if isinstance(model, str) and (len(model) > MAX_MODEL_CHARS or not model):
                 return None, None
@@ -144,3 +144,9 @@ def model_candidates(body: bytes, limit: int = 8) -> tuple[str, ...]:
 
 
 __all__ = ["MAX_MODEL_CHARS", "MAX_STEPS", "UNKNOWN", "model_candidates", "scan_model"]
+
+
+def _skip_ws(body: bytes, i: int) -> int:
+    """Past the JSON whitespace at ``i`` (none: ``i``)."""
+    m = _WS.match(body, i)
+    return m.end() if m is not None else i

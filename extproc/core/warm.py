@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from .config import RouterConfig
 from .cost import Aggregates, Booking, Estimate, decode_penalty, guard, interference, lora_cost, queue_wait, recent
-from .decision import Decision, FleetView, Reservation
+from .decision import Decision, FleetView, PinEvent, Reservation
 from .disaggregation import PrefillPlan, TransferRate, eligible, plan
 from .load import LoadSample, effective_rates
 from .names import Hold, Reason
@@ -36,6 +36,7 @@ PROMISE_SLACK_S = 2.0  # a block sent to an exact engine counts as held until it
 
 
 class WarmPolicy(Policy):
+    transfer: TransferRate
     needs_blocks = True
     decides_at_headers = True
     parse_max_bytes = 256 * 1024  # larger bodies: headers, size and the raw block chain suffice (C2)
@@ -317,7 +318,8 @@ class WarmPolicy(Policy):
 
     def _decide(self, best: Estimate, profile: RequestProfile, pin: Pin | None, prompt: int, now: float) -> Decision:
         """C4: the session pin records where the session's context now lives."""
-        reason, pin_kind, events = Reason.LOAD, None, []
+        events: list[PinEvent] = []
+        reason, pin_kind = Reason.LOAD, None
         if profile.session_key is not None:
             reason, pin_kind, events = self.session_pins.follow(profile.session_key, pin, best.replica, best.engine,
                                                                 prompt, profile.tail, profile.header_path, now)
@@ -341,6 +343,7 @@ class WarmPolicy(Policy):
         return b
 
     def on_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
+        assert d.replica is not None  # the fleet books what was placed
         st = self.states.engine(d.replica.name, d.engine) or self.states.of(d.replica)
         b = d.booking if isinstance(d.booking, Booking) else Booking()
         b.estimate = None  # what disaggregation weighed: not kept for the request's life
@@ -437,6 +440,7 @@ class WarmPolicy(Policy):
     def on_prefill_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         """The prefill leg's books on its replica (its queue, its cache); its decode replica computes no prompt."""
         plan = d.prefill
+        assert plan is not None and d.reservation is not None  # the fleet books the leg it planned and reserved
         st = self.states.of(plan.replica)
         self._book(st, d.prefill_reservation, now, plan.prefill_s, plan.prompt, plan.prefill_s, profile.tokens)
         if self.use_index and profile.blocks and st.prefix_caching:

@@ -142,6 +142,7 @@ class WarmReplica:
         """The engine's cached tokens for a prompt of these block hashes: the longest run from its start that its
         events say it holds or that requests sent to it are about to compute."""
         ex, promised = self.exact, self.promised
+        assert ex is not None and ex.block_size is not None  # priced by its events: an exact engine
         n = 0
         for h in hashes:
             if not ex.holds(h) and promised.get(h, 0.0) <= now:
@@ -154,7 +155,8 @@ class WarmReplica:
         for h in hashes:
             if p.get(h, 0.0) < until:
                 p[h] = until
-        limit = 4 * max(1, self.cache_tokens // (self.exact.block_size or 16))
+        ex = self.exact
+        limit = 4 * max(1, self.cache_tokens // ((ex.block_size if ex is not None else None) or 16))
         if len(p) > limit:  # bounded: the expired go, and if that is not enough, all (the safe error: no hit)
             for h in [h for h, t in p.items() if t <= now]:
                 del p[h]
@@ -178,6 +180,7 @@ class WarmReplica:
 
     def engine_view(self, rank: int) -> dict:
         """One data-parallel engine as the policy sees it (/state)."""
+        assert self.scraped is not None  # an engine's state exists from its first scrape
         return {"rank": rank, "running": self.scraped.running, "waiting": self.scraped.waiting,
                 "kv_usage": round(self.scraped.kv_usage, 4), "cache_tokens": self.cache_tokens,
                 "prefix_index_blocks": len(self.index), "in_flight_work_s": round(self.work_s, 3)}

@@ -118,7 +118,7 @@ class WarmStates:
         """(replica, state, engine) to price: each data-parallel engine on its own when the answer can name it;
         else the one the replica's front end will pick (vLLM: the least waiting x 4 + running, from the last
         scrape plus what this brain sent since, as its front end counts its own sends)."""
-        out = []
+        out: list[tuple[Replica, WarmReplica, int | None]] = []
         for r in pool:
             subs = self.engines.get(r.name)
             if not subs:
@@ -126,7 +126,7 @@ class WarmStates:
             elif self.cfg.warm.steer_data_parallel:
                 out.extend((r, sub, k) for k, sub in enumerate(subs))
             else:
-                k = min(range(len(subs)), key=lambda i: (4 * subs[i].scraped.waiting + subs[i].scraped.running
+                k = min(range(len(subs)), key=lambda i: (4 * subs[i].waiting(r) + subs[i].running(r)
                                                          + 4 * len(subs[i].pending), i))
                 out.append((r, subs[k], k))
         return out

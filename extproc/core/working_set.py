@@ -121,7 +121,7 @@ class WorkingSet:
         old = self._of.get(key)
         back = old is not None
         shared = None
-        if back:
+        if old is not None:
             self._gap(now - old.at)
             old.st.active_tokens -= old.own
             old.st.active_whole -= old.whole

@@ -396,8 +396,7 @@ def access_log(cfg: AppConfig) -> list[dict]:
                     "transport_api_version": "V3",
                     "grpc_service": {"envoy_grpc": {"cluster_name": BRAIN_LOG_CLUSTER}},
                     # each entry releases a reservation: flushed every access_log_flush_s (10 ms). The buffer is also
-                    # the
-                    # most Envoy holds while its stream is not writable: at 1 byte, every entry logged while one
+                    # the most Envoy holds while its stream is not writable: at 1 byte, every entry logged while one
                     # flush waited was dropped (logs_dropped), each a reservation open for an hour
                     "buffer_flush_interval": dur(cfg.envoy.access_log_flush_s),
                     "buffer_size_bytes": 1024 * 1024,

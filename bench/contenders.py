@@ -1,6 +1,7 @@
 """Who a bench measures, as data: a new contender is an entry here, not code.
 
-- the peers as their users deploy them: Envoy's own load balancers (``ENVOY_POLICIES``: the cluster's lb_policy)
+- the peers as their users deploy them: Envoy's own load balancers (``ENVOY_POLICIES``: the cluster's lb_policy and
+  its ring hash's hash_balance_factor, None: unbounded)
   and the routers from PyPI (``ROUTERS``: binary and policy), started by ``harness.start_peer``;
 - warmroute's variants (``WARMROUTE``): config overlays over the shipped default, which ``warmroute`` is as it
   ships (flow control on), started by ``harness.start``.
@@ -8,9 +9,9 @@
 
 from __future__ import annotations
 
-ENVOY_POLICIES = {"envoy_round_robin": "ROUND_ROBIN", "envoy_least_request": "LEAST_REQUEST",
-                  "envoy_ring_hash": "RING_HASH",
-                  "envoy_ring_hash_bounded_150": "RING_HASH"}
+ENVOY_POLICIES: dict[str, tuple[str, int | None]] = {
+    "envoy_round_robin": ("ROUND_ROBIN", None), "envoy_least_request": ("LEAST_REQUEST", None),
+    "envoy_ring_hash": ("RING_HASH", None), "envoy_ring_hash_bounded_150": ("RING_HASH", 150)}
 ROUTERS = {
     "vllm_router_cache_aware": ("vllm-router", "cache_aware"),
     "vllm_router_consistent_hash": ("vllm-router", "consistent_hash"),
@@ -37,8 +38,18 @@ WARMROUTE: dict[str, dict] = {
     "warmroute_flow": {"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
                        "envoy": {"trust_downstream_tenant_header": True}},
     "warmroute_no_flow": {"flow_control": {"enabled": False}},
+    # on engines that publish KV events (exact mode as shipped): the same brain counting by estimate, not reading them
+    "warmroute_estimate": {"exact_cache": {"enabled": False}},
     # the cost model without its decode term (warm.decode_weight 0): time to first token alone, whatever the answer's
     # streaming speed where it runs (issue 49: on a mixed-speed fleet, the TTFT tail against the answers' end)
     "warmroute_ttft_only": {"warm": {"decode_weight": 0.0}},
 }
 CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]
+
+
+def overlaid(base: dict, contender: str) -> dict:
+    """``base`` (a config document) with warmroute variant ``contender``'s overlay, section by section."""
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in WARMROUTE[contender].items():
+        config.setdefault(section, {}).update(values)
+    return config

@@ -20,7 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.contenders import ENVOY_POLICIES, PEERS, ROUTERS, WARMROUTE
+from extproc.tools.workload.generate import MOCK_MODEL
+from bench.contenders import ENVOY_POLICIES, PEERS, ROUTERS, WARMROUTE, overlaid
 from extproc.core import Router, RouterConfig
 from extproc.envoy_config import dump
 from extproc.tools.stack.local import Stack, envoy_binary
@@ -121,8 +122,8 @@ def start_peer(contender: str, urls: list[str], workdir: Path, speedup: float = 
     port = free_port()
     if contender in ENVOY_POLICIES:
         ports = [int(u.rsplit(":", 1)[1]) for u in urls]
-        hbf = 150 if contender.endswith("_bounded_150") else None
-        proc = envoy_proc(envoy_builtin(ENVOY_POLICIES[contender], ports, port, speedup, hbf), workdir)
+        policy, hbf = ENVOY_POLICIES[contender]
+        proc = envoy_proc(envoy_builtin(policy, ports, port, speedup, hbf), workdir)
     elif contender in ROUTERS:
         binary, policy = ROUTERS[contender]
         exe = find_bin(binary)
@@ -327,9 +328,7 @@ def start(contender: str, n: int, mock_args: list[str], speedup: float,
     mock-vllm arguments of replica ``r{i}`` (a mixed fleet's ``--speed``)."""
     replica_args = replica_args or {}
     if contender in WARMROUTE:
-        config = scaled_warmroute_config(speedup)
-        for section, values in WARMROUTE[contender].items():
-            config.setdefault(section, {}).update(values)
+        config = overlaid(scaled_warmroute_config(speedup), contender)
         s = Stack(n, config=config, mock_args=mock_args)
         s.replica_args = dict(replica_args)
         s.start()
@@ -340,7 +339,7 @@ def start(contender: str, n: int, mock_args: list[str], speedup: float,
         s.replicas = [s.start_replica(f"r{i}", extra=[*mock_args, *replica_args.get(f"r{i}", [])]) for i in range(n)]
         url, proc = start_peer(contender, [r.url for r in s.replicas], s.dir, speedup)
         run = Running(url, s, [proc])
-        wait_answering(url, "mock-coder-30b", contender, proc, 60)
+        wait_answering(url, MOCK_MODEL, contender, proc, 60)
         return run
     except BaseException:
         s.stop()

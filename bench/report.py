@@ -28,10 +28,10 @@ class Row:
     errors: int = 0
     lost: int = 0
     client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99, wall ms
-    pace: str = ""  # why this run measured the machine, not the replicas (bench_harness.pace_check); "": it did not
+    pace: str = ""  # why this run measured the machine, not the replicas (harness.pace_check); "": it did not
     paces: list[str] = field(default_factory=list)  # the faster paces tried before this one, and why each was left
     refused: int = 0  # 429s with Retry-After, each sent again
-    classes: dict = field(default_factory=dict)  # sim.measure.per_class of the measured window
+    classes: dict = field(default_factory=dict)  # measure.per_class of the measured window
     others_p99: float = float("nan")  # noisy_tenant: the other tenants' TTFT p99
     note: str = ""
     ttfts: list[float] = field(default_factory=list)
@@ -61,7 +61,7 @@ def table(rows: list[Row]) -> str:
 
 def flow_table(rows: list[Row]) -> str:
     """Flow control's scenarios, per class (issue 34): TTFT from a request's first attempt, goodput (requests per
-    minute that met their class's deadline: sim.measure.GOODPUT_TTFT_S), 429s; with the noisy tenant, the other
+    minute that met their class's deadline: measure.GOODPUT_TTFT_S), 429s; with the noisy tenant, the other
     tenants' p99 over the same contender's on the plain workload (the same requests without the noisy tenant)."""
     plain = {r.contender: r for r in rows if r.scenario == "workload" and not r.note}
     head = ("| contender | scenario | pace | standard TTFT p50 s | standard p99 s | critical p99 s | sheddable p99 s | "

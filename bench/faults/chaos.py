@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from bench.faults.hostile import ENDLESS_METRICS, connect_as, cpu_s
 from bench.faults.probes import Probes, unexpected
 from extproc.contract import EXT_PROC_STAT_PREFIX
@@ -76,7 +77,7 @@ class Load:
         self.results.append(r)
         stream = i % 3 == 0
         # streams of ~1 s (400 tokens at 10x engine speed): a killed replica has some in flight
-        body = {"model": "mock-coder-30b", "max_tokens": 400 if stream else 12, "stream": stream,
+        body = {"model": MOCK_MODEL, "max_tokens": 400 if stream else 12, "stream": stream,
                 "messages": [{"role": "system", "content": "You are a coding agent. " * 40},
                              {"role": "user", "content": f"turn {i} of session {i % SESSIONS}"}]}
         try:
@@ -208,7 +209,7 @@ def nan_metrics(stack: Stack, load: Load) -> tuple[float, str]:
 def spoofed_headers(stack: Stack, load: Load) -> tuple[float, str]:
     """Each session's first turn says where the brain keeps it; its next turns name another replica in the routing
     header (or the brain's own cluster). Served by the named replica = routed by the client's header."""
-    body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+    body = json.dumps({"model": MOCK_MODEL, "max_tokens": 2, "messages": [{"role": "user",
                                                                                  "content": "spoof"}]}).encode()
     names = [r.name for r in stack.replicas]
 
@@ -242,7 +243,7 @@ def spoofed_headers(stack: Stack, load: Load) -> tuple[float, str]:
 
 def big_bodies(stack: Stack, load: Load) -> tuple[float, str]:
     before = stack.envoy_stats().get("http.ingress.ext_proc.warmroute.failure_mode_allowed", 0)
-    big = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user",
+    big = json.dumps({"model": MOCK_MODEL, "max_tokens": 2, "messages": [{"role": "user",
                                                                                 "content": "x " * (16
                                                                                                    * 2**20)}]}).encode()
 
@@ -371,7 +372,7 @@ def burst(stack: Stack, load: Load) -> tuple[float, str]:
     script.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\ncounter = 0\n'
         'request = function()\n  counter = counter + 1\n  wrk.headers["x-session-id"] = "burst-" .. (counter % 300)\n'
-        '  wrk.body = \'{"model": "mock-coder-30b", "max_tokens": 2, "messages": [{"role": "user", "content": "turn \' '
+        f'  wrk.body = \'{{"model": "{MOCK_MODEL}", "max_tokens": 2, "messages": [{{"role": "user", "content": "turn \' '
         '.. counter '
         '.. \' hello"}]}\'\n  return wrk.format()\nend\n')
     procs = {"brain": stack.brain.popen.pid, "envoy": stack.envoy.popen.pid,

@@ -17,9 +17,10 @@ from typing import Callable
 
 import aiohttp
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from bench.faults.hostile import connect_as
 
-MODEL = "mock-coder-30b"
+MODEL = MOCK_MODEL
 CHAT = "/v1/chat/completions"
 
 

@@ -14,6 +14,7 @@ import argparse
 import time
 import urllib.request
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from extproc.tools.stack.local import Stack
 from extproc.tools.stack.procs import rss_mib
 from extproc.tools.workload.open_loop import OpenLoop, write_report
@@ -56,7 +57,7 @@ class Load:
         return self._loop.sent
 
     async def _one(self, http, i: int) -> None:
-        body = {"model": "mock-coder-30b", "max_tokens": 8, "messages": [
+        body = {"model": MOCK_MODEL, "max_tokens": 8, "messages": [
             {"role": "system", "content": f"You are agent {i % 4} for the monorepo. " * 60},
             {"role": "user", "content": f"unique session {i}: " + "context line\n" * 40}]}
         try:

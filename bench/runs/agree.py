@@ -3,7 +3,7 @@
 For each time compression (``--speedups``) and each contender that exists
 both live and in the simulator, the same seeded workload is replayed over
 HTTP against a fresh fleet of mock replicas and simulated in virtual time.
-Both sides are measured by one rule (``sim.measure.window_numbers``): TTFT percentiles of the
+Both sides are measured by one rule (``measure.window_numbers``): TTFT percentiles of the
 requests that arrived after the warm-up, prefix hits as cached over prompt
 tokens of those requests, tokens per second of the requests that finished
 inside the window. Each contender is shown as its ratio to bounded ring

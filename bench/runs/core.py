@@ -24,6 +24,7 @@ from pathlib import Path
 
 import orjson
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from bench.harness import live_router
 from extproc.core import HealthConfig, PinTable, RequestProfile, Router, RouterConfig
 
@@ -103,7 +104,7 @@ def _brain(policy: str, replicas: int = 4, **extra):
 
     t = [0.0]
     brain = Brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}",
-                                              "models": ["mock-coder-30b"]} for i in range(replicas)],
+                                              "models": [MOCK_MODEL]} for i in range(replicas)],
                                 "health": {"stale_scrape_intervals": 1e12}, "routing": {"policy": policy}, **extra}),
                   clock=lambda: t[0])
     for k in range(8):
@@ -122,7 +123,7 @@ def _conversation(turns: int, turn_bytes: int, system_bytes: int = 4000, seed: i
     out = []
     for k in range(turns):
         msgs.append({"role": "user", "content": "".join(rng.choices("abcdefgh ", k=turn_bytes // 2))})
-        out.append(orjson.dumps({"model": "mock-coder-30b", "messages": msgs, "stream": True}))
+        out.append(orjson.dumps({"model": MOCK_MODEL, "messages": msgs, "stream": True}))
         msgs.append({"role": "assistant", "content": "x" * (turn_bytes // 2)})
     return out
 
@@ -212,7 +213,7 @@ def warm_costs() -> list[str]:
 
     worst, rows = [], []
     for size in (1_000, 100_000, 1_000_000, 8_000_000, 32_000_000):
-        b = orjson.dumps({"model": "mock-coder-30b", "messages": [{"role": "user", "content": "y" * size}]})
+        b = orjson.dumps({"model": MOCK_MODEL, "messages": [{"role": "user", "content": "y" * size}]})
         brain, _ = _brain("warm")
         first_sight = _decide_each(brain, [b], 1)[0]
         next_turn = _decide_each(brain, [b + b"  "], 1)[0]  # the same session, its history unchanged
@@ -298,7 +299,7 @@ def exact_costs() -> list[str]:
         # exact_cache.inline_chars to a worker process, whose results this synchronous loop would never collect);
         # None: as it ships
         inline = {"inline_chars": inline_chars} if inline_chars is not None else {}
-        extra = {"exact_cache": {"tokenizers": {"mock-coder-30b": str(TOKENIZER)}, "max_body_bytes": 4 << 20,
+        extra = {"exact_cache": {"tokenizers": {MOCK_MODEL: str(TOKENIZER)}, "max_body_bytes": 4 << 20,
                                  **inline}} if exact else {"exact_cache": {"enabled": False}}
         b, t = _brain("warm", **extra)
         if exact:  # every engine's events verified: one stored block in the engines' 128-token blocks

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import orjson
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from extproc.tools.stack.local import Stack, http_get, wait_for
 
 NAME = "vllm.warmroute.test"
@@ -132,7 +133,7 @@ class Load:
         turn = 0
         while not self._stop.is_set():
             turn += 1
-            body = orjson.dumps({"model": "mock-coder-30b", "max_tokens": 4, "messages": [
+            body = orjson.dumps({"model": MOCK_MODEL, "max_tokens": 4, "messages": [
                 {"role": "system", "content": f"agent {w} task {turn // 5} " * 100},
                 {"role": "user", "content": f"turn {turn}"}]})
             req = urllib.request.Request(self.url + "/v1/chat/completions", body,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from extproc.tools.engine.model import EngineConfig
 from extproc.tools.mock.responses import CHARS_PER_TOKEN, text_blocks
 from extproc.tools.sim.simulator import Simulation
@@ -81,7 +82,7 @@ async def replay_trace(url: str, trace: list[TraceRequest], speedup: float,
 
         async def one(i: int, tr: TraceRequest) -> None:
             await asyncio.sleep(max(0.0, t0 + tr.arrival / speedup - time.monotonic()))
-            body = {"model": "mock-coder-30b", "prompt": tr.text, "max_tokens": tr.max_tokens, "stream": True}
+            body = {"model": MOCK_MODEL, "prompt": tr.text, "max_tokens": tr.max_tokens, "stream": True}
             start = time.monotonic()
             async with http.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 r.raise_for_status()

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from bench.contenders import ENVOY_POLICIES
 from bench.harness import (
     bench_workload,
     envoy_builtin,
@@ -108,7 +109,7 @@ class Result:
     not_engine_p50: float = float("nan")  # the median part of a TTFT that was not the engine's own (workload s)
     note: str = ""
     adapters_asked: int = 0  # distinct adapters the workload asked for: no router loads fewer (simulated runs)
-    pace: str = ""  # why a live run measured the machine, not the replicas (bench_harness.pace_check)
+    pace: str = ""  # why a live run measured the machine, not the replicas (harness.pace_check)
 
 
 def _mock_totals(urls: list[str]) -> tuple[float, float]:
@@ -144,8 +145,8 @@ def run(contender: str, args) -> Result:
         for r in s.replicas:
             pools.setdefault(extra[r.name][1], []).append(r.port)
         port = free_port()
-        policy = {"envoy_ring_hash_bounded_150": "RING_HASH", "envoy_least_request": "LEAST_REQUEST"}[contender]
-        procs.append(envoy_proc(pooled_envoy(policy, pools, port, sp, 150 if "bounded" in contender else None), s.dir))
+        policy, hbf = ENVOY_POLICIES[contender]
+        procs.append(envoy_proc(pooled_envoy(policy, pools, port, sp, hbf), s.dir))
         url = f"http://127.0.0.1:{port}"
         wait_answering(url, "chat", contender, procs[0], 60, headers={"x-pool": "chat"})
     urls = [r.url for r in s.replicas]

@@ -19,10 +19,11 @@ import time
 
 import aiohttp
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from extproc.tools.stack.local import Stack
 from extproc.tools.stack.procs import rss_mib, wait_for
 
-MODEL = "mock-coder-30b"
+MODEL = MOCK_MODEL
 SYSTEM = "You are a coding agent working in a large monorepo; follow the style guide and run the tests. " * 180
 
 

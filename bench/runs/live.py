@@ -178,7 +178,7 @@ def measure(contender: str, scenario: str, args, speedup: float | None = None) -
         stop.set()
         run.stop()
     s = sp
-    # the simulator's rule (sim.measure): after the warm-up, tokens of requests finished inside the window
+    # the simulator's rule (tools/workload/measure.py): after the warm-up, tokens of requests finished inside the window
     nums = window_numbers(res.requests, args.minutes, args.warmup_min, scale=s)
     ok = [r for r in res.requests if r.error is None and r.ttft is not None and r.arrival >= args.warmup_min * 60]
     row = Row(contender, scenario, speedup=sp)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-speedup", type=float, default=20.0,
                     help="time compression of the fault scenarios (they count errors and lost requests)")
     ap.add_argument("--min-speedup", type=float, default=1.0,
-                    help="a run that measured the machine (its client or the path lagging: bench_harness.pace_check) "
+                    help="a run that measured the machine (its client or the path lagging: harness.pace_check) "
                          "is run again at half the pace, down to this; below it the row is refused")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--replica-speeds", type=lambda v: [float(x) for x in speed_list(v).split(",")], default=None,
@@ -263,11 +263,11 @@ def main(argv: list[str] | None = None) -> int:
               f"run "
               f"faster than real time (the pace column; the plain workload at {args.speedup:g}x, the faults at "
               f"{args.fault_speedup:g}x); times below are workload time, measured after {args.warmup_min:g} warm-up "
-              f"minutes by the simulator's rule (`sim.measure.window_numbers`). \"not-engine\" is the median part of a "
+              f"minutes by the simulator's rule (`measure.window_numbers`). \"not-engine\" is the median part of a "
               f"TTFT that was not the replica engine's own (client, Envoy, brain or router, HTTP), in workload time; "
               f"\"brain\" the brain's mean decision time, in workload ms. A run whose client lagged or whose "
               f"not-engine part reached a set share of its TTFT measured the machine, not the replicas "
-              f"(`bench_harness.pace_check`): it is run again at half the pace, and refused below "
+              f"(`harness.pace_check`): it is run again at half the pace, and refused below "
               f"{args.min_speedup:g}x. Wall time {wall:.0f} s.\n\n")
     (out / "bench-rows.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows]))  # to redraw plots
     (out / "bench-results.md").write_text(header + md + "\n\n" + "\n".join(f"![{f}]({f})" for f in files) + "\n")

@@ -32,6 +32,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from extproc.config import load_config
 from extproc.envoy_config import bootstrap
 from extproc.tools.stack import admin_http
@@ -86,7 +87,7 @@ def direct_front(ports: list[int]) -> dict:
 
 
 def body_of(size: int, i: int) -> bytes:
-    head = {"model": "mock-coder-30b", "max_tokens": 1, "messages": [{"role": "system",
+    head = {"model": MOCK_MODEL, "max_tokens": 1, "messages": [{"role": "system",
                                                                       "content": "You are a coding agent. " * 4},
                                                          {"role": "user", "content": ""}]}
     base = len(json.dumps(head))
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(fleet)
         # the fleet's model named: the fake replicas answer no /v1/models, and a fleet of one known model is what lets
         # the headers of a turn under way decide it (the header path)
-        cfg_doc = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{p}", "models": ["mock-coder-30b"]}
+        cfg_doc = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{p}", "models": [MOCK_MODEL]}
                                 for i, p in enumerate(fleet.ports)],
                    "brain": {"host": "127.0.0.1", "grpc_port": 0, "insecure": True, "admin_port": 0, "metrics_port": 0,
                              "grpc_socket": str(work / "brain.sock"), "admin_token_file": str(work / "admin.token")},

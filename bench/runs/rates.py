@@ -35,6 +35,7 @@ from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from bench.harness import histogram_sums
 from extproc.brain.scraper import SGLANG, VLLM, parse_metrics
 from extproc.core.load import _MIN_PREFILL_S, Rates
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real", action="store_true", help="one real vLLM 0.32 replica (make engines), real time, "
                     "its own histograms as the truth; defaults: --ramp-s 90 --low 0.1 --high 1.5 --truth-window-s 20")
     args = ap.parse_args(argv)
-    args.model = "mock-coder-30b"
+    args.model = MOCK_MODEL
     with tempfile.TemporaryDirectory(prefix="bench-rates-") as d:
         if args.real:
             why = real_vllm.available()

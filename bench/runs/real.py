@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.contenders import WARMROUTE, overlaid
 from bench.harness import (
     NOT_ENGINE_SHARE,
     brain_decision_mean,
@@ -97,12 +98,12 @@ class Row:
     brain_share: float | None = None
     max_share: float = float("nan")  # the busiest replica's share of the requests over a fair share
     client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99
-    pace: str = ""  # why this run measured the machine (bench_harness.pace_check)
+    pace: str = ""  # why this run measured the machine (harness.pace_check)
     # warmroute: per replica, the brain's learned prefill tokens/s and decode s/token at the end of the run against
     # the engine's own histograms over the run: (learned prefill, true prefill, learned decode, true decode)
     rates: list[tuple[float, float, float, float]] = dataclasses.field(default_factory=list)
     refused: int = 0  # 429s with Retry-After, each sent again (flow control)
-    classes: dict = dataclasses.field(default_factory=dict)  # sim.measure.per_class over the run
+    classes: dict = dataclasses.field(default_factory=dict)  # measure.per_class over the run
     note: str = ""
     ttfts: list[float] = dataclasses.field(default_factory=list)  # every answered request's, as the client saw it
     hits: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # each answer's (cached, prompt) tokens
@@ -123,13 +124,8 @@ def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[s
     # (exact mode); the header path on (envoy.header_path, the default)
     config: dict = {"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0},
                     "exact_cache": {"tokenizers": {model: str(real_vllm.model_dir())}}}
-    if contender == "warmroute_flow":  # the bench's clients set their class and tenant (a trusted network)
-        config.update({"flow_control": {"enabled": True, "trust_downstream_priority_header": True},
-                       "envoy": {"trust_downstream_tenant_header": True}})
-    elif contender == "warmroute_no_flow":  # flow control is on by default
-        config["flow_control"] = {"enabled": False}
-    elif contender == "warmroute_estimate":  # the engines still publish their KV events: the brain does not read them
-        config["exact_cache"] = {"enabled": False}
+    if contender in WARMROUTE:  # its overlay, as every bench starts it (bench.contenders)
+        config = overlaid(config, contender)
     s = Stack(0, config=config)
     try:
         proc = None

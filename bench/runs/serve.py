@@ -17,10 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from extproc.tools.workload.generate import MOCK_MODEL
 from extproc.tools.stack import real_vllm
 from extproc.tools.stack.local import Stack
 
-MOCK_MODEL = "mock-coder-30b"
 
 
 def vllm_bench_serve(url: str, model: str, out_dir: Path, prompts: int = 48, concurrency: int = 6, seed: int = 1,

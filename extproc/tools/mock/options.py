@@ -6,13 +6,14 @@ import argparse
 
 from extproc.tools.engine.metrics import DIALECTS
 from extproc.tools.engine.model import DECODE_HORIZON_S, EngineConfig
+from extproc.tools.workload.generate import MOCK_MODEL
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 lets the OS pick; the bound port is printed")
-    ap.add_argument("--model", default="mock-coder-30b")
+    ap.add_argument("--model", default=MOCK_MODEL)
     ap.add_argument("--name", default="mock", help="reported as system_fingerprint, so a client can see who served it")
     ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens, help="KV cache size in tokens")
     ap.add_argument("--cpu-tier-tokens", type=int, default=0, help="a CPU tier under the KV cache, in tokens (vLLM's "

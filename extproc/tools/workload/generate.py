@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 
 from extproc.core.blocks import BLOCK_TOKENS as BLOCK
 
+MOCK_MODEL = "mock-coder-30b"  # what the workload asks for and the mock serves by default (one name for all)
+
 
 def hash_of(name: str) -> int:
     return zlib.crc32(name.encode())

@@ -2,7 +2,7 @@
 
 Each session is closed-loop, as in the simulator: its next turn starts
 after the previous answer plus the think time (divided by ``speedup``).
-Prompts are rendered as real text with ``workload.text_for``, so a prefix
+Prompts are rendered as real text with ``generate.text_for``, so a prefix
 cache in the replicas sees what the engine model sees. Every request is
 streamed so TTFT is measured at the first content chunk.
 
@@ -22,7 +22,7 @@ from typing import Callable
 
 import aiohttp
 
-from extproc.tools.workload.generate import Request, Workload, WorkloadConfig, text_for
+from extproc.tools.workload.generate import MOCK_MODEL, Request, Workload, WorkloadConfig, text_for
 
 REPLICA_HEADER = "x-mock-replica"  # the mock's name on its answers (not vLLM's; for benchmarks)
 
@@ -154,7 +154,7 @@ async def _stream(r: aiohttp.ClientResponse, req: Request, res: ReplayResult, st
 
 
 async def replay(url: "str | list[str]", cfg: WorkloadConfig, seed: int = 1, speedup: float = 10.0,
-                 model: "str | Callable[[Request], str]" = "mock-coder-30b", timeout: float = 300.0,
+                 model: "str | Callable[[Request], str]" = MOCK_MODEL, timeout: float = 300.0,
                  concurrency_limit: int = 512, extra_headers: "Callable[[Request], dict] | None" = None,
                  api: "str | Callable[[Request], str]" = "chat", retry_429: bool = False) -> ReplayResult:
     """Run the workload of ``cfg`` (its minutes divided by ``speedup``) against ``url``. ``model``: one name, or

@@ -38,7 +38,7 @@ from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
 from .exact import Exact
-from .scraper import Scraper, tls_context
+from .scraper import ScrapeListener, Scraper, tls_context
 from .decision_log import DecisionLog
 from .picks import PICK, Pick, Picks, endpoint
 from .stats import BrainStats
@@ -47,7 +47,7 @@ from .view import state_of
 _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
 
 
-class Brain:
+class Brain(ScrapeListener):
     def __init__(self, cfg: AppConfig, clock=time.monotonic, config_path: str | None = None):
         self.cfg = cfg
         self.clock = clock
@@ -88,8 +88,7 @@ class Brain:
             self.router.flow = FlowControl(FlowQueue(f.max_requests, f.max_bytes),
                                            (None, f.wait_s, min(f.wait_s, f.sheddable_wait_s)), f.hold_on_wait)
         self.router.caps = caps_of(cfg.flow_control)
-        self.scraper.on_models = self._on_models
-        self.scraper.on_paths = self._on_paths
+        self.scraper.listeners.append(self)  # the catalog learns each replica's models and paths (ScrapeListener)
         self.exact = Exact(cfg, self.router, self.scraper, self.clock, self.stats, self.models)  # the engines' own word
         self._set_replicas(cfg)
         m = make_registry(self.router, self.stats, self.clock, self.releaser.outcomes)
@@ -117,7 +116,7 @@ class Brain:
         self.exact.configure(cfg)
         self.router.set_roles({r.name: r.role for r in cfg.replicas})
 
-    def _on_models(self, name: str, models: "list[dict] | None") -> bool:
+    def on_models(self, name: str, models: "list[dict] | None") -> bool:
         if self.models.learned(name, models):
             served = self.models.served_by(name) or []
             # a replica may list a thousand adapters: the log line names the first few and counts the rest
@@ -125,7 +124,7 @@ class Brain:
             return True
         return False
 
-    def _on_paths(self, name: str, paths: "list[str] | None") -> None:
+    def on_paths(self, name: str, paths: "list[str] | None") -> None:
         if self.models.learned_paths(name, paths):
             listed = self.models.paths_of(name)
             logs.event("paths_changed", replica=name, count=None if listed is None else len(listed),

@@ -15,23 +15,23 @@ from concurrent.futures import Future, ProcessPoolExecutor
 import orjson
 
 from ..config import AppConfig
-from ..core.engine_cache import mode_of
 from ..core.apis import Api
-from ..core.engine_cache import EngineCache, none_hash
+from ..core.engine_cache import EngineCache, mode_of, none_hash
 from . import logs
 from .engine_tokens import ChatTokens, Later, TokenizerError, encode_in_worker, render_in_worker
 from .kv_events import KvEvents
+from .scraper import ScrapeListener
 
 log = logging.getLogger("warmroute.exact")
 RENDERED = (Api.CHAT, Api.MESSAGES, Api.RESPONSES)  # as vLLM renders them (engine_render)
 MAX_JOBS = 4  # long prompts waiting for the worker at once
 
 
-class Exact:
+class Exact(ScrapeListener):
     def __init__(self, cfg: AppConfig, router, scraper, clock, stats, models):
         self.router, self.scraper, self.clock, self.stats, self.models = router, scraper, clock, stats, models
         self.kv = KvEvents(self._on_batch, self._on_lost, clock)
-        scraper.on_kv_sources = self.kv.on_sources
+        scraper.listeners.append(self)  # the publishers each replica lists follow (on_kv_sources)
         self.tokenizers: dict[str, ChatTokens] = {}
         self._sources: dict[str, tuple[str, str | None]] = {}  # model -> (its directory, its template file)
         self.block_size: int | None = None  # of the engines that verified (vLLM: one per fleet in practice)
@@ -41,6 +41,9 @@ class Exact:
         self._pending: set[bytes] = set()
         self._done: deque = deque()
         self.configure(cfg)
+
+    def on_kv_sources(self, name: str, url: str, listed: "dict | None") -> None:
+        self.kv.on_sources(name, url, listed)
 
     def configure(self, cfg: AppConfig) -> None:
         c = self.cfg = cfg.exact_cache

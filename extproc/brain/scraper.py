@@ -37,6 +37,21 @@ def tls_context(ca_file: str | None, cert_file: str | None = None, key_file: str
     return ctx
 
 
+class ScrapeListener:
+    """What a replica's health scrape found beyond its metrics, for those who keep it (the brain's model catalog,
+    exact mode's publishers); each hears what it overrides."""
+
+    def on_models(self, name: str, models: "list[dict] | None") -> bool:
+        """``/v1/models`` read (None: it failed); True when the replica serves another list than before."""
+        return False
+
+    def on_paths(self, name: str, paths: "list[str] | None") -> None:
+        """``/openapi.json`` read (None: the replica does not publish one)."""
+
+    def on_kv_sources(self, name: str, url: str, listed: "dict | None") -> None:
+        """``/kv_event_sources`` read (None: not listed)."""
+
+
 class Scraper:
     """Feeds the router's health machines and load signals; remembers each replica's last error."""
 
@@ -54,15 +69,13 @@ class Scraper:
         self.tls: dict[str, tuple[ssl.SSLContext, str]] = {}  # https:// replicas: (context, SNI)
         self.errors: dict[str, str] = {}
         self.models_wanted: set[str] = set()  # replicas whose models are read from /v1/models at each health scrape
-        self.on_models: Callable[[str, "list[dict] | None"], bool] = lambda name, models: False
         # replicas whose API paths are read from /openapi.json, once after each start (or model change)
         self.paths_wanted: set[str] = set()
         self.paths_due: set[str] = set()  # ... and whose paths are to be read at the next good health scrape
-        self.on_paths: Callable[[str, "list[str] | None"], None] = lambda name, paths: None
         # replicas whose KV event publishers are read from /kv_event_sources after each start (exact_cache)
         self.kv_wanted: set[str] = set()
         self.kv_due: set[str] = set()
-        self.on_kv_sources: Callable[[str, str, "dict | None"], None] = lambda name, url, listed: None
+        self.listeners: list[ScrapeListener] = []  # told what a replica's scrapes found beyond its metrics
         # lazy gauges: replica -> (activity counters, gauges, since when both stood still)
         self._still: dict[str, tuple[float, tuple[int, int], float]] = {}
         self.loop_errors = 0
@@ -290,7 +303,8 @@ class Scraper:
             if health and name in self.models_wanted and name in self.urls:
                 models = await self.fetch_models(session, name, self.urls[name], health_timeout)
                 try:
-                    if self.on_models(name, models):  # another model list: another process, maybe another runner
+                    # another model list: another process, maybe another runner (every listener hears it)
+                    if any([lst.on_models(name, models) for lst in self.listeners]):
                         self.paths_due.add(name)
                 except Exception as e:
                     self.loop_errors += 1
@@ -305,7 +319,8 @@ class Scraper:
                 if read:
                     self.kv_due.discard(name)
                     try:
-                        self.on_kv_sources(name, self.urls[name], listed)
+                        for lst in self.listeners:
+                            lst.on_kv_sources(name, self.urls[name], listed)
                     except Exception as e:
                         self.loop_errors += 1
                         logs.event("loop_error", loop="kv_sources", replica=name,
@@ -315,7 +330,8 @@ class Scraper:
                 if read:
                     self.paths_due.discard(name)
                     try:
-                        self.on_paths(name, paths)
+                        for lst in self.listeners:
+                            lst.on_paths(name, paths)
                     except Exception as e:
                         self.loop_errors += 1
                         logs.event("loop_error", loop="paths", replica=name, error=f"{type(e).__name__}: {e}"[:200])

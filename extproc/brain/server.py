@@ -1,6 +1,6 @@
 """Start the brain: gRPC (ext_proc, access log, health) on TCP and optionally a Unix socket, admin and
-/metrics over HTTP, the scrape and tick loops. ``run_brain`` takes the config once: the CLI has
-already written its overrides (host, ports) into it.
+/metrics over HTTP, the scrape and tick loops (``BrainServer``). ``run_brain`` takes the config once: the CLI
+has already written its overrides (host, ports) into it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .decide import ExternalProcessor
 from .release import AccessLogService
 from .shared import SharedState
 from .wire import add_service
-from ..discovery import follow, make_source
+from ..discovery import Source, follow, make_source
 from ..picker import EndpointPicker
 
 GRPC_MAX_MESSAGE = 96 * 1024 * 1024  # request bodies of 32 MiB and more arrive in one message
@@ -251,65 +251,59 @@ async def supervise(tasks: list[asyncio.Task], on_death) -> None:
         await on_death(t)
 
 
-async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: str | None = None) -> None:
-    b = cfg.brain
-    brain = Brain(cfg, config_path=config_path)
-    brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
-    server = grpc.aio.server(options=grpc_server_options(cfg))
-    # not the generated add_*_to_server: a header of bytes that are not UTF-8 must not make Envoy's message unreadable
-    waits = FlowWaits(brain)
-    if b.protocol == "endpoint-picker":
-        def reset() -> None:
-            brain.stats.picker_streams_reset += 1
+class BrainServer:
+    """One brain process's servers and loops: ``start`` serves (gRPC, admin, /metrics) and starts the loops,
+    ``serve`` returns only if a loop died, ``stop`` takes everything down in order."""
 
-        def end_picked(*args) -> None:  # a response's end: a held request may go now
-            brain.picks.end(*args)
-            if brain.waiting:
-                waits.woken.set()
+    def __init__(self, cfg: AppConfig, config_path: str | None = None):
+        self.cfg = cfg
+        self.brain = brain = Brain(cfg, config_path=config_path)
+        brain.cds.write(cfg)  # before Envoy starts: it waits for its clusters
+        self.server = grpc.aio.server(options=grpc_server_options(cfg))
+        self.waits = FlowWaits(brain)
+        self.health = health.aio.HealthServicer()
+        self.shared: SharedState | None = None
+        self.source: Source | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.readying: asyncio.Task | None = None
+        self.runners: list[web.AppRunner] = []
+        self.info: dict = {}
 
-        front = EndpointPicker(brain.picks.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,
-                               wait=waits.wait, cancel=waits.cancel, hold_s=held_s(cfg),
-                               arrived=lambda res: brain.router.arrived(res, brain.clock()),
-                               pick_at_headers=brain.picks.pick_at_headers if cfg.envoy.header_path else None).Process
-    else:
-        front = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
-                                  held_s(cfg), brain.look,
-                                  Intake(first_answer_s(cfg), brain.clock), legs_s(cfg),
-                                  brain.at_headers if cfg.envoy.header_path else None).Process
-    add_service(server, EXT_PROC_SERVICE, "Process", front, "stream_stream", ep.ProcessingRequest,
-                ep.ProcessingResponse)
-    def envoy_gone(released: int) -> None:
+    def _front(self):
+        """The ext_proc service: the brain behind Envoy, or an endpoint picker's front."""
+        cfg, brain, waits = self.cfg, self.brain, self.waits
+        if cfg.brain.protocol == "endpoint-picker":
+            def reset() -> None:
+                brain.stats.picker_streams_reset += 1
+
+            def end_picked(*args) -> None:  # a response's end: a held request may go now
+                brain.picks.end(*args)
+                if brain.waiting:
+                    waits.woken.set()
+
+            return EndpointPicker(brain.picks.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,
+                                  wait=waits.wait, cancel=waits.cancel, hold_s=held_s(cfg),
+                                  arrived=lambda res: brain.router.arrived(res, brain.clock()),
+                                  pick_at_headers=brain.picks.pick_at_headers if cfg.envoy.header_path else None
+                                  ).Process
+        return ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
+                                 held_s(cfg), brain.look, Intake(first_answer_s(cfg), brain.clock), legs_s(cfg),
+                                 brain.at_headers if cfg.envoy.header_path else None).Process
+
+    def _envoy_gone(self, released: int) -> None:
         logs.event("envoy_access_log_closed", released_reservations=released,
-                   open_reservations=brain.router.open_reservations)
+                   open_reservations=self.brain.router.open_reservations)
 
-    add_service(server, "envoy.service.accesslog.v3.AccessLogService", "StreamAccessLogs",
-                AccessLogService(waits.on_log_entry if cfg.flow_control.enabled
-                                 else brain.on_log_entry, brain.envoy,
-                                 envoy_gone).StreamAccessLogs, "stream_unary",
-                als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = add_listeners(server, b)
-    await server.start()
-
-    async def set_ready(serving: bool) -> None:
+    async def _set_ready(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in READY_SERVICES:
-            await health_servicer.set(name, status)
+            await self.health.set(name, status)
 
-    brain.response_key = response_key(cfg)
-    shared = None
-    if cfg.shared_state.redis_url:
-        shared = SharedState(cfg.shared_state, brain.router, brain.clock, brain.stats.shared)
-        outbox = brain.router.outbox
-        assert outbox is not None  # SharedState turned sharing on
-        brain.releaser.forward = lambda num, digest, ended: outbox.events.append(("x" if ended else "a", num, digest))
-        brain.router.remote.on_foreign_end = brain.releaser.end_forwarded
-
-    async def become_ready() -> None:
+    async def _become_ready(self) -> None:
+        brain, cfg = self.brain, self.cfg
         # another brain's view first (snapshot + replay, bounded): a brain that joins a running fleet starts warm
-        if shared is not None:
-            await shared.warm_start()
+        if self.shared is not None:
+            await self.shared.warm_start()
             # and its own health view: every replica starts EJECTED here, and until one is LIVE its choices would be
             # fallbacks at random; meanwhile its Envoy asks the other brains (envoy.brain_failover), which know them
             h = cfg.router.health
@@ -317,89 +311,124 @@ async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: 
             while brain.router.replicas and brain.clock() < deadline and \
                     not any(r.state is State.LIVE for r in brain.router.replicas):
                 await asyncio.sleep(0.1)
-        await set_ready(True)
+        await self._set_ready(True)
 
-    # the names gateways' endpoint-picker deployments probe: alive at once, ready once the fleet is known
-    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-    await set_ready(False)
+    async def _serve_http(self, app: web.Application, host: str, port: int) -> int:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        self.runners.append(runner)
+        return runner.addresses[0][1]
 
-    runner = web.AppRunner(admin_app(brain, write_admin_token(b.admin_token_file)), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", b.admin_port).start()
-    admin = runner.addresses[0][1]
-    mrunner = web.AppRunner(metrics_app(brain), access_log=None)
-    await mrunner.setup()
-    await web.TCPSite(mrunner, b.metrics_host, b.metrics_port).start()
-    metrics_port = mrunner.addresses[0][1]
-    loop = asyncio.get_running_loop()
-
-    async def hup() -> None:
+    async def _hup(self) -> None:
         try:
-            await brain.reload_async()
+            await self.brain.reload_async()
         except ConfigError as e:
             logs.event("config_reload_failed", error=str(e))
 
-    def on_hup() -> None:
-        loop.create_task(hup())
+    async def start(self, ready_file: str | None = None) -> dict:
+        """Serve and start the loops; what was bound (``grpc_port``, ``admin_port``, ``metrics_port``, ``pid``),
+        also written to ``ready_file``."""
+        cfg, b, brain, server, waits = self.cfg, self.cfg.brain, self.brain, self.server, self.waits
+        # not the generated add_*_to_server: a header of bytes that are not UTF-8 must not make Envoy's message
+        # unreadable
+        add_service(server, EXT_PROC_SERVICE, "Process", self._front(), "stream_stream", ep.ProcessingRequest,
+                    ep.ProcessingResponse)
+        add_service(server, "envoy.service.accesslog.v3.AccessLogService", "StreamAccessLogs",
+                    AccessLogService(waits.on_log_entry if cfg.flow_control.enabled else brain.on_log_entry,
+                                     brain.envoy, self._envoy_gone).StreamAccessLogs, "stream_unary",
+                    als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        port = add_listeners(server, b)
+        await server.start()
+        brain.response_key = response_key(cfg)
+        if cfg.shared_state.redis_url:
+            self.shared = SharedState(cfg.shared_state, brain.router, brain.clock, brain.stats.shared)
+            outbox = brain.router.outbox
+            assert outbox is not None  # SharedState turned sharing on
+            brain.releaser.forward = lambda num, digest, ended: outbox.events.append(("x" if ended else "a", num,
+                                                                                       digest))
+            brain.router.remote.on_foreign_end = brain.releaser.end_forwarded
+        # the names gateways' endpoint-picker deployments probe: alive at once, ready once the fleet is known
+        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self._set_ready(False)
+        admin = await self._serve_http(admin_app(brain, write_admin_token(b.admin_token_file)), "127.0.0.1",
+                                       b.admin_port)
+        metrics_port = await self._serve_http(metrics_app(brain), b.metrics_host, b.metrics_port)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._hup()))
+        self.tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"),
+                      asyncio.create_task(_tick_loop(brain), name="tick"),
+                      asyncio.create_task(brain.exact.kv.loop(), name="kv_events")]
+        if cfg.discovery.source != "static":
+            self.source = source = make_source(cfg)
+            first_sync = not brain.discovered
 
-    loop.add_signal_handler(signal.SIGHUP, on_hup)
-    tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"), asyncio.create_task(_tick_loop(brain),
-                                                                                            name="tick"),
-             asyncio.create_task(brain.exact.kv.loop(), name="kv_events")]
-    source = None
-    if cfg.discovery.source != "static":
-        source = make_source(cfg)
-        first_sync = not brain.discovered
+            def discovered(replicas) -> None:
+                nonlocal first_sync
+                brain.apply_discovered(replicas)
+                if first_sync:
+                    first_sync = False
+                    loop.create_task(self._become_ready())
 
-        def discovered(replicas) -> None:
-            nonlocal first_sync
-            brain.apply_discovered(replicas)
-            if first_sync:
-                first_sync = False
-                loop.create_task(become_ready())
+            self.tasks.append(asyncio.create_task(follow(source, cfg.discovery.interval_s, discovered,
+                                                         brain.discovery_failed, brain.discovery_ok),
+                                                  name="discovery"))
+        if self.shared is not None:
+            self.tasks.append(asyncio.create_task(self.shared.run(), name="shared_state"))
+        if cfg.flow_control.enabled:
+            self.tasks.append(asyncio.create_task(waits.loop(), name="flow_control"))
+        # a static fleet is known now; the scraper runs, so the wait for a LIVE replica (shared state) can end. Held
+        # here: a task nobody holds may be collected
+        self.readying = asyncio.create_task(self._become_ready(), name="ready") if brain.discovered else None
+        self.info = info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}
+        # The ~50K objects of the imports and servers live as long as the process. Frozen, they are out of
+        # the collector's sight: a full collection no longer stalls requests ~11 ms scanning them.
+        gc.collect()
+        gc.freeze()
+        logs.event("brain_started", replicas=len(cfg.replicas), **info)
+        if ready_file:
+            tmp = ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(info, f)
+            os.replace(tmp, ready_file)
+        return info
 
-        tasks.append(asyncio.create_task(follow(source, cfg.discovery.interval_s, discovered, brain.discovery_failed,
-                                                brain.discovery_ok), name="discovery"))
-    if shared is not None:
-        tasks.append(asyncio.create_task(shared.run(), name="shared_state"))
-    if cfg.flow_control.enabled:
-        tasks.append(asyncio.create_task(waits.loop(), name="flow_control"))
-    # a static fleet is known now; the scraper runs, so the wait for a LIVE replica (shared state) can end
-    readying = asyncio.create_task(become_ready(), name="ready") if brain.discovered else None  # held: not collected
-    info = {"grpc_port": port, "admin_port": admin, "metrics_port": metrics_port, "pid": os.getpid()}
-    # The ~50K objects of the imports and servers live as long as the process. Frozen, they are out of
-    # the collector's sight: a full collection no longer stalls requests ~11 ms scanning them.
-    gc.collect()
-    gc.freeze()
-    logs.event("brain_started", replicas=len(cfg.replicas), **info)
-    if ready_file:
-        tmp = ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(info, f)
-        os.replace(tmp, ready_file)
-    async def died(t: asyncio.Task) -> None:
+    async def _died(self, t: asyncio.Task) -> None:
         exc = None if t.cancelled() else t.exception()
         logs.event("background_task_died", task=t.get_name(), error=f"{type(exc).__name__}: {exc}"[:200] if exc else "")
         # Envoy's health check sees NOT_SERVING and fails open; the process then exits non-zero
-        await set_ready(False)
+        await self._set_ready(False)
 
-    try:
-        await supervise(tasks, died)
+    async def serve(self) -> None:
+        """Until a background loop dies (they never should): then NOT_SERVING, and SystemExit(1)."""
+        await supervise(self.tasks, self._died)
         raise SystemExit(1)
-    finally:
-        for t in tasks:
+
+    async def stop(self) -> None:
+        for t in self.tasks:
             t.cancel()
-        if readying is not None:
-            readying.cancel()
-        brain.exact.close()
-        if source is not None:
-            await source.close()
-        if shared is not None:
-            await shared.close()
-        await brain.close_legs()
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(1.0)
-        await runner.cleanup()
-        await mrunner.cleanup()
-        if b.grpc_socket and os.path.exists(b.grpc_socket):
-            os.unlink(b.grpc_socket)
+        if self.readying is not None:
+            self.readying.cancel()
+        self.brain.exact.close()
+        if self.source is not None:
+            await self.source.close()
+        if self.shared is not None:
+            await self.shared.close()
+        await self.brain.close_legs()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(1.0)
+        for runner in self.runners:
+            await runner.cleanup()
+        sock = self.cfg.brain.grpc_socket
+        if sock and os.path.exists(sock):
+            os.unlink(sock)
+
+
+async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: str | None = None) -> None:
+    server = BrainServer(cfg, config_path)
+    try:
+        await server.start(ready_file)
+        await server.serve()
+    finally:
+        await server.stop()

@@ -52,7 +52,8 @@ class Driver:
         self.clock = 0.0  # workload time where the next step starts
         self.waiters: dict[int, Waiter] = {}
         self.prefilled: set[int] = set()
-        # the moments an engine's metrics move (tools/engine/metrics.py, Exporter): first token, tokens streamed, finish, step
+        # the moments an engine's metrics move (tools/engine/metrics.py, Exporter): first token, tokens streamed,
+        # finish, step
         self.on_first = lambda k, er: None
         self.on_chunk = lambda k, n, interval_s: None  # n tokens of one request, interval_s wall after its last
         self.on_done = lambda k, er: None

@@ -155,7 +155,7 @@ chaos: install  ## faults injected into a live stack under load, then every hard
 	$(PY) -m bench chaos $(if $(CHAOS_MIXED_MINUTES),--mixed-minutes $(CHAOS_MIXED_MINUTES))
 
 fuzz: install  ## the generated-input tests with fresh randomness and ~10x the cases of make test (~6 min)
-	WARMROUTE_FUZZ_EXAMPLES=100000 WARMROUTE_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py
+	WARMROUTE_FUZZ_EXAMPLES=100000 WARMROUTE_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/spec/test_fuzz.py
 
 soak: install  ## steady load with unique sessions and every hardening probe beside it, bounded (SOAK_MINUTES, default 60, at most 90): nothing grows past its bound, the brain's RSS flat after its first step
 	$(PY) -m bench soak $(if $(SOAK_MINUTES),--minutes $(SOAK_MINUTES))

@@ -2,7 +2,7 @@
 
 The reference is made from the code, so it cannot drift: every field's YAML path, type and default come from
 the dataclasses, its meaning from the comment written beside (or just above) the field. ``check_docs`` is what
-``tests/test_docs.py`` runs: every ``make`` target, ``warmroute`` flag, config key and metric name the docs
+``tests/repo/test_docs.py`` runs: every ``make`` target, ``warmroute`` flag, config key and metric name the docs
 mention exists, every metric the brain exports is documented, and every relative link resolves.
 """
 

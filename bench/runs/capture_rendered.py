@@ -5,7 +5,7 @@ reasoning, developer and inline system messages), into ``tests/fixtures/vllm-0.3
 Two engines in turn: the tiny model's own template (it loops over content parts: vLLM hands it parts) and
 ``tests/fixtures/chat-templates/chatml-tools.jinja`` given with --chat-template (laid out as Qwen2.5's: tools and
 tool calls written with ``tojson``; content as one string), both with a tool-call parser so that requests may
-carry tools. tests/test_engine_render.py holds the brain's rendering against these counts.
+carry tools. tests/brain/test_engine_render.py holds the brain's rendering against these counts.
 """
 
 from __future__ import annotations

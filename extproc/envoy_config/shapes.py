@@ -54,7 +54,7 @@ class CdsFile:
 
 
 SHIPPED = {
-    # config file -> the bootstrap rendered from it (checked by tests/test_envoy_config.py)
+    # config file -> the bootstrap rendered from it (checked by tests/envoy_config/test_envoy_config.py)
     "envoy/warmroute.yaml": "envoy/envoy.yaml",
     "envoy/compose.warmroute.yaml": "envoy/compose.envoy.yaml",
     "envoy/compose.brains-0.warmroute.yaml": "envoy/compose.brains-0.envoy.yaml",

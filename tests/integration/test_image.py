@@ -55,8 +55,8 @@ def free_port() -> int:
 def _the_charts_init_container_renders_envoys_bootstrap(tmp: Path) -> None:
     """The Helm chart's standalone shape renders Envoy's bootstrap at pod start: its init container's command, run
     from this image on the chart's own config, writes a bootstrap Envoy accepts."""
-    from tests.test_chart import MATRIX, render, the
-    from tests.test_envoy_config import envoy_binary
+    from tests.repo.test_chart import MATRIX, render, the
+    from tests.envoy_config.test_envoy_config import envoy_binary
 
     tmp.mkdir()
     docs = render(MATRIX["standalone-defaults"], tmp)

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.tools.stack.local import http_get
 
-from ..test_ops import metric_names
+from ..ops.test_ops import metric_names
 
 pytestmark = pytest.mark.integration
 

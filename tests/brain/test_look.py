@@ -1,0 +1,205 @@
+"""Issue 43, a flood of new sessions: the look at a large body's headers before the brain reads it, and how far behind
+the
+brain reads (``extproc/brain/intake.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.config.core.v3 import base_pb2
+
+from extproc.brain import decide as dc
+from extproc.brain.intake import READ_BYTES_PER_S, Intake
+from extproc.config import parse_config
+from extproc.contract import LOOK_METADATA, TIME_ATTRIBUTE
+
+from ..helpers import live_brain
+
+
+class Clock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_backlog_is_what_was_let_through_and_not_read_yet_at_the_rate_one_core_reads():
+    clock = Clock()
+    i = Intake(5.0, clock)
+    assert i.behind_s() == 0.0
+    for k in range(10):
+        i.let_through(f"r{k}", 1 << 20)
+    assert i.behind_s() == pytest.approx(10 * (1 << 20) / READ_BYTES_PER_S)
+    i.let_through("r0", 1 << 20)  # the same request twice counts once
+    assert i.behind_s() == pytest.approx(10 * (1 << 20) / READ_BYTES_PER_S)
+    for k in range(10):  # the bodies arrive and are read
+        i.opened(("call", k))
+        i.read(("call", k), f"r{k}")
+        i.closed(("call", k))
+    assert i.behind_s() == 0.0 and i.looked_bytes == 0 and not i.unread
+    assert i.own_s(1 << 20) == pytest.approx((1 << 20) / READ_BYTES_PER_S)
+
+
+def test_a_call_opened_and_not_read_is_a_measured_delay_and_a_slow_upload_counts_one_timer_at_most():
+    clock = Clock()
+    i = Intake(5.0, clock)
+    i.opened("a")
+    clock.t += 2.0
+    assert i.behind_s() == pytest.approx(2.0)  # Envoy sent it 2 s ago and the brain has not read it
+    i.closed("a")  # Envoy gave up on it
+    assert i.behind_s() == 0.0
+    i.let_through("slow", 32 << 20)  # a client uploading slowly: its body is not on its way to the brain yet
+    assert i.behind_s() > 0.5
+    clock.t += 5.1
+    assert i.behind_s() == 0.0 and i.looked_bytes == 0
+
+
+def test_how_late_a_look_is_read_is_measured_above_the_least_seen_whatever_the_clocks_skew():
+    clock, wall = Clock(), Clock(1_796_302_184.5)
+    i = Intake(5.0, clock, wall)
+    at = "2026-12-03T12:49:44.248107+00:00"  # 1_796_302_184.248107: 0.25 s before the wall clock (the skew)
+    assert i.late_s(at) == 0.0
+    wall.t += 1.5  # read 1.5 s later than the first
+    assert i.late_s("2026-12-03T12:49:44.248107123+00:00") == pytest.approx(1.5, abs=1e-3)  # nanoseconds too
+    assert i.late_s(None) == 0.0 and i.late_s("not a time") == 0.0
+    clock.t += 200  # a minute on: the least seen is kept one minute more ...
+    wall.t += 10
+    assert i.late_s(at) == pytest.approx(11.5, abs=1e-3)
+    clock.t += 200  # ... then forgotten: a clock that moved is learned as the new skew
+    assert i.late_s(at) == 0.0
+    # issue 59: Envoy looks once it holds the whole body; the upload's own time (its milliseconds, set by Envoy) is
+    # the client's, not the brain's: a look 3 s after the first byte whose upload took 3 s is not late
+    wall.t += 3.0
+    assert i.late_s(at, "3000") == pytest.approx(0.0, abs=1e-3)
+    assert i.late_s(at, None) == pytest.approx(3.0, abs=1e-3)
+    assert i.late_s(at, "-5") == i.late_s(at, "²") == pytest.approx(3.0, abs=1e-3)  # not a duration: none
+
+
+CFG = {"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8000 + i}"} for i in range(2)]}
+BIG = 200_000
+
+
+def _body(session_text: str) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": session_text * 2000}]}).encode()
+
+
+def _headers(session: str, **more) -> dict[str, str]:
+    return {":method": "POST", ":path": "/v1/chat/completions", "content-length": str(BIG), "x-session-id": session,
+            "x-request-id": f"rid-{session}", **more}
+
+
+def test_behind_a_burst_a_new_session_is_refused_before_its_upload_and_a_session_under_way_is_not():
+    b = live_brain(parse_config(CFG))
+    assert b.look(_headers("new"), 0.0) is None  # not behind: let it come
+    assert b.look(_headers("new"), 2.4) is None and b.look(_headers("new"), 2.6) is not None  # none under way:
+    # half Envoy's first timer (5 s with flow control) is the bound
+    b.decide(_headers("mine"), _body("my context "))  # a session's first turn
+    t = b.clock()
+    b.decide(_headers("mine"), _body("my context "))  # its next turn: a session under way, with a predicted TTFT
+    assert b._turn_at == t and b._turn_ttft_s > 0
+    bound = b.look_bound_s(t)  # a turn of the session under way, at least half Envoy's configured timer
+    assert bound == pytest.approx(min(2.5, max(b._turn_ttft_s, 0.5)))
+    assert b.state()["flow_control"]["look_bound_s"] == pytest.approx(bound, abs=1e-4)
+    behind = bound * 1.5
+    out = b.look(_headers("someone-new"), behind)
+    assert out is not None and out.immediate_response.status.code == 429
+    headers = {h.header.key: h.header.raw_value.decode() or h.header.value for h
+               in out.immediate_response.headers.set_headers}
+    assert headers[dc.DROPPED_REASON_HEADER] == "router_behind" and int(headers["retry-after"]) >= 1
+    assert json.loads(out.immediate_response.body)["error"]["code"] == "router_behind"
+    assert b.look(_headers("mine"), behind) is None  # its turn is never refused
+    assert b.look(_headers("someone-new", **{"x-warmroute-priority": "critical"}), behind) is None  # nor critical work
+    assert b.look(_headers("someone-new"), bound * 0.9) is None  # behind by less: it comes
+    assert b.stats.flow_refused["router_behind"] == 2
+
+
+def test_without_flow_control_nothing_is_refused_at_the_look():
+    b = live_brain(parse_config({**CFG, "flow_control": {"enabled": False}}))
+    assert b.look(_headers("new"), 600.0) is None
+
+
+class Ctx:
+    def __init__(self, msgs, metadata=()):
+        self.msgs, self.written, self.metadata = list(msgs), [], tuple(metadata)
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    async def read(self):
+        return self.msgs.pop(0) if self.msgs else grpc.aio.EOF
+
+    async def write(self, m):
+        self.written.append(m)
+
+
+def _look_request(request_time: str | None = None) -> ep.ProcessingRequest:
+    req = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key="x-request-id", raw_value=b"r1"),
+        base_pb2.HeaderValue(key="content-length", raw_value=str(BIG).encode())])))
+    if request_time is not None:
+        req.attributes["envoy.filters.http.ext_proc"].fields[TIME_ATTRIBUTE].string_value = request_time
+    return req
+
+
+def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_until_it_is_read():
+    seen = []
+
+    def look(headers, wait_s):
+        seen.append((headers["x-request-id"], wait_s))
+        return None
+
+    decided = ep.ProcessingResponse(request_body=ep.BodyResponse())
+    intake = Intake(5.0, Clock())
+    front = dc.ExternalProcessor(lambda h, b, phase: decided, 2 * 2**20, look=look, intake=intake)
+    ctx = Ctx([_look_request("2026-12-03T12:49:44.248107+00:00")], [LOOK_METADATA])
+    asyncio.run(front.Process(None, ctx))
+    assert [m.WhichOneof("response") for m in ctx.written] == ["request_headers"]  # let through, no decision
+    assert seen == [("r1", pytest.approx(BIG / READ_BYTES_PER_S))]  # its own read time: nothing ahead of it
+    assert intake.looked_bytes == BIG and front.open_calls == 0  # a look is no call the brain decides
+    body = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"{}" * 10, end_of_stream=True))
+    body.attributes["envoy.filters.http.ext_proc"].fields["request.headers['x-request-id']"].string_value = "r1"
+    ctx = Ctx([body])
+    asyncio.run(front.Process(None, ctx))
+    assert ctx.written == [decided] and intake.looked_bytes == 0 and not intake.unread
+
+    refuse = dc.too_many_response("router_behind", 3)
+    front.look = lambda headers, wait_s: refuse
+    ctx = Ctx([_look_request()], [LOOK_METADATA])
+    asyncio.run(front.Process(None, ctx))
+    assert ctx.written == [refuse] and intake.looked_bytes == 0  # refused: no body will come
+
+
+def test_the_bound_is_the_quickest_turn_lately_so_a_burst_s_own_queues_do_not_loosen_it():
+    # a floor below any turn here; flow control off so that the burst is placed, not held (the bound is kept either way)
+    b = live_brain(parse_config({**CFG, "envoy": {"ext_proc_timeout_s": 0.002}, "flow_control": {"enabled": False}}))
+    b.decide(_headers("mine"), _body("my context "))
+    b.decide(_headers("mine"), _body("my context "))
+    quick = b._turn_ttft_s
+    assert quick > 0
+    for k in range(6):  # new sessions' prefills queue on both replicas (nothing is released)
+        b.decide(_headers(f"burst-{k}"), _body(f"burst {k} ") * 10)
+    b.decide(_headers("mine"), _body("my context "))  # its next turn is predicted behind them
+    assert b.recent_decisions(last=1)[0]["predicted_ttft_s"] > 2 * quick
+    assert b._turn_ttft_s == pytest.approx(quick)  # what look_bound_s reads
+
+
+def test_with_flow_control_envoy_waits_at_least_five_seconds_for_the_brain_s_first_answer():
+    from extproc.envoy_config import bootstrap
+
+    def timeouts(doc: dict) -> dict[str, str]:
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        out = {}
+        for f in hcm["http_filters"]:
+            tc = f["typed_config"]
+            tc = tc.get("extension_config", {}).get("typed_config", tc)
+            if "message_timeout" in tc:
+                out[f["name"]] = tc["message_timeout"]
+        return out
+
+    assert set(timeouts(bootstrap(parse_config(CFG))).values()) == {"5.000s"}
+    assert set(timeouts(bootstrap(parse_config({**CFG, "flow_control": {"enabled": False}}))).values()) == {"1.000s"}

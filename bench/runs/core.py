@@ -137,7 +137,7 @@ def _decide_each(brain, bodies: list[bytes], sessions: int, path: str | None = N
             t0 = time.perf_counter()
             brain.decide(h, body)
             took.append(time.perf_counter() - t0)
-            res = brain.router.reservation(brain.router._next_reservation_id - 1)
+            res = brain.router.reservations.newest()
             brain.router.release(res, 0.0)
     return took
 
@@ -157,7 +157,7 @@ def _both_paths_each(brain, bodies: list[bytes], sessions: int, path: str, name:
             else:
                 at_headers += 1
             took.append(time.perf_counter() - t0)
-            brain.router.release(brain.router.reservation(brain.router._next_reservation_id - 1), 0.0)
+            brain.router.release(brain.router.reservations.newest(), 0.0)
     return took, at_headers
 
 
@@ -275,7 +275,7 @@ def metrics_cost(decisions: int = 50_000) -> tuple[float, float]:
         t0 = time.perf_counter()
         for h in headers:
             brain.decide(h, body)
-            res = brain.router.reservation(brain.router._next_reservation_id - 1)
+            res = brain.router.reservations.newest()
             brain.router.release(res, t[0])
         return (time.perf_counter() - t0) / decisions * 1e6
 

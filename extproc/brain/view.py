@@ -63,7 +63,7 @@ def state_of(brain) -> dict:
         "decisions_by_reason": {f"{k[0]}/{k[1]}": v for k, v in sorted(brain.stats.decisions.items())},
         "bodies": {k: v for k, v in sorted(brain.stats.bodies.items()) if v},
         "open_reservations": brain.router.open_reservations,
-        "oldest_open_reservations": brain.router.oldest_reservations(now),
+        "oldest_open_reservations": brain.router.reservations.oldest(now),
         "releases_by_access_log": brain.stats.releases_by_log,
         "unmatched_access_log_entries": brain.stats.unmatched_log_entries,
         "safety_timeouts": brain.router.safety_timeouts,

@@ -16,10 +16,24 @@ class OpenReservations:
         self._next_id = 1
 
     def open(self, r: Replica, weight_milli: int, now: float, provisional: bool) -> Reservation:
+        """This brain's request on ``r``: its weight counted there until it is closed."""
         res = Reservation(self._next_id, r, weight_milli, now, seen_at=now, provisional=provisional)
         self._next_id += 1
         self._open[res.id] = res
+        r.wlc_milli += weight_milli
+        r.in_flight_requests += 1
         return res
+
+    @staticmethod
+    def remote(r: Replica, weight_milli: int, started_at: float, provisional: bool) -> Reservation:
+        """Another brain's request on ``r`` (shared state): counted like ours, ended by that brain, never listed."""
+        res = Reservation(0, r, weight_milli, started_at, seen_at=started_at, provisional=provisional, remote=True)
+        r.wlc_milli += weight_milli
+        r.in_flight_requests += 1
+        return res
+
+    def newest(self) -> Reservation | None:
+        return self._open[next(reversed(self._open))] if self._open else None
 
     def close(self, res: Reservation) -> None:
         self._open.pop(res.id, None)

@@ -44,7 +44,7 @@ class Router:
         self.policy = policy if policy is not None else make_policy(cfg.policy, cfg)
         self._replicas: list[Replica] = []
         self._by_name: dict[str, Replica] = {}
-        self._reservations = OpenReservations()
+        self.reservations = OpenReservations()  # open, oldest first
         self._random = random.Random(cfg.seed)
         self._next_due = float("inf")
         self._housekeeping_at = now + _HOUSEKEEPING_EVERY_S
@@ -290,11 +290,11 @@ class Router:
         return out
 
     def _expire_reservations(self, now: float) -> None:
-        for res in self._reservations.timed_out(now, self.cfg.reservation_timeout_s):
+        for res in self.reservations.timed_out(now, self.cfg.reservation_timeout_s):
             self.release(res, now)
             self.safety_timeouts += 1
         if self.liveness_timeout_s is not None:
-            for res in self._reservations.unseen(now, self.liveness_timeout_s):
+            for res in self.reservations.unseen(now, self.liveness_timeout_s):
                 self.release(res, now)
                 self.liveness_timeouts += 1
 
@@ -525,18 +525,11 @@ class Router:
         return max(1000, tokens * 1000 // self.cfg.token_weight_unit)
 
     def _reserve(self, r: Replica, profile: RequestProfile, now: float) -> Reservation:
-        w = self.weight_milli(profile.tokens)
-        res = self._reservations.open(r, w, now, profile.provisional)
-        r.wlc_milli += w
-        r.in_flight_requests += 1
-        return res
+        return self.reservations.open(r, self.weight_milli(profile.tokens), now, profile.provisional)
 
     def reserve_remote(self, r: Replica, weight_milli: int, started_at: float, provisional: bool) -> Reservation:
         """Another brain's request in flight on ``r`` (shared state): counted like ours, ended by that brain."""
-        res = Reservation(0, r, weight_milli, started_at, seen_at=started_at, provisional=provisional, remote=True)
-        r.wlc_milli += weight_milli
-        r.in_flight_requests += 1
-        return res
+        return self.reservations.remote(r, weight_milli, started_at, provisional)
 
     def release(self, res: Reservation | None, now: float) -> bool:
         """End a reservation (success, error, disconnect, reset). Idempotent: True only the first time."""
@@ -548,7 +541,7 @@ class Router:
         r.wlc_milli -= res.weight_milli
         r.in_flight_requests -= 1
         if not res.remote:
-            self._reservations.close(res)
+            self.reservations.close(res)
             if self.outbox is not None:
                 self.outbox.events.append(("c", res.id))
         self.policy.on_release(res, now)
@@ -566,21 +559,17 @@ class Router:
     def release_started_before(self, t: float, now: float) -> int:
         """Release every open reservation made before ``t`` (the Envoy that carried them is gone); how many."""
         n = 0
-        for r in self._reservations.started_before(t):
+        for r in self.reservations.started_before(t):
             n += self.release(r, now)
         return n
 
     def reservation(self, rid: int) -> Reservation | None:
         """The open reservation with id ``rid`` (None once released)."""
-        return self._reservations.get(rid)
+        return self.reservations.get(rid)
 
     @property
     def open_reservations(self) -> int:
-        return len(self._reservations)
-
-    def oldest_reservations(self, now: float, k: int = 5) -> list[dict]:
-        """The ``k`` oldest open reservations, for an operator asking what holds load (O(k))."""
-        return self._reservations.oldest(now, k)
+        return len(self.reservations)
 
     # ------------------------------------------------------------------- views
 

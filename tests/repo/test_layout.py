@@ -290,3 +290,10 @@ def test_a_test_file_outside_the_source_tree_s_mirror_is_refused(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
     assert misplaced_tests(tmp_path) == ["nosuch/test_x.py", "test_flat.py"]
+
+
+def test_no_file_of_the_product_runs_past_600_lines_and_the_warm_policy_past_500():
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "extproc").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert long == {}
+    assert len((ROOT / "extproc" / "core" / "warm.py").read_text().splitlines()) < 500

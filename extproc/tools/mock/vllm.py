@@ -45,14 +45,8 @@ from extproc.tools.mock.driver import Aborted, Driver, Waiter  # noqa: F401 (Wai
 from extproc.tools.mock.options import add_arguments
 from extproc.tools.mock.responses import (chunk, error, text_blocks, final_body, json_object, prompt_text, sse,
                                           text_token_ids, usage)
-from extproc.tools.mock.apis import (
-    MessagesShape,
-    ResponsesShape,
-    ResponseStore,
-    messages_prompt,
-    not_found,
-    responses_input,
-)
+from extproc.tools.mock.apis import (MessagesShape, ResponsesShape, ResponseStore, messages_prompt, not_found,
+                                     responses_input)
 
 from extproc.tools.mock.responses import CHARS_PER_TOKEN  # noqa: E402 (read from here too)
 ENGINE_HEADER = "x-mock-engine"  # which data-parallel engine served (not vLLM's; for tests and benchmarks)

@@ -46,6 +46,21 @@ WARMROUTE: dict[str, dict] = {
 }
 CONTENDERS = [*ENVOY_POLICIES, *WARMROUTE, *ROUTERS]
 
+# which contenders each bench run measures unless told otherwise (--contenders), in the order its tables show them
+RUNS: dict[str, list[str]] = {
+    "live.flow": ["warmroute_flow", "warmroute_no_flow", "envoy_ring_hash_bounded_150", "envoy_least_request",
+                  "sglang_router_cache_aware"],
+    "fleet": ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request"],
+    # the simulator's models of the peers (tools/sim), beside the live ones
+    "fleet.simulated": ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_cache_aware",
+                        "llmd_epp_2025", "llmd_token_aware", "llmd_epp_lora", "dynamo_kv"],
+    "real": ["warmroute", "warmroute_estimate", "envoy_ring_hash_bounded_150", "envoy_least_request",
+             "sglang_router_cache_aware", "vllm_router_cache_aware"],
+    "real.burst": ["warmroute_flow", "warmroute_no_flow", "envoy_ring_hash_bounded_150"],
+    "agree": ["warmroute", "warmroute_seed", "envoy_ring_hash_bounded_150", "envoy_ring_hash", "envoy_least_request",
+              "sglang_router_cache_aware"],
+}
+
 
 def overlaid(base: dict, contender: str) -> dict:
     """``base`` (a config document) with warmroute variant ``contender``'s overlay, section by section."""

@@ -17,16 +17,18 @@ import json
 import shutil
 import sys
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extproc.tools.workload.generate import MOCK_MODEL
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.contenders import ENVOY_POLICIES, PEERS, ROUTERS, WARMROUTE, overlaid
 from extproc.core import Router, RouterConfig
 from extproc.envoy_config import dump
 from extproc.tools.stack.local import Stack, envoy_binary
 from extproc.tools.stack.procs import Proc, free_port, http_get, wait_for
-from extproc.tools.workload.generate import WorkloadConfig
+from extproc.tools.workload.generate import MOCK_MODEL, WorkloadConfig
 from extproc.tools.workload.measure import CLASS_NAMES
 
 # A run measured the machine rather than the replicas when the client's own scheduling lag (p99, in workload
@@ -190,6 +192,19 @@ _COUNTERS = {"vllm:prompt_tokens_total": "prompt", "vllm:prompt_tokens_cached_to
              "vllm:generation_tokens_total": "generated"}
 
 
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Every sample of a /metrics text as (name, labels, value): the one reader of /metrics in the benches (the
+    Prometheus client's own parser)."""
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            yield s.name, s.labels, s.value
+
+
+def metric_total(text: str, *names: str) -> float:
+    """The sum of every series of any of ``names`` (any labels) in a /metrics text."""
+    return sum(v for n, _, v in samples(text) if n in names)
+
+
 def engine_counters(urls: list[str]) -> EngineCounters:
     """The counters of every replica at ``urls`` (one that does not answer counts nothing)."""
     out = EngineCounters()
@@ -201,13 +216,12 @@ def engine_counters(urls: list[str]) -> EngineCounters:
         except OSError:
             done.append(0.0)
             continue
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
+        for name, _, v in samples(text):
             out.has_cached |= name == "vllm:prompt_tokens_cached_total"
             if name in _COUNTERS:
-                setattr(out, _COUNTERS[name], getattr(out, _COUNTERS[name]) + float(line.rsplit(" ", 1)[1]))
+                setattr(out, _COUNTERS[name], getattr(out, _COUNTERS[name]) + v)
             elif name == "vllm:request_success_total":
-                n += float(line.rsplit(" ", 1)[1])
+                n += v
         done.append(n)
     out.done = tuple(done)
     return out
@@ -217,30 +231,13 @@ def histogram_sums(text: str) -> dict[str, float]:
     """A real vLLM's own prefill and decode histograms, summed over its engines: computed prefill tokens and their
     prefill seconds, decode tokens (generated after each first token) and their decode seconds. Differences of
     two readings are the engine's true rates over the requests that finished between them."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ("vllm:request_prefill_kv_computed_tokens_sum", "vllm:request_prefill_time_seconds_sum",
-                    "vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_count",
-                    "vllm:request_generation_tokens_sum"):
-            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-
     def g(k: str) -> float:
-        return sums.get("vllm:" + k, 0.0)
+        return metric_total(text, "vllm:" + k)
 
     return {"prefill_tokens": g("request_prefill_kv_computed_tokens_sum"),
             "prefill_seconds": g("request_prefill_time_seconds_sum"),
             "decode_tokens": g("request_generation_tokens_sum") - g("request_decode_time_seconds_count"),
             "decode_seconds": g("request_decode_time_seconds_sum")}
-
-
-def metric_total(text: str, name: str) -> float:
-    """The sum of every series of ``name`` (any labels) in a /metrics text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def brain_decision_mean(text: str) -> float | None:
@@ -322,25 +319,37 @@ class Running:
         self.stack.stop()
 
 
+def front(contender: str, s: Stack, speedup: float = 1.0, model: str | None = None,
+          answer_timeout_s: float = 60.0) -> Running:
+    """``contender`` in front of the replicas ``s`` runs (mocks or real engines), as every bench starts it:
+    warmroute's brain and Envoy on ``s`` (its variant's overlay already in ``s``'s config: ``contenders.overlaid``),
+    or a peer router. A peer must answer a request first (for ``model``); warmroute too when ``model`` is given,
+    else once every replica is LIVE."""
+    proc = None
+    if contender in WARMROUTE:
+        s.write_config()
+        s.start_brain()
+        s.start_envoy()
+        s.wait_all_live(60)
+        run = Running(s.url, s)
+    else:
+        url, proc = start_peer(contender, [r.url for r in s.replicas], s.dir, speedup)
+        run = Running(url, s, [proc])
+    if model is not None or proc is not None:
+        wait_answering(run.url, model or MOCK_MODEL, contender, proc, answer_timeout_s)
+    return run
+
+
 def start(contender: str, n: int, mock_args: list[str], speedup: float,
           replica_args: dict[str, list[str]] | None = None) -> Running:
     """A fresh fleet of ``n`` mock replicas and ``contender`` in front of it, answering; ``replica_args``: more
     mock-vllm arguments of replica ``r{i}`` (a mixed fleet's ``--speed``)."""
     replica_args = replica_args or {}
-    if contender in WARMROUTE:
-        config = overlaid(scaled_warmroute_config(speedup), contender)
-        s = Stack(n, config=config, mock_args=mock_args)
-        s.replica_args = dict(replica_args)
-        s.start()
-        s.wait_all_live(60)
-        return Running(s.url, s)
-    s = Stack(0, mock_args=mock_args)
+    config = overlaid(scaled_warmroute_config(speedup), contender) if contender in WARMROUTE else None
+    s = Stack(0, config=config, mock_args=mock_args)
     try:
         s.replicas = [s.start_replica(f"r{i}", extra=[*mock_args, *replica_args.get(f"r{i}", [])]) for i in range(n)]
-        url, proc = start_peer(contender, [r.url for r in s.replicas], s.dir, speedup)
-        run = Running(url, s, [proc])
-        wait_answering(url, MOCK_MODEL, contender, proc, 60)
-        return run
+        return front(contender, s, speedup)
     except BaseException:
         s.stop()
         raise

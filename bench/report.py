@@ -9,32 +9,37 @@ from pathlib import Path
 FLOW_SCENARIOS = ("burst", "noisy_tenant")
 
 
+@dataclass(kw_only=True)
+class Measured:
+    """What every bench's row says of one contender's run, as its clients saw it (the benches' rows extend it)."""
+    sent: int = 0
+    errors: int = 0
+    ttft_p50: float = float("nan")
+    ttft_p99: float = float("nan")
+    out_tok_s: float = 0.0
+    client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99, wall ms
+    pace: str = ""  # why this run measured the machine, not the replicas (harness.pace_check); "": it did not
+    refused: int = 0  # 429s with Retry-After, each sent again
+    classes: dict = field(default_factory=dict)  # measure.per_class of the measured window
+    note: str = ""
+    ttfts: list[float] = field(default_factory=list)  # every answered request's, as the client saw it
+
+
 @dataclass
-class Row:
+class Row(Measured):
     contender: str
     scenario: str
     speedup: float = 0.0
-    ttft_p50: float = float("nan")
-    ttft_p99: float = float("nan")
     e2e_p50: float = float("nan")
     e2e_p99: float = float("nan")
-    out_tok_s: float = 0.0
     prefix_hit: float = 0.0
     imbalance: float = float("nan")
     fleet_hit: float = 0.0  # the mocks' own counters, warm-up included (what the replicas' dashboards show)
     not_engine_p50: float = float("nan")  # of each TTFT, what was not the engine's: client, Envoy, brain, HTTP
     brain_ms: float = float("nan")  # the brain's mean decision time, workload milliseconds
-    sent: int = 0
-    errors: int = 0
     lost: int = 0
-    client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99, wall ms
-    pace: str = ""  # why this run measured the machine, not the replicas (harness.pace_check); "": it did not
     paces: list[str] = field(default_factory=list)  # the faster paces tried before this one, and why each was left
-    refused: int = 0  # 429s with Retry-After, each sent again
-    classes: dict = field(default_factory=dict)  # measure.per_class of the measured window
     others_p99: float = float("nan")  # noisy_tenant: the other tenants' TTFT p99
-    note: str = ""
-    ttfts: list[float] = field(default_factory=list)
     share: list[list[float]] = field(default_factory=list)
 
 

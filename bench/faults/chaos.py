@@ -38,7 +38,7 @@ from bench.faults.probes import Probes, unexpected
 from extproc.contract import EXT_PROC_STAT_PREFIX
 from extproc.tools.stack.local import Stack, http_post_json, wait_for
 from extproc.tools.stack.procs import rss_mib
-from extproc.tools.workload.open_loop import OpenLoop, write_report
+from extproc.tools.workload.open_loop import OpenLoad, write_report
 
 SESSIONS = 24
 RATE = 8.0  # requests per second (light: the faults are the point, not the load)
@@ -53,21 +53,14 @@ class Result:
     tf: float | None = None  # when its first byte came (the first token of a stream)
 
 
-class Load:
+class Load(OpenLoad):
     """A steady open-loop load: chat requests from ``SESSIONS`` sessions, a third streamed (long enough that a
     replica killed at any moment has streams in flight)."""
 
     def __init__(self, stack: Stack, rate: float = RATE):
+        super().__init__(rate)
         self.stack = stack
         self.results: list[Result] = []
-        self._loop = OpenLoop(rate, self._one)
-
-    def start(self) -> "Load":
-        self._loop.start()
-        return self
-
-    def stop(self) -> None:
-        self._loop.stop()
 
     def since(self, t: float) -> list[Result]:
         return [r for r in list(self.results) if r.t0 >= t]

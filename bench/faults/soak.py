@@ -17,7 +17,7 @@ import urllib.request
 from extproc.tools.workload.generate import MOCK_MODEL
 from extproc.tools.stack.local import Stack
 from extproc.tools.stack.procs import rss_mib
-from extproc.tools.workload.open_loop import OpenLoop, write_report
+from extproc.tools.workload.open_loop import OpenLoad, write_report
 
 SESSION_TTL_S, PREFIX_TTL_S = 120.0, 60.0
 
@@ -44,17 +44,13 @@ def sample(stack: Stack, label: str, rate: float, t0: float) -> dict:
             "request_ids": st["request_ids_held"], "open_reservations": st["open_reservations"]}
 
 
-class Load:
+class Load(OpenLoad):
     """Every request a new session: the worst case for pins, the prefix index and the chain cache."""
 
     def __init__(self, url: str, rate: float):
+        super().__init__(rate)
         self.url = url
         self.ok = self.failed = 0
-        self._loop = OpenLoop(rate, self._one)
-
-    @property
-    def sent(self) -> int:
-        return self._loop.sent
 
     async def _one(self, http, i: int) -> None:
         body = {"model": MOCK_MODEL, "max_tokens": 8, "messages": [
@@ -68,13 +64,6 @@ class Load:
                 self.failed += r.status != 200
         except Exception:
             self.failed += 1
-
-    def start(self) -> "Load":
-        self._loop.start()
-        return self
-
-    def stop(self) -> None:
-        self._loop.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

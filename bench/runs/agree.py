@@ -30,8 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.contenders import WARMROUTE
-from bench.harness import bench_workload, brain_decision_mean, invocation, start
+from bench.contenders import RUNS, WARMROUTE
+from bench.harness import bench_workload, brain_decision_mean, invocation, samples, start
 from bench.runs.engine_agree import agreement, engine_trace, replay_trace, simulate_trace
 from extproc.tools.sim.simulator import Simulation
 from extproc.tools.stack.local import Stack, http_get
@@ -50,8 +50,7 @@ SIMULATED_AS = {
     "warmroute_seed": "warmroute_seed",
     "sglang_router_cache_aware": "sglang_cache_aware",
 }
-DEFAULT_CONTENDERS = ["warmroute", "warmroute_seed", BASELINE, "envoy_ring_hash", "envoy_least_request",
-                      "sglang_router_cache_aware"]
+DEFAULT_CONTENDERS = RUNS["agree"]
 
 
 # ------------------------------------------------------------------------------ one rule for both sides
@@ -132,19 +131,15 @@ def live(contender: str, wl: WorkloadConfig, seed: int, replicas: int, speedup: 
 
 def mock_lag(urls: list[str]) -> tuple[float, float]:
     """The mocks' first-token lag percentiles (wall seconds), from their histograms' buckets summed."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     buckets: dict[float, float] = defaultdict(float)
     for u in urls:
         try:
             text = http_get(u + "/metrics", timeout=2).decode()
         except OSError:
             continue
-        for fam in text_string_to_metric_families(text):
-            if fam.name == "mock:first_token_lag_seconds":
-                for s in fam.samples:
-                    if s.name.endswith("_bucket"):
-                        buckets[float(s.labels["le"])] += s.value
+        for name, labels, v in samples(text):
+            if name == "mock:first_token_lag_seconds_bucket":
+                buckets[float(labels["le"])] += v
     if not buckets:
         return float("nan"), float("nan")
     edges = sorted(buckets)

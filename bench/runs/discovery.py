@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import signal
 import socket
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import orjson
 
+from bench.harness import metric_total
 from extproc.tools.workload.generate import MOCK_MODEL
 from extproc.tools.stack.local import Stack, http_get, wait_for
 
@@ -104,9 +104,8 @@ class Dnsmasq:
             self.proc.wait(10)
 
 
-def _sum_metric(host: str, port: int, pattern: str) -> float:
-    text = http_get(f"http://{host}:{port}/metrics").decode()
-    return sum(float(m) for m in re.findall(rf"^{pattern}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M))
+def _sum_metric(host: str, port: int, *names: str) -> float:
+    return metric_total(http_get(f"http://{host}:{port}/metrics").decode(), *names)
 
 
 def served(host: str, port: int) -> float:
@@ -115,7 +114,7 @@ def served(host: str, port: int) -> float:
 
 
 def in_flight(host: str, port: int) -> float:
-    return _sum_metric(host, port, "vllm:num_requests_(?:running|waiting)")
+    return _sum_metric(host, port, "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 class Load:

@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from bench.contenders import ENVOY_POLICIES
+from bench.contenders import ENVOY_POLICIES, RUNS
 from bench.harness import (
     bench_workload,
     envoy_builtin,
@@ -45,7 +45,7 @@ from extproc.tools.workload.measure import window_numbers
 MODELS = {"coder": 6, "chat": 2}
 ADAPTERS = [f"coder-lora-{i}" for i in range(8)]
 MAX_LORAS, LORA_LOAD_S = 2, 1.0
-CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request"]
+CONTENDERS = RUNS["fleet"]
 # an ablation, not a peer: warmroute with adapter loads left unpriced (what the LoRA term buys)
 ABLATIONS = ["warmroute_no_lora_price"]
 
@@ -167,9 +167,7 @@ def run(contender: str, args) -> Result:
                   pace=pace_check(nums["ttft_p50"], res.client_lag_p99, not_engine, sp) or "")
 
 
-SIM_CONTENDERS = ["warmroute", "envoy_ring_hash_bounded_150", "envoy_least_request", "sglang_cache_aware",
-                  "llmd_epp_2025",
-                  "llmd_token_aware", "llmd_epp_lora", "dynamo_kv"]
+SIM_CONTENDERS = RUNS["fleet.simulated"]
 
 
 def simulate(contender: str, args) -> Result:

@@ -34,7 +34,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from bench.contenders import CONTENDERS, WARMROUTE
+from bench.contenders import CONTENDERS, RUNS, WARMROUTE
 from bench.harness import (
     Running,
     bench_workload,
@@ -56,8 +56,7 @@ from extproc.tools.workload.measure import pct, per_class, window_numbers
 SCENARIOS = ["workload", "replica_dies_and_returns", "flapping_replica", "brain_killed", "burst", "noisy_tenant"]
 # flow control's scenarios (issue 34), at the plain workload's pace, and who runs them: warmroute with and without
 # flow control beside the peers that come closest under load; warmroute_flow runs these and the plain workload only
-FLOW_CONTENDERS = ["warmroute_flow", "warmroute_no_flow", "envoy_ring_hash_bounded_150", "envoy_least_request",
-                   "sglang_router_cache_aware"]
+FLOW_CONTENDERS = RUNS["live.flow"]
 BURST = (1.0, 2.0, 2.0)  # minutes after the warm-up it starts, minutes it lasts, times the arrival rates
 NOISY_X = 5.0
 

@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.contenders import WARMROUTE, overlaid
+from bench.report import Measured
+from bench.contenders import RUNS, WARMROUTE, overlaid
 from bench.harness import (
     NOT_ENGINE_SHARE,
     brain_decision_mean,
@@ -52,9 +53,9 @@ from bench.harness import (
     invocation,
     metric_total,
     pace_check,
+    Running,
+    front,
     reset_caches,
-    start_peer,
-    wait_answering,
 )
 from extproc.tools.stack import real_vllm
 from extproc.tools.stack.local import Replica, Stack, http_get
@@ -62,12 +63,11 @@ from extproc.tools.workload.generate import WorkloadConfig
 from extproc.tools.workload.http_replay import replay
 from extproc.tools.workload.measure import per_class
 
-CONTENDERS = ["warmroute", "warmroute_estimate", "envoy_ring_hash_bounded_150", "envoy_least_request",
-              "sglang_router_cache_aware", "vllm_router_cache_aware"]
+CONTENDERS = RUNS["real"]
 # warmroute's rows: as `warmroute up --engine vllm` ships it (exact mode), the same counting by estimate (no KV events
 # read, no tokenizer), and flow control's burst pair
 WARMROUTE_ROWS = ("warmroute", "warmroute_estimate", "warmroute_flow", "warmroute_no_flow")
-BURST_CONTENDERS = ["warmroute_flow", "warmroute_no_flow", "envoy_ring_hash_bounded_150"]
+BURST_CONTENDERS = RUNS["real.burst"]
 BURST = (1.0, 2.0, 2.0)  # from minute 1, for 2 minutes, twice the arrival rates (of a 4-minute run)
 # what the tiny model reads (8K tokens; the workload counts 4 characters a token, the model's tokenizer ~3: a
 # 5,000-token context is ~6,500 of its tokens) and what two shared cores carry: ~56 sessions a minute of ~10 turns,
@@ -86,26 +86,16 @@ BOOTSTRAP = 2000  # resamples behind each interval
 
 
 @dataclass
-class Row:
+class Row(Measured):
     contender: str
     seed: int
-    sent: int = 0
-    errors: int = 0
-    ttft_p50: float = float("nan")
-    ttft_p99: float = float("nan")
     hit: float = float("nan")
-    out_tok_s: float = float("nan")
+    out_tok_s: float = dataclasses.field(default=float("nan"), kw_only=True)
     brain_share: float | None = None
     max_share: float = float("nan")  # the busiest replica's share of the requests over a fair share
-    client_lag_ms: float = float("nan")  # the client's own event-loop lag, p99
-    pace: str = ""  # why this run measured the machine (harness.pace_check)
     # warmroute: per replica, the brain's learned prefill tokens/s and decode s/token at the end of the run against
     # the engine's own histograms over the run: (learned prefill, true prefill, learned decode, true decode)
     rates: list[tuple[float, float, float, float]] = dataclasses.field(default_factory=list)
-    refused: int = 0  # 429s with Retry-After, each sent again (flow control)
-    classes: dict = dataclasses.field(default_factory=dict)  # measure.per_class over the run
-    note: str = ""
-    ttfts: list[float] = dataclasses.field(default_factory=list)  # every answered request's, as the client saw it
     hits: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # each answer's (cached, prompt) tokens
     not_engine: float = float("nan")  # of the mean TTFT, the share the engines did not see
     header_share: float | None = None  # warmroute: the share of its decisions taken at the headers (issue 61)
@@ -118,29 +108,17 @@ class Row:
     joined: list[dict] = dataclasses.field(default_factory=list)  # those decisions whole (what the error is read from)
 
 
-def start_router(contender: str, replicas: list[Replica], model: str) -> tuple[str, Stack]:
-    """The router in front of the running replicas: its URL, and a stack that stops what it started."""
+def start_router(contender: str, replicas: list[Replica], model: str) -> Running:
+    """The router in front of the running replicas, answering (``harness.front``); stopping it stops what it
+    started, not the engines."""
     # as `warmroute up --engine vllm` ships it: the engines publish KV events and the brain has the model's tokenizer
     # (exact mode); the header path on (envoy.header_path, the default)
     config: dict = {"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0},
                     "exact_cache": {"tokenizers": {model: str(real_vllm.model_dir())}}}
-    if contender in WARMROUTE:  # its overlay, as every bench starts it (bench.contenders)
-        config = overlaid(config, contender)
-    s = Stack(0, config=config)
+    s = Stack(0, config=overlaid(config, contender) if contender in WARMROUTE else config)
+    s.replicas = list(replicas)
     try:
-        proc = None
-        if contender in WARMROUTE_ROWS:
-            s.replicas = list(replicas)
-            s.write_config()
-            s.start_brain()
-            s.start_envoy()
-            s.wait_all_live(60)
-            url = s.url
-        else:
-            url, proc = start_peer(contender, [r.url for r in replicas], s.dir)
-            s._started.append(proc)
-        wait_answering(url, model, contender, proc, 90)
-        return url, s
+        return front(contender, s, model=model, answer_timeout_s=90)
     except BaseException:
         s.stop()
         raise
@@ -150,7 +128,8 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
     row = Row(contender, seed)
     reset_caches([r.url for r in replicas])
     try:
-        url, s = start_router(contender, replicas, model)
+        run = start_router(contender, replicas, model)
+        url, s = run.url, run.stack
     except Exception as e:  # a router that cannot start is a row that says why
         row.note = f"did not start: {e}"[:160]
         return row
@@ -191,7 +170,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
                                   mine.get("decode_seconds_per_token", float("nan")),
                                   d["decode_seconds"] / d["decode_tokens"] if d["decode_tokens"] else float("nan")))
     finally:
-        s.stop()
+        run.stop()
     ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
     row.ttfts = ok
     row.hits = [(r.cached_tokens or 0, r.extra["prompt_tokens"]) for r in res.requests

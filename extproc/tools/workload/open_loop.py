@@ -41,6 +41,28 @@ class OpenLoop:
             await asyncio.gather(*tasks)
 
 
+class OpenLoad:
+    """A load whose requests arrive at ``rate`` per second whatever the answers (an open loop), each sent by
+    ``_one(http, i)``: what the benches' loads are made of."""
+
+    def __init__(self, rate: float):
+        self._loop = OpenLoop(rate, self._one)
+
+    async def _one(self, http: aiohttp.ClientSession, i: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def sent(self) -> int:
+        return self._loop.sent
+
+    def start(self) -> "OpenLoad":
+        self._loop.start()
+        return self
+
+    def stop(self) -> None:
+        self._loop.stop()
+
+
 def write_report(out: str, title: str, intro: str, text: str) -> None:
     """Print ``text`` and, with a path, write it as a markdown page (docs/) under ``title`` and ``intro``."""
     import time

@@ -13,7 +13,7 @@ import json
 import math
 import ssl
 import time
-
+from dataclasses import dataclass, field
 from typing import Callable, Collection
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -21,7 +21,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from ..config import AppConfig, ConfigError, first_answer_s, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import ChainCache, Decision, PinAction, Router, Transition, build_profile
-from ..core.models import ModelCatalog
+from ..core.models import ModelCatalog, Resolution
+from ..core.profile import RequestProfile
 from ..core.apis import (PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id,
                         without_kv_transfer)
 from ..core.names import BodyStatus, PinKind, Reason
@@ -45,6 +46,24 @@ from .stats import BrainStats
 from .view import state_of
 
 _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
+
+
+@dataclass(slots=True)
+class HeldRequest:
+    """A request flow control holds: what its decision needs once it goes (its profile, its model's resolution,
+    since when it waits) and what its answer is written from (the front's headers, body, phase and subset)."""
+
+    profile: RequestProfile
+    res: Resolution
+    since: float
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes | None = None
+    phase: str = ""
+    only: "set[str] | None" = None
+
+    def answered_as(self, headers: dict[str, str], body: bytes | None, phase: str,
+                    only: "set[str] | None" = None) -> None:
+        self.headers, self.body, self.phase, self.only = headers, body, phase, only
 
 
 class Brain(ScrapeListener):
@@ -78,8 +97,7 @@ class Brain(ScrapeListener):
         self._legs_http = None  # prefill legs' HTTP session, made at the first (legs.py)
         self.router.disaggregates = cfg.brain.protocol != "endpoint-picker"  # a picker's gateway carries one leg
         # flow control: what each held request needs to be answered (key -> headers, body, phase; body status)
-        self.waiting: dict[object, tuple] = {}
-        self._held_profile: dict[object, tuple] = {}  # key -> (its profile, its model's resolution, held since)
+        self.held: dict[object, HeldRequest] = {}  # flow control's held requests, by key: one record each
         self._hold_keys = itertools.count(1)
         # the quickest first token predicted for a turn of a session under way lately (and when), and the last turn
         self._turn_ttft_s, self._turn_least_at, self._turn_at = 0.0, -math.inf, -math.inf
@@ -228,7 +246,7 @@ class Brain(ScrapeListener):
                 profile = dataclasses.replace(profile, tenant=flow[0], priority=flow[1], ttft_slo_s=flow[2])
         d = r.select(profile, now, only, holder, hold_key, len(body) if body else 0)
         if d.reason is Reason.HELD:
-            self._held_profile[hold_key] = (profile, res, now)  # what its decision needs once it goes
+            self.held[hold_key] = HeldRequest(profile, res, now)  # what its decision needs once it goes
             self.stats.record_decision(d, profile.body_status, now)
             return d
         return self._decided(d, profile, res, now, t0)
@@ -271,7 +289,7 @@ class Brain(ScrapeListener):
         key = next(self._hold_keys) if self.router.flow is not None else None
         d = self.choose(headers, body, hold_key=key)
         if d.reason is Reason.HELD:
-            self.waiting[key] = (headers, body, phase, None)
+            self.held[key].answered_as(headers, body, phase)
             return Held(key)
         if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE, Reason.TENANT_CAP):
             return self.too_many(d, headers)
@@ -407,28 +425,26 @@ class Brain(ScrapeListener):
         (held past flow_control.wait_s, or pushed out by a higher class), with their answers. ``answered(key)``:
         whether the request's call still waits (a placement nobody takes is released at once)."""
         flow = self.router.flow
-        if flow is None or not self.waiting:
+        if flow is None or not self.held:
             return []
         now = self.clock()
         out = []
         for key, d in self.router.offer(now):
-            headers, body, phase, only = self.waiting.pop(key)
-            profile, res, held_at = self._held_profile.pop(key)
-            self.stats.flow_released[CLASSES[profile.priority]] += 1
-            self.stats.flow_wait_s[CLASSES[profile.priority]] += now - held_at
+            h = self.held.pop(key)
+            self.stats.flow_released[CLASSES[h.profile.priority]] += 1
+            self.stats.flow_wait_s[CLASSES[h.profile.priority]] += now - h.since
             if not answered(key):
                 self.router.release(d.reservation, now)
                 self.router.release(d.prefill_reservation, now)  # a prefill leg planned for it: never sent
                 continue
-            d = self._decided(d, profile, res, now)
-            out.append((key, self.picks.pick_of(d, headers, body, only) if phase == PICK
-                        else self._answer(d, headers, body, phase)))
+            d = self._decided(d, h.profile, h.res, now)
+            out.append((key, self.picks.pick_of(d, h.headers, h.body, h.only) if h.phase == PICK
+                        else self._answer(d, h.headers, h.body, h.phase)))
         for key in flow.refused:
-            held = self.waiting.pop(key, None)
-            if held is not None:
-                self._held_profile.pop(key, None)
-                answer = self.too_many("waited_too_long", held[0])
-                out.append((key, Pick([], None, immediate=answer) if held[2] == PICK else answer))
+            refused = self.held.pop(key, None)
+            if refused is not None:
+                answer = self.too_many("waited_too_long", refused.headers)
+                out.append((key, Pick([], None, immediate=answer) if refused.phase == PICK else answer))
         flow.refused.clear()
         return out
 
@@ -436,10 +452,9 @@ class Brain(ScrapeListener):
         """A held request's call ended before its answer (Envoy closed the stream: its client went away, or its
         message timer ran out)."""
         self.router.cancel(key, self.clock())
-        self.waiting.pop(key, None)
-        held = self._held_profile.pop(key, None)
+        held = self.held.pop(key, None)
         if held is not None:
-            self.stats.flow_abandoned[CLASSES[held[0].priority]] += 1
+            self.stats.flow_abandoned[CLASSES[held.profile.priority]] += 1
 
     def immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
         """The brain's own answer when no replica is to be asked (None: one is), in the shape the path's API

@@ -48,7 +48,7 @@ class Deciding(Protocol):
     router: Router
     releaser: Releaser
     decisions: DecisionLog
-    waiting: dict[object, tuple]
+    held: dict
     endpoint_of: dict[str, str]
     clock: Callable[[], float]
 
@@ -103,7 +103,7 @@ class Picks:
         key = self.brain.hold_key()
         d = self.brain.choose(headers, body, only, hold_key=key)
         if d.reason is Reason.HELD:
-            self.brain.waiting[key] = (headers, body, PICK, only)
+            self.brain.held[key].answered_as(headers, body, PICK, only)
             return Pick([], None, held=key)
         if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE, Reason.TENANT_CAP):
             return Pick([], None, immediate=self.brain.too_many(d, headers))

@@ -206,7 +206,7 @@ class FlowWaits:
 
     def on_log_entry(self, entry) -> None:
         self.brain.on_log_entry(entry)
-        if self.brain.waiting:
+        if self.brain.held:
             self.woken.set()
 
     def wait(self, key: object) -> asyncio.Future:
@@ -278,7 +278,7 @@ class BrainServer:
 
             def end_picked(*args) -> None:  # a response's end: a held request may go now
                 brain.picks.end(*args)
-                if brain.waiting:
+                if brain.held:
                     waits.woken.set()
 
             return EndpointPicker(brain.picks.pick, end_picked, cfg.envoy.brain_body_max_bytes, brain.clock, reset,

@@ -122,7 +122,7 @@ def test_flow_control_never_holds_a_turn_at_its_headers():
     for r in b.router.replicas:  # every queue long: the home stays the best, and flow control would hold it
         b.router.policy.state_of(r).prefill_busy_until = b.clock() + 600.0
     doc = body(2)
-    assert b.at_headers(headers("s1", len(doc))) is None and not b.waiting and not b.router.flow.held
+    assert b.at_headers(headers("s1", len(doc))) is None and not b.held and not b.router.flow.held
     assert b.stats.header_path_declined["home_declined"] == 1
     assert b.router.session_pins.get(next(iter(b.router.session_pins._pins)), b.clock()).replica.name == home
 

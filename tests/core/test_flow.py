@@ -390,7 +390,7 @@ def test_a_held_request_nobody_waits_for_any_more_is_released_and_one_held_too_l
     assert key == late.key and answer.immediate_response.status.code == 429
     headers = {h.header.key: h.header.raw_value.decode() for h in answer.immediate_response.headers.set_headers}
     assert headers["retry-after"] == "2" and headers[DROPPED_REASON_HEADER] == "waited_too_long"
-    assert b.stats.flow_refused["waited_too_long"] == 1 and not b.waiting and len(b.router.flow) == 0
+    assert b.stats.flow_refused["waited_too_long"] == 1 and not b.held and len(b.router.flow) == 0
 
 
 def test_flow_control_config_is_checked_and_on_by_default_holding_by_kv_only():

@@ -94,8 +94,8 @@ test: install system-deps k8s-tools lint
 	echo "--- no process: pytest -m 'not integration' ($(ENGINE_DIR)/unit.log)"; tail -30 $(ENGINE_DIR)/unit.log; \
 	[ "$$(cat $(ENGINE_DIR)/unit.rc)" = 0 ] || rc=1; exit $$rc
 
-lint: install  ## ruff (errors, bugbear, simplify, 120 columns) on the product and mypy on its core and brain, as pyproject.toml configures them
-	$(PY) -m ruff check extproc
+lint: install  ## ruff (errors, bugbear, simplify, 120 columns) on the product, the benchmarks and the tests, mypy on the core and the brain, as pyproject.toml configures them
+	$(PY) -m ruff check extproc bench tests engines
 	$(VENV)/bin/mypy
 
 test-unit: install k8s-tools  ## everything but the tests that start Envoy, brains and replicas, two at a time (~2 min on 2 cores)

@@ -164,7 +164,7 @@ def config_reference() -> str:
         "",
     ]
     rows = config_fields()
-    for section, cls, blurb in SECTIONS:
+    for section, _cls, blurb in SECTIONS:
         out += [f"## `{section}`" if section else "## Top level", "", blurb, "", "| key | type | default | meaning |",
                 "|---|---|---|---|"]
         prefix = f"{section}." if section else ""
@@ -309,9 +309,9 @@ def check_text(text: str, where: str, *, targets: set[str], flags: dict[str, set
     bad = []
     for span in _CODE.findall(text):
         words = span.split()
-        if len(words) >= 2 and words[0] == "make" and re.fullmatch(r"[a-z][a-z0-9-]*", words[1]):
-            if words[1] not in targets:
-                bad.append(f"{where}: `{span}`: no make target {words[1]!r}")
+        if len(words) >= 2 and words[0] == "make" and re.fullmatch(r"[a-z][a-z0-9-]*", words[1]) \
+                and words[1] not in targets:
+            bad.append(f"{where}: `{span}`: no make target {words[1]!r}")
         if words and words[0] == "warmroute" and len(words) >= 2 and not words[1].startswith("-"):
             sub = words[1]
             if sub not in flags:

@@ -94,7 +94,7 @@ def envoy_builtin(policy: str, ports: list[int], listen: int, speedup: float,
         route["hash_policy"] = [{"header": {"header_name": "x-session-id"}}]
     if hash_balance_factor:
         cluster["common_lb_config"] = {"consistent_hashing_lb_config": {"hash_balance_factor": hash_balance_factor}}
-    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",  # noqa: E501
            "stat_prefix": "ingress", "stream_idle_timeout": "0s",
            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"},
                                                                                             "route": route}]}]},
@@ -249,12 +249,13 @@ def brain_decision_mean(text: str) -> float | None:
 def pace_check(ttft_p50: float, client_lag_p99: float, not_engine_p50: float | None, speedup: float) -> str | None:
     """Why a run measured itself rather than the replicas (None: it measured the replicas). ``ttft_p50`` and
     ``not_engine_p50`` in workload seconds; ``client_lag_p99`` in wall seconds (the replay's own event-loop lag)."""
-    if not ttft_p50 == ttft_p50 or ttft_p50 <= 0:
+    if ttft_p50 != ttft_p50 or ttft_p50 <= 0:
         return None
     lag = client_lag_p99 * speedup
     if lag >= CLIENT_LAG_SHARE * ttft_p50:
         return f"the client lagged {lag:.2f} s (p99, workload time) against a TTFT p50 of {ttft_p50:.2f} s"
-    if not_engine_p50 is not None and not_engine_p50 == not_engine_p50 and not_engine_p50 >= NOT_ENGINE_SHARE * ttft_p50:
+    if not_engine_p50 is not None and not_engine_p50 == not_engine_p50 \
+            and not_engine_p50 >= NOT_ENGINE_SHARE * ttft_p50:
         return (f"{not_engine_p50:.2f} s of the TTFT p50 of {ttft_p50:.2f} s was not the engines' "
                 f"(client, Envoy, router, the replicas' HTTP)")
     return None

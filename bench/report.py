@@ -80,7 +80,7 @@ def flow_table(rows: list[Row]) -> str:
             lines.append(f"| {r.contender} | {r.scenario} | {r.note} |||||||||| ")
             continue
         c = r.classes
-        num = lambda k, f="{:.1f}": f.format(c[k]) if k in c else "—"  # noqa: E731
+        num = lambda k, f="{:.1f}", c=c: f.format(c[k]) if k in c else "—"  # noqa: E731
         others = "—"
         if r.scenario == "noisy_tenant":
             base = plain.get(r.contender)

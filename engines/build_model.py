@@ -44,7 +44,7 @@ new old add remove update read write open close start stop check fix bug issue c
 merge main version module package function method argument arguments parameter type types object objects key keys
 map set get put post header headers body json yaml http server client port host address queue worker task job
 please follow these steps use only when needed keep answer short explain why what how where which because after
-before into over under between each every some all any more most less least other such same different""".split()
+before into over under between each every some all any more most less least other such same different""".split()  # noqa: SIM905 (a corpus, read as words)
 
 
 def corpus(n_lines: int, rng: random.Random):

@@ -151,7 +151,8 @@ def brain_kill(stack: Stack, load: Load) -> tuple[float, str]:
     stack.start_brain()
     healed = time.monotonic()
     wait_for(stack.brain_healthy_in_envoy, 30, "Envoy to see the new brain")
-    return healed, "5 s without a brain: Envoy fails open to the bounded ring hash; the new brain re-earns every replica"
+    return healed, ("5 s without a brain: Envoy fails open to the bounded ring hash; the new brain re-earns every "
+                    "replica")
 
 
 def replica_kill(stack: Stack, load: Load) -> tuple[float, str]:
@@ -349,7 +350,8 @@ def rogue_client(stack: Stack, load: Load) -> tuple[float, str]:
 
 
 def _machine_busy() -> tuple[int, int]:
-    v = list(map(int, open("/proc/stat").readline().split()[1:]))
+    with open("/proc/stat") as f:
+        v = list(map(int, f.readline().split()[1:]))
     return sum(v) - v[3] - v[4], sum(v)  # busy and total jiffies (idle and iowait are not busy)
 
 
@@ -365,7 +367,8 @@ def burst(stack: Stack, load: Load) -> tuple[float, str]:
     script.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\ncounter = 0\n'
         'request = function()\n  counter = counter + 1\n  wrk.headers["x-session-id"] = "burst-" .. (counter % 300)\n'
-        f'  wrk.body = \'{{"model": "{MOCK_MODEL}", "max_tokens": 2, "messages": [{{"role": "user", "content": "turn \' '
+        f'  wrk.body = \'{{"model": "{MOCK_MODEL}", "max_tokens": 2, '
+        '"messages": [{"role": "user", "content": "turn \' '
         '.. counter '
         '.. \' hello"}]}\'\n  return wrk.format()\nend\n')
     procs = {"brain": stack.brain.popen.pid, "envoy": stack.envoy.popen.pid,

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         verdict += f"; probes: {sum(sum(c.values()) for c in probes.counts.values())} answered, " + (
             "each as designed" if not bad else f"UNEXPECTED {bad}")
         grown += ["probes"] if bad else []
-    text = "\n".join(lines) + f"\n\n{load.sent} requests ({load.ok} ok, {load.failed} failed) in {minutes:g} min: {verdict}.\n"
+    text = "\n".join(lines) + (f"\n\n{load.sent} requests ({load.ok} ok, {load.failed} failed) in {minutes:g} min: "
+                               f"{verdict}.\n")
     write_report(args.out, "`make soak`: unique sessions at a steady rate",
                  f"{args.rate:g} new sessions/s for {minutes:g} min through Envoy + brain + 4 mock replicas (pin TTLs "
                  f"{SESSION_TTL_S:g} s / {PREFIX_TTL_S:g} s so that the run reaches the steady state). Bounds: session "

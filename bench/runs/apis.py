@@ -153,7 +153,7 @@ def predicted_within_a_block(log: list, predicted: dict[str, int], block: int = 
     """(follow-ups whose brain-predicted cached tokens were within one engine block, or 5% of the prompt, of what
     the engine reported; follow-ups with a decision found)."""
     ok = total = 0
-    for (k, t, prompt, cached, _, rid) in log:
+    for (_k, t, prompt, cached, _, rid) in log:
         if t and rid in predicted:
             total += 1
             ok += abs(predicted[rid] - cached) <= max(block, 0.05 * prompt)
@@ -207,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{ca:9.0f} {ratio:6.3f}")
         print(f"{t:4d} {p:7.0f} {c:7.0f} " + " ".join(cells))
     print("\nover turns 2+, cached tokens against chat's: " + ", ".join(
-        f"{a} "
-        f"{sum(turns[a][t][1] for t in range(1, args.turns)) / max(1.0, sum(turns['chat'][t][1] for t in range(1, args.turns))):.3f}x"
+        f"{a} {_cached(turns, a, args.turns) / max(1.0, _cached(turns, 'chat', args.turns)):.3f}x"
         for a in ("messages", "responses")))
     print("follow-ups that found less than half their conversation cached (the session moved, or was evicted): " +
           ", ".join(f"{a} {cache_lost(results[a]['log'])}" for a in APIS))
@@ -225,3 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _cached(turns, api: str, n: int) -> float:
+    """An API's cached tokens summed over turns 2 to ``n``."""
+    return sum(turns[api][t][1] for t in range(1, n))

@@ -237,8 +237,9 @@ def live(args) -> None:
               f"{n['ttft_p99'] / one['ttft_p99']:.2f}x")
     for fault, what in (("brain", "one of two brains killed"), ("redis", "Redis killed for 10 s and back")):
         n = _run(2, True, args, fault)
+        returned = " it returned" if fault == "redis" else ""
         print(f"{what}: {n['errors']} client errors; hits {n['before']:.1%} in the 30 s before, {n['after']:.1%} in "
-              f"the 30 s after{' it returned' if fault == 'redis' else ''} ({100 * (n['after'] - n['before']):+.1f} pt)")
+              f"the 30 s after{returned} ({100 * (n['after'] - n['before']):+.1f} pt)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,7 +121,7 @@ def _conversation(turns: int, turn_bytes: int, system_bytes: int = 4000, seed: i
     rng = random.Random(seed)
     msgs = [{"role": "system", "content": "You are a coding agent. " * (system_bytes // 24)}]
     out = []
-    for k in range(turns):
+    for _ in range(turns):
         msgs.append({"role": "user", "content": "".join(rng.choices("abcdefgh ", k=turn_bytes // 2))})
         out.append(orjson.dumps({"model": MOCK_MODEL, "messages": msgs, "stream": True}))
         msgs.append({"role": "assistant", "content": "x" * (turn_bytes // 2)})
@@ -217,13 +217,12 @@ def warm_costs() -> list[str]:
         brain, _ = _brain("warm")
         first_sight = _decide_each(brain, [b], 1)[0]
         next_turn = _decide_each(brain, [b + b"  "], 1)[0]  # the same session, its history unchanged
-        one_load = min(_time(lambda: orjson.loads(b)) for _ in range(3))
+        one_load = min(_time(lambda b=b: orjson.loads(b)) for _ in range(3))
         worst.append((size, max(first_sight, next_turn)))
+        verdict = (", target <= 2x: " + ("ok" if first_sight <= 2 * one_load else "MISSED")) if size == 1_000_000 \
+            else ""
         rows.append(f"{size / 1e6:g} MB first sight {first_sight * 1e3:.2f} ms ({first_sight / one_load:.1f}x one "
-                    f"orjson.loads "
-                    f"of "
-                    f"it{(', target <= 2x: ' + ('ok' if first_sight <= 2 * one_load else 'MISSED')) if size == 1_000_000 else ''}), "
-                    f"next turn {next_turn * 1e3:.2f} ms")
+                    f"orjson.loads of it{verdict}), next turn {next_turn * 1e3:.2f} ms")
     lines.append("warm decide by body size (the chain covers at most profile.chain_max_bytes, hashing at most "
                  "chain_step_bytes of it per request): " + "; ".join(rows))
     lines.append("longest warm decide by body size: " + ", ".join(
@@ -362,8 +361,8 @@ def exact_costs() -> list[str]:
     loads = min(_time(lambda: orjson.loads(bodies[-1])) for _ in range(3))
     lines.append(f"exact mode: a first turn of {len(toks):,} tokens ({len(bodies[-1]) / 1e3:.0f} KB) rendered and "
                  f"tokenized in {(t1 - t0) * 1e3:.0f} ms, its {len(toks) // 128} blocks hashed in "
-                 f"{(t2 - t1) * 1e3:.1f} ms "
-                 f"({(t2 - t0) / loads:.0f}x one orjson.loads of it); a later turn of the same session extends the last")
+                 f"{(t2 - t1) * 1e3:.1f} ms ({(t2 - t0) / loads:.0f}x one orjson.loads of it); a later turn of the "
+                 "same session extends the last")
     return lines
 
 

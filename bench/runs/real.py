@@ -417,7 +417,7 @@ def class_table(rows: list[Row]) -> str:
         c = r.classes
         ring = next((x for x in rows if x.seed == r.seed and x.contender == "envoy_ring_hash_bounded_150"
                      and "standard_ttft_p99" in x.classes), None)
-        ms = lambda k: f"{c[k] * 1000:.0f}" if k in c else "—"  # noqa: E731
+        ms = lambda k, c=c: f"{c[k] * 1000:.0f}" if k in c else "—"  # noqa: E731
         vs = f"{c['standard_ttft_p99'] / ring.classes['standard_ttft_p99']:.2f}x" \
             if ring is not None and "standard_ttft_p99" in c else ""
         lines.append(f"| {r.seed} | {r.contender} | {ms('standard_ttft_p50')} | {ms('standard_ttft_p99')} | "

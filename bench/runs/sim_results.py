@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         out = run(command)
         outputs[command] = out
         text = doc.read_text()
-        text = BLOCK.sub(lambda m: f"```\n$ {m.group(1)}\n{out}```" if m.group(1) == command else m.group(0), text)
+        text = BLOCK.sub(lambda m, out=out, command=command: f"```\n$ {m.group(1)}\n{out}```" if m.group(1) == command
+                         else m.group(0), text)
         doc.write_text(text)
         print(out.rstrip().rsplit("\n", 1)[-1], flush=True)
     if args.quoting:

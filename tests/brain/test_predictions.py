@@ -173,12 +173,12 @@ def test_issue62_a_replica_never_measured_is_priced_at_its_peers_overhead_and_an
     router, t = _warm(3)
     pol = router.policy
     r0, r1, r2 = router.replicas
-    for i in range(10):
+    for _ in range(10):
         pol.state_of(r0).overhead.add(1000, 0.020, t)
         pol.state_of(r1).overhead.add(1000, 0.030, t)
     pol.on_first_token(_FakeRes(r1, 1000), 0.030, t)  # the fleet's level is recomputed as samples come
     assert pol.states.overhead_of(r2, t, 1000) == pytest.approx(0.030)  # never measured: its peers' (median) level
-    for i in range(10):
+    for _ in range(10):
         pol.state_of(r2).overhead.add(1000, 0.500, t)  # a slow API server, measured once
     pol.on_first_token(_FakeRes(r2, 1000), 0.500, t)
     assert pol.states.overhead_of(r2, t, 1000) == pytest.approx(0.5, abs=0.01)

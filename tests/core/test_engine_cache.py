@@ -371,7 +371,8 @@ def test_C3_a_prefix_an_offloaded_tier_holds_is_priced_as_its_restore_never_abov
     hashes = tuple(external(d) for d in chain(tokens, 128, none_hash()))  # 31 full blocks
     prof = RequestProfile(tokens=2000, engine_tokens=4000, engine_hashes=(128, hashes))
 
-    def priced(cfg=RouterConfig(), locality="LOCAL", medium="CPU", restore_s=None):
+    def priced(cfg=None, locality="LOCAL", medium="CPU", restore_s=None):
+        cfg = cfg if cfg is not None else RouterConfig()
         router, t = live_router(2, cfg)
         _tiered(router, "r0", hashes, tokens, 2, 2, t)  # r0: 2 blocks on the GPU, nothing offloaded
         _tiered(router, "r1", hashes, tokens, 2, 30, t, locality, medium)  # r1: 2 on the GPU, 28 more offloaded

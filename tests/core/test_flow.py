@@ -513,7 +513,7 @@ def test_tenants_that_owe_nothing_are_forgotten_past_the_bound_and_those_that_do
     q.push(held("w", tenant="waiting"))
     q.pop()
     q.push(held("w2", tenant="waiting"))  # waiting: kept whatever it was served
-    for i in range(3):
+    for _ in range(3):
         q.charge("heavy", 10_000.0)  # served while "waiting" waited: ahead of the floor the others are lifted to
     for i in range(20):  # one-off tenants (API keys seen once), each served once
         q.charge(f"key{i}", 100.0)
@@ -960,7 +960,7 @@ def test_a_reload_that_changes_how_long_sessions_pause_restarts_the_learned_hori
     cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=60))
     router, t = live_router(2, cfg)
     pol = router.policy
-    for turn in range(9):
+    for _turn in range(9):
         for k in range(8):
             d = router.select(prof(session=f"s{k}", tokens=1000, blocks=chain(f"s{k}", f"s{k}", 1000)), t + 0.01 * k)
             router.release(d.reservation, t + 0.01 * k + 0.1)

@@ -106,7 +106,7 @@ def test_the_token_scale_is_the_engine_s_tokens_per_estimated_token_over_the_las
         requests += 1
         s.update(LoadSample(prompt_tokens=engine, prompt_requests=requests))
     assert s.learned and s.value == pytest.approx(1.5, rel=0.01)
-    for k in range(200):  # another tokenizer behind the same name (a new model): followed within the window
+    for _ in range(200):  # another tokenizer behind the same name (a new model): followed within the window
         s.sent(1_000)
         engine += 800
         requests += 1

@@ -31,6 +31,7 @@ def test_messages_conversations_keep_their_cache_and_errors_come_in_anthropic_s_
     client = anthropic.Anthropic(api_key="unused", base_url=stack.url, max_retries=0)
     for session in ("a", "b"):
         history: list[dict] = []
+        prompt = 0  # the last turn's prompt tokens, as the engine counted them
         for turn in range(4):
             history.append({"role": "user", "content": [{"type": "text", "text": f"{session} step {turn} " * 40,
                                                          "cache_control": {"type": "ephemeral"}}]})

@@ -92,9 +92,10 @@ def test_another_local_user_can_neither_stop_envoy_nor_read_the_brain_s_state(ow
 
 
 def _peak_rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) / 1024
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
     raise AssertionError("no VmHWM")
 
 
@@ -311,7 +312,7 @@ def test_declared_bodies_that_never_come_and_slow_uploads_do_not_make_the_brain_
                     w.close()
 
         task = asyncio.create_task(declarations())
-        await asyncio.sleep(0.5)  # the first declarations are in  # noqa: ASYNC - a scene's pace, not a wait for state
+        await asyncio.sleep(0.5)  # the first declarations are in; a scene's pace, not a wait for state
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             async def one(k: int) -> int:
                 async with http.post(s.url + CHAT, data=big(f"new-{k}"), headers={

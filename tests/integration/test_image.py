@@ -111,7 +111,7 @@ def test_the_brain_started_from_the_image_runs_as_non_root_and_routes_a_request(
         (mount / "warmroute.yaml").chmod(0o644)
         ctr = subprocess.run(["buildah", "from", TAG], capture_output=True, text=True, check=True).stdout.strip()
         entry = image["OCIv1"]["config"]["Entrypoint"]
-        log = open(tmp_path / "brain.log", "wb")
+        log = open(tmp_path / "brain.log", "wb")  # noqa: SIM115 (the brain's log while it runs, closed below)
         proc = subprocess.Popen(["buildah", "run", "--isolation", "chroot", "--network", "host",
                                  "-v", f"{mount}:/etc/warmroute:ro", ctr, "--", *entry],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

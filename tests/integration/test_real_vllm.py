@@ -573,6 +573,7 @@ def test_the_agents_sdks_converse_through_warmroute_with_real_engines(fleet):
     system = "You are a coding agent. Keep the repository's style and run its tests. " * 30
     a = anthropic.Anthropic(api_key="unused", base_url=fleet.url, max_retries=0, timeout=120)
     history: list[dict] = []
+    prompt = 0  # the last turn's prompt tokens, as the engine counted them
     for turn in range(3):
         history.append({"role": "user", "content": [{"type": "text", "text": f"step {turn}: fix the parser " * 20}]})
         kw = dict(model=MODEL, max_tokens=8, system=system, messages=history,

@@ -327,7 +327,7 @@ def test_exact_mode_mounts_the_tokenizers_and_names_the_engines_publishers(case,
     [container] = [c for c in pod["containers"] if c["name"] == "brain"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-    for i, t in enumerate(values["exactMode"]["tokenizers"]):
+    for t in values["exactMode"]["tokenizers"]:
         path = paths[t["model"]]
         assert mounts[path]["readOnly"] and mounts[path].get("subPath") == t.get("subPath")
         assert {k: v for k, v in volumes[mounts[path]["name"]].items() if k != "name"} == t["volume"]

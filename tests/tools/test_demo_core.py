@@ -22,12 +22,12 @@ def test_core_demo_runs_and_every_reservation_is_released(policy, word):
     assert "affinity" in text and word in text
     # no decision line names r2 between its ejection and its return to PROBING
     lines = text.splitlines()
-    start = next(i for i, l in enumerate(lines) if "r2: LIVE -> EJECTED" in l)
-    end = next(i for i, l in enumerate(lines) if "r2: EJECTED -> PROBING" in l)
-    assert not [l for l in lines[start:end] if "-> r2 " in l]
+    start = next(i for i, ln in enumerate(lines) if "r2: LIVE -> EJECTED" in ln)
+    end = next(i for i, ln in enumerate(lines) if "r2: EJECTED -> PROBING" in ln)
+    assert not [ln for ln in lines[start:end] if "-> r2 " in ln]
     # after the drain at t=150 nothing new lands on r1
-    drain_at = next(i for i, l in enumerate(lines) if "operator drains r1" in l)
-    assert not [l for l in lines[drain_at:] if "-> r1 " in l]
+    drain_at = next(i for i, ln in enumerate(lines) if "operator drains r1" in ln)
+    assert not [ln for ln in lines[drain_at:] if "-> r1 " in ln]
 
 
 def test_core_demo_is_deterministic_for_a_seed():

@@ -1,6 +1,6 @@
 """The big fleet's half of the warm policy: from SHORTLIST_FROM candidates on, the fleet is looked at whole now and
 then (``View``: every replica's standing for a typical request, with the same cost terms as the price), and each
-request prices a shortlist of the rows that can win instead of every candidate (docs/routing.md, "Big fleets").
+request prices a shortlist of the rows that can win instead of every candidate (docs/brains.md, "Big fleets").
 The policy holds one ``Shortlist``: it owns the view and what was booked and released since it was taken."""
 
 from __future__ import annotations

@@ -177,8 +177,8 @@ class WarmPolicy(Policy):
         if prompt > st.cache_tokens * (1 if profile.engine_tokens else 2):
             # refused by the engine before any prefill (vLLM starts only with max_model_len within its KV cache): more
             # tokens than the cache holds by the engine's count, twice that by a size's estimate (a text may run to
-            # more bytes per token). It queues nothing and holds no KV; priced as a prefill, bodies the engines
-            # answer 400 at once would hold every new session behind them (docs/routing.md, "Hardening")
+            # more bytes per token). It queues nothing and holds no KV; priced as a prefill, eight 32 MiB bodies the
+            # engines answered 400 at once held every new session behind them (429, deadline_unmeetable)
             prompt, cached, prefix, restored = 0, 0, None, 0
         if st.engine_block and cached:  # vLLM hits whole blocks only, and never the prompt's last token
             cached -= cached % st.engine_block

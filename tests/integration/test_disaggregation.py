@@ -16,7 +16,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from extproc.tools.stack.local import Stack, wait_for
+from extproc.tools.stack.local import Stack, http_post_json, wait_for
 from extproc.tools.stack.procs import StackError
 
 from .conftest import FAST
@@ -76,9 +76,12 @@ def disaggregated(stack: Stack, outcome: str) -> float:
                if line.startswith(f'warmroute_disaggregated_total{{outcome="{outcome}"}}'))
 
 
+def replica_url(stack: Stack, name: str) -> str:
+    return next(r.url for r in stack.replicas if r.name == name)
+
+
 def replica_json(stack: Stack, name: str, path: str) -> dict:
-    url = next(r.url for r in stack.replicas if r.name == name)
-    with urllib.request.urlopen(url + path, timeout=5) as r:
+    with urllib.request.urlopen(replica_url(stack, name) + path, timeout=5) as r:
         return json.loads(r.read())
 
 
@@ -159,14 +162,22 @@ def test_a_prefill_replica_killed_mid_leg_fails_no_client(pd):
 def test_a_decode_replica_killed_after_its_prefill_fails_no_client(pd):
     """The decode replica dies while it loads the KV: Envoy retries the decode leg on the other decode replica, which
     loads it (the prefill replica still holds it) or computes it."""
+    decoders = ("r2", "r3")
+    fast = {"kv_tokens_per_s": float(KV[KV.index("--kv-transfer-tokens-per-s") + 1])}
+    # a slow KV link on the decode side holds a load open for seconds (30,000 tokens at 2,500 tok/s, 4x sped up: 3 s),
+    # so the kill lands inside it however loaded the machine is (at the module's rate it lasts 75 ms)
+    for n in decoders:
+        http_post_json(replica_url(pd, n) + "/admin/fault", {"kv_tokens_per_s": 2500})
+
     async def run():
         async with aiohttp.ClientSession() as s:
             bg = await busy_decoders(s, pd.url, tag="kill-d")
 
             def leg_done():
+                if not any(replica_json(pd, n, "/admin/kv_transfers")["held"] for n in ("r0", "r1")):
+                    return None
                 last = json.loads(pd.admin_get("/decisions?last=1"))["decisions"][-1]
-                return last if last["prefill_replica"] and last["at"] > 0 and \
-                    any(replica_json(pd, n, "/admin/kv_transfers")["held"] for n in ("r0", "r1")) else None
+                return last if last["prefill_replica"] else None
 
             # the cost model decides whether a prompt's prefill goes to a prefill replica: on a loaded machine it
             # may compute one locally (nothing to kill then), so a few requests are sent until one is disaggregated
@@ -179,6 +190,10 @@ def test_a_decode_replica_killed_after_its_prefill_fails_no_client(pd):
                     if attempt == 2:
                         raise
                     await task
+            # the retry loads at the usual speed
+            for n in decoders:
+                if n != d["replica"]:
+                    await asyncio.to_thread(http_post_json, replica_url(pd, n) + "/admin/fault", fast)
             pd.kill_replica(d["replica"])
             got = await task
             rest = await asyncio.gather(*bg, return_exceptions=True)
@@ -194,6 +209,8 @@ def test_a_decode_replica_killed_after_its_prefill_fails_no_client(pd):
         if killed:
             pd.restart_replica(killed)
         pd.wait_all_live(60)
+        for n in decoders:
+            http_post_json(replica_url(pd, n) + "/admin/fault", fast)
 
 
 def test_clients_that_leave_between_the_legs_leave_nothing_behind(pd):

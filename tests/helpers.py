@@ -113,3 +113,35 @@ async def serving(handle, method: str = "GET", path: str = "/{tail:.*}"):
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+# ------------------------------------------------------------------ the brain's outcomes as Envoy receives them
+
+def envoy(out, phase: str = "request_body"):
+    """The brain's outcome as its ext_proc front renders it for Envoy (a held request and prefill legs as they are)."""
+    from extproc.answers import Answered, Placed
+    from extproc.brain.decide import envoy_answer
+
+    return envoy_answer(out, phase) if isinstance(out, (Placed, Answered)) else out
+
+
+def envoy_decide(b, headers: dict, body: bytes | None, phase: str = "request_body"):
+    """``Brain.decide``, answered as Envoy gets it."""
+    return envoy(b.decide(headers, body, phase), phase)
+
+
+def envoy_at_headers(b, headers: dict):
+    """``Brain.at_headers``, answered as Envoy gets it (None: its body decides)."""
+    out = b.at_headers(headers)
+    return None if out is None else envoy(out, "request_headers")
+
+
+def envoy_look(b, headers: dict, read_wait_s: float):
+    """``Brain.look``, answered as Envoy gets it (None: the body may come)."""
+    out = b.look(headers, read_wait_s)
+    return None if out is None else envoy(out, "request_headers")
+
+
+def envoy_let_go(b) -> list:
+    """``Brain.let_go``: each held request that goes, by its key, with its answer as Envoy gets it."""
+    return [(h.key, envoy(answer, h.phase)) for h, answer in b.let_go()]

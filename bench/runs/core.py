@@ -24,6 +24,7 @@ from pathlib import Path
 
 import orjson
 
+from extproc.answers import Answered, Placed
 from extproc.tools.workload.generate import MOCK_MODEL
 from bench.harness import live_router
 from extproc.core import HealthConfig, PinTable, RequestProfile, Router, RouterConfig
@@ -128,6 +129,13 @@ def _conversation(turns: int, turn_bytes: int, system_bytes: int = 4000, seed: i
     return out
 
 
+def _as_envoy(out, phase: str):
+    """The brain's outcome rendered as its ext_proc front sends it: part of every decision's cost."""
+    from extproc.brain.decide import envoy_answer  # the brain's shell: imported when a benchmark runs
+
+    return envoy_answer(out, phase) if isinstance(out, (Placed, Answered)) else out
+
+
 def _decide_each(brain, bodies: list[bytes], sessions: int, path: str | None = None) -> list[float]:
     """Seconds per Brain.decide (released at once), turn by turn, for ``sessions`` interleaved conversations."""
     took = []
@@ -135,7 +143,7 @@ def _decide_each(brain, bodies: list[bytes], sessions: int, path: str | None = N
         for s in range(sessions):
             h = {"x-session-id": f"s{s}", "x-request-id": f"q{len(took)}", **({":path": path} if path else {})}
             t0 = time.perf_counter()
-            brain.decide(h, body)
+            _as_envoy(brain.decide(h, body), "request_body")
             took.append(time.perf_counter() - t0)
             res = brain.router.reservations.newest()
             brain.router.release(res, 0.0)
@@ -153,8 +161,9 @@ def _both_paths_each(brain, bodies: list[bytes], sessions: int, path: str, name:
             t0 = time.perf_counter()
             out = brain.at_headers(h)
             if out is None:
-                brain.decide(h, body)
+                _as_envoy(brain.decide(h, body), "request_body")
             else:
+                _as_envoy(out, "request_headers")
                 at_headers += 1
             took.append(time.perf_counter() - t0)
             brain.router.release(brain.router.reservations.newest(), 0.0)
@@ -273,7 +282,7 @@ def metrics_cost(decisions: int = 50_000) -> tuple[float, float]:
         gc.collect()
         t0 = time.perf_counter()
         for h in headers:
-            brain.decide(h, body)
+            _as_envoy(brain.decide(h, body), "request_body")
             res = brain.router.reservations.newest()
             brain.router.release(res, t[0])
         return (time.perf_counter() - t0) / decisions * 1e6

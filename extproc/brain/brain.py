@@ -7,6 +7,7 @@ access log), ``scraper``, ``reload``, ``admin`` (``view``: /state), ``metrics``;
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -14,9 +15,7 @@ import math
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection
-
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from typing import Collection
 
 from ..config import AppConfig, ConfigError, first_answer_s, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
@@ -32,7 +31,8 @@ from ..core.profile import BODY_ARRIVING_KEY, BODY_KV_TRANSFER_KEY, credential_s
     ttft_slo_of
 from ..envoy_config import CdsFile
 from . import header_path, logs
-from .decide import Held, immediate_answer, models_response, route_answer, too_many_response
+from .. import answers
+from ..answers import Answered, Held, Placed
 from ..picker.messages import path_of
 from .legs import Legs, new_session
 from .metrics import make_registry
@@ -50,9 +50,11 @@ _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
 
 @dataclass(slots=True)
 class HeldRequest:
-    """A request flow control holds: what its decision needs once it goes (its profile, its model's resolution,
-    since when it waits) and what its answer is written from (the front's headers, body, phase and subset)."""
+    """A request flow control holds, in one record: its key (the core's queue prices it under that), what its decision
+    needs once it goes (its profile, its model's resolution, since when it waits), what its answer is written from
+    (the front's headers, body, phase and subset) and where the front waits for that answer."""
 
+    key: object
     profile: RequestProfile
     res: Resolution
     since: float
@@ -60,6 +62,12 @@ class HeldRequest:
     body: bytes | None = None
     phase: str = ""
     only: "set[str] | None" = None
+    answer: "asyncio.Future | None" = None  # the front's call waits on it (None: no front waits yet)
+
+    @property
+    def waiting(self) -> bool:
+        """Someone still takes its answer (a placement nobody takes is released at once)."""
+        return self.answer is None or not self.answer.done()
 
     def answered_as(self, headers: dict[str, str], body: bytes | None, phase: str,
                     only: "set[str] | None" = None) -> None:
@@ -246,7 +254,7 @@ class Brain(ScrapeListener):
                 profile = dataclasses.replace(profile, tenant=flow[0], priority=flow[1], ttft_slo_s=flow[2])
         d = r.select(profile, now, only, holder, hold_key, len(body) if body else 0)
         if d.reason is Reason.HELD:
-            self.held[hold_key] = HeldRequest(profile, res, now)  # what its decision needs once it goes
+            self.held[hold_key] = HeldRequest(hold_key, profile, res, now)  # what its decision needs once it goes
             self.stats.record_decision(d, profile.body_status, now)
             return d
         return self._decided(d, profile, res, now, t0)
@@ -281,11 +289,11 @@ class Brain(ScrapeListener):
         return d
 
     def decide(self, headers: dict[str, str], body: bytes | None,
-               phase: str = "request_body") -> "ep.ProcessingResponse | Held":
-        """The rendered Envoy's front: the choice as a cluster name and a reservation id Envoy logs back; with
-        flow control, ``Held``: the answer comes from ``let_go`` once a replica has room."""
+               phase: str = "request_body") -> "Placed | Answered | Held | Legs":
+        """The rendered Envoy's front: the choice as a replica (Envoy's cluster) and a reservation id Envoy logs back;
+        with flow control, ``Held``: the answer comes from ``let_go`` once a replica has room."""
         if body is None and headers.get(":method") == "GET" and path_of(headers) == "/v1/models":
-            return models_response(self.models.union())  # Envoy's models route: the fleet's, not one replica's
+            return answers.models(self.models.union())  # Envoy's models route: the fleet's, not one replica's
         key = next(self._hold_keys) if self.router.flow is not None else None
         d = self.choose(headers, body, hold_key=key)
         if d.reason is Reason.HELD:
@@ -295,11 +303,15 @@ class Brain(ScrapeListener):
             return self.too_many(d, headers)
         return self._answer(d, headers, body, phase)
 
-    def at_headers(self, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
+    def at_headers(self, headers: dict[str, str]) -> Placed | Answered | None:
         """The header path (``header_path``): a turn of a session under way answered at its request headers, its
         body streamed to its home without passing through the brain. None: its body decides (Envoy sends it)."""
         d = self.decide_at_headers(headers, None)
-        return self._answer(d, headers, None, "request_headers") if d is not None else None
+        if d is None:
+            return None
+        out = self._answer(d, headers, None, "request_headers")
+        assert not isinstance(out, Legs)  # a prefill leg needs the body: the header path never plans one
+        return out
 
     def decide_at_headers(self, headers: dict[str, str], only: "set[str] | None",
                           arriving: bool = False) -> Decision | None:
@@ -324,7 +336,7 @@ class Brain(ScrapeListener):
         self.stats.header_path_declined[why or "unknown"] += 1
         return None
 
-    def look(self, headers: dict[str, str], read_wait_s: float) -> "ep.ProcessingResponse | None":
+    def look(self, headers: dict[str, str], read_wait_s: float) -> Answered | None:
         """The look at a large body's headers before its body is read (flow control on; ``envoy_config`` renders it): a
         request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
         than a turn of the sessions under way takes (``look_bound_s``), is refused with 429 before it is sent, instead
@@ -343,7 +355,7 @@ class Brain(ScrapeListener):
         if profile.session_key is not None and self.router.session_pins.get(profile.session_key, now) is not None:
             return None
         self.stats.flow_refused["router_behind"] += 1
-        return too_many_response("router_behind", max(self.cfg.flow_control.retry_after_s, math.ceil(read_wait_s)))
+        return answers.too_many("router_behind", max(self.cfg.flow_control.retry_after_s, math.ceil(read_wait_s)))
 
     def look_bound_s(self, now: float) -> float:
         """How far behind the brain may read before the look refuses new sessions (see ``look``): the quickest turn
@@ -355,7 +367,8 @@ class Brain(ScrapeListener):
             bound = min(bound, max(self._turn_ttft_s, self.cfg.envoy.ext_proc_timeout_s / 2))
         return bound
 
-    def _answer(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str) -> ep.ProcessingResponse:
+    def _answer(self, d: Decision, headers: dict[str, str], body: bytes | None,
+                phase: str) -> "Placed | Answered | Legs":
         if d.reason is Reason.TENANT_CAP:  # at its headers: its body is never read
             return self.too_many(d, headers)
         answer = self.immediate(d, headers)
@@ -370,10 +383,10 @@ class Brain(ScrapeListener):
         replica = d.replica.name
         if d.prefill is not None:
             legs = self._legs(d, headers, sent if sent is not None else body, phase,
-                              lambda b: route_answer(replica, rid, phase, engine, b if b is not None else sent))
+                              lambda b: Placed(replica, rid, engine, b if b is not None else sent))
             if legs is not None:
                 return legs
-        return route_answer(replica, rid, phase, engine, sent)
+        return Placed(replica, rid, engine, sent)
 
     def _legs(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str, answer) -> Legs | None:
         """The two legs of a request the policy disaggregated (None: it is prefilled where it goes after all: no
@@ -407,23 +420,22 @@ class Brain(ScrapeListener):
         v = headers.get(self.cfg.flow_control.priority_header.lower(), "").strip().lower()
         return CLASSES.index(v) if v in CLASSES else STANDARD
 
-    def too_many(self, d: "Decision | str", headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
+    def too_many(self, d: "Decision | str", headers: dict[str, str] | None = None) -> Answered:
         """Flow control's 429 (a reason, or a refused decision: a capped tenant's says when it may send again)."""
         why = d if isinstance(d, str) else d.reason.value
         self.stats.flow_refused[why] += 1
         retry = self.cfg.flow_control.retry_after_s
         if not isinstance(d, str) and d.retry_after_s is not None:
             retry = max(1, math.ceil(d.retry_after_s))
-        return too_many_response(why, retry, path_of(headers) if headers is not None else "")
+        return answers.too_many(why, retry, path_of(headers) if headers is not None else "")
 
     def hold_key(self) -> object:
         """A key to hold a request under while flow control is on (None: it is off)."""
         return next(self._hold_keys) if self.router.flow is not None else None
 
-    def let_go(self, answered: "Callable[[object], bool]") -> list[tuple[object, ep.ProcessingResponse]]:
+    def let_go(self) -> "list[tuple[HeldRequest, Placed | Answered | Legs | Pick]]":
         """Flow control: the held requests that go now (each placed by the policy at this moment) and those refused
-        (held past flow_control.wait_s, or pushed out by a higher class), with their answers. ``answered(key)``:
-        whether the request's call still waits (a placement nobody takes is released at once)."""
+        (held past flow_control.wait_s, or pushed out by a higher class), with their answers."""
         flow = self.router.flow
         if flow is None or not self.held:
             return []
@@ -433,18 +445,18 @@ class Brain(ScrapeListener):
             h = self.held.pop(key)
             self.stats.flow_released[CLASSES[h.profile.priority]] += 1
             self.stats.flow_wait_s[CLASSES[h.profile.priority]] += now - h.since
-            if not answered(key):
+            if not h.waiting:
                 self.router.release(d.reservation, now)
                 self.router.release(d.prefill_reservation, now)  # a prefill leg planned for it: never sent
                 continue
             d = self._decided(d, h.profile, h.res, now)
-            out.append((key, self.picks.pick_of(d, h.headers, h.body, h.only) if h.phase == PICK
+            out.append((h, self.picks.pick_of(d, h.headers, h.body, h.only) if h.phase == PICK
                         else self._answer(d, h.headers, h.body, h.phase)))
         for key in flow.refused:
             refused = self.held.pop(key, None)
             if refused is not None:
                 answer = self.too_many("waited_too_long", refused.headers)
-                out.append((key, Pick([], None, immediate=answer) if refused.phase == PICK else answer))
+                out.append((refused, Pick([], None, immediate=answer) if refused.phase == PICK else answer))
         flow.refused.clear()
         return out
 
@@ -456,10 +468,10 @@ class Brain(ScrapeListener):
         if held is not None:
             self.stats.flow_abandoned[CLASSES[held.profile.priority]] += 1
 
-    def immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None":
+    def immediate(self, d: Decision, headers: dict[str, str]) -> Answered | None:
         """The brain's own answer when no replica is to be asked (None: one is), in the shape the path's API
         answers errors in."""
-        return immediate_answer(d.reason, path_of(headers), model=d.model or "", served=self.models.base_models,
+        return answers.immediate(d.reason, path_of(headers), model=d.model or "", served=self.models.base_models,
                                 inflate_ratio=self.cfg.envoy.max_inflate_ratio, response_id=d.response_id or "")
 
     def prefill_fleet(self) -> bool:

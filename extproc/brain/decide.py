@@ -9,14 +9,12 @@ and clears the route cache so Envoy re-routes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from envoy.type.v3 import http_status_pb2
 
 from ..contract import (
     BODY_METADATA_NAMESPACE,
@@ -35,17 +33,16 @@ from ..contract import (
     ROUTING_HEADER,
     header_of_attribute,
 )
-from ..core.apis import Api, api_of, response_not_found_body
-from ..core.names import Reason
+from ..answers import Answered, Held, Placed
 from ..core.apis import KV_TRANSFER_KEY
 from ..core.profile import BODY_KV_TRANSFER_KEY, BODY_MODEL_KEY, declared_size
 from .intake import Intake
 from .legs import Legs
-from ..picker.messages import (anthropic_shaped, header_value, headers_of, json_response, model_not_found_response,
-                               openai_error, path_not_served_response, wait_longer)
+from ..picker.messages import header_value, headers_of, render, wait_longer
 
-# (headers, body or None, the ext_proc phase being answered) -> the answer
-Decide = Callable[[dict[str, str], "bytes | None", str], ep.ProcessingResponse]
+Outcome = Placed | Answered | Held | Legs
+# (headers, body or None, the ext_proc phase being answered) -> the brain's outcome
+Decide = Callable[[dict[str, str], "bytes | None", str], Outcome]
 
 
 def route_answer(cluster: str, reservation: str, phase: str, dp_rank: int | None = None,
@@ -71,87 +68,11 @@ def route_answer(cluster: str, reservation: str, phase: str, dp_rank: int | None
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Held:
-    """Flow control holds the request: its answer comes later (``Brain.let_go``), the call stays open."""
-
-    key: object
-
-
-# the reason header a gateway configured for llm-d's flow control already reads
-DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
-
-
-_REFUSED_WHY = {
-    "waited_too_long": "every replica is saturated; retry after the time given",
-    "queue_full": "the queue of requests waiting for a replica is full",
-    "deadline_unmeetable": "every replica is saturated: the first token would come after the request's deadline "
-                           "(x-warmroute-ttft-slo-ms, or its class's); retry after the time given",
-    "router_behind": "the router is behind a burst of new requests: this body would wait to be read longer than the "
-                     "sessions under way can afford; retry after the time given",
-    "tenant_over_cap": "this tenant has used its tokens for now (flow_control.tenant_tokens_per_minute); retry after "
-                       "the time given",
-}
-
-
-def too_many_response(why: str, retry_after_s: int, path: str = "") -> ep.ProcessingResponse:
-    """Flow control refuses the request: 429 with Retry-After and the reason, in the error shape of the path's API
-    (OpenAI's; Anthropic's for the Messages paths)."""
-    out = openai_error(http_status_pb2.TooManyRequests, _REFUSED_WHY.get(why, _REFUSED_WHY["queue_full"]),
-                       "rate_limit_error", why, f"warmroute_flow_{why}", retry_after_s)
-    out.immediate_response.headers.set_headers.append(header_value(DROPPED_REASON_HEADER, why))
-    return anthropic_shaped(out) if api_of(path) is Api.MESSAGES else out
-
-
-def no_healthy_response() -> ep.ProcessingResponse:
-    """B: an immediate 503 with an OpenAI-style error and Retry-After, never a hang."""
-    return openai_error(http_status_pb2.ServiceUnavailable, "no healthy vLLM replica is available; retry shortly",
-                        "service_unavailable", "no_healthy_instances", "warmroute_no_healthy_instances", 5)
-
-
-def inflate_limit_response(ratio: int) -> ep.ProcessingResponse:
-    """A compressed body that, inflated, is no JSON: 413 in OpenAI's error shape, as for a plain body too big."""
-    return openai_error(http_status_pb2.PayloadTooLarge, f"the compressed request body inflates past {ratio} times its "
-                        "size (envoy.max_inflate_ratio) or is not JSON once inflated; send it uncompressed",
-                        "invalid_request_error", "body_inflates_too_far", "warmroute_body_inflates_too_far")
-
-
-def unsupported_encoding_response() -> ep.ProcessingResponse:
-    """A body in a Content-Encoding the fleet does not inflate (deflate, br, zstd, or gzip not applied last): 415."""
-    return openai_error(http_status_pb2.UnsupportedMediaType, "the request body's Content-Encoding is not one this "
-                        "server reads: send it uncompressed, or gzip alone", "invalid_request_error",
-                        "unsupported_content_encoding", "warmroute_unsupported_content_encoding")
-
-
-def immediate_answer(reason: Reason, path: str, *, model: str, served: Callable[[], list[str]], inflate_ratio: int,
-                     response_id: str) -> "ep.ProcessingResponse | None":
-    """The brain's own answer to a request no replica is asked for (None: one is), in the error shape of the path's
-    API: vLLM answers the Messages paths in Anthropic's."""
-    if reason == Reason.UNKNOWN_MODEL:
-        out = model_not_found_response(model, served())
-    elif reason == Reason.UNSERVED_PATH:
-        out = path_not_served_response(path)
-    elif reason == Reason.INFLATE_LIMIT:
-        out = inflate_limit_response(inflate_ratio)
-    elif reason == Reason.UNSUPPORTED_ENCODING:
-        out = unsupported_encoding_response()
-    elif reason == Reason.CLIENT_KV_TRANSFER:
-        out = openai_error(http_status_pb2.BadRequest, "kv_transfer_params is set by the router, not by clients",
-                           "invalid_request_error", "kv_transfer_params_not_allowed",
-                           "warmroute_kv_transfer_params_not_allowed")
-    elif reason == Reason.RESPONSE_GONE:
-        out = json_response(http_status_pb2.NotFound, response_not_found_body(response_id),
-                            "warmroute_stored_response_gone")
-    elif reason == Reason.NO_HEALTHY:
-        out = no_healthy_response()
-    else:
-        return None
-    return anthropic_shaped(out) if api_of(path) is Api.MESSAGES else out
-
-
-def models_response(models: list[dict]) -> ep.ProcessingResponse:
-    """GET /v1/models through Envoy: every model the fleet serves (and the aliases), as vLLM lists its own."""
-    return json_response(http_status_pb2.OK, {"object": "list", "data": models}, "warmroute_models")
+def envoy_answer(out: "Placed | Answered", phase: str) -> ep.ProcessingResponse:
+    """The brain's outcome as Envoy's answer to the ext_proc message ``phase``."""
+    if isinstance(out, Placed):
+        return route_answer(out.replica, out.reservation, phase, out.dp_rank, out.body)
+    return render(out)
 
 
 def body_kv_transfer(req: ep.ProcessingRequest) -> bool:
@@ -209,11 +130,11 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """
 
     def __init__(self, decide: Decide, big_body_bytes: int | None = None,
-                 wait: "Callable[[object], Awaitable[ep.ProcessingResponse]] | None" = None,  # a future, at once
+                 wait: "Callable[[object], Awaitable[Outcome]] | None" = None,  # a future, at once
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
-                 look: "Callable[[dict[str, str], float], ep.ProcessingResponse | None] | None" = None,
+                 look: "Callable[[dict[str, str], float], Answered | None] | None" = None,
                  intake: Intake | None = None, legs_s: float = 35.0,
-                 at_headers: "Callable[[dict[str, str]], ep.ProcessingResponse | None] | None" = None):
+                 at_headers: "Callable[[dict[str, str]], Placed | Answered | None] | None" = None):
         self.decide = decide
         self.big_body_bytes = big_body_bytes  # envoy.brain_body_max_bytes: such bodies are never sent
         self.open_calls = 0  # calls read and not yet answered: past BEHIND, the brain is behind a burst
@@ -226,28 +147,29 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         # the header path: (headers) -> the route of a turn its headers decide, or None (its body decides)
         self.at_headers = at_headers
 
-    async def _answer(self, out, context) -> None:
+    async def _answer(self, out: Outcome, context, phase: str) -> None:
         if isinstance(out, Held):
             assert self.wait is not None and self.cancel is not None  # only flow control holds
-            answer = self.wait(out.key)  # registered before any await: the answer may come at the next tick
+            key = out.key
+            answer = self.wait(key)  # registered before any await: the answer may come at the next tick
             try:
                 # Envoy gives up on the call (and fails open) after its message_timeout: held, it waits longer
                 await context.write(wait_longer(self.hold_s))
                 out = await answer
             except BaseException:
-                self.cancel(out.key)
+                self.cancel(key)
                 raise
         if isinstance(out, Legs):  # a disaggregated request: its prefill leg first, then the answer
             legs = out
             try:
                 await context.write(wait_longer(self.legs_s))  # Envoy's timer would fail it open mid-leg
-                out = await legs.run()
-                await context.write(out)
+                await context.write(envoy_answer(await legs.run(), phase))
             except BaseException:
                 legs.abandon()
                 raise
             return
-        await context.write(out)
+        assert not isinstance(out, Held)  # a held request's answer is a placement or the brain's own
+        await context.write(envoy_answer(out, phase))
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
         tags = (context.invocation_metadata() or ()) if self.at_headers is not None or self.look is not None else ()
@@ -282,7 +204,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             # other (1,500 new sessions at once each paying a header call, a look and a body failed 900 open). By what
             # the brain measures of its own reading alone: a size declared and never sent charges nobody else
             out = self.look(headers, self.intake.behind_s() + self.intake.own_s(size))
-        await context.write(out if out is not None else _PASS["request_headers"])
+        await context.write(envoy_answer(out, "request_headers") if out is not None else _PASS["request_headers"])
 
     async def _look(self, context) -> None:
         """``warmroute.look``: a large body's headers, sent once Envoy holds the body, before the brain reads it.
@@ -298,8 +220,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         out = self.look(headers, max(late, self.intake.behind_s() + self.intake.own_s(size)))
         if out is None:
             self.intake.let_through(headers.get(REQUEST_ID_HEADER), size)
-            out = _PASS["request_headers"]
-        await context.write(out)
+        await context.write(render(out) if out is not None else _PASS["request_headers"])
 
     async def _process(self, context) -> None:
         headers: dict[str, str] = {}
@@ -317,7 +238,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     # a burst: the decisions queued ahead of this one may outlast Envoy's timer, and a call that
                     # times out fails open into the engines. Flow control may hold it anyway: the timer first
                     await context.write(wait_longer(self.hold_s))
-                await self._answer(self.decide(headers, req.request_body.body, "request_body"), context)
+                await self._answer(self.decide(headers, req.request_body.body, "request_body"), context,
+                                   "request_body")
                 return
             if kind == "request_headers":
                 headers.update(headers_of(req.request_headers))
@@ -332,6 +254,6 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 big = self.big_body_bytes is not None and (size is None or size > self.big_body_bytes)
                 # no body follows, or one Envoy does not send (the big-body route): decide on the headers
                 if req.request_headers.end_of_stream or big:
-                    await self._answer(self.decide(headers, None, "request_headers"), context)
+                    await self._answer(self.decide(headers, None, "request_headers"), context, "request_headers")
                     return
             await context.write(_PASS[kind])

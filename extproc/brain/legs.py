@@ -31,8 +31,7 @@ from ..contract import REQUEST_ID_HEADER
 from . import logs
 
 if TYPE_CHECKING:
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-
+    from ..answers import Placed
     from ..core.decision import Decision
 
 # what a prefill leg asks for (vLLM's toy proxy sends the same nulls: NIXL's scheduler reads them as "not yet")
@@ -68,18 +67,18 @@ def decode_body(doc: dict, params: dict, one_token: bool = False) -> bytes:
 
 
 class Legs:
-    """One disaggregated request: ``run`` sends and awaits the prefill leg and returns the answer for Envoy;
+    """One disaggregated request: ``run`` sends and awaits the prefill leg and returns the decode leg's placement;
     ``abandon`` when the call ends before that answer reached Envoy."""
 
     def __init__(self, brain, d: "Decision", headers: dict[str, str], doc: dict, path: str,
-                 answer: "Callable[[bytes | None], ep.ProcessingResponse]"):
+                 answer: "Callable[[bytes | None], Placed]"):
         self.brain, self.d, self.headers, self.doc, self.path = brain, d, headers, doc, path
         assert d.prefill is not None and d.reservation is not None  # a planned and reserved prefill leg
         self.plan, self.res = d.prefill, d.reservation
         self.answer = answer  # the decode replica's route answer, with this body (None: the client's own)
         self.params: dict | None = None
 
-    async def run(self) -> "ep.ProcessingResponse":
+    async def run(self) -> "Placed":
         b, d = self.brain, self.d
         t0 = b.clock()
         self._leg = asyncio.ensure_future(asyncio.wait_for(self._prefill(),

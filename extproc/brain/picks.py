@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from collections.abc import Callable, Collection
 from typing import Protocol
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-
+from ..answers import Answered
 from ..config import AppConfig
 from ..contract import REQUEST_ID_HEADER
 from ..core import Decision, Reason, Reservation
@@ -37,7 +36,7 @@ class Pick:
     body: bytes | None = None  # the body to send instead (a model alias rewritten to the served name)
     unknown_model: str | None = None  # no replica serves the model the body names: answer 404
     unserved_path: str | None = None  # no replica (of the model) serves the request's path: answer 404
-    immediate: "ep.ProcessingResponse | None" = None  # the answer to give at once instead (a 413)
+    immediate: Answered | None = None  # the answer to give at once instead (a 413)
     held: object = None  # flow control holds it: the pick comes later from ``let_go`` under this key
 
 
@@ -58,9 +57,9 @@ class Deciding(Protocol):
     def decide_at_headers(self, headers: dict[str, str], only: "set[str] | None",
                           arriving: bool = False) -> Decision | None: ...
 
-    def too_many(self, d: "Decision | str", headers: dict[str, str] | None = None) -> ep.ProcessingResponse: ...
+    def too_many(self, d: "Decision | str", headers: dict[str, str] | None = None) -> Answered: ...
 
-    def immediate(self, d: Decision, headers: dict[str, str]) -> "ep.ProcessingResponse | None": ...
+    def immediate(self, d: Decision, headers: dict[str, str]) -> Answered | None: ...
 
     def body_for(self, d: Decision, body: bytes | None) -> bytes | None: ...
 

@@ -197,11 +197,11 @@ FLOW_MIN_GAP_S = 0.01  # ... and at least this long between two looks, whatever 
 
 
 class FlowWaits:
-    """Flow control's held calls: a future each, answered by ``Brain.let_go``."""
+    """Flow control's held calls: each waits on a future in its request's record (``Brain.held``), answered by
+    ``Brain.let_go``."""
 
     def __init__(self, brain: Brain):
         self.brain = brain
-        self.futures: dict[object, asyncio.Future] = {}
         self.woken = asyncio.Event()  # a request ended: a held one may go now, not at the next tick
 
     def on_log_entry(self, entry) -> None:
@@ -210,22 +210,17 @@ class FlowWaits:
             self.woken.set()
 
     def wait(self, key: object) -> asyncio.Future:
-        fut = self.futures[key] = asyncio.get_running_loop().create_future()
+        """The held request's answer, to await (called as soon as the brain said it holds it: nothing ran since)."""
+        fut = self.brain.held[key].answer = asyncio.get_running_loop().create_future()
         return fut
 
     def cancel(self, key: object) -> None:
-        self.futures.pop(key, None)
         self.brain.cancel(key)
 
-    def _answered(self, key: object) -> bool:
-        fut = self.futures.get(key)
-        return fut is not None and not fut.done()
-
     def let_go(self) -> None:
-        for key, answer in self.brain.let_go(self._answered):
-            fut = self.futures.pop(key, None)
-            if fut is not None and not fut.done():
-                fut.set_result(answer)
+        for held, answer in self.brain.let_go():
+            if held.answer is not None and not held.answer.done():
+                held.answer.set_result(answer)
 
     async def loop(self) -> None:
         while True:

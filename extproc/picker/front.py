@@ -29,7 +29,6 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
-from envoy.type.v3 import http_status_pb2
 
 from ..contract import (
     DESTINATION_HEADER,
@@ -41,8 +40,8 @@ from ..contract import (
     SUBSET_NAMESPACE,
 )
 from ..core.profile import BODY_ARRIVING_KEY, CONTENT_LENGTH
-from .messages import (header_value, headers_of, model_not_found_response, openai_error, path_not_served_response,
-                       wait_longer)
+from ..answers import Answered, SERVICE_UNAVAILABLE, error, model_not_found, path_not_served
+from .messages import header_value, headers_of, render, wait_longer
 
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"  # Envoy's attribute: the endpoint that served (response side)
 _FAULT_CODES = frozenset({502, 503, 504})
@@ -56,7 +55,7 @@ class PickResult(Protocol):
     body: "bytes | None"  # the body to send instead (the model's alias rewritten), or None
     unknown_model: "str | None"  # the body names a model no endpoint serves (answered 404), or None
     unserved_path: "str | None"  # no endpoint (of the model) serves the request's path (answered 404), or None
-    immediate: "ep.ProcessingResponse | None"  # an answer to give at once instead (a 413), or None
+    immediate: "Answered | None"  # an answer to give at once instead (a 413), or None
     held: Any  # flow control holds it: ``wait(held)`` gives the pick later; None: this is the pick
 
 
@@ -137,13 +136,12 @@ def _streamed(phase: str, body: bytes, end: bool) -> ep.ProcessingResponse:
     return out
 
 
-def no_endpoint(subset_given: bool) -> ep.ProcessingResponse:
+def no_endpoint(subset_given: bool) -> Answered:
     if subset_given:
-        return openai_error(http_status_pb2.ServiceUnavailable, "none of the endpoints this gateway allows for "
-                            "the request is ready", "service_unavailable", "no_eligible_endpoint",
-                            "warmroute_no_eligible_endpoint", 5)
-    return openai_error(http_status_pb2.ServiceUnavailable, "no model server is ready; retry shortly",
-                        "service_unavailable", "no_healthy_instances", "warmroute_no_healthy_instances", 5)
+        return error(SERVICE_UNAVAILABLE, "none of the endpoints this gateway allows for the request is ready",
+                     "service_unavailable", "no_eligible_endpoint", "warmroute_no_eligible_endpoint", 5)
+    return error(SERVICE_UNAVAILABLE, "no model server is ready; retry shortly", "service_unavailable",
+                 "no_healthy_instances", "warmroute_no_healthy_instances", 5)
 
 
 _PASS = {
@@ -257,13 +255,13 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                     self.end(answer.result().reservation, None, None, None)
                 raise
         if p.immediate is not None:
-            return p.immediate
+            return render(p.immediate)
         if p.unknown_model is not None:
-            return model_not_found_response(p.unknown_model)
+            return render(model_not_found(p.unknown_model))
         if p.unserved_path is not None:
-            return path_not_served_response(p.unserved_path)
+            return render(path_not_served(p.unserved_path))
         if not p.endpoints:
-            return no_endpoint(st.subset is not None and (p.subset_empty or not st.subset))
+            return render(no_endpoint(st.subset is not None and (p.subset_empty or not st.subset)))
         st.reservation = p.reservation
         st.picked_at = self.clock()
         st.new_body = p.body

@@ -12,6 +12,7 @@ from extproc.contract import RESERVATION_HEADER
 from extproc.core import LIVE
 
 from ..brain.test_service import BODY, entry, headers_of
+from ..helpers import envoy_decide
 
 REPLICAS = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]
 
@@ -43,7 +44,7 @@ def periodic(request_id="", reservation=""):
 
 def test_a_reservation_id_cannot_be_guessed_from_another():
     b, _ = live()
-    ids = [headers_of(b.decide({"x-request-id": f"q{i}"}, BODY))[RESERVATION_HEADER] for i in range(3)]
+    ids = [headers_of(envoy_decide(b, {"x-request-id": f"q{i}"}, BODY))[RESERVATION_HEADER] for i in range(3)]
     assert b.router.open_reservations == 3
     # the number of a neighbour with any other random part, or without one, releases nothing
     num, _, secret = ids[1].partition(".")
@@ -56,7 +57,7 @@ def test_a_reservation_id_cannot_be_guessed_from_another():
 
 def test_B_completion_periodic_entries_keep_a_long_request_s_reservation_past_the_safety_timeout():
     b, clock = live()
-    rid = headers_of(b.decide({"x-request-id": "long"}, BODY))[RESERVATION_HEADER]
+    rid = headers_of(envoy_decide(b, {"x-request-id": "long"}, BODY))[RESERVATION_HEADER]
     for _ in range(360):  # an hour of generation, logged every 10 s
         clock.t += 10
         b.on_log_entry(periodic("long", rid))
@@ -69,8 +70,8 @@ def test_B_completion_periodic_entries_keep_a_long_request_s_reservation_past_th
 
 def test_B_completion_a_reservation_no_entry_ever_names_expires_after_the_liveness_bound():
     b, clock = live()
-    b.decide({"x-request-id": "rogue"}, BODY)  # an ext_proc call no request follows
-    live_rid = headers_of(b.decide({"x-request-id": "real"}, BODY))[RESERVATION_HEADER]
+    envoy_decide(b, {"x-request-id": "rogue"}, BODY)  # an ext_proc call no request follows
+    live_rid = headers_of(envoy_decide(b, {"x-request-id": "real"}, BODY))[RESERVATION_HEADER]
     bound = b.liveness_bound_s()
     # the first answer: envoy.ext_proc_timeout_s, at least FLOW_FIRST_ANSWER_S with flow control on (the default)
     assert bound == pytest.approx(2 * 10 + FLOW_FIRST_ANSWER_S + 3 * 1 + 1)
@@ -88,7 +89,7 @@ def test_B_completion_without_periodic_entries_nothing_expires_before_the_safety
     # an Envoy configured without access_log_options (pasted snippets, a foreign gateway) never sends them:
     # its long requests must keep their reservations
     b, clock = live()
-    b.decide({"x-request-id": "q"}, BODY)
+    envoy_decide(b, {"x-request-id": "q"}, BODY)
     for _ in range(300):
         clock.t += 10
         b.tick()
@@ -156,7 +157,7 @@ def test_log_entries_that_reach_another_brain_keep_the_owner_s_request_alive_and
     owner, clock = live()
     other, other_clock = live()
     out_owner, out_other = _sharing(owner), _sharing(other)
-    rid = headers_of(owner.decide({"x-request-id": "long"}, BODY))[RESERVATION_HEADER]
+    rid = headers_of(envoy_decide(owner, {"x-request-id": "long"}, BODY))[RESERVATION_HEADER]
     owner.on_log_entry(periodic("warm-up", "0.0"))  # the owner has seen periodic entries: its liveness bound is on
     owner.tick()
     bound = owner.liveness_bound_s()
@@ -175,6 +176,6 @@ def test_log_entries_that_reach_another_brain_keep_the_owner_s_request_alive_and
     owner.router.remote.apply(owner.router, "other", list(out_other.events), 0.0, clock.t)
     assert owner.router.open_reservations == 0
     # a forged digest (the number alone is guessable) ends nothing
-    rid2 = headers_of(owner.decide({"x-request-id": "q2"}, BODY))[RESERVATION_HEADER]
+    rid2 = headers_of(envoy_decide(owner, {"x-request-id": "q2"}, BODY))[RESERVATION_HEADER]
     owner.router.remote.apply(owner.router, "other", [("x", int(rid2.partition(".")[0]), "0" * 32)], 0.0, clock.t)
     assert owner.router.open_reservations == 1

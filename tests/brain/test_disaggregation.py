@@ -16,7 +16,7 @@ from extproc.core.disaggregation import TransferRate
 from extproc.core.names import BodyStatus
 from extproc.discovery.kubernetes import pod_role
 
-from ..helpers import chain, live_router, prof
+from ..helpers import chain, envoy_decide, live_router, prof
 
 
 def pd_router(n: int = 4, prefill: tuple[str, ...] = ("r0",), **pd):
@@ -162,7 +162,7 @@ def test_a_call_that_ends_before_its_prefill_leg_was_sent_gives_both_reservation
     from extproc.brain.legs import Legs
 
     b = _pd_brain()
-    legs = b.decide({":path": "/v1/chat/completions", "x-session-id": "s"}, _chat_body())
+    legs = envoy_decide(b, {":path": "/v1/chat/completions", "x-session-id": "s"}, _chat_body())
     assert isinstance(legs, Legs)
     assert b.router.replica("p0").in_flight_requests == 1 and b.router.replica("d0").in_flight_requests == 1
     legs.abandon()  # Envoy closed the call before the brain could even extend its timer
@@ -179,7 +179,7 @@ def test_a_client_s_own_kv_transfer_params_are_dropped_and_the_brain_disaggregat
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 160_000}],
                        "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9",
                                               "remote_request_id": "victim"}}).encode()
-    legs = b.decide({":path": "/v1/chat/completions", "x-session-id": "s"}, body)
+    legs = envoy_decide(b, {":path": "/v1/chat/completions", "x-session-id": "s"}, body)
     assert isinstance(legs, Legs) and "kv_transfer_params" not in legs.doc
     legs.abandon()
     assert b.router.open_reservations == 0

@@ -12,7 +12,7 @@ from extproc.config import parse_config
 from extproc.contract import RESERVATION_HEADER, ROUTING_HEADER
 from extproc.core.names import BodyStatus
 
-from ..helpers import live_brain
+from ..helpers import envoy_at_headers, envoy_decide, live_brain
 
 REPLICAS = [{"name": f"r{i}", "url": f"http://127.0.0.1:{9000 + i}", "models": ["coder"]} for i in range(3)]
 CFG = {"replicas": REPLICAS}
@@ -35,7 +35,7 @@ def body(turns: int, model: str = "coder") -> bytes:
 def first_turn(b, session: str = "s1", turns: int = 1) -> str:
     """A new session's first turn, read by its body: where it went."""
     doc = body(turns)
-    out = b.decide(headers(session, len(doc)), doc)
+    out = envoy_decide(b, headers(session, len(doc)), doc)
     return out.dynamic_metadata.fields["warmroute"].struct_value.fields["cluster"].string_value
 
 
@@ -48,7 +48,7 @@ def test_a_turn_under_way_is_routed_to_its_home_at_its_headers_and_booked_there(
     b = live_brain(parse_config(CFG))
     home = first_turn(b)
     doc = body(2)
-    out = b.at_headers(headers("s1", len(doc)))
+    out = envoy_at_headers(b, headers("s1", len(doc)))
     assert out is not None and routed(out)[ROUTING_HEADER] == home
     assert out.request_headers.response.clear_route_cache
     res = b.router.reservation(int(routed(out)[RESERVATION_HEADER].split(".")[0]))
@@ -69,8 +69,8 @@ def test_a_header_answer_envoy_gave_up_on_is_released_when_the_same_request_s_bo
     doc = body(2)
     h = headers("s1", len(doc))
     before = b.router.open_reservations
-    assert b.at_headers(h) is not None and b.router.open_reservations == before + 1
-    out = b.decide(h, doc)  # the same request id: its body's own call
+    assert envoy_at_headers(b, h) is not None and b.router.open_reservations == before + 1
+    out = envoy_decide(b, h, doc)  # the same request id: its body's own call
     token = out.dynamic_metadata.fields["warmroute"].struct_value.fields["reservation"].string_value
     assert b.router.open_reservations == before + 1 and b.ledger.superseded_at_headers == 1
     end = al.HTTPAccessLogEntry()
@@ -95,10 +95,10 @@ def test_what_the_headers_cannot_decide_is_left_to_the_body_with_nothing_booked(
     }
     for why, h in cases.items():
         before = b.stats.header_path_declined[why]
-        assert b.at_headers(h) is None, why
+        assert envoy_at_headers(b, h) is None, why
         assert b.stats.header_path_declined[why] == before + 1, why
     small = headers("s1", len(body(1)) // 2)  # compacted: less than the last turn
-    assert b.at_headers(small) is None and b.stats.header_path_declined["size"] == 2
+    assert envoy_at_headers(b, small) is None and b.stats.header_path_declined["size"] == 2
     assert b.router.open_reservations == open_before
 
 
@@ -110,7 +110,7 @@ def test_a_home_the_cost_model_would_leave_reads_the_body_and_nothing_moves():
     st = b.router.policy.state_of(r)
     st.prefill_busy_until = b.clock() + 600.0  # ten minutes of prefill queued on the home
     doc = body(2)
-    assert b.at_headers(headers("s1", len(doc))) is None
+    assert envoy_at_headers(b, headers("s1", len(doc))) is None
     assert b.stats.header_path_declined["home_declined"] == 1
     assert b.router.session_pins.get(pin_key, b.clock()).replica is r  # the body decides whether it moves
 
@@ -122,7 +122,7 @@ def test_flow_control_never_holds_a_turn_at_its_headers():
     for r in b.router.replicas:  # every queue long: the home stays the best, and flow control would hold it
         b.router.policy.state_of(r).prefill_busy_until = b.clock() + 600.0
     doc = body(2)
-    assert b.at_headers(headers("s1", len(doc))) is None and not b.held and not b.router.flow.held
+    assert envoy_at_headers(b, headers("s1", len(doc))) is None and not b.held and not b.router.flow.held
     assert b.stats.header_path_declined["home_declined"] == 1
     assert b.router.session_pins.get(next(iter(b.router.session_pins._pins)), b.clock()).replica.name == home
 
@@ -132,13 +132,13 @@ def test_several_models_decide_at_the_headers_only_by_the_model_header_and_only_
     b = live_brain(parse_config({**CFG, "replicas": replicas}))
     home = first_turn(b)
     doc = body(2)
-    assert b.at_headers(headers("s1", len(doc))) is None and b.stats.header_path_declined["model"] == 1
+    assert envoy_at_headers(b, headers("s1", len(doc))) is None and b.stats.header_path_declined["model"] == 1
     b = live_brain(parse_config({**CFG, "replicas": replicas, "profile": {"model_header": "x-model"}}))
     home = first_turn(b)
-    out = b.at_headers(headers("s1", len(doc), **{"x-model": "coder"}))
+    out = envoy_at_headers(b, headers("s1", len(doc), **{"x-model": "coder"}))
     assert out is not None and routed(out)[ROUTING_HEADER] == home
     # the client changes model mid-session: its home does not serve it
-    assert b.at_headers(headers("s1", len(doc), **{"x-model": "chat"})) is None
+    assert envoy_at_headers(b, headers("s1", len(doc), **{"x-model": "chat"})) is None
     assert b.stats.header_path_declined["model"] == 1
 
 
@@ -146,11 +146,11 @@ def test_a_fleet_with_prefill_replicas_reads_every_body_and_the_seed_policy_too(
     pd = [{**REPLICAS[0]}, {**REPLICAS[1]}, {**REPLICAS[2], "role": "prefill"}]
     b = live_brain(parse_config({**CFG, "replicas": pd, "disaggregation": {"enabled": True}}))
     first_turn(b)
-    assert b.at_headers(headers("s1", len(body(2)))) is None
+    assert envoy_at_headers(b, headers("s1", len(body(2)))) is None
     assert b.stats.header_path_declined["disaggregation"] == 1
     b = live_brain(parse_config({**CFG, "routing": {"policy": "seed"}}))
     first_turn(b)
-    assert b.at_headers(headers("s1", len(body(2)))) is None and b.stats.header_path_declined["policy"] == 1
+    assert envoy_at_headers(b, headers("s1", len(body(2)))) is None and b.stats.header_path_declined["policy"] == 1
 
 
 def test_C4_a_body_turn_after_header_turns_counts_what_the_home_holds_by_the_pin():
@@ -158,11 +158,11 @@ def test_C4_a_body_turn_after_header_turns_counts_what_the_home_holds_by_the_pin
     b = live_brain(parse_config(CFG))
     home = first_turn(b)
     for turns in range(2, 6):
-        out = b.at_headers(headers("s1", len(body(turns))))
+        out = envoy_at_headers(b, headers("s1", len(body(turns))))
         assert out is not None
         b.router.release(b.router.reservation(int(routed(out)[RESERVATION_HEADER].split(".")[0])), b.clock())
     doc = body(6)
-    b.decide(headers("s1", len(doc)), doc)
+    envoy_decide(b, headers("s1", len(doc)), doc)
     row = b.recent_decisions(last=1)[0]
     assert row["path"] == "body" and row["replica"] == home
     assert row["predicted_cached_tokens"] >= 0.8 * len(body(5)) / 4 * 0.9  # the pin's, not the first turn's chain
@@ -184,7 +184,7 @@ def test_an_exact_home_that_evicted_the_session_s_last_block_reads_the_body(held
     pin.tail = (16, 1234)
     if held:
         st.promised[1234] = b.clock() + 10
-    out = b.at_headers(headers("s1", len(body(2))))
+    out = envoy_at_headers(b, headers("s1", len(body(2))))
     assert (out is not None) is held
 
 
@@ -206,11 +206,11 @@ def test_C3_a_prompt_beyond_what_a_replica_s_cache_holds_books_no_prefill_and_ne
     for s in ("a", "b"):  # sessions under way on both replicas
         first_turn(b, s)
     for i in range(4):
-        out = b.decide(headers(f"big-{i}", 32 << 20), None, "request_headers")
+        out = envoy_decide(b, headers(f"big-{i}", 32 << 20), None, "request_headers")
         token = out.dynamic_metadata.fields["warmroute"].struct_value.fields["reservation"].string_value
         res = b.router.reservation(int(token.split(".")[0]))
         assert res.provisional and res.prefill_s == 0 and res.pending_tokens == 0
     doc = body(1)
     for i in range(10):
-        out = b.decide(headers(f"new-{i}", len(doc)), doc)
+        out = envoy_decide(b, headers(f"new-{i}", len(doc)), doc)
         assert out.dynamic_metadata.fields["warmroute"].struct_value.fields["cluster"].string_value in ("r0", "r1")

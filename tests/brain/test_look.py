@@ -12,12 +12,14 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.config.core.v3 import base_pb2
 
+from extproc import answers
+from extproc.answers import Placed
 from extproc.brain import decide as dc
 from extproc.brain.intake import READ_BYTES_PER_S, Intake
 from extproc.config import parse_config
 from extproc.contract import LOOK_METADATA, TIME_ATTRIBUTE
 
-from ..helpers import live_brain
+from ..helpers import envoy_decide, envoy_look, live_brain
 
 
 class Clock:
@@ -95,32 +97,32 @@ def _headers(session: str, **more) -> dict[str, str]:
 
 def test_behind_a_burst_a_new_session_is_refused_before_its_upload_and_a_session_under_way_is_not():
     b = live_brain(parse_config(CFG))
-    assert b.look(_headers("new"), 0.0) is None  # not behind: let it come
-    assert b.look(_headers("new"), 2.4) is None and b.look(_headers("new"), 2.6) is not None  # none under way:
+    assert envoy_look(b, _headers("new"), 0.0) is None  # not behind: let it come
+    assert envoy_look(b, _headers("new"), 2.4) is None and envoy_look(b, _headers("new"), 2.6) is not None  # none under way:
     # half Envoy's first timer (5 s with flow control) is the bound
-    b.decide(_headers("mine"), _body("my context "))  # a session's first turn
+    envoy_decide(b, _headers("mine"), _body("my context "))  # a session's first turn
     t = b.clock()
-    b.decide(_headers("mine"), _body("my context "))  # its next turn: a session under way, with a predicted TTFT
+    envoy_decide(b, _headers("mine"), _body("my context "))  # its next turn: a session under way, with a predicted TTFT
     assert b._turn_at == t and b._turn_ttft_s > 0
     bound = b.look_bound_s(t)  # a turn of the session under way, at least half Envoy's configured timer
     assert bound == pytest.approx(min(2.5, max(b._turn_ttft_s, 0.5)))
     assert b.state()["flow_control"]["look_bound_s"] == pytest.approx(bound, abs=1e-4)
     behind = bound * 1.5
-    out = b.look(_headers("someone-new"), behind)
+    out = envoy_look(b, _headers("someone-new"), behind)
     assert out is not None and out.immediate_response.status.code == 429
     headers = {h.header.key: h.header.raw_value.decode() or h.header.value for h
                in out.immediate_response.headers.set_headers}
-    assert headers[dc.DROPPED_REASON_HEADER] == "router_behind" and int(headers["retry-after"]) >= 1
+    assert headers[answers.DROPPED_REASON_HEADER] == "router_behind" and int(headers["retry-after"]) >= 1
     assert json.loads(out.immediate_response.body)["error"]["code"] == "router_behind"
-    assert b.look(_headers("mine"), behind) is None  # its turn is never refused
-    assert b.look(_headers("someone-new", **{"x-warmroute-priority": "critical"}), behind) is None  # nor critical work
-    assert b.look(_headers("someone-new"), bound * 0.9) is None  # behind by less: it comes
+    assert envoy_look(b, _headers("mine"), behind) is None  # its turn is never refused
+    assert envoy_look(b, _headers("someone-new", **{"x-warmroute-priority": "critical"}), behind) is None  # nor critical work
+    assert envoy_look(b, _headers("someone-new"), bound * 0.9) is None  # behind by less: it comes
     assert b.stats.flow_refused["router_behind"] == 2
 
 
 def test_without_flow_control_nothing_is_refused_at_the_look():
     b = live_brain(parse_config({**CFG, "flow_control": {"enabled": False}}))
-    assert b.look(_headers("new"), 600.0) is None
+    assert envoy_look(b, _headers("new"), 600.0) is None
 
 
 class Ctx:
@@ -153,7 +155,7 @@ def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_unt
         seen.append((headers["x-request-id"], wait_s))
         return None
 
-    decided = ep.ProcessingResponse(request_body=ep.BodyResponse())
+    decided = Placed("r0", "1.abc")
     intake = Intake(5.0, Clock())
     front = dc.ExternalProcessor(lambda h, b, phase: decided, 2 * 2**20, look=look, intake=intake)
     ctx = Ctx([_look_request("2026-12-03T12:49:44.248107+00:00")], [LOOK_METADATA])
@@ -165,25 +167,26 @@ def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_unt
     body.attributes["envoy.filters.http.ext_proc"].fields["request.headers['x-request-id']"].string_value = "r1"
     ctx = Ctx([body])
     asyncio.run(front.Process(None, ctx))
-    assert ctx.written == [decided] and intake.looked_bytes == 0 and not intake.unread
+    assert ctx.written == [dc.envoy_answer(decided, "request_body")] and intake.looked_bytes == 0 \
+        and not intake.unread
 
-    refuse = dc.too_many_response("router_behind", 3)
+    refuse = answers.too_many("router_behind", 3)
     front.look = lambda headers, wait_s: refuse
     ctx = Ctx([_look_request()], [LOOK_METADATA])
     asyncio.run(front.Process(None, ctx))
-    assert ctx.written == [refuse] and intake.looked_bytes == 0  # refused: no body will come
+    assert ctx.written == [dc.envoy_answer(refuse, "request_headers")] and intake.looked_bytes == 0  # no body comes
 
 
 def test_the_bound_is_the_quickest_turn_lately_so_a_burst_s_own_queues_do_not_loosen_it():
     # a floor below any turn here; flow control off so that the burst is placed, not held (the bound is kept either way)
     b = live_brain(parse_config({**CFG, "envoy": {"ext_proc_timeout_s": 0.002}, "flow_control": {"enabled": False}}))
-    b.decide(_headers("mine"), _body("my context "))
-    b.decide(_headers("mine"), _body("my context "))
+    envoy_decide(b, _headers("mine"), _body("my context "))
+    envoy_decide(b, _headers("mine"), _body("my context "))
     quick = b._turn_ttft_s
     assert quick > 0
     for k in range(6):  # new sessions' prefills queue on both replicas (nothing is released)
-        b.decide(_headers(f"burst-{k}"), _body(f"burst {k} ") * 10)
-    b.decide(_headers("mine"), _body("my context "))  # its next turn is predicted behind them
+        envoy_decide(b, _headers(f"burst-{k}"), _body(f"burst {k} ") * 10)
+    envoy_decide(b, _headers("mine"), _body("my context "))  # its next turn is predicted behind them
     assert b.recent_decisions(last=1)[0]["predicted_ttft_s"] > 2 * quick
     assert b._turn_ttft_s == pytest.approx(quick)  # what look_bound_s reads
 

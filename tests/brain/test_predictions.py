@@ -15,14 +15,14 @@ from extproc.contract import CLIENT_FIRST_TOKEN_TAG, FIRST_TOKEN_TAG, METADATA_N
 from extproc.envoy_config.filters import access_log
 from extproc.tools.stack.top import Row, Snapshot, text_table
 
-from ..helpers import live_brain
+from ..helpers import envoy_decide, live_brain
 
 CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(2)]})
 BODY = orjson.dumps({"messages": [{"role": "user", "content": "hello " * 400}], "stream": True})
 
 
 def decided(b, rid: str):
-    out = b.decide({"x-session-id": rid, "x-request-id": rid}, BODY)
+    out = envoy_decide(b, {"x-session-id": rid, "x-request-id": rid}, BODY)
     answer = out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
     res = b.router.reservation(int(answer["reservation"].string_value.split(".")[0]))
     return answer["reservation"].string_value, res

@@ -16,7 +16,7 @@ from extproc.brain.decide import headers_from_attributes
 from extproc.brain.scraper import parse_vllm_metrics
 from extproc.brain.server import claim_socket_path
 
-from ..helpers import live_brain
+from ..helpers import envoy_decide, live_brain
 
 CFG = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]})
 BODY = orjson.dumps({"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]})
@@ -54,7 +54,7 @@ def port_of(name: str) -> int:
 
 
 def test_decide_answers_with_metadata_and_headers_and_clears_the_route_cache(brain):
-    out = brain.decide({"x-session-id": "s", "x-request-id": "q1"}, BODY)
+    out = envoy_decide(brain, {"x-session-id": "s", "x-request-id": "q1"}, BODY)
     h = headers_of(out)
     assert h[ROUTING_HEADER] in ("r0", "r1", "r2")
     # <number>.<64 random bits>: nobody who was not handed it can name it
@@ -66,7 +66,7 @@ def test_decide_answers_with_metadata_and_headers_and_clears_the_route_cache(bra
 
 
 def test_a_bodyless_request_is_answered_in_the_headers_phase(brain):
-    out = brain.decide({"x-session-id": "s"}, None, "request_headers")
+    out = envoy_decide(brain, {"x-session-id": "s"}, None, "request_headers")
     assert out.WhichOneof("response") == "request_headers"
     assert headers_of(out)[ROUTING_HEADER] in ("r0", "r1", "r2")
 
@@ -81,7 +81,7 @@ def test_headers_sent_as_attributes_are_read_by_name():
 
 
 def test_the_access_log_releases_the_reservation_named_in_the_entry(brain):
-    h = headers_of(brain.decide({"x-request-id": "q1"}, BODY))
+    h = headers_of(envoy_decide(brain, {"x-request-id": "q1"}, BODY))
     assert brain.router.open_reservations == 1
     brain.on_log_entry(entry("q1", h[RESERVATION_HEADER], upstream=port_of(h[ROUTING_HEADER])))
     assert brain.router.open_reservations == 0
@@ -90,7 +90,7 @@ def test_the_access_log_releases_the_reservation_named_in_the_entry(brain):
 
 
 def test_a_request_reset_before_envoy_applied_our_header_is_released_by_its_request_id(brain):
-    brain.decide({"x-request-id": "q-reset"}, BODY)
+    envoy_decide(brain, {"x-request-id": "q-reset"}, BODY)
     brain.on_log_entry(entry("q-reset", "", code=0, details="downstream_remote_disconnect",
                              downstream_remote_reset=True))
     assert brain.router.open_reservations == 0
@@ -98,7 +98,7 @@ def test_a_request_reset_before_envoy_applied_our_header_is_released_by_its_requ
 
 
 def test_a_reservation_id_from_an_earlier_brain_releases_nothing(brain):
-    brain.decide({"x-request-id": "q2"}, BODY)
+    envoy_decide(brain, {"x-request-id": "q2"}, BODY)
     brain.on_log_entry(entry("other-request", "deadbeef.1"))
     assert brain.router.open_reservations == 1
 
@@ -117,7 +117,7 @@ def test_a_reservation_id_from_an_earlier_brain_releases_nothing(brain):
     ],
 )
 def test_passive_health_from_the_access_log_feeds_the_upstream_failure_rule(brain, kw, failed):
-    h = headers_of(brain.decide({"x-request-id": "q"}, BODY))
+    h = headers_of(envoy_decide(brain, {"x-request-id": "q"}, BODY))
     name = h[ROUTING_HEADER]
     for _ in range(3):  # SPEC B: 3 consecutive failures eject
         brain.on_log_entry(entry("", "", upstream=port_of(name), **kw))
@@ -125,7 +125,7 @@ def test_passive_health_from_the_access_log_feeds_the_upstream_failure_rule(brai
 
 
 def test_a_retry_elsewhere_counts_against_the_chosen_replica(brain):
-    h = headers_of(brain.decide({"x-request-id": "q"}, BODY))
+    h = headers_of(envoy_decide(brain, {"x-request-id": "q"}, BODY))
     chosen = h[ROUTING_HEADER]
     other = next(n for n in ("r0", "r1", "r2") if n != chosen)
     brain.on_log_entry(entry("q", h[RESERVATION_HEADER], upstream=port_of(other), attempts=2))
@@ -136,7 +136,7 @@ def test_a_retry_elsewhere_counts_against_the_chosen_replica(brain):
 
 def test_no_healthy_instances_is_an_immediate_503_with_json_and_retry_after():
     b = Brain(parse_config({}))
-    out = b.decide({}, BODY)
+    out = envoy_decide(b, {}, BODY)
     assert isinstance(out, ep.ProcessingResponse)
     imm = out.immediate_response
     assert imm.status.code == 503
@@ -185,9 +185,9 @@ def test_structured_logs_one_json_line_per_state_change_and_rebind_never_prompt_
     secret = "TOP-SECRET-PROMPT"
     body = orjson.dumps({"messages": [{"role": "system", "content": secret}, {"role": "user", "content": secret}]})
     with caplog.at_level(logging.INFO, logger="warmroute"):
-        h = headers_of(brain.decide({"x-session-id": "user-42"}, body))
+        h = headers_of(envoy_decide(brain, {"x-session-id": "user-42"}, body))
         brain.router.on_scrape(h[ROUTING_HEADER], False, 2000.0)  # LIVE -> EJECTED
-        brain.decide({"x-session-id": "user-42"}, body)  # the pin to the dead replica rebinds
+        envoy_decide(brain, {"x-session-id": "user-42"}, body)  # the pin to the dead replica rebinds
     lines = [_json.loads(r.getMessage()) for r in caplog.records]
     events = [x["event"] for x in lines]
     assert "state_change" in events and "pin_change" in events
@@ -273,9 +273,9 @@ def test_every_pin_action_has_a_metric_family_and_every_series_starts_at_zero():
 def test_bodies_are_counted_by_status_so_header_only_routing_is_visible(brain):
     from prometheus_client import generate_latest
 
-    brain.decide({"x-session-id": "a"}, b"{not json")
-    brain.decide({"x-session-id": "b"}, BODY)
-    brain.decide({"x-session-id": "c"}, None, "request_headers")
+    envoy_decide(brain, {"x-session-id": "a"}, b"{not json")
+    envoy_decide(brain, {"x-session-id": "b"}, BODY)
+    envoy_decide(brain, {"x-session-id": "c"}, None, "request_headers")
     text = generate_latest(brain.registry).decode()
     assert 'warmroute_request_bodies_total{status="not_json"} 1.0' in text
     assert 'warmroute_request_bodies_total{status="ok"} 1.0' in text
@@ -307,10 +307,10 @@ def test_a_reload_that_would_leave_no_replica_is_refused_and_the_old_config_kept
 
 
 def test_a_response_the_replica_cut_off_after_it_started_counts_as_an_upstream_failure(brain):
-    out = brain.decide({"x-session-id": "cut"}, BODY)
+    out = envoy_decide(brain, {"x-session-id": "cut"}, BODY)
     name = headers_of(out)[ROUTING_HEADER]
     for k in range(3):  # 3 consecutive upstream failures eject a LIVE replica (B)
-        out = brain.decide({"x-session-id": "cut"}, BODY) if k else out
+        out = envoy_decide(brain, {"x-session-id": "cut"}, BODY) if k else out
         h = headers_of(out)
         assert h[ROUTING_HEADER] == name  # the session stays while its replica is LIVE
         brain.on_log_entry(entry(reservation=h[RESERVATION_HEADER], code=200, upstream=port_of(name),
@@ -320,8 +320,8 @@ def test_a_response_the_replica_cut_off_after_it_started_counts_as_an_upstream_f
 
 def test_two_open_requests_with_the_same_request_id_never_release_each_other(brain):
     """A pasted-in Envoy config may keep clients' x-request-id: a shared id backs up neither reservation."""
-    h1 = headers_of(brain.decide({"x-request-id": "dup"}, BODY))
-    h2 = headers_of(brain.decide({"x-request-id": "dup"}, BODY))
+    h1 = headers_of(envoy_decide(brain, {"x-request-id": "dup"}, BODY))
+    h2 = headers_of(envoy_decide(brain, {"x-request-id": "dup"}, BODY))
     assert brain.router.open_reservations == 2
     # the second request reset before Envoy applied our header: its entry names only the shared id
     brain.on_log_entry(entry("dup", "", code=0, details="downstream_remote_disconnect", downstream_remote_reset=True))
@@ -368,8 +368,8 @@ def test_a_credential_is_never_kept_or_logged_only_its_hash():
 
 
 def test_when_every_access_log_stream_closes_the_open_reservations_are_released_once(brain):
-    h1 = headers_of(brain.decide({"x-request-id": "a"}, BODY))
-    brain.decide({"x-request-id": "b"}, BODY)
+    h1 = headers_of(envoy_decide(brain, {"x-request-id": "a"}, BODY))
+    envoy_decide(brain, {"x-request-id": "b"}, BODY)
     brain.envoy.opened()
     brain.envoy.opened()  # two Envoy workers
     assert brain.envoy.closed() == 0 and brain.router.open_reservations == 2  # one worker's stream reset: Envoy lives
@@ -379,7 +379,7 @@ def test_when_every_access_log_stream_closes_the_open_reservations_are_released_
     assert brain.stats.releases_by_log == 0 and brain.stats.released_envoy_gone == 2
     assert not brain.ledger.by_request_id
     # reservations made after the streams closed (a new Envoy, before its first entry) are not touched
-    brain.decide({"x-request-id": "c"}, BODY)
+    envoy_decide(brain, {"x-request-id": "c"}, BODY)
     brain.envoy.opened()
     assert brain.router.open_reservations == 1
 
@@ -454,7 +454,10 @@ def test_behind_a_burst_the_brain_extends_envoy_s_timer_before_it_decides():
 
     from extproc.brain import decide as dc
 
-    decided = ep.ProcessingResponse(request_body=ep.BodyResponse())
+    from extproc.answers import Placed
+
+    placed = Placed("r0", "1.abc")
+    decided = dc.envoy_answer(placed, "request_body")
 
     class Ctx:
         def __init__(self):
@@ -468,7 +471,7 @@ def test_behind_a_burst_the_brain_extends_envoy_s_timer_before_it_decides():
             self.written.append(m)
 
     def run(open_before: int, hold_s: float) -> list:
-        front = dc.ExternalProcessor(lambda h, b, phase: decided, 2 * 2**20, hold_s=hold_s)
+        front = dc.ExternalProcessor(lambda h, b, phase: placed, 2 * 2**20, hold_s=hold_s)
         front.open_calls = open_before  # calls of the burst read before this one, not yet answered
         ctx = Ctx()
         asyncio.run(front.Process(None, ctx))

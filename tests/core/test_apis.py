@@ -17,7 +17,7 @@ from extproc.core.blocks import ChainCache
 from extproc.core.config import ProfileConfig
 from extproc.core.profile import build_profile, engine_model
 
-from ..helpers import live_brain
+from ..helpers import envoy_decide, live_brain
 
 CFG = ProfileConfig()
 SYSTEM = "You are a careful coding agent. Follow the repository's conventions. " * 40
@@ -154,7 +154,7 @@ def test_the_brain_names_each_new_response_after_its_replica_and_sends_what_foll
     brain = _brain()
     created = {}
     for k in range(6):
-        out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": f"conversation {k}"}))
+        out = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": f"conversation {k}"}))
         sent = json.loads(out.request_body.response.body_mutation.body)
         created[sent["request_id"]] = _cluster(out)
         assert sent["input"] == f"conversation {k}"
@@ -163,26 +163,26 @@ def test_the_brain_names_each_new_response_after_its_replica_and_sends_what_foll
                                                                           "previous_response_id": rid})),
                               ({":path": "/v1/responses/" + rid, ":method": "GET"}, None),
                               ({":path": f"/v1/responses/{rid}/cancel", ":method": "POST"}, None)):
-            out = brain.decide(headers, body, "request_body" if body else "request_headers")
+            out = envoy_decide(brain, headers, body, "request_body" if body else "request_headers")
             assert _cluster(out) == home
             if body:  # the follow-up's own response lives there too
                 assert parse_minted(json.loads(out.request_body.response.body_mutation.body)["request_id"])[0] \
                     == replica_tag(home)
     # a response that will not be stored is sent as the client wrote it
-    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x", "store": False}))
+    out = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x", "store": False}))
     assert not out.request_body.response.HasField("body_mutation")
     # a client's own id: remembered where it went
-    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x", "request_id": "mine"}))
+    out = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x", "request_id": "mine"}))
     assert not out.request_body.response.HasField("body_mutation")
     home = _cluster(out)
-    follow = brain.decide({":path": "/v1/responses/mine", ":method": "GET"}, None, "request_headers")
+    follow = envoy_decide(brain, {":path": "/v1/responses/mine", ":method": "GET"}, None, "request_headers")
     assert _cluster(follow) == home
 
 
 def test_a_response_whose_replica_left_the_fleet_is_not_found_as_the_engine_says_it():
     brain = _brain()
     gone = mint_response_id("r9", None)
-    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x",
+    out = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x",
                                                                  "previous_response_id": gone}))
     assert out.immediate_response.status.code == 404
     assert json.loads(out.immediate_response.body) == {"error": {
@@ -195,11 +195,11 @@ def test_the_brain_s_own_errors_on_the_messages_paths_are_in_anthropic_s_shape()
     reps = [{"name": "r0", "url": "http://127.0.0.1:8001", "models": ["coder"]}]
     brain = live_brain(parse_config({"replicas": reps}))
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        out = brain.decide({":path": path}, orjson.dumps({"model": "nope", "max_tokens": 8, "messages": []}))
+        out = envoy_decide(brain, {":path": path}, orjson.dumps({"model": "nope", "max_tokens": 8, "messages": []}))
         assert out.immediate_response.status.code == 404
         assert json.loads(out.immediate_response.body) == {"type": "error", "error": {
             "type": "NotFoundError", "message": "The model `nope` does not exist. Valid aliases: coder."}}
-    out = brain.decide({":path": "/v1/chat/completions"}, orjson.dumps({"model": "nope", "messages": []}))
+    out = envoy_decide(brain, {":path": "/v1/chat/completions"}, orjson.dumps({"model": "nope", "messages": []}))
     assert json.loads(out.immediate_response.body)["error"]["param"] == "model"
 
 
@@ -207,11 +207,11 @@ def test_the_seed_policy_sends_what_follows_a_stored_response_to_its_replica_too
     reps = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]
     brain = live_brain(parse_config({"replicas": reps, "routing": {"policy": "seed"}}))
     for k in range(6):
-        out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": f"c{k}"}))
+        out = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": f"c{k}"}))
         rid, home = json.loads(out.request_body.response.body_mutation.body)["request_id"], _cluster(out)
         brain.router.drain(home)
         try:
-            follow = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
+            follow = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
                                                                              "previous_response_id": rid}))
             assert _cluster(follow) == home
         finally:
@@ -242,7 +242,7 @@ def test_a_follow_up_s_chain_continues_the_conversation_the_engine_stored():
 
 def test_as_an_endpoint_picker_the_brain_picks_the_replica_holding_the_response_first():
     brain = _brain()
-    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
+    out = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
     rid, home = json.loads(out.request_body.response.body_mutation.body)["request_id"], _cluster(out)
     for headers, body in (({":path": "/v1/responses/" + rid, ":method": "GET"}, None),
                           ({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
@@ -250,7 +250,7 @@ def test_as_an_endpoint_picker_the_brain_picks_the_replica_holding_the_response_
         p = brain.picks.pick(headers, body, None)
         assert p.endpoints[0] == brain.endpoint_of[home]
     gone = brain.picks.pick({":path": "/v1/responses/" + mint_response_id("r9", None), ":method": "GET"}, None, None)
-    assert gone.endpoints == [] and gone.immediate.immediate_response.status.code == 404
+    assert gone.endpoints == [] and gone.immediate.status == 404
 
 
 def test_two_users_identical_first_turns_are_two_conversations():
@@ -275,12 +275,12 @@ def test_an_id_without_the_fleet_s_mac_reaches_no_replica_its_bytes_name_and_is_
         for headers, body in (({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x",
                                                                          "previous_response_id": forged})),
                               ({":path": "/v1/responses/" + forged, ":method": "GET"}, None)):
-            out = brain.decide(headers, body, "request_body" if body else "request_headers")
+            out = envoy_decide(brain, headers, body, "request_body" if body else "request_headers")
             assert out.immediate_response.status.code == 404, target
             assert json.loads(out.immediate_response.body)["error"]["message"] == f"Response with id '{forged}' not found."
     assert brain.stats.forged_response_ids == 6 and sum(r["decisions"] for r in brain.state()["replicas"]) == 0
     # one character of a real id changed is forged too
-    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
+    out = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
     rid = json.loads(out.request_body.response.body_mutation.body)["request_id"]
     tampered = rid[:-1] + ("0" if rid[-1] != "0" else "1")
     assert holder_of(tampered, ["r0", "r1", "r2"], ResponseHomes(), 0.0, brain.response_key) is Holder.FORGED
@@ -289,18 +289,18 @@ def test_an_id_without_the_fleet_s_mac_reaches_no_replica_its_bytes_name_and_is_
 
 def test_a_drained_replica_gets_its_own_responses_follow_ups_and_an_ejected_one_no_forged_ids():
     brain = _brain()
-    out = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
+    out = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "start"}))
     rid, home = json.loads(out.request_body.response.body_mutation.body)["request_id"], _cluster(out)
     brain.router.drain(home)
-    follow = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
+    follow = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "next",
                                                                      "previous_response_id": rid}))
     assert _cluster(follow) == home  # only it holds the conversation
-    forged = brain.decide({":path": "/v1/responses/" + _forged(home), ":method": "GET"}, None, "request_headers")
+    forged = envoy_decide(brain, {":path": "/v1/responses/" + _forged(home), ":method": "GET"}, None, "request_headers")
     assert forged.immediate_response.status.code == 404
     other = next(n for n in ("r0", "r1", "r2") if n != home)
     brain.router.on_scrape(other, False, brain.clock(), 0, 0, 0.0)  # a failed scrape: EJECTED
     assert brain.router.replica(other).state.value == "EJECTED"
-    forged = brain.decide({":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x",
+    forged = envoy_decide(brain, {":path": "/v1/responses"}, orjson.dumps({"model": "m", "input": "x",
                                                                      "previous_response_id": _forged(other)}))
     assert forged.immediate_response.status.code == 404
 
@@ -309,7 +309,7 @@ def test_a_client_s_own_request_id_cannot_be_re_homed_by_another_client():
     brain = _brain()
 
     def create(tenant_headers: dict) -> str:
-        out = brain.decide({":path": "/v1/responses", **tenant_headers},
+        out = envoy_decide(brain, {":path": "/v1/responses", **tenant_headers},
                            orjson.dumps({"model": "m", "input": "x" * 3000, "request_id": "shared-id"}))
         return _cluster(out)
 
@@ -317,7 +317,7 @@ def test_a_client_s_own_request_id_cannot_be_re_homed_by_another_client():
     for _ in range(10):  # the other client sends creates under the same id; whatever replica they land on...
         create({"x-session-id": "attacker"})
     for _ in range(3):  # ...the victim's follow-ups still reach its response
-        follow = brain.decide({":path": "/v1/responses/shared-id", ":method": "GET"}, None, "request_headers")
+        follow = envoy_decide(brain, {":path": "/v1/responses/shared-id", ":method": "GET"}, None, "request_headers")
         assert _cluster(follow) == victim_home
     homes = ResponseHomes()
     assert homes.record("x", "r0", 0.0) and not homes.record("x", "r1", 1.0) and homes.get("x", 2.0) == "r0"

@@ -16,7 +16,7 @@ from extproc.core.names import Reason
 from extproc.core.profile import RequestProfile
 from extproc.core.shared import Outbox, Remote
 
-from ..helpers import live_brain
+from ..helpers import envoy_at_headers, envoy_decide, envoy_look, live_brain
 
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 400}], "max_tokens": 8})
 
@@ -105,9 +105,9 @@ def _status(out) -> int:
 def test_the_brain_answers_a_capped_tenant_429_with_retry_after_in_the_api_s_own_shape():
     b = _brain()
     chat = {":path": "/v1/chat/completions", ":method": "POST", "x-warmroute-tenant": "acme"}
-    assert _status(b.decide({**chat, "x-session-id": "s1"}, BODY)) == 200  # a session under way
+    assert _status(envoy_decide(b, {**chat, "x-session-id": "s1"}, BODY)) == 200  # a session under way
     for _ in range(10):  # a minute's tokens gone: the first prompt's tokens, each answer, then what is not cached
-        out = b.decide(chat, BODY)
+        out = envoy_decide(b, chat, BODY)
         if _status(out) == 429:
             break
     assert _status(out) == 429
@@ -115,14 +115,14 @@ def test_the_brain_answers_a_capped_tenant_429_with_retry_after_in_the_api_s_own
                for h in out.immediate_response.headers.set_headers}
     assert int(headers["retry-after"]) >= 1 and headers["x-llm-d-request-dropped-reason"] == "tenant_over_cap"
     assert json.loads(out.immediate_response.body)["error"]["code"] == "tenant_over_cap"
-    messages = b.decide({":path": "/v1/messages", "x-warmroute-tenant": "acme"}, BODY)
+    messages = envoy_decide(b, {":path": "/v1/messages", "x-warmroute-tenant": "acme"}, BODY)
     doc = json.loads(messages.immediate_response.body)
     assert _status(messages) == 429 and doc["type"] == "error" and doc["error"]["type"] == "rate_limit_error"
-    assert _status(b.decide({":path": "/v1/chat/completions", "x-warmroute-tenant": "other"}, BODY)) == 200
+    assert _status(envoy_decide(b, {":path": "/v1/chat/completions", "x-warmroute-tenant": "other"}, BODY)) == 200
     # a large body's look refuses it before it is uploaded; a turn of a session under way, at its headers
-    assert _status(b.look(chat, 0.0)) == 429
+    assert _status(envoy_look(b, chat, 0.0)) == 429
     turn = {**chat, "x-session-id": "s1", "content-length": str(len(BODY))}
-    answer = b.at_headers(turn)
+    answer = envoy_at_headers(b, turn)
     assert answer is not None and _status(answer) == 429
     assert b.stats.flow_refused["tenant_over_cap"] >= 3
 

@@ -160,7 +160,7 @@ def test_the_queue_keeps_its_bounds_its_books_and_its_class_order(ops):
 from extproc.core import Reason  # noqa: E402
 from extproc.core.flow import FlowControl  # noqa: E402
 
-from ..helpers import chain, live_router, prof  # noqa: E402
+from ..helpers import chain, envoy_decide, envoy_let_go, live_router, prof  # noqa: E402
 from ..core.test_warm import WARM  # noqa: E402
 
 
@@ -331,7 +331,7 @@ def test_the_simulator_holds_and_lets_go_every_request_and_counts_its_wait_from_
 
 import orjson  # noqa: E402
 
-from extproc.brain.decide import DROPPED_REASON_HEADER, Held as HeldAnswer  # noqa: E402
+from extproc.answers import DROPPED_REASON_HEADER, Held as HeldAnswer  # noqa: E402
 from extproc.config import ConfigError, parse_config  # noqa: E402
 from extproc.contract import METADATA_NAMESPACE  # noqa: E402
 
@@ -349,17 +349,17 @@ def _flow_brain(**flow):
 
 def test_the_brain_holds_a_saturated_request_and_answers_it_once_a_replica_has_room():
     b, clock = _flow_brain()
-    bigs = [b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    bigs = [envoy_decide(b, {"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
             for i in range(3)]  # a long prefill on each of the three replicas (one-shots: no context stays)
     assert not any(isinstance(x, HeldAnswer) for x in bigs)
-    held = b.decide({"x-request-id": "small", "x-session-id": "s"}, _body(3000, "small"))
+    held = envoy_decide(b, {"x-request-id": "small", "x-session-id": "s"}, _body(3000, "small"))
     assert isinstance(held, HeldAnswer) and b.router.open_reservations == 3
-    assert b.let_go(lambda key: True) == []  # still saturated
+    assert envoy_let_go(b) == []  # still saturated
     assert _family(b, "warmroute_flow_queue_depth") == {"critical": 0, "standard": 1, "sheddable": 0}
     first = b.router.reservation(1)
     clock.t += 1.5
     b.router.release(first, clock.t)  # one long request ends: its replica has room
-    [(key, answer)] = b.let_go(lambda key: True)
+    [(key, answer)] = envoy_let_go(b)
     assert key == held.key
     assert _family(b, "warmroute_flow_queue_depth")["standard"] == 0
     assert _family(b, "warmroute_flow_released")["standard"] == 1
@@ -379,14 +379,14 @@ def _family(b, name: str) -> dict[str, float]:
 def test_a_held_request_nobody_waits_for_any_more_is_released_and_one_held_too_long_gets_429():
     b, clock = _flow_brain()
     for i in range(3):
-        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
-    gone = b.decide({"x-request-id": "gone"}, _body(3000, "gone"))
-    late = b.decide({"x-request-id": "late"}, _body(3000, "late"))
+        envoy_decide(b, {"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    gone = envoy_decide(b, {"x-request-id": "gone"}, _body(3000, "gone"))
+    late = envoy_decide(b, {"x-request-id": "late"}, _body(3000, "late"))
     b.cancel(gone.key)
     assert _family(b, "warmroute_flow_abandoned")["standard"] == 1  # its call ended before an answer
     assert b.state()["flow_control"]["abandoned"]["standard"] == 1
     clock.t += 3601  # past flow_control.wait_s: the big prefills are still predicted to run
-    [(key, answer)] = b.let_go(lambda key: True)
+    [(key, answer)] = envoy_let_go(b)
     assert key == late.key and answer.immediate_response.status.code == 429
     headers = {h.header.key: h.header.raw_value.decode() for h in answer.immediate_response.headers.set_headers}
     assert headers["retry-after"] == "2" and headers[DROPPED_REASON_HEADER] == "waited_too_long"
@@ -406,10 +406,10 @@ def test_the_class_comes_from_the_trusted_header_and_envoy_strips_it_from_client
 
     b, clock = _flow_brain()
     for i in range(3):
-        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
-    crit = b.decide({"x-request-id": "c", "x-warmroute-priority": "critical"}, _body(3000, "crit"))
+        envoy_decide(b, {"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    crit = envoy_decide(b, {"x-request-id": "c", "x-warmroute-priority": "critical"}, _body(3000, "crit"))
     assert not isinstance(crit, HeldAnswer) and crit.HasField("dynamic_metadata")  # placed at once
-    other = b.decide({"x-request-id": "o", "x-warmroute-priority": "urgent!"}, _body(3000, "other"))
+    other = envoy_decide(b, {"x-request-id": "o", "x-warmroute-priority": "urgent!"}, _body(3000, "other"))
     assert isinstance(other, HeldAnswer)  # a name it does not know is standard
     assert b.router.flow.queue.in_order(5)[0].klass == STANDARD
     assert "x-warmroute-priority" in edge_headers_removed(b.cfg) and "x-warmroute-priority" in brain_headers(b.cfg)
@@ -492,15 +492,15 @@ def test_a_held_request_keeps_its_body_s_bytes_within_the_bound_and_is_rewritten
     b, clock = live({"flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600, "max_bytes": 40_000},
                      "models": {"aliases": {"friendly": "m"}}})
     for i in range(3):
-        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+        envoy_decide(b, {"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
     alias = orjson.dumps({"model": "friendly", "messages": [{"role": "user", "content": "x" * 30_000}]})
-    held = b.decide({"x-request-id": "a"}, alias)
+    held = envoy_decide(b, {"x-request-id": "a"}, alias)
     assert isinstance(held, HeldAnswer)
     # its 30 KB body is held: another one would pass the 40 KB bound
-    full = b.decide({"x-request-id": "b"}, _body(30_000, "second"))
+    full = envoy_decide(b, {"x-request-id": "b"}, _body(30_000, "second"))
     assert full.immediate_response.status.code == 429 and b.stats.flow_refused["queue_full"] == 1
     b.router.release(b.router.reservation(1), clock.t)
-    [(key, answer)] = b.let_go(lambda key: True)
+    [(key, answer)] = envoy_let_go(b)
     # the alias is rewritten to the served model, as for a request placed at once
     assert orjson.loads(answer.request_body.response.body_mutation.body)["model"] == "m"
 
@@ -588,13 +588,13 @@ def test_a_client_s_ttft_deadline_header_refuses_at_once_what_cannot_make_it_and
         assert ttft_slo_of({"x-warmroute-ttft-slo-ms": bad}) is None
     b, clock = _flow_brain()
     for i in range(3):
-        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
-    hurry = b.decide({"x-request-id": "h", "x-llm-d-slo-ttft-ms": "2000"}, _body(3000, "h"))
+        envoy_decide(b, {"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    hurry = envoy_decide(b, {"x-request-id": "h", "x-llm-d-slo-ttft-ms": "2000"}, _body(3000, "h"))
     assert hurry.immediate_response.status.code == 429
     headers = {h.header.key: h.header.raw_value.decode() for h in hurry.immediate_response.headers.set_headers}
     assert headers[DROPPED_REASON_HEADER] == "deadline_unmeetable" and headers["retry-after"] == "2"
     assert b.stats.flow_refused["deadline_unmeetable"] == 1 and len(b.router.flow) == 0
-    assert isinstance(b.decide({"x-request-id": "w", "x-warmroute-ttft-slo-ms": "soon"}, _body(3000, "w")), HeldAnswer)
+    assert isinstance(envoy_decide(b, {"x-request-id": "w", "x-warmroute-ttft-slo-ms": "soon"}, _body(3000, "w")), HeldAnswer)
 
 
 # ------------------------------------------------------------------ saturation by KV (the default)
@@ -679,17 +679,17 @@ def test_the_simulator_holds_session_turns_only_when_the_fleet_s_caches_are_full
 def test_by_default_the_brain_holds_a_new_session_that_fits_nowhere_and_never_one_under_way():
     b, clock = live({"flow_control": {"enabled": True}})  # hold_on_wait off: KV alone saturates
     # three sessions, each with a context of ~250K tokens (of a replica's 300K), one on each replica
-    homes = [b.decide({"x-request-id": f"s{i}", "x-session-id": f"s{i}"}, _body(1_000_000, f"s{i}"))
+    homes = [envoy_decide(b, {"x-request-id": f"s{i}", "x-session-id": f"s{i}"}, _body(1_000_000, f"s{i}"))
              for i in range(3)]
     assert not any(isinstance(x, HeldAnswer) for x in homes)
     clock.t += 1
     for i in range(3):
         b.router.release(b.router.reservation(i + 1), clock.t)
-    new = b.decide({"x-request-id": "n", "x-session-id": "new"}, _body(400_000, "new"))
+    new = envoy_decide(b, {"x-request-id": "n", "x-session-id": "new"}, _body(400_000, "new"))
     assert isinstance(new, HeldAnswer) and b.router.open_reservations == 0  # idle replicas, caches full
-    later = b.decide({"x-request-id": "s0b", "x-session-id": "s0"}, _body(1_000_100, "s0"))
+    later = envoy_decide(b, {"x-request-id": "s0b", "x-session-id": "s0"}, _body(1_000_100, "s0"))
     assert not isinstance(later, HeldAnswer)  # a session under way goes, past the new one waiting
-    one_shot = b.decide({"x-request-id": "o"}, _body(400_000, "o"))
+    one_shot = envoy_decide(b, {"x-request-id": "o"}, _body(400_000, "o"))
     assert not isinstance(one_shot, HeldAnswer)
 
 

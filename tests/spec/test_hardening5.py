@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.brain.scraper import parse_vllm_metrics
+from ..helpers import envoy_decide
 
 RUNNING = 'vllm:num_requests_running{model_name="m"} 1\n'
 
@@ -69,7 +70,7 @@ def test_a_client_s_own_kv_transfer_params_never_reach_an_engine(body):
     import json
 
     b = _brain()
-    out = b.decide({"x-session-id": "s", ":path": "/v1/chat/completions"}, body)
+    out = envoy_decide(b, {"x-session-id": "s", ":path": "/v1/chat/completions"}, body)
     assert out.WhichOneof("response") == "request_body"
     sent = json.loads(_sent_body(out, body))
     assert "kv_transfer_params" not in sent and sent["model"] == "m"
@@ -85,11 +86,11 @@ def test_a_body_too_big_to_parse_is_searched_for_them_and_on_a_prefill_fleet_for
                           "kv_transfer_params": {"remote_host": "10.9.9.9"}}).encode()
     escaped = literal.replace(b'"kv_transfer_params"', b'"kv\\u005ftransfer_params"')
     b = _brain()
-    out = b.decide({"x-session-id": "s", ":path": "/v1/chat/completions"}, literal)
+    out = envoy_decide(b, {"x-session-id": "s", ":path": "/v1/chat/completions"}, literal)
     assert "kv_transfer_params" not in json.loads(_sent_body(out, literal))
     pd = _brain(replicas=[{"name": "p0", "url": "http://127.0.0.1:8001", "role": "prefill"},
                           {"name": "d0", "url": "http://127.0.0.1:8002"}])
-    out = pd.decide({"x-session-id": "s", ":path": "/v1/chat/completions"}, escaped)
+    out = envoy_decide(pd, {"x-session-id": "s", ":path": "/v1/chat/completions"}, escaped)
     if not hasattr(out, "WhichOneof"):  # the brain disaggregated it: the prefill leg's document is what it sends
         assert "kv_transfer_params" not in out.doc
         out.abandon()
@@ -100,7 +101,7 @@ def test_a_body_too_big_to_parse_is_searched_for_them_and_on_a_prefill_fleet_for
 def test_a_body_without_them_is_sent_as_it_came():
     b = _brain()
     body = b'{"model": "m", "messages": [{"role": "user", "content": "caf\\u00e9 \\u4e2d"}]}'
-    out = b.decide({"x-session-id": "s", ":path": "/v1/chat/completions"}, body)
+    out = envoy_decide(b, {"x-session-id": "s", ":path": "/v1/chat/completions"}, body)
     assert not out.request_body.response.body_mutation.HasField("body")
 
 
@@ -111,7 +112,7 @@ def test_a_body_too_big_for_the_brain_that_names_them_is_refused_in_openai_s_sha
     from extproc.core.profile import BODY_KV_TRANSFER_KEY
 
     b = _brain()
-    out = b.decide({"x-session-id": "s", ":path": "/v1/chat/completions", "content-length": "5000000",
+    out = envoy_decide(b, {"x-session-id": "s", ":path": "/v1/chat/completions", "content-length": "5000000",
                     BODY_KV_TRANSFER_KEY: "1"}, None, "request_headers")
     assert out.immediate_response.status.code == 400
     assert json.loads(out.immediate_response.body)["error"]["code"] == "kv_transfer_params_not_allowed"
@@ -130,11 +131,11 @@ def test_a_client_chosen_response_id_is_scoped_by_the_credential_by_default():
         return out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields["cluster"].string_value
 
     def create(who: dict, session: str, text: str):
-        return b.decide({":path": "/v1/responses", "x-session-id": session, **who},
+        return envoy_decide(b, {":path": "/v1/responses", "x-session-id": session, **who},
                         orjson.dumps({"model": "m", "input": text, "request_id": "shared-id"}))
 
     def read(who: dict) -> str:
-        return cluster(b.decide({":path": "/v1/responses/shared-id", ":method": "GET", **who}, None, "request_headers"))
+        return cluster(envoy_decide(b, {":path": "/v1/responses/shared-id", ":method": "GET", **who}, None, "request_headers"))
 
     b = _brain(replicas=[{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(4)])
     attacker, victim = {"authorization": "Bearer attacker"}, {"authorization": "Bearer victim"}

@@ -14,8 +14,7 @@ requests), ``{"die_for_s": 10}`` (stop listening, lose in-flight work,
 come back with a cold cache), ``{"die_slowly_s": 1.3, "die_for_s": 10}``
 (first a process that still accepts connections but resets every request
 before answering, as a SIGKILLed vLLM does while its port closes),
-``{"kv_tokens_per_s": 2000}`` (a slow KV link: this replica's loads from a
-prefill replica run at that rate);
+``{"kv_tokens_per_s": 2000}`` (its loads from a prefill replica that slow);
 ``--flap-every/--flap-down`` make it die and return on a timer. Like
 vLLM's uvicorn server it closes a keep-alive connection idle for
 ``--keep-alive-s`` (5 s, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``).
@@ -249,9 +248,8 @@ class MockReplica:
                                                                 float(doc.get("die_slowly_s", 0.0))))
         if "html" in doc:  # a misconfigured proxy or portal in front of the engine: 200 with an HTML page
             self.html = bool(doc["html"])
-        if "kv_tokens_per_s" in doc:
-            rate = doc["kv_tokens_per_s"]
-            if self.kv is None or not isinstance(rate, (int, float)) or not rate > 0:
+        if "kv_tokens_per_s" in doc:  # a slow KV link
+            if self.kv is None or not isinstance(rate := doc["kv_tokens_per_s"], (int, float)) or not rate > 0:
                 return error(400, "kv_tokens_per_s: a positive number, on a replica with --kv-transfer-tokens-per-s")
             self.kv.tokens_per_s = float(rate)
         return web.json_response({"healthy": self.healthy, "fail_rate": self.fail_rate, "stall_s": self.stall_s})

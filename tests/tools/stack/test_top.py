@@ -6,7 +6,7 @@ import pytest
 
 from extproc.tools.stack.top import HEAD, SHORT, Row, Snapshot, text_table
 
-from ...helpers import live_router, prof, scrape_until
+from ...helpers import envoy_decide, envoy_let_go, live_router, prof, scrape_until
 
 
 def _snap(shares=(0.33, 0.33, 0.33, 0.01), *, drained=(), candidate=None, selects=300, error=None):
@@ -68,15 +68,15 @@ def test_flow_control_gets_a_line_with_each_class_held_and_its_mean_wait_and_non
     b, clock = _flow_brain()
     assert b.state()["flow_control"]["held"] == 0
     for i in range(3):
-        b.decide({"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
-    b.decide({"x-request-id": "small"}, _body(3000, "small"))
+        envoy_decide(b, {"x-request-id": f"big{i}"}, _body(2_000_000, f"big{i}"))
+    envoy_decide(b, {"x-request-id": "small"}, _body(3000, "small"))
     snap = _snap()
     snap.flow = b.state()["flow_control"]
     line = next(x for x in text_table(snap, 400).splitlines() if x.startswith("flow control:"))
     assert "held 1 (critical 0, standard 1, sheddable 0)" in line and "waited_too_long 0" in line
     clock.t += 2
     b.router.release(b.router.reservation(1), clock.t)
-    b.let_go(lambda key: True)
+    envoy_let_go(b)
     snap.flow = b.state()["flow_control"]
     assert "standard 0 (mean wait 2.0s)" in text_table(snap, 400)
     assert "flow control" not in text_table(_snap(), 400)
@@ -90,7 +90,7 @@ def test_the_flow_line_shows_each_replica_s_active_contexts_against_its_cache():
     from ...core.test_flow import _body, _flow_brain
 
     b, _ = _flow_brain()
-    b.decide({"x-request-id": "s1", "x-session-id": "one"}, _body(40_000, "first turn"))
+    envoy_decide(b, {"x-request-id": "s1", "x-session-id": "one"}, _body(40_000, "first turn"))
     reps = b.state()["replicas"]
     sets = {r["name"]: _working_set(r["predicted"]) for r in reps}
     assert sum(a for a, _ in sets.values()) > 0 and all(c > 0 for _, c in sets.values())

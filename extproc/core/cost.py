@@ -148,6 +148,11 @@ class Estimate:
     restored: int = 0  # of the prompt past ``cached``, tokens an offloaded tier holds there: restored, not computed
     medium: str | None = None  # that tier (CPU, STORAGE)
 
+    @property
+    def noise_s(self) -> float:
+        """How uncertain its prefill is: while its replica's rate stands on a few requests (``Rates.prefill_noise``)."""
+        return self.prefill * self.st.rates.prefill_noise
+
 
 @dataclass(slots=True)
 class Booking:

@@ -27,6 +27,14 @@ from dataclasses import dataclass
 _ALPHA = 0.3  # EWMA weight of a new sample: a rate follows a changed replica within a few samples
 _MIN_PREFILL_S = 5.0  # seconds of prefill behind one sample of the prefill rate
 _MIN_DECODE_TOKENS = 500  # generated tokens behind one sample of the decode rate
+# the first sample of a replica's prefill rate replaces the configured prior after this many finished requests' prefill,
+# if a fifth of _MIN_PREFILL_S has not come sooner: on a fast engine that is 50-100 requests (a mock at 10x held
+# its prior, 11x off, for a whole 45 s phase), and a prior off by any factor prices worse than ten requests' mean
+_FIRST_PREFILL_REQUESTS = 10
+# how far one request's prefill rate strays from its replica's (relative): a sample of n requests is known to within
+# about _REQUEST_CV / sqrt(n). Like replicas measured on ten requests each differ by ~5% (two real vLLMs: 9,979 and
+# 10,501 tok/s), which the cost model must not take for a difference of hardware
+_REQUEST_CV = 0.5
 _CLIP = 64.0  # a sample this far from the config's value either way is an artefact (a small model on a GPU decodes
 # 15x faster than the default prior; 8x, the bound before, held a 2 ms/token engine at 3.75)
 _MIN_RESTORE_TOKENS = 2048  # restored tokens behind one sample of the restore time
@@ -133,7 +141,7 @@ class Rates:
     __slots__ = ("prefill_tokens_per_s", "decode_s_per_token", "output_tokens", "_prev", "prefill_at", "decode_at",
                  "_acc", "_ref", "paired", "min_prefill_s", "prefill_rel", "decode_rel", "prefill_rel_at",
                  "decode_rel_at", "_prefill_fit", "_decode_fit", "prefill_slope", "decode_slope",
-                 "restore_s_per_token", "_restore_acc")
+                 "restore_s_per_token", "_restore_acc", "_finished", "prefill_noise")
 
     def __init__(self, prefill_tokens_per_s: float, decode_s_per_token: float, output_tokens: float,
                  paired: bool = True, min_prefill_s: float = _MIN_PREFILL_S, batch: bool = True):
@@ -150,6 +158,10 @@ class Rates:
         # prefill tokens, prefill s, generated tokens, decode s, requests, first tokens, finished requests,
         # then per rate (prefill, decode): the running requests summed over its scrapes, and how many scrapes
         self._acc = [0.0] * 11
+        self._finished = 0.0  # requests whose prefill the accumulated seconds cover
+        # the relative uncertainty of the prefill rate: >0 while it stands on a first sample of a few requests (the
+        # next sample, of a fifth of _MIN_PREFILL_S, replaces it), 0 once it stands on seconds of prefill
+        self.prefill_noise = 0.0
         self.prefill_at = float("-inf")  # when the last sample of each rate was taken
         self.decode_at = float("-inf")
         # each rate against the fleet's when it was measured: how this replica's hardware compares with the others'
@@ -173,6 +185,7 @@ class Rates:
         if any(a is not None and b is not None and a < b for a, b in
                ((s.prompt_tokens, p.prompt_tokens), (s.requests_done, p.requests_done))):
             self._acc = [0.0] * 11  # the replica restarted: its counters began again
+            self._finished = 0.0
             return
         acc = self._acc
         acc[7] += s.running
@@ -206,6 +219,8 @@ class Rates:
 
     def _prefill(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc
+        if s.prefill_done is not None and p.prefill_done is not None:
+            self._finished += s.prefill_done - p.prefill_done
         paired = _deltas(s, p, "computed_at_finish", "prefill_seconds") if self.paired else None
         if paired is not None:
             acc[0] += paired[0]
@@ -232,18 +247,24 @@ class Rates:
         else:
             return
         # the first sample replaces a guess (the configured prior), so a fifth of the evidence will do: a replica
-        # that gets little traffic (a slow one) would otherwise be priced at the guess for many minutes
+        # that gets little traffic (a slow one) would otherwise be priced at the guess for many minutes; and before
+        # that, ten finished requests, a provisional sample (with its noise) that the next one replaces
         first = self.prefill_at == float("-inf")
-        need = self.min_prefill_s if not first else self.min_prefill_s / 5
-        if acc[1] >= need and tokens > 0 and seconds > 0:
+        provisional = self.prefill_noise > 0
+        need = self.min_prefill_s if not (first or provisional) else self.min_prefill_s / 5
+        thin = first and self._finished >= _FIRST_PREFILL_REQUESTS
+        if (acc[1] >= need or thin) and tokens > 0 and seconds > 0:
             ref = 1.0 / self._ref[0]
             sample = min(_CLIP * ref, max(ref / _CLIP, seconds / tokens))
             fit = self._prefill_fit
-            # the first measurement replaces the configured prior (a guess for any hardware)
-            fit.add(acc[7] / max(1.0, acc[8]), sample, first)
+            # the first measurement replaces the configured prior (a guess for any hardware), the second a first
+            # of a few requests
+            fit.add(acc[7] / max(1.0, acc[8]), sample, first or provisional)
             self.prefill_tokens_per_s, self.prefill_slope = 1.0 / fit.a, fit.slope
+            self.prefill_noise = _REQUEST_CV / max(1.0, self._finished) ** 0.5 if acc[1] < need else 0.0
             self.prefill_at = now
             acc[0] = acc[1] = acc[5] = acc[6] = acc[7] = acc[8] = 0.0
+            self._finished = 0.0
 
     def _decode(self, s: LoadSample, p: LoadSample, now: float) -> None:
         acc = self._acc

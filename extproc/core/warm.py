@@ -313,8 +313,10 @@ class WarmPolicy(Policy):
             # prompt, docs/routing.md). The home is no exception: a context that does not fit there
             # is lost there too
             candidates = [e for e in candidates if e.fits] or candidates
-        least_cost = min(e.cost for e in candidates)
-        return ests, [e for e in candidates if e.cost <= least_cost + max(TIE_S, _TIE_SHARE * least_cost)]
+        # a tie: what the estimates cannot tell apart (a decode step, 2%, a rate measured on a few requests' noise)
+        least = min(candidates, key=lambda e: e.cost)
+        bound = least.cost + max(TIE_S, _TIE_SHARE * least.cost) + least.noise_s
+        return ests, [e for e in candidates if e.cost - e.noise_s <= bound]
 
     def _decide(self, best: Estimate, profile: RequestProfile, pin: Pin | None, prompt: int, now: float) -> Decision:
         """C4: the session pin records where the session's context now lives."""

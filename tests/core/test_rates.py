@@ -243,3 +243,53 @@ def test_C3_restore_time_is_learned_from_the_connector_s_load_seconds_over_the_t
     r.update(LoadSample(restored_tokens=10, restore_seconds=0.001), 3.0)  # the engine restarted
     r.update(LoadSample(restored_tokens=10 + 4096, restore_seconds=0.001 + 0.8192), 4.0)
     assert r.restore_s_per_token == pytest.approx(1e-4 + 0.3 * (2e-4 - 1e-4))
+
+
+def _finished(n: int, tokens_per_s: float, prompt: int = 200) -> LoadSample:
+    """Counters after ``n`` finished requests of ``prompt`` computed tokens each at ``tokens_per_s``."""
+    return LoadSample(prompt_tokens=prompt * n, computed_tokens=prompt * n, prompt_requests=n, first_tokens=n,
+                      prefill_seconds=n * prompt / tokens_per_s, prefill_done=n, computed_at_finish=prompt * n,
+                      requests_done=n)
+
+
+def test_C3_a_replica_s_first_ten_requests_replace_the_prior_provisionally_and_the_next_sample_replaces_them():
+    # a fast engine (50,000 tok/s): ten small requests are 0.04 s of prefill, far below a fifth of a sample's seconds
+    rates = Rates(5000.0, 0.03, 256.0)
+    rates.update(_finished(0, 50_000.0), 0.0)
+    rates.update(_finished(9, 50_000.0), 1.0)
+    assert rates.prefill_tokens_per_s == 5000.0 and rates.prefill_noise == 0.0  # nine: still the prior
+    rates.update(_finished(10, 50_000.0), 2.0)
+    assert rates.prefill_tokens_per_s == pytest.approx(50_000.0) and rates.prefill_at == 2.0
+    assert rates.prefill_noise == pytest.approx(0.5 / 10 ** 0.5)  # ten requests' noise: ~16%
+    # the engine was in fact 40,000 tok/s: a fifth of a sample's seconds replaces the provisional one, not averaged
+    base = _finished(10, 50_000.0)
+    more = _finished(6000, 40_000.0)
+    rates.update(dataclasses.replace(more, prefill_seconds=base.prefill_seconds + more.prefill_seconds
+                                     - _finished(10, 40_000.0).prefill_seconds), 3.0)
+    assert rates.prefill_tokens_per_s == pytest.approx(40_000.0, rel=0.01) and rates.prefill_noise == 0.0
+
+
+def test_C3_like_replicas_measured_on_a_few_requests_each_are_a_tie_not_a_difference_of_hardware():
+    from extproc.core import RouterConfig
+
+    from ..helpers import live_router, prof
+
+    router, t = live_router(2, RouterConfig(policy="warm"))
+    pol = router.policy
+    for r, rate in zip(router.replicas, (10_000.0, 10_500.0)):  # 5% apart: ten requests' noise
+        st = pol.states.of(r)
+        st.rates.prefill_tokens_per_s, st.rates.prefill_at, st.rates.prefill_noise = rate, t, 0.16
+    went = []
+    for i in range(8):  # new sessions one at a time, each done before the next: nothing queued anywhere
+        d = router.select(prof(session=f"s{i}", tokens=4000), t + i)
+        went.append(d.replica.name)
+        router.release(d.reservation, t + i + 0.5)
+    assert went.count("r0") >= 3 and went.count("r1") >= 3, went  # spread, as between replicas priced alike
+    for r in router.replicas:  # measured on seconds of prefill: the 5% is the hardware's, and it wins
+        pol.states.of(r).rates.prefill_noise = 0.0
+    went = []
+    for i in range(8):
+        d = router.select(prof(session=f"t{i}", tokens=4000), t + 10 + i)
+        went.append(d.replica.name)
+        router.release(d.reservation, t + 10 + i + 0.5)
+    assert went.count("r1") >= 6, went

@@ -7,6 +7,7 @@ import http.client
 import json
 import time
 import urllib.parse
+import urllib.request
 
 import pytest
 
@@ -67,3 +68,36 @@ def test_each_streamed_request_s_first_token_is_joined_with_its_prediction_and_b
     errors = {r["name"]: r["prediction_error"] for r in fleet.state()["replicas"]}
     served = {row["replica"] for row in rows.values()}
     assert all(errors[n] is not None and errors[n]["joined"] >= 1 for n in served), errors
+
+
+def _truth(url: str) -> tuple[float, float]:
+    """(prefill tokens, their wall seconds) the mock's engine computed, as it counted them (not a vLLM metric)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    got = {}
+    for line in text.splitlines():
+        if line.startswith("mock:engine_truth{") and 'engine="0"' in line:
+            for q in ("prefill_tokens", "prefill_seconds"):
+                if f'quantity="{q}"' in line:
+                    got[q] = float(line.rsplit(" ", 1)[1])
+    return got["prefill_tokens"], got["prefill_seconds"]
+
+
+def test_a_fast_replica_s_prefill_rate_is_learned_within_1_5x_after_its_first_ten_requests():
+    """Issue 62: a mock at 20x computes ~40x the configured prior's 5,000 tok/s; its first sample used to wait for a
+    fifth of a sample's prefill seconds (1 s: hundreds of such requests), priced at the prior meanwhile. Now ten
+    finished requests give a provisional first rate."""
+    with Stack(1, config=FAST, mock_args=["--speedup", "20"]) as s:
+        s.wait_all_live(30)
+        prior = s.state()["replicas"][0]["learned"]["prefill_tokens_per_second"]
+        for i in range(12):
+            streamed(s.url, f"fast-{i}", 0)
+
+        def learned():
+            v = s.state()["replicas"][0]["learned"]["prefill_tokens_per_second"]
+            return v if v != prior else None
+
+        got = wait_for(learned, 20, "a first prefill rate")
+        tokens, seconds = _truth(s.replicas[0].url)
+        truth = tokens / seconds
+        assert seconds < 1.0  # below what the first sample waited for before
+        assert prior * 4 < truth and truth / 1.5 <= got <= truth * 1.5, (prior, got, truth)

@@ -314,8 +314,8 @@ class WarmPolicy(Policy):
             # is lost there too
             candidates = [e for e in candidates if e.fits] or candidates
         # a tie: what the estimates cannot tell apart (a decode step, 2%, a rate measured on a few requests' noise)
-        least = min(candidates, key=lambda e: e.cost)
-        bound = least.cost + max(TIE_S, _TIE_SHARE * least.cost) + least.noise_s
+        best = min(candidates, key=lambda e: e.cost)
+        bound = best.cost + max(TIE_S, _TIE_SHARE * best.cost) + best.noise_s
         return ests, [e for e in candidates if e.cost - e.noise_s <= bound]
 
     def _decide(self, best: Estimate, profile: RequestProfile, pin: Pin | None, prompt: int, now: float) -> Decision:

@@ -200,9 +200,9 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
             yield s.name, s.labels, s.value
 
 
-def metric_total(text: str, *names: str) -> float:
-    """The sum of every series of any of ``names`` (any labels) in a /metrics text."""
-    return sum(v for n, _, v in samples(text) if n in names)
+def metric_total(text: str, *names: str, **labels: str) -> float:
+    """The sum of every series of any of ``names`` in a /metrics text (those with ``labels``, when given)."""
+    return sum(v for n, lab, v in samples(text) if n in names and all(lab.get(k) == x for k, x in labels.items()))
 
 
 def engine_counters(urls: list[str]) -> EngineCounters:

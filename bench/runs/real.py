@@ -153,8 +153,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             # seconds flow control held requests in the brain: the router's choice, not this machine's slowness
             held = metric_total(brain, "warmroute_flow_wait_seconds_total")
             row.held_s = held
-            by_path = {p: metric_total(brain, f'warmroute_decisions_by_path_total{{path="{p}"}}') for p in ("headers",
-                                                                                                            "body")}
+            by_path = {p: metric_total(brain, "warmroute_decisions_by_path_total", path=p) for p in ("headers", "body")}
             row.header_share = by_path["headers"] / max(1.0, sum(by_path.values()))
             if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
                 row.brain_cpu = (_cpu_s(s.brain.popen.pid) - brain_cpu0) / elapsed

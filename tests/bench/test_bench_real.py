@@ -58,6 +58,9 @@ def test_a_metric_s_total_is_every_series_of_that_name_and_no_other():
     assert metric_total(text, "warmroute_flow_wait_seconds_total") == 3.5
     assert metric_total(text, "vllm:time_to_first_token_seconds_sum") == 3.0
     assert metric_total(text, "absent") == 0.0
+    # one label's series (bench-real's share of decisions at the headers read 0% while it named the label in the name)
+    assert metric_total(text, "warmroute_flow_wait_seconds_total", **{"class": "sheddable"}) == 2.0
+    assert metric_total(text, "warmroute_flow_wait_seconds_total", **{"class": "critical"}) == 0.0
 
 
 def test_the_prediction_error_is_read_from_the_brain_s_joined_decisions():

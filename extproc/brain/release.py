@@ -174,7 +174,8 @@ class Releaser:
                 token = entry.request.request_headers.get(RESERVATION_HEADER, "")
                 res = self.ledger.alive(token, entry.request.request_id)
                 if res is not None and not res.released:
-                    self.router.touch(res, now)
+                    # a streamed response's body has begun: its first token came, its prefill is over
+                    self.router.touch(res, now, observed_us(common.custom_tags, FIRST_TOKEN_TAG) is not None)
                 elif res is None:
                     # another brain's request (several processes behind one Envoy, whose log stream is on one of
                     # them): without this its owner would take it for gone once its liveness bound passed

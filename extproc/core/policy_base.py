@@ -138,6 +138,10 @@ class Policy:
         placed): 0 for a policy that learns none."""
         return 0.0
 
+    def on_prefill_ended(self, res: "Reservation", now: float) -> None:
+        """The request ``res`` booked has had its first token, and runs on: its prefill is over (what was booked for
+        it may be given back before its end)."""
+
     def on_first_token(self, res: "Reservation", observed_s: float, now: float) -> None:
         """The request ``res`` booked had its first token ``observed_s`` after it was sent, as its front saw it (a
         streamed response's first body byte): what predictions are checked and corrected by."""

@@ -552,9 +552,12 @@ class Router:
         if res is not None and not res.released:
             self.policy.on_arrived(res, now)
 
-    def touch(self, res: Reservation, now: float) -> None:
-        """Envoy says the request is still in flight (a periodic access-log entry)."""
+    def touch(self, res: Reservation, now: float, first_token: bool = False) -> None:
+        """Envoy says the request is still in flight (a periodic access-log entry); ``first_token``: and it has had
+        its first token (its prefill is over)."""
         res.seen_at = now
+        if first_token and not res.released and not res.remote:
+            self.policy.on_prefill_ended(res, now)
 
     def release_started_before(self, t: float, now: float) -> int:
         """Release every open reservation made before ``t`` (the Envoy that carried them is gone); how many."""

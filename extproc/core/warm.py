@@ -136,6 +136,7 @@ class WarmPolicy(Policy):
         if isinstance(res.booking, Booking):
             st.take_back(res.booking.prefill_end, res.booking.arrived_at, res.prefill_s, res.pending_tokens,
                          res.provisional, now)
+            res.booking.queued = None  # in the queue of first tokens to come, if still there: it will not be counted
 
     # ------------------------------------------------------------------ choice
 
@@ -339,7 +340,8 @@ class WarmPolicy(Policy):
         st.book(start, prefill_s, prompt, work_s, estimated)
         self.shortlist.booked(work_s, requests)
         b = res.booking if res is not None and isinstance(res.booking, Booking) else Booking(prefill_s, prompt)
-        b.prefill_end = st.prefill_busy_until
+        b.prefill_end, b.queued = st.prefill_busy_until, (prefill_s, prompt)
+        st.queue(b)
         if res is not None:
             res.work_s, res.prefill_s, res.pending_tokens, res.booking = work_s, prefill_s, prompt, b
         return b
@@ -461,17 +463,15 @@ class WarmPolicy(Policy):
     def expected_output(self, r: Replica) -> float:
         return self.states.of(r).rates.output_tokens
 
+    def on_prefill_ended(self, res: Reservation, now: float) -> None:
+        """A first token before its predicted prefill end (a cache hit not foreseen, a rate read slow): the rest of its
+        prefill and its pending KV leave the replica's queue now, not at the request's end, long after."""
+        st, b = self.states.engine(res.replica.name, res.engine), res.booking
+        if st is not None and isinstance(b, Booking):
+            st.prefill_ended(b, now)
+
     def on_first_token(self, res: Reservation, observed_s: float, now: float) -> None:
-        """What the request's first token took beyond the cost model's part of its prediction: its replica's
-        overhead (``warm_replica.Overhead``)."""
-        if res.predicted_ttft_s is None or res.remote or res.transfer_tokens:
-            return  # nothing predicted, another brain's, or a decode leg (its transfer is learned apart)
-        if res.predicted_ttft_s - res.overhead_s - res.prefill_s > TIE_S:
-            # predicted to wait: its error is the queue model's, not the replica's own overhead. Learned from those
-            # too, an overloaded fleet's queue errors became a slope that changed what flow control held
-            return
-        self.states.observe_overhead(res.replica, res.pending_tokens,
-                                     observed_s - (res.predicted_ttft_s - res.overhead_s), now)
+        self.states.first_token(res, observed_s, now)
 
     def kv_tokens(self, r: Replica, engine: int | None) -> int | None:
         st = (self.states.engine(r.name, engine) if engine is not None else None) or self.states.of(r)

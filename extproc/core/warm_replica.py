@@ -14,6 +14,9 @@ from .prefix_index import Holders, PrefixIndex
 from .replica import Replica
 
 
+MAX_QUEUED = 4096  # bookings a replica's queue of first tokens to come holds at most (a counter that stopped moving)
+
+
 class Overhead:
     """What a replica's first tokens took beyond the cost model's prediction, as Envoy saw them: its API server's own
     work (HTTP, the chat template, tokenizing and hashing the whole prompt, the first event), none of which is in the
@@ -57,7 +60,7 @@ class WarmReplica:
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
                  "pending_tokens", "active_tokens", "active_whole", "arrivals", "prefix_caching", "scraped", "lora",
                  "lora_sent", "scale",
-                 "engine_block", "exact", "promised", "overhead")
+                 "engine_block", "exact", "promised", "overhead", "queued", "first_tokens")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
                  scale: TokenScale | None = None, holders: Holders | None = None):
@@ -76,6 +79,10 @@ class WarmReplica:
         # KV is not yet in the scraped usage but will be taken before a request routed now gets any
         self.pending: deque[tuple[float, int]] = deque()
         self.pending_tokens = 0
+        # the same requests' bookings in the order the engine takes them (first come, first served), and the engine's
+        # count of first tokens at the last scrape: each first token it counts since ends the oldest one's prefill
+        self.queued: deque = deque()
+        self.first_tokens: float | None = None
         # context of the sessions under way here (quiet for less than WorkingSet.horizon), a prefix they share
         # counted once (flow control's fit rule); and each session's whole context (the routing terms')
         self.active_tokens = 0
@@ -137,6 +144,35 @@ class WarmReplica:
                 self.arrivals.remove(arrived_at)
             except ValueError:
                 pass
+
+    def prefill_ended(self, b, now: float) -> None:
+        """Booking ``b``'s prefill is over (its first token seen) before it was predicted to end: the rest of it and
+        its pending KV leave the queue now."""
+        if b.prefill_end > now and b.queued is not None:
+            self.take_back(b.prefill_end, None, b.queued[0], b.queued[1], False, now)
+            b.prefill_end = now
+
+    def queue(self, b) -> None:
+        """A booking whose first token the engine will count (when it counts them: see ``first_tokens_counted``)."""
+        if self.first_tokens is not None and len(self.queued) < MAX_QUEUED:
+            self.queued.append(b)
+
+    def first_tokens_counted(self, count: float | None) -> list:
+        """The engine's count of first tokens at a scrape: as many of the oldest requests booked here and not yet
+        counted had theirs (the engine admits in arrival order). Those bookings, for the policy to end."""
+        before, self.first_tokens = self.first_tokens, count
+        q: deque = self.queued
+        out: list = []
+        if count is None:
+            q.clear()  # an engine that counts no first tokens: nothing to match them with
+            return out
+        n = int(count - before) if before is not None and count > before else 0
+        while q and n > 0:
+            b = q.popleft()
+            if b.queued is not None:  # ended before its first token was counted (an error, an abort): none to count
+                out.append(b)
+                n -= 1
+        return out
 
     def exact_cached(self, hashes, now: float) -> int:
         """The engine's cached tokens for a prompt of these block hashes: the longest run from its start that its

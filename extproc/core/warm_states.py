@@ -10,9 +10,14 @@ from .config import RouterConfig
 from .load import LoadSample
 from .prefix_index import Holders
 from .replica import Replica
+from .decision import Reservation
+from .room import TIE_S
 from .warm_replica import WarmReplica, overhead_at, replica_view
 
 # a replica's own first-token overhead counts half as much after this long without a sample (its peers' the rest)
+# a first token this much later than predicted (times the prediction, and at least QUEUED_S) waited for something the
+# queue model did not see: no API server's own work per request (tens of milliseconds) is that long
+QUEUED, QUEUED_S = 3.0, 1.0
 OVERHEAD_HALF_LIFE_S = 120.0
 
 
@@ -85,6 +90,9 @@ class WarmStates:
     def on_load(self, r: Replica, s: LoadSample, now: float) -> bool:
         """A scrape of ``r``; True when the candidates changed (engines came or went)."""
         st = self.of(r)
+        if not s.engines:  # the engine's first tokens since the last scrape end the oldest prefills booked there
+            for b in st.first_tokens_counted(s.prompt_requests):
+                st.prefill_ended(b, now)
         st.rates.update(s, now)
         st.scale.update(s)
         st.engine_block = s.engine_block
@@ -141,6 +149,20 @@ class WarmStates:
                 "first_token_overhead_seconds_per_token": line[1]}
 
     # ------------------------------------------------------------ first-token overhead
+
+    def first_token(self, res: Reservation, observed_s: float, now: float) -> None:
+        """What the request's first token took beyond the cost model's part of its prediction: its replica's
+        overhead (``warm_replica.Overhead``)."""
+        if res.predicted_ttft_s is None or res.remote or res.transfer_tokens:
+            return  # nothing predicted, another brain's, or a decode leg (its transfer is learned apart)
+        if res.predicted_ttft_s - res.overhead_s - res.prefill_s > TIE_S:
+            # predicted to wait: its error is the queue model's, not the replica's own overhead. Learned from those
+            # too, an overloaded fleet's queue errors became a slope that changed what flow control held
+            return
+        if observed_s - res.predicted_ttft_s > max(QUEUED * res.predicted_ttft_s, QUEUED_S):
+            return  # it waited for what the queue model did not see (a simulated fleet's overhead grew to seconds)
+        self.observe_overhead(res.replica, res.pending_tokens, observed_s - (res.predicted_ttft_s - res.overhead_s),
+                              now)
 
     def observe_overhead(self, r: Replica, prompt_tokens: int, seconds: float, now: float) -> None:
         self.of(r).overhead.add(prompt_tokens, seconds, now)

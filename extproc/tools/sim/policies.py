@@ -11,6 +11,9 @@ reference for how close a router that only sees metrics can get, not a peer.
 
 from __future__ import annotations
 
+import math
+
+from extproc.config.schema import EnvoyConfig
 from extproc.core import Reason, RequestProfile, Router, RouterConfig, hash_key
 from extproc.core.blocks import BLOCK_TOKENS as BLOCK
 from extproc.core.apis import Api
@@ -24,6 +27,8 @@ from extproc.tools.sim.peers import (DynamoDisaggregated, DynamoKvRouter, LeastR
                                      LlmdEndpointPicker, LlmdFlowControl, LlmdPrecise, LlmdTokenAware, Oracle, RingHash,
                                      RoundRobin, SGLangCacheAware)
 from extproc.tools.sim.policy_base import HOLD, REFUSED, Policy
+
+ACCESS_LOG_PERIODIC_S = EnvoyConfig().access_log_periodic_s  # as the brain's Envoy is rendered by default
 
 __all__ = ["HOLD", "REFUSED", "Policy", "Warmroute", "make_policy"]
 
@@ -181,6 +186,20 @@ class Warmroute(Policy):
         # Envoy retries without asking the brain: the replica cluster's priority 1 (the other
         # replicas) with LEAST_REQUEST, i.e. two random choices on active requests.
         return self.two_choices(exclude)
+
+    def first_token_known_at(self, req, now):
+        # as the brain learns it: Envoy's next periodic entry of the request (every envoy.access_log_periodic_s from
+        # its start) carries its first token's timing
+        res = req.extra.get("reservation")
+        if res is None:
+            return None
+        ticks = math.floor((now - res.started_at) / ACCESS_LOG_PERIODIC_S) + 1
+        return res.started_at + ticks * ACCESS_LOG_PERIODIC_S
+
+    def first_token_known(self, req, now):
+        res = req.extra.get("reservation")
+        if res is not None:  # still running: its entry is a periodic one
+            self.router.touch(res, now, first_token=True)
 
     def done(self, req, now):
         super().done(req, now)

@@ -76,6 +76,14 @@ class Policy:
     def first_token(self, req: Request, now: float) -> None:
         """The request's first token streamed (what a front sees as the response body's first chunk)."""
 
+    def first_token_known_at(self, req: Request, now: float) -> float | None:
+        """When the router learns of the first token that streamed at ``now`` while the request runs on (None: it
+        does not, before the request's end)."""
+        return None
+
+    def first_token_known(self, req: Request, now: float) -> None:
+        """What ``first_token_known_at`` said came (the request may have ended since)."""
+
     def on_scrape(self, i: int, ok: bool, now: float, sample: LoadSample | None = None) -> None:
         pass
 

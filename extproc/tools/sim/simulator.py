@@ -333,6 +333,9 @@ class Simulation:
             if item:
                 item[0].ttft = now - item[0].arrival
                 self.policy.first_token(item[0], now)
+                known = self.policy.first_token_known_at(item[0], now)
+                if known is not None:
+                    self._at(known, "first_token_known", item[0])
         for er in done:
             leg = self._legs[i].pop(er.rid, None)
             if leg is not None:
@@ -460,6 +463,8 @@ class Simulation:
                 self._flow_ticking = False
                 if self.policy.holds():
                     self._holding(now)
+            elif kind == "first_token_known":
+                self.policy.first_token_known(args[0], now)
             elif kind == "decode_leg":
                 self._decode(args[0], args[1], now, args[2])
             elif kind == "kill":

@@ -274,3 +274,18 @@ def test_the_simulator_times_a_prediction_from_its_decision_as_the_brain_s_join_
     assert got["ttft_pred_mape"] == pytest.approx(0.0) and got["ttft_pred_bias"] == pytest.approx(0.0)
     got = SimResult._prediction_error(None, [req(1, 0.0, 1.0)])  # type: ignore[arg-type]
     assert got["ttft_pred_mape"] == pytest.approx(0.5) and got["ttft_pred_bias"] == pytest.approx(-0.5)
+
+
+def test_issue62_a_periodic_entry_that_has_seen_the_first_token_ends_its_request_s_prefill_in_the_queue():
+    b = live_brain(CFG)
+    token, res = decided(b, "long")
+    st = b.router.policy.states.of(res.replica)
+    booked = st.prefill_busy_until
+    assert booked > b.clock() and st.pending_tokens > 0
+    alive = ended("long", token, None)  # its body has not begun: a periodic entry of a request still prefilling
+    alive.common_properties.access_log_type = al.AccessLogType.DownstreamPeriodic
+    b.on_log_entry(alive)
+    assert st.prefill_busy_until == booked and not res.released
+    alive.common_properties.custom_tags[FIRST_TOKEN_TAG] = "40000"  # now it has: its prefill is over
+    b.on_log_entry(alive)
+    assert st.prefill_busy_until < booked and st.pending_tokens == 0 and not res.released

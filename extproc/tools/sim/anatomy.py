@@ -4,6 +4,9 @@
 e.g. whether it is the prefix placement of new sessions or the step time of their later turns.
 ``--moves`` instead prints, per 2 minutes of one seed, the sessions moved to another replica, the context
 they carried and the fleet's uncached prefill: how a surge turns into a cascade of re-prefills.
+``--predictions`` lists the worst predicted times to first token of one seed (warmroute's rows) beside what the
+engine was doing when it got each request: which part of a prediction was wrong (the queue ahead, the prefill, the
+replica's first-token overhead) and whether the engine was in fact busy.
 ``--tail`` sorts the slowest 2% of session turns by what made them: a session's first turn, a turn moved to
 another replica than its last, a turn whose context its own replica had lost (evicted), or one that kept its
 cache (it only waited): whether a queue in the router could shorten the tail, or only fewer re-prefills can.
@@ -74,6 +77,26 @@ def moves(policy: str, load: float, seed: int, replicas: int, every_s: float = 1
 TAIL_KINDS = ("first", "moved", "lost_at_home", "cached")
 
 
+def worst_predictions(requests, n: int = 20) -> list[dict]:
+    """The ``n`` requests answered after the warm-up whose predicted time to first token was furthest from what it
+    took (relative error), worst first: the prediction's parts (wait: what it put ahead of the request), what it took
+    from its decision, and the engine's waiting and running requests and KV usage when it got it."""
+    rows = []
+    for r in requests:
+        if r.ttft is None or r.arrival < WARM_UP_S or "predicted_ttft" not in r.extra:
+            continue
+        predicted, held = r.extra["predicted_ttft"]
+        observed = max(r.ttft - held, 1e-3)  # from its decision, as the brain joins it
+        prefill, overhead = r.extra.get("predicted_parts", (0.0, 0.0))
+        waiting, running, kv = r.extra.get("engine_at_send", (None, None, None))
+        rows.append({"at": r.arrival, "replica": r.replica, "predicted": predicted, "observed": observed,
+                     "error": abs(predicted - observed) / observed, "wait": max(0.0, predicted - prefill - overhead),
+                     "prefill": prefill, "overhead": overhead, "cached": r.cached_tokens, "prompt": r.prompt_tokens,
+                     "waiting": waiting, "running": running, "kv_usage": kv})
+    rows.sort(key=lambda x: -x["error"])
+    return rows[:n]
+
+
 def _turns(requests) -> list[tuple[float, int, str, int]]:
     """Session turns answered after the warm-up, slowest first: (TTFT, uncached prompt tokens, kind, replica).
     Kinds (``TAIL_KINDS``): the session's first request; moved (another replica than its previous turn's);
@@ -130,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", type=policy_list, default=",".join(POLICIES))
     ap.add_argument("--moves", action="store_true", help="sessions moved between replicas over time (first seed)")
     ap.add_argument("--tail", action="store_true", help="what the slowest 2%% of session turns are made of")
+    ap.add_argument("--predictions", type=int, default=0, metavar="N",
+                    help="the N worst predicted times to first token of the first seed, beside the engine's state")
     ap.add_argument("--minutes", type=float, default=None)
     ap.add_argument("--replica-speeds", type=speed_list, default=None, metavar="1,1,0.5,0.5",
                     help="a mixed fleet (overrides --replicas); --tail adds where the tail ran, per speed")
@@ -138,6 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     if speeds:
         args.replicas = len(speeds)
     seeds = seed_list(args.seeds)
+    if args.predictions:
+        w = _workload(args.load, args.minutes)
+        for p in args.policies.split(","):
+            sim = Simulation(p, replicas=args.replicas, workload=w, seed=seeds[0], replica_speeds=speeds)
+            rows = worst_predictions(sim.run().requests, args.predictions)
+            if not rows:
+                continue  # a policy that predicts nothing
+            print(f"{p}, load {args.load:g}, seed {seeds[0]}: the {len(rows)} worst predicted first tokens (seconds "
+                  "from the decision; the engine when it got the request)")
+            for x in rows:
+                print(f"  t {x['at']:7.1f} r{x['replica']} predicted {x['predicted']:6.2f} (wait {x['wait']:5.2f} "
+                      f"prefill {x['prefill']:5.2f} overhead {x['overhead']:4.2f}) took {x['observed']:6.2f}  cached "
+                      f"{x['cached']}/{x['prompt']}  engine: {x['waiting']} waiting, {x['running']} running, KV "
+                      f"{x['kv_usage']:.0%}")
+        return 0
     if args.tail:
         print(f"the slowest 2% of session turns (each seed's), load {args.load:g}, {args.replicas} replicas, seeds "
               f"{args.seeds}: share of the tail, median TTFT and uncached prompt tokens, by kind")

@@ -172,6 +172,8 @@ class Warmroute(Policy):
             # a prediction counts from its decision, as the brain's join times it (Envoy's upstream request end):
             # time held by flow control before it is no part of what was predicted
             req.extra["predicted_ttft"] = (d.predicted_ttft_s, now - req.arrival)
+            if d.reservation is not None:  # its parts: (prefill, the replica's first-token overhead)
+                req.extra["predicted_parts"] = (d.reservation.prefill_s, d.reservation.overhead_s)
             req.extra["predicted_cached"] = d.cached_tokens
             if d.restored_tokens:
                 req.extra["predicted_restored"] = d.restored_tokens

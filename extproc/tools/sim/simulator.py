@@ -287,6 +287,9 @@ class Simulation:
             i = j
         er = EngineRequest(req.rid, req.blocks(), req.prompt_tokens, req.max_tokens, now, lora=req.adapter,
                            external=external)
+        eng = self.engines[i]
+        # what the engine was doing when it got the request (waiting, running, KV usage): beside each prediction
+        req.extra["engine_at_send"] = (eng.num_waiting, eng.num_running, eng.kv_usage)
         self._inflight[i][req.rid] = (req, er)
         self._submit(i, er, now)
 

@@ -250,3 +250,20 @@ def test_llm_d_s_older_default_keeps_running_under_its_former_name_and_both_defa
     assert cli.tenant_cap("noisy:30000") == "noisy:30000" and cli.tenant_cap("40000") == "40000"
     assert make_policy("llmd_epp", 4, 1).name == "llmd_epp_2025"
     assert {"llmd_epp_2025", "llmd_token_aware"} <= set(PEERS) and {"llmd_epp_2025", "llmd_token_aware"} <= set(COMPARE)
+
+
+def test_anatomy_lists_the_worst_predictions_with_their_parts_and_the_engine_s_state():
+    from extproc.tools.sim.anatomy import worst_predictions
+    from extproc.tools.sim.simulator import Simulation
+    from extproc.tools.workload.generate import WorkloadConfig
+
+    reqs = Simulation("warmroute", replicas=4, workload=WorkloadConfig(minutes=4).at_load(1.0), seed=3).run().requests
+    rows = worst_predictions(reqs, 10)
+    assert len(rows) == 10 and [x["error"] for x in rows] == sorted((x["error"] for x in rows), reverse=True)
+    for x in rows:
+        assert x["error"] == abs(x["predicted"] - x["observed"]) / x["observed"]
+        assert x["predicted"] >= x["prefill"] + x["overhead"] - 1e-9 or x["wait"] == 0.0
+        assert x["waiting"] is not None and 0.0 <= x["kv_usage"] <= 1.0
+    # a peer predicts nothing: nothing to list
+    ring = Simulation("envoy_ring_hash", replicas=4, workload=WorkloadConfig(minutes=3).at_load(1.0), seed=3).run()
+    assert worst_predictions(ring.requests) == []

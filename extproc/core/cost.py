@@ -166,10 +166,9 @@ class Booking:
     # a request decided while its body was arriving: (prefill seconds, prompt tokens, work seconds) to book once it
     # has arrived (None: booked, or nothing to book)
     deferred: tuple[float, int, float] | None = None
-    # what was booked in its replica's queue: (prefill seconds, prompt tokens); None once the request ended
-    queued: tuple[float, int] | None = (0.0, 0)
-
-
+    # what was booked in its replica's queue: (prefill seconds, prompt tokens); None before it is booked and once the
+    # request ended
+    queued: tuple[float, int] | None = None
 
 @dataclass(slots=True)
 class Aggregates:

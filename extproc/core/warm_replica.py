@@ -160,6 +160,8 @@ class WarmReplica:
     def first_tokens_counted(self, count: float | None) -> list:
         """The engine's count of first tokens at a scrape: as many of the oldest requests booked here and not yet
         counted had theirs (the engine admits in arrival order). Those bookings, for the policy to end."""
+        if count is not None and not math.isfinite(count):
+            count = None  # a broken exporter's NaN would stop every count after it
         before, self.first_tokens = self.first_tokens, count
         q: deque = self.queued
         out: list = []

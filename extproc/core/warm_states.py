@@ -15,10 +15,10 @@ from .room import TIE_S
 from .warm_replica import WarmReplica, overhead_at, replica_view
 
 # a replica's own first-token overhead counts half as much after this long without a sample (its peers' the rest)
+OVERHEAD_HALF_LIFE_S = 120.0
 # a first token this much later than predicted (times the prediction, and at least QUEUED_S) waited for something the
 # queue model did not see: no API server's own work per request (tens of milliseconds) is that long
 QUEUED, QUEUED_S = 3.0, 1.0
-OVERHEAD_HALF_LIFE_S = 120.0
 
 
 class WarmStates:
@@ -86,12 +86,14 @@ class WarmStates:
             st.prefill_busy_until = 0.0
             st.pending.clear()
             st.pending_tokens = 0
+            st.queued.clear()  # what it counts when it is back starts a new count
+            st.first_tokens = None
 
     def on_load(self, r: Replica, s: LoadSample, now: float) -> bool:
         """A scrape of ``r``; True when the candidates changed (engines came or went)."""
         st = self.of(r)
         if not s.engines:  # the engine's first tokens since the last scrape end the oldest prefills booked there
-            for b in st.first_tokens_counted(s.prompt_requests):
+            for b in st.first_tokens_counted(s.first_tokens):
                 st.prefill_ended(b, now)
         st.rates.update(s, now)
         st.scale.update(s)

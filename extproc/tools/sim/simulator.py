@@ -205,7 +205,8 @@ class Simulation:
                      "computed_tokens": e.true_prefill_tokens}
         return LoadSample(e.num_running, e.num_waiting, e.kv_usage, e.prompt_tokens_total, e.prefix_hits,
                           e.prefill_seconds_total, e.generation_tokens_total, e.decode_seconds_total, e.finished,
-                          e.cfg.kv_tokens, prompt_requests=e.prompt_requests_total, **lora)
+                          e.cfg.kv_tokens, prompt_requests=e.prompt_requests_total,
+                          first_tokens=e.prompt_requests_total, **lora)
 
     def _at(self, t: float, kind: str, *args) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, args))

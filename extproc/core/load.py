@@ -373,8 +373,8 @@ def _deltas(s: LoadSample, p: LoadSample, *names: str) -> tuple[float, ...] | No
     return tuple(a - b for a, b in zip(now, before))
 
 
-def effective_rates(rates: list[Rates], now: float, fresh_s: float,
-                    batches: "list[float] | None" = None) -> tuple[list[float], list[float]]:
+def effective_rates(rates: list[Rates], now: float, fresh_s: float, batches: "list[float] | None" = None,
+                    peers: "list[Rates] | None" = None) -> tuple[list[float], list[float]]:
     """(prefill tokens/s, decode s/token) to price each replica with, beside ``batches[i]`` requests running on
     each (its last scrape's ``num_requests_running``: the statistic ``BatchFit`` learned against; None: batch 0).
 
@@ -387,17 +387,18 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float,
     that would correct it), but its speed relative to the fleet is its hardware's, which idling does not
     change. Priced at the peers' mean alone, a replica 2.5x slower than the rest looked as fast as them
     whenever it had been idle a minute, and took the long first turns that made the fleet's tail
-    (docs/routing.md "Mixed speeds").
+    (docs/routing.md "Mixed speeds"). ``peers``: replicas of the same model priced elsewhere (a prefill leg's
+    decode replica), whose measured rates count for one never measured here.
     """
     since = now - fresh_s
-    prefill = _priced(rates, since, "prefill_tokens_per_s", "prefill_at", "prefill_rel", min)
-    decode = _priced(rates, since, "decode_s_per_token", "decode_at", "decode_rel", max)
+    prefill = _priced(rates, since, "prefill_tokens_per_s", "prefill_at", "prefill_rel", min, peers)
+    decode = _priced(rates, since, "decode_s_per_token", "decode_at", "decode_rel", max, peers)
     if batches is None:
         return prefill, decode
     # each replica's rate at its batch, no further than the batches its samples saw (a line fitted over 1-4
     # requests says nothing of 40); one never measured slows as the measured ones do (the same engine, most likely)
     never = float("-inf")
-    measured = [r for r in rates if r.prefill_at != never and r.decode_at != never]
+    measured = [r for r in [*rates, *(peers or ())] if r.prefill_at != never and r.decode_at != never]
     if len(measured) < len(rates):  # once per decision, not per replica never measured (300 of them at start)
         kp = sum(m.prefill_slope for m in measured) / len(measured) if measured else 0.0
         kd = sum(m.decode_slope for m in measured) / len(measured) if measured else 0.0
@@ -413,7 +414,8 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float,
     return out_p, out_d
 
 
-def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slowest) -> list[float]:
+def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slowest,
+            peers: "list[Rates] | None" = None) -> list[float]:
     """One rate of each replica as effective_rates prices it (``slowest``: min for a speed, max for a time).
 
     A rate is its replica's hardware factor (``rel``) times a level all replicas share (the load they run at):
@@ -426,8 +428,8 @@ def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slo
     if not fresh:
         # none sampled lately: each its last rate, and one never measured still as the slowest measured one (at its
         # prior it was 19x slower than its peers on a time-compressed fleet: a turn moved off its home to a measured
-        # one)
-        known = [getattr(r, value) for r in rates if getattr(r, at) != never]
+        # one; prefill replicas, which see few and short requests, stayed at it and no prompt went to them)
+        known = [getattr(r, value) for r in [*rates, *(peers or ())] if getattr(r, at) != never]
         if not known:
             return [getattr(r, value) for r in rates]
         k = slowest(known)

@@ -429,7 +429,7 @@ class WarmPolicy(Policy):
             return None
         states = [self.states.of(r) for r in prefills]
         rates, decs = effective_rates([st.rates for st in states], now, self.cfg.warm.rate_fresh_s,
-                                      [st.running(r) for r, st in zip(prefills, states)])
+                                      [st.running(r) for r, st in zip(prefills, states)], [best.st.rates])
         # the same model's tokenizer: a prefill replica that has not learned its tokens' scale counts as the decode one
         scale = best.prompt / profile.tokens if profile.tokens else 1.0
         leg = min((self.estimate(r, st, rate, dec, profile, None, now, peer_scale=scale)

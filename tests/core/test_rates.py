@@ -293,3 +293,21 @@ def test_C3_like_replicas_measured_on_a_few_requests_each_are_a_tie_not_a_differ
         went.append(d.replica.name)
         router.release(d.reservation, t + 10 + i + 0.5)
     assert went.count("r1") >= 6, went
+
+
+def test_C3_a_prefill_replica_never_measured_is_priced_as_its_measured_decode_peer_not_at_the_prior():
+    """A prefill leg's replicas see few and short requests: priced among themselves, never measured, they stayed at the
+    5,000 tok/s prior beside decode replicas measured at 19,000, and a 30K-token prompt was prefilled where it was
+    decoded, stalling the streams there (a P/D test failed so on a loaded machine). Their decode peer's measured rate
+    counts for them; a measured prefill replica keeps its own."""
+    from extproc.core.load import effective_rates
+
+    decode_peer, p0, p1 = Rates(5_000.0, 0.03, 100.0), Rates(5_000.0, 0.03, 100.0), Rates(5_000.0, 0.03, 100.0)
+    decode_peer.prefill_tokens_per_s, decode_peer.prefill_at = 19_000.0, 990.0
+    decode_peer.decode_s_per_token, decode_peer.decode_at = 0.004, 990.0
+    prefill, decode = effective_rates([p0, p1], now=1_000.0, fresh_s=60.0, batches=[0, 0], peers=[decode_peer])
+    assert prefill == [19_000.0, 19_000.0] and decode == [0.004, 0.004]
+    assert effective_rates([p0, p1], now=1_000.0, fresh_s=60.0)[0] == [5_000.0, 5_000.0]  # no peer: the prior
+    p1.prefill_tokens_per_s, p1.prefill_at = 30_000.0, 995.0
+    prefill, _ = effective_rates([p0, p1], now=1_000.0, fresh_s=60.0, batches=[0, 0], peers=[decode_peer])
+    assert prefill == [30_000.0, 30_000.0]  # a fresh prefill replica's own rate: the level the others are priced at

@@ -171,7 +171,12 @@ def test_a_decode_replica_killed_after_its_prefill_fails_no_client(pd):
 
     async def run():
         async with aiohttp.ClientSession() as s:
-            bg = await busy_decoders(s, pd.url, tag="kill-d")
+            # streams sent to each decode replica directly (as the brain would place them, they may all land on one,
+            # and the other, idle, then prefills the long prompt itself: nothing to kill), seen by the brain's scrapes
+            bg = [asyncio.create_task(send(s, replica_url(pd, n), body(f"kill-d{n}{i}-{random.random()}", 300, 1500)))
+                  for n in decoders for i in range(4)]
+            await asyncio.to_thread(wait_for, lambda: all(r["scraped_running"] >= 4 for r in pd.state()["replicas"]
+                                                          if r["name"] in decoders), 20, "both decode replicas busy")
 
             def leg_done():
                 if not any(replica_json(pd, n, "/admin/kv_transfers")["held"] for n in ("r0", "r1")):

@@ -355,6 +355,7 @@ class Brain(ScrapeListener):
         if profile.session_key is not None and self.router.session_pins.get(profile.session_key, now) is not None:
             return None
         self.stats.flow_refused["router_behind"] += 1
+        self.router.flow.flooded(now)
         return answers.too_many("router_behind", max(self.cfg.flow_control.retry_after_s, math.ceil(read_wait_s)))
 
     def look_bound_s(self, now: float) -> float:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .decision import Decision
-from .names import Reason
+from .names import Hold, Reason
 from .profile import RequestProfile
 
 CLASSES = ("critical", "standard", "sheddable")
@@ -285,6 +285,10 @@ class FlowQueue:
 DEADLINES_S: tuple[float | None, ...] = (None, 60.0, 10.0)
 
 
+# how long a refusal at the look keeps flow control in its flood mode: a flood's looks come in bursts seconds apart
+FLOOD_S = 5.0
+
+
 class FlowControl:
     """The router's side of flow control (``Router.flow``): the queue, and what each held request needs to be
     decided again once a replica has room (``Router.offer``)."""
@@ -299,6 +303,21 @@ class FlowControl:
         # saturation by wait too, not only by KV (WarmPolicy._saturated): flow_control.hold_on_wait
         self.hold_on_wait = hold_on_wait
         self._expire_at = float("-inf")
+        # until when new sessions are held by their own replica's queue alone (Hold.FLOODED): a flood's window
+        self.flooded_until = float("-inf")
+
+    def flooded(self, now: float) -> None:
+        """The brain refused a new session for being behind (a flood): for the next ``FLOOD_S``, the ones it admits
+        are held while their replica's queue is longer than their prefill (``room.saturated``)."""
+        self.flooded_until = now + FLOOD_S
+
+    def mode(self, now: float) -> Hold:
+        """What may hold a request now (``Hold``)."""
+        return Hold.WAITING if self.hold_on_wait else Hold.FLOODED if now < self.flooded_until else Hold.SATURATED
+
+    def held_in(self, hold: Hold, now: float) -> None:
+        if hold is Hold.FLOODED:  # the flood's backlog still held: its mode lasts while it drains
+            self.flooded(now)
 
     def within(self, klass: int, slo_s: float | None) -> float | None:
         """How long a request may take to its first token, from now (None: as long as it takes): the client's own

@@ -52,6 +52,9 @@ class Hold(enum.Enum):
     NEVER = 0  # flow control off, or critical work: always placed
     SATURATED = 1  # a request that fits on no candidate (or waits behind every session under way) is held
     WAITING = 2  # that, and one every candidate makes wait longer than its own prefill (flow_control.hold_on_wait)
+    # SATURATED, and in a flood (the brain refusing new sessions at the look) a new session whose replica has
+    # sessions under way and more than its own prefill queued, whatever the other candidates have queued
+    FLOODED = 3
 
 
 class PinKind(enum.StrEnum):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .cost import Estimate, evict_risk
+from .names import Hold
 
 if TYPE_CHECKING:
     from .config import WarmConfig
@@ -96,7 +97,7 @@ def price_kv(e: Estimate, out_tokens: float, mine: "Active | None", session: boo
 
 
 def saturated(best: Estimate, profile: "RequestProfile", pin: "Pin | None", ests: list[Estimate],
-              w: "WarmConfig", hold_on_wait: bool) -> bool:
+              w: "WarmConfig", hold: Hold) -> bool:
     """Flow control's saturation, with nothing to tune. A turn that needs new room in a cache (a new session, or
     one that must prefill most of its context again: no home yet, or less than half of it cached on the best
     candidate) and fits on no candidate beside the active sessions' contexts (C3's fit rule, the best not
@@ -104,8 +105,9 @@ def saturated(best: Estimate, profile: "RequestProfile", pin: "Pin | None", ests
     evict active sessions' contexts while they think, and their next turns would prefill them again (the tail
     of every router in lasting overload, docs/routing.md). A context too big for an empty replica is placed as
     today: waiting would not make it fit. Turns that keep their cache are never held, nor one-shots.
-    With hold_on_wait, also: even the best candidate makes the request wait longer than its own prefill there
-    (half of it, sheddable), so holding it loses no engine time while it keeps the choice of replica open."""
+    With Hold.WAITING (flow_control.hold_on_wait), also: even the best candidate makes the request wait longer
+    than its own prefill there (half of it, sheddable), so holding it loses no engine time while it keeps the
+    choice of replica open."""
     fresh = pin is None or best.cached < best.prompt / 2
     if fresh and profile.session_key is not None:
         if not any(e.room for e in ests) and best.prompt <= w.kv_pressure * best.st.cache_tokens:
@@ -116,12 +118,15 @@ def saturated(best: Estimate, profile: "RequestProfile", pin: "Pin | None", ests
         # waits here instead while every candidate with sessions under way has more than its prefill queued: no
         # engine time lost. A session under way is never held for this. Only while the fleet is busy (every such
         # queue at least warm.busy_wait_s, the cost model's mark of no idle capacity): a queue of a tenth of a
-        # second comes and goes on any busy fleet (three real vLLMs, docs/routing.md)
+        # second comes and goes on any busy fleet (three real vLLMs, docs/routing.md). In a flood (Hold.FLOODED: the
+        # brain refusing new sessions at the look) the replica it would go to decides alone: one slower replica with
+        # a short queue kept the rule off while the flood's admitted sessions piled up 1-3 s deep on the faster ones,
+        # ahead of their sessions' turns (issue 59; 140 of 172 admitted so in `python -m bench flood`)
         floor = max(TIE_S, w.busy_wait_s)
         if pin is None and all(e.st.active_tokens > 0 and e.wait + e.lora_wait > max(e.prefill, floor)
-                               for e in ests):
+                               for e in ((best,) if hold is Hold.FLOODED else ests)):
             return True
-    if not hold_on_wait:
+    if hold is not Hold.WAITING:
         return False
     afford = max(best.prefill, TIE_S) * (0.5 if profile.priority >= 2 else 1.0)
     return best.wait + best.lora_wait > afford  # an adapter's load is paid whenever it goes: no reason to wait

@@ -17,7 +17,7 @@ from typing import Callable, Collection, Iterable
 from .config import RouterConfig
 from .decision import Decision, FleetView, PinEvent, Reservation
 from .load import LoadSample
-from .names import Hold, Reason
+from .names import Reason
 from .pins import PREFIX, SESSION, PinTable
 from .policy import Policy, make_policy
 from .profile import RequestProfile
@@ -58,9 +58,7 @@ class Router:
         # policy may keep what it derives from the pool until then
         self.pool_epoch = 0
         self.only: Collection[str] | None = None  # as a FleetView: the router's own pool, every replica
-        # prefill/decode disaggregation: whether the front sends prefill legs (the brain behind Envoy does; a picker's
-        # gateway carries one request per pick)
-        self.disaggregates = False
+        self.disaggregates = False  # P/D: the front sends prefill legs (a picker's gateway carries one per pick)
         self._prefills = False  # some replica is of role prefill (set_roles)
         self.flow: FlowControl | None = None  # flow control (core.flow): None, every request is placed at once
         self.caps: TenantCaps | None = None  # per-tenant token caps (core.caps): None, no tenant is capped
@@ -427,9 +425,10 @@ class Router:
 
     def _select_may_hold(self, fleet: FleetView, profile: RequestProfile, now: float) -> Decision | None:
         assert self.flow is not None  # only flow control holds
-        d = self.policy.select(fleet, profile, now, Hold.WAITING if self.flow.hold_on_wait else Hold.SATURATED)
+        d = self.policy.select(fleet, profile, now, hold := self.flow.mode(now))
         if d is not None and d.reason is Reason.HELD:
             self._last_hold = (d.drain_tps, d.free_at)
+            self.flow.held_in(hold, now)
         return d
 
     def offer(self, now: float) -> list[tuple[object, Decision]]:

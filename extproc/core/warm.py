@@ -222,7 +222,7 @@ class WarmPolicy(Policy):
             return Decision(None, Reason.READ_BODY, predicted_ttft_s=best.ttft)
         for observe in self.observers:
             observe(Priced(fleet, profile, pin, mine, view, agg, ests, best, now))
-        if hold is not Hold.NEVER and saturated(best, profile, pin, ests, self.cfg.warm, hold is Hold.WAITING):
+        if hold is not Hold.NEVER and saturated(best, profile, pin, ests, self.cfg.warm, hold):
             # what drains the router's queue: every candidate's prefill rate (of the shortlist's, in a big fleet: a
             # wait overestimated there refuses a little early, never late); when its best replica has room
             return Decision(None, Reason.HELD, predicted_ttft_s=best.ttft,

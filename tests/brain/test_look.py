@@ -98,8 +98,10 @@ def _headers(session: str, **more) -> dict[str, str]:
 def test_behind_a_burst_a_new_session_is_refused_before_its_upload_and_a_session_under_way_is_not():
     b = live_brain(parse_config(CFG))
     assert envoy_look(b, _headers("new"), 0.0) is None  # not behind: let it come
-    assert envoy_look(b, _headers("new"), 2.4) is None and envoy_look(b, _headers("new"), 2.6) is not None  # none under way:
-    # half Envoy's first timer (5 s with flow control) is the bound
+    assert envoy_look(b, _headers("new"), 2.4) is None and b.router.flow.flooded_until == float("-inf")
+    assert envoy_look(b, _headers("new"), 2.6) is not None  # none under way: half Envoy's first timer (5 s) is the bound
+    # a refusal there is a flood: the new sessions admitted meanwhile are held by their own replica's queue
+    assert b.router.flow.flooded_until > b.clock()
     envoy_decide(b, _headers("mine"), _body("my context "))  # a session's first turn
     t = b.clock()
     envoy_decide(b, _headers("mine"), _body("my context "))  # its next turn: a session under way, with a predicted TTFT

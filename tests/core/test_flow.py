@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.core.flow import CRITICAL, SHEDDABLE, STANDARD, FlowQueue, Held
+from extproc.core.flow import FLOOD_S, CRITICAL, SHEDDABLE, STANDARD, FlowQueue, Held
 from extproc.tools.workload.generate import Request
 
 
@@ -756,6 +756,36 @@ def test_a_flood_of_new_sessions_waits_in_the_router_not_in_the_engines_ahead_of
     router, t = _flood_router(under_way=False)
     first = router.select(prof(session="n", tokens=25_000, blocks=chain("n", "n", 25_000)), t, hold_key="n")
     assert first.replica is not None
+
+
+def test_in_a_flood_a_new_session_is_held_behind_its_own_replica_s_queue_though_a_slower_replica_has_none():
+    """Issue 59, finding 6: the flood rule holds a new session only while *every* candidate with sessions under way
+    has more than its own prefill queued; one replica whose queue was shorter than its (longer) prefill kept the rule
+    off while the cost model placed the flood's sessions on a faster replica behind 1-3 s of others (140 of 172
+    admitted so in `python -m bench flood`). While the brain refuses new sessions at the look (a flood), the replica
+    the session would go to decides alone. Outside a flood the rule is as before (the simulator never floods: its
+    numbers are unchanged)."""
+    def placed_of(flooded: bool) -> list[str]:
+        router, t = _flood_router(under_way=True)
+        fast, slow = (router.policy.state_of(r).rates for r in router.replicas)
+        slow.prefill_tokens_per_s = fast.prefill_tokens_per_s / 4  # both never measured: priced as set
+        if flooded:
+            router.flow.flooded(t)
+        placed = []
+        for k in range(6):
+            d = router.select(prof(session=f"new{k}", tokens=25_000, blocks=chain(f"n{k}", f"new{k}", 25_000)),
+                              t + 0.001 * k, hold_key=f"n{k}")
+            if d.reason is not Reason.HELD:
+                assert d.replica is not None
+                placed.append(d.replica.name)
+        if flooded:  # each held while the mode lasts extends it: the flood's backlog drains under the same rule
+            assert router.flow.flooded_until >= t + 0.002 + FLOOD_S
+        return placed
+
+    # the first goes at once to the fast one, the second finds one prefill queued there (no more than its own): the
+    # third would wait behind two
+    assert placed_of(flooded=True) == ["r0", "r0"]
+    assert placed_of(flooded=False)[:3] == ["r0", "r0", "r0"]  # the slow one's empty queue kept the rule off
 
 
 def test_new_sessions_are_not_held_for_queues_shorter_than_a_busy_fleet_s():

@@ -788,6 +788,25 @@ def test_in_a_flood_a_new_session_is_held_behind_its_own_replica_s_queue_though_
     assert placed_of(flooded=False)[:3] == ["r0", "r0", "r0"]  # the slow one's empty queue kept the rule off
 
 
+def test_flood_mode_lasts_five_seconds_after_the_brain_last_refused_or_held_in_it():
+    """A flood's looks come in bursts seconds apart; the mode outlives each by 5 s, and a new session held in the
+    mode (the flood's backlog draining) keeps it on. A hold outside it does not start it; hold_on_wait's rule, which
+    holds by wait on every replica already, wins."""
+    from extproc.core.names import Hold
+
+    flow = FlowControl()
+    assert flow.mode(0.0) is Hold.SATURATED
+    flow.flooded(10.0)
+    assert flow.mode(14.0) is Hold.FLOODED and flow.mode(15.5) is Hold.SATURATED
+    flow.held_in(Hold.SATURATED, 14.0)
+    assert flow.mode(15.5) is Hold.SATURATED
+    flow.held_in(Hold.FLOODED, 14.0)
+    assert flow.mode(18.5) is Hold.FLOODED and flow.mode(19.5) is Hold.SATURATED
+    waiting = FlowControl(hold_on_wait=True)
+    waiting.flooded(10.0)
+    assert waiting.mode(11.0) is Hold.WAITING
+
+
 def test_new_sessions_are_not_held_for_queues_shorter_than_a_busy_fleet_s():
     """Issue 46: on three real vLLMs a tenth of a second of queue came and went on every replica, and a new session
     (its system prompt cached: 0.04 s of prefill) was held until no replica had one: 0.6 s, the run's p99. The

@@ -59,6 +59,24 @@ def test_a_long_prompt_beside_running_decodes_goes_to_the_idle_prefill_replica()
     assert router.replica("r0").in_flight_requests == 0 and st.prefill_busy_until <= t + 1
 
 
+def test_C3_a_prefill_replica_never_measured_is_priced_as_the_decode_replica_it_would_serve():
+    """Prefill replicas see few and short requests: priced among themselves, never measured, they stayed at the
+    5,000 tok/s prior beside decode replicas measured at 20,000, and a long prompt beside running streams was
+    prefilled locally (tests/integration/test_disaggregation.py failed so on a loaded machine)."""
+    def plan(with_peer: bool):
+        router, t = pd_router(4)
+        busy(router, t, ("r1", "r2", "r3"), running=3)
+        for name in ("r1", "r2", "r3"):
+            rates = router.policy.state_of(router.replica(name)).rates
+            rates.prefill_tokens_per_s, rates.prefill_at = 20_000.0, t
+        if not with_peer:  # what pricing the prefill replica among its own role alone did
+            router.policy.state_of(router.replica("r0")).rates.prefill_at = t  # "measured", at the prior
+        return router.select(long_prompt(), t).prefill
+
+    assert plan(with_peer=True) is not None and plan(with_peer=True).replica.name == "r0"
+    assert plan(with_peer=False) is None  # at 5,000 tok/s the leg costs more than the stall it saves
+
+
 def test_on_an_idle_fleet_a_long_prompt_is_prefilled_where_it_is_decoded():
     router, t = pd_router(4)
     d = router.select(long_prompt(), t)

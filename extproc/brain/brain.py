@@ -46,6 +46,9 @@ from .stats import BrainStats
 from .view import state_of
 
 _LOGGED_ACTIONS = (PinAction.REBIND, PinAction.UNPIN)
+# the share of the look's bound (``Brain.look_bound_s``) that new sessions' bodies waiting to be read make a burst:
+# flow control's flood mode starts there, before the look refuses any
+BURST_SHARE = 0.25
 
 
 @dataclass(slots=True)
@@ -336,12 +339,15 @@ class Brain(ScrapeListener):
         self.stats.header_path_declined[why or "unknown"] += 1
         return None
 
-    def look(self, headers: dict[str, str], read_wait_s: float) -> Answered | None:
+    def look(self, headers: dict[str, str], read_wait_s: float, declared_s: float = 0.0) -> Answered | None:
         """The look at a large body's headers before its body is read (flow control on; ``envoy_config`` renders it): a
         request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
         than a turn of the sessions under way takes (``look_bound_s``), is refused with 429 before it is sent, instead
         of delaying their turns behind it or timing
-        out and failing open into the engines ahead of them. Critical work is never refused. None: let it come."""
+        out and failing open into the engines ahead of them. Critical work is never refused. None: let it come.
+        New sessions' bodies already waiting a quarter of that bound are a burst: flow control's flood mode starts
+        (``FlowControl.flooded``) whether this one is let through or not. ``declared_s``: the part of ``read_wait_s``
+        that is this request's own size, declared and not yet sent (a header call's), which refuses it alone."""
         if self.router.flow is None:
             return None
         now = self.clock()
@@ -349,13 +355,19 @@ class Brain(ScrapeListener):
         wait = r.over_cap(tenant_of(headers, r.profile_cfg), self._priority(headers), now) if r.caps else None
         if wait is not None:  # a capped tenant's large body: refused before it is uploaded
             return self.too_many(Decision(None, Reason.TENANT_CAP, retry_after_s=wait), headers)
-        if read_wait_s <= self.look_bound_s(now) or self._priority(headers) == CRITICAL:
+        bound = self.look_bound_s(now)
+        burst = read_wait_s - declared_s > bound * BURST_SHARE
+        if (not burst and read_wait_s <= bound) or self._priority(headers) == CRITICAL:
             return None
         profile = build_profile(headers, None, self.router.profile_cfg, None)
         if profile.session_key is not None and self.router.session_pins.get(profile.session_key, now) is not None:
             return None
+        if burst:  # started at the first refusal only, 6-8 new sessions were placed before it by cost, the sessions
+            # under way's replicas included: each a 25K prefill ahead of their turns (issue 59)
+            self.router.flow.flooded(now)
+        if read_wait_s <= bound:
+            return None
         self.stats.flow_refused["router_behind"] += 1
-        self.router.flow.flooded(now)
         return answers.too_many("router_behind", max(self.cfg.flow_control.retry_after_s, math.ceil(read_wait_s)))
 
     def look_bound_s(self, now: float) -> float:

@@ -96,6 +96,19 @@ def price_kv(e: Estimate, out_tokens: float, mine: "Active | None", session: boo
             e.cost += lost
 
 
+def away_from_returning(best: Estimate, pin: "Pin | None", ests: list[Estimate], hold: Hold) -> Estimate:
+    """In a flood (Hold.FLOODED), a request with no home goes to the cheapest replica that no session under way
+    comes back to, where one has room for it; where none has room yet, it waits for one (``saturated``). An engine
+    runs its queue in order, and a 25K prefill ahead of a cached turn is 17 such turns: placed by cost, 10-24 of the
+    33-115 new sessions let in during a flood went to the two replicas four sessions under way turned on (`python -m
+    bench flood`, issue 59); so placed, none in five runs. A fleet whose every replica has sessions under way keeps
+    the cost model's choice (and ``saturated``'s flood rule): holding there would refuse every new session."""
+    if hold is not Hold.FLOODED or pin is not None or best.st.returning == 0:
+        return best
+    free = [e for e in ests if e.st.returning == 0 and e.fits]
+    return min(free, key=lambda e: e.cost) if free else best
+
+
 def saturated(best: Estimate, profile: "RequestProfile", pin: "Pin | None", ests: list[Estimate],
               w: "WarmConfig", hold: Hold) -> bool:
     """Flow control's saturation, with nothing to tune. A turn that needs new room in a cache (a new session, or
@@ -108,6 +121,8 @@ def saturated(best: Estimate, profile: "RequestProfile", pin: "Pin | None", ests
     With Hold.WAITING (flow_control.hold_on_wait), also: even the best candidate makes the request wait longer
     than its own prefill there (half of it, sheddable), so holding it loses no engine time while it keeps the
     choice of replica open."""
+    if hold is Hold.FLOODED and pin is None and best.st.returning > 0 and any(e.st.returning == 0 for e in ests):
+        return True  # a replica free of sessions under way has no room for it yet: it waits for that (see above)
     fresh = pin is None or best.cached < best.prompt / 2
     if fresh and profile.session_key is not None:
         if not any(e.room for e in ests) and best.prompt <= w.kv_pressure * best.st.cache_tokens:

@@ -63,7 +63,7 @@ class Router:
         self.flow: FlowControl | None = None  # flow control (core.flow): None, every request is placed at once
         self.caps: TenantCaps | None = None  # per-tenant token caps (core.caps): None, no tenant is capped
         self._ready: list = []  # held requests a select let go before its newcomer, for the next offer
-        self._offer_due = True  # something changed since the last offer (a release, a scrape): a newcomer offers
+        self.offer_due = True  # something changed since the last offer (a release, a scrape): a newcomer offers
         self._offered_at = float("-inf")
         self._last_hold = (0.0, 0.0)  # the last held decision's (drain_tps, free_at): what a queued request waits by
         self.selects = 0  # decisions asked for, fallbacks included (the denominator of candidate_decisions)
@@ -238,7 +238,7 @@ class Router:
             self._apply_load(r, sample, now)
 
     def _apply_load(self, r: Replica, s: LoadSample, now: float) -> None:
-        self._offer_due = True
+        self.offer_due = True
         r.scraped_running = s.running
         r.scraped_waiting = s.waiting
         r.kv_usage = s.kv_usage
@@ -352,7 +352,7 @@ class Router:
             fleet: FleetView = self if only is None else Subset(self, only)
             flow = self.flow
             if flow is not None and hold_key is not None and profile.priority != CRITICAL:
-                if flow.queue.ahead(profile.priority)[0] and (self._offer_due or now - self._offered_at
+                if flow.queue.ahead(profile.priority)[0] and (self.offer_due or now - self._offered_at
                                                               >= _OFFER_GAP_S):
                     # whatever can go now goes before it. offer() replaces self._ready: read it after the call.
                     # Not again before something changed (a release, a scrape) or a moment passed: an offer prices
@@ -438,7 +438,7 @@ class Router:
         flow = self.flow
         if flow is None:
             return out
-        self._offer_due, self._offered_at = False, now
+        self.offer_due, self._offered_at = False, now
         flow.expire(now)
         # in the queue's order; one still saturated (its home busy, say) does not keep a later one from a replica
         # that has room for it: no head-of-line blocking
@@ -535,7 +535,7 @@ class Router:
         if res is None or res.released:
             return False
         res.released = True
-        self._offer_due = True  # room freed: a held request may fit now
+        self.offer_due = True  # room freed: a held request may fit now
         r = res.replica
         r.wlc_milli -= res.weight_milli
         r.in_flight_requests -= 1

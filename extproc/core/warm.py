@@ -20,7 +20,7 @@ from .policy_base import Policy
 from .prefix_index import PrefixIndex
 from .profile import RequestProfile
 from .replica import Replica
-from .room import TIE_S, price_kv, restorable, restore_share, saturated
+from .room import TIE_S, away_from_returning, price_kv, restorable, restore_share, saturated
 from .shortlist import SHORTLIST_FROM, Priced, Shortlist  # noqa: F401 (SHORTLIST_FROM: read from here)
 from .warm_replica import WarmReplica, overhead_at, peer_scale
 from .warm_states import OVERHEAD_HALF_LIFE_S, WarmStates  # noqa: F401 (OVERHEAD_HALF_LIFE_S: read from here)
@@ -217,7 +217,7 @@ class WarmPolicy(Policy):
         self.sessions.expire(now, self.cfg.warm.active_session_s)
         mine = self.sessions.of(profile.session_key) if profile.session_key is not None else None
         ests, tied = self.price_rows(rows, agg, profile, pin, mine, now)
-        best = self.tie_winner(tied, pin, len(fleet.replicas_view))
+        best = away_from_returning(self.tie_winner(tied, pin, len(fleet.replicas_view)), pin, ests, hold)
         if profile.header_path and not self._stays(best, pin, now):  # nothing booked: its body decides
             return Decision(None, Reason.READ_BODY, predicted_ttft_s=best.ttft)
         for observe in self.observers:

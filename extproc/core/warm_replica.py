@@ -58,8 +58,8 @@ class WarmReplica:
     """The warm policy's view of one replica: its prefix index, learned rates, and predicted work."""
 
     __slots__ = ("index", "rates", "prefill_busy_until", "work_s", "uncached_ewma", "cache_tokens", "pending",
-                 "pending_tokens", "active_tokens", "active_whole", "arrivals", "prefix_caching", "scraped", "lora",
-                 "lora_sent", "scale",
+                 "pending_tokens", "active_tokens", "active_whole", "returning", "arrivals", "prefix_caching",
+                 "scraped", "lora", "lora_sent", "scale",
                  "engine_block", "exact", "promised", "overhead", "queued", "first_tokens")
 
     def __init__(self, cfg: RouterConfig, tokens_per_block: float, rates: Rates | None = None,
@@ -87,6 +87,7 @@ class WarmReplica:
         # counted once (flow control's fit rule); and each session's whole context (the routing terms')
         self.active_tokens = 0
         self.active_whole = 0
+        self.returning = 0  # of those sessions, how many came back at least once (a flood keeps off their replica)
         self.arrivals: deque[float] = deque()  # when requests were routed here, over warm.arrival_window_s
         # False once the replica says it runs without prefix caching: nothing it served is there to be hit
         self.prefix_caching = True

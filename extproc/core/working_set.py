@@ -89,6 +89,7 @@ class WorkingSet:
                 del self._of[key]
                 st.active_tokens -= tokens
                 st.active_whole -= cur.whole
+                st.returning -= cur.back
                 self._release(st, cur.shared)
                 if not cur.back:
                     self._came_back(False)
@@ -125,6 +126,7 @@ class WorkingSet:
             self._gap(now - old.at)
             old.st.active_tokens -= old.own
             old.st.active_whole -= old.whole
+            old.st.returning -= old.back
             if old.st is st and old.shared is not None:
                 shared = old.shared  # stays: its shared part is what it shared when it arrived (its own ref holds it)
             else:
@@ -145,4 +147,5 @@ class WorkingSet:
         self._of[key] = Active(now, st, counted, back, shared, whole)
         st.active_tokens += counted
         st.active_whole += whole
+        st.returning += back
         self._turns.append((now, key, st, counted))

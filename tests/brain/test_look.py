@@ -16,8 +16,9 @@ from extproc import answers
 from extproc.answers import Placed
 from extproc.brain import decide as dc
 from extproc.brain.intake import READ_BYTES_PER_S, Intake
+from extproc.core.flow import FLOOD_S
 from extproc.config import parse_config
-from extproc.contract import LOOK_METADATA, TIME_ATTRIBUTE
+from extproc.contract import LOOK_METADATA, RESERVATION_HEADER, TIME_ATTRIBUTE
 
 from ..helpers import envoy_decide, envoy_look, live_brain
 
@@ -98,9 +99,11 @@ def _headers(session: str, **more) -> dict[str, str]:
 def test_behind_a_burst_a_new_session_is_refused_before_its_upload_and_a_session_under_way_is_not():
     b = live_brain(parse_config(CFG))
     assert envoy_look(b, _headers("new"), 0.0) is None  # not behind: let it come
-    assert envoy_look(b, _headers("new"), 2.4) is None and b.router.flow.flooded_until == float("-inf")
+    # behind by less than a quarter of the bound: nothing changes
+    assert envoy_look(b, _headers("new"), 0.6) is None and b.router.flow.flooded_until == float("-inf")
+    # by more: let through, but a burst: flow control's flood mode starts before any is refused (issue 59)
+    assert envoy_look(b, _headers("new"), 2.4) is None and b.router.flow.flooded_until == b.clock() + FLOOD_S
     assert envoy_look(b, _headers("new"), 2.6) is not None  # none under way: half Envoy's first timer (5 s) is the bound
-    # a refusal there is a flood: the new sessions admitted meanwhile are held by their own replica's queue
     assert b.router.flow.flooded_until > b.clock()
     envoy_decide(b, _headers("mine"), _body("my context "))  # a session's first turn
     t = b.clock()
@@ -153,7 +156,7 @@ def _look_request(request_time: str | None = None) -> ep.ProcessingRequest:
 def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_until_it_is_read():
     seen = []
 
-    def look(headers, wait_s):
+    def look(headers, wait_s, declared_s=0.0):
         seen.append((headers["x-request-id"], wait_s))
         return None
 
@@ -173,7 +176,7 @@ def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_unt
         and not intake.unread
 
     refuse = answers.too_many("router_behind", 3)
-    front.look = lambda headers, wait_s: refuse
+    front.look = lambda headers, wait_s, declared_s=0.0: refuse
     ctx = Ctx([_look_request()], [LOOK_METADATA])
     asyncio.run(front.Process(None, ctx))
     assert ctx.written == [dc.envoy_answer(refuse, "request_headers")] and intake.looked_bytes == 0  # no body comes
@@ -208,3 +211,33 @@ def test_with_flow_control_envoy_waits_at_least_five_seconds_for_the_brain_s_fir
 
     assert set(timeouts(bootstrap(parse_config(CFG))).values()) == {"5.000s"}
     assert set(timeouts(bootstrap(parse_config({**CFG, "flow_control": {"enabled": False}}))).values()) == {"1.000s"}
+
+
+def test_a_held_request_is_offered_again_on_an_access_log_entry_only_when_that_entry_freed_something():
+    """A flood's refusals end in access-log entries that release nothing: woken by each, the flow loop priced up to 32
+    held requests every 10 ms, a third of the brain's time while the turns under way waited behind it."""
+    from extproc.brain.server import FlowWaits
+
+    from .test_service import entry, headers_of
+
+    b = live_brain(parse_config(CFG))
+    waits = FlowWaits(b)
+    placed = headers_of(envoy_decide(b, _headers("s1", **{"x-request-id": "q1"}), _body("s1")))
+    b.held["somebody-held"] = object()  # a request waiting in flow control: what the loop is woken for
+    b.router.offer(b.clock())  # the loop's offer: nothing changed since it
+    assert not b.router.offer_due
+    waits.on_log_entry(entry("refused-at-the-look", code=429, details="ext_proc_local_reply"))
+    assert not waits.woken.is_set()
+    waits.on_log_entry(entry("q1", placed[RESERVATION_HEADER]))  # its reservation released: room freed
+    assert b.router.offer_due and waits.woken.is_set()
+    del b.held["somebody-held"]
+
+
+def test_a_size_only_declared_at_the_headers_refuses_its_own_request_but_starts_no_flood_mode():
+    """Issue 59, finding 1's rule kept by the burst trigger: a header call's own declared size may refuse that request,
+    but flood mode (which changes where everybody's new sessions go) starts only on bodies the brain measures."""
+    b = live_brain(parse_config(CFG))
+    assert b.look(_headers("new"), 60.0, declared_s=60.0) is not None  # a 2 GB declaration: refused
+    assert b.router.flow.flooded_until == float("-inf")
+    assert b.look(_headers("new"), 61.0, declared_s=60.0) is not None  # a measured second behind too: a burst
+    assert b.router.flow.flooded_until == b.clock() + FLOOD_S

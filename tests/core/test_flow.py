@@ -1058,3 +1058,76 @@ def test_a_system_prompt_that_sessions_share_counts_once_in_the_working_set_whil
     d = router.select(prof(tokens=100, blocks=chain("x", "x", 100)), t + 200, hold_key="x")
     router.release(d.reservation, t + 200.1)
     assert all(pol.state_of(r).active_tokens == 0 for r in router.replicas)
+
+
+from extproc.core.config import WarmConfig  # noqa: E402
+
+
+def _returning_router(n: int, cache_tokens: int = 300_000):
+    """``n`` replicas; a session under way on r0 that has come back once (its second turn released), its 16K-token
+    system prompt cached there."""
+    router, t = live_router(n, dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=cache_tokens,
+                                                                         active_session_s=60)))
+    router.flow = FlowControl()
+    for k, tokens in enumerate((17_000, 18_000)):
+        d = router.select(prof(session="u", tokens=tokens, blocks=chain("sys", "u", tokens, 16_000)), t + k,
+                          only=["r0"])
+        router.release(d.reservation, t + k + 0.5)
+    return router, t + 3
+
+
+def _new(router, t: float, k: int, tokens: int = 25_000):
+    return router.select(prof(session=f"new{k}", tokens=tokens, blocks=chain("sys", f"new{k}", tokens, 16_000)), t,
+                         hold_key=f"new{k}")
+
+
+def test_in_a_flood_a_new_session_goes_to_a_replica_no_session_under_way_comes_back_to():
+    """Issue 59, finding 6: in `python -m bench flood`, 10-24 of the 33-115 new sessions let in during the flood went
+    to the two replicas the four sessions under way turned on (their system prompt cached there: the cheapest), each
+    25K-token prefill ahead of their cached turns. In flood mode a new session goes where no session under way
+    returns, whatever that replica lacks in cache; outside it the cost model chooses as before."""
+    router, t = _returning_router(3)
+    assert router.policy.state_of(router.replicas[0]).returning == 1
+    assert _new(router, t, 0).replica.name == "r0"  # no flood: the cached system prompt wins
+    router, t = _returning_router(3)
+    router.flow.flooded(t)
+    assert _new(router, t, 0).replica.name in ("r1", "r2")
+
+
+def test_in_a_flood_a_new_session_waits_for_room_away_from_sessions_under_way_but_not_where_every_replica_has_them():
+    """A replica without sessions under way that has no room yet (a flood's earlier sessions fill its cache) is waited
+    for, the mode's usual hold. Where every replica has sessions under way the rule has nowhere to send it: the cost
+    model and the queue rule decide, as before (holding there would refuse every new session for the flood)."""
+    router, t = _returning_router(2, cache_tokens=60_000)
+    for k in range(3):  # a flood's earlier new sessions fill r1's cache (they have not come back: none returns there)
+        router.select(prof(session=f"old{k}", tokens=25_000, blocks=chain(f"o{k}", f"old{k}", 25_000)), t,
+                      only=["r1"])
+    assert router.policy.state_of(router.replicas[1]).returning == 0
+    router.flow.flooded(t)
+    assert _new(router, t + 0.1, 0).reason is Reason.HELD
+    # every replica with a session under way: placed
+    router, t = _returning_router(2)
+    d = router.select(prof(session="v", tokens=3000, blocks=chain("v", "v", 3000)), t, only=["r1"])
+    router.release(d.reservation, t + 0.2)
+    d = router.select(prof(session="v", tokens=3500, blocks=chain("v", "v", 3500)), t + 0.5, only=["r1"])
+    router.release(d.reservation, t + 0.7)
+    router.flow.flooded(t + 1)
+    d = _new(router, t + 1, 0)
+    assert d.reason is not Reason.HELD and d.replica.name == "r0"
+
+
+def test_a_session_counts_as_returning_on_its_replica_once_it_came_back_and_until_it_goes_quiet_or_moves():
+    from extproc.core.working_set import WorkingSet
+    from extproc.core.warm_replica import WarmReplica
+
+    cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000))
+    a, b = WarmReplica(cfg, 16), WarmReplica(cfg, 16)
+    ws = WorkingSet()
+    ws.place(b"s", a, 1000, 0.0)
+    assert a.returning == 0  # a first turn: it may never come back
+    ws.place(b"s", a, 1200, 1.0)
+    assert a.returning == 1
+    ws.place(b"s", b, 1400, 2.0)  # moved
+    assert (a.returning, b.returning) == (0, 1)
+    ws.expire(100.0, 20.0)  # quiet past its horizon
+    assert b.returning == 0

@@ -339,15 +339,15 @@ class Brain(ScrapeListener):
         self.stats.header_path_declined[why or "unknown"] += 1
         return None
 
-    def look(self, headers: dict[str, str], read_wait_s: float, declared_s: float = 0.0) -> Answered | None:
+    def look(self, headers: dict[str, str], read_wait_s: float, backlog_s: float | None = None) -> Answered | None:
         """The look at a large body's headers before its body is read (flow control on; ``envoy_config`` renders it): a
         request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
         than a turn of the sessions under way takes (``look_bound_s``), is refused with 429 before it is sent, instead
         of delaying their turns behind it or timing
         out and failing open into the engines ahead of them. Critical work is never refused. None: let it come.
-        New sessions' bodies already waiting a quarter of that bound are a burst: flow control's flood mode starts
-        (``FlowControl.flooded``) whether this one is let through or not. ``declared_s``: the part of ``read_wait_s``
-        that is this request's own size, declared and not yet sent (a header call's), which refuses it alone."""
+        Other bodies already waiting a quarter of that bound to be read (``backlog_s``: measured, never this
+        request's own size, let alone one only declared; default ``read_wait_s``) are a burst: flow control's flood
+        mode starts (``FlowControl.flooded``), whether this one is let through or not."""
         if self.router.flow is None:
             return None
         now = self.clock()
@@ -356,7 +356,7 @@ class Brain(ScrapeListener):
         if wait is not None:  # a capped tenant's large body: refused before it is uploaded
             return self.too_many(Decision(None, Reason.TENANT_CAP, retry_after_s=wait), headers)
         bound = self.look_bound_s(now)
-        burst = read_wait_s - declared_s > bound * BURST_SHARE
+        burst = (read_wait_s if backlog_s is None else backlog_s) > bound * BURST_SHARE
         if (not burst and read_wait_s <= bound) or self._priority(headers) == CRITICAL:
             return None
         profile = build_profile(headers, None, self.router.profile_cfg, None)

@@ -132,7 +132,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, decide: Decide, big_body_bytes: int | None = None,
                  wait: "Callable[[object], Awaitable[Outcome]] | None" = None,  # a future, at once
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
-                 look: "Callable[[dict[str, str], float, float], Answered | None] | None" = None,
+                 look: "Callable[[dict[str, str], float, float | None], Answered | None] | None" = None,
                  intake: Intake | None = None, legs_s: float = 35.0,
                  at_headers: "Callable[[dict[str, str]], Placed | Answered | None] | None" = None):
         self.decide = decide
@@ -203,8 +203,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             # the look's word, here, before the upload: in a burst a new session is refused at this call and makes no
             # other (1,500 new sessions at once each paying a header call, a look and a body failed 900 open). By what
             # the brain measures of its own reading alone: a size declared and never sent charges nobody else
-            own = self.intake.own_s(size)
-            out = self.look(headers, self.intake.behind_s() + own, own)
+            behind = self.intake.behind_s()
+            out = self.look(headers, behind + self.intake.own_s(size), behind)
         await context.write(envoy_answer(out, "request_headers") if out is not None else _PASS["request_headers"])
 
     async def _look(self, context) -> None:
@@ -218,7 +218,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         assert self.look is not None and self.intake is not None  # only the look's calls come here
         size = declared_size(headers) or 0
         late = self.intake.late_s(_attribute(req, TIME_ATTRIBUTE), headers.get(LOOK_UPLOAD_HEADER))
-        out = self.look(headers, max(late, self.intake.behind_s() + self.intake.own_s(size)), 0.0)  # Envoy holds it
+        behind = self.intake.behind_s()
+        out = self.look(headers, max(late, behind + self.intake.own_s(size)), max(late, behind))
         if out is None:
             self.intake.let_through(headers.get(REQUEST_ID_HEADER), size)
         await context.write(render(out) if out is not None else _PASS["request_headers"])

@@ -156,7 +156,7 @@ def _look_request(request_time: str | None = None) -> ep.ProcessingRequest:
 def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_until_it_is_read():
     seen = []
 
-    def look(headers, wait_s, declared_s=0.0):
+    def look(headers, wait_s, backlog_s=None):
         seen.append((headers["x-request-id"], wait_s))
         return None
 
@@ -176,7 +176,7 @@ def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_unt
         and not intake.unread
 
     refuse = answers.too_many("router_behind", 3)
-    front.look = lambda headers, wait_s, declared_s=0.0: refuse
+    front.look = lambda headers, wait_s, backlog_s=None: refuse
     ctx = Ctx([_look_request()], [LOOK_METADATA])
     asyncio.run(front.Process(None, ctx))
     assert ctx.written == [dc.envoy_answer(refuse, "request_headers")] and intake.looked_bytes == 0  # no body comes
@@ -233,11 +233,16 @@ def test_a_held_request_is_offered_again_on_an_access_log_entry_only_when_that_e
     del b.held["somebody-held"]
 
 
-def test_a_size_only_declared_at_the_headers_refuses_its_own_request_but_starts_no_flood_mode():
-    """Issue 59, finding 1's rule kept by the burst trigger: a header call's own declared size may refuse that request,
-    but flood mode (which changes where everybody's new sessions go) starts only on bodies the brain measures."""
+def test_a_request_s_own_size_refuses_it_alone_and_only_other_bodies_waiting_start_flood_mode():
+    """Issue 59, finding 1's rule kept by the burst trigger: a request's own size (at a header call only declared)
+    may refuse that request, but flood mode (which changes where everybody's new sessions go) starts only on other
+    bodies the brain measures waiting: one big body is no burst."""
     b = live_brain(parse_config(CFG))
-    assert b.look(_headers("new"), 60.0, declared_s=60.0) is not None  # a 2 GB declaration: refused
+    bound = b.look_bound_s(b.clock())
+    assert b.look(_headers("new"), 60.0, backlog_s=0.0) is not None  # a 2 GB declaration: refused
     assert b.router.flow.flooded_until == float("-inf")
-    assert b.look(_headers("new"), 61.0, declared_s=60.0) is not None  # a measured second behind too: a burst
+    assert b.look(_headers("new"), 0.9 * bound, backlog_s=0.0) is None  # its own body alone: no burst
+    assert b.router.flow.flooded_until == float("-inf")
+    # others' bodies wait past a quarter of the bound: a burst, this one let through
+    assert b.look(_headers("new"), 0.9 * bound, backlog_s=0.3 * bound) is None
     assert b.router.flow.flooded_until == b.clock() + FLOOD_S

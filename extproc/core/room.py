@@ -121,7 +121,8 @@ def saturated(best: Estimate, profile: "RequestProfile", pin: "Pin | None", ests
     With Hold.WAITING (flow_control.hold_on_wait), also: even the best candidate makes the request wait longer
     than its own prefill there (half of it, sheddable), so holding it loses no engine time while it keeps the
     choice of replica open."""
-    if hold is Hold.FLOODED and pin is None and best.st.returning > 0 and any(e.st.returning == 0 for e in ests):
+    if hold is Hold.FLOODED and pin is None and best.st.returning > 0 and \
+            any(e.st.returning == 0 and e.prompt <= w.kv_pressure * e.st.cache_tokens for e in ests):
         return True  # a replica free of sessions under way has no room for it yet: it waits for that (see above)
     fresh = pin is None or best.cached < best.prompt / 2
     if fresh and profile.session_key is not None:

@@ -1105,6 +1105,13 @@ def test_in_a_flood_a_new_session_waits_for_room_away_from_sessions_under_way_bu
     assert router.policy.state_of(router.replicas[1]).returning == 0
     router.flow.flooded(t)
     assert _new(router, t + 0.1, 0).reason is Reason.HELD
+    # a context no empty replica can hold is placed as without the rule: waiting would not make it fit
+    router, t = _returning_router(2, cache_tokens=60_000)
+    for k in range(3):
+        router.select(prof(session=f"old{k}", tokens=25_000, blocks=chain(f"o{k}", f"old{k}", 25_000)), t,
+                      only=["r1"])
+    router.flow.flooded(t)
+    assert _new(router, t + 0.1, 1, tokens=70_000).reason is not Reason.HELD
     # every replica with a session under way: placed
     router, t = _returning_router(2)
     d = router.select(prof(session="v", tokens=3000, blocks=chain("v", "v", 3000)), t, only=["r1"])

@@ -172,10 +172,25 @@ def test_predicted_cached_tokens_are_what_the_engine_reports(fleet):
     assert sum(abs(r[3] - r[2]) <= 0.1 * r[2] for r in rows[-12:]) >= 10, rows[-12:]
 
 
+def _resident_blocks(fleet, name: str) -> int:
+    [r] = [r for r in fleet.state()["replicas"] if r["name"] == name]
+    return sum(e["resident_blocks"] for e in r["cache"]["engines"] or ())
+
+
 def test_exact_mode_predicts_the_engine_s_cached_and_prompt_tokens_and_a_foreign_seed_is_estimated(fleet):
     """Issue 45: on the replica whose KV events verify, the brain's predicted cached tokens and prompt tokens are the
     engine's own for every request (a chat workload of growing conversations); the replica whose engine hashes
     with another seed says so in /state and serves as before."""
+    # the conversations' two system prompts, computed on r0's engine first (not through the brain): r0's events say it
+    # holds them, so the cost model places the sessions there. Left to a tie, where a new session went hung on the
+    # round-robin that the module's earlier tests left, and on one machine every session went to r1 (none to check)
+    texts = system_texts(2, [1500, 1500], seed=random.Random(11).randrange(1 << 30))
+    before = _resident_blocks(fleet, "r0")
+    for text in texts:
+        status, _, doc = post(f"http://127.0.0.1:{fleet.replicas[0].port}", "/v1/chat/completions",
+                              {"model": MODEL, "messages": [{"role": "system", "content": text}], "max_tokens": 1})
+        assert status == 200, doc
+    wait_for(lambda: _resident_blocks(fleet, "r0") >= before + 2 * 10, 30, "r0's events for the system prompts")
     got = _conversation(fleet, random.Random(11), sessions=6, turns=4)
     by = {r["name"]: r for r in fleet.state()["replicas"]}
     assert by["r0"]["cache"]["mode"] == "exact", by["r0"]["cache"]

@@ -99,10 +99,11 @@ def _headers(session: str, **more) -> dict[str, str]:
 def test_behind_a_burst_a_new_session_is_refused_before_its_upload_and_a_session_under_way_is_not():
     b = live_brain(parse_config(CFG))
     assert envoy_look(b, _headers("new"), 0.0) is None  # not behind: let it come
+    first = b.look_bound_s(b.clock())  # none under way: half Envoy's first timer (5 s)
     # behind by less than a quarter of the bound: nothing changes
-    assert envoy_look(b, _headers("new"), 0.6) is None and b.router.flow.flooded_until == float("-inf")
+    assert envoy_look(b, _headers("new"), 0.2 * first) is None and b.router.flow.flooded_until == float("-inf")
     # by more: let through, but a burst: flow control's flood mode starts before any is refused (issue 59)
-    assert envoy_look(b, _headers("new"), 2.4) is None and b.router.flow.flooded_until == b.clock() + FLOOD_S
+    assert envoy_look(b, _headers("new"), 0.3 * first) is None and b.router.flow.flooded_until == b.clock() + FLOOD_S
     assert envoy_look(b, _headers("new"), 2.6) is not None  # none under way: half Envoy's first timer (5 s) is the bound
     assert b.router.flow.flooded_until > b.clock()
     envoy_decide(b, _headers("mine"), _body("my context "))  # a session's first turn
@@ -157,7 +158,7 @@ def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_unt
     seen = []
 
     def look(headers, wait_s, backlog_s=None):
-        seen.append((headers["x-request-id"], wait_s))
+        seen.append((headers["x-request-id"], wait_s, backlog_s))
         return None
 
     decided = Placed("r0", "1.abc")
@@ -166,7 +167,8 @@ def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_unt
     ctx = Ctx([_look_request("2026-12-03T12:49:44.248107+00:00")], [LOOK_METADATA])
     asyncio.run(front.Process(None, ctx))
     assert [m.WhichOneof("response") for m in ctx.written] == ["request_headers"]  # let through, no decision
-    assert seen == [("r1", pytest.approx(BIG / READ_BYTES_PER_S))]  # its own read time: nothing ahead of it
+    # its own read time; nothing ahead of it: no backlog (its own size never makes a burst: flood mode)
+    assert seen == [("r1", pytest.approx(BIG / READ_BYTES_PER_S), 0.0)]
     assert intake.looked_bytes == BIG and front.open_calls == 0  # a look is no call the brain decides
     body = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"{}" * 10, end_of_stream=True))
     body.attributes["envoy.filters.http.ext_proc"].fields["request.headers['x-request-id']"].string_value = "r1"
@@ -246,3 +248,21 @@ def test_a_request_s_own_size_refuses_it_alone_and_only_other_bodies_waiting_sta
     # others' bodies wait past a quarter of the bound: a burst, this one let through
     assert b.look(_headers("new"), 0.9 * bound, backlog_s=0.3 * bound) is None
     assert b.router.flow.flooded_until == b.clock() + FLOOD_S
+
+
+def test_a_header_call_passes_its_own_declared_size_to_the_look_as_no_backlog():
+    """The header path's look (before the upload): the request's declared size may refuse it, but only bodies the
+    brain measures waiting are a backlog (flood mode's burst: a declaration must not start it for everybody)."""
+    from extproc.contract import HEADER_PATH_METADATA
+
+    seen = []
+
+    def look(headers, wait_s, backlog_s=None):
+        seen.append((wait_s, backlog_s))
+        return None
+
+    intake = Intake(5.0, Clock())
+    front = dc.ExternalProcessor(lambda h, b, phase: None, 2 * 2**20, look=look, intake=intake,
+                                 at_headers=lambda headers: None)
+    asyncio.run(front.Process(None, Ctx([_look_request()], [HEADER_PATH_METADATA])))
+    assert seen == [(pytest.approx(BIG / READ_BYTES_PER_S), 0.0)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -69,6 +70,22 @@ def decision(stack: Stack, rid: str) -> dict:
     return json.loads(stack.admin_get(f"/decisions?request_id={rid}"))["decisions"][-1]
 
 
+FAILED_OPEN = "http.ingress.ext_proc.warmroute.failure_mode_allowed"
+
+
+def decision_or_failed_open(stack: Stack, rid: str, failed_open_before: int) -> dict | None:
+    """The brain's decision of a request, or None when Envoy routed it without one because the brain's answer came
+    too late (a CI machine once starved the brain past the 3 s timer while two CPU engines ran 4 decodes and a
+    prefill: the request succeeded by the ring hash, and the brain rightly remembered no decision for it)."""
+    try:
+        return decision(stack, rid)
+    except urllib.error.HTTPError as e:
+        if e.code != 404:
+            raise
+    assert stack.envoy_stats().get(FAILED_OPEN, 0) > failed_open_before, f"no decision for {rid}, none failed open"
+    return None
+
+
 def test_a_prompt_that_stays_local_never_touches_the_prefill_replica(pd):
     # first in the module: nothing decoding and nothing arrived lately (a prefill also stalls the streams expected to
     # join during it)
@@ -105,16 +122,17 @@ def test_a_long_prompt_beside_running_decodes_is_prefilled_on_the_prefill_replic
                  or None, 60, "streams decoding on r1")
         before = total(metrics_of(port_of(pd, "r1")), "vllm:prompt_tokens_by_source_total",
                        source="external_kv_transfer")
+        failed_open = pd.envoy_stats().get(FAILED_OPEN, 0)
         status, headers, doc = post(pd.url, "/v1/chat/completions", chat(prompt(f"long-{random.random()}", 1000), 8))
         for t in bg:
             t.join(120)
         assert status == 200, doc
         assert results == [200] * 4
-        d = decision(pd, headers["x-request-id"])
+        d = decision_or_failed_open(pd, headers["x-request-id"], failed_open)
         seen.append(d)
-        if d["prefill_replica"] is not None:
+        if d is not None and d["prefill_replica"] is not None:
             break
-    assert d["prefill_replica"] == "r0" and d["replica"] == "r1", seen
+    assert d is not None and d["prefill_replica"] == "r0" and d["replica"] == "r1", seen
     cached = doc["usage"]["prompt_tokens_details"]["cached_tokens"]
     after = total(metrics_of(port_of(pd, "r1")), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     # r1 never saw this prompt: all it reports cached it loaded from the prefill leg's KV, whole blocks

@@ -248,7 +248,9 @@ class Brain(ScrapeListener):
             only = res.replicas if only is None else res.replicas.intersection(only)
         if self.models.is_adapter(res.model):
             profile = dataclasses.replace(profile, adapter=res.model)
-        profile = self.exact.price(profile, body, res.model or profile.model)
+        # a body's first bytes (the endpoint picker decided before the rest came): no conversation to tokenize
+        profile = self.exact.price(profile, body if profile.body_status is not BodyStatus.PARTIAL else None,
+                                   res.model or profile.model)
         if profile.doc is not None:  # read by now; a held request keeps its body, not its parse too (several times it)
             profile = dataclasses.replace(profile, doc=None)
         if hold_key is not None:

@@ -10,8 +10,11 @@ from typing import Protocol
 
 from ..answers import Answered
 from ..config import AppConfig
-from ..contract import REQUEST_ID_HEADER
+from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
 from ..core import Decision, Reason, Reservation
+from ..core.apis import Api, api_of
+from ..core.models import ModelCatalog
+from ..core.profile import BODY_MODEL_KEY, BODY_PARTIAL_KEY, declared_size, partial_reach
 from ..core.router import NO_HEALTHY
 from ..picker.messages import path_of
 
@@ -45,6 +48,7 @@ class Deciding(Protocol):
 
     cfg: AppConfig
     router: Router
+    models: ModelCatalog
     releaser: Releaser
     decisions: DecisionLog
     held: dict
@@ -64,6 +68,8 @@ class Deciding(Protocol):
     def body_for(self, d: Decision, body: bytes | None) -> bytes | None: ...
 
     def hold_key(self) -> object: ...
+
+    def prefill_fleet(self) -> bool: ...
 
 
 class Picks:
@@ -100,13 +106,44 @@ class Picks:
         if untrusted and any(h in headers for h in untrusted):  # a client's own class or tenant: nobody stripped it
             headers = {k: v for k, v in headers.items() if k not in untrusted}
         key = self.brain.hold_key()
+        if headers.get(BODY_PARTIAL_KEY):  # its first bytes (``early_reach``): the front sends the rest as it came
+            model = self._partial_model(headers)
+            headers = {**headers, BODY_MODEL_KEY: model} if model is not None else headers
         d = self.brain.choose(headers, body, only, hold_key=key)
+        sent = None if headers.get(BODY_PARTIAL_KEY) else body
         if d.reason is Reason.HELD:
-            self.brain.held[key].answered_as(headers, body, PICK, only)
+            self.brain.held[key].answered_as(headers, sent, PICK, only)
             return Pick([], None, held=key)
         if d.reason in (Reason.QUEUE_FULL, Reason.DEADLINE, Reason.TENANT_CAP):
             return Pick([], None, immediate=self.brain.too_many(d, headers))
-        return self.pick_of(d, headers, body, only)
+        return self.pick_of(d, headers, sent, only)
+
+    def early_reach(self, headers: dict[str, str]) -> int | None:
+        """How many of its body's first bytes decide a request the endpoint picker's full-duplex stream would
+        otherwise decide on its headers alone (its declared size past ``brain_body_max_bytes``): what the block chain
+        reads (``core.profile.partial_reach``), when nothing past them can move it: a POST to the chat or completions
+        API, its model known without its body (the fleet's one model, or the model header) and sent as it came (no
+        alias), no prefill leg to send. The rest passes through unread. None: decided as before."""
+        b = self.brain
+        size = declared_size(headers)
+        limit = b.cfg.envoy.brain_body_max_bytes
+        if not b.router.needs_blocks or size is None or size <= limit or headers.get(":method", "POST") != "POST" \
+                or headers.get(CONTENT_ENCODING_HEADER, "identity").strip().lower() not in ("", "identity") \
+                or headers.get(INFLATED_FROM_HEADER) or api_of(path_of(headers)) not in (Api.CHAT, Api.COMPLETIONS) \
+                or b.prefill_fleet() or self._partial_model(headers) is None:
+            return None
+        return min(partial_reach(b.router.profile_cfg), limit)
+
+    def _partial_model(self, headers: dict[str, str]) -> str | None:
+        """The model of a request decided on its body's first bytes (its body may name it last), when its headers
+        say it: the model header, or the fleet's one model; and sent as named (no alias to rewrite)."""
+        b = self.brain
+        header = b.cfg.router.profile.model_header
+        model = (headers.get(header.lower()) if header else None) or b.models.one_model()
+        if model is None:
+            return None
+        res = b.models.resolve(model, None, path_of(headers) or None)
+        return None if res.rewritten or (res.replicas is not None and not res.replicas) else model
 
     def pick_of(self, d: Decision, headers: dict[str, str], body: bytes | None,
                  only: "set[str] | None") -> Pick:

@@ -91,6 +91,9 @@ class BodyStatus(enum.StrEnum):
     HEADERS_ONLY = "headers_only"  # a body too big to copy to the brain: session from headers, tokens from its size
     ENCODED = "encoded"  # a Content-Encoding Envoy did not undo (it inflates gzip): routed by headers and size
     HEADER_PATH = "header_path"  # a turn of a session under way decided at its headers: its body never read
+    # decided on its body's first bytes (what the block chain reads) while the rest was still arriving: the endpoint
+    # picker's full-duplex stream; session from headers, tokens from its size, the rest streamed past unread
+    PARTIAL = "partial"
 
 
 # (action, kind, cause) triples the core can emit, for metrics that export every series from the start.

@@ -256,6 +256,36 @@ _DIGITS = frozenset(b"0123456789")
 BODY_MODEL_KEY = ":warmroute-body-model"
 BODY_KV_TRANSFER_KEY = ":warmroute-body-kv-transfer"  # such a body names kv_transfer_params (refused: 400)
 BODY_ARRIVING_KEY = ":warmroute-body-arriving"  # a front decides before the body has arrived: booked when it has
+# the body handed on is its first bytes only (``partial_profile``); its model as the front resolved it: BODY_MODEL_KEY
+BODY_PARTIAL_KEY = ":warmroute-body-partial"
+
+
+def partial_reach(cfg: ProfileConfig) -> int:
+    """The bytes of a body its block chain reads at most: where the conversation starts (searched in the first
+    ``_HEAD`` bytes) and ``chain_max_bytes`` of it. A chat body's first bytes past this give the chain its whole
+    body would (``partial_profile``)."""
+    return _HEAD + cfg.chain_max_bytes
+
+
+def partial_profile(headers: Mapping[str, str], head: bytes, cfg: ProfileConfig,
+                    chains: ChainCache | None) -> RequestProfile:
+    """The profile of a chat or completions request decided on its body's first bytes (at least ``partial_reach``)
+    while the rest still arrives: the raw-bytes block chain its whole body gives (it reads no further), its session
+    from headers, its model as the front resolved it (the fleet's one model, or the model header: the body's may come
+    last), its tokens from its declared size, booked once the body has passed. Nothing is parsed: the rest may name
+    anything, and the engine reads that, not the brain."""
+    tenant = tenant_of(headers, cfg)
+    session_key, source = _session_header(headers, cfg, tenant)
+    model = headers.get(BODY_MODEL_KEY) or None
+    blocks: list[int] = []
+    if chains is not None:
+        start = _conversation_start(head)
+        blocks = chains.chain(session_key, head, start, chain_seed(model, tenant), start + cfg.chain_max_bytes,
+                              cfg.chain_step_bytes)
+    size = max(declared_size(headers) or 0, len(head))
+    return RequestProfile(session_key, None, min(int(size / cfg.chars_per_token), cfg.max_prompt_tokens),
+                          BodyStatus.PARTIAL, source, blocks, model, provisional=True, deferred=True,
+                          api=api_of(headers.get(":path", "").split("?", 1)[0]), tenant=tenant)
 
 
 def declared_size(headers: Mapping[str, str]) -> int | None:
@@ -350,6 +380,8 @@ def build_profile(
             session_key, session_source = hash_key("session", tenant, "response:" + its_root), "path:response_id"
         return RequestProfile(session_key, None, 0, BODY_ABSENT if not body else BODY_OK, session_source,
                               api=api, stored_ref=ref, response_root=its_root)
+    if body is not None and headers.get(BODY_PARTIAL_KEY):
+        return partial_profile(headers, body, cfg, chains)
 
     if body is None:
         size = declared_size(headers)

@@ -7,7 +7,8 @@ A gateway opens one ext_proc stream per HTTP request and keeps it for the reques
    it), the brain decides, and the answer goes out in the protocol's order: the headers response carrying
    ``x-gateway-destination-endpoint: ip:port[,ip:port...]`` as a header mutation and the same value as
    dynamic metadata ``envoy.lb``, with ``clear_route_cache``; then the body back, in chunks of at most
-   62,000 bytes. A body past ``body_max_bytes`` is decided on its headers alone and streamed on as it comes.
+   62,000 bytes. A body past ``body_max_bytes`` is decided on its first bytes (``early_reach``: what its block
+   chain reads, where nothing after them can move it) or else on its headers alone, and streamed on as it comes.
 2. the response passes through: its status and first byte, and the endpoint that served it (the
    gateway's ``envoy.lb`` / ``x-gateway-destination-endpoint-served``, or Envoy's ``upstream.address``
    attribute), are all the brain learns. Its end (or the stream's, when the client or the gateway went
@@ -39,7 +40,7 @@ from ..contract import (
     SUBSET_KEY,
     SUBSET_NAMESPACE,
 )
-from ..core.profile import BODY_ARRIVING_KEY, CONTENT_LENGTH
+from ..core.profile import BODY_ARRIVING_KEY, BODY_PARTIAL_KEY, CONTENT_LENGTH
 from ..answers import Answered, SERVICE_UNAVAILABLE, error, model_not_found, path_not_served
 from .messages import header_value, headers_of, render, wait_longer
 
@@ -177,6 +178,7 @@ class _Stream:
     ended: bool = False
     new_body: bytes | None = None  # the body the pick rewrote (its model alias), sent instead of the client's
     arriving: bool = False  # decided before its body ended: its work is booked when the body has passed
+    early: int | None = None  # decided on this many of its body's first bytes, the rest passed on unread (None: whole)
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -185,8 +187,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                  wait: "Callable[[object], Awaitable[Any]] | None" = None,
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
                  arrived: "Callable[[Any], None] | None" = None,
-                 pick_at_headers: "Callable[[dict[str, str], list[str] | None], PickResult | None] | None" = None):
+                 pick_at_headers: "Callable[[dict[str, str], list[str] | None], PickResult | None] | None" = None,
+                 early_reach: "Callable[[dict[str, str]], int | None] | None" = None):
         self.pick = pick
+        # a body its headers alone would decide (past body_max_bytes): how many of its first bytes decide it instead
+        self.early_reach = early_reach
         # the header path: the pick of a turn of a session under way, on its headers alone (None: its body decides)
         self.pick_at_headers = pick_at_headers
         # a request decided before its body ended (past the byte limits, or a STREAMED gateway): its work is booked
@@ -235,11 +240,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         st.size = 0
         return held
 
-    async def _decide(self, st: _Stream, body: bytes | None, context,
-                      phase: str = "request_headers", arriving: bool = False) -> ep.ProcessingResponse:
+    async def _decide(self, st: _Stream, body: bytes | None, context, phase: str = "request_headers",
+                      arriving: bool = False, partial: bool = False) -> ep.ProcessingResponse:
         st.answered = True
         st.arriving = arriving and self.arrived is not None
-        p = self.pick({**st.headers, BODY_ARRIVING_KEY: "1"} if st.arriving else st.headers, body, st.subset)
+        headers = {**st.headers, BODY_ARRIVING_KEY: "1"} if st.arriving else st.headers
+        p = self.pick({**headers, BODY_PARTIAL_KEY: "1"} if partial else headers, body, st.subset)
         if p.held is not None:  # flow control holds it: the pick comes once a replica has room (or a 429)
             answer = self.wait(p.held)  # registered before any await: the pick may come at the next tick
             try:
@@ -265,6 +271,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         st.reservation = p.reservation
         st.picked_at = self.clock()
         st.new_body = p.body
+        if partial:  # the client's body passes as it comes (as on the header path: its own Content-Length)
+            return destination_answer(p.endpoints, None, phase, p.dp_rank)
         sent = p.body if p.body is not None else body
         return destination_answer(p.endpoints, len(sent) if sent is not None and phase == "request_headers" else None,
                                   phase, p.dp_rank, p.body if phase == "request_body" else None)
@@ -287,6 +295,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                     st.answered = st.arriving = True
                     st.reservation, st.picked_at = p.reservation, self.clock()
                     return [destination_answer(p.endpoints, None, "request_headers", p.dp_rank)]
+            if self.early_reach is not None and self.arrived is not None:
+                st.early = self.early_reach(st.headers)
             return []  # full duplex: the answer waits for the body
         if kind == "request_body":
             chunk = req.request_body
@@ -308,6 +318,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 if answer.HasField("immediate_response"):
                     return [answer]
                 return [answer, *body_chunks(st.new_body if st.new_body is not None else body, True)]
+            if st.early is not None and st.size >= st.early:
+                head = self._drop_held(st)
+                answer = await self._decide(st, head, context, arriving=True, partial=True)
+                return [answer] if answer.HasField("immediate_response") else [answer, *body_chunks(head, False)]
             if st.size > self.body_max_bytes or self.buffered > self.buffered_max_bytes:
                 answer = await self._decide(st, None, context, arriving=True)
                 held = self._drop_held(st)

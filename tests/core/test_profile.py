@@ -179,3 +179,38 @@ def test_a_body_envoy_left_compressed_is_counted_and_routed_by_headers():
     assert p.body_status is BodyStatus.ENCODED and p.session_key is not None and p.prefix_key is None
     p = build_profile({"content-encoding": "identity"}, b'{"messages": []}', ProfileConfig())
     assert p.body_status is BodyStatus.OK
+
+
+def test_a_chat_body_s_first_bytes_give_the_chain_its_whole_body_gives_and_its_declared_size_prices_it():
+    """Issue 61 item 4: what the endpoint picker decides on a body's first bytes (``partial_reach`` of them) is
+    routed as its whole body would be: the same block chain (it reads no further), with the model the front resolved
+    (the body names it last) in its seed."""
+    from extproc.core.blocks import ChainCache
+    from extproc.core.names import BodyStatus
+    from extproc.core.profile import BODY_MODEL_KEY, BODY_PARTIAL_KEY, partial_reach
+
+    whole = orjson.dumps({"messages": [{"role": "system", "content": SYS},
+                                       {"role": "user", "content": "line of code\n" * 100_000}], "model": "coder"})
+    reach = partial_reach(CFG)
+    assert len(whole) > reach + 100_000
+    hdrs = {":path": "/v1/chat/completions", "x-session-id": "s", "content-length": str(len(whole))}
+    full = build_profile(hdrs, whole, CFG, ChainCache())
+    part = build_profile({**hdrs, BODY_PARTIAL_KEY: "1", BODY_MODEL_KEY: "coder"}, whole[:reach], CFG, ChainCache())
+    assert part.blocks and list(part.blocks) == list(full.blocks)
+    assert part.body_status is BodyStatus.PARTIAL and part.deferred and part.provisional
+    assert part.session_key == full.session_key and part.model == "coder"
+    assert part.tokens == min(int(len(whole) / CFG.chars_per_token), CFG.max_prompt_tokens)
+    # fewer bytes than a call hashes (chain_step_bytes: a long conversation is covered over its first turns) would
+    # route it by less than its whole body says
+    shorter = build_profile({**hdrs, BODY_PARTIAL_KEY: "1", BODY_MODEL_KEY: "coder"}, whole[:CFG.chain_step_bytes // 2],
+                            CFG, ChainCache())
+    assert list(shorter.blocks) != list(full.blocks)
+    other = build_profile({**hdrs, BODY_PARTIAL_KEY: "1"}, whole[:reach], CFG, ChainCache())
+    assert not set(other.blocks) & set(full.blocks)  # the model seeds the chain: without it nothing would match
+    # a session's later turns: its chain grows by chain_step_bytes a turn to chain_max_bytes, all within the reach
+    whole_chains, part_chains = ChainCache(), ChainCache()
+    for _ in range(CFG.chain_max_bytes // CFG.chain_step_bytes + 1):
+        full = build_profile(hdrs, whole, CFG, whole_chains)
+        part = build_profile({**hdrs, BODY_PARTIAL_KEY: "1", BODY_MODEL_KEY: "coder"}, whole[:reach], CFG, part_chains)
+        assert list(part.blocks) == list(full.blocks)
+    assert len(full.blocks) == CFG.chain_max_bytes // 64

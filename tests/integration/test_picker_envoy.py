@@ -4,6 +4,7 @@ gateway runs (``warmroute envoy-config --mode endpoint-picker``), the brain as i
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 
@@ -110,3 +111,24 @@ def test_buffered_bodies_fail_open_at_once_and_keep_the_streams_in_flight(own_st
     assert all(x.startswith("r") for x in served)
     t.join(60)
     assert streamed and streamed[0] >= 100, streamed  # the stream in flight finished whole
+
+
+def test_a_long_context_past_the_brain_limit_goes_where_its_prefix_is_cached_and_reaches_it_whole(own_stack):
+    """Issue 61 item 4 through a real Envoy in the gateways' full-duplex shape: a body past brain_body_max_bytes used to
+    be decided on its headers alone; now its first bytes decide it (its prefix's home), the rest streams on unread,
+    and the replica reads the whole body (a cut one would be a 400). The OpenAI SDK writes the model after the
+    messages: the fleet's one model says it."""
+    s = own_stack(3, config={**DUPLEX, "envoy": {**DUPLEX["envoy"], "brain_body_max_bytes": 16384}})
+    s.wait_all_live(30)
+    wait_for(lambda: all(r.get("models") for r in s.state()["replicas"]), 10, "every replica's models read")
+    projects = [f"project {k}: you follow rule {k}. " * 200 for k in range(3)]  # ~6 KB each: read whole
+    homes = [chat(client(s, **{"x-session-id": f"warm-{k}"}), system=p, user="hello") for k, p in enumerate(projects)]
+    assert len(set(homes)) > 1  # spread: where each long context goes says what decided it
+    for k in reversed(range(3)):  # not the order a tie among idle replicas would take
+        served = chat(client(s, **{"x-session-id": f"long-{k}"}), system=projects[k],
+                      user="here is the file:\n" + "a line of the code under review\n" * 6_000)  # ~190 KB
+        assert served == homes[k], k
+    with urllib.request.urlopen(s.brain_metrics, timeout=5) as r:
+        m = r.read().decode()
+    assert 'warmroute_request_bodies_total{status="partial"} 3.0' in m
+    assert 'warmroute_request_bodies_total{status="headers_only"} 0.0' in m

@@ -22,6 +22,7 @@ from extproc.contract import (
     SUBSET_NAMESPACE,
 )
 from extproc.core import EJECTED
+from extproc.core.names import BodyStatus
 from extproc.core.profile import BODY_ABSENT
 from extproc.picker import EndpointPicker
 
@@ -476,3 +477,81 @@ def test_a_turn_under_way_is_picked_at_its_headers_and_its_body_passes_through_u
     idle = b.router.policy.state_of(b.router.replica(b.releaser.by_address[first])).work_s
     out, ctx = turn(longer, upload_ends=False)  # the upload never ends: routed, and nothing booked meanwhile
     assert b.recent_decisions(last=1)[0]["path"] == "headers" and seen[-1] == idle
+
+
+def _early_front(b: Brain) -> EndpointPicker:
+    return EndpointPicker(b.picks.pick, b.picks.end, b.cfg.envoy.brain_body_max_bytes, b.clock,
+                          arrived=lambda res: b.router.arrived(res, b.clock()), early_reach=b.picks.early_reach)
+
+
+def _one_model_fleet(**extra) -> Brain:
+    return live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000",
+                                                  "models": ["mock-coder-30b"]} for i in range(N)],
+                                    "brain": {"protocol": "endpoint-picker"},
+                                    "envoy": {"brain_body_max_bytes": 8192}, **extra}))
+
+
+def _agent_body(system: str, words: int, model: str = "mock-coder-30b") -> bytes:
+    # the model last, as the OpenAI SDK writes it: nothing after the first bytes is needed to route it
+    return orjson.dumps({"messages": [{"role": "system", "content": system},
+                                      {"role": "user", "content": "read this file " + "token " * words}],
+                         "model": model})
+
+
+def test_a_body_past_the_brain_limit_is_decided_on_its_first_bytes_by_its_prefix_and_the_rest_passes_unread():
+    """Issue 61 item 4: a full-duplex body its headers alone decided (past brain_body_max_bytes) is decided on the
+    first bytes the block chain reads instead: a long context goes where its prefix is cached, the pick comes while
+    the upload still runs, the rest is echoed as it came and never parsed, and its work is booked once it passed."""
+    b = _one_model_fleet()
+    front = _early_front(b)
+    systems = [f"project {k}: " + f"rule {k} " * 700 for k in range(N)]  # ~6 KB each: under the brain's limit
+    home = {}
+    for k, system in enumerate(systems):  # a short first request of each project: read whole, placed by cost
+        small = _agent_body(system, 10)
+        ctx = Ctx(request(small, {"x-session-id": f"warm{k}", "content-length": str(len(small))}))
+        asyncio.run(front.Process(None, ctx))
+        home[k] = picked(ctx.out)[0].split(",")[0]
+    assert len(set(home.values())) > 1  # the projects are spread: where each long context goes says what decided it
+    for k, system in reversed(list(enumerate(systems))):  # not the order a tie among idle replicas would give
+        big = _agent_body(system, 20_000)  # ~120 KB: past the limit
+        msgs = request(big, {"x-session-id": f"long{k}", "content-length": str(len(big))}, pieces=30)
+        ctx = Ctx(msgs[:-5])  # the upload is still running when the pick must come
+        asyncio.run(front.Process(None, ctx))
+        assert picked(ctx.out)[0].split(",")[0] == home[k], k
+        echoed = b"".join(o.request_body.response.body_mutation.streamed_response.body for o in ctx.out[1:])
+        assert big.startswith(echoed) and len(echoed) >= 8192
+        ctx = Ctx(msgs)
+        asyncio.run(front.Process(None, ctx))
+        assert b"".join(o.request_body.response.body_mutation.streamed_response.body for o in ctx.out[1:]) == big
+        d = b.recent_decisions(last=1)[0]
+        assert d["predicted_prompt_tokens"] >= len(big) // 5  # priced by its declared size, not by what was read
+    assert b.stats.bodies[BodyStatus.PARTIAL] == 2 * N and b.stats.bodies[BodyStatus.HEADERS_ONLY] == 0
+
+
+@pytest.mark.parametrize("case", ["two models", "alias", "messages api", "no declared size", "seed policy"])
+def test_a_body_its_first_bytes_cannot_route_is_decided_as_before(case):
+    """Where what follows the first bytes may move the request (another model, an alias to rewrite, a conversation
+    hashed from its parse), or nothing says how big it is, its first bytes do not decide it."""
+    extra: dict = {}
+    models = ["mock-coder-30b"]
+    path = "/v1/chat/completions"
+    if case == "two models":
+        models = ["mock-coder-30b", "other"]
+    if case == "alias":
+        extra = {"models": {"aliases": {"coder": "mock-coder-30b"}}}
+    if case == "seed policy":
+        extra = {"routing": {"policy": "seed"}}
+    if case == "messages api":
+        path = "/v1/messages"
+    b = live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000",
+                                               "models": models} for i in range(N)],
+                                 "brain": {"protocol": "endpoint-picker"}, "envoy": {"brain_body_max_bytes": 8192},
+                                 **extra}))
+    big = _agent_body("sys " * 100, 20_000, "coder" if case == "alias" else "mock-coder-30b")
+    hdrs = {"x-session-id": "s", **({} if case == "no declared size" else {"content-length": str(len(big))})}
+    msgs = request(big, hdrs, pieces=30)
+    msgs[0].request_headers.headers.headers[1].raw_value = path.encode()
+    ctx = Ctx(msgs)
+    asyncio.run(_early_front(b).Process(None, ctx))
+    assert b"".join(o.request_body.response.body_mutation.streamed_response.body for o in ctx.out[1:]) == big
+    assert b.stats.bodies[BodyStatus.PARTIAL] == 0

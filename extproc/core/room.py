@@ -96,16 +96,17 @@ def price_kv(e: Estimate, out_tokens: float, mine: "Active | None", session: boo
             e.cost += lost
 
 
-def away_from_returning(best: Estimate, pin: "Pin | None", ests: list[Estimate], hold: Hold) -> Estimate:
+def away_from_returning(best: Estimate, pin: "Pin | None", kept: list[Estimate], hold: Hold) -> Estimate:
     """In a flood (Hold.FLOODED), a request with no home goes to the cheapest replica that no session under way
     comes back to, where one has room for it; where none has room yet, it waits for one (``saturated``). An engine
     runs its queue in order, and a 25K prefill ahead of a cached turn is 17 such turns: placed by cost, 10-24 of the
     33-115 new sessions let in during a flood went to the two replicas four sessions under way turned on (`python -m
     bench flood`, issue 59); so placed, none in five runs. A fleet whose every replica has sessions under way keeps
-    the cost model's choice (and ``saturated``'s flood rule): holding there would refuse every new session."""
+    the cost model's choice (and ``saturated``'s flood rule): holding there would refuse every new session.
+    ``kept``: the replicas C5's guard lets in (one more than twice over its bounded share takes nothing)."""
     if hold is not Hold.FLOODED or pin is not None or best.st.returning == 0:
         return best
-    free = [e for e in ests if e.st.returning == 0 and e.fits]
+    free = [e for e in kept if e.st.returning == 0 and e.fits]
     return min(free, key=lambda e: e.cost) if free else best
 
 

@@ -84,7 +84,7 @@ class Pricing(Protocol):
     def rr_replica(self) -> int: ...
 
     def price_rows(self, rows: list, agg: Aggregates, profile: RequestProfile, pin: Pin | None, mine: Active | None,
-                   now: float) -> tuple[list[Estimate], list[Estimate]]: ...
+                   now: float) -> tuple[list[Estimate], list[Estimate], list[Estimate]]: ...
 
     def tie_winner(self, tied: list[Estimate], pin: Pin | None, n_replicas: int) -> Estimate: ...
 
@@ -258,7 +258,7 @@ def agreement(pol: Pricing) -> list:
     def check(p) -> None:
         if p.view is None:
             return
-        all_ests, full = pol.price_rows(pol.shortlist.every(p.view), p.agg, p.profile, p.pin, p.mine, p.now)
+        all_ests, _, full = pol.price_rows(pol.shortlist.every(p.view), p.agg, p.profile, p.pin, p.mine, p.now)
         ref = pol.tie_winner(full, p.pin, len(p.fleet.replicas_view))
         mine = next(e.cost for e in all_ests if e.st is p.best.st)
         out.append(((p.best.replica.name, p.best.engine), (ref.replica.name, ref.engine),

@@ -216,8 +216,8 @@ class WarmPolicy(Policy):
             rows, agg = self.shortlist.rows(view, profile, pin, self), view.aggregates
         self.sessions.expire(now, self.cfg.warm.active_session_s)
         mine = self.sessions.of(profile.session_key) if profile.session_key is not None else None
-        ests, tied = self.price_rows(rows, agg, profile, pin, mine, now)
-        best = away_from_returning(self.tie_winner(tied, pin, len(fleet.replicas_view)), pin, ests, hold)
+        ests, kept, tied = self.price_rows(rows, agg, profile, pin, mine, now)
+        best = away_from_returning(self.tie_winner(tied, pin, len(fleet.replicas_view)), pin, kept, hold)
         if profile.header_path and not self._stays(best, pin, now):  # nothing booked: its body decides
             return Decision(None, Reason.READ_BODY, predicted_ttft_s=best.ttft)
         for observe in self.observers:
@@ -259,8 +259,8 @@ class WarmPolicy(Policy):
                                         (e.replica.index * per + (e.engine or 0) - rr) % slots))
 
     def price_rows(self, rows, agg: Aggregates, profile: RequestProfile, pin: Pin | None, mine: Active | None,
-                   now: float) -> tuple[list[Estimate], list[Estimate]]:
-        """Every row's estimate, and those tied for the least cost once the guard and the fit rule had their say."""
+                   now: float) -> tuple[list[Estimate], list[Estimate], list[Estimate]]:
+        """Every row's estimate, those C5's guard lets in, and those tied for the least cost after guard and fit."""
         w = self.cfg.warm
         out_tokens, fastest_decode = agg.out_tokens, agg.fastest_decode
         # a replica that has not yet said how its engine counts tokens (new, or no traffic yet) counts as its peers
@@ -305,9 +305,9 @@ class WarmPolicy(Policy):
                 in_flight = sum(r.in_flight_requests for r in {id(e.replica): e.replica for e in ests}.values())
             else:
                 total, in_flight, n = self.shortlist.totals(agg)
-            candidates = guard(ests, out_tokens, fastest_decode, total, in_flight, n, w)
+            candidates = kept = guard(ests, out_tokens, fastest_decode, total, in_flight, n, w)
         else:
-            candidates = ests
+            candidates = kept = ests
         if self.use_interference and self.use_kv_risk:
             # the interference term draws big prefills to the replicas with few arrivals, which are where long
             # sessions live: without this it sends a long context where it and theirs thrash (one shared system
@@ -317,7 +317,7 @@ class WarmPolicy(Policy):
         # a tie: what the estimates cannot tell apart (a decode step, 2%, a rate measured on a few requests' noise)
         best = min(candidates, key=lambda e: e.cost)
         bound = best.cost + max(TIE_S, _TIE_SHARE * best.cost) + best.noise_s
-        return ests, [e for e in candidates if e.cost - e.noise_s <= bound]
+        return ests, kept, [e for e in candidates if e.cost - e.noise_s <= bound]
 
     def _decide(self, best: Estimate, profile: RequestProfile, pin: Pin | None, prompt: int, now: float) -> Decision:
         """C4: the session pin records where the session's context now lives."""

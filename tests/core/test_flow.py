@@ -1123,6 +1123,24 @@ def test_in_a_flood_a_new_session_waits_for_room_away_from_sessions_under_way_bu
     assert d.reason is not Reason.HELD and d.replica.name == "r0"
 
 
+def test_in_a_flood_a_new_session_never_goes_where_the_bounded_load_guard_lets_nothing_in():
+    """The replica free of sessions under way is chosen among those C5's guard keeps: one holding more than twice its
+    bounded share takes nothing, flood or not; the request waits for room away from the sessions instead."""
+    router, t = _returning_router(4)
+    for k, name in ((2, "r2"), (3, "r3")):  # sessions under way on r2 and r3 too: r1 is the only replica free of them
+        for turn, tokens in enumerate((3_000, 3_500)):
+            d = router.select(prof(session=f"u{k}", tokens=tokens, blocks=chain(f"s{k}", f"u{k}", tokens)),
+                              t + turn, only=[name])
+            router.release(d.reservation, t + turn + 0.5)
+    t += 3
+    for k in range(9):  # r1 runs nine short requests: more than twice its share of what is in flight (C5: 8)
+        router.select(prof(session=f"busy{k}", tokens=500, blocks=chain(f"b{k}", f"busy{k}", 500)), t, only=["r1"])
+    assert [router.policy.state_of(r).returning for r in router.replicas] == [1, 0, 1, 1]
+    router.flow.flooded(t)
+    d = _new(router, t + 0.1, 0, tokens=5_000)
+    assert d.reason is Reason.HELD, d.replica_name
+
+
 def test_a_session_counts_as_returning_on_its_replica_once_it_came_back_and_until_it_goes_quiet_or_moves():
     from extproc.core.working_set import WorkingSet
     from extproc.core.warm_replica import WarmReplica

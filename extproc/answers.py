@@ -109,6 +109,12 @@ def models(listed: list[dict]) -> Answered:
     return Answered(OK, {"object": "list", "data": listed}, "warmroute_models")
 
 
+def kv_transfer_not_allowed() -> Answered:
+    """A client's own kv_transfer_params (only the brain's prefill leg may say where an engine's KV comes from)."""
+    return error(BAD_REQUEST, "kv_transfer_params is set by the router, not by clients", "invalid_request_error",
+                 "kv_transfer_params_not_allowed", "warmroute_kv_transfer_params_not_allowed")
+
+
 def immediate(reason: Reason, path: str, *, model: str, served: Callable[[], list[str]], inflate_ratio: int,
               response_id: str) -> Answered | None:
     """The brain's own answer to a request no replica is asked for (None: one is), in the error shape of the path's
@@ -127,8 +133,7 @@ def immediate(reason: Reason, path: str, *, model: str, served: Callable[[], lis
                     "uncompressed, or gzip alone", "invalid_request_error", "unsupported_content_encoding",
                     "warmroute_unsupported_content_encoding")
     elif reason == Reason.CLIENT_KV_TRANSFER:
-        out = error(BAD_REQUEST, "kv_transfer_params is set by the router, not by clients", "invalid_request_error",
-                    "kv_transfer_params_not_allowed", "warmroute_kv_transfer_params_not_allowed")
+        out = kv_transfer_not_allowed()
     elif reason == Reason.RESPONSE_GONE:
         out = Answered(NOT_FOUND, response_not_found_body(response_id), "warmroute_stored_response_gone")
     elif reason == Reason.NO_HEALTHY:
@@ -138,5 +143,6 @@ def immediate(reason: Reason, path: str, *, model: str, served: Callable[[], lis
     return in_api_shape(out, path)
 
 
-__all__ = ["Answered", "Held", "Placed", "error", "immediate", "in_api_shape", "model_not_found", "models",
+__all__ = ["Answered", "Held", "Placed", "error", "immediate", "in_api_shape", "kv_transfer_not_allowed",
+           "model_not_found", "models",
            "no_healthy", "path_not_served", "too_many"]

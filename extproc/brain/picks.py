@@ -134,6 +134,11 @@ class Picks:
             return None
         return min(partial_reach(b.router.profile_cfg), limit)
 
+    def connectors(self) -> bool:
+        """The fleet's engines run a KV connector that acts on kv_transfer_params (a replica of role prefill or
+        decode): the picker reads a body it passes on unread for a client's own."""
+        return any(r.role != "both" for r in self.brain.router.replicas)
+
     def _partial_model(self, headers: dict[str, str]) -> str | None:
         """The model of a request decided on its body's first bytes (its body may name it last), when its headers
         say it: the model header, or the fleet's one model; and sent as named (no alias to rewrite)."""

@@ -283,7 +283,7 @@ class BrainServer:
                                   wait=waits.wait, cancel=waits.cancel, hold_s=held_s(cfg),
                                   arrived=lambda res: brain.router.arrived(res, brain.clock()),
                                   pick_at_headers=brain.picks.pick_at_headers if cfg.envoy.header_path else None,
-                                  early_reach=brain.picks.early_reach).Process
+                                  early_reach=brain.picks.early_reach, connectors=brain.picks.connectors).Process
         return ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
                                  held_s(cfg), brain.look, Intake(first_answer_s(cfg), brain.clock), legs_s(cfg),
                                  brain.at_headers if cfg.envoy.header_path else None).Process

@@ -40,9 +40,11 @@ from ..contract import (
     SUBSET_KEY,
     SUBSET_NAMESPACE,
 )
+from ..core.kv_scan import KvTransferScan
 from ..core.profile import BODY_ARRIVING_KEY, BODY_PARTIAL_KEY, CONTENT_LENGTH
-from ..answers import Answered, SERVICE_UNAVAILABLE, error, model_not_found, path_not_served
-from .messages import header_value, headers_of, render, wait_longer
+from ..answers import Answered, SERVICE_UNAVAILABLE, error, in_api_shape, kv_transfer_not_allowed, model_not_found, \
+    path_not_served
+from .messages import header_value, headers_of, path_of, render, wait_longer
 
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"  # Envoy's attribute: the endpoint that served (response side)
 _FAULT_CODES = frozenset({502, 503, 504})
@@ -179,6 +181,7 @@ class _Stream:
     new_body: bytes | None = None  # the body the pick rewrote (its model alias), sent instead of the client's
     arriving: bool = False  # decided before its body ended: its work is booked when the body has passed
     early: int | None = None  # decided on this many of its body's first bytes, the rest passed on unread (None: whole)
+    kv: KvTransferScan | None = None  # a body passed on unread, read for a client's kv_transfer_params
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -188,8 +191,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
                  arrived: "Callable[[Any], None] | None" = None,
                  pick_at_headers: "Callable[[dict[str, str], list[str] | None], PickResult | None] | None" = None,
-                 early_reach: "Callable[[dict[str, str]], int | None] | None" = None):
+                 early_reach: "Callable[[dict[str, str]], int | None] | None" = None,
+                 connectors: "Callable[[], bool] | None" = None):
         self.pick = pick
+        # the fleet's engines run a KV connector (a replica of role prefill or decode): a body passed on unread is
+        # read for a client's kv_transfer_params as it passes (core.kv_scan: ~0.1-10 ms a MB, prose to code)
+        self.connectors = connectors
         # a body its headers alone would decide (past body_max_bytes): how many of its first bytes decide it instead
         self.early_reach = early_reach
         # the header path: the pick of a turn of a session under way, on its headers alone (None: its body decides)
@@ -294,6 +301,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 if p is not None and p.endpoints:
                     st.answered = st.arriving = True
                     st.reservation, st.picked_at = p.reservation, self.clock()
+                    self._unread(st)
                     return [destination_answer(p.endpoints, None, "request_headers", p.dp_rank)]
             if self.early_reach is not None and self.arrived is not None:
                 st.early = self.early_reach(st.headers)
@@ -307,8 +315,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 self._body_ended(st)
             if st.request_mode != _DUPLEX:
                 return [_PASS[kind]]
-            if st.answered:  # a big body, decided on its headers: pass it on as it comes
-                return body_chunks(chunk.body, chunk.end_of_stream)
+            if st.answered:  # decided before its body ended: pass it on as it comes
+                return self._pass(st, chunk.body, chunk.end_of_stream)
             st.body.append(chunk.body)
             st.size += len(chunk.body)
             self.buffered += len(chunk.body)
@@ -321,13 +329,13 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             if st.early is not None and st.size >= st.early:
                 head = self._drop_held(st)
                 answer = await self._decide(st, head, context, arriving=True, partial=True)
-                return [answer] if answer.HasField("immediate_response") else [answer, *body_chunks(head, False)]
+                return [answer] if answer.HasField("immediate_response") else self._unread(st, answer, head)
             if st.size > self.body_max_bytes or self.buffered > self.buffered_max_bytes:
                 answer = await self._decide(st, None, context, arriving=True)
                 held = self._drop_held(st)
                 if answer.HasField("immediate_response"):
                     return [answer]
-                return [answer, *body_chunks(held, False)]
+                return self._unread(st, answer, held)
             return []
         if kind == "request_trailers":
             self._body_ended(st)
@@ -366,6 +374,26 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             self._finish(st)
             return [_PASS[kind]]
         return []
+
+    def _unread(self, st: _Stream, answer: ep.ProcessingResponse | None = None,
+                held: bytes = b"") -> list[ep.ProcessingResponse]:
+        """A stream decided before its body ended: the answer, then what came so far, the rest to pass as it comes."""
+        if self.connectors is not None and self.connectors():
+            st.kv = KvTransferScan()
+        if answer is None:
+            return []
+        passed = self._pass(st, held, False)
+        return passed if passed and passed[0].HasField("immediate_response") else [answer, *passed]
+
+    def _pass(self, st: _Stream, data: bytes, end: bool) -> list[ep.ProcessingResponse]:
+        """Body bytes passed on unread, unless they carry a client's kv_transfer_params: then a 400, in place of the
+        rest (the replica never reads a whole body, so never acts on them), and the pick's work given back."""
+        if st.kv is None or not st.kv.feed(data):
+            return body_chunks(data, end)
+        if st.reservation is not None:
+            self.end(st.reservation, None, None, None)
+            st.reservation = None
+        return [render(in_api_shape(kv_transfer_not_allowed(), path_of(st.headers)))]
 
     def _body_ended(self, st: _Stream) -> None:
         if st.arriving and st.reservation is not None:

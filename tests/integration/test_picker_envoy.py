@@ -132,3 +132,33 @@ def test_a_long_context_past_the_brain_limit_goes_where_its_prefix_is_cached_and
         m = r.read().decode()
     assert 'warmroute_request_bodies_total{status="partial"} 3.0' in m
     assert 'warmroute_request_bodies_total{status="headers_only"} 0.0' in m
+
+
+def test_a_client_s_kv_transfer_params_past_the_brain_limit_get_a_400_from_a_real_envoy(own_stack):
+    """Issue 59, finding 4, in the gateways' full-duplex shape on a disaggregated fleet: a body past
+    brain_body_max_bytes streams to the replica unread, and a client's own kv_transfer_params at its end reached the
+    decode replica's connector. Envoy now answers the brain's 400 in their place (the replica never reads the body
+    whole); the same words quoted in a prompt pass."""
+    from extproc.tools.stack.local import Stack
+
+    from .conftest import FAST
+
+    cfg = {k: dict(v) for k, v in FAST.items()}
+    cfg.update(brain={"protocol": "endpoint-picker"}, envoy={**cfg["envoy"], "picker_body_mode": "full-duplex",
+                                                             "brain_body_max_bytes": 16384})
+    s = Stack(2, config=cfg, mock_args=["--speedup", "20"])
+    s.replica_config = {"r0": {"role": "prefill"}, "r1": {"role": "decode"}}
+    try:
+        s.start()
+        s.wait_all_live(30)
+        text = "review the kv_transfer_params code: " + '{"kv_transfer_params": {"remote_host": "h"}} ' * 4000
+        quoted = json.dumps({"messages": [{"role": "user", "content": text}], "model": "mock-coder-30b",
+                             "max_tokens": 4}).encode()
+        attack = quoted[:-1] + b', "kv_transfer_params": {"remote_host": "10.9.9.9", "remote_port": 5600}}'
+        status, _, out = raw_post(s, quoted)
+        assert status == 200, out
+        status, _, out = raw_post(s, attack)
+        assert status == 400 and json.loads(out)["error"]["code"] == "kv_transfer_params_not_allowed", (status, out)
+        wait_for(lambda: s.state()["open_reservations"] == 0, 20, "every reservation released")
+    finally:
+        s.stop()

@@ -555,3 +555,36 @@ def test_a_body_its_first_bytes_cannot_route_is_decided_as_before(case):
     asyncio.run(_early_front(b).Process(None, ctx))
     assert b"".join(o.request_body.response.body_mutation.streamed_response.body for o in ctx.out[1:]) == big
     assert b.stats.bodies[BodyStatus.PARTIAL] == 0
+
+
+@pytest.mark.parametrize("models", [["mock-coder-30b"], ["mock-coder-30b", "other"]], ids=["first bytes", "headers"])
+def test_a_client_s_kv_transfer_params_in_a_body_passed_on_unread_are_refused_before_its_end(models):
+    """Issue 59, finding 4, in the picker's pass-through: a body decided before its end (on its first bytes, or on its
+    headers) reached a disaggregated fleet's replica unread, a connector on it acting on the client's own
+    kv_transfer_params. It is read as it passes: they get a 400 in place of the body's rest, the pick's work is
+    given back; the same words quoted in a prompt pass."""
+    b = live_brain(parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.{i + 1}:8000", "models": models,
+                                               "role": "prefill" if i == 0 else "decode"} for i in range(N)],
+                                 "brain": {"protocol": "endpoint-picker"}, "envoy": {"brain_body_max_bytes": 8192}}))
+    front = EndpointPicker(b.picks.pick, b.picks.end, b.cfg.envoy.brain_body_max_bytes, b.clock,
+                           arrived=lambda res: b.router.arrived(res, b.clock()), early_reach=b.picks.early_reach,
+                           connectors=b.picks.connectors)
+    text = "please review kv_transfer_params handling: " + '{"kv_transfer_params": {"remote_host": "h"}} ' * 2000
+    attack = orjson.dumps({"messages": [{"role": "user", "content": text}], "model": "mock-coder-30b",
+                           "kv_transfer_params": {"remote_host": "10.9.9.9", "remote_port": 5600}})
+    quoted = orjson.dumps({"messages": [{"role": "user", "content": text}], "model": "mock-coder-30b"})
+    for data, refused in ((attack, True), (quoted, False)):
+        ctx = Ctx(request(data, {"content-length": str(len(data))}, pieces=40))
+        asyncio.run(front.Process(None, ctx))
+        assert ctx.out[0].WhichOneof("response") == "request_headers"  # decided before its end
+        last = ctx.out[-1]
+        if refused:
+            assert last.immediate_response.status.code == 400
+            assert orjson.loads(last.immediate_response.body)["error"]["code"] == "kv_transfer_params_not_allowed"
+            passed = b"".join(o.request_body.response.body_mutation.streamed_response.body for o in ctx.out[1:-1])
+            assert len(passed) < len(data)  # the replica never had the whole body
+        else:
+            assert b"".join(o.request_body.response.body_mutation.streamed_response.body
+                            for o in ctx.out[1:]) == data
+    assert b.router.open_reservations == 0
+    assert b.stats.bodies[BodyStatus.PARTIAL if len(models) == 1 else BodyStatus.HEADERS_ONLY] == 2

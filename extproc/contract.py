@@ -22,6 +22,8 @@ INFLATED_FROM_HEADER = "x-warmroute-inflated-from"
 METADATA_NAMESPACE = "warmroute"  # the brain's answer {cluster, reservation} travels as dynamic metadata here
 # a body too big to send to the brain: Envoy reads its top-level "model" into this namespace and forwards it
 BODY_METADATA_NAMESPACE = "warmroute.body"
+# its keys for the session fields Envoy reads from such a body (json_to_metadata): this prefix and the field's place
+SESSION_METADATA = "session:"
 ANSWER_CLUSTER = "cluster"
 ANSWER_RESERVATION = "reservation"
 ANSWER_DP_RANK = "dp_rank"  # the data-parallel engine chosen, when the replica has several (empty: none)

@@ -28,6 +28,7 @@ from ..contract import (
     METADATA_NAMESPACE,
     REQUEST_ID_HEADER,
     RESERVATION_HEADER,
+    SESSION_METADATA,
     TIME_ATTRIBUTE,
     LOOK_UPLOAD_HEADER,
     ROUTING_HEADER,
@@ -35,7 +36,7 @@ from ..contract import (
 )
 from ..answers import Answered, Held, Placed
 from ..core.apis import KV_TRANSFER_KEY
-from ..core.profile import BODY_KV_TRANSFER_KEY, BODY_MODEL_KEY, declared_size
+from ..core.profile import BODY_KV_TRANSFER_KEY, BODY_MODEL_KEY, BODY_SESSION_PREFIX, declared_size
 from .intake import Intake
 from .legs import Legs
 from ..picker.messages import header_value, headers_of, render, wait_longer
@@ -86,6 +87,18 @@ def body_model(req: ep.ProcessingRequest) -> str | None:
     ns = req.metadata_context.filter_metadata.get(BODY_METADATA_NAMESPACE)
     v = ns.fields.get("model") if ns is not None else None
     return v.string_value[:256] if v is not None and v.string_value else None
+
+
+MAX_SESSION_CHARS = 1024  # a session id Envoy read from a body: hashed at once, never longer than this
+
+
+def body_sessions(req: ep.ProcessingRequest) -> dict[str, str]:
+    """The session fields Envoy read from a body too big to send (json_to_metadata), as pseudo-headers by place."""
+    ns = req.metadata_context.filter_metadata.get(BODY_METADATA_NAMESPACE)
+    if ns is None:
+        return {}
+    return {BODY_SESSION_PREFIX + k[len(SESSION_METADATA):]: v.string_value[:MAX_SESSION_CHARS]
+            for k, v in ns.fields.items() if k.startswith(SESSION_METADATA) and v.string_value}
 
 
 def _attribute(req: ep.ProcessingRequest, name: str) -> str | None:
@@ -250,6 +263,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     headers[BODY_MODEL_KEY] = model
                 if body_kv_transfer(req):
                     headers[BODY_KV_TRANSFER_KEY] = "1"
+                headers.update(body_sessions(req))
                 size = declared_size(headers)
                 # a body too big to send, or one of no declared size (chunked): the route sends headers alone (after
                 # the whole body arrived, with its model read by Envoy)

@@ -62,7 +62,8 @@ CREDENTIAL_HEADER = "authorization"  # tenant_source "credential": the API key (
 class ProfileConfig:
     # A3: request headers that name the session, first present wins
     session_headers: tuple[str, ...] = ("x-session-id", "x-kilo-session", "x-conversation-id")
-    # A3: body fields that name the session when no header does
+    # A3: body fields that name the session when no header does (top level, then under "metadata"); in a body too big
+    # for the brain (envoy.brain_body_max_bytes) Envoy reads them
     session_body_fields: tuple[str, ...] = ("conversation_id", "thread_id")
     # A3: the seed's project_id: a header only a trusted filter or proxy sets
     tenant_header: str | None = "x-warmroute-tenant"

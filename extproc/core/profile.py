@@ -256,6 +256,29 @@ _DIGITS = frozenset(b"0123456789")
 BODY_MODEL_KEY = ":warmroute-body-model"
 BODY_KV_TRANSFER_KEY = ":warmroute-body-kv-transfer"  # such a body names kv_transfer_params (refused: 400)
 BODY_ARRIVING_KEY = ":warmroute-body-arriving"  # a front decides before the body has arrived: booked when it has
+# a session Envoy read from a body too big to send (json_to_metadata), by where it was: this prefix and its place
+# ("conversation_id", "metadata.user_id", ...), as pseudo-headers no client can send
+BODY_SESSION_PREFIX = ":warmroute-body-session:"
+
+
+def envoy_session_places(fields: Sequence[str]) -> tuple[tuple[str, tuple[str, ...], Api | None], ...]:
+    """Where a body names its session, in the order the brain reads a body it parses (``_session_from_body``, then
+    the Messages API's ``metadata.user_id`` and the Responses API's ``session_id``): each place's name, its path of
+    keys, and the one API it counts for (None: any). What Envoy reads of a body too big to send, so that its session
+    is the one a parse would give."""
+    return (*((f, (f,), None) for f in fields), *((f"metadata.{f}", ("metadata", f), None) for f in fields),
+            ("metadata.user_id", ("metadata", "user_id"), Api.MESSAGES), ("session_id", ("session_id",), Api.RESPONSES))
+
+
+def _envoy_session(headers: Mapping[str, str], cfg: ProfileConfig, api: Api) -> tuple[str, str] | None:
+    """(value, place) of the session Envoy read from a body too big to send, as the parse would have found it."""
+    for place, _, only in envoy_session_places(cfg.session_body_fields):
+        v = headers.get(BODY_SESSION_PREFIX + place) if only is None or only is api else None
+        if v:
+            return v, place
+    return None
+
+
 # the body handed on is its first bytes only (``partial_profile``); its model as the front resolved it: BODY_MODEL_KEY
 BODY_PARTIAL_KEY = ":warmroute-body-partial"
 
@@ -387,9 +410,12 @@ def build_profile(
         size = declared_size(headers)
         model = headers.get(BODY_MODEL_KEY) or None
         if size or model:  # Envoy sent the headers of a body too big to send (routes.big_body)
-            # a declared size: a guess until the body is read, bounded by max_prompt_tokens; its model as Envoy read
-            # it from the body (json_to_metadata), or unknown
+            # a declared size: a guess until the body is read, bounded by max_prompt_tokens; its model and its session
+            # as Envoy read them from the body (json_to_metadata), or unknown
             tokens = min(int((size or 0) / cfg.chars_per_token), cfg.max_prompt_tokens)
+            found = _envoy_session(headers, cfg, api) if session_key is None else None
+            if found is not None:
+                session_key, session_source = hash_key("session", tenant, found[0]), "body:" + found[1]
             return RequestProfile(session_key, None, tokens, BodyStatus.HEADERS_ONLY, session_source,
                                   candidates=None if model else (), provisional=True, model=model)
         return RequestProfile(session_key, None, 0, BODY_ABSENT, session_source)

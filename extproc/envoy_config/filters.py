@@ -17,13 +17,14 @@ from typing import Any
 
 from ..config import AppConfig, first_answer_s, max_message_s
 from ..core.apis import KV_TRANSFER_FIELDS, KV_TRANSFER_KEY
-from ..core.profile import CONTENT_LENGTH, CREDENTIAL_HEADERS
+from ..core.profile import CONTENT_LENGTH, CREDENTIAL_HEADERS, envoy_session_places
 from ..contract import (
     ACCESS_LOG_NAME,
     ANSWER_CLUSTER,
     ANSWER_DP_RANK,
     ANSWER_RESERVATION,
     BODY_METADATA_NAMESPACE,
+    SESSION_METADATA,
     BRAIN_CLUSTER,
     BRAIN_LOG_CLUSTER,
     CLIENT_FIRST_TOKEN_TAG,
@@ -318,7 +319,14 @@ def http_filters(cfg: AppConfig) -> list[dict]:
                         "selectors": [{"key": KV_TRANSFER_KEY}, {"key": field}],
                         "on_present": {"metadata_namespace": BODY_METADATA_NAMESPACE, "key": KV_TRANSFER_KEY,
                                        "type": "STRING"},
-                    } for field in KV_TRANSFER_FIELDS)]},
+                    } for field in KV_TRANSFER_FIELDS), *({
+                        # its session, where the body names one (Claude Code's metadata.user_id, a conversation_id):
+                        # a turn too big for the brain stays with its session, as a parsed one does
+                        "selectors": [{"key": k} for k in path],
+                        "on_present": {"metadata_namespace": BODY_METADATA_NAMESPACE, "key": SESSION_METADATA + place,
+                                       "type": "STRING"},
+                    } for place, path in dict.fromkeys((p, k) for p, k, _ in envoy_session_places(
+                        cfg.router.profile.session_body_fields)))]},
                 }},
                 # only for what the brain will not read itself: a Content-Length above brain_body_max_bytes, or
                 # none (chunked). A body the brain reads whole is not parsed twice

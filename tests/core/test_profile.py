@@ -214,3 +214,43 @@ def test_a_chat_body_s_first_bytes_give_the_chain_its_whole_body_gives_and_its_d
         part = build_profile({**hdrs, BODY_PARTIAL_KEY: "1", BODY_MODEL_KEY: "coder"}, whole[:reach], CFG, part_chains)
         assert list(part.blocks) == list(full.blocks)
     assert len(full.blocks) == CFG.chain_max_bytes // 64
+
+
+@pytest.mark.parametrize("path,doc,place", [
+    ("/v1/messages", {"model": "m", "max_tokens": 9, "messages": [], "metadata": {"user_id": "user_abc_session_42"}},
+     "metadata.user_id"),
+    ("/v1/chat/completions", {"model": "m", "messages": [], "conversation_id": "conv-7", "metadata": {"thread_id": "t"}},
+     "conversation_id"),
+    ("/v1/chat/completions", {"model": "m", "messages": [], "metadata": {"thread_id": "t-9"}}, "metadata.thread_id"),
+    ("/v1/responses", {"model": "m", "input": "hi", "session_id": "vllm-session"}, "session_id"),
+])
+def test_a_body_too_big_for_the_brain_keeps_the_session_its_parse_would_give(path, doc, place):
+    """A body past envoy.brain_body_max_bytes reaches the brain as headers, its model and (now) its session fields as
+    Envoy read them: Claude Code's metadata.user_id on a 4 MB turn used to route it as a one-shot, off its session."""
+    from extproc.core.profile import BODY_MODEL_KEY, BODY_SESSION_PREFIX, envoy_session_places
+
+    parsed = build_profile({":path": path}, orjson.dumps(doc), CFG)
+    assert parsed.session_key is not None and parsed.session_source == "body:" + place
+    # what Envoy's json_to_metadata reads, by the rules rendered from the same places
+    read = {}
+    for name, keys, _ in envoy_session_places(CFG.session_body_fields):
+        v = doc
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        if isinstance(v, str):
+            read[BODY_SESSION_PREFIX + name] = v
+    big = build_profile({":path": path, "content-length": str(8 << 20), BODY_MODEL_KEY: "m", **read}, None, CFG)
+    assert (big.session_key, big.session_source) == (parsed.session_key, parsed.session_source)
+    # a session header still comes first
+    assert build_profile({":path": path, "content-length": "9999999", "x-session-id": "h", **read}, None,
+                         CFG).session_source == "header:x-session-id"
+
+
+def test_an_api_s_own_session_field_counts_for_that_api_only():
+    from extproc.core.profile import BODY_SESSION_PREFIX
+
+    read = {BODY_SESSION_PREFIX + "metadata.user_id": "u", BODY_SESSION_PREFIX + "session_id": "s",
+            "content-length": str(8 << 20)}
+    assert build_profile({":path": "/v1/chat/completions", **read}, None, CFG).session_key is None
+    assert build_profile({":path": "/v1/messages", **read}, None, CFG).session_source == "body:metadata.user_id"
+    assert build_profile({":path": "/v1/responses", **read}, None, CFG).session_source == "body:session_id"

@@ -72,3 +72,28 @@ def test_small_requests_are_all_decided_by_the_brain_while_8_bodies_of_32_mib_ar
     assert BIG + len(small_status) - opened <= decided - before[0] <= BIG + len(small_status)
     # the big ones by their headers and size: their bytes never crossed to the brain
     assert s.state()["bodies"].get("headers_only", 0) - headers_only == BIG
+
+
+def test_a_body_too_big_for_the_brain_keeps_its_session_from_a_body_field(own_stack):
+    """A body past envoy.brain_body_max_bytes is decided on its headers and what Envoy reads of it: its model, and now
+    its session field (a conversation_id here; Claude Code's metadata.user_id on the Messages API). Before, such a
+    turn was routed as a one-shot: a long conversation's turns went wherever load sent them."""
+    from extproc.tools.stack.local import wait_for
+
+    from .test_envoy_stack import raw_post
+
+    s = own_stack(3, config={"envoy": {"brain_body_max_bytes": 16384}})
+    s.wait_all_live(30)
+    served: dict[int, set[str]] = {k: set() for k in range(4)}
+    for turn in range(3):
+        for k in range(4):  # interleaved, so that load alone would spread each conversation
+            body = json.dumps({"model": "mock-coder-30b", "max_tokens": 2, "conversation_id": f"conv-{k}",
+                               "messages": [{"role": "user", "content": f"conversation {k} turn {i} " * 900}
+                                            for i in range(turn + 1)]}).encode()
+            assert 16384 < len(body) < 64 * 1024  # past the brain's limit, under the look's size
+            status, _, out = raw_post(s, body)
+            assert status == 200, out[:300]
+            served[k].add(json.loads(out)["system_fingerprint"])
+    assert all(len(v) == 1 for v in served.values()), served
+    st = wait_for(lambda: (x := s.state())["open_reservations"] == 0 and x, 20, "every reservation released")
+    assert st["bodies"].get("headers_only", 0) >= 12  # each decided without its body

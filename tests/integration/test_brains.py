@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from extproc.contract import BRAIN_LOG_CLUSTER
+
 from extproc.tools.stack.brains import BrainsStack
 from extproc.tools.stack.procs import StackError, wait_for
 from extproc.tools.stack.redis_server import RedisServer
@@ -177,7 +179,13 @@ def released(pairs, what: str) -> None:
     except StackError as e:
         held = [{k: st.get(k) for k in ("oldest_open_reservations", "shared_state", "releases_by_access_log",
                                          "liveness_bound_s")} for st in (x.state() for x in pairs.stacks)]
-        raise StackError(f"{e}: {json.dumps(held)[:4000]}") from None
+        # whether each Envoy dropped entries (its log stream not writable: each a reservation left open), and which
+        # brain its log stream is on (seen once on a loaded machine, 2026-12-06: two ends lost in a failover)
+        envoys = [{k: v for k, v in x.envoy_stats().items() if v and (k.startswith("access_logs.") or (
+            k.startswith(f"cluster.{BRAIN_LOG_CLUSTER}.") and any(w in k for w in (
+                "cx_total", "connect_fail", "rq_total", "rq_reset", "health_check.failure", "membership_healthy"))))}
+                  for x in pairs.stacks]
+        raise StackError(f"{e}: {json.dumps(held)[:4000]} envoys: {json.dumps(envoys)[:3000]}") from None
 
 
 def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts_warm(pairs):

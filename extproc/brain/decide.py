@@ -89,7 +89,9 @@ def body_model(req: ep.ProcessingRequest) -> str | None:
     return v.string_value[:256] if v is not None and v.string_value else None
 
 
-MAX_SESSION_CHARS = 1024  # a session id Envoy read from a body: hashed at once, never longer than this
+# a session id Envoy read from a body: longer ones are no session (cut, it would name another session than the
+# parse of a smaller body gives)
+MAX_SESSION_CHARS = 1024
 
 
 def body_sessions(req: ep.ProcessingRequest) -> dict[str, str]:
@@ -97,8 +99,8 @@ def body_sessions(req: ep.ProcessingRequest) -> dict[str, str]:
     ns = req.metadata_context.filter_metadata.get(BODY_METADATA_NAMESPACE)
     if ns is None:
         return {}
-    return {BODY_SESSION_PREFIX + k[len(SESSION_METADATA):]: v.string_value[:MAX_SESSION_CHARS]
-            for k, v in ns.fields.items() if k.startswith(SESSION_METADATA) and v.string_value}
+    return {BODY_SESSION_PREFIX + k[len(SESSION_METADATA):]: v.string_value for k, v in ns.fields.items()
+            if k.startswith(SESSION_METADATA) and 0 < len(v.string_value) <= MAX_SESSION_CHARS}
 
 
 def _attribute(req: ep.ProcessingRequest, name: str) -> str | None:

@@ -37,11 +37,9 @@ def turn(brain, headers: dict[str, str], now: float) -> tuple[str | None, Reques
     router = brain.router
     if not router.policy.decides_at_headers:
         return "policy", None, None
-    if headers.get(":method", "POST") != "POST":
-        return "method", None, None
-    if headers.get(CONTENT_ENCODING_HEADER, "identity").strip().lower() not in ("", "identity") or \
-            headers.get(INFLATED_FROM_HEADER):
-        return "encoded", None, None
+    why = unread_why(headers)
+    if why is not None:
+        return why, None, None
     if not declared_size(headers):
         return "size", None, None
     profile = header_profile(headers, router.profile_cfg)
@@ -53,14 +51,8 @@ def turn(brain, headers: dict[str, str], now: float) -> tuple[str | None, Reques
     if pin is None:
         return "new_session", None, None
     models = brain.models
-    header = brain.cfg.router.profile.model_header
-    model = headers.get(header.lower()) if header else None
-    model = model or models.one_model()
-    if model is None:
-        return "model", None, None
-    path = headers.get(":path", "").split("?", 1)[0]
-    res = models.resolve(model, profile.session_key, path or None)
-    if res.rewritten or (res.replicas is not None and pin.replica.name not in res.replicas):
+    res = model_said(brain, headers, profile.session_key)
+    if res is None or (res.replicas is not None and pin.replica.name not in res.replicas):
         return "model", None, None
     if not size_decides(pin.tokens, profile.tokens):
         return "size", None, None
@@ -71,3 +63,25 @@ def turn(brain, headers: dict[str, str], now: float) -> tuple[str | None, Reques
         profile, model=res.model, adapter=res.model if models.is_adapter(res.model) else None,
         tokens=min(profile.tokens, bound) if bound is not None else profile.tokens)
     return None, profile, res
+
+
+def unread_why(headers: dict[str, str]) -> str | None:
+    """Why a request's body must be read before it is routed, by its method and encoding: "method" (not a POST),
+    "encoded" (a Content-Encoding the brain cannot see through, or Envoy inflated it); None: its headers may do."""
+    if headers.get(":method", "POST") != "POST":
+        return "method"
+    if headers.get(CONTENT_ENCODING_HEADER, "identity").strip().lower() not in ("", "identity") or \
+            headers.get(INFLATED_FROM_HEADER):
+        return "encoded"
+    return None
+
+
+def model_said(brain, headers: dict[str, str], session_key: bytes | None) -> Resolution | None:
+    """The resolution of the model a request's headers say (``profile.model_header``, or the fleet's one model),
+    sent as named (no alias to rewrite); None: only its body can say it."""
+    header = brain.cfg.router.profile.model_header
+    model = (headers.get(header.lower()) if header else None) or brain.models.one_model()
+    if model is None:
+        return None
+    res = brain.models.resolve(model, session_key, headers.get(":path", "").split("?", 1)[0] or None)
+    return None if res.rewritten else res

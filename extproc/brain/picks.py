@@ -10,7 +10,7 @@ from typing import Protocol
 
 from ..answers import Answered
 from ..config import AppConfig
-from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
+from ..contract import REQUEST_ID_HEADER
 from ..core import Decision, Reason, Reservation
 from ..core.apis import Api, api_of
 from ..core.models import ModelCatalog
@@ -20,6 +20,7 @@ from ..picker.messages import path_of
 
 from ..core.router import Router
 from .decision_log import DecisionLog
+from .header_path import model_said, unread_why
 from .release import Releaser
 
 PICK = "pick"  # a held request's phase when the endpoint picker's front waits for it (its answer is a Pick)
@@ -127,10 +128,9 @@ class Picks:
         b = self.brain
         size = declared_size(headers)
         limit = b.cfg.envoy.brain_body_max_bytes
-        if not b.router.needs_blocks or size is None or size <= limit or headers.get(":method", "POST") != "POST" \
-                or headers.get(CONTENT_ENCODING_HEADER, "identity").strip().lower() not in ("", "identity") \
-                or headers.get(INFLATED_FROM_HEADER) or api_of(path_of(headers)) not in (Api.CHAT, Api.COMPLETIONS) \
-                or b.prefill_fleet() or self._partial_model(headers) is None:
+        if not b.router.needs_blocks or size is None or size <= limit or unread_why(headers) is not None \
+                or api_of(path_of(headers)) not in (Api.CHAT, Api.COMPLETIONS) or b.prefill_fleet() \
+                or self._partial_model(headers) is None:
             return None
         return min(partial_reach(b.router.profile_cfg), limit)
 
@@ -142,13 +142,8 @@ class Picks:
     def _partial_model(self, headers: dict[str, str]) -> str | None:
         """The model of a request decided on its body's first bytes (its body may name it last), when its headers
         say it: the model header, or the fleet's one model; and sent as named (no alias to rewrite)."""
-        b = self.brain
-        header = b.cfg.router.profile.model_header
-        model = (headers.get(header.lower()) if header else None) or b.models.one_model()
-        if model is None:
-            return None
-        res = b.models.resolve(model, None, path_of(headers) or None)
-        return None if res.rewritten or (res.replicas is not None and not res.replicas) else model
+        res = model_said(self.brain, headers, None)
+        return res.model if res is not None and (res.replicas is None or res.replicas) else None
 
     def pick_of(self, d: Decision, headers: dict[str, str], body: bytes | None,
                  only: "set[str] | None") -> Pick:

@@ -8,9 +8,9 @@ reads such a body chunk by chunk, as the engine's parser would read it whole, an
 ``kv_transfer_params`` names a field a connector acts on (``KV_TRANSFER_FIELDS``: Envoy's rule for big bodies): then
 the picker answers 400 before the body's end reaches the replica.
 
-Only the JSON structure is followed: quotes, escapes, brackets and commas, found with ``bytes.find`` and a compiled
-search (a string's text is skipped at C speed, ~1 ms a MB here); keys are compared as the engine decodes them
-(escapes too), so the words in a prompt never match, whatever it quotes.
+Only the JSON structure is followed: quotes, escapes, brackets and commas, found with compiled searches (a string's
+text is skipped by ``bytes.find`` where it has no escape, ~0.2 ms a MB, else by a regex, ~9 ms a MB); keys are
+compared as the engine decodes them (escapes too), so the words in a prompt never match, whatever it quotes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .apis import KV_TRANSFER_FIELDS, KV_TRANSFER_KEY
 
 _STRUCTURE = re.compile(rb'["{}\[\],]')
 # a string's text up to its closing quote: runs of plain bytes, each escape a backslash and the byte after it (the
-# regex engine's loop, not Python's: code full of escaped quotes is read at ~1 ms a MB)
+# regex engine's loop, ~6 ns a byte: code full of escapes is read at ~9 ms a MB, 37 with a Python step per quote). A
+# string with no backslash before its closing quote is skipped by two ``bytes.find`` instead (prose: ~0.2 ms a MB)
 _STRING_TEXT = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
 _KEY_MAX_BYTES = 256  # longer keys are none of these, escaped letter by letter (6 bytes each) included
 _FIELDS = frozenset(KV_TRANSFER_FIELDS)
@@ -92,7 +93,11 @@ class KvTransferScan:
         if self.escaped:  # the character this chunk starts with is escaped: it ends nothing, nor pairs a backslash
             self.escaped = False
             i += 1
-        e = _STRING_TEXT.match(chunk, i).end()  # type: ignore[union-attr]  # it matches the empty string at least
+        q = chunk.find(b'"', i)
+        if chunk.find(b"\\", i, q if q >= 0 else len(chunk)) < 0:  # no escape before it (prose): memchr's speed
+            e = q if q >= 0 else len(chunk)
+        else:
+            e = _STRING_TEXT.match(chunk, i).end()  # type: ignore[union-attr]  # it matches the empty string at least
         if e == len(chunk) or chunk[e] == 0x5C:  # the chunk ends in the string (on a backslash: it escapes what's next)
             self.escaped = e < len(chunk)
             self._grow(chunk, start, len(chunk))

@@ -254,3 +254,4 @@ def test_an_api_s_own_session_field_counts_for_that_api_only():
     assert build_profile({":path": "/v1/chat/completions", **read}, None, CFG).session_key is None
     assert build_profile({":path": "/v1/messages", **read}, None, CFG).session_source == "body:metadata.user_id"
     assert build_profile({":path": "/v1/responses", **read}, None, CFG).session_source == "body:session_id"
+

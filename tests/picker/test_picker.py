@@ -588,3 +588,9 @@ def test_a_client_s_kv_transfer_params_in_a_body_passed_on_unread_are_refused_be
                             for o in ctx.out[1:]) == data
     assert b.router.open_reservations == 0
     assert b.stats.bodies[BodyStatus.PARTIAL if len(models) == 1 else BodyStatus.HEADERS_ONLY] == 2
+    # a gateway that sends the body STREAMED (not the protocol's mode): decided on the headers, read as it passes too
+    msgs = request(attack, {"content-length": str(len(attack))}, pieces=40)
+    msgs[0].protocol_config.request_body_mode = pm.ProcessingMode.STREAMED
+    ctx = Ctx(msgs)
+    asyncio.run(front.Process(None, ctx))
+    assert ctx.out[-1].immediate_response.status.code == 400  # in place of the chunk that completed them

@@ -14,6 +14,14 @@ LOOK_METADATA = ("x-warmroute-look", "1")
 # gRPC metadata of the ext_proc calls Envoy makes with a request's headers alone, before its body, when they may decide
 # it (the header path, issue 61)
 HEADER_PATH_METADATA = ("x-warmroute-headers", "1")
+# The header path's other door: where Envoy reaches the brain by a Unix socket, it asks at the headers over plain HTTP
+# (ext_authz) on a socket beside it: a gRPC stream per request cost the brain ~0.7 ms of CPU, an HTTP request ~0.2 ms
+HEADER_DOOR_PREFIX = "/warmroute-headers"  # the door's paths: this, then the request's own path
+DOOR_READY_PATH = "/warmroute-ready"  # Envoy's health check of the door: never a header call's path
+# the request's Content-Length, copied at the edge: ext_authz sends the door its own (0) in its place
+DECLARED_LENGTH_HEADER = "x-warmroute-declared-length"
+BRAIN_DOOR_CLUSTER = "warmroute_brain_headers"  # Envoy's cluster for the brain's header door
+SOCKET_PATH_MAX = 107  # bytes in a Unix socket's path (sun_path, less its NUL)
 REQUEST_ID_HEADER = "x-request-id"  # Envoy's request id: backs up release when our header never got applied
 CONTENT_ENCODING_HEADER = "content-encoding"  # a body Envoy did not inflate is counted, and routed by headers
 # what the client's content-encoding was, set at the edge before Envoy inflates the body (and drops that header): an
@@ -53,6 +61,14 @@ def brain_headers(session_headers: Iterable[str], tenant_header: str | None) -> 
     names = [*session_headers, *([tenant_header] if tenant_header else []), REQUEST_ID_HEADER, CONTENT_ENCODING_HEADER,
              INFLATED_FROM_HEADER]
     return list(dict.fromkeys(h.lower() for h in names))
+
+
+def header_door_socket(grpc_socket: str) -> str | None:
+    """The header door's socket beside the brain's gRPC socket (``brain.sock`` -> ``brain.headers.sock``); None when
+    that path would be too long for a socket (the header path then stays on gRPC)."""
+    head, dot, ext = grpc_socket.rpartition(".")
+    door = f"{head}.headers.{ext}" if dot and "/" not in ext else grpc_socket + ".headers"
+    return door if len(door.encode()) <= SOCKET_PATH_MAX else None
 
 
 def header_attribute(name: str) -> str:

@@ -136,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             ttfts, failed, outcome = asyncio.run(_phase(s.url, args.seconds, args.think, flood, args.tokens, histories))
             after = s.envoy_stats()
             opened = {k.rsplit(".", 2)[-2]: after[k] - before.get(k, 0) for k in after
-                      if k.endswith(".failure_mode_allowed") and ".ext_proc." in k}
+                      if k.endswith(".failure_mode_allowed") and (".ext_proc." in k or ".ext_authz." in k)}
             rows.append((label, ttfts, failed, outcome))
             print(f"{label:>24}: {len(ttfts)} turns, TTFT p50 {_pct(ttfts, 0.5):.3f} s p99 {_pct(ttfts, 0.99):.3f} s, "
                   f"{failed} failed; the flood got {dict(sorted(outcome.items())) or '-'}; failed open past the brain "
-                  f"(by ext_proc filter): {opened or 0}", flush=True)
+                  f"(by filter): {opened or 0}", flush=True)
+        print(f"the brain's refusals by why: {s.state()['flow_control']['refused']}", flush=True)
         # the brain's memory once the flood is over: every held request answered and every reservation released
         wait_for(lambda: s.state()["open_reservations"] == 0 and not s.state()["flow_control"]["held"], 120,
                  "the flood's requests all ended")

@@ -210,8 +210,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         req = await context.read()
         if req is grpc.aio.EOF or req.WhichOneof("request") != "request_headers":
             return
-        headers = headers_of(req.request_headers)
-        assert self.at_headers is not None  # only its filter's calls come here
+        out = self.at_header_call(headers_of(req.request_headers))
+        await context.write(envoy_answer(out, "request_headers") if out is not None else _PASS["request_headers"])
+
+    def at_header_call(self, headers: dict[str, str]) -> "Placed | Answered | None":
+        """The brain's word at a request's header call (over gRPC here, or at the header door): its route, the brain's
+        own answer, or None to read its body."""
+        assert self.at_headers is not None  # only the header path's calls come here
         out = self.at_headers(headers)
         if out is None and self.look is not None and self.intake is not None \
                 and (size := declared_size(headers) or 0) > LOOK_BYTES:
@@ -220,7 +225,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             # the brain measures of its own reading alone: a size declared and never sent charges nobody else
             behind = self.intake.behind_s()
             out = self.look(headers, behind + self.intake.own_s(size), behind)
-        await context.write(envoy_answer(out, "request_headers") if out is not None else _PASS["request_headers"])
+        return out
 
     async def _look(self, context) -> None:
         """``warmroute.look``: a large body's headers, sent once Envoy holds the body, before the brain reads it.

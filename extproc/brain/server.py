@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import AppConfig, ConfigError, brain_calls_max, first_answer_s, held_s, legs_s
+from ..contract import header_door_socket
 from ..core import State
 from . import logs
 from .admin import admin_app, metrics_app, write_admin_token
@@ -27,6 +28,7 @@ from .files import check_private_dir
 from .brain import Brain
 from .intake import Intake
 from .decide import ExternalProcessor
+from .header_door import door_app, serve_door
 from .release import AccessLogService
 from .shared import SharedState
 from .wire import add_service
@@ -266,6 +268,9 @@ class BrainServer:
         self.readying: asyncio.Task | None = None
         self.runners: list[web.AppRunner] = []
         self.info: dict = {}
+        self.processor: ExternalProcessor | None = None  # the ext_proc front (the header door asks it too)
+        self.ready = False  # SERVING: the header door's health check says so too
+        self.door: str | None = None  # the header door's socket, when it serves one
 
     def _front(self):
         """The ext_proc service: the brain behind Envoy, or an endpoint picker's front."""
@@ -284,15 +289,17 @@ class BrainServer:
                                   arrived=lambda res: brain.router.arrived(res, brain.clock()),
                                   pick_at_headers=brain.picks.pick_at_headers if cfg.envoy.header_path else None,
                                   early_reach=brain.picks.early_reach, connectors=brain.picks.connectors).Process
-        return ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
-                                 held_s(cfg), brain.look, Intake(first_answer_s(cfg), brain.clock), legs_s(cfg),
-                                 brain.at_headers if cfg.envoy.header_path else None).Process
+        self.processor = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
+                                           held_s(cfg), brain.look, Intake(first_answer_s(cfg), brain.clock),
+                                           legs_s(cfg), brain.at_headers if cfg.envoy.header_path else None)
+        return self.processor.Process
 
     def _envoy_gone(self, released: int) -> None:
         logs.event("envoy_access_log_closed", released_reservations=released,
                    open_reservations=self.brain.router.open_reservations)
 
     async def _set_ready(self, serving: bool) -> None:
+        self.ready = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in READY_SERVICES:
             await self.health.set(name, status)
@@ -317,6 +324,18 @@ class BrainServer:
         await web.TCPSite(runner, host, port).start()
         self.runners.append(runner)
         return runner.addresses[0][1]
+
+    async def _serve_door(self) -> None:
+        """The header door (``header_door``) beside the gRPC socket, when the header path asks there (the rendered
+        Envoy does wherever it reaches the brain by a Unix socket)."""
+        b, processor = self.cfg.brain, self.processor
+        door = header_door_socket(b.grpc_socket) if b.grpc_socket else None
+        if door is None or processor is None or processor.at_headers is None:
+            return
+        claim_socket_path(door, b.grpc_socket_group)
+        self.runners.append(await serve_door(door_app(processor.at_header_call, lambda: self.ready), door,
+                                             _gid(b.grpc_socket_group) if b.grpc_socket_group else None))
+        self.door = door
 
     async def _hup(self) -> None:
         try:
@@ -353,6 +372,7 @@ class BrainServer:
         admin = await self._serve_http(admin_app(brain, write_admin_token(b.admin_token_file)), "127.0.0.1",
                                        b.admin_port)
         metrics_port = await self._serve_http(metrics_app(brain), b.metrics_host, b.metrics_port)
+        await self._serve_door()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._hup()))
         self.tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"),
@@ -418,9 +438,9 @@ class BrainServer:
         await self.server.stop(1.0)
         for runner in self.runners:
             await runner.cleanup()
-        sock = self.cfg.brain.grpc_socket
-        if sock and os.path.exists(sock):
-            os.unlink(sock)
+        for sock in (self.cfg.brain.grpc_socket, self.door):
+            if sock and os.path.exists(sock):
+                os.unlink(sock)
 
 
 async def run_brain(cfg: AppConfig, ready_file: str | None = None, config_path: str | None = None) -> None:

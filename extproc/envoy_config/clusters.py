@@ -15,10 +15,13 @@ from typing import Any
 from ..config import AppConfig, ReplicaSpec, brain_calls_max
 from ..contract import (
     BRAIN_CLUSTER,
+    BRAIN_DOOR_CLUSTER,
     BRAIN_LOG_CLUSTER,
     FALLBACK_CLUSTER,
+    DOOR_READY_PATH,
+    header_door_socket,
 )
-from .common import socket_address, dur, is_ip, thresholds
+from .common import BIG, socket_address, dur, is_ip, thresholds
 
 
 def upstream_http_options(cfg: AppConfig) -> dict:
@@ -119,6 +122,67 @@ def _brain_endpoint(ep: str) -> dict:
     return socket_address(host.strip("[]"), int(port))
 
 
+def door_sockets(cfg: AppConfig) -> tuple[list[str], list[str]] | None:
+    """The header doors of the brains this Envoy asks (``contract.header_door_socket``): (theirs, brain_failover's).
+    None when a brain is reached over TCP, or a door's path would be too long: the header path then asks over gRPC."""
+    b, e = cfg.brain, cfg.envoy
+    if not cfg.envoy.header_path or not b.grpc_socket or b.protocol != "envoy":
+        return None
+    socks = [[os.path.abspath(b.grpc_socket), *e.brain_endpoints], list(e.brain_failover)]
+    doors: list[list[str]] = [[], []]
+    for i, group in enumerate(socks):
+        for ep in group:
+            path = ep[len("unix:"):] if ep.startswith("unix:") else ep if ep.startswith("/") else None
+            door = header_door_socket(path) if path else None
+            if door is None:
+                return None
+            doors[i].append(door)
+    return doors[0], doors[1]
+
+
+def brain_door_cluster(cfg: AppConfig) -> dict | None:
+    """The brains' header doors (``door_sockets``): HTTP/1.1 over their Unix sockets, health-checked as the brain
+    cluster is (a brain not ready answers 503 there: its header calls go on to the body path, which fails open)."""
+    doors = door_sockets(cfg)
+    if doors is None:
+        return None
+    mine, failover = doors
+    hc, in_flight = cfg.envoy.brain_health_check_interval_s, cfg.envoy.brain_max_in_flight
+    return {
+        "name": BRAIN_DOOR_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http_protocol_options": {}},
+        }},
+        # HTTP/1.1: a call in flight is a connection. Never held, so brain_max_in_flight of them at most (the brain's
+        # file descriptors); more wait in Envoy for one, within the call's timeout, then go on to the body path
+        "circuit_breakers": {"thresholds": [
+            {"priority": p, "max_connections": in_flight, "max_requests": in_flight, "max_pending_requests": BIG,
+             "max_retries": 0} for p in ("DEFAULT", "HIGH")]},
+        "health_checks": [{
+            "timeout": dur(max(0.1, hc / 2)),
+            "interval": dur(hc),
+            "no_traffic_interval": dur(hc),
+            "unhealthy_threshold": 2,
+            "healthy_threshold": 1,
+            "http_health_check": {"path": DOOR_READY_PATH},
+        }],
+        "load_assignment": {"cluster_name": BRAIN_DOOR_CLUSTER, "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": d}}}} for d in mine]},
+            *([{"priority": 1, "lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": d}}}} for d in failover]}]
+              if failover else []),
+        ]},
+    }
+
+
+def brain_clusters(cfg: AppConfig) -> list[dict]:
+    """Every cluster of the brain: its gRPC services, its access log, its header door when it has one."""
+    door = brain_door_cluster(cfg)
+    return [brain_cluster(cfg), brain_log_cluster(cfg), *([door] if door is not None else [])]
+
+
 def brain_log_cluster(cfg: AppConfig) -> dict:
     """The brain again, for the access-log stream alone. On the ext_proc connection a body of a few MiB fills the
     connection's write buffer, every stream on it is then above its high watermark, and Envoy's gRPC access logger
@@ -198,4 +262,4 @@ def replica_clusters(cfg: AppConfig) -> list[dict]:
 
 
 def clusters(cfg: AppConfig) -> list[dict]:
-    return [brain_cluster(cfg), brain_log_cluster(cfg), *replica_clusters(cfg)]
+    return [*brain_clusters(cfg), *replica_clusters(cfg)]

@@ -24,8 +24,8 @@ from .filters import (
     local_reply_config,
 )
 from .routes import allowed_path_regex, routes  # noqa: F401 (allowed_path_regex: read from here)
-from .clusters import (brain_cluster, brain_log_cluster, clusters, fallback_cluster, replica_cluster,  # noqa: F401
-                       replica_clusters)  # (replica_clusters: read from here)
+from .clusters import (brain_cluster, brain_clusters, brain_door_cluster, brain_log_cluster, clusters,  # noqa: F401
+                       fallback_cluster, replica_cluster, replica_clusters)  # (replica_clusters: read from here)
 
 
 ADMIN_CLUSTER = "warmroute_envoy_admin"
@@ -145,7 +145,7 @@ def envoy_bootstrap(cfg: AppConfig) -> dict[str, Any]:
                 },
                 *stats_listeners,
             ],
-            "clusters": [*(clusters(cfg) if not e.cds_path else [brain_cluster(cfg), brain_log_cluster(cfg)]),
+            "clusters": [*(clusters(cfg) if not e.cds_path else brain_clusters(cfg)),
                          *stats_clusters],
         },
     }
@@ -173,9 +173,11 @@ def snippets(cfg: AppConfig) -> dict[str, Any]:
         "routes": routes(cfg),
         "brain_cluster": brain_cluster(cfg),
         "brain_log_cluster": brain_log_cluster(cfg),
+        # the header path's door, where Envoy reaches the brain by a Unix socket (absent over TCP)
+        **({"brain_door_cluster": door} if (door := brain_door_cluster(cfg)) is not None else {}),
         "fallback_cluster": fallback_cluster(cfg),
         "replica_cluster_template": replica_cluster(cfg, first),
-        "other_routes_typed_per_filter_config": ext_proc_off_for_route(),
+        "other_routes_typed_per_filter_config": ext_proc_off_for_route(cfg),
     }
 
 

@@ -83,7 +83,7 @@ def routes(cfg: AppConfig) -> list[dict]:
             "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
             # answered here: the brain is not asked (it would not name a replica for a path outside the API)
-            "typed_per_filter_config": ext_proc_off_for_route(),
+            "typed_per_filter_config": ext_proc_off_for_route(cfg),
         },
         {
             # The fleet's models, not one replica's: the brain answers with the union of what every replica's

@@ -76,7 +76,7 @@ def test_headers_only_envoy_or_the_brain_may_set_are_dropped_before_routing():
     removed = {m["remove"] for m in early["typed_config"]["mutations"] if "remove" in m}
     assert removed == {ROUTING_HEADER, RESERVATION_HEADER, "x-request-id", "x-warmroute-tenant", "x-data-parallel-rank",
                        "x-warmroute-inflated-from", "x-warmroute-priority",  # flow control's class (on by default)
-                       "x-warmroute-upload-ms"}
+                       "x-warmroute-upload-ms", "x-warmroute-declared-length"}
     # a proxy in front that sets the tenant itself: its header is kept
     trusted = parse_config({"envoy": {"trust_downstream_tenant_header": True}})
     (early,) = hcm(bootstrap(trusted))["early_header_mutation_extensions"]

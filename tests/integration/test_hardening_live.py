@@ -234,8 +234,9 @@ def test_a_flood_of_new_sessions_is_refused_before_the_brain_reads_it_and_nothin
     assert not any(failed_open.values()), failed_open  # nothing passed the brain unseen
     assert None not in during  # the session under way: every turn answered
     # each flood request's headers were looked at before their bodies were read: at its header call (the header path
-    # gives the look's word for a new session) ...
-    looked = sum(after[k] - before.get(k, 0) for k in after if ".ext_proc.warmroute_headers.stream_msgs_received" in k)
+    # gives the look's word for a new session): at the brain's header door (ext_authz, answered or refused) ...
+    looked = sum(after[k] - before.get(k, 0) for k in after
+                 if k.endswith((".ext_authz.warmroute_headers.ok", ".ext_authz.warmroute_headers.denied")))
     bodies = sum(after[k] - before.get(k, 0) for k in after if ".ext_proc.warmroute.stream_msgs_sent" in k)
     assert looked >= 1500
     # ... and those the brain could not have read in time were refused there, their bodies never sent to it. How many

@@ -153,3 +153,57 @@ def test_several_models_take_the_header_path_only_by_a_model_header():
         # the client changes model mid-session: its home does not serve it, the body decides, among chat's replicas
         status, h, out = post(s, conversation(4, model="chat"), {"x-session-id": sid, "x-model": "chat"})
         assert status == 200 and decided(s, h)["path"] == "body" and out["system_fingerprint"] in ("r2", "r3")
+
+
+def door_calls(stack) -> dict[str, int]:
+    """Envoy's counts of the header path's calls by how they ended: at the brain's header door (ext_authz) or by gRPC."""
+    stats = stack.envoy_stats()
+    out = {k.rpartition(".")[2]: v for k, v in stats.items() if ".ext_authz.warmroute_headers." in k}
+    out["grpc"] = sum(v for k, v in stats.items() if ".ext_proc.warmroute_headers.streams_started" in k)
+    return out
+
+
+def test_where_envoy_reaches_the_brain_by_a_socket_the_headers_are_asked_at_the_door(one_model):
+    s = one_model
+    sid = {"x-session-id": "agent-door"}
+    post(s, conversation(1), sid)
+    before = door_calls(s)
+    for turns in range(2, 6):
+        status, h, _ = post(s, conversation(turns), sid)
+        assert status == 200 and decided(s, h)["path"] == "headers"
+    after = door_calls(s)
+    assert after["ok"] - before.get("ok", 0) >= 4  # each asked over HTTP (the module's other tests run before or after)
+    assert after["grpc"] == 0 and not after.get("error") and not after.get("failure_mode_allowed")
+
+
+def test_the_brain_s_refusal_at_the_door_reaches_the_client_in_the_api_s_shape(own_stack):
+    """A tenant past its cap, asked at its headers with a body over the look's size: refused there (ext_authz denied,
+    the body never sent to the brain), with the brain's JSON and Retry-After, in OpenAI's shape and Anthropic's."""
+    s = own_stack(2, config={"flow_control": {"tenant_tokens_per_minute": 2500},
+                             "envoy": {"trust_downstream_tenant_header": True}})
+    s.wait_all_live(30)
+    tenant = {"x-warmroute-tenant": "noisy"}
+    big = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "fix it. " * 10_000}]}
+    codes = [post(s, big, {**tenant, "x-session-id": f"n{i}"})[0] for i in range(3)]
+    assert codes[-1] == 429, codes  # 80 KB bodies: a few thousand tokens each, past the tenant's 2,500 a minute
+    before = door_calls(s)
+    status, headers, doc = post(s, big, {**tenant, "x-session-id": "n-chat"})
+    assert status == 429 and doc["error"]["code"] == "tenant_over_cap" and int(headers["retry-after"]) >= 1, doc
+    status, headers, doc = post(s, {**big, "model": MODEL}, {**tenant, "x-session-id": "n-msg",
+                                                             "anthropic-version": "2023-06-01"}, "/v1/messages")
+    assert status == 429 and doc["type"] == "error" and doc["error"]["type"] == "rate_limit_error", doc
+    assert door_calls(s).get("denied", 0) - before.get("denied", 0) == 2  # both refused at their headers
+    # another tenant's turns go on
+    assert post(s, conversation(1), {"x-warmroute-tenant": "quiet", "x-session-id": "q"})[0] == 200
+    wait_for(lambda: s.state()["open_reservations"] == 0, 30, "every reservation released")
+
+
+def test_where_envoy_reaches_the_brain_over_tcp_the_headers_are_asked_by_grpc(own_stack):
+    s = own_stack(2, config={"brain": {"grpc_socket": None}})
+    s.wait_all_live(30)
+    sid = {"x-session-id": "agent-tcp"}
+    post(s, conversation(1), sid)
+    status, h, _ = post(s, conversation(2), sid)
+    assert status == 200 and decided(s, h)["path"] == "headers"
+    calls = door_calls(s)
+    assert calls["grpc"] >= 2 and not calls.get("ok")

@@ -61,6 +61,7 @@ def merge(doc: dict, pieces: dict, replica_clusters: list[dict]) -> dict:
         r["typed_per_filter_config"] = pieces["other_routes_typed_per_filter_config"]
     routes.extend(pieces["routes"])  # after their own routes (the last one answers 404 to any other path)
     doc["static_resources"]["clusters"] += [pieces["brain_cluster"], pieces["brain_log_cluster"],
+                                            *([pieces["brain_door_cluster"]] if "brain_door_cluster" in pieces else []),
                                             pieces["fallback_cluster"], *replica_clusters]
     return doc
 

@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:>24}: {len(ttfts)} turns, TTFT p50 {_pct(ttfts, 0.5):.3f} s p99 {_pct(ttfts, 0.99):.3f} s, "
                   f"{failed} failed; the flood got {dict(sorted(outcome.items())) or '-'}; failed open past the brain "
                   f"(by filter): {opened or 0}", flush=True)
-        print(f"the brain's refusals by why: {s.state()['flow_control']['refused']}", flush=True)
+        print(f"the brain's refusals by why: {s.state()['flow_control']['refused']}; at their header call: "
+              f"{s.envoy_stats().get('http.ingress.ext_authz.warmroute_headers.denied', 0)}",
+              flush=True)
         # the brain's memory once the flood is over: every held request answered and every reservation released
         wait_for(lambda: s.state()["open_reservations"] == 0 and not s.state()["flow_control"]["held"], 120,
                  "the flood's requests all ended")

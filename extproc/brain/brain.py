@@ -193,7 +193,7 @@ class Brain(ScrapeListener):
             d = Decision(None, Reason.CLIENT_KV_TRANSFER)
             self.stats.record_decision(d, BodyStatus.HEADERS_ONLY, now)
             return d
-        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self._priority(headers), now) if r.caps else None
+        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self.priority(headers), now) if r.caps else None
         if wait is not None:  # its tenant took its tokens for now: not even parsed
             d = Decision(None, Reason.TENANT_CAP, retry_after_s=wait)
             self.stats.record_decision(d, BodyStatus.ABSENT if body is None else BodyStatus.UNPARSED, now)
@@ -254,7 +254,7 @@ class Brain(ScrapeListener):
         if profile.doc is not None:  # read by now; a held request keeps its body, not its parse too (several times it)
             profile = dataclasses.replace(profile, doc=None)
         if hold_key is not None:
-            flow = (tenant_of(headers, r.profile_cfg), self._priority(headers), ttft_slo_of(headers))
+            flow = (tenant_of(headers, r.profile_cfg), self.priority(headers), ttft_slo_of(headers))
             if flow != (profile.tenant, profile.priority, profile.ttft_slo_s):  # a copy costs ~20 µs: only if needed
                 profile = dataclasses.replace(profile, tenant=flow[0], priority=flow[1], ttft_slo_s=flow[2])
         d = r.select(profile, now, only, holder, hold_key, len(body) if body else 0)
@@ -312,8 +312,8 @@ class Brain(ScrapeListener):
         """The header path (``header_path``): a turn of a session under way answered at its request headers, its
         body streamed to its home without passing through the brain. None: its body decides (Envoy sends it)."""
         d = self.decide_at_headers(headers, None)
-        if d is None:
-            return None
+        if d is None:  # its body decides, unless it would only be read to be refused
+            return header_path.refused_behind_queue(self, headers, self.clock())
         out = self._answer(d, headers, None, "request_headers")
         assert not isinstance(out, Legs)  # a prefill leg needs the body: the header path never plans one
         return out
@@ -327,7 +327,7 @@ class Brain(ScrapeListener):
             key = None
             if self.router.flow is not None:
                 key = next(self._hold_keys)  # never held: a turn flow control would hold reads its body
-                profile = dataclasses.replace(profile, priority=self._priority(headers),
+                profile = dataclasses.replace(profile, priority=self.priority(headers),
                                               ttft_slo_s=ttft_slo_of(headers))
             if arriving:
                 profile = dataclasses.replace(profile, deferred=True)
@@ -354,12 +354,12 @@ class Brain(ScrapeListener):
             return None
         now = self.clock()
         r = self.router
-        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self._priority(headers), now) if r.caps else None
+        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self.priority(headers), now) if r.caps else None
         if wait is not None:  # a capped tenant's large body: refused before it is uploaded
             return self.too_many(Decision(None, Reason.TENANT_CAP, retry_after_s=wait), headers)
         bound = self.look_bound_s(now)
         burst = (read_wait_s if backlog_s is None else backlog_s) > bound * BURST_SHARE
-        if (not burst and read_wait_s <= bound) or self._priority(headers) == CRITICAL:
+        if (not burst and read_wait_s <= bound) or self.priority(headers) == CRITICAL:
             return None
         profile = build_profile(headers, None, self.router.profile_cfg, None)
         if profile.session_key is not None and self.router.session_pins.get(profile.session_key, now) is not None:
@@ -430,7 +430,7 @@ class Brain(ScrapeListener):
         if self._legs_http is not None:
             await self._legs_http.close()
 
-    def _priority(self, headers: dict[str, str]) -> int:
+    def priority(self, headers: dict[str, str]) -> int:
         """The request's class from flow_control.priority_header (a name of CLASSES; anything else: standard)."""
         v = headers.get(self.cfg.flow_control.priority_header.lower(), "").strip().lower()
         return CLASSES.index(v) if v in CLASSES else STANDARD

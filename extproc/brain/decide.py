@@ -37,7 +37,7 @@ from ..contract import (
 from ..answers import Answered, Held, Placed
 from ..core.apis import KV_TRANSFER_KEY
 from ..core.profile import BODY_KV_TRANSFER_KEY, BODY_MODEL_KEY, BODY_SESSION_PREFIX, declared_size
-from .intake import Intake
+from .intake import CALL_BYTES, Intake
 from .legs import Legs
 from ..picker.messages import header_value, headers_of, render, wait_longer
 
@@ -218,13 +218,19 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         own answer, or None to read its body."""
         assert self.at_headers is not None  # only the header path's calls come here
         out = self.at_headers(headers)
-        if out is None and self.look is not None and self.intake is not None \
-                and (size := declared_size(headers) or 0) > LOOK_BYTES:
+        if out is None and self.look is not None and self.intake is not None:
             # the look's word, here, before the upload: in a burst a new session is refused at this call and makes no
             # other (1,500 new sessions at once each paying a header call, a look and a body failed 900 open). By what
             # the brain measures of its own reading alone: a size declared and never sent charges nobody else
+            size = declared_size(headers) or 0
             behind = self.intake.behind_s()
-            out = self.look(headers, behind + self.intake.own_s(size), behind)
+            out = self.look(headers, behind + self.intake.own_s(size if size > LOOK_BYTES else CALL_BYTES), behind)
+            if out is None:
+                # its call announced now, at a call's cost and not its declared size's (a larger body's bytes count once
+                # the look sees it here): 2,000 new sessions at once were each let on, and read or looked at to be
+                # refused, while the turns under way waited behind their calls (issue 59, finding 6). A declaration
+                # that never comes costs one call for a timer's length
+                self.intake.let_through(headers.get(REQUEST_ID_HEADER), CALL_BYTES)
         return out
 
     async def _look(self, context) -> None:

@@ -19,10 +19,15 @@ Which requests take it, and which read their body (docs/architecture.md, "Two pa
 from __future__ import annotations
 
 import dataclasses
+
+from ..answers import Answered
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER
 from ..core.apis import Api
+from ..core.decision import Decision
+from ..core.flow import CRITICAL
 from ..core.models import Resolution
-from ..core.profile import RequestProfile, declared_size, header_profile, size_decides
+from ..core.names import BodyStatus, Reason
+from ..core.profile import RequestProfile, declared_size, header_profile, size_decides, ttft_slo_of
 
 APIS = (Api.CHAT, Api.COMPLETIONS, Api.MESSAGES)
 
@@ -85,3 +90,31 @@ def model_said(brain, headers: dict[str, str], session_key: bytes | None) -> Res
         return None
     res = brain.models.resolve(model, session_key, headers.get(":path", "").split("?", 1)[0] or None)
     return None if res.rewritten else res
+
+
+def refused_behind_queue(brain, headers: dict[str, str], now: float) -> Answered | None:
+    """A new session refused at its headers where its body would only be read to be refused the same way: flow
+    control queues a new session behind its class unpriced (``Router.behind_queue``: nothing of its body counts), and
+    that wait already passes its deadline (429 ``deadline_unmeetable``). In a flood of 2,000 small new sessions (no
+    look: under 64 KiB) each body was read, a gRPC call, to be refused so, while the turns under way waited behind
+    them (issue 59, finding 6). None: its body decides, as before (no flow control, critical work, a session under
+    way, no queue ahead, a model or size the headers cannot tell)."""
+    router = brain.router
+    if router.flow is None or not router.policy.decides_at_headers:
+        return None
+    priority = brain.priority(headers)
+    profile = header_profile(headers, router.profile_cfg)
+    if profile is None or priority == CRITICAL or profile.api not in APIS or unread_why(headers) is not None:
+        return None
+    res = model_said(brain, headers, profile.session_key)
+    bound = brain.models.max_model_len(res.model) if res is not None else None
+    if res is None or (bound is not None and profile.tokens > bound):  # past its context: the engine's 400, never held
+        return None
+    profile = dataclasses.replace(profile, priority=priority, ttft_slo_s=ttft_slo_of(headers))
+    queued, wait = router.behind_queue(profile, now)
+    within = router.flow.within(priority, profile.ttft_slo_s)
+    if not queued or wait is None or within is None or wait <= within:
+        return None
+    d = Decision(None, Reason.DEADLINE, predicted_ttft_s=wait)
+    brain.stats.record_decision(d, BodyStatus.HEADER_PATH, now)
+    return brain.too_many(d, headers)

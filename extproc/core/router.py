@@ -30,8 +30,7 @@ from .replica import EJECTED, LIVE, PROBING, HealthMachine, Replica, State, Tran
 
 AFFINITY, LOAD, FALLBACK, NO_HEALTHY = Reason.AFFINITY, Reason.LOAD, Reason.FALLBACK, Reason.NO_HEALTHY
 
-# Housekeeping (pin expiry, reservation safety timeout) need not be exact:
-# lookups already treat an expired pin as absent.
+# Housekeeping (pin expiry, reservation safety timeout) need not be exact: an expired pin is absent to lookups
 _HOUSEKEEPING_EVERY_S = 1.0
 _NO_PINS = PinTable(PREFIX, 0.0)
 
@@ -254,8 +253,7 @@ class Router:
         return out < limit
 
     def on_upstream(self, name: str, ok: bool, now: float) -> Transition | None:
-        """Outcome of a user request on ``name`` (B: N consecutive failures eject a LIVE replica, within the
-        fleet's share of passive ejections)."""
+        """Outcome of a user request on ``name`` (B: N consecutive failures eject a LIVE replica, within its share)."""
         r = self._by_name.get(name)
         if r is None:
             return None
@@ -360,17 +358,10 @@ class Router:
                     # and fail hundreds open past it
                     ready = self.offer(now)
                     self._ready.extend(ready)
-                n_ahead, tokens_ahead = flow.queue.ahead(profile.priority)
-                # never ahead of its class or above, when it competes for what they wait for: engine time (held by
-                # wait), or room for a new context (a new session). A session under way or a one-shot takes no
-                # new room in the caches: with KV the only saturation, it goes past new sessions waiting for it
-                if n_ahead and (flow.hold_on_wait or self._new_session(profile, now)):
+                queued, wait = self.behind_queue(profile, now)
+                if queued:
                     if profile.header_path:
                         return Decision(None, Reason.READ_BODY)  # held, it is held with its body, as any other
-                    # its wait: until the replica the last request held was priced for has room, then the queue
-                    # before it (not priced: a wait, not a choice)
-                    drain, free_at = self._last_hold
-                    wait = max(0.0, free_at - now) + tokens_ahead / drain if drain > 0 else None
                     return flow.hold(hold_key, profile, only, now, hold_bytes, wait)
                 d = self._select_may_hold(fleet, profile, now)
                 if d is not None and d.reason is Reason.HELD:
@@ -419,6 +410,17 @@ class Router:
             self.outbox.events.append(("t", tenant, round(tokens)))
 
     # ------------------------------------------------------------ flow control
+
+    def behind_queue(self, profile: RequestProfile, now: float) -> tuple[bool, float | None]:
+        """Whether flow control queues a request behind its class or above unpriced (competing for what they wait for:
+        engine time if held by wait, else room for a new context, which a session under way never takes), and its
+        wait: until the replica the last held one was priced for has room, then the queue before it."""
+        assert self.flow is not None  # only flow control queues
+        n_ahead, tokens_ahead = self.flow.queue.ahead(profile.priority)
+        if not n_ahead or not (self.flow.hold_on_wait or self._new_session(profile, now)):
+            return False, None
+        drain, free_at = self._last_hold
+        return True, max(0.0, free_at - now) + tokens_ahead / drain if drain > 0 else None
 
     def _new_session(self, profile: RequestProfile, now: float) -> bool:
         return profile.session_key is not None and self.session_pins.get(profile.session_key, now) is None
@@ -508,9 +510,8 @@ class Router:
         return Decision(r, FALLBACK, None, [], self._reserve(r, profile, now))
 
     def next_best(self, chosen: Replica, k: int, only: Collection[str] | None = None) -> list[Replica]:
-        """Up to ``k`` other replicas for a proxy to try, in order, when ``chosen`` refuses the connection: the
-        pool (LIVE before PROBING) by least in-flight weight. A retry is rare and lands on a replica that holds
-        no cache of the request either way, so load is the one thing worth ordering by."""
+        """Up to ``k`` other replicas for a proxy to try when ``chosen`` refuses the connection: the pool (LIVE before
+        PROBING) by least in-flight weight (a rare retry, to a replica without its cache: load is what matters)."""
         if k <= 0:
             return []
         live, probing = (self if only is None else Subset(self, only)).pool()

@@ -214,3 +214,32 @@ def test_C3_a_prompt_beyond_what_a_replica_s_cache_holds_books_no_prefill_and_ne
     for i in range(10):
         out = envoy_decide(b, headers(f"new-{i}", len(doc)), doc)
         assert out.dynamic_metadata.fields["warmroute"].struct_value.fields["cluster"].string_value in ("r0", "r1")
+
+
+def test_a_new_session_its_body_would_only_be_refused_behind_the_queue_is_refused_at_its_headers():
+    """Issue 59, finding 6: in a flood of small new sessions each body was read (a gRPC call) only to be refused
+    ``deadline_unmeetable``, by the queue's wait alone: nothing of the body counts there, so its headers refuse it,
+    exactly where its body would have been refused, and nothing is queued."""
+    from extproc.answers import Answered, Held
+
+    cfg = parse_config({**CFG, "flow_control": {"enabled": True, "hold_on_wait": True, "wait_s": 3600}})
+    b = live_brain(cfg)
+    for i in range(3):  # a long prefill on each replica (one-shots: no session, no context kept)
+        big = json.dumps({"model": "coder", "messages": [{"role": "user", "content": f"{i} " + "x" * 2_000_000}]})
+        assert not isinstance(b.decide({"x-request-id": f"big{i}", ":path": "/v1/chat/completions"}, big.encode()),
+                              Held)
+    doc = body(1)
+    assert isinstance(b.decide(headers("first", len(doc)), doc), Held)  # the queue: one new session ahead
+    assert len(b.router.flow) == 1
+    hurry = headers("hurry", len(doc), **{"x-warmroute-ttft-slo-ms": "2000"})
+    out = b.at_headers(hurry)
+    assert isinstance(out, Answered) and out.status == 429 and out.doc["error"]["code"] == "deadline_unmeetable"
+    assert b.stats.flow_refused["deadline_unmeetable"] == 1 and len(b.router.flow) == 1  # nothing queued
+    # the same request read by its body: the same answer
+    by_body = b.decide(headers("hurry-2", len(doc), **{"x-warmroute-ttft-slo-ms": "2000"}), doc)
+    assert isinstance(by_body, Answered) and by_body.doc["error"]["code"] == "deadline_unmeetable"
+    # what its body may still change, its body decides: critical work (never refused), a deadline the queue meets
+    assert b.at_headers(headers("pager", len(doc), **{"x-warmroute-priority": "critical"})) is None
+    assert b.at_headers(headers("patient", len(doc), **{"x-warmroute-ttft-slo-ms": "100000000"})) is None
+    # nothing queued ahead: nothing refused at the headers
+    assert live_brain(cfg).at_headers(hurry) is None

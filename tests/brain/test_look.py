@@ -266,3 +266,49 @@ def test_a_header_call_passes_its_own_declared_size_to_the_look_as_no_backlog():
                                  at_headers=lambda headers: None)
     asyncio.run(front.Process(None, Ctx([_look_request()], [HEADER_PATH_METADATA])))
     assert seen == [(pytest.approx(BIG / READ_BYTES_PER_S), 0.0)]
+
+
+def test_header_calls_announce_their_bodies_at_a_call_s_cost_so_a_burst_is_refused_before_its_bodies_come():
+    """Issue 59, finding 6: 2,000 new sessions at once each made a header call the brain answered "go on" before any
+    of their bodies came; each body was then read (or looked at) to be refused, while the turns under way waited
+    behind those calls. Every body a header call lets on is now announced at a call's cost: once the announced calls
+    pass the look's bound, the rest of the burst is refused at its header call, small bodies too."""
+    from extproc.brain.intake import CALL_BYTES
+
+    b = live_brain(parse_config(CFG))
+    intake = Intake(5.0, b.clock)
+    front = dc.ExternalProcessor(b.decide, 2 * 2**20, look=b.look, intake=intake, at_headers=b.at_headers)
+
+    def small(k):
+        return {**_headers(f"burst-{k}"), "content-length": "8000", "x-request-id": f"r{k}"}
+
+    outs = [front.at_header_call(small(k)) for k in range(4000)]  # 2,560 fit in this idle brain's bound (2.5 s)
+    refused = [o for o in outs if o is not None]
+    assert refused and all(o.status == 429 and o.doc["error"]["code"] == "router_behind" for o in refused)
+    let_on = outs.index(refused[0])
+    # as many as the brain reads within the look's bound, at a call's cost each (never their declared 8,000 bytes)
+    assert let_on == pytest.approx(b.look_bound_s(b.clock()) * READ_BYTES_PER_S / CALL_BYTES, abs=2)
+    assert b.router.flow.flooded_until > b.clock()  # the burst started flood mode
+    for k in range(let_on):  # their bodies come and are read: the backlog is gone
+        intake.opened(("call", k))
+        intake.read(("call", k), f"r{k}")
+        intake.closed(("call", k))
+    assert front.at_header_call(small(9999)) is None
+    # a larger body announced at its header call counts its bytes once the look sees it, not twice
+    intake.let_through("big", CALL_BYTES)
+    intake.let_through("big", BIG)
+    assert intake.looked_bytes == BIG + CALL_BYTES  # 9999's call and the big body
+
+
+def test_declarations_that_never_come_cost_a_call_each_for_a_timer_s_length():
+    """Issue 59, finding 1 again: 8 held-open declarations of 2 MiB refused 60% of new sessions when the look counted
+    their size. Announced at their header call they count a call each, and only for the timer's length."""
+    from extproc.brain.intake import CALL_BYTES
+
+    clock = Clock()
+    i = Intake(5.0, clock)
+    for k in range(8):
+        i.let_through(f"declared-{k}", CALL_BYTES)
+    assert i.behind_s() == pytest.approx(8 * CALL_BYTES / READ_BYTES_PER_S) and i.behind_s() < 0.01
+    clock.t += 5.1
+    assert i.behind_s() == 0.0

@@ -37,6 +37,7 @@ Ask = Callable[[dict[str, str]], "Placed | Answered | None"]
 # Envoy sends up to 60 KiB of request headers (its max_request_headers_kb): a session id or credential that long must
 # reach the brain, not be refused by the HTTP parser (a 400 here would be the client's answer)
 MAX_HEADER_BYTES = 96 * 1024
+ACCEPT_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at net.core.somaxconn)
 # headers the door's HTTP request carries that are not the client's: ext_authz's and the HTTP framing's
 _NOT_THE_CLIENTS = frozenset((CONTENT_LENGTH, DECLARED_LENGTH_HEADER, "host", "x-envoy-internal",
                               "x-envoy-expected-rq-timeout-ms", "x-forwarded-for", "x-forwarded-proto"))
@@ -102,7 +103,9 @@ async def serve_door(app: web.Application, path: str, group_gid: int | None) -> 
     await runner.setup()
     old = os.umask(0o117 if group_gid is not None else 0o177)
     try:
-        await web.UnixSite(runner, path).start()
+        # Envoy opens up to brain_max_in_flight connections at once in a burst: past the accept backlog (aiohttp's 128)
+        # a Unix socket refuses a connect at once, and Envoy fails that call open (755 of 1,500 in a flood)
+        await web.UnixSite(runner, path, backlog=ACCEPT_BACKLOG).start()
     finally:
         os.umask(old)
     if group_gid is not None:

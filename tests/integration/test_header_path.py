@@ -158,7 +158,7 @@ def test_several_models_take_the_header_path_only_by_a_model_header():
 def door_calls(stack) -> dict[str, int]:
     """Envoy's counts of the header path's calls by how they ended: at the brain's header door (ext_authz) or by gRPC."""
     stats = stack.envoy_stats()
-    out = {k.rpartition(".")[2]: v for k, v in stats.items() if ".ext_authz.warmroute_headers." in k}
+    out = {k.rpartition(".")[2]: v for k, v in stats.items() if k.startswith("http.ingress.ext_authz.warmroute_headers.")}
     out["grpc"] = sum(v for k, v in stats.items() if ".ext_proc.warmroute_headers.streams_started" in k)
     return out
 

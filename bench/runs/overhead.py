@@ -252,17 +252,21 @@ def two_paths(args, urls: dict[str, str], brain, metrics_url: str, settled, floo
                            ("16 MB", 16 * 2**20, 6)):
         if args.quick:
             n = max(3, n // 4)
-        med = {"direct": statistics.median(asyncio.run(sequential(urls["direct"], n, size)))}
-        med["floor grpc"] = statistics.median(asyncio.run(sequential(urls["do-nothing, TCP"], n, size, "floor")))
+        # every row at the same pace: a request that finds its server idle pays its threads' wake-ups
+        med = {"direct": statistics.median(asyncio.run(sequential(urls["direct"], n, size, settle=settled)))}
+        med["floor grpc"] = statistics.median(asyncio.run(sequential(urls["do-nothing, TCP"], n, size, "floor",
+                                                                     settled)))
         before = cpu_seconds(floor.popen.pid)
-        med["floor door"] = statistics.median(asyncio.run(sequential(urls["do-nothing, unix"], n, size, "floor")))
+        med["floor door"] = statistics.median(asyncio.run(sequential(urls["do-nothing, unix"], n, size, "floor",
+                                                                     settled)))
         floor_cpu = (cpu_seconds(floor.popen.pid) - before) / (n + 2)
-        med["floor body"] = statistics.median(asyncio.run(sequential(urls["do-nothing, TCP"], n, size)))
+        med["floor body"] = statistics.median(asyncio.run(sequential(urls["do-nothing, TCP"], n, size,
+                                                                     settle=settled)))
         cpu, share = {}, 0.0
         for kind, session in (("under way", "agent"), ("first turn", "new"), ("no session", None)):
             before, paths, t0 = cpu_seconds(brain.popen.pid), _by_path(metrics_url), time.monotonic()
             med[kind] = statistics.median(asyncio.run(sequential(urls["brain over unix"], n, size, session,
-                                                                 settled if kind == "under way" else None)))
+                                                                 settled)))
             # less what the brain spends anyway meanwhile (its scrapes and timers): the think time between turns
             # under way would count them as the turns' own
             idle = idle_rate * (time.monotonic() - t0)
@@ -282,7 +286,7 @@ def two_paths(args, urls: dict[str, str], brain, metrics_url: str, settled, floo
           "call, which the brain over unix now takes); the brain's CPU per turn under way <= 1/4 of a body-read one's. "
           "'no session': the body path without the header call (what every request paid before the header path); "
           "'CPU floor': the do-nothing server's per request by its door (the header call and the access-log entry). "
-          "Turns under way come 30 ms apart (untimed think time: the last one's end is logged by then), as an "
+          "Every row's requests come 30 ms apart (untimed think time: a turn's end is logged by then), as an "
           "agent's do; at 16 MB (4M tokens estimated, more than any cache holds) nothing is cached: the body's route")
 
 
@@ -294,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wrk-seconds", type=int, default=8)
     ap.add_argument("--wrk-connections", type=int, default=32)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--paths-only", action="store_true", help="only the two paths' table (issue 61)")
     args = ap.parse_args(argv)
     if args.serve_floor:
         asyncio.run(serve_floor(args.serve_floor, args.floor_socket))
@@ -392,7 +397,15 @@ def main(argv: list[str] | None = None) -> int:
         urls = {name: f"http://127.0.0.1:{e.ports[0]}/v1/chat/completions" for name, e in fronts.items()}
         names = list(urls)
 
+        async def settled() -> None:
+            # an agent's think time, untimed: past envoy.access_log_flush_s (10 ms), the last turn's end is logged.
+            # Not polled on the brain's /state: that would be the brain's CPU, counted as the turn's
+            await asyncio.sleep(THINK_S)
+
         print(f"machine: {os.cpu_count()} cores; Envoy --concurrency 1 for every front; brain: 1 Python process")
+        if args.paths_only:
+            two_paths(args, urls, brain, f"http://127.0.0.1:{info['metrics_port']}/metrics", settled, floor)
+            return 0
         print(f"\nfixed 100 req/s, 2 KB bodies, {args.rate_requests} requests per front (open loop)")
         res: dict[str, list[float]] = {}
         for _ in range(2):  # interleaved: drift hits every front
@@ -488,11 +501,6 @@ def main(argv: list[str] | None = None) -> int:
             med = {name: statistics.median(asyncio.run(sequential(urls[name], n, size))) for name in names}
             print(f"{label:<8}{n:>5}{med['direct'] * 1e3:>11.2f}"
                   + "".join(f"{(med[name] - med['direct']) * 1e3:>14.2f}" for name in names[1:]))
-        async def settled() -> None:
-            # an agent's think time, untimed: past envoy.access_log_flush_s (10 ms), the last turn's end is logged.
-            # Not polled on the brain's /state: that would be the brain's CPU, counted as the turn's
-            await asyncio.sleep(THINK_S)
-
         two_paths(args, urls, brain, f"http://127.0.0.1:{info['metrics_port']}/metrics", settled, floor)
         st = json.loads(admin_http.request(state_url, headers=auth))
         wait_for(lambda: json.loads(admin_http.request(state_url, headers=auth))["open_reservations"] == 0, 10,

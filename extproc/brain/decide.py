@@ -248,6 +248,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         out = self.look(headers, max(late, behind + self.intake.own_s(size)), max(late, behind))
         if out is None:
             self.intake.let_through(headers.get(REQUEST_ID_HEADER), size)
+        else:  # refused here: its body never comes, and its header call's announcement goes with it
+            self.intake.forget(headers.get(REQUEST_ID_HEADER))
         await context.write(render(out) if out is not None else _PASS["request_headers"])
 
     async def _process(self, context) -> None:
@@ -283,6 +285,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 big = self.big_body_bytes is not None and (size is None or size > self.big_body_bytes)
                 # no body follows, or one Envoy does not send (the big-body route): decide on the headers
                 if req.request_headers.end_of_stream or big:
+                    if self.intake is not None:  # read as far as it will be: its header call's announcement is done
+                        self.intake.read(context, headers.get(REQUEST_ID_HEADER))
                     await self._answer(self.decide(headers, None, "request_headers"), context, "request_headers")
                     return
             await context.write(_PASS[kind])

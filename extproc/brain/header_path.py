@@ -103,6 +103,8 @@ def refused_behind_queue(brain, headers: dict[str, str], now: float) -> Answered
     if router.flow is None or not router.policy.decides_at_headers:
         return None
     priority = brain.priority(headers)
+    if not router.flow.queue.ahead(priority)[0]:  # the common case, first: nothing queued, nothing to refuse behind
+        return None
     profile = header_profile(headers, router.profile_cfg)
     if profile is None or priority == CRITICAL or profile.api not in APIS or unread_why(headers) is not None:
         return None

@@ -56,10 +56,13 @@ class Intake:
     def read(self, call: object, request_id: str | None) -> None:
         """The call's message is read."""
         self.unread.pop(call, None)
-        if request_id is not None:
-            seen = self.looked.pop(request_id, None)
-            if seen is not None:
-                self.looked_bytes -= seen[1]
+        self.forget(request_id)
+
+    def forget(self, request_id: str | None) -> None:
+        """A body let through or announced that will never be read (refused at its look)."""
+        seen = self.looked.pop(request_id, None) if request_id is not None else None
+        if seen is not None:
+            self.looked_bytes -= seen[1]
 
     def closed(self, call: object) -> None:
         """The call ended (read or not)."""

@@ -282,6 +282,7 @@ def test_header_calls_announce_their_bodies_at_a_call_s_cost_so_a_burst_is_refus
     def small(k):
         return {**_headers(f"burst-{k}"), "content-length": "8000", "x-request-id": f"r{k}"}
 
+    assert CALL_BYTES == 32 * 1024  # docs/routing.md's number: ~1 ms of a call at the intake's 32 MiB/s
     outs = [front.at_header_call(small(k)) for k in range(4000)]  # 2,560 fit in this idle brain's bound (2.5 s)
     refused = [o for o in outs if o is not None]
     assert refused and all(o.status == 429 and o.doc["error"]["code"] == "router_behind" for o in refused)
@@ -312,3 +313,24 @@ def test_declarations_that_never_come_cost_a_call_each_for_a_timer_s_length():
     assert i.behind_s() == pytest.approx(8 * CALL_BYTES / READ_BYTES_PER_S) and i.behind_s() < 0.01
     clock.t += 5.1
     assert i.behind_s() == 0.0
+
+
+def test_an_announced_body_that_will_never_be_read_stops_counting_at_once():
+    """A body announced at its header call and then refused at its look, or decided on its headers (the big-body
+    route: Envoy never sends it), is not left counting as the backlog for a timer's length."""
+    from extproc.brain.intake import CALL_BYTES
+
+    refusal = answers.too_many("router_behind", 5)
+    intake = Intake(5.0, Clock())
+    front = dc.ExternalProcessor(lambda h, b, phase: None, 2 * 2**20, look=lambda *a, **k: refusal, intake=intake)
+    intake.let_through("r1", CALL_BYTES)  # what the header call announced
+    asyncio.run(front.Process(None, Ctx([_look_request()], [LOOK_METADATA])))
+    assert intake.looked_bytes == 0 and not intake.looked
+
+    big = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key="x-request-id", raw_value=b"r2"),
+        base_pb2.HeaderValue(key="content-length", raw_value=str(32 << 20).encode())])))
+    decided = dc.ExternalProcessor(lambda h, b, phase: Placed("r0", "1.x"), 2 * 2**20, intake=intake)
+    intake.let_through("r2", CALL_BYTES)
+    asyncio.run(decided.Process(None, Ctx([big])))
+    assert intake.looked_bytes == 0 and not intake.looked

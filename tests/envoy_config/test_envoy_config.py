@@ -293,3 +293,32 @@ def test_dns_discovery_renders_a_pool_envoy_resolves_itself():
     k8s = parse_config({"brain": PICKER_CFG["brain"], "discovery": {"source": "kubernetes", "inference_pool": "p"}})
     with pytest.raises(ConfigError, match="^envoy.cds_path:"):
         bootstrap(k8s)
+
+
+def test_the_header_path_asks_at_the_door_only_where_every_brain_is_reached_by_a_socket():
+    """ext_authz to the brain's header door beside its Unix socket; an ext_proc call wherever a brain is reached over
+    TCP (its door has no TLS), or a door's path would not fit a socket. The per-route switch-off matches the filter."""
+    import dataclasses
+
+    from extproc.contract import BRAIN_DOOR_CLUSTER, HEADER_PATH_FILTER
+
+    def shape(cfg):
+        doc = bootstrap(cfg)
+        (f,) = [f for f in hcm(doc)["http_filters"] if f["name"] == HEADER_PATH_FILTER]
+        kind = extension_of(f)["@type"].rsplit(".", 1)[1]
+        clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+        off = {r.get("name"): r.get("typed_per_filter_config", {}).get(HEADER_PATH_FILTER, {}).get("@type", "")
+               for vh in hcm(doc)["route_config"]["virtual_hosts"] for r in vh["routes"]}
+        return kind, clusters.get(BRAIN_DOOR_CLUSTER), off["warmroute_not_served"].rsplit(".", 1)[1]
+
+    sock = dataclasses.replace(CFG, brain=dataclasses.replace(CFG.brain, grpc_socket="/run/warmroute/brain.sock"))
+    kind, door, off = shape(sock)
+    assert kind == "ExtAuthz" and off == "ExtAuthzPerRoute"
+    path = door["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["pipe"]["path"]
+    assert path == "/run/warmroute/brain.headers.sock"
+    tcp_peer = dataclasses.replace(sock, envoy=dataclasses.replace(sock.envoy, brain_endpoints=("10.0.0.2:9100",)))
+    too_long = dataclasses.replace(sock, brain=dataclasses.replace(sock.brain, grpc_socket="/" + "d" * 96 + "/b.sock"))
+    tcp = dataclasses.replace(sock, brain=dataclasses.replace(sock.brain, grpc_socket=None, grpc_port=9100,
+                                                               insecure=True))
+    for cfg in (tcp_peer, too_long, tcp):
+        assert shape(cfg) == ("ExternalProcessor", None, "ExtProcPerRoute")

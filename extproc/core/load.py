@@ -399,7 +399,9 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float, batches: "li
     # requests says nothing of 40); one never measured slows as the measured ones do (the same engine, most likely)
     never = float("-inf")
     measured = [r for r in [*rates, *(peers or ())] if r.prefill_at != never and r.decode_at != never]
-    if len(measured) < len(rates):  # once per decision, not per replica never measured (300 of them at start)
+    # once per decision, not per replica never measured (300 of them at start); counted among ``rates`` alone: the
+    # peers may outnumber them (one prefill replica never measured beside two measured decode ones)
+    if any(r.prefill_at == never or r.decode_at == never for r in rates):
         kp = sum(m.prefill_slope for m in measured) / len(measured) if measured else 0.0
         kd = sum(m.decode_slope for m in measured) / len(measured) if measured else 0.0
         top = min((m._prefill_fit.top for m in measured), default=0.0)

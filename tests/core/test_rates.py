@@ -311,3 +311,18 @@ def test_C3_a_prefill_replica_never_measured_is_priced_as_its_measured_decode_pe
     p1.prefill_tokens_per_s, p1.prefill_at = 30_000.0, 995.0
     prefill, _ = effective_rates([p0, p1], now=1_000.0, fresh_s=60.0, batches=[0, 0], peers=[decode_peer])
     assert prefill == [30_000.0, 30_000.0]  # a fresh prefill replica's own rate: the level the others are priced at
+
+
+def test_C3_one_prefill_replica_never_measured_beside_more_measured_decode_peers_is_priced_at_their_level():
+    """The peers may outnumber the replicas priced: a fleet's one prefill replica, never measured, beside two
+    measured decode replicas (the real P/D test's fleet once its second decode replica has counted). Priced
+    with its batch, the unmeasured branch must still run: it raised UnboundLocalError, and every disaggregated
+    decision after the decode replicas were measured failed open."""
+    from extproc.core.load import effective_rates
+
+    never, d1, d2 = Rates(5_000.0, 0.03, 100.0), _batched(PHASES, 1 / 20_000, 0.05, 0.002, 0.15), \
+        _batched(PHASES, 1 / 20_000, 0.05, 0.002, 0.15)
+    prefill, decode = effective_rates([never], now=150.0, fresh_s=60.0, batches=[4], peers=[d1, d2])
+    idle, _ = effective_rates([never], now=150.0, fresh_s=60.0, batches=[0], peers=[d1, d2])
+    assert prefill[0] < idle[0] < 5_000.0 * 10  # slowed by its batch as the measured ones are, not at the prior
+    assert decode[0] > 0

@@ -322,15 +322,12 @@ class Brain(ScrapeListener):
                           arriving: bool = False) -> Decision | None:
         t0 = time.perf_counter()
         now = self.clock()
-        why, profile, res = header_path.turn(self, headers, now)
+        flow = self.router.flow is not None
+        more = {"priority": self.priority(headers), "ttft_slo_s": ttft_slo_of(headers)} if flow else {}
+        why, profile, res = header_path.turn(self, headers, now, **more, **({"deferred": True} if arriving else {}))
         if profile is not None:
-            key = None
-            if self.router.flow is not None:
-                key = next(self._hold_keys)  # never held: a turn flow control would hold reads its body
-                profile = dataclasses.replace(profile, priority=self.priority(headers),
-                                              ttft_slo_s=ttft_slo_of(headers))
-            if arriving:
-                profile = dataclasses.replace(profile, deferred=True)
+            # never held: a turn flow control would hold reads its body
+            key = next(self._hold_keys) if flow else None
             assert res is not None  # a profile comes with its model's resolution
             allowed = res.replicas if only is None else only if res.replicas is None else res.replicas & only
             d = self.router.select(profile, now, allowed, hold_key=key)

@@ -15,7 +15,7 @@ one's sibling with its permissions: whoever reaches it can open reservations.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -77,8 +77,13 @@ def respond(out: "Placed | Answered | None") -> web.Response:
                         headers=dict(out.headers))
 
 
-def door_app(ask: Ask, ready: Callable[[], bool]) -> web.Application:
-    """The door's HTTP application: ``ask`` decides a header call, ``ready`` says whether the brain serves yet."""
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+def door_app(ask: Ask, ready: Callable[[], bool]) -> Handler:
+    """The door's request handler: ``ask`` decides a header call, ``ready`` says whether the brain serves yet. Served
+    by aiohttp's low-level server: one handler for every path, no router or middleware to pass through (a turn
+    under way pays this door's CPU on every call)."""
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         if request.raw_path == DOOR_READY_PATH:
@@ -92,14 +97,13 @@ def door_app(ask: Ask, ready: Callable[[], bool]) -> web.Application:
             logs.event("loop_error", loop="header_door", error=type(e).__name__)
             return web.Response(status=500)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    return app
+    return handle
 
 
-async def serve_door(app: web.Application, path: str, group_gid: int | None) -> web.AppRunner:
-    """``app`` on the Unix socket ``path``, born 0600 (0660 with a group): the gRPC socket's permissions."""
-    runner = web.AppRunner(app, access_log=None, max_line_size=MAX_HEADER_BYTES, max_field_size=MAX_HEADER_BYTES)
+async def serve_door(handler: Handler, path: str, group_gid: int | None) -> web.BaseRunner:
+    """``handler`` on the Unix socket ``path``, born 0600 (0660 with a group): the gRPC socket's permissions."""
+    runner = web.ServerRunner(web.Server(handler, access_log=None, max_line_size=MAX_HEADER_BYTES,
+                                         max_field_size=MAX_HEADER_BYTES))
     await runner.setup()
     old = os.umask(0o117 if group_gid is not None else 0o177)
     try:

@@ -19,6 +19,7 @@ Which requests take it, and which read their body (docs/architecture.md, "Two pa
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ..answers import Answered
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER
@@ -36,9 +37,10 @@ WHY = ("policy", "method", "encoded", "api", "no_session", "new_session", "model
        "home_declined")
 
 
-def turn(brain, headers: dict[str, str], now: float) -> tuple[str | None, RequestProfile | None,
-                                                                       Resolution | None]:
-    """(None, its profile, its model's resolution) for a turn the headers may decide; (why not, None, None) else."""
+def turn(brain, headers: dict[str, str], now: float, **more: Any) -> tuple[str | None, RequestProfile | None,
+                                                                                   Resolution | None]:
+    """(None, its profile, its model's resolution) for a turn the headers may decide; (why not, None, None) else.
+    ``more``: further fields of its profile (flow control's), set in the one copy made of it."""
     router = brain.router
     if not router.policy.decides_at_headers:
         return "policy", None, None
@@ -66,7 +68,7 @@ def turn(brain, headers: dict[str, str], now: float) -> tuple[str | None, Reques
     bound = models.max_model_len(res.model)
     profile = dataclasses.replace(
         profile, model=res.model, adapter=res.model if models.is_adapter(res.model) else None,
-        tokens=min(profile.tokens, bound) if bound is not None else profile.tokens)
+        tokens=min(profile.tokens, bound) if bound is not None else profile.tokens, **more)
     return None, profile, res
 
 

@@ -266,7 +266,7 @@ class BrainServer:
         self.source: Source | None = None
         self.tasks: list[asyncio.Task] = []
         self.readying: asyncio.Task | None = None
-        self.runners: list[web.AppRunner] = []
+        self.runners: list[web.BaseRunner] = []
         self.info: dict = {}
         self.processor: ExternalProcessor | None = None  # the ext_proc front (the header door asks it too)
         self.ready = False  # SERVING: the header door's health check says so too

@@ -54,7 +54,11 @@ def test_one_replica_naming_90000_engines_is_ejected_alone_and_the_healthy_fleet
     off the event loop, and the others never leave LIVE."""
     from bench.faults.hostile import MANY_ENGINES_METRICS
 
-    with Stack(3, config={"health": {"scrape_interval_s": 0.5, "probing_clean_window_s": 1.0}},
+    # a scrape counts as missed after 4 s (8 intervals), not the default 1.5: on a loaded machine (make test's
+    # three workers beside the no-process tests) a starved brain once let all three healthy scrapes go 1.5 s stale,
+    # which says nothing of the hostile page; the stall this test was written for was 4.2 s on every scrape
+    with Stack(3, config={"health": {"scrape_interval_s": 0.5, "probing_clean_window_s": 1.0,
+                                     "stale_scrape_intervals": 8.0}},
                mock_args=["--speedup", "20"]) as s:
         s.wait_all_live(30)
         pid = s.brain.popen.pid

@@ -9,6 +9,7 @@ and clears the route cache so Envoy re-routes.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import AsyncIterator, Awaitable, Callable
 
 
@@ -37,6 +38,7 @@ from ..contract import (
 from ..answers import Answered, Held, Placed
 from ..core.apis import KV_TRANSFER_KEY
 from ..core.profile import BODY_KV_TRANSFER_KEY, BODY_MODEL_KEY, BODY_SESSION_PREFIX, declared_size
+from . import logs
 from .intake import CALL_BYTES, Intake
 from .legs import Legs
 from ..picker.messages import header_value, headers_of, render, wait_longer
@@ -149,8 +151,12 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
                  look: "Callable[[dict[str, str], float, float | None], Answered | None] | None" = None,
                  intake: Intake | None = None, legs_s: float = 35.0,
-                 at_headers: "Callable[[dict[str, str]], Placed | Answered | None] | None" = None):
+                 at_headers: "Callable[[dict[str, str]], Placed | Answered | None] | None" = None,
+                 faults: "Counter[str] | None" = None):
         self.decide = decide
+        # calls whose decision raised, by call: counted and logged by the error's kind, and the call ended with a
+        # status Envoy fails open on (failure_mode_allow), instead of grpcio's traceback and nothing to alert on
+        self.faults: Counter[str] = faults if faults is not None else Counter()
         self.big_body_bytes = big_body_bytes  # envoy.brain_body_max_bytes: such bodies are never sent
         self.open_calls = 0  # calls read and not yet answered: past BEHIND, the brain is behind a burst
         # flow control: how to wait for a held request's answer, and to give it up when Envoy closes the call
@@ -189,20 +195,30 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest], context) -> None:
         tags = (context.invocation_metadata() or ()) if self.at_headers is not None or self.look is not None else ()
         if self.at_headers is not None and HEADER_PATH_METADATA in tags:
-            await self._header_path(context)
+            await self._guarded("header", self._header_path(context), context)
             return
         if self.look is not None and LOOK_METADATA in tags:
-            await self._look(context)
+            await self._guarded("look", self._look(context), context)
             return
         self.open_calls += 1
         if self.intake is not None:
             self.intake.opened(context)
         try:
-            await self._process(context)
+            await self._guarded("body", self._process(context), context)
         finally:
             self.open_calls -= 1
             if self.intake is not None:
                 self.intake.closed(context)
+
+    async def _guarded(self, call: str, work: Awaitable[None], context) -> None:
+        """``work``, a fault in it counted and logged by its kind (never its message: it may quote a request), and
+        the call ended with INTERNAL: Envoy routes the request without the brain, as it would a dead one."""
+        try:
+            await work
+        except Exception as e:  # a bug must cost one request its decision, and say so; never the stream's traceback
+            self.faults[call] += 1
+            logs.event("loop_error", loop=f"ext_proc_{call}", error=type(e).__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "the brain could not decide this request")
 
     async def _header_path(self, context) -> None:
         """``warmroute.header_path``: a request's headers before its body. Answered at once: its route (the body then

@@ -15,6 +15,7 @@ one's sibling with its permissions: whoever reaches it can open reservations.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -80,7 +81,7 @@ def respond(out: "Placed | Answered | None") -> web.Response:
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
-def door_app(ask: Ask, ready: Callable[[], bool]) -> Handler:
+def door_app(ask: Ask, ready: Callable[[], bool], faults: "Counter[str] | None" = None) -> Handler:
     """The door's request handler: ``ask`` decides a header call, ``ready`` says whether the brain serves yet. Served
     by aiohttp's low-level server: one handler for every path, no router or middleware to pass through (a turn
     under way pays this door's CPU on every call)."""
@@ -94,6 +95,8 @@ def door_app(ask: Ask, ready: Callable[[], bool]) -> Handler:
         try:
             return respond(ask(headers))
         except Exception as e:  # the request goes on to the body path: a fault here must not answer the client
+            if faults is not None:
+                faults["door"] += 1
             logs.event("loop_error", loop="header_door", error=type(e).__name__)
             return web.Response(status=500)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -60,6 +60,14 @@ WARM_VIEW = {
 
 MAX_TENANT_SERIES = 200  # tenants by their hash, the most spent first: a series per API key would be unbounded
 
+
+
+def _by_label(name: str, doc: str, label: str, counts: "Mapping[str, float]") -> CounterMetricFamily:
+    """A counter family of one label, a series for each key counted so far."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in sorted(counts.items()):
+        family.add_metric([key], n)
+    return family
 
 def _tenants(caps) -> Iterable[Metric]:
     """Per tenant (its hash, as flow control counts it), what its token cap counted and refused."""
@@ -226,6 +234,9 @@ class BrainCollector(Collector):
                                 "the replica set is frozen at the last good one", value=b.discovery_up)
         yield CounterMetricFamily("warmroute_discovery_changes", "Replica sets discovery applied",
                                   value=b.discovery_changes)
+        yield _by_label("warmroute_call_faults", "Envoy's calls whose decision raised in the brain, by call (body, "
+                        "header, look, door): each request went on without the brain (failure_mode_allow); the brain's "
+                        "log names the error", "call", b.call_faults)
         yield CounterMetricFamily("warmroute_reservations_released_envoy_gone",
                                   "Reservations released because every access-log stream from Envoy closed (it died "
                                   "or restarted)", value=b.released_envoy_gone)
@@ -288,12 +299,9 @@ class BrainCollector(Collector):
         yield GaugeMetricFamily("warmroute_flow_held_requests", "Requests flow control holds in the brain (every "
                                 "replica saturated for them); 0 while flow_control is off",
                                 value=len(r.flow) if r.flow is not None else 0)
-        refused = CounterMetricFamily("warmroute_flow_refused", "Requests flow control answered 429 with Retry-After, "
-                                      "by reason (queue_full, waited_too_long, deadline_unmeetable, router_behind, "
-                                      "tenant_over_cap)", labels=["reason"])
-        for why, n in sorted(b.flow_refused.items()):
-            refused.add_metric([why], n)
-        yield refused
+        yield _by_label("warmroute_flow_refused", "Requests flow control answered 429 with Retry-After, by reason "
+                        "(queue_full, waited_too_long, deadline_unmeetable, router_behind, tenant_over_cap)", "reason",
+                        b.flow_refused)
         yield from _tenants(r.caps)
         depth = GaugeMetricFamily("warmroute_flow_queue_depth", "Requests held, by class (critical, standard, "
                                   "sheddable)", labels=["class"])

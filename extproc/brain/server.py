@@ -291,7 +291,8 @@ class BrainServer:
                                   early_reach=brain.picks.early_reach, connectors=brain.picks.connectors).Process
         self.processor = ExternalProcessor(brain.decide, cfg.envoy.brain_body_max_bytes, waits.wait, waits.cancel,
                                            held_s(cfg), brain.look, Intake(first_answer_s(cfg), brain.clock),
-                                           legs_s(cfg), brain.at_headers if cfg.envoy.header_path else None)
+                                           legs_s(cfg), brain.at_headers if cfg.envoy.header_path else None,
+                                           brain.stats.call_faults)
         return self.processor.Process
 
     def _envoy_gone(self, released: int) -> None:
@@ -333,8 +334,8 @@ class BrainServer:
         if door is None or processor is None or processor.at_headers is None:
             return
         claim_socket_path(door, b.grpc_socket_group)
-        self.runners.append(await serve_door(door_app(processor.at_header_call, lambda: self.ready), door,
-                                             _gid(b.grpc_socket_group) if b.grpc_socket_group else None))
+        handler = door_app(processor.at_header_call, lambda: self.ready, processor.faults)
+        self.runners.append(await serve_door(handler, door, _gid(b.grpc_socket_group) if b.grpc_socket_group else None))
         self.door = door
 
     async def _hup(self) -> None:

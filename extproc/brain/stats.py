@@ -72,6 +72,8 @@ class SharedStats:
 class BrainStats:
     def __init__(self, replica_names: Iterable[str] = ()):
         self.decisions: Counter[tuple[str, str]] = Counter()  # (replica, reason)
+        # calls whose decision raised, by call (body, header, look, door): Envoy routed each without the brain
+        self.call_faults: Counter[str] = Counter()
         self.decisions_by_pin: Counter[str] = Counter()  # pin kind resolved, or "none"
         self.pin_events: Counter[tuple[str, str, str]] = Counter()  # (action, kind, cause)
         self.bodies: Counter[str] = Counter()  # body status: how much traffic is routed by headers only

@@ -83,6 +83,12 @@ def decision_or_failed_open(stack: Stack, rid: str, failed_open_before: int) -> 
         if e.code != 404:
             raise
     assert stack.envoy_stats().get(FAILED_OPEN, 0) > failed_open_before, f"no decision for {rid}, none failed open"
+    # late, not broken: a decision that raised also fails open (every disaggregated round did so once, a bug the
+    # rounds' tolerance hid for a session)
+    with urllib.request.urlopen(stack.brain_metrics, timeout=5) as r:
+        faults = [line for line in r.read().decode().splitlines()
+                  if line.startswith("warmroute_call_faults_total") and not line.endswith(" 0.0")]
+    assert not faults, f"the brain's decisions raised: {faults} (its log names the error)"
     return None
 
 

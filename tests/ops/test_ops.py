@@ -33,7 +33,7 @@ def test_alert_rules_are_valid_and_each_alert_fires_and_stays_quiet_in_promtool_
         for a in t["alert_rule_test"]:
             by_alert.setdefault(a["alertname"], set()).add(bool(a["exp_alerts"]))
     rules = [r["alert"] for g in yaml.safe_load((OPS / "alerts.yaml").read_text())["groups"] for r in g["rules"]]
-    assert len(rules) == 11
+    assert len(rules) == 12
     for name in rules:
         assert by_alert.get(name) == {True, False}, f"{name} must be tested both fired and not fired"
 

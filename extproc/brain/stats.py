@@ -19,6 +19,9 @@ _BUCKET_S = 10.0
 SCRAPE_RESULTS = ("ok", "failed")
 
 
+# the brain's calls from Envoy, as warmroute_call_faults_total{call} names them
+CALLS = ("body", "header", "look", "door")
+
 class DecisionWindow:
     """Decisions per replica over the last 5 minutes, in 10 s buckets (for the imbalance index)."""
 
@@ -73,7 +76,7 @@ class BrainStats:
     def __init__(self, replica_names: Iterable[str] = ()):
         self.decisions: Counter[tuple[str, str]] = Counter()  # (replica, reason)
         # calls whose decision raised, by call (body, header, look, door): Envoy routed each without the brain
-        self.call_faults: Counter[str] = Counter()
+        self.call_faults: Counter[str] = Counter(dict.fromkeys(CALLS, 0))  # every series from the start, at 0
         self.decisions_by_pin: Counter[str] = Counter()  # pin kind resolved, or "none"
         self.pin_events: Counter[tuple[str, str, str]] = Counter()  # (action, kind, cause)
         self.bodies: Counter[str] = Counter()  # body status: how much traffic is routed by headers only

@@ -268,6 +268,8 @@ def test_every_pin_action_has_a_metric_family_and_every_series_starts_at_zero():
     for status in BodyStatus:
         assert f'warmroute_request_bodies_total{{status="{status}"}} 0.0' in text
     assert 'warmroute_rebinds_total{cause="cost",kind="session"} 0.0' in text
+    for call in ("body", "header", "look", "door"):  # an alert on their increase needs the series before any fault
+        assert f'warmroute_call_faults_total{{call="{call}"}} 0.0' in text
 
 
 def test_bodies_are_counted_by_status_so_header_only_routing_is_visible(brain):

@@ -520,7 +520,10 @@ def test_learned_rates_move_to_the_engines_own_histograms(fleet):
         prefill_band = (r0 / (1 + k_p * BURST_CONCURRENCY), r0)
         decode_band = (d0, d0 * (1 + k_d * BURST_CONCURRENCY))
         assert _off(prefill, prefill_band) < abs(w.prefill_tokens_per_s - prefill), (prefill_band, prefill)
-        assert _off(dec, decode_band) < abs(w.decode_s_per_token - dec), (decode_band, dec)
+        # the decode prior (0.2 s) is distant from an engine decoding in 2.5-4 ms, not from one in 70-320 ms (vLLM's
+        # CPU backend without AVX-512, 2026-12-06: 163 ms): "nearer than the prior" tells nothing apart there
+        if not 0.5 < dec / w.decode_s_per_token < 2.0:
+            assert _off(dec, decode_band) < abs(w.decode_s_per_token - dec), (decode_band, dec)
 
 
 def _off(x: float, band: tuple[float, float]) -> float:

@@ -61,13 +61,13 @@ WARM_VIEW = {
 MAX_TENANT_SERIES = 200  # tenants by their hash, the most spent first: a series per API key would be unbounded
 
 
-
 def _by_label(name: str, doc: str, label: str, counts: "Mapping[str, float]") -> CounterMetricFamily:
     """A counter family of one label, a series for each key counted so far."""
     family = CounterMetricFamily(name, doc, labels=[label])
     for key, n in sorted(counts.items()):
         family.add_metric([key], n)
     return family
+
 
 def _tenants(caps) -> Iterable[Metric]:
     """Per tenant (its hash, as flow control counts it), what its token cap counted and refused."""

@@ -22,6 +22,7 @@ SCRAPE_RESULTS = ("ok", "failed")
 # the brain's calls from Envoy, as warmroute_call_faults_total{call} names them
 CALLS = ("body", "header", "look", "door")
 
+
 class DecisionWindow:
     """Decisions per replica over the last 5 minutes, in 10 s buckets (for the imbalance index)."""
 

@@ -382,17 +382,20 @@ class Router:
             return self._shared(self._fallback(profile, now, only), profile, now)
         assert d.replica is not None  # a policy's decision names its replica, or is None
         d.reservation = self._reserve(d.replica, profile, now)
-        pd = self.cfg.disaggregation
-        if pd.enabled and self.disaggregates and d.reason is not Reason.HOLDER:
-            prefills = self.prefill_pool(only)
-            if prefills:
-                d.prefill = self.policy.plan_prefill(d, prefills, profile, now)
+        try:  # a fault past the booking gives it back: its request goes on without the brain, and nothing names it
+            if self.cfg.disaggregation.enabled and self.disaggregates and d.reason is not Reason.HOLDER:
+                prefills = self.prefill_pool(only)
+                d.prefill = self.policy.plan_prefill(d, prefills, profile, now) if prefills else None
                 if d.prefill is not None:
                     d.predicted_ttft_s = d.prefill.ttft
                     d.prefill_reservation = self._reserve(d.prefill.replica, profile, now)
                     self.policy.on_prefill_reserved(d, profile, now)
-        d.reservation.predicted_ttft_s = d.predicted_ttft_s
-        self.policy.on_reserved(d, profile, now)
+            d.reservation.predicted_ttft_s = d.predicted_ttft_s
+            self.policy.on_reserved(d, profile, now)
+        except BaseException:
+            self.release(d.prefill_reservation, now)
+            self.release(d.reservation, now)
+            raise
         return self._shared(d, profile, now)
 
     def over_cap(self, tenant: str | None, priority: int, now: float) -> float | None:
@@ -561,10 +564,7 @@ class Router:
 
     def release_started_before(self, t: float, now: float) -> int:
         """Release every open reservation made before ``t`` (the Envoy that carried them is gone); how many."""
-        n = 0
-        for r in self.reservations.started_before(t):
-            n += self.release(r, now)
-        return n
+        return sum(self.release(r, now) for r in self.reservations.started_before(t))
 
     def reservation(self, rid: int) -> Reservation | None:
         """The open reservation with id ``rid`` (None once released)."""
@@ -580,14 +580,8 @@ class Router:
         """Replica table for admin views and the demo (O(pins): not for the request path)."""
         s = self.session_pins.count_by_replica()
         p = self.prefix_pins.count_by_replica()
-        out = []
-        for r in self._replicas:
-            d = r.snapshot()
-            d["candidate_decisions"] = self.candidate_decisions(r)
-            d["session_pins"] = s.get(r.name, 0)
-            d["prefix_pins"] = p.get(r.name, 0)
-            out.append(d)
-        return out
+        return [{**r.snapshot(), "candidate_decisions": self.candidate_decisions(r), "session_pins": s.get(r.name, 0),
+                 "prefix_pins": p.get(r.name, 0)} for r in self._replicas]
 
 
 _OFFER_SCAN = 32  # held requests an offer looks at, in order

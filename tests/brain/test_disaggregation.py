@@ -43,6 +43,24 @@ def test_a_prefill_replica_never_takes_a_whole_request():
     assert chosen <= {"r2", "r3"} and chosen
 
 
+@pytest.mark.parametrize("fails_in", ["plan_prefill", "on_reserved"])
+def test_a_placement_that_raises_after_its_booking_gives_the_booking_back(fails_in):
+    """A fault between the reservation and the end of the placement (the P/D pricing's UnboundLocalError, 2026-12-06)
+    fails the call open: Envoy routes the request without the brain's header, and no access-log entry will ever
+    name the reservation. It must not stay charged to the replica for the hour of reservation_timeout_s."""
+    router, t = pd_router(4)
+    busy(router, t, ("r1", "r2", "r3"))
+
+    def boom(*_a, **_k):
+        raise UnboundLocalError("kp")
+
+    setattr(router.policy, fails_in, boom)
+    with pytest.raises(UnboundLocalError):
+        router.select(long_prompt(), t)
+    assert router.open_reservations == 0
+    assert all(r.in_flight_requests == 0 and r.wlc_milli == 0 for r in router.replicas)
+
+
 def test_a_long_prompt_beside_running_decodes_goes_to_the_idle_prefill_replica():
     router, t = pd_router(4)
     busy(router, t, ("r1", "r2", "r3"))

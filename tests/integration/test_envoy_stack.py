@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from extproc.contract import FALLBACK_CLUSTER
-from extproc.tools.stack.local import wait_for
+from extproc.tools.stack.local import http_get, wait_for
 
 from .conftest import quiet
 
@@ -293,6 +293,10 @@ def test_every_reservation_is_released_after_disconnects_and_cut_streams(own_sta
     assert all(r["wlc_in_flight"] == 0 for r in st["replicas"]), st["replicas"]
     assert all(r["in_flight_requests"] == 0 for r in st["replicas"])
     assert st["safety_timeouts"] == 0
+    # a client's reset or cut is an ending, not a fault of the brain's (warmroute_call_faults_total alerts on faults)
+    faults = [line for line in http_get(s.brain_metrics).decode().splitlines()
+              if line.startswith("warmroute_call_faults_total") and not line.endswith(" 0.0")]
+    assert not faults, faults
 
 
 def test_a_killed_replica_is_retried_elsewhere_then_ejected_by_scraping_and_recovers(own_stack):

@@ -102,4 +102,13 @@ def _flow_state(brain) -> dict | None:
             "refused": dict(brain.stats.flow_refused), "abandoned": dict(brain.stats.flow_abandoned),
             # the look before a large body's upload: how far behind the brain may read before it refuses new
             # sessions (a turn of the sessions under way, predicted; half Envoy's first timer with none)
-            "look_bound_s": round(brain.look_bound_s(brain.clock()), 4)}
+            "look_bound_s": round(brain.look_bound_s(brain.clock()), 4),
+            # what a new session's first turn counts at in the working sets that hold new sessions (the learned share
+            # of new sessions that came back; a session back counts in full): below 1, more sessions are let in
+            # than all their contexts would fit
+            "returning_share": _returning_share(brain)}
+
+
+def _returning_share(brain) -> float | None:
+    sessions = getattr(brain.router.policy, "sessions", None)
+    return round(sessions.return_share, 3) if sessions is not None else None

@@ -484,3 +484,29 @@ def test_behind_a_burst_the_brain_extends_envoy_s_timer_before_it_decides():
     assert burst[0].override_message_timeout.seconds == 35
     assert run(0, 35.0) == [decided]  # not behind: one message, as before
     assert run(dc.BEHIND, 0.0) == [decided]  # no flow control (no max_message_timeout in Envoy): nothing to extend
+
+
+def test_state_shows_the_returning_share_a_first_turn_counts_at_once_sessions_stop_coming_back():
+    """/state says what the working sets count a first turn at: an operator (and a test) whose new sessions are let in
+    beside full caches reads why there (issue 43's learned share of sessions that came back)."""
+    from extproc.core import LIVE
+
+    t = [1000.0]
+    cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8000 + i}"} for i in range(2)],
+                        "warm": {"active_session_s": 5}})
+    b = Brain(cfg, clock=lambda: t[0])
+    for k in range(7):
+        t[0] = 1000.0 + 3 * k
+        for r in cfg.replicas:
+            b.router.on_scrape(r.name, True, t[0])
+    assert all(r.state is LIVE for r in b.router.replicas)
+    assert b.state()["flow_control"]["returning_share"] == 1.0  # nothing seen: new sessions are expected back
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there " * 50}]})
+    for k in range(30):  # a session id per call: each leaves the active set unreturned
+        t[0] += 6
+        for r in cfg.replicas:  # fresh scrapes: the fleet stays LIVE as time passes
+            b.router.on_scrape(r.name, True, t[0])
+        h = headers_of(envoy_decide(b, {":method": "POST", ":path": "/v1/chat/completions",
+                                        "x-session-id": f"once{k}", "x-request-id": f"q{k}"}, body))
+        b.on_log_entry(entry(f"q{k}", h[RESERVATION_HEADER], upstream=8000 + int(h[ROUTING_HEADER][1:])))
+    assert b.state()["flow_control"]["returning_share"] < 0.5

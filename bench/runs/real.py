@@ -94,8 +94,9 @@ class Row(Measured):
     brain_share: float | None = None
     max_share: float = float("nan")  # the busiest replica's share of the requests over a fair share
     # warmroute: per replica, the brain's learned prefill tokens/s and decode s/token at the end of the run against
-    # the engine's own histograms over the run: (learned prefill, true prefill, learned decode, true decode)
-    rates: list[tuple[float, float, float, float]] = dataclasses.field(default_factory=list)
+    # the engine's own histograms over the run: (learned prefill, true prefill, learned decode, true decode, the
+    # run's mean batch, the learned prefill and decode at that batch)
+    rates: list[tuple[float, ...]] = dataclasses.field(default_factory=list)
     hits: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # each answer's (cached, prompt) tokens
     not_engine: float = float("nan")  # of the mean TTFT, the share the engines did not see
     header_share: float | None = None  # warmroute: the share of its decisions taken at the headers (issue 61)
@@ -163,11 +164,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             row.joined = [d for d in decisions if d.get("observed_ttft_s") is not None]
             for rep, before in zip(replicas, h0):
                 d = {k: v - before[k] for k, v in histogram_sums(http_get(rep.url + "/metrics", 5).decode()).items()}
-                mine = learned.get(rep.name, {})
-                row.rates.append((mine.get("prefill_tokens_per_second", float("nan")),
-                                  d["prefill_tokens"] / d["prefill_seconds"] if d["prefill_seconds"] else float("nan"),
-                                  mine.get("decode_seconds_per_token", float("nan")),
-                                  d["decode_seconds"] / d["decode_tokens"] if d["decode_tokens"] else float("nan")))
+                row.rates.append(learned_rates(learned.get(rep.name, {}), d, elapsed))
     finally:
         run.stop()
     ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
@@ -193,6 +190,21 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         row.pace = (f"{row.not_engine:.0%} of the mean TTFT was not the engines' (client, router, Envoy, HTTP): "
                     f"the run measured the machine")
     return row
+
+
+def learned_rates(mine: dict, d: dict[str, float], elapsed: float) -> tuple[float, ...]:
+    """One replica's learned rates beside the engine's own over a run (``d``: its histograms' deltas). The brain
+    learns a line in the batch (``core.load.BatchFit``: the rate beside no other request, and a slowdown per request
+    running beside it); the engine's means are over the batches the run had. So the line is also read at the run's
+    mean batch: the requests the engine ran at once on average, its prefill and decode seconds over the run's
+    (Little's law; time-weighted, so a little below the batch an average token saw)."""
+    nan = float("nan")
+    prefill, decode = mine.get("prefill_tokens_per_second", nan), mine.get("decode_seconds_per_token", nan)
+    batch = (d["prefill_seconds"] + d["decode_seconds"]) / elapsed if elapsed > 0 else nan
+    return (prefill, d["prefill_tokens"] / d["prefill_seconds"] if d["prefill_seconds"] else nan,
+            decode, d["decode_seconds"] / d["decode_tokens"] if d["decode_tokens"] else nan, batch,
+            prefill / (1.0 + mine.get("prefill_slowdown_per_running_request", 0.0) * batch),
+            decode * (1.0 + mine.get("decode_slowdown_per_running_request", 0.0) * batch))
 
 
 def joined_predictions(decisions: list[dict]) -> list[tuple[float, float]]:
@@ -341,13 +353,15 @@ def table(rows: list[Row]) -> str:
         lines.append(f"| all | | {len(pooled)} | {mape:.2f} | {bias:+.0%} | | |")
     learned = [r for r in rows if r.rates]
     if learned:
-        lines += ["", "warmroute's learned rates at the end of each run (beside no other request) against the engines' "
-                  "own histograms over the run (prefill tokens/s, decode ms/token; learned / engine), per replica:", "",
+        lines += ["", "warmroute's learned rates at the end of each run against the engines' own histograms over the "
+                  "run (prefill tokens/s, decode ms/token; learned / engine), per replica: the learned line read at the "
+                  "run's mean batch (the requests each engine ran at once on average), then beside no other request:",
+                  "",
                   "| seed | " + " | ".join(f"r{i}" for i in range(len(learned[0].rates))) + " |",
                   "|---|" + "---|" * len(learned[0].rates)]
         for r in learned:
-            cells = [f"prefill {lp:.0f} / {tp:.0f}, decode {ld * 1000:.1f} / {td * 1000:.1f}"
-                     for lp, tp, ld, td in r.rates]
+            cells = [f"prefill {bp:.0f} / {tp:.0f}, decode {bd * 1000:.1f} / {td * 1000:.1f} at batch {b:.1f} "
+                     f"(none: {lp:.0f}, {ld * 1000:.1f})" for lp, tp, ld, td, b, bp, bd in r.rates]
             lines.append(f"| {r.seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -76,3 +76,21 @@ def test_the_prediction_error_is_read_from_the_brain_s_joined_decisions():
     row = _row("warmroute", 1.0)
     row.predictions = pairs
     assert "| 1 | warmroute | 2 | 0.50 | +50% |" in table([row])
+
+
+def test_learned_rates_are_also_read_at_the_run_s_mean_batch_the_engine_s_means_were_measured_over():
+    """On CPU engines the decode line's rate beside no request (12.9 ms) was printed beside the engine's mean over
+    batches of ~8 (123 ms) as if 10x off; the line read at the run's mean batch is what the engine's mean is."""
+    from bench.runs.real import learned_rates, table
+
+    mine = {"prefill_tokens_per_second": 1500.0, "decode_seconds_per_token": 0.0129,
+            "prefill_slowdown_per_running_request": 0.1, "decode_slowdown_per_running_request": 1.0}
+    # 60 s of run: 30 s of prefill and 450 s of decode summed over its requests: 8 running at once on average
+    d = {"prefill_tokens": 36_000.0, "prefill_seconds": 30.0, "decode_tokens": 3_700.0, "decode_seconds": 450.0}
+    lp, tp, ld, td, batch, bp, bd = learned_rates(mine, d, 60.0)
+    assert (lp, ld) == (1500.0, 0.0129) and tp == pytest.approx(1200.0) and td == pytest.approx(450 / 3700)
+    assert batch == pytest.approx(8.0)
+    assert bp == pytest.approx(1500 / 1.8) and bd == pytest.approx(0.0129 * 9)
+    row = Row("warmroute", 1)
+    row.rates = [(lp, tp, ld, td, batch, bp, bd)]
+    assert "decode 116.1 / 121.6 at batch 8.0 (none: 1500, 12.9)" in table([row])

@@ -354,9 +354,9 @@ def table(rows: list[Row]) -> str:
     learned = [r for r in rows if r.rates]
     if learned:
         lines += ["", "warmroute's learned rates at the end of each run against the engines' own histograms over the "
-                  "run (prefill tokens/s, decode ms/token; learned / engine), per replica: the learned line read at the "
-                  "run's mean batch (the requests each engine ran at once on average), then beside no other request:",
-                  "",
+                  "run (prefill tokens/s, decode ms/token; learned / engine), per replica: the learned line read at "
+                  "the run's mean batch (the requests each engine ran at once on average), then beside no other "
+                  "request:", "",
                   "| seed | " + " | ".join(f"r{i}" for i in range(len(learned[0].rates))) + " |",
                   "|---|" + "---|" * len(learned[0].rates)]
         for r in learned:

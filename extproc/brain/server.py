@@ -28,7 +28,7 @@ from .files import check_private_dir
 from .brain import Brain
 from .intake import Intake
 from .decide import ExternalProcessor
-from .header_door import door_app, serve_door
+from .header_door import Door, door_app, serve_door
 from .release import AccessLogService
 from .shared import SharedState
 from .wire import add_service
@@ -266,7 +266,7 @@ class BrainServer:
         self.source: Source | None = None
         self.tasks: list[asyncio.Task] = []
         self.readying: asyncio.Task | None = None
-        self.runners: list[web.BaseRunner] = []
+        self.runners: list[web.BaseRunner | Door] = []  # each has its cleanup()
         self.info: dict = {}
         self.processor: ExternalProcessor | None = None  # the ext_proc front (the header door asks it too)
         self.ready = False  # SERVING: the header door's health check says so too

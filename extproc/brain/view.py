@@ -106,9 +106,4 @@ def _flow_state(brain) -> dict | None:
             # what a new session's first turn counts at in the working sets that hold new sessions (the learned share
             # of new sessions that came back; a session back counts in full): below 1, more sessions are let in
             # than all their contexts would fit
-            "returning_share": _returning_share(brain)}
-
-
-def _returning_share(brain) -> float | None:
-    sessions = getattr(brain.router.policy, "sessions", None)
-    return round(sessions.return_share, 3) if sessions is not None else None
+            "returning_share": None if (share := brain.router.policy.returning_share()) is None else round(share, 3)}

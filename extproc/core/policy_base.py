@@ -120,6 +120,11 @@ class Policy:
         """What the policy believes of a replica, for metrics and /state (None: nothing of its own)."""
         return None
 
+    def returning_share(self) -> float | None:
+        """What a new session's first turn counts at in the working sets flow control protects (the learned share of
+        new sessions that came back), for /state (None: the policy keeps no working set)."""
+        return None
+
     def caches_reset(self, name: str, now: float) -> None:
         """Replica ``name``'s engines emptied their prefix caches (an operator's word)."""
 

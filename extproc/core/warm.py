@@ -388,6 +388,9 @@ class WarmPolicy(Policy):
         if profile.session_key is not None and not profile.provisional:
             self.sessions.place(profile.session_key, st, b.prompt, now, d.prefix, d.cached_tokens)
 
+    def returning_share(self) -> float | None:
+        return self.sessions.return_share
+
     def on_arrived(self, res: Reservation, now: float) -> None:
         b = res.booking
         if not isinstance(b, Booking) or b.deferred is None:
@@ -485,14 +488,11 @@ class WarmPolicy(Policy):
         return st.index if st is not None and st.prefix_caching else None
 
 
+# warm_no_index: session pins only (what a cost model knows without a prefix index); warm_no_interference: the
+# default before the interference term and the fit rule (docs/routing.md)
 WARM_VARIANTS = {
-    "warm": {},
-    "warm_no_externality": {"externality": False},
-    "warm_no_guard": {"guard": False},
-    "warm_no_index": {"index": False},  # session pins only: what a cost model knows without a prefix index
-    "warm_no_decode": {"decode": False},
-    "warm_no_kv_risk": {"kv_risk": False},
-    # the default before the interference term and the fit rule (docs/routing.md)
+    "warm": {}, "warm_no_externality": {"externality": False}, "warm_no_guard": {"guard": False},
+    "warm_no_index": {"index": False}, "warm_no_decode": {"decode": False}, "warm_no_kv_risk": {"kv_risk": False},
     "warm_no_interference": {"interference": False},
 }
 

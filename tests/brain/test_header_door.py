@@ -114,3 +114,36 @@ def test_the_door_is_beside_the_grpc_socket_or_nowhere():
     assert header_door_socket("/run/warmroute/brain.sock") == "/run/warmroute/brain.headers.sock"
     assert header_door_socket("/run/w.d/brain") == "/run/w.d/brain.headers"
     assert header_door_socket("/" + "d" * 96 + "/b.sock") is None  # too long for a socket: the header path uses gRPC
+
+
+def test_what_the_parser_refuses_or_headers_past_the_bound_fail_open_and_close_the_connection():
+    """Anything but a well-formed call (a bad request line, headers past MAX_HEADER_BYTES) is ext_authz's error, never a
+    4xx the client would get; a call after it on the same connection is not read."""
+    from extproc.brain.header_door import MAX_HEADER_BYTES
+
+    async def raw(data: bytes) -> bytes:
+        d = tempfile.mkdtemp(prefix="door-")
+        path = os.path.join(d, "brain.headers.sock")
+        door = await serve_door(door_app(lambda h: Placed("r0", "1.a"), lambda: True), path, None)
+        try:
+            reader, writer = await asyncio.open_unix_connection(path)
+            writer.write(data)
+            await writer.drain()
+            got = await asyncio.wait_for(reader.read(), 10)  # to EOF: the door closed the connection
+            writer.close()
+            return got
+        finally:
+            await door.cleanup()
+            os.unlink(path)
+            os.rmdir(d)
+
+    call_ = (f"POST {HEADER_DOOR_PREFIX}/v1/chat/completions HTTP/1.1\r\nhost: b\r\ncontent-length: 0\r\n\r\n").encode()
+    got = asyncio.run(raw(b"NOT HTTP AT ALL\r\n\r\n" + call_))
+    assert got.startswith(b"HTTP/1.1 500 ") and got.count(b"HTTP/1.1") == 1
+    long = (f"POST {HEADER_DOOR_PREFIX}/v1/chat/completions HTTP/1.1\r\nx-session-id: {'s' * (MAX_HEADER_BYTES + 1)}"
+            "\r\ncontent-length: 0\r\n\r\n").encode()
+    got = asyncio.run(raw(long + call_))
+    assert got.startswith(b"HTTP/1.1 500 ") and got.count(b"HTTP/1.1") == 1
+    # and a well-formed call that asks to close is answered, then closed
+    got = asyncio.run(raw(call_.replace(b"host: b", b"host: b\r\nconnection: close")))
+    assert got.startswith(b"HTTP/1.1 200 ") and ROUTING_HEADER.encode() + b": r0" in got

@@ -38,8 +38,13 @@ def post(url: str, sid: str, turn: int, timeout: float = 30.0) -> str:
         return json.loads(r.read())["system_fingerprint"]
 
 
-def conversations(urls: list[str], tag: str, sessions: int = 7, turns: int = 5) -> int:
-    """Sessions whose turns alternate between the Envoys; how many turns landed away from the session's home."""
+def conversations(brains, tag: str, sessions: int = 7, turns: int = 5) -> int:
+    """Sessions whose turns alternate between the Envoys; how many turns landed away from the session's home. Each
+    session's next turn is sent once every brain has its home (the others through Redis): what is shared, not how
+    soon (a loaded machine once took longer to carry a home over than five other turns took: 2 of 10 turns moved)."""
+    urls = brains.urls
+    pins = lambda: [x.state()["session_pins"] for x in brains.stacks]  # noqa: E731
+    before = pins()
     homes: dict[str, str] = {}
     moved = 0
     i = 0
@@ -50,6 +55,9 @@ def conversations(urls: list[str], tag: str, sessions: int = 7, turns: int = 5) 
             i += 1
             moved += sid in homes and homes[sid] != served
             homes[sid] = served
+        if turn == 0:
+            wait_for(lambda: all(n >= b + sessions for n, b in zip(pins(), before)), 20,
+                     f"every brain to know the {sessions} new homes")
     return moved
 
 
@@ -123,7 +131,7 @@ def pairs():
 
 def test_sessions_alternating_envoys_stay_home_because_the_brains_share_state(pairs):
     # each brain alone would place a session it has not seen by its own round-robin: turns would move
-    assert conversations(pairs.urls, "alt") == 0
+    assert conversations(pairs, "alt") == 0
     for s in pairs.stacks:
         assert metric(s, "warmroute_shared_state_up") == 1
         assert metric(s, "warmroute_shared_state_events_applied_total") > 0
@@ -181,7 +189,7 @@ def test_redis_killed_mid_load_fails_no_client_and_sharing_comes_back(pairs):
         assert metric(s, 'warmroute_shared_state_failures_total{kind="connect"}') \
             + metric(s, 'warmroute_shared_state_failures_total{kind="timeout"}') \
             + metric(s, 'warmroute_shared_state_failures_total{kind="error"}') >= 1
-    assert conversations(pairs.urls, "after-redis") == 0  # new sessions shared again
+    assert conversations(pairs, "after-redis") == 0  # new sessions shared again
 
 
 def released(pairs, what: str) -> None:
@@ -329,7 +337,7 @@ def test_an_acl_user_over_tls_shares_state(tmp_path):
             b.wait_all_live(30)
             for s in b.stacks:
                 wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 30, "sharing over TLS")
-            assert conversations(b.urls, "tls", sessions=5, turns=3) == 0
+            assert conversations(b, "tls", sessions=5, turns=3) == 0
 
 
 def test_warmroute_up_with_two_brains_serves_the_demo_load_and_stops_everything(tmp_path):
@@ -417,5 +425,5 @@ def test_shared_state_trusts_nobody_another_user_a_forger_with_the_password_and_
                      or metric(s, "warmroute_shared_state_future_ids_total") >= 1, 30, "the stuck stream mended")
         for s in b.stacks:
             wait_for(lambda s=s: metric(s, "warmroute_shared_state_peers") == 1, 30, "sharing again")
-        assert conversations(b.urls, "after", sessions=5, turns=3) == 0
+        assert conversations(b, "after", sessions=5, turns=3) == 0
         r.close()

@@ -69,11 +69,14 @@ def eligible(profile: "RequestProfile", prompt: int, cfg: "DisaggregationConfig"
                 or (cfg.max_transfer_tokens is not None and prompt > cfg.max_transfer_tokens))
 
 
-def plan(best: "Estimate", leg: "Estimate", transfer_tps: float, decoding: float, tie_s: float) -> PrefillPlan | None:
+def plan(best: "Estimate", leg: "Estimate", transfer_tps: float, decoding: float, tie_s: float,
+         leg_overhead_s: float = 0.0) -> PrefillPlan | None:
     """The prefill leg's plan on ``leg``'s replica when it beats ``best``'s (the decode replica's) own prefill, what
-    that costs the ``decoding`` streams there included; else None."""
+    that costs the ``decoding`` streams there included; else None. ``leg_overhead_s``: the prefill replica's own
+    first-token overhead for this prompt (its API server's template, tokenizing and hashing), which the local
+    prefill's ``best.ttft`` carries for the decode replica; the decode leg's own is in the learned transfer."""
     moved = best.prompt - best.cached
-    ttft = leg.wait + leg.prefill + moved / transfer_tps + best.dec
+    ttft = leg.wait + leg.prefill + leg_overhead_s + moved / transfer_tps + best.dec
     if not worth_it(best.ttft + best.risk, best.prefill, decoding, ttft, tie_s):
         return None
     return PrefillPlan(leg.replica, ttft, best.ttft, leg.prefill, leg.prompt, moved)

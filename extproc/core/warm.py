@@ -311,8 +311,7 @@ class WarmPolicy(Policy):
         if self.use_interference and self.use_kv_risk:
             # the interference term draws big prefills to the replicas with few arrivals, which are where long
             # sessions live: without this it sends a long context where it and theirs thrash (one shared system
-            # prompt, docs/routing.md). The home is no exception: a context that does not fit there
-            # is lost there too
+            # prompt, docs/routing.md). The home is no exception: a context that does not fit there is lost there too
             candidates = [e for e in candidates if e.fits] or candidates
         # a tie: what the estimates cannot tell apart (a decode step, 2%, a rate measured on a few requests' noise)
         best = min(candidates, key=lambda e: e.cost)
@@ -435,14 +434,16 @@ class WarmPolicy(Policy):
                                       [st.running(r) for r, st in zip(prefills, states)], [best.st.rates])
         # the same model's tokenizer: a prefill replica that has not learned its tokens' scale counts as the decode one
         scale = best.prompt / profile.tokens if profile.tokens else 1.0
+        own = self.states.overhead_of  # a leg is a request there: its replica's own first-token overhead too
         leg = min((self.estimate(r, st, rate, dec, profile, None, now, peer_scale=scale)
-                   for r, st, rate, dec in zip(prefills, states, rates, decs)), key=lambda e: e.wait + e.prefill)
+                   for r, st, rate, dec in zip(prefills, states, rates, decs)),
+                  key=lambda e: e.wait + e.prefill + own(e.replica, now, e.prompt))
         # the streams its prefill would stall: those decoding there, and those that join meanwhile (half of it each,
         # on average: the interference term's reasoning)
         r, window = best.replica, self.cfg.warm.arrival_window_s
         decoding = max(best.st.running(r), r.in_flight_requests - 1) + \
             recent(best.st.arrivals, now - window) / window * best.prefill / 2
-        return plan(best, leg, self.transfer.value, decoding, TIE_S)
+        return plan(best, leg, self.transfer.value, decoding, TIE_S, own(leg.replica, now, leg.prompt))
 
     def on_prefill_reserved(self, d: Decision, profile: RequestProfile, now: float) -> None:
         """The prefill leg's books on its replica (its queue, its cache); its decode replica computes no prompt."""
@@ -490,10 +491,8 @@ class WarmPolicy(Policy):
 
 # warm_no_index: session pins only (what a cost model knows without a prefix index); warm_no_interference: the
 # default before the interference term and the fit rule (docs/routing.md)
-WARM_VARIANTS = {
-    "warm": {}, "warm_no_externality": {"externality": False}, "warm_no_guard": {"guard": False},
-    "warm_no_index": {"index": False}, "warm_no_decode": {"decode": False}, "warm_no_kv_risk": {"kv_risk": False},
-    "warm_no_interference": {"interference": False},
-}
+WARM_VARIANTS = {"warm": {}, "warm_no_externality": {"externality": False}, "warm_no_guard": {"guard": False},
+                 "warm_no_index": {"index": False}, "warm_no_decode": {"decode": False},
+                 "warm_no_kv_risk": {"kv_risk": False}, "warm_no_interference": {"interference": False}}
 
 __all__ = ["WarmPolicy", "WarmReplica", "WARM_VARIANTS"]

@@ -95,6 +95,23 @@ def test_C3_a_prefill_replica_never_measured_is_priced_as_the_decode_replica_it_
     assert plan(with_peer=False) is None  # at 5,000 tok/s the leg costs more than the stall it saves
 
 
+def test_a_prefill_leg_is_priced_with_its_replica_s_own_first_token_overhead():
+    """A leg is a whole request on the prefill replica: its API server templates, tokenizes and hashes the prompt
+    (~20 ms plus ~20 us a token on real vLLMs), which the local prefill's prediction carries for the decode replica.
+    Priced without it, a remote prefill looked that much cheaper than it was."""
+    def leg(overhead_s: float):
+        router, t = pd_router(4)
+        busy(router, t, ("r1", "r2", "r3"), running=1)
+        states = router.policy.states
+        for name in ("r0", "r1", "r2", "r3"):  # every replica measured: the decode ones with none of their own
+            for k in range(8):
+                states.observe_overhead(router.replica(name), 1000 * (k + 1), overhead_s if name == "r0" else 0.0, t)
+        return router.select(long_prompt(), t).prefill
+
+    assert leg(0.0) is not None and leg(0.0).replica.name == "r0"
+    # 40K tokens at the 5,000 tok/s prior: 8 s here, stalling one stream 8 s (16 s), against 10 s by the leg; with the
+    # prefill replica's own 7 s on top the leg costs more
+    assert leg(7.0) is None
 def test_on_an_idle_fleet_a_long_prompt_is_prefilled_where_it_is_decoded():
     router, t = pd_router(4)
     d = router.select(long_prompt(), t)

@@ -6,8 +6,8 @@ question, same answers, in ext_authz's words: a route is a 200 carrying the rout
 them to the request), "go on to the body" a 200 with neither, the brain's own answer its status, headers and JSON
 body (Envoy sends them to the client). Served by an asyncio protocol over httptools' parser (llhttp, Node's): every
 turn under way pays this door's CPU, and measured with do-nothing servers on this machine a call costs the server
-~0.7 ms over a gRPC stream, ~0.2-0.8 ms through aiohttp's low-level server, 0.09-0.27 ms here (3.5-5x less than
-aiohttp in each of five alternating runs).
+~0.7 ms over a gRPC stream, 0.2-1.0 ms through aiohttp's low-level server, 0.06-0.27 ms here (2.2-5x less than
+aiohttp in each of eight alternating runs, quiet and noisy).
 
 A 5xx, a timeout or no answer is ext_authz's error, and Envoy lets the request go on to the body path: so every fault
 here answers 500 (never a 4xx, which Envoy would send to the client as the brain's word). The socket is the gRPC

@@ -166,10 +166,12 @@ class _Call(asyncio.Protocol):
             self._transport.close()
 
     def data_received(self, data: bytes) -> None:
+        assert self._transport is not None
+        if self._transport.is_closing():  # refused above: what else was on its way is not read
+            return
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, _TooLong):
-            assert self._transport is not None
             self._transport.write(_FAULT)
             self._transport.close()
 

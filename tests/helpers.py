@@ -67,11 +67,12 @@ def scrape_until(router: Router, t: float, done, loads=None, failing: frozenset[
     return t
 
 
-def live_brain(cfg):
-    """A Brain on ``cfg`` (an AppConfig) whose replicas are all LIVE, on a clock the caller does not move."""
+def live_brain(cfg, t: list[float] | None = None):
+    """A Brain on ``cfg`` (an AppConfig) whose replicas are all LIVE, on a clock the caller does not move (or moves
+    through ``t[0]``, which this leaves at the last start-up scrape)."""
     from extproc.brain.brain import Brain
 
-    t = [1000.0]
+    t = [1000.0] if t is None else t
     b = Brain(cfg, clock=lambda: t[0])
     for k in range(7):
         t[0] = 1000.0 + 3 * k

@@ -112,6 +112,20 @@ def test_a_prefill_leg_is_priced_with_its_replica_s_own_first_token_overhead():
     # 40K tokens at the 5,000 tok/s prior: 8 s here, stalling one stream 8 s (16 s), against 10 s by the leg; with the
     # prefill replica's own 7 s on top the leg costs more
     assert leg(7.0) is None
+
+
+def test_of_two_prefill_replicas_the_leg_goes_where_its_whole_first_token_comes_sooner():
+    """The leg's replica is chosen by what its first token takes there, its own overhead included: two idle prefill
+    replicas alike but for a slow API server (3 s a request on r0) send the leg to r1."""
+    router, t = pd_router(4, prefill=("r0", "r1"))
+    busy(router, t, ("r2", "r3"), running=1)
+    for name in ("r0", "r1", "r2", "r3"):
+        for k in range(8):
+            router.policy.states.observe_overhead(router.replica(name), 1000 * (k + 1), 3.0 if name == "r0" else 0.0, t)
+    d = router.select(long_prompt(), t)
+    assert d.prefill is not None and d.prefill.replica.name == "r1"
+
+
 def test_on_an_idle_fleet_a_long_prompt_is_prefilled_where_it_is_decoded():
     router, t = pd_router(4)
     d = router.select(long_prompt(), t)

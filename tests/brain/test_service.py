@@ -489,17 +489,10 @@ def test_behind_a_burst_the_brain_extends_envoy_s_timer_before_it_decides():
 def test_state_shows_the_returning_share_a_first_turn_counts_at_once_sessions_stop_coming_back():
     """/state says what the working sets count a first turn at: an operator (and a test) whose new sessions are let in
     beside full caches reads why there (issue 43's learned share of sessions that came back)."""
-    from extproc.core import LIVE
-
     t = [1000.0]
     cfg = parse_config({"replicas": [{"name": f"r{i}", "url": f"http://127.0.0.1:{8000 + i}"} for i in range(2)],
                         "warm": {"active_session_s": 5}})
-    b = Brain(cfg, clock=lambda: t[0])
-    for k in range(7):
-        t[0] = 1000.0 + 3 * k
-        for r in cfg.replicas:
-            b.router.on_scrape(r.name, True, t[0])
-    assert all(r.state is LIVE for r in b.router.replicas)
+    b = live_brain(cfg, t)
     assert b.state()["flow_control"]["returning_share"] == 1.0  # nothing seen: new sessions are expected back
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there " * 50}]})
     for k in range(30):  # a session id per call: each leaves the active set unreturned

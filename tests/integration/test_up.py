@@ -92,8 +92,10 @@ def test_a_process_a_stack_started_dies_with_its_starter_however_that_one_dies(t
                                start_new_session=True)
     child = int(starter.stdout.readline())
     try:
-        # setpriv sets the signal, then execs the command: a starter killed before that leaves nothing armed
-        wait_for(lambda: "setpriv" not in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"), 10,
+        # setpriv sets the signal, then execs the command: a starter killed before that leaves nothing armed. The
+        # command line must be the command's own: mid-exec it reads empty (a CI run killed the starter then)
+        command = [sys.executable, "-c", "import time; time.sleep(120)"]
+        wait_for(lambda: Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")[:-1] == command, 10,
                  "the child to run its command")
         assert _alive(child)
         os.kill(starter.pid, signal.SIGKILL)  # the child is in a session of its own: only its starter dies

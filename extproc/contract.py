@@ -63,12 +63,41 @@ def brain_headers(session_headers: Iterable[str], tenant_header: str | None) -> 
     return list(dict.fromkeys(h.lower() for h in names))
 
 
+def _sibling(grpc_socket: str, name: str) -> str | None:
+    head, dot, ext = grpc_socket.rpartition(".")
+    door = f"{head}.{name}.{ext}" if dot and "/" not in ext else f"{grpc_socket}.{name}"
+    return door if len(door.encode()) <= SOCKET_PATH_MAX else None
+
+
 def header_door_socket(grpc_socket: str) -> str | None:
     """The header door's socket beside the brain's gRPC socket (``brain.sock`` -> ``brain.headers.sock``); None when
     that path would be too long for a socket (the header path then stays on gRPC)."""
-    head, dot, ext = grpc_socket.rpartition(".")
-    door = f"{head}.headers.{ext}" if dot and "/" not in ext else grpc_socket + ".headers"
-    return door if len(door.encode()) <= SOCKET_PATH_MAX else None
+    return _sibling(grpc_socket, "headers")
+
+
+def log_door_socket(grpc_socket: str) -> str | None:
+    """The log door's socket beside the brain's gRPC socket (``brain.sock`` -> ``brain.log.sock``); None when that
+    path would be too long for a socket (the access log then stays on gRPC)."""
+    return _sibling(grpc_socket, "log")
+
+
+# The log door's record (Envoy's fluentd access logger, ``envoy_config.filters.access_log``): field -> Envoy's
+# formatter. Short names: every request's entry carries them. Read by ``brain.log_door.entry_of_record``
+LOG_RECORD = {
+    "t": "%ACCESS_LOG_TYPE%",
+    "res": f"%REQ({RESERVATION_HEADER})%",
+    "rid": f"%REQ({REQUEST_ID_HEADER})%",
+    "up": "%UPSTREAM_REMOTE_ADDRESS%",
+    "n": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+    "code": "%RESPONSE_CODE%",
+    "det": "%RESPONSE_CODE_DETAILS%",
+    "fl": "%RESPONSE_FLAGS%",
+    "ct": "%RESP(content-type)%",
+    "ft": "%COMMON_DURATION(US_TX_END:US_RX_BODY_BEG:us)%",  # FIRST_TOKEN_TAG's
+    "cft": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",  # CLIENT_FIRST_TOKEN_TAG's
+    "uft": "%COMMON_DURATION(DS_RX_BEG:US_RX_BEG:us)%",  # the gRPC entry's time_to_first_upstream_rx_byte
+}
+LOG_TAG = "warmroute"
 
 
 def header_attribute(name: str) -> str:

@@ -177,7 +177,7 @@ def wrk_rps(url: str, seconds: int, connections: int, workdir: Path) -> float | 
 
 async def serve_floor(port_file: str, sock: str | None = None) -> None:
     """A do-nothing ext_proc server on the brain's library (grpcio asyncio): every answer names replica r0. With
-    ``sock``, also on that Unix socket, with a do-nothing header door beside it (aiohttp, as the brain's).
+    ``sock``, also on that Unix socket, with a do-nothing header door and log door beside it (the brain's own).
 
     Measured beside the brain, under the same Envoy config, it shows which part of the added latency
     is the round trip itself and which part is the brain's own work.
@@ -223,9 +223,14 @@ async def serve_floor(port_file: str, sock: str | None = None) -> None:
         from extproc.brain.header_door import door_app, serve_door
         from extproc.contract import header_door_socket
 
-        door = header_door_socket(sock)
-        assert door is not None
+        from extproc.brain.log_door import serve_log_door
+        from extproc.contract import log_door_socket
+
+        door, log_door = header_door_socket(sock), log_door_socket(sock)
+        assert door is not None and log_door is not None
         await serve_door(door_app(lambda headers: Placed("r0", "0.0"), lambda: True), door, None)
+        # and the log door (Envoy logs there by its Unix socket): each record read, nothing done with it
+        await serve_log_door(lambda entry: None, None, None, lambda n: None, log_door, None)
     Path(port_file).write_text(str(port))
     await server.wait_for_termination()
 

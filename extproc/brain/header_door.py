@@ -179,30 +179,36 @@ class _Call(asyncio.Protocol):
 
 
 class Door:
-    """The door's listening socket and the connections it has open."""
+    """A door's listening socket and the connections it has open (each a protocol with ``close()``)."""
 
-    def __init__(self, server: asyncio.AbstractServer, calls: "set[_Call]"):
-        self._server, self._calls = server, calls
+    def __init__(self, server: asyncio.AbstractServer, conns: set):
+        self._server, self._conns = server, conns
 
     async def cleanup(self) -> None:
         self._server.close()
-        for call in list(self._calls):  # Envoy keeps its connections open: they end with the brain
-            call.close()
+        for conn in list(self._conns):  # Envoy keeps its connections open: they end with the brain
+            conn.close()
         await self._server.wait_closed()
 
 
-async def serve_door(handler: Handler, path: str, group_gid: int | None) -> Door:
-    """``handler`` on the Unix socket ``path``, born 0600 (0660 with a group): the gRPC socket's permissions."""
-    calls: set[_Call] = set()
+async def serve_unix(factory: Callable[[set], asyncio.Protocol], path: str, group_gid: int | None) -> Door:
+    """A protocol (``factory(open connections)``) on the Unix socket ``path``, born 0600 (0660 with a group): the
+    gRPC socket's permissions."""
+    conns: set = set()
     old = os.umask(0o117 if group_gid is not None else 0o177)
     try:
         # Envoy opens up to brain_max_in_flight connections at once in a burst: past the accept backlog a Unix socket
         # refuses a connect at once, and Envoy fails that call open (755 of 1,500 in a flood at aiohttp's 128)
-        server = await asyncio.get_running_loop().create_unix_server(lambda: _Call(handler, calls), path,
+        server = await asyncio.get_running_loop().create_unix_server(lambda: factory(conns), path,
                                                                       backlog=ACCEPT_BACKLOG)
     finally:
         os.umask(old)
     if group_gid is not None:
         os.chown(path, -1, group_gid)
     os.chmod(path, 0o660 if group_gid is not None else 0o600)
-    return Door(server, calls)
+    return Door(server, conns)
+
+
+async def serve_door(handler: Handler, path: str, group_gid: int | None) -> Door:
+    """The header door: ``handler`` answers each call on the Unix socket ``path``."""
+    return await serve_unix(lambda conns: _Call(handler, conns), path, group_gid)

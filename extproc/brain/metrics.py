@@ -240,6 +240,13 @@ class BrainCollector(Collector):
         yield CounterMetricFamily("warmroute_reservations_released_envoy_gone",
                                   "Reservations released because every access-log stream from Envoy closed (it died "
                                   "or restarted)", value=b.released_envoy_gone)
+        yield _by_label("warmroute_access_log_entries", "Envoy's access-log entries, by the way they came: grpc (its "
+                        "access-log service) or door (its fluentd logger at the brain's log door)", "transport",
+                        b.log_entries)
+        yield _by_label("warmroute_access_log_messages", "Messages that carried access-log entries (one a flush of "
+                        "envoy.access_log_flush_s), by the way they came", "transport", b.log_messages)
+        yield CounterMetricFamily("warmroute_access_log_door_refused", "Connections the log door closed for a stream "
+                                  "that was not Fluentd Forward (what came before stayed)", value=b.log_streams_refused)
         yield CounterMetricFamily("warmroute_access_log_unmatched", "Access-log entries that named no open reservation "
                                   "and no known replica (e.g. requests Envoy answered itself)",
                                   value=b.unmatched_log_entries)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable
 
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -124,28 +125,71 @@ class Ledger:
             self.by_request_id.clear()
 
 
-def outcome_of(entry) -> UpstreamOutcome:
-    flags = entry.common_properties.response_flags
-    details = entry.response.response_code_details
-    return UpstreamOutcome(
-        code=entry.response.response_code.value,
-        via_upstream=details == "via_upstream",
-        connect_failure=flags.upstream_connection_failure,
-        # a 200 whose body the replica cut off (e.g. "upstream_reset_after_response_started{protocol_error}")
-        # is a broken response, not a success
-        remote_reset=flags.upstream_remote_reset or details.startswith("upstream_reset_after_response_started"),
-        connection_termination=flags.upstream_connection_termination,
-        timeout=flags.upstream_request_timeout,
-        # the OpenAI API answers JSON or an event stream; an HTML page with 200 is passed to the client as Envoy
-        # got it, and counted against the replica
-        wrong_content=entry.response.response_code.value == 200
-        and entry.response.response_headers.get("content-type", "").startswith("text/html"),
-    )
-
-
 # NotSet: an Envoy older than access-log types, whose every HTTP entry is the end
 END_OF_REQUEST = frozenset({AccessLogType.NotSet, AccessLogType.DownstreamEnd})
 DOWNSTREAM_PERIODIC = AccessLogType.DownstreamPeriodic
+ENDED, ALIVE, OTHER = "ended", "alive", "other"  # LogEntry.kind: the request's end, a periodic entry, anything else
+
+
+@dataclass(slots=True)
+class LogEntry:
+    """One access-log entry as the brain reads it, whichever way Envoy sent it: over gRPC (``entry_of_proto``) or to
+    the log door (``log_door.entry_of_record``)."""
+
+    kind: str  # ENDED, ALIVE or OTHER
+    reservation: str = ""  # the reservation header's value ("" when the brain's answer was never applied)
+    request_id: str = ""  # Envoy's request id
+    upstream: str = ""  # "host:port" of the replica that served it ("" for none)
+    attempts: int = 1  # upstream attempts (a retry went elsewhere)
+    outcome: UpstreamOutcome = field(default_factory=UpstreamOutcome)
+    event_stream: bool = False  # a text/event-stream response: its first body byte is the first token
+    engine_first_s: float | None = None  # FIRST_TOKEN_TAG: last byte sent upstream -> first body byte back
+    client_first_s: float | None = None  # CLIENT_FIRST_TOKEN_TAG: the request's first byte -> first body byte back
+    upstream_first_s: float | None = None  # the request's start -> the upstream response's first byte
+
+
+def outcome(code: int, details: str, content_type: str, connect_failure: bool, remote_reset: bool,
+            connection_termination: bool, timeout: bool) -> UpstreamOutcome:
+    return UpstreamOutcome(
+        code=code,
+        via_upstream=details == "via_upstream",
+        connect_failure=connect_failure,
+        # a 200 whose body the replica cut off (e.g. "upstream_reset_after_response_started{protocol_error}")
+        # is a broken response, not a success
+        remote_reset=remote_reset or details.startswith("upstream_reset_after_response_started"),
+        connection_termination=connection_termination,
+        timeout=timeout,
+        # the OpenAI API answers JSON or an event stream; an HTML page with 200 is passed to the client as Envoy
+        # got it, and counted against the replica
+        wrong_content=code == 200 and content_type.startswith("text/html"),
+    )
+
+
+def entry_of_proto(entry) -> LogEntry:
+    """Envoy's gRPC access-log entry (``HTTPAccessLogEntry``) as the brain reads it."""
+    common = entry.common_properties
+    t = common.access_log_type
+    kind = ENDED if t in END_OF_REQUEST else ALIVE if t == DOWNSTREAM_PERIODIC else OTHER
+    tags = common.custom_tags
+    reservation = entry.request.request_headers.get(RESERVATION_HEADER, "")
+    if kind != ENDED:
+        return LogEntry(kind, reservation, entry.request.request_id,
+                        engine_first_s=observed_us(tags, FIRST_TOKEN_TAG))
+    flags, response = common.response_flags, entry.response
+    content_type = response.response_headers.get("content-type", "")
+    sock = common.upstream_remote_address.socket_address
+    first = common.time_to_first_upstream_rx_byte
+    return LogEntry(
+        kind, reservation, entry.request.request_id,
+        upstream=f"{sock.address}:{sock.port_value}" if sock.address else "",
+        attempts=common.upstream_request_attempt_count,
+        outcome=outcome(response.response_code.value, response.response_code_details, content_type,
+                        flags.upstream_connection_failure, flags.upstream_remote_reset,
+                        flags.upstream_connection_termination, flags.upstream_request_timeout),
+        event_stream=content_type.startswith("text/event-stream"),
+        engine_first_s=observed_us(tags, FIRST_TOKEN_TAG),
+        client_first_s=observed_us(tags, CLIENT_FIRST_TOKEN_TAG),
+        upstream_first_s=first.seconds + first.nanos / 1e9 if first.seconds or first.nanos else None)
 
 
 class Releaser:
@@ -164,61 +208,54 @@ class Releaser:
         # whether it ended: else it is alive, a periodic entry)
         self.forward: Callable[[int, str, bool], None] | None = None
 
-    def on_entry(self, entry) -> None:
+    def on_entry(self, entry: LogEntry) -> None:
         now = self.clock()
-        common = entry.common_properties
-        if common.access_log_type not in END_OF_REQUEST:
+        if entry.kind != ENDED:
             # a periodic (or start) entry: the request is alive, nothing ended
-            if common.access_log_type == DOWNSTREAM_PERIODIC:
+            if entry.kind == ALIVE:
                 self.periodic_seen = True
-                token = entry.request.request_headers.get(RESERVATION_HEADER, "")
-                res = self.ledger.alive(token, entry.request.request_id)
+                res = self.ledger.alive(entry.reservation, entry.request_id)
                 if res is not None and not res.released:
                     # a streamed response's body has begun: its first token came, its prefill is over
-                    self.router.touch(res, now, observed_us(common.custom_tags, FIRST_TOKEN_TAG) is not None)
+                    self.router.touch(res, now, entry.engine_first_s is not None)
                 elif res is None:
                     # another brain's request (several processes behind one Envoy, whose log stream is on one of
                     # them): without this its owner would take it for gone once its liveness bound passed
-                    self._forward(token, False)
+                    self._forward(entry.reservation, False)
             return
-        res = self.ledger.find(entry.request.request_headers.get(RESERVATION_HEADER, ""), entry.request.request_id)
-        sock = common.upstream_remote_address.socket_address
-        served_by = self.by_address.get(f"{sock.address}:{sock.port_value}") if sock.address else None
+        res = self.ledger.find(entry.reservation, entry.request_id)
+        served_by = self.by_address.get(entry.upstream) if entry.upstream else None
         chosen = None
         if res is not None and not res.released:
             chosen = res.replica.name
-            first = common.time_to_first_upstream_rx_byte
-            if served_by in (None, chosen) and entry.response.response_code.value == 200 and \
-                    entry.response.response_headers.get("content-type", "").startswith("text/event-stream"):
-                self._join(res, entry.request.request_id, common.custom_tags)
-            if res.transfer_tokens and (first.seconds or first.nanos):
-                self.router.transfer_observed(res, first.seconds + first.nanos / 1e9)
+            if served_by in (None, chosen) and entry.outcome.code == 200 and entry.event_stream:
+                self._join(res, entry)
+            if res.transfer_tokens and entry.upstream_first_s is not None:
+                self.router.transfer_observed(res, entry.upstream_first_s)
             self.router.release(res, now)
             self.stats.releases_by_log += 1
-        if res is None and entry.request.request_id:
-            self.ledger.note_ended(entry.request.request_id)
+        if res is None and entry.request_id:
+            self.ledger.note_ended(entry.request_id)
         if res is None:
             # several brains sharing state: an Envoy whose own brain was down logs to the one it failed over to,
             # and keeps that stream when its brain is back; several processes behind one Envoy get one log stream
             # between them: the entry's reservation is another brain's
-            self._forward(entry.request.request_headers.get(RESERVATION_HEADER, ""), True)
-        if res is not None and res.handoff is not None and not sock.address:
+            self._forward(entry.reservation, True)
+        if res is not None and res.handoff is not None and not entry.upstream:
             res.handoff()  # a decode leg no replica got: its KV waits on the prefill replica for nobody
             res.handoff = None
-        verdicts = upstream_verdicts(chosen, served_by, common.upstream_request_attempt_count,
-                                     upstream_failed(outcome_of(entry)))
+        verdicts = upstream_verdicts(chosen, served_by, entry.attempts, upstream_failed(entry.outcome))
         for name, ok in verdicts:
             self.router.on_upstream(name, ok, now)
         if chosen is None and served_by is None:
             self.stats.unmatched_log_entries += 1
 
-    def _join(self, res: Reservation, request_id: str, tags) -> None:
+    def _join(self, res: Reservation, entry: LogEntry) -> None:
         """A streamed response's first token, as Envoy timed it, beside what the brain predicted of it."""
-        engine_s = observed_us(tags, FIRST_TOKEN_TAG)
+        engine_s = entry.engine_first_s
         if engine_s is None:
             return  # an Envoy config rendered before the tags (or a request that never reached a replica)
-        self.outcomes.join(res.replica.name, request_id, res.predicted_ttft_s, engine_s,
-                           observed_us(tags, CLIENT_FIRST_TOKEN_TAG))
+        self.outcomes.join(res.replica.name, entry.request_id, res.predicted_ttft_s, engine_s, entry.client_first_s)
         self.router.first_token_observed(res, engine_s, self.clock())
         if res.predicted_ttft_s is not None and self.ttft_error is not None:
             self.ttft_error.observe(abs(engine_s - res.predicted_ttft_s))
@@ -287,6 +324,12 @@ class EnvoyPresence:
     def opened(self) -> None:
         self.open_streams += 1
 
+    def stream_closed(self, on_gone: Callable[[int], None] | None) -> None:
+        """One of Envoy's log streams (or log door connections) ended; ``on_gone`` hears of the last one's."""
+        released = self.closed()
+        if on_gone is not None and self.open_streams == 0:
+            on_gone(released)
+
     def closed(self) -> int:
         self.open_streams -= 1
         if self.open_streams > 0:
@@ -299,22 +342,26 @@ class EnvoyPresence:
 
 
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
-    def __init__(self, on_entry: Callable[[object], None], presence: EnvoyPresence | None = None,
-                 on_gone: Callable[[int], None] | None = None):
+    """Envoy's gRPC access-log streams (where no log door is rendered: a brain reached over TCP, a failover pair)."""
+
+    def __init__(self, on_entry: Callable[[LogEntry], None], presence: EnvoyPresence | None = None,
+                 on_gone: Callable[[int], None] | None = None, entries: Callable[[int], None] | None = None):
         self.on_entry = on_entry
         self.presence = presence
         self.on_gone = on_gone
+        self.entries = entries  # told how many entries each message carried
 
     async def StreamAccessLogs(self, request_iterator, context) -> als_pb2.StreamAccessLogsResponse:
         if self.presence is not None:
             self.presence.opened()
         try:
             async for msg in request_iterator:
-                for entry in msg.http_logs.log_entry:
-                    self.on_entry(entry)
+                logged = msg.http_logs.log_entry
+                for entry in logged:
+                    self.on_entry(entry_of_proto(entry))
+                if self.entries is not None:
+                    self.entries(len(logged))
         finally:  # also when the stream is cancelled: the Envoy at the other end is gone
             if self.presence is not None:
-                released = self.presence.closed()
-                if self.on_gone is not None and self.presence.open_streams == 0:
-                    self.on_gone(released)
+                self.presence.stream_closed(self.on_gone)
         return als_pb2.StreamAccessLogsResponse()

@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import AppConfig, ConfigError, brain_calls_max, first_answer_s, held_s, legs_s
-from ..contract import header_door_socket
+from ..contract import header_door_socket, log_door_socket
 from ..core import State
 from . import logs
 from .admin import admin_app, metrics_app, write_admin_token
@@ -29,6 +29,7 @@ from .brain import Brain
 from .intake import Intake
 from .decide import ExternalProcessor
 from .header_door import Door, door_app, serve_door
+from .log_door import serve_log_door
 from .release import AccessLogService
 from .shared import SharedState
 from .wire import add_service
@@ -338,6 +339,18 @@ class BrainServer:
         self.runners.append(await serve_door(handler, door, _gid(b.grpc_socket_group) if b.grpc_socket_group else None))
         self.door = door
 
+    async def _serve_log_door(self, on_entry) -> None:
+        """The log door (``log_door``) beside the gRPC socket: where Envoy reaches the brain by a Unix socket it sends
+        its access-log entries there (the gRPC service stays, for an Envoy configured otherwise)."""
+        b, brain = self.cfg.brain, self.brain
+        path = log_door_socket(b.grpc_socket) if b.grpc_socket else None
+        if path is None:
+            return
+        claim_socket_path(path, b.grpc_socket_group)
+        self.runners.append(await serve_log_door(on_entry, brain.envoy, self._envoy_gone,
+                                                 lambda n: brain.stats.count_log_entries("door", n), path,
+                                                 _gid(b.grpc_socket_group) if b.grpc_socket_group else None))
+
     async def _hup(self) -> None:
         try:
             await self.brain.reload_async()
@@ -352,10 +365,11 @@ class BrainServer:
         # unreadable
         add_service(server, EXT_PROC_SERVICE, "Process", self._front(), "stream_stream", ep.ProcessingRequest,
                     ep.ProcessingResponse)
+        on_entry = waits.on_log_entry if cfg.flow_control.enabled else brain.on_log_entry
         add_service(server, "envoy.service.accesslog.v3.AccessLogService", "StreamAccessLogs",
-                    AccessLogService(waits.on_log_entry if cfg.flow_control.enabled else brain.on_log_entry,
-                                     brain.envoy, self._envoy_gone).StreamAccessLogs, "stream_unary",
-                    als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse)
+                    AccessLogService(on_entry, brain.envoy, self._envoy_gone,
+                                     lambda n: brain.stats.count_log_entries("grpc", n)).StreamAccessLogs,
+                    "stream_unary", als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = add_listeners(server, b)
         await server.start()
@@ -374,6 +388,7 @@ class BrainServer:
                                        b.admin_port)
         metrics_port = await self._serve_http(metrics_app(brain), b.metrics_host, b.metrics_port)
         await self._serve_door()
+        await self._serve_log_door(on_entry)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self._hup()))
         self.tasks = [asyncio.create_task(brain.scraper.loop(), name="scraper"),

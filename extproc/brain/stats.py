@@ -107,6 +107,10 @@ class BrainStats:
         self.discovery_up = 1  # 0 while the discovery source's last lookup failed
         self.released_envoy_gone = 0  # reservations of an Envoy whose access-log streams all closed
         self.unmatched_log_entries = 0  # access-log entries that named no reservation and no replica
+        # access-log entries by the way they came (grpc, door: release.AccessLogService, log_door), and messages of each
+        self.log_entries: Counter[str] = Counter({"grpc": 0, "door": 0})
+        self.log_messages: Counter[str] = Counter({"grpc": 0, "door": 0})
+        self.log_streams_refused = 0  # log door connections closed for what was not Fluentd Forward
         self.reloads = 0
         # the cached tokens routing predicted for the requests it placed, per replica (engine tokens): set beside
         # the engine's own prefix-cache hits, how far the brain's belief of the caches holds
@@ -119,6 +123,14 @@ class BrainStats:
         self.exact_restored: Counter[tuple[str, str]] = Counter()
         self.shared = SharedStats()
         self.zero_series(replica_names)
+
+    def count_log_entries(self, transport: str, n: int) -> None:
+        """A message of ``n`` access-log entries by ``transport``; -1: a log door stream refused."""
+        if n < 0:
+            self.log_streams_refused += 1
+            return
+        self.log_entries[transport] += n
+        self.log_messages[transport] += 1
 
     def record_decision(self, d: Decision, body_status: BodyStatus, now: float) -> None:
         name = d.replica_name or "-"

@@ -10,7 +10,7 @@ another replica. Per-replica stats stay ``cluster.<replica>.upstream_rq_total``.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ..config import AppConfig, ReplicaSpec, brain_calls_max, first_answer_s
 from ..contract import (
@@ -20,6 +20,7 @@ from ..contract import (
     FALLBACK_CLUSTER,
     DOOR_READY_PATH,
     header_door_socket,
+    log_door_socket,
 )
 from .common import BIG, socket_address, dur, is_ip, thresholds
 
@@ -128,16 +129,31 @@ def door_sockets(cfg: AppConfig) -> tuple[list[str], list[str]] | None:
     b, e = cfg.brain, cfg.envoy
     if not cfg.envoy.header_path or not b.grpc_socket or b.protocol != "envoy":
         return None
-    socks = [[os.path.abspath(b.grpc_socket), *e.brain_endpoints], list(e.brain_failover)]
-    doors: list[list[str]] = [[], []]
-    for i, group in enumerate(socks):
-        for ep in group:
-            path = ep[len("unix:"):] if ep.startswith("unix:") else ep if ep.startswith("/") else None
-            door = header_door_socket(path) if path else None
-            if door is None:
-                return None
-            doors[i].append(door)
-    return doors[0], doors[1]
+    mine = _doors([os.path.abspath(b.grpc_socket), *e.brain_endpoints], header_door_socket)
+    failover = _doors(list(e.brain_failover), header_door_socket)
+    return None if mine is None or failover is None else (mine, failover)
+
+
+def _doors(endpoints: list[str], door_of: Callable[[str], str | None]) -> list[str] | None:
+    """Each brain endpoint's door (``door_of`` its socket path); None if one is over TCP or has none."""
+    doors = []
+    for ep in endpoints:
+        path = ep[len("unix:"):] if ep.startswith("unix:") else ep if ep.startswith("/") else None
+        door = door_of(path) if path else None
+        if door is None:
+            return None
+        doors.append(door)
+    return doors
+
+
+def log_door_sockets(cfg: AppConfig) -> list[str] | None:
+    """The log doors (``contract.log_door_socket``) of the brains this Envoy logs to. None when a brain is reached
+    over TCP, or a door's path would be too long, or with brain_failover (the log follows the decisions there by the
+    brains' gRPC health checks): the access log then goes over gRPC."""
+    b, e = cfg.brain, cfg.envoy
+    if not b.grpc_socket or e.brain_failover or b.protocol != "envoy":
+        return None
+    return _doors([os.path.abspath(b.grpc_socket), *e.brain_endpoints], log_door_socket)
 
 
 def brain_door_cluster(cfg: AppConfig) -> dict | None:
@@ -187,6 +203,21 @@ def brain_clusters(cfg: AppConfig) -> list[dict]:
 
 
 def brain_log_cluster(cfg: AppConfig) -> dict:
+    """The brains' log doors where Envoy reaches them by Unix sockets (``log_door_sockets``: plain connections, its
+    fluentd logger's), else their gRPC access-log service (``brain_grpc_log_cluster``)."""
+    doors = log_door_sockets(cfg)
+    if doors is None:
+        return brain_grpc_log_cluster(cfg)
+    return {
+        "name": BRAIN_LOG_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "load_assignment": {"cluster_name": BRAIN_LOG_CLUSTER, "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": d}}}} for d in doors]}]},
+    }
+
+
+def brain_grpc_log_cluster(cfg: AppConfig) -> dict:
     """The brain again, for the access-log stream alone. On the ext_proc connection a body of a few MiB fills the
     connection's write buffer, every stream on it is then above its high watermark, and Envoy's gRPC access logger
     drops the entries it cannot flush: each a reservation never released (5 in 30 s of 300 KB bodies under load).

@@ -42,6 +42,8 @@ from ..contract import (
     INFLATED_FROM_HEADER,
     LOOK_BYTES,
     LOOK_METADATA,
+    LOG_RECORD,
+    LOG_TAG,
     LOOK_UPLOAD_HEADER,
     METADATA_NAMESPACE,
     PATH_ATTRIBUTE,
@@ -53,7 +55,7 @@ from ..contract import (
     header_attribute,
 )
 from ..contract import brain_headers as _brain_headers
-from .clusters import door_sockets
+from .clusters import door_sockets, log_door_sockets
 from .common import dur
 
 
@@ -446,6 +448,26 @@ def _decided_by_body(cfg: AppConfig, extension: dict) -> dict:
 
 
 def access_log(cfg: AppConfig) -> list[dict]:
+    """Each request's end (and, every ``access_log_periodic_s``, each one in flight) logged to the brain: to its log
+    door where Envoy reaches it by a Unix socket (Envoy's fluentd logger: ``brain.log_door``), else over gRPC."""
+    flush = dur(cfg.envoy.access_log_flush_s)
+    if log_door_sockets(cfg) is not None:
+        return [{
+            "name": "envoy.access_loggers.fluentd",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.fluentd.v3.FluentdAccessLogConfig",
+                "cluster": BRAIN_LOG_CLUSTER,
+                "tag": LOG_TAG,
+                "stat_prefix": "warmroute_log",
+                # each entry releases a reservation: flushed every access_log_flush_s (10 ms); past the buffer's
+                # size entries are dropped (entries_lost), each a reservation open until its timeout
+                "buffer_flush_interval": flush,
+                "buffer_size_bytes": 1024 * 1024,
+                # a brain restarting: reconnect soon (entries wait in the buffer meanwhile), never give up
+                "retry_options": {"backoff_options": {"base_interval": "0.05s", "max_interval": "1s"}},
+                "record": LOG_RECORD,
+            },
+        }]
     return [
         {
             "name": "envoy.access_loggers.http_grpc",
@@ -458,13 +480,11 @@ def access_log(cfg: AppConfig) -> list[dict]:
                     # each entry releases a reservation: flushed every access_log_flush_s (10 ms). The buffer is also
                     # the most Envoy holds while its stream is not writable: at 1 byte, every entry logged while one
                     # flush waited was dropped (logs_dropped), each a reservation open for an hour
-                    "buffer_flush_interval": dur(cfg.envoy.access_log_flush_s),
+                    "buffer_flush_interval": flush,
                     "buffer_size_bytes": 1024 * 1024,
                     # what the engine took to its first token, joined with the brain's prediction of it
-                    "custom_tags": [
-                        {"tag": FIRST_TOKEN_TAG, "value": "%COMMON_DURATION(US_TX_END:US_RX_BODY_BEG:us)%"},
-                        {"tag": CLIENT_FIRST_TOKEN_TAG, "value": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"},
-                    ],
+                    "custom_tags": [{"tag": FIRST_TOKEN_TAG, "value": LOG_RECORD["ft"]},
+                                    {"tag": CLIENT_FIRST_TOKEN_TAG, "value": LOG_RECORD["cft"]}],
                 },
                 "additional_request_headers_to_log": [RESERVATION_HEADER, ROUTING_HEADER],
                 # a 200 that is an HTML page is a replica (or a proxy in front of it) gone wrong

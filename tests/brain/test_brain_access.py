@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 
+from extproc.brain.release import entry_of_proto
 from extproc.brain.brain import Brain
 from extproc.config import FLOW_FIRST_ANSWER_S, ConfigError, parse_config
 from extproc.contract import RESERVATION_HEADER
 from extproc.core import LIVE
 
-from ..brain.test_service import BODY, entry, headers_of
+from ..brain.test_service import BODY, entry, headers_of, proto_entry
 from ..helpers import envoy_decide
 
 REPLICAS = [{"name": f"r{i}", "url": f"http://127.0.0.1:{8001 + i}"} for i in range(3)]
@@ -37,9 +38,9 @@ def live(cfg_doc=None):
 
 
 def periodic(request_id="", reservation=""):
-    e = entry(request_id, reservation)
+    e = proto_entry(request_id, reservation)
     e.common_properties.access_log_type = al.AccessLogType.DownstreamPeriodic
-    return e
+    return entry_of_proto(e)
 
 
 def test_a_reservation_id_cannot_be_guessed_from_another():

@@ -8,6 +8,7 @@ import json
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 
+from extproc.brain.release import entry_of_proto
 from extproc.config import parse_config
 from extproc.contract import RESERVATION_HEADER, ROUTING_HEADER
 from extproc.core.names import BodyStatus
@@ -77,7 +78,7 @@ def test_a_header_answer_envoy_gave_up_on_is_released_when_the_same_request_s_bo
     end.request.request_id = h["x-request-id"]
     end.request.request_headers[RESERVATION_HEADER] = token
     end.response.response_code.value = 200
-    b.releaser.on_entry(end)
+    b.releaser.on_entry(entry_of_proto(end))
     assert b.router.open_reservations == before
 
 

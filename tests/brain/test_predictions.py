@@ -3,11 +3,14 @@ and the error per replica in /metrics, /state, /decisions and ``warmroute top``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from prometheus_client import generate_latest
 
+from extproc.brain.release import entry_of_proto
 from extproc.brain.outcomes import WINDOW, Outcomes
 from extproc.brain.view import state_of
 from extproc.config import parse_config
@@ -30,6 +33,11 @@ def decided(b, rid: str):
 
 def ended(rid: str, token: str, first_us: str | None, client_us: str | None = None, code: int = 200,
           content_type: str = "text/event-stream", upstream: int | None = None):
+    return entry_of_proto(ended_proto(rid, token, first_us, client_us, code, content_type, upstream))
+
+
+def ended_proto(rid: str, token: str, first_us: str | None, client_us: str | None = None, code: int = 200,
+                content_type: str = "text/event-stream", upstream: int | None = None):
     e = al.HTTPAccessLogEntry()
     e.request.request_id = rid
     e.request.request_headers[RESERVATION_HEADER] = token
@@ -119,9 +127,14 @@ def test_envoy_writes_a_dash_for_a_time_that_never_came_and_it_joins_nothing():
 
 
 def test_the_shipped_access_log_asks_envoy_for_both_first_token_times():
-    tags = {t["tag"]: t["value"] for t in access_log(CFG)[0]["typed_config"]["common_config"]["custom_tags"]}
+    # over gRPC (a brain reached over TCP): as custom tags
+    tcp = dataclasses.replace(CFG, brain=dataclasses.replace(CFG.brain, grpc_socket=None, grpc_port=9100))
+    tags = {t["tag"]: t["value"] for t in access_log(tcp)[0]["typed_config"]["common_config"]["custom_tags"]}
     assert tags[FIRST_TOKEN_TAG] == "%COMMON_DURATION(US_TX_END:US_RX_BODY_BEG:us)%"
     assert tags[CLIENT_FIRST_TOKEN_TAG] == "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%"
+    # at the log door (by its Unix socket): as the record's fields
+    record = access_log(CFG)[0]["typed_config"]["record"]
+    assert record["ft"] == tags[FIRST_TOKEN_TAG] and record["cft"] == tags[CLIENT_FIRST_TOKEN_TAG]
 
 
 def test_the_picker_front_s_own_first_token_is_joined_too():
@@ -282,10 +295,10 @@ def test_issue62_a_periodic_entry_that_has_seen_the_first_token_ends_its_request
     st = b.router.policy.states.of(res.replica)
     booked = st.prefill_busy_until
     assert booked > b.clock() and st.pending_tokens > 0
-    alive = ended("long", token, None)  # its body has not begun: a periodic entry of a request still prefilling
+    alive = ended_proto("long", token, None)  # its body has not begun: a periodic entry of a request still prefilling
     alive.common_properties.access_log_type = al.AccessLogType.DownstreamPeriodic
-    b.on_log_entry(alive)
+    b.on_log_entry(entry_of_proto(alive))
     assert st.prefill_busy_until == booked and not res.released
     alive.common_properties.custom_tags[FIRST_TOKEN_TAG] = "40000"  # now it has: its prefill is over
-    b.on_log_entry(alive)
+    b.on_log_entry(entry_of_proto(alive))
     assert st.prefill_busy_until < booked and st.pending_tokens == 0 and not res.released

@@ -9,6 +9,7 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from extproc.brain.release import entry_of_proto
 from extproc.config import ConfigError, parse_config
 from extproc.contract import METADATA_NAMESPACE, RESERVATION_HEADER, ROUTING_HEADER
 from extproc.brain.brain import Brain
@@ -34,6 +35,11 @@ def headers_of(out: ep.ProcessingResponse) -> dict[str, str]:
 
 
 def entry(request_id="", reservation="", code=200, details="via_upstream", upstream=None, attempts=1, **flags):
+    """An access-log entry as the brain reads it, made from Envoy's gRPC one (``proto_entry``)."""
+    return entry_of_proto(proto_entry(request_id, reservation, code, details, upstream, attempts, **flags))
+
+
+def proto_entry(request_id="", reservation="", code=200, details="via_upstream", upstream=None, attempts=1, **flags):
     e = al.HTTPAccessLogEntry()
     e.request.request_id = request_id
     if reservation:

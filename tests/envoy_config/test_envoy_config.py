@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from extproc.contract import (
     RESERVATION_HEADER,
     ROUTE_FROM_BRAIN_FILTER,
     ROUTING_HEADER,
+    log_door_socket,
 )
 from extproc.envoy_config import bootstrap, extension_of, shipped_files
 from extproc.tools.stack.local import envoy_binary
@@ -172,10 +175,19 @@ def test_the_brain_is_health_checked_with_grpc_health_v1_and_logs_reach_it():
     doc = bootstrap(CFG)
     brain = next(c for c in doc["static_resources"]["clusters"] if c["name"] == BRAIN_CLUSTER)
     assert "grpc_health_check" in brain["health_checks"][0]
-    als = hcm(doc)["access_log"][0]["typed_config"]
-    # the entries on a connection of their own: bodies on the ext_proc one made Envoy drop them
-    assert als["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "warmroute_brain_log"
+    # by the brain's Unix socket: the entries go to its log door, beside that socket, on connections of their own
+    log_door = hcm(doc)["access_log"][0]["typed_config"]
+    assert log_door["cluster"] == "warmroute_brain_log" and log_door["record"]["res"] == f"%REQ({RESERVATION_HEADER})%"
     log = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "warmroute_brain_log")
+    [door] = log["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert door["endpoint"]["address"]["pipe"]["path"] == log_door_socket(os.path.abspath(CFG.brain.grpc_socket))
+    # over TCP: the gRPC access-log service, on a connection of its own (bodies on the ext_proc one made Envoy drop
+    # entries)
+    tcp = bootstrap(dataclasses.replace(CFG, brain=dataclasses.replace(CFG.brain, grpc_socket=None, grpc_port=9100)))
+    brain = next(c for c in tcp["static_resources"]["clusters"] if c["name"] == BRAIN_CLUSTER)
+    als = hcm(tcp)["access_log"][0]["typed_config"]
+    assert als["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "warmroute_brain_log"
+    log = next(c for c in tcp["static_resources"]["clusters"] if c["name"] == "warmroute_brain_log")
     assert log["load_assignment"]["endpoints"] == brain["load_assignment"]["endpoints"]
     assert RESERVATION_HEADER in als["additional_request_headers_to_log"]
 

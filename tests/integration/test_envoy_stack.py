@@ -294,9 +294,13 @@ def test_every_reservation_is_released_after_disconnects_and_cut_streams(own_sta
     assert all(r["in_flight_requests"] == 0 for r in st["replicas"])
     assert st["safety_timeouts"] == 0
     # a client's reset or cut is an ending, not a fault of the brain's (warmroute_call_faults_total alerts on faults)
-    faults = [line for line in http_get(s.brain_metrics).decode().splitlines()
+    metrics = http_get(s.brain_metrics).decode()
+    faults = [line for line in metrics.splitlines()
               if line.startswith("warmroute_call_faults_total") and not line.endswith(" 0.0")]
     assert not faults, faults
+    # Envoy reaches this brain by its Unix socket: every entry came to its log door, none over gRPC
+    assert 'warmroute_access_log_entries_total{transport="grpc"} 0.0' in metrics
+    assert 'warmroute_access_log_door_refused_total 0.0' in metrics
 
 
 def test_a_killed_replica_is_retried_elsewhere_then_ejected_by_scraping_and_recovers(own_stack):

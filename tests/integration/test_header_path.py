@@ -207,3 +207,8 @@ def test_where_envoy_reaches_the_brain_over_tcp_the_headers_are_asked_by_grpc(ow
     assert status == 200 and decided(s, h)["path"] == "headers"
     calls = door_calls(s)
     assert calls["grpc"] >= 2 and not calls.get("ok")
+    # and the access log goes over gRPC too (no log door over TCP): both turns released by it
+    wait_for(lambda: s.state()["open_reservations"] == 0, 30, "both turns released")
+    metrics = http_get(s.brain_metrics).decode()
+    assert 'warmroute_access_log_entries_total{transport="door"} 0.0' in metrics
+    assert s.state()["releases_by_access_log"] == 2

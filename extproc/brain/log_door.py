@@ -23,6 +23,7 @@ from typing import Any, Callable
 import msgpack
 
 from . import logs
+from .header_door import Door, serve_unix
 from .release import ALIVE, ENDED, OTHER, EnvoyPresence, LogEntry, outcome
 
 # Envoy flushes at most buffer_size_bytes (1 MiB) of entries at a time: a message past this is no Envoy's
@@ -131,10 +132,8 @@ class _LogConnection(asyncio.Protocol):
 
 async def serve_log_door(on_entry: Callable[[LogEntry], None], presence: EnvoyPresence | None,
                          on_gone: Callable[[int], None] | None, entries: Callable[[int], None], path: str,
-                         group_gid: int | None):
+                         group_gid: int | None) -> Door:
     """The log door on the Unix socket ``path``; ``entries(n)`` counts what each message carried (-1: a stream
     refused)."""
-    from .header_door import serve_unix
-
     return await serve_unix(lambda conns: _LogConnection(on_entry, presence, on_gone, entries, conns), path,
                             group_gid)

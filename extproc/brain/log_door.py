@@ -6,8 +6,8 @@ grpcio's per-message work (its event-engine thread, the hop to asyncio, the prot
 a message here: at an agent's pace, one entry a message, more than the header door and the decision together. Where
 Envoy reaches the brain by a Unix socket it sends the same entries with its fluentd access logger instead
 (``envoy_config.filters.access_log``: the Fluentd Forward protocol, msgpack over a plain connection), read here by an
-asyncio protocol: ~0.25 ms a request for a do-nothing reader of either kind, against ~0.7 ms for the gRPC one (this
-machine, Envoy's flush every 10 ms, requests 30 ms apart; docs/benchmarks.md).
+asyncio protocol: ~0.25 ms of CPU a request for a do-nothing msgpack reader, against ~0.7 ms for a do-nothing gRPC
+one (this machine, Envoy's flush every 10 ms, requests 30 ms apart; docs/benchmarks.md).
 
 The record's fields are ``contract.LOG_RECORD``, rendered by Envoy's formatters. Envoy connects when it has a first
 entry to send and reconnects (with backoff) when the connection closes; its connections are the presence signal, as

@@ -251,8 +251,8 @@ def two_paths(args, urls: dict[str, str], brain, metrics_url: str, settled, floo
     print(f"\nthe two paths (issue 61): added latency p50 over Envoy direct, ms (sequential, median of n); brain CPU "
           f"per request, less its idle {idle_rate * 1e3:.1f} ms/s (scrapes, timers)")
     print(f"{'body':<8}{'n':>4}{'direct':>8}{'floor grpc':>11}{'floor door':>11}{'floor body':>12}{'under way':>11}"
-          f"{'first turn':>12}{'no session':>12}{'CPU under way':>15}{'CPU first':>11}{'CPU floor':>12}"
-          f"{'hdr share':>11}")
+          f"{'first turn':>12}{'no session':>12}{'CPU under way':>15}{'CPU first':>11}{'CPU no sess':>13}"
+          f"{'CPU floor':>11}{'hdr share':>11}")
     for label, size, n in (("1 KB", 1024, 200), ("100 KB", 100 * 1024, 100), ("1 MB", 2**20, 30),
                            ("16 MB", 16 * 2**20, 6)):
         if args.quick:
@@ -284,12 +284,13 @@ def two_paths(args, urls: dict[str, str], brain, metrics_url: str, settled, floo
         print(f"{label:<8}{n:>4}{med['direct'] * 1e3:>8.2f}{added['floor grpc']:>11.2f}{added['floor door']:>11.2f}"
               f"{added['floor body']:>12.2f}"
               f"{added['under way']:>11.2f}{added['first turn']:>12.2f}{added['no session']:>12.2f}"
-              f"{cpu['under way'] * 1e3:>13.2f}ms{cpu['first turn'] * 1e3:>9.2f}ms{floor_cpu * 1e3:>10.2f}ms"
-              f"{share:>11.0%}")
+              f"{cpu['under way'] * 1e3:>13.2f}ms{cpu['first turn'] * 1e3:>9.2f}ms{cpu['no session'] * 1e3:>11.2f}ms"
+              f"{floor_cpu * 1e3:>9.2f}ms{share:>11.0%}")
     print("targets: a turn under way adds at most the do-nothing server's header-only round trip + 0.2 ms at p50 at "
           "every size (floor grpc: its ext_proc call, as the issue measured it; floor door: the header door's HTTP "
           "call, which the brain over unix now takes); the brain's CPU per turn under way <= 1/4 of a body-read one's. "
           "'no session': the body path without the header call (what every request paid before the header path); "
+          "'CPU no sess': the body path alone, what a turn under way cost before the header path; "
           "'CPU floor': the do-nothing server's per request by its door (the header call and the access-log entry). "
           "Every row's requests come 30 ms apart (untimed think time: a turn's end is logged by then), as an "
           "agent's do; at 16 MB (4M tokens estimated, more than any cache holds) nothing is cached: the body's route")

@@ -230,7 +230,7 @@ async def serve_floor(port_file: str, sock: str | None = None) -> None:
         assert door is not None and log_door is not None
         await serve_door(door_app(lambda headers: Placed("r0", "0.0"), lambda: True), door, None)
         # and the log door (Envoy logs there by its Unix socket): each record read, nothing done with it
-        await serve_log_door(lambda entry: None, None, None, lambda n: None, log_door, None)
+        await serve_log_door(lambda entry: None, None, None, None, log_door, None)
     Path(port_file).write_text(str(port))
     await server.wait_for_termination()
 

@@ -13,6 +13,9 @@ The record's fields are ``contract.LOG_RECORD``, rendered by Envoy's formatters.
 entry to send and reconnects (with backoff) when the connection closes; its connections are the presence signal, as
 the gRPC streams are (``release.EnvoyPresence``). Whoever reaches the socket (the gRPC one's permissions) can end
 reservations, as on the gRPC socket. A stream that is not Fluentd Forward is closed, and what came before it stays.
+What a caller holds: per connection (Envoy opens one per worker) a msgpack buffer of at most ``MAX_MESSAGE_BYTES``;
+what an entry leaves in the brain is bounded by the ledger (``release.Ledger``), and an id past ``MAX_ID_CHARS`` is
+not kept at all.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import msgpack
 
 from . import logs
 from .header_door import Door, serve_unix
-from .release import ALIVE, ENDED, OTHER, EnvoyPresence, LogEntry, outcome
+from .release import ALIVE, ENDED, MAX_ID_CHARS, OTHER, EnvoyPresence, LogEntry, outcome
+from .stats import BrainStats
 
 # Envoy flushes at most buffer_size_bytes (1 MiB) of entries at a time: a message past this is no Envoy's
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -34,6 +38,12 @@ _DAY_US = 10**11  # a duration past this many microseconds is not Envoy's
 
 def _str(v: Any) -> str:
     return v if isinstance(v, str) and v != "-" else ""
+
+
+def _id(v: Any) -> str:
+    """A reservation, request id or address: past ``MAX_ID_CHARS`` it names nothing (and is kept nowhere)."""
+    v = _str(v)
+    return v if len(v) <= MAX_ID_CHARS else ""
 
 
 def _int(v: Any) -> int:
@@ -58,12 +68,12 @@ def entry_of_record(rec: dict) -> LogEntry:
     t = rec.get("t")
     kind = _KINDS.get(t, OTHER) if isinstance(t, str) else OTHER
     if kind != ENDED:
-        return LogEntry(kind, _str(rec.get("res")), _str(rec.get("rid")), engine_first_s=_us(rec.get("ft")))
+        return LogEntry(kind, _id(rec.get("res")), _id(rec.get("rid")), engine_first_s=_us(rec.get("ft")))
     flags = set(_str(rec.get("fl")).split(","))
     content_type = _str(rec.get("ct"))
     return LogEntry(
-        kind, _str(rec.get("res")), _str(rec.get("rid")),
-        upstream=_str(rec.get("up")),
+        kind, _id(rec.get("res")), _id(rec.get("rid")),
+        upstream=_id(rec.get("up")),
         attempts=_int(rec.get("n")),
         outcome=outcome(_int(rec.get("code")), _str(rec.get("det")), content_type, "UF" in flags, "UR" in flags,
                         "UC" in flags, "UT" in flags),
@@ -81,7 +91,7 @@ def _records(message: Any) -> list:
         raise ValueError("not a Forward-protocol message")
     if isinstance(message[1], (list, tuple)):
         return [e[1] for e in message[1] if isinstance(e, (list, tuple)) and len(e) >= 2 and isinstance(e[1], dict)]
-    if len(message) >= 3 and isinstance(message[2], dict):
+    if len(message) >= 3 and isinstance(message[1], (int, float, msgpack.ExtType)) and isinstance(message[2], dict):
         return [message[2]]
     raise ValueError("not a Forward-protocol message")
 
@@ -90,9 +100,9 @@ class _LogConnection(asyncio.Protocol):
     """One connection from Envoy's fluentd logger (one per Envoy worker): entries, each handed on as it is read."""
 
     def __init__(self, on_entry: Callable[[LogEntry], None], presence: EnvoyPresence | None,
-                 on_gone: Callable[[int], None] | None, entries: Callable[[int], None], conns: set):
-        self._on_entry, self._presence, self._on_gone, self._entries, self._open = (on_entry, presence, on_gone,
-                                                                                    entries, conns)
+                 on_gone: Callable[[int], None] | None, stats: BrainStats | None, conns: set):
+        self._on_entry, self._presence, self._on_gone, self._stats, self._open = (on_entry, presence, on_gone,
+                                                                                  stats, conns)
         self._transport: asyncio.Transport | None = None
         self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_MESSAGE_BYTES)
 
@@ -118,7 +128,8 @@ class _LogConnection(asyncio.Protocol):
                 self._take(_records(message))
         except (ValueError, msgpack.UnpackException) as e:  # BufferFull and msgpack's format errors are ValueErrors
             logs.event("log_door_refused", error=type(e).__name__)
-            self._entries(-1)
+            if self._stats is not None:
+                self._stats.log_streams_refused += 1
             self.close()
 
     def _take(self, records: list) -> None:
@@ -127,13 +138,13 @@ class _LogConnection(asyncio.Protocol):
                 self._on_entry(entry_of_record(rec))
             except Exception as e:  # a bug costs one entry (its reservation then ends by its timeout), not the stream
                 logs.event("loop_error", loop="log_door", error=type(e).__name__)
-        self._entries(len(records))
+        if self._stats is not None:
+            self._stats.count_log_entries("door", len(records))
 
 
 async def serve_log_door(on_entry: Callable[[LogEntry], None], presence: EnvoyPresence | None,
-                         on_gone: Callable[[int], None] | None, entries: Callable[[int], None], path: str,
+                         on_gone: Callable[[int], None] | None, stats: BrainStats | None, path: str,
                          group_gid: int | None) -> Door:
-    """The log door on the Unix socket ``path``; ``entries(n)`` counts what each message carried (-1: a stream
-    refused)."""
-    return await serve_unix(lambda conns: _LogConnection(on_entry, presence, on_gone, entries, conns), path,
+    """The log door on the Unix socket ``path``; ``stats`` counts its entries, messages and refusals."""
+    return await serve_unix(lambda conns: _LogConnection(on_entry, presence, on_gone, stats, conns), path,
                             group_gid)

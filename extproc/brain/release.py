@@ -129,6 +129,9 @@ class Ledger:
 END_OF_REQUEST = frozenset({AccessLogType.NotSet, AccessLogType.DownstreamEnd})
 DOWNSTREAM_PERIODIC = AccessLogType.DownstreamPeriodic
 ENDED, ALIVE, OTHER = "ended", "alive", "other"  # LogEntry.kind: the request's end, a periodic entry, anything else
+# an id longer than this names nothing: Envoy's request ids are UUIDs and our reservation ids ~30 characters, but a
+# pasted config that keeps clients' x-request-id would have the ledger keep 10,000 of whatever length they send
+MAX_ID_CHARS = 256
 
 
 @dataclass(slots=True)
@@ -165,22 +168,26 @@ def outcome(code: int, details: str, content_type: str, connect_failure: bool, r
     )
 
 
+def _id(s: str) -> str:
+    return s if len(s) <= MAX_ID_CHARS else ""
+
+
 def entry_of_proto(entry) -> LogEntry:
     """Envoy's gRPC access-log entry (``HTTPAccessLogEntry``) as the brain reads it."""
     common = entry.common_properties
     t = common.access_log_type
     kind = ENDED if t in END_OF_REQUEST else ALIVE if t == DOWNSTREAM_PERIODIC else OTHER
     tags = common.custom_tags
-    reservation = entry.request.request_headers.get(RESERVATION_HEADER, "")
+    reservation, request_id = _id(entry.request.request_headers.get(RESERVATION_HEADER, "")), \
+        _id(entry.request.request_id)
     if kind != ENDED:
-        return LogEntry(kind, reservation, entry.request.request_id,
-                        engine_first_s=observed_us(tags, FIRST_TOKEN_TAG))
+        return LogEntry(kind, reservation, request_id, engine_first_s=observed_us(tags, FIRST_TOKEN_TAG))
     flags, response = common.response_flags, entry.response
     content_type = response.response_headers.get("content-type", "")
     sock = common.upstream_remote_address.socket_address
     first = common.time_to_first_upstream_rx_byte
     return LogEntry(
-        kind, reservation, entry.request.request_id,
+        kind, reservation, request_id,
         upstream=f"{sock.address}:{sock.port_value}" if sock.address else "",
         attempts=common.upstream_request_attempt_count,
         outcome=outcome(response.response_code.value, response.response_code_details, content_type,
@@ -345,11 +352,11 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
     """Envoy's gRPC access-log streams (where no log door is rendered: a brain reached over TCP, a failover pair)."""
 
     def __init__(self, on_entry: Callable[[LogEntry], None], presence: EnvoyPresence | None = None,
-                 on_gone: Callable[[int], None] | None = None, entries: Callable[[int], None] | None = None):
+                 on_gone: Callable[[int], None] | None = None, stats: BrainStats | None = None):
         self.on_entry = on_entry
         self.presence = presence
         self.on_gone = on_gone
-        self.entries = entries  # told how many entries each message carried
+        self.stats = stats  # counts the entries and messages
 
     async def StreamAccessLogs(self, request_iterator, context) -> als_pb2.StreamAccessLogsResponse:
         if self.presence is not None:
@@ -359,8 +366,8 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):
                 logged = msg.http_logs.log_entry
                 for entry in logged:
                     self.on_entry(entry_of_proto(entry))
-                if self.entries is not None:
-                    self.entries(len(logged))
+                if self.stats is not None:
+                    self.stats.count_log_entries("grpc", len(logged))
         finally:  # also when the stream is cancelled: the Envoy at the other end is gone
             if self.presence is not None:
                 self.presence.stream_closed(self.on_gone)

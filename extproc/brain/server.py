@@ -347,8 +347,7 @@ class BrainServer:
         if path is None:
             return
         claim_socket_path(path, b.grpc_socket_group)
-        self.runners.append(await serve_log_door(on_entry, brain.envoy, self._envoy_gone,
-                                                 lambda n: brain.stats.count_log_entries("door", n), path,
+        self.runners.append(await serve_log_door(on_entry, brain.envoy, self._envoy_gone, brain.stats, path,
                                                  _gid(b.grpc_socket_group) if b.grpc_socket_group else None))
 
     async def _hup(self) -> None:
@@ -367,8 +366,7 @@ class BrainServer:
                     ep.ProcessingResponse)
         on_entry = waits.on_log_entry if cfg.flow_control.enabled else brain.on_log_entry
         add_service(server, "envoy.service.accesslog.v3.AccessLogService", "StreamAccessLogs",
-                    AccessLogService(on_entry, brain.envoy, self._envoy_gone,
-                                     lambda n: brain.stats.count_log_entries("grpc", n)).StreamAccessLogs,
+                    AccessLogService(on_entry, brain.envoy, self._envoy_gone, brain.stats).StreamAccessLogs,
                     "stream_unary", als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = add_listeners(server, b)

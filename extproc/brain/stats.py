@@ -125,10 +125,7 @@ class BrainStats:
         self.zero_series(replica_names)
 
     def count_log_entries(self, transport: str, n: int) -> None:
-        """A message of ``n`` access-log entries by ``transport``; -1: a log door stream refused."""
-        if n < 0:
-            self.log_streams_refused += 1
-            return
+        """A message of ``n`` access-log entries by ``transport``."""
         self.log_entries[transport] += n
         self.log_messages[transport] += 1
 

@@ -128,6 +128,16 @@ def test_a_long_prompt_beside_running_decodes_is_prefilled_remotely_and_decoded_
     assert all(r["status"] == 200 and r["done"] for r in rest)
     # the prefill replica let go of the blocks once the decode replica read them
     wait_for(lambda: replica_json(pd, d["prefill_replica"], "/admin/kv_transfers")["held"] == 0, 10, "KV handed over")
+    # the decode leg's first byte, timed by Envoy and read from its access-log entry (the log door's "uft"), taught the
+    # transfer rate: it is no longer the configured prior
+    prior = CONFIG["disaggregation"]["transfer_tokens_per_s"]
+    wait_for(lambda: transfer_rate(pd) != prior, 10, "the transfer rate learned from the decode leg")
+
+
+def transfer_rate(stack: Stack) -> float:
+    text = urllib.request.urlopen(stack.brain_metrics, timeout=5).read().decode()
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("warmroute_kv_transfer_tokens_per_second"))
 
 
 def test_a_prefill_replica_killed_mid_leg_fails_no_client(pd):

@@ -6,6 +6,7 @@ protobuf and the two fronts cannot drift in what they answer.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Callable, Collection
@@ -81,9 +82,15 @@ _REFUSED_WHY = {
 
 
 def too_many(why: str, retry_after_s: int, path: str = "") -> Answered:
-    """Flow control refuses the request: 429 with Retry-After and the reason (also in llm-d's header)."""
+    """Flow control refuses the request: 429 with Retry-After and the reason (also in llm-d's header). One object per
+    reason, wait and API shape (never changed by anyone): a flood's refusals are rendered once (``rendered``)."""
+    return _too_many(why, retry_after_s, api_of(path) is Api.MESSAGES)
+
+
+@functools.lru_cache(maxsize=1024)
+def _too_many(why: str, retry_after_s: int, messages: bool) -> Answered:
     a = error(TOO_MANY_REQUESTS, _REFUSED_WHY.get(why, _REFUSED_WHY["queue_full"]), "rate_limit_error", why,
-              f"warmroute_flow_{why}", retry_after_s, path)
+              f"warmroute_flow_{why}", retry_after_s, "/v1/messages" if messages else "")
     return Answered(a.status, a.doc, a.details, (*a.headers, (DROPPED_REASON_HEADER, why)))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import math
 import ssl
 import time
@@ -34,7 +33,7 @@ from . import header_path, logs
 from .. import answers
 from ..answers import Answered, Held, Placed
 from ..picker.messages import path_of
-from .legs import Legs, new_session
+from .legs import Legs, legs_of, new_session
 from .metrics import make_registry
 from .release import EnvoyPresence, Ledger, Releaser
 from .reload import apply_config
@@ -308,23 +307,28 @@ class Brain(ScrapeListener):
             return self.too_many(d, headers)
         return self._answer(d, headers, body, phase)
 
-    def at_headers(self, headers: dict[str, str]) -> Placed | Answered | None:
+    def at_headers(self, headers: dict[str, str], asked: header_path.Asked | None = None) -> Placed | Answered | None:
         """The header path (``header_path``): a turn of a session under way answered at its request headers, its
-        body streamed to its home without passing through the brain. None: its body decides (Envoy sends it)."""
-        d = self.decide_at_headers(headers, None)
+        body streamed to its home without passing through the brain. None: its body decides (Envoy sends it).
+        ``asked``: what the call read of its headers, kept for the look after it."""
+        asked = asked if asked is not None else header_path.Asked()
+        d = self.decide_at_headers(headers, None, asked=asked)
         if d is None:  # its body decides, unless it would only be read to be refused
-            return header_path.refused_behind_queue(self, headers, self.clock())
+            return header_path.refused_behind_queue(self, headers, self.clock(), asked)
         out = self._answer(d, headers, None, "request_headers")
         assert not isinstance(out, Legs)  # a prefill leg needs the body: the header path never plans one
         return out
 
-    def decide_at_headers(self, headers: dict[str, str], only: "set[str] | None",
-                          arriving: bool = False) -> Decision | None:
+    def decide_at_headers(self, headers: dict[str, str], only: "set[str] | None", arriving: bool = False,
+                          asked: header_path.Asked | None = None) -> Decision | None:
         t0 = time.perf_counter()
         now = self.clock()
         flow = self.router.flow is not None
         more = {"priority": self.priority(headers), "ttft_slo_s": ttft_slo_of(headers)} if flow else {}
-        why, profile, res = header_path.turn(self, headers, now, **more, **({"deferred": True} if arriving else {}))
+        why, profile, res = header_path.turn(self, headers, now, {**more, "deferred": True} if arriving else more,
+                                             asked)
+        if asked is not None:
+            asked.why = why
         if profile is not None:
             # never held: a turn flow control would hold reads its body
             key = next(self._hold_keys) if flow else None
@@ -338,7 +342,8 @@ class Brain(ScrapeListener):
         self.stats.header_path_declined[why or "unknown"] += 1
         return None
 
-    def look(self, headers: dict[str, str], read_wait_s: float, backlog_s: float | None = None) -> Answered | None:
+    def look(self, headers: dict[str, str], read_wait_s: float, backlog_s: float | None = None,
+             new_session: bool = False) -> Answered | None:
         """The look at a large body's headers before its body is read (flow control on; ``envoy_config`` renders it): a
         request that is no turn of a session the brain knows, arriving while its body would wait to be read longer
         than a turn of the sessions under way takes (``look_bound_s``), is refused with 429 before it is sent, instead
@@ -346,28 +351,32 @@ class Brain(ScrapeListener):
         out and failing open into the engines ahead of them. Critical work is never refused. None: let it come.
         Other bodies already waiting a quarter of that bound to be read (``backlog_s``: measured, never this
         request's own size, let alone one only declared; default ``read_wait_s``) are a burst: flow control's flood
-        mode starts (``FlowControl.flooded``), whether this one is let through or not."""
+        mode starts (``FlowControl.flooded``), whether this one is let through or not. ``new_session``: the header call
+        already found its session new (no pin), here at the same moment."""
         if self.router.flow is None:
             return None
         now = self.clock()
         r = self.router
-        wait = r.over_cap(tenant_of(headers, r.profile_cfg), self.priority(headers), now) if r.caps else None
+        priority = self.priority(headers)
+        wait = r.over_cap(tenant_of(headers, r.profile_cfg), priority, now) if r.caps else None
         if wait is not None:  # a capped tenant's large body: refused before it is uploaded
             return self.too_many(Decision(None, Reason.TENANT_CAP, retry_after_s=wait), headers)
         bound = self.look_bound_s(now)
         burst = (read_wait_s if backlog_s is None else backlog_s) > bound * BURST_SHARE
-        if (not burst and read_wait_s <= bound) or self.priority(headers) == CRITICAL:
+        if (not burst and read_wait_s <= bound) or priority == CRITICAL:
             return None
-        profile = build_profile(headers, None, self.router.profile_cfg, None)
-        if profile.session_key is not None and self.router.session_pins.get(profile.session_key, now) is not None:
-            return None
+        if not new_session:
+            profile = build_profile(headers, None, self.router.profile_cfg, None)
+            if profile.session_key is not None and r.session_pins.get(profile.session_key, now) is not None:
+                return None
         if burst:  # started at the first refusal only, 6-8 new sessions were placed before it by cost, the sessions
             # under way's replicas included: each a 25K prefill ahead of their turns (issue 59)
             self.router.flow.flooded(now)
         if read_wait_s <= bound:
             return None
         self.stats.flow_refused["router_behind"] += 1
-        return answers.too_many("router_behind", max(self.cfg.flow_control.retry_after_s, math.ceil(read_wait_s)))
+        return answers.too_many("router_behind", max(self.cfg.flow_control.retry_after_s, math.ceil(read_wait_s)),
+                                path_of(headers))
 
     def look_bound_s(self, now: float) -> float:
         """How far behind the brain may read before the look refuses new sessions (see ``look``): the quickest turn
@@ -394,27 +403,11 @@ class Brain(ScrapeListener):
         engine = d.engine if d.steer else None
         replica = d.replica.name
         if d.prefill is not None:
-            legs = self._legs(d, headers, sent if sent is not None else body, phase,
-                              lambda b: Placed(replica, rid, engine, b if b is not None else sent))
+            legs = legs_of(self, d, headers, sent if sent is not None else body, phase,
+                            lambda b: Placed(replica, rid, engine, b if b is not None else sent))
             if legs is not None:
                 return legs
         return Placed(replica, rid, engine, sent)
-
-    def _legs(self, d: Decision, headers: dict[str, str], body: bytes | None, phase: str, answer) -> Legs | None:
-        """The two legs of a request the policy disaggregated (None: it is prefilled where it goes after all: no
-        body to send, one that does not read, or a client doing its own disaggregation)."""
-        doc = None
-        if body is not None and phase == "request_body":
-            try:
-                doc = json.loads(body)
-            except ValueError:
-                pass
-        if not isinstance(doc, dict) or "kv_transfer_params" in doc:
-            self.router.release(d.prefill_reservation, self.clock())
-            if d.reservation is not None:
-                d.reservation.transfer_tokens = 0
-            return None
-        return Legs(self, d, headers, doc, path_of(headers), answer)
 
     def legs_http(self):
         """The prefill legs' connections (one pool for the brain's life)."""

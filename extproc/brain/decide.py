@@ -39,6 +39,7 @@ from ..answers import Answered, Held, Placed
 from ..core.apis import KV_TRANSFER_KEY
 from ..core.profile import BODY_KV_TRANSFER_KEY, BODY_MODEL_KEY, BODY_SESSION_PREFIX, declared_size
 from . import logs
+from .header_path import Asked
 from .intake import CALL_BYTES, Intake
 from .legs import Legs
 from ..picker.messages import header_value, headers_of, render, wait_longer
@@ -149,9 +150,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, decide: Decide, big_body_bytes: int | None = None,
                  wait: "Callable[[object], Awaitable[Outcome]] | None" = None,  # a future, at once
                  cancel: "Callable[[object], None] | None" = None, hold_s: float = 0.0,
-                 look: "Callable[[dict[str, str], float, float | None], Answered | None] | None" = None,
+                 look: "Callable[[dict[str, str], float, float | None, bool], Answered | None] | None" = None,
                  intake: Intake | None = None, legs_s: float = 35.0,
-                 at_headers: "Callable[[dict[str, str]], Placed | Answered | None] | None" = None,
+                 at_headers: "Callable[[dict[str, str], Asked], Placed | Answered | None] | None" = None,
                  faults: "Counter[str] | None" = None):
         self.decide = decide
         # calls whose decision raised, by call: counted and logged by the error's kind, and the call ended with a
@@ -233,14 +234,16 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         """The brain's word at a request's header call (over gRPC here, or at the header door): its route, the brain's
         own answer, or None to read its body."""
         assert self.at_headers is not None  # only the header path's calls come here
-        out = self.at_headers(headers)
+        asked = Asked()
+        out = self.at_headers(headers, asked)
         if out is None and self.look is not None and self.intake is not None:
             # the look's word, here, before the upload: in a burst a new session is refused at this call and makes no
             # other (1,500 new sessions at once each paying a header call, a look and a body failed 900 open). By what
             # the brain measures of its own reading alone: a size declared and never sent charges nobody else
             size = declared_size(headers) or 0
             behind = self.intake.behind_s()
-            out = self.look(headers, behind + self.intake.own_s(size if size > LOOK_BYTES else CALL_BYTES), behind)
+            out = self.look(headers, behind + self.intake.own_s(size if size > LOOK_BYTES else CALL_BYTES), behind,
+                            asked.why == "new_session")
             if out is None:
                 # its call announced now, at a call's cost and not its declared size's (a larger body's bytes count once
                 # the look sees it here): 2,000 new sessions at once were each let on, and read or looked at to be
@@ -261,7 +264,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         size = declared_size(headers) or 0
         late = self.intake.late_s(_attribute(req, TIME_ATTRIBUTE), headers.get(LOOK_UPLOAD_HEADER))
         behind = self.intake.behind_s()
-        out = self.look(headers, max(late, behind + self.intake.own_s(size)), max(late, behind))
+        out = self.look(headers, max(late, behind + self.intake.own_s(size)), max(late, behind), False)
         if out is None:
             self.intake.let_through(headers.get(REQUEST_ID_HEADER), size)
         else:  # refused here: its body never comes, and its header call's announcement goes with it

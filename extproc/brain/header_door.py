@@ -94,7 +94,20 @@ def respond(out: "Placed | Answered | None") -> bytes:
         # a 200 would let the request through unanswered, a 5xx fail open: the brain's own answer at the headers is
         # a refusal (429), which ext_authz passes on; anything else is read from the body, where ext_proc answers it
         return _BARE_200
-    return response(out.status, [("content-type", "application/json"), *out.headers], out.body)
+    hit = _RENDERED.get(id(out))
+    if hit is not None and hit[0] is out:
+        return hit[1]
+    raw = response(out.status, [("content-type", "application/json"), *out.headers], out.body)
+    if len(_RENDERED) >= _RENDERED_MAX:
+        _RENDERED.clear()
+    _RENDERED[id(out)] = (out, raw)  # the answer kept with its bytes: its id names nothing else while it is here
+    return raw
+
+
+# the brain's own answers rendered lately, by the object (flow control's 429s are one object per reason and wait): a
+# flood's 2,000 refusals at their header calls are rendered once, not each
+_RENDERED: dict[int, tuple[Answered, bytes]] = {}
+_RENDERED_MAX = 256
 
 
 def door_app(ask: Ask, ready: Callable[[], bool], faults: "Counter[str] | None" = None) -> Handler:

@@ -19,6 +19,7 @@ Which requests take it, and which read their body (docs/architecture.md, "Two pa
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from ..answers import Answered
@@ -37,10 +38,21 @@ WHY = ("policy", "method", "encoded", "api", "no_session", "new_session", "model
        "home_declined")
 
 
-def turn(brain, headers: dict[str, str], now: float, **more: Any) -> tuple[str | None, RequestProfile | None,
-                                                                                   Resolution | None]:
+@dataclass(slots=True)
+class Asked:
+    """What one header call read of its headers, once, for every step of it (the decision, the refusals after it):
+    ``read``, whether its header profile was made; ``profile``, that profile (None: its headers name no session or
+    declare no size); ``why``, why the headers did not decide it."""
+    read: bool = False
+    profile: RequestProfile | None = None
+    why: str | None = None
+
+
+def turn(brain, headers: dict[str, str], now: float, more: "dict[str, Any] | None" = None,
+         asked: Asked | None = None) -> tuple[str | None, RequestProfile | None, Resolution | None]:
     """(None, its profile, its model's resolution) for a turn the headers may decide; (why not, None, None) else.
-    ``more``: further fields of its profile (flow control's), set in the one copy made of it."""
+    ``more``: further fields of its profile (flow control's), set in the one copy made of it; ``asked`` keeps the
+    header profile made."""
     router = brain.router
     if not router.policy.decides_at_headers:
         return "policy", None, None
@@ -50,6 +62,8 @@ def turn(brain, headers: dict[str, str], now: float, **more: Any) -> tuple[str |
     if not declared_size(headers):
         return "size", None, None
     profile = header_profile(headers, router.profile_cfg)
+    if asked is not None:
+        asked.read, asked.profile = True, profile
     if profile is None:
         return "no_session", None, None
     if profile.api not in APIS:
@@ -68,7 +82,7 @@ def turn(brain, headers: dict[str, str], now: float, **more: Any) -> tuple[str |
     bound = models.max_model_len(res.model)
     profile = dataclasses.replace(
         profile, model=res.model, adapter=res.model if models.is_adapter(res.model) else None,
-        tokens=min(profile.tokens, bound) if bound is not None else profile.tokens, **more)
+        tokens=min(profile.tokens, bound) if bound is not None else profile.tokens, **(more or {}))
     return None, profile, res
 
 
@@ -94,20 +108,20 @@ def model_said(brain, headers: dict[str, str], session_key: bytes | None) -> Res
     return None if res.rewritten else res
 
 
-def refused_behind_queue(brain, headers: dict[str, str], now: float) -> Answered | None:
+def refused_behind_queue(brain, headers: dict[str, str], now: float, asked: Asked | None = None) -> Answered | None:
     """A new session refused at its headers where its body would only be read to be refused the same way: flow
     control queues a new session behind its class unpriced (``Router.behind_queue``: nothing of its body counts), and
     that wait already passes its deadline (429 ``deadline_unmeetable``). In a flood of 2,000 small new sessions (no
     look: under 64 KiB) each body was read, a gRPC call, to be refused so, while the turns under way waited behind
     them (issue 59, finding 6). None: its body decides, as before (no flow control, critical work, a session under
-    way, no queue ahead, a model or size the headers cannot tell)."""
+    way, no queue ahead, a model or size the headers cannot tell). ``asked``: the header profile the call made."""
     router = brain.router
     if router.flow is None or not router.policy.decides_at_headers:
         return None
     priority = brain.priority(headers)
     if not router.flow.queue.ahead(priority)[0]:  # the common case, first: nothing queued, nothing to refuse behind
         return None
-    profile = header_profile(headers, router.profile_cfg)
+    profile = asked.profile if asked is not None and asked.read else header_profile(headers, router.profile_cfg)
     if profile is None or priority == CRITICAL or profile.api not in APIS or unread_why(headers) is not None:
         return None
     res = model_said(brain, headers, profile.session_key)

@@ -29,6 +29,7 @@ import aiohttp
 
 from ..contract import REQUEST_ID_HEADER
 from . import logs
+from ..picker.messages import path_of
 
 if TYPE_CHECKING:
     from ..answers import Placed
@@ -184,6 +185,24 @@ class Legs:
 
 
 _TASKS: set[asyncio.Task] = set()  # hand-overs under way: a task nobody holds may be collected before it ends
+
+
+def legs_of(brain, d: "Decision", headers: dict[str, str], body: bytes | None, phase: str,
+            answer: "Callable[[bytes | None], Placed]") -> "Legs | None":
+    """The two legs of a request the policy disaggregated (None: it is prefilled where it goes after all: no body to
+    send, one that does not read, or a client doing its own disaggregation)."""
+    doc = None
+    if body is not None and phase == "request_body":
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            pass
+    if not isinstance(doc, dict) or "kv_transfer_params" in doc:
+        brain.router.release(d.prefill_reservation, brain.clock())
+        if d.reservation is not None:
+            d.reservation.transfer_tokens = 0
+        return None
+    return Legs(brain, d, headers, doc, path_of(headers), answer)
 
 
 def _background(coro) -> None:

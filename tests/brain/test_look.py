@@ -157,7 +157,7 @@ def _look_request(request_time: str | None = None) -> ep.ProcessingRequest:
 def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_until_it_is_read():
     seen = []
 
-    def look(headers, wait_s, backlog_s=None):
+    def look(headers, wait_s, backlog_s=None, new_session=False):
         seen.append((headers["x-request-id"], wait_s, backlog_s))
         return None
 
@@ -178,7 +178,7 @@ def test_the_look_is_answered_at_once_and_the_body_it_let_through_is_counted_unt
         and not intake.unread
 
     refuse = answers.too_many("router_behind", 3)
-    front.look = lambda headers, wait_s, backlog_s=None: refuse
+    front.look = lambda headers, wait_s, backlog_s=None, new_session=False: refuse
     ctx = Ctx([_look_request()], [LOOK_METADATA])
     asyncio.run(front.Process(None, ctx))
     assert ctx.written == [dc.envoy_answer(refuse, "request_headers")] and intake.looked_bytes == 0  # no body comes
@@ -257,13 +257,13 @@ def test_a_header_call_passes_its_own_declared_size_to_the_look_as_no_backlog():
 
     seen = []
 
-    def look(headers, wait_s, backlog_s=None):
+    def look(headers, wait_s, backlog_s=None, new_session=False):
         seen.append((wait_s, backlog_s))
         return None
 
     intake = Intake(5.0, Clock())
     front = dc.ExternalProcessor(lambda h, b, phase: None, 2 * 2**20, look=look, intake=intake,
-                                 at_headers=lambda headers: None)
+                                 at_headers=lambda headers, asked: None)
     asyncio.run(front.Process(None, Ctx([_look_request()], [HEADER_PATH_METADATA])))
     assert seen == [(pytest.approx(BIG / READ_BYTES_PER_S), 0.0)]
 
@@ -334,3 +334,30 @@ def test_an_announced_body_that_will_never_be_read_stops_counting_at_once():
     intake.let_through("r2", CALL_BYTES)
     asyncio.run(decided.Process(None, Ctx([big])))
     assert intake.looked_bytes == 0 and not intake.looked
+
+
+def test_in_a_burst_at_their_header_calls_new_sessions_are_refused_in_their_api_s_shape_and_a_turn_under_way_is_not():
+    """The header call reads its headers once for the decision and both refusals after it (``header_path.Asked``):
+    the look, told the session is new, refuses it without reading its profile again; a session under way is never
+    refused, whatever its turn's size; the look's 429 speaks the path's API (Anthropic's on Messages: it spoke
+    OpenAI's there), and each wait is rendered as its own Retry-After."""
+    b = live_brain(parse_config(CFG))
+    intake = Intake(5.0, b.clock)
+    front = dc.ExternalProcessor(b.decide, 2 * 2**20, look=b.look, intake=intake, at_headers=b.at_headers)
+    envoy_decide(b, _headers("mine"), _body("my context "))  # a session under way
+    intake.let_through("burst", 200 * READ_BYTES_PER_S)  # 200 s of reading announced: far behind
+    chat = front.at_header_call({**_headers("new-chat"), "content-length": "8000"})
+    messages = front.at_header_call({**_headers("new-messages"), ":path": "/v1/messages", "content-length": "8000"})
+    assert chat is not None and chat.status == 429 and chat.doc["error"]["code"] == "router_behind"
+    assert messages is not None and messages.status == 429
+    assert messages.doc["type"] == "error" and messages.doc["error"]["type"] == "rate_limit_error"  # Anthropic's
+    assert front.at_header_call({**_headers("mine"), "content-length": "8000"}) is None  # read by its body: not refused
+    assert b.stats.header_path_declined["new_session"] == 2
+    later = front.at_header_call({**_headers("new-later"), "content-length": "8000"})
+    intake.let_through("more", 100 * READ_BYTES_PER_S)
+    longer = front.at_header_call({**_headers("new-longer"), "content-length": "8000"})
+    assert int(dict(later.headers)["retry-after"]) < int(dict(longer.headers)["retry-after"])
+    from extproc.brain.header_door import respond
+
+    assert respond(later) != respond(longer) and respond(later) == respond(later)
+    assert b"retry-after: %d\r\n" % int(dict(longer.headers)["retry-after"]) in respond(longer)

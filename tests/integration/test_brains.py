@@ -241,7 +241,10 @@ def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts
     for s in range(6):
         after[s] = post(pairs.urls[1], f"before-kill-{s}", 2)
         released(pairs, "the turn released")
-    assert after == homes
+    # one run in ~10 under a loaded make test moved a session off its home (2026-12-06): say why the brain chose so
+    moved = [d for d in json.loads(pairs.stacks[1].admin_get("/decisions?last=6"))["decisions"]
+             if d.get("replica") not in homes.values() or d.get("reason") != "affinity"]
+    assert after == homes, f"restarted brain's decisions off affinity: {json.dumps(moved)[:3000]}"
     assert metric(pairs.stacks[1], "warmroute_shared_state_up") == 1
     # Envoy 1 kept its access-log stream on brain 0: the ends of brain 1's requests are handed back to it
     released(pairs, "every reservation released, those whose end reached the other brain included")

@@ -311,7 +311,6 @@ class Brain(ScrapeListener):
         """The header path (``header_path``): a turn of a session under way answered at its request headers, its
         body streamed to its home without passing through the brain. None: its body decides (Envoy sends it).
         ``asked``: what the call read of its headers, kept for the look after it."""
-        asked = asked if asked is not None else header_path.Asked()
         d = self.decide_at_headers(headers, None, asked=asked)
         if d is None:  # its body decides, unless it would only be read to be refused
             return header_path.refused_behind_queue(self, headers, self.clock(), asked)

@@ -248,8 +248,6 @@ def replace_model(body: bytes, model: str) -> bytes | None:
     return None
 
 
-
-
 # the model Envoy read from a body too big to send (contract.BODY_METADATA_NAMESPACE), as the front hands it on among
 # the headers: a pseudo-header, which no client can send
 BODY_MODEL_KEY = ":warmroute-body-model"

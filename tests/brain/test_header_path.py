@@ -236,6 +236,13 @@ def test_a_new_session_its_body_would_only_be_refused_behind_the_queue_is_refuse
     out = b.at_headers(hurry)
     assert isinstance(out, Answered) and out.status == 429 and out.doc["error"]["code"] == "deadline_unmeetable"
     assert b.stats.flow_refused["deadline_unmeetable"] == 1 and len(b.router.flow) == 1  # nothing queued
+    # as the header call asks (its headers read once, the decision's profile kept for this refusal): the same
+    from extproc.brain.header_path import Asked
+
+    asked = Asked()
+    again = b.at_headers(headers("hurry-1", len(doc), **{"x-warmroute-ttft-slo-ms": "2000"}), asked)
+    assert asked.read and asked.why == "new_session" and asked.profile is not None
+    assert isinstance(again, Answered) and again.doc["error"]["code"] == "deadline_unmeetable"
     # the same request read by its body: the same answer
     by_body = b.decide(headers("hurry-2", len(doc), **{"x-warmroute-ttft-slo-ms": "2000"}), doc)
     assert isinstance(by_body, Answered) and by_body.doc["error"]["code"] == "deadline_unmeetable"

@@ -143,8 +143,7 @@ class HealthMachine:
         st = self.state
         if st is EJECTED:
             return None
-        stale_after = self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
-        if now - self.last_scrape_ok_at > stale_after:
+        if now > self.fresh_until():
             return self._eject(name, "stale_scrape", now)
         if st is PROBING:
             if now - self.entered_at >= self.cfg.probing_clean_window_s:
@@ -153,12 +152,17 @@ class HealthMachine:
             self.streak = 0
         return None
 
+    def fresh_until(self) -> float:
+        """When the last good scrape goes stale (B's stale rule): until then a scrape still under way ejects nothing,
+        however slow its answer (-inf for a replica not yet scraped well)."""
+        return self.last_scrape_ok_at + self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
+
     def next_due(self) -> float:
         """Earliest time at which ``advance`` may change something."""
         st = self.state
         if st is EJECTED:
             return float("inf")
-        due = self.last_scrape_ok_at + self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
+        due = self.fresh_until()
         if st is PROBING:
             due = min(due, self.entered_at + self.cfg.probing_clean_window_s)
         elif self.streak:

@@ -271,3 +271,55 @@ def test_a_deadline_that_ran_out_while_the_event_loop_stood_still_is_tried_again
     r, deferred, scrapes = asyncio.run(main())
     assert r.ok, r.error
     assert deferred == 1 and scrapes[("r0", "deferred")] == 1 and scrapes[("r0", "ok")] == 1
+
+
+def test_a_busy_replica_whose_metrics_answer_late_stays_live_and_one_that_never_answers_goes_stale():
+    """A vLLM API server busy with its requests answers /metrics late (over 0.8 of an interval on three CPU engines):
+    its health scrape waits for the answer while its last good scrape is fresh, so it stays LIVE. One that stops
+    answering is ejected by the stale rule (3 intervals), not sooner and not never."""
+    from extproc.core.replica import EJECTED, LIVE
+
+    async def main():
+        mode = {"delay": 0.0, "answered": 0}
+        hang = asyncio.Event()
+
+        async def metrics(_):
+            if mode["delay"] < 0:
+                await hang.wait()
+            await asyncio.sleep(mode["delay"])
+            mode["answered"] += 1
+            return web.Response(text=METRICS)
+
+        runner, port = await serve_metrics(metrics)
+        cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}],
+                            "health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 0.2},
+                            "warm": {"load_refresh_s": 5.0}})  # health scrapes alone
+        brain = Brain(cfg)
+        health = brain.router.find("r0").health
+        task = asyncio.create_task(brain.scraper.loop())
+        loop = asyncio.get_running_loop()
+
+        async def until(cond, seconds: float) -> bool:
+            deadline = loop.time() + seconds
+            while not cond() and loop.time() < deadline:
+                brain.router.tick(brain.clock())  # the brain's timers: the stale rule
+                await asyncio.sleep(0.02)
+            return cond()
+
+        try:
+            live = await until(lambda: health.state is LIVE, 30)
+            mode["delay"], start = 1.5, mode["answered"]  # twice the 0.8 s a health scrape waited before
+            slow = await until(lambda: mode["answered"] >= start + 3 or health.state is not LIVE, 30)
+            slow_state, slow_ejections = health.state, health.ejections
+            mode["delay"], t0 = -1.0, loop.time()
+            gone = await until(lambda: health.state is EJECTED, 30)
+            return live, slow, slow_state, slow_ejections, gone, loop.time() - t0
+        finally:
+            hang.set()
+            task.cancel()
+            await runner.cleanup()
+
+    live, slow, slow_state, slow_ejections, gone, gone_after = asyncio.run(main())
+    assert live and slow
+    assert slow_state is LIVE and slow_ejections == 0  # three answers of 1.5 s each, none counted a failure
+    assert gone and gone_after >= 1.5  # the stale rule's 3 s from the last answer, which was up to 1.5 s before

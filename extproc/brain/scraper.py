@@ -281,16 +281,6 @@ class Scraper:
             return True, listed if isinstance(listed, dict) else None
         return got.error.startswith("HTTP 4"), None
 
-    def health_deadline(self, name: str, now: float, floor: float) -> float:
-        """How long a health scrape waits for its answer: until the replica's last good scrape goes stale (B's stale
-        rule ejects it then, answer or not), at least ``floor``. Ended at 0.8 of an interval, a vLLM API server busy
-        with its requests ejected healthy replicas: on three CPU engines (`python -m bench real`), two at once, so
-        that every new session was held behind the one left (p99 27-35 s), and once all three (95 of 212 requests
-        sent to a random replica). A refused connection, an error status or a page that does not parse still eject
-        at once; a /metrics that never answers, at the stale rule's time."""
-        r = self.router.find(name)
-        return floor if r is None else max(floor, r.health.fresh_until() - now)
-
     async def _replica_loop(self, session: ClientSession, name: str) -> None:
         next_health = self.clock()
         was_ok = False  # a replica's routes are read at its first good scrape, and again after a failed one
@@ -302,8 +292,11 @@ class Scraper:
             health = fast is None or started >= next_health - 1e-3
             # an engine without load metrics ("none") has nothing to refresh between health scrapes
             if health or self.engine_of(name) != "none":
-                timeout = self.health_deadline(name, started, health_timeout) if health or fast is None else \
-                    max(0.05, fast * 0.8)
+                if health or fast is None:
+                    rep = self.router.find(name)
+                    timeout = rep.health.scrape_deadline(started, health_timeout) if rep else health_timeout
+                else:
+                    timeout = max(0.05, fast * 0.8)
                 r = await self.scrape_once(session, name, self.urls[name], timeout)
                 try:
                     if name in self.urls:

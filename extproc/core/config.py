@@ -17,8 +17,8 @@ class HealthConfig:
     cooldown_base_s: float = 30.0  # A2: the n-th ejection in a row keeps a replica out for base x 2^(n-1) s
     cooldown_max_s: float = 300.0  # A2: the ceiling of that cooldown (a replica at it flaps: an alert fires)
     streak_reset_live_s: float = 600.0  # A2: streak resets after 600 s of continuous LIVE
-    # B: a scrape older than 3 intervals counts as failed; a health scrape waits for its answer until then (a busy
-    # engine's late /metrics is not a failure)
+    # B: a scrape older than 3 intervals counts as failed; a LIVE replica's health scrape waits for its answer until
+    # then (a busy engine's late /metrics is not a failure)
     stale_scrape_intervals: float = 3.0
     upstream_failures_to_eject: int = 3  # B: N consecutive upstream failures eject a LIVE replica
     # At most this % of the fleet (and at least one replica) may be EJECTED by users' requests' outcomes at once,

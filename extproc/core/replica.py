@@ -153,9 +153,20 @@ class HealthMachine:
         return None
 
     def fresh_until(self) -> float:
-        """When the last good scrape goes stale (B's stale rule): until then a scrape still under way ejects nothing,
-        however slow its answer (-inf for a replica not yet scraped well)."""
+        """When the last good scrape goes stale (B's stale rule; -inf for a replica not yet scraped well)."""
         return self.last_scrape_ok_at + self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
+
+    def scrape_deadline(self, now: float, floor: float) -> float:
+        """How long a health scrape begun at ``now`` waits for its answer (B, "one failed scrape (timeout, ...)"):
+        a LIVE replica's, until its last good scrape goes stale (the stale rule ejects it then, answer or not);
+        any other's, ``floor`` (A2: any scrape failure while PROBING sends it back, and the way back stays the
+        stricter). Ended at 0.8 of an interval, a vLLM API server busy with its requests ejected healthy replicas:
+        on three CPU engines (`python -m bench real`) two at once, every new session then held behind the third
+        (p99 27-35 s), and once all three (95 of 212 requests sent to a random replica). A refused connection, an
+        error status or a page that does not parse still eject at once."""
+        if self.state is not LIVE:
+            return floor
+        return max(floor, self.fresh_until() - now)
 
     def next_due(self) -> float:
         """Earliest time at which ``advance`` may change something."""

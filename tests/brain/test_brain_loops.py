@@ -273,7 +273,7 @@ def test_a_deadline_that_ran_out_while_the_event_loop_stood_still_is_tried_again
     assert deferred == 1 and scrapes[("r0", "deferred")] == 1 and scrapes[("r0", "ok")] == 1
 
 
-def test_a_busy_replica_whose_metrics_answer_late_stays_live_and_one_that_never_answers_goes_stale():
+def test_B_eject_a_busy_replica_whose_metrics_answer_late_stays_live_and_one_that_never_answers_goes_stale():
     """A vLLM API server busy with its requests answers /metrics late (over 0.8 of an interval on three CPU engines):
     its health scrape waits for the answer while its last good scrape is fresh, so it stays LIVE. One that stops
     answering is ejected by the stale rule (3 intervals), not sooner and not never."""

@@ -609,18 +609,17 @@ def test_the_agents_sdks_converse_through_warmroute_with_real_engines(fleet):
     for turn in range(3):
         history.append({"role": "user", "content": [{"type": "text", "text": f"step {turn}: fix the parser " * 20}]})
         kw = dict(model=MODEL, max_tokens=8, system=system, messages=history,
-                  metadata={"user_id": "user_1_account_1_session_real"},
-                  extra_headers={"x-request-id": f"messages-turn-{turn}"})
+                  metadata={"user_id": "user_1_account_1_session_real"})
         if turn == 1:
             with a.messages.stream(**kw) as st:
                 msg = st.get_final_message()
         else:
             msg = a.messages.create(**kw)
         if turn:
-            # whole 128-token blocks; on failure, where the brain put each turn and why
-            assert msg.usage.cache_read_input_tokens >= 0.8 * prompt - 128, (msg.usage, [
-                json.loads(fleet.admin_get(f"/decisions?request_id=messages-turn-{t}"))["decisions"]
-                for t in range(turn + 1)])
+            # whole 128-token blocks; on failure, where the brain put each turn so far and why (the module's tests
+            # run one at a time: the last decisions are this conversation's; Envoy replaces a client's request id)
+            assert msg.usage.cache_read_input_tokens >= 0.8 * prompt - 128, (
+                msg.usage, json.loads(fleet.admin_get(f"/decisions?last={turn + 1}"))["decisions"])
         # Anthropic's (and vLLM's) prompt: input + cache read + cache creation
         prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) + \
             (msg.usage.cache_creation_input_tokens or 0)

@@ -225,6 +225,23 @@ def test_B_eject_from_live_on_one_failed_scrape():
     assert tr is not None and tr.reason == "scrape_failed" and tr.new is EJECTED
 
 
+def test_B_eject_from_live_on_a_scrape_timeout_once_the_last_good_scrape_is_stale_a_probing_one_at_the_floor():
+    """B's "one failed scrape (timeout, ...)": a LIVE replica's health scrape waits for its answer until its last
+    good scrape is 3 intervals old (a busy engine's /metrics answers late; the stale rule ejects one that never does);
+    a PROBING or EJECTED one's, the scraper's own floor (A2: any scrape failure while PROBING sends it back)."""
+    router, t = live_router(2)  # both scraped well at t, interval 3 s, stale after 9 s
+    live = router.replica("r0").health
+    assert live.scrape_deadline(t, 2.4) == 9.0
+    assert live.scrape_deadline(t + 5.0, 2.4) == 4.0  # what is left of its freshness
+    assert live.scrape_deadline(t + 8.0, 2.4) == 2.4  # never below the floor
+    router.on_scrape("r1", False, t)  # ejected: on its way back it is held to the floor
+    out = router.replica("r1").health
+    assert out.scrape_deadline(t + 30.0, 2.4) == 2.4
+    router.on_scrape("r1", True, t + 30.0)
+    router.on_scrape("r1", True, t + 33.0)
+    assert router.replica("r1").state is PROBING and out.scrape_deadline(t + 33.0, 2.4) == 2.4
+
+
 def test_B_eject_on_3_consecutive_upstream_failures_a_success_resets_the_count():
     router, t = live_router(2)
     router.on_upstream("r0", False, t)

@@ -11,7 +11,9 @@ than the three caches hold, so where a turn goes decides what it prefills again)
 **the engines reported** (each answer's ``cached_tokens`` over its ``prompt_tokens``: not the router's
 prediction), output tokens/s, and for warmroute the brain's mean decision time as a share of the mean TTFT;
 each with a bootstrap 95% interval over the run's requests, and each router's ratio to the best peer's with
-its interval (the two runs resampled independently). Then the same over the three seeds pooled.
+its interval (the two runs resampled independently). Then the same over the three seeds pooled. Before the first
+run, a run's worth of another seed goes straight to the engines (``warm_up``), and each seed starts with the next
+router in turn: no router is measured on cold engines or always in the same place.
 
 A run that measured this machine rather than the engines is refused (``pace``; kept out of every ratio): the
 client's own event-loop lag reached 10% of the TTFT p50, or the part of the mean TTFT that the engines did not
@@ -77,6 +79,7 @@ WORKLOAD = WorkloadConfig(minutes=1.1, projects=3, system_tokens=(800, 1600), se
                           turns_median=10.0, turns_max=30, user_tokens_median=300.0, output_tokens_median=16.0,
                           output_tokens_max=48, think_s_mean=2.0, long_share=0.0, max_context=5000,
                           oneshots_per_min=20.0)
+WARM_UP_SEED = 10_000  # the warm-up's workload: none of the measured seeds'
 # the burst's (issue 34, make bench-real-burst): the pace it was measured at, doubled for 2 minutes
 BURST_WORKLOAD = WorkloadConfig(minutes=4.0, projects=3, system_tokens=(800, 1600), sessions_per_min=8.0,
                                 turns_median=8.0, turns_max=20, user_tokens_median=150.0, output_tokens_median=24.0,
@@ -103,10 +106,14 @@ class Row(Measured):
     engine_ttft_mean: float = float("nan")  # the engines' own mean TTFT over the run
     brain_cpu: float | None = None  # warmroute: the brain's CPU seconds per second of the run (cores it used)
     held_s: float = 0.0  # warmroute: seconds flow control held requests in the brain, summed over the run
+    moved: dict[str, int] = dataclasses.field(default_factory=dict)  # warmroute: sessions moved off a home, by cause
     # warmroute: each streamed request's predicted time to first token against Envoy's observed one, joined by the
     # brain (GET /decisions): (predicted, observed) seconds, and per replica its (bias, MAPE) at the end of the run
     predictions: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     joined: list[dict] = dataclasses.field(default_factory=list)  # those decisions whole (what the error is read from)
+    # each answered request as the client saw it (session number, sent at, tokens, first token): every router's, to
+    # compare them turn by turn (first turns, turns under way) where the pooled quantiles differ
+    sent_requests: list[dict] = dataclasses.field(default_factory=list)
 
 
 def start_router(contender: str, replicas: list[Replica], model: str) -> Running:
@@ -154,6 +161,9 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             # seconds flow control held requests in the brain: the router's choice, not this machine's slowness
             held = metric_total(brain, "warmroute_flow_wait_seconds_total")
             row.held_s = held
+            # where a session left the home that held its context (ring hash moves one only past its bound)
+            row.moved = {c: int(metric_total(brain, "warmroute_rebinds_total", kind="session", cause=c))
+                         for c in ("cost", "spills", "force", "dead")}
             by_path = {p: metric_total(brain, "warmroute_decisions_by_path_total", path=p) for p in ("headers", "body")}
             row.header_share = by_path["headers"] / max(1.0, sum(by_path.values()))
             if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
@@ -169,6 +179,9 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         run.stop()
     ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
     row.ttfts = ok
+    row.sent_requests = [{"sid": r.sid, "oneshot": r.oneshot, "arrival": round(r.arrival, 3),
+                          "prompt_tokens": r.extra.get("prompt_tokens"), "cached_tokens": r.cached_tokens,
+                          "ttft_s": round(r.ttft, 4)} for r in res.requests if r.error is None and r.ttft is not None]
     row.hits = [(r.cached_tokens or 0, r.extra["prompt_tokens"]) for r in res.requests
                 if r.error is None and r.extra.get("prompt_tokens")]
     row.sent, row.errors, row.refused = res.sent, sum(res.errors.values()) + res.lost, res.refused
@@ -391,13 +404,19 @@ def main(argv: list[str] | None = None) -> int:
     fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True, lora=(), kv_events=True))
     rows = []
     with fleet:
-        for seed in (int(x) for x in args.seeds.split(",")):
-            for c in args.contenders.split(","):
+        warm_up(fleet.replicas, dataclasses.replace(w, minutes=WORKLOAD.minutes, burst=None), model)
+        names = args.contenders.split(",")
+        for i, seed in enumerate(int(x) for x in args.seeds.split(",")):
+            # each seed starts with another router: the engines drift over a run (a busy spell of this machine), and
+            # no router should always take the same place in it
+            for c in names[i % len(names):] + names[:i % len(names)]:
                 row = measure(c, fleet.replicas, seed, w, model)
                 rows.append(row)
                 hdr = f", {row.header_share:.0%} decided at the headers" if row.header_share is not None else ""
                 if row.brain_cpu is not None:
                     hdr += f", brain {row.brain_cpu:.2f} cores, held {row.held_s:.1f} s in all"
+                    hdr += ", sessions moved " + " ".join(f"{n} by {c}" for c, n in row.moved.items() if n) \
+                        if any(row.moved.values()) else ", no session moved"
                 hdr += f", engines' own mean TTFT {row.engine_ttft_mean * 1000:.0f} ms"
                 if row.predictions:
                     mape, bias = prediction_error(row.predictions)
@@ -415,8 +434,22 @@ def main(argv: list[str] | None = None) -> int:
         # each joined decision (hashes and replica names only: what /decisions shows), to study the prediction error
         (Path(args.out) / "bench-real-predictions.json").write_text(json.dumps(
             [{"seed": r.seed, "router": r.contender, **d} for r in rows for d in r.joined]))
+        (Path(args.out) / "bench-real-requests.json").write_text(json.dumps(
+            [{"seed": r.seed, "router": r.contender, **q} for r in rows for q in r.sent_requests]))
         print(f"\n{out} written ({time.monotonic() - t0:.0f} s of bootstrap)")
     return 0
+
+
+def warm_up(replicas: list[Replica], w: WorkloadConfig, model: str) -> None:
+    """A run's worth of the workload (another seed) straight to the engines, round robin, before anything is
+    measured; the caches are emptied again by each run. The first run after the engines start was the slowest
+    of its seed whichever router had it (engines' own mean TTFT 113-125 ms against 84-119 for the runs after it,
+    2026-12-06): on CPU each new batch shape builds its kernels once, and that was charged to the first router."""
+    t0 = time.monotonic()
+    res = asyncio.run(replay([r.url for r in replicas], w, seed=WARM_UP_SEED, speedup=1.0, model=model,
+                             timeout=120.0))
+    print(f"  warm-up: {res.sent} requests straight to the engines in {time.monotonic() - t0:.0f} s, not measured",
+          flush=True)
 
 
 def class_table(rows: list[Row]) -> str:

@@ -297,13 +297,29 @@ def compare(rows: list[Row], seed: int | None = None) -> dict[str, dict[str, tup
             continue
         for k in STATS:
             best = max(peers, key=lambda p: out[p][k][0]) if k == "hit" else min(peers, key=lambda p: out[p][k][0])
+            mine_k, theirs_k, a, b = _paired(by[c], by[best], k, rng)
+            if mine_k is None:
+                mine_k, theirs_k, a, b = out[c][k][0], out[best][k][0], draws[c][k], draws[best][k]
             if k == "hit":
-                diffs = [a - b for a, b in zip(draws[c][k], draws[best][k])]
-                out[c]["vs_" + k] = (out[c][k][0] - out[best][k][0], *_interval(diffs), best)
+                diffs = [x - y for x, y in zip(a, b)]
+                out[c]["vs_" + k] = (mine_k - theirs_k, *_interval(diffs), best)
             else:
-                ratios = [a / b for a, b in zip(draws[c][k], draws[best][k]) if b > 0]
-                out[c]["vs_" + k] = (out[c][k][0] / out[best][k][0], *_interval(ratios), best)
+                ratios = [x / y for x, y in zip(a, b) if y > 0]
+                out[c]["vs_" + k] = (mine_k / theirs_k, *_interval(ratios), best)
     return out
+
+
+def _paired(mine: list[Row], theirs: list[Row], k: str, rng: random.Random) -> tuple:
+    """Two routers' statistic over the seeds both ran (a run refused for the machine's pace leaves its seed out of
+    the comparison, on both sides: pooled with the others' seeds, a slow spell's seed counted for one router only),
+    with its resampled values; (None, ...) when both ran the same seeds."""
+    common = {r.seed for r in mine} & {r.seed for r in theirs}
+    if common == {r.seed for r in mine} == {r.seed for r in theirs} or not common:
+        return None, None, None, None
+    pair = [[r for r in rows if r.seed in common] for rows in (mine, theirs)]
+    pooled = [Row(rows[0].contender, 0, ttfts=[t for r in rows for t in r.ttfts],
+                  hits=[h for r in rows for h in r.hits]) for rows in pair]
+    return (STATS[k](pooled[0]), STATS[k](pooled[1]), _resampled(pair[0], k, rng), _resampled(pair[1], k, rng))
 
 
 def _ms(x: tuple) -> str:

@@ -70,6 +70,12 @@ def price_kv(e: Estimate, out_tokens: float, mine: "Active | None", session: boo
         e.room = over - e.cached <= 0
     others = st.active_whole - (home.whole if home is not None else 0)
     pressure = (others + prompt + out_tokens) / cap
+    if home is not None:
+        # at its home the session's context, and the prefix it shares with the others there, is resident once:
+        # staying adds its new tokens, as flow control's room counts them. Counted whole, shared system prompts
+        # once per session, homes that held the turn's context "did not fit" and sessions moved to re-prefill it
+        # elsewhere (three real vLLMs: 4-19 moves a run, the turns that made warmroute's p99, docs/benchmarks.md)
+        pressure = min(pressure, (st.active_tokens - home.own + prompt - min(shared, e.cached) + out_tokens) / cap)
     e.fits = pressure <= w.kv_pressure
     if session:
         risk = evict_risk(pressure, w)

@@ -94,3 +94,14 @@ def test_learned_rates_are_also_read_at_the_run_s_mean_batch_the_engine_s_means_
     row = Row("warmroute", 1)
     row.rates = [(lp, tp, ld, td, batch, bp, bd)]
     assert "decode 116.1 / 121.6 at batch 8.0 (none: 1500, 12.9)" in table([row])
+
+
+def test_a_pooled_ratio_compares_only_the_seeds_both_routers_ran():
+    # seed 2 was a slow spell for everyone, and ring hash's run of it was refused for the client's pace: pooling
+    # warmroute's three seeds against ring hash's two would charge warmroute the slow spell
+    rows = [_row("warmroute", 1.0), _row("envoy_ring_hash_bounded_150", 1.0),
+            _row("warmroute", 3.0, seed=2), _row("envoy_ring_hash_bounded_150", 3.0, seed=2, pace="the client lagged"),
+            _row("warmroute", 1.0, seed=3), _row("envoy_ring_hash_bounded_150", 1.0, seed=3)]
+    ratio, lo, hi, best = compare(rows, None)["warmroute"]["vs_p50"]
+    assert best == "envoy_ring_hash_bounded_150"
+    assert ratio == pytest.approx(1.0, rel=0.05) and lo < 1.0 < hi

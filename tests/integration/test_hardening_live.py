@@ -251,7 +251,8 @@ def test_a_flood_of_new_sessions_is_refused_before_the_brain_reads_it_and_nothin
     # depends on how far behind this machine's brain fell (seen: 24 to 817 bodies read), not on the rule: without the
     # look every body reaches the brain or fails open past it. Which rule refuses them at their headers depends on the
     # race too: the look's (router_behind), or the queue's deadline at the header door (deadline_unmeetable; once
-    # every refusal, inside a parallel make test: 0 behind, 528 bodies read)
+    # every refusal, inside a parallel make test: 0 behind, 528 bodies read). The look's own rule is tested apart, by
+    # its clock (tests/brain/test_look.py)
     refused = s.state()["flow_control"]["refused"]
     behind = refused["router_behind"]
     assert bodies <= 1500 - max(1, behind) + 6, (refused, bodies)  # + the session under way's six turns

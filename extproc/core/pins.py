@@ -19,7 +19,7 @@ SESSION, PREFIX = PinKind.SESSION, PinKind.PREFIX
 
 
 class Pin:
-    __slots__ = ("replica", "last_used", "spills", "tokens", "engine", "unindexed", "tail")
+    __slots__ = ("replica", "last_used", "spills", "tokens", "engine", "unindexed", "tail", "mark")
 
     def __init__(self, replica: Replica, now: float):
         self.replica = replica
@@ -33,6 +33,9 @@ class Pin:
         # exact mode: (block size, the hash of the last full block) of the last turn priced by the engine's tokens,
         # which the header path checks the home still holds (None: none known)
         self.tail: tuple[int, int] | None = None
+        # warm policy, estimate: (the home's prefix index, the key of the chain last read and inserted there, its last
+        # block, its blocks, its engine tokens), which turns decided at their headers touch and check (None: none)
+        self.mark: tuple | None = None
 
 
 class PinTable:

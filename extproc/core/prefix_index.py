@@ -122,18 +122,21 @@ class Holders:
 
 
 class PrefixIndex:
-    __slots__ = ("capacity", "_stamp_of", "_batches", "_queued", "_next", "holders", "bit")
+    __slots__ = ("capacity", "_stamp_of", "_batches", "_queued", "_next", "holders", "bit", "_unseen")
 
     def __init__(self, capacity_blocks: int, holders: Holders | None = None):
         self.capacity = max(1, int(capacity_blocks))
         self.holders = holders  # the fleet's map of who holds which sampled block, if it keeps one
         self.bit = holders.bit() if holders is not None else 0
         self._stamp_of: dict[int, int] = {}
-        # id(chain) -> [stamp, chain, length used], oldest first. The batch holds the list, so its id
+        # id(chain) -> [stamp, chain, length used, blocks unseen], oldest first. The batch holds the list, so its id
         # stays unique while the entry exists.
         self._batches: OrderedDict[int, list] = OrderedDict()
         self._queued = 0  # blocks referenced by the batches, re-stamped ones included
         self._next = 0
+        # blocks routed here whose hashes were never seen: turns decided at their headers (``touch``) grow a
+        # session's context by what their bodies add. They fill the cache as much as seen blocks do
+        self._unseen = 0
 
     def __len__(self) -> int:
         return len(self._stamp_of)
@@ -189,13 +192,36 @@ class PrefixIndex:
             d.update(dict.fromkeys(chain[:n] if n < len(chain) else chain, stamp))
             if hs is not None:
                 hs.add(chain[:n] if n < len(chain) else chain, self.bit)
-            self._batches[id(chain)] = [stamp, chain, n]
+            self._batches[id(chain)] = [stamp, chain, n, 0]
             self._queued += n
         self._evict()
 
+    def touch(self, key: int, last: int, unseen: int) -> bool:
+        """A turn decided at its headers went here on the chain inserted as ``key`` (``id`` of the list) whose last
+        block was ``last``: the chain is the most recently used again (the engine's LRU keeps what a turn reads), and
+        ``unseen`` blocks more than it hold what the turns since added, hashes unknown. False when the chain is no
+        longer held here: the cache let it go, and the turn recomputes it."""
+        b = self._batches.get(key)
+        if b is None or b[2] < 1 or b[1][b[2] - 1] != last or self._stamp_of.get(last) != b[0]:
+            return False
+        self._unseen += unseen - b[3]
+        b[3] = unseen
+        self._batches.move_to_end(key)
+        self._evict()
+        return key in self._batches
+
+    def settle(self, key: int) -> None:
+        """The chain inserted as ``key`` was read whole again (a newer batch holds its blocks): its unseen blocks are
+        seen now, counted there."""
+        b = self._batches.get(key)
+        if b is not None:
+            self._unseen -= b[3]
+            b[3] = 0
+
     def _drop(self, batch: list) -> None:
-        stamp, chain, n = batch
+        stamp, chain, n, unseen = batch
         self._queued -= n
+        self._unseen -= unseen
         d = self._stamp_of
         get = d.get
         hs = self.holders
@@ -211,7 +237,8 @@ class PrefixIndex:
 
     def _evict(self) -> None:
         # The batch queue also holds blocks re-stamped by later batches; keep it within a few capacities.
-        while self._batches and (len(self._stamp_of) > self.capacity or self._queued > 4 * self.capacity):
+        while self._batches and (len(self._stamp_of) + self._unseen > self.capacity or
+                                 self._queued > 4 * self.capacity):
             self._drop(self._batches.popitem(last=False)[1])
 
     def batches(self) -> list[list[int]]:
@@ -219,7 +246,7 @@ class PrefixIndex:
         inserted in this order they make the same set, each batch's blocks a prefix-closed run)."""
         d = self._stamp_of
         out = []
-        for stamp, chain, n in list(self._batches.values()):  # a copy: a snapshot may be taken off the loop
+        for stamp, chain, n, _ in list(self._batches.values()):  # a copy: a snapshot may be taken off the loop
             own = [h for h in chain[:n] if d.get(h) == stamp]
             if own:
                 out.append(own)
@@ -234,7 +261,7 @@ class PrefixIndex:
         self._unhold()
         self._stamp_of.clear()
         self._batches.clear()
-        self._queued = 0
+        self._queued = self._unseen = 0
 
     def _unhold(self) -> None:
         if self.holders is not None:

@@ -173,7 +173,7 @@ class WarmPolicy(Policy):
             cached = min(prompt - 1, int(matched * self.tokens_per_block * scale)) if matched else 0
             prefix = chain[matched - 1] if matched else None
             if pin is not None and (not chain or pin.unindexed) and pin.replica is r and pin.engine == engine \
-                    and st.prefix_caching:
+                    and st.prefix_caching and st.holds_session(pin):
                 cached = max(cached, min(prompt - 1, int(pin.tokens * scale)))  # C4: the session's context lives here
         if prompt > st.cache_tokens * (1 if profile.engine_tokens else 2):
             # refused by the engine before any prefill (vLLM starts only with max_model_len within its KV cache): more
@@ -374,9 +374,11 @@ class WarmPolicy(Policy):
             b.arrived_at = now
         if (ex := st.exact) is not None and ex.exact and (h := profile.engine_hashes) and h[0] == ex.block_size:
             st.promise(h[1], st.prefill_busy_until + PROMISE_SLACK_S, now)
-        if self.use_index and profile.blocks and st.prefix_caching:
-            st.index.insert(profile.blocks)
-            if self.outbox is not None:
+        if self.use_index and st.prefix_caching and (profile.blocks or profile.header_path):
+            pin = self.session_pins.peek(profile.session_key) if profile.session_key is not None else None
+            st.routed(pin if pin is not None and pin.replica is d.replica and pin.engine == d.engine else None,
+                      profile.blocks, b.prompt)
+            if self.outbox is not None and profile.blocks:
                 self.outbox.indexed(d.replica.name, d.engine, profile.blocks, len(profile.blocks))
         if profile.adapter is not None:
             sent = self.states.of(d.replica).lora_sent
@@ -424,8 +426,7 @@ class WarmPolicy(Policy):
 
     def plan_prefill(self, d: Decision, prefills: list[Replica], profile: RequestProfile,
                      now: float) -> PrefillPlan | None:
-        """Prefill/decode disaggregation (``disaggregation``'s docstring): the prefill leg's plan when a remote
-        prefill beats the local one on the decode replica just chosen, else None."""
+        """P/D (``disaggregation``'s docstring): the leg's plan when a remote prefill beats the local one, else None."""
         best = d.booking.estimate if isinstance(d.booking, Booking) else None
         if best is None or best.replica is not d.replica or not eligible(profile, best.prompt, self.cfg.disaggregation):
             return None

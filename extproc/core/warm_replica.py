@@ -6,12 +6,19 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Protocol
 
 from .config import RouterConfig
 from .engine_cache import Cleared, EngineCache
 from .load import LoadSample, Rates, TokenScale
 from .prefix_index import Holders, PrefixIndex
 from .replica import Replica
+
+
+class Marked(Protocol):
+    """A session's pin as the index reads it (``Pin.mark``)."""
+    mark: tuple | None
 
 
 MAX_QUEUED = 4096  # bookings a replica's queue of first tokens to come holds at most (a counter that stopped moving)
@@ -201,6 +208,41 @@ class WarmReplica:
                 del p[h]
             if len(p) > limit:
                 p.clear()
+
+    def routed(self, pin: Marked | None, chain: Sequence[int], prompt: int) -> None:
+        """A request went here (``prompt`` engine tokens), its session's pin (if any) now pointing here: its chain
+        inserted in the index when its body was read, else (a turn decided at its headers) its session touched."""
+        if chain:
+            self.index.insert(chain)
+            if pin is not None:
+                self.indexed(pin, chain, prompt)
+        elif pin is not None:
+            self.touched(pin, prompt)
+
+    def indexed(self, pin: Marked, chain: Sequence[int], prompt: int) -> None:
+        """A turn's whole chain was read and inserted here, where its session's pin now points: the mark that later
+        turns decided at their headers touch. A chain read again settles what the last mark's turns left unseen."""
+        old = pin.mark
+        if old is not None and old[0] is self.index and old[1] != id(chain):
+            self.index.settle(old[1])
+        pin.mark = (self.index, id(chain), chain[-1], len(chain), prompt)
+
+    def touched(self, pin: Marked, prompt: int) -> None:
+        """A turn decided at its headers (``prompt`` engine tokens, by its size) went to its home: its context is
+        the most recently used there again, grown by what the turns since the last read added."""
+        m = pin.mark
+        if m is not None and m[0] is self.index:
+            per = m[4] / m[3]  # the engine's tokens a block of the read chain held
+            if not self.index.touch(m[1], m[2], max(0, round((prompt - m[4]) / per)) if per > 0 else 0):
+                pin.mark = (self.index, 0, 0, 1, 1)  # gone here: only a read chain is held again
+
+    def holds_session(self, pin: Marked) -> bool:
+        """Whether the session's context is still here by the estimate (C2's LRU over what was routed): the block its
+        last read turn ended with. A pin with no mark here says what it always said; an engine priced by its own
+        events answers for itself (the header path's tail check)."""
+        m = pin.mark
+        return m is None or m[0] is not self.index or (self.exact is not None and self.exact.exact) or \
+            self.index.holds(m[2]) and m[1] != 0
 
     def cache_reset(self, now: float) -> None:
         """Nothing the engine held is a hit any more, whatever its events or the estimate said (an idle engine

@@ -171,6 +171,34 @@ def test_C4_a_body_turn_after_header_turns_counts_what_the_home_holds_by_the_pin
     assert not pin.unindexed
 
 
+@pytest.mark.parametrize("turned_between", [True, False])
+def test_C2_an_estimated_home_whose_cache_let_the_session_go_reads_the_body(turned_between):
+    """Estimate mode: the home's index (C2's LRU over what was routed there) says whether the session is still held.
+    A turn at its headers keeps its chain the newest there; other sessions' traffic past the cache's size evicts the
+    oldest. Before, the pin's word alone priced the home cached whatever came since: in the simulator's overload
+    (load 1.5) two long sessions on one home recomputed each other's context every turn, predicted 7-37 s, taking
+    100-325 s."""
+    b = live_brain(parse_config(CFG))
+    home = first_turn(b)
+    st = b.router.policy.state_of(b.router.find(home))
+    n = len(st.index)
+    st.index.resize(4 * n)
+
+    def turn(turns: int):
+        out = envoy_at_headers(b, headers("s1", len(body(turns))))
+        if out is not None:
+            b.router.release(b.router.reservation(int(routed(out)[RESERVATION_HEADER].split(".")[0])), b.clock())
+        return out
+
+    st.index.insert([hash(("other", i)) for i in range(n)])  # another session's chain, after this one's
+    if turned_between:
+        assert turn(2) is not None  # this session's turn: the newest again (its growth counted, unseen)
+    st.index.insert([hash(("third", i)) for i in range(2 * n + 1)])  # past the cache: the oldest chain goes
+    assert (turn(3) is not None) is turned_between
+    if not turned_between:
+        assert b.stats.header_path_declined["home_declined"] == 1
+
+
 @pytest.mark.parametrize("held", [True, False])
 def test_an_exact_home_that_evicted_the_session_s_last_block_reads_the_body(held):
     from extproc.core.engine_cache import EXACT, EngineCache

@@ -107,6 +107,26 @@ def test_the_index_holds_what_was_routed_and_forgets_the_least_recently_used():
     assert idx.match(a) == 40 and idx.match(c) == 40 and idx.match(b) == 0
 
 
+def test_C2_a_chain_touched_at_its_headers_is_the_most_recently_used_and_its_unseen_growth_fills_the_cache():
+    """Turns decided at their headers add no hashes: a touch keeps their session's chain the newest and counts what
+    they added, so the LRU estimate lets go of what the engine lets go of (issue 62: two 250K-token sessions on one
+    300K-token home were both priced cached turn after turn, each recomputing the other's eviction)."""
+    idx = PrefixIndex(capacity_blocks=100)
+    a, b, c = ([hash((n, i)) for i in range(40)] for n in "abc")
+    idx.insert(a)
+    idx.insert(b)
+    assert idx.touch(id(a), a[-1], 0)  # a's session turned at its headers: b is now the oldest
+    idx.insert(c)
+    assert idx.match(a) == 40 and idx.match(c) == 40 and idx.match(b) == 0
+    assert idx.touch(id(c), c[-1], 10)  # c grew by 10 blocks unseen: 40 + 50 held, room for 10 more
+    idx.insert(d := [hash(("d", i)) for i in range(20)])  # 110 > 100: the oldest (a) goes
+    assert idx.match(a) == 0 and idx.match(c) == 40 and idx.match(d) == 20
+    assert not idx.touch(id(a), a[-1], 0)  # gone: a touch says so and brings nothing back
+    idx.settle(id(c))  # c read whole again: its growth is counted by the blocks a newer chain holds
+    idx.insert(e := [hash(("e", i)) for i in range(40)])
+    assert idx.match(c) == 40 and idx.match(d) == 20 and idx.match(e) == 40
+
+
 def test_the_index_shrinks_to_a_smaller_exported_cache_and_clears_on_restart():
     idx = PrefixIndex(capacity_blocks=1000)
     for n in range(10):

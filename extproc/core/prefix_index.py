@@ -202,8 +202,16 @@ class PrefixIndex:
         ``unseen`` blocks more than it hold what the turns since added, hashes unknown. False when the chain is no
         longer held here: the cache let it go, and the turn recomputes it."""
         b = self._batches.get(key)
-        if b is None or b[2] < 1 or b[1][b[2] - 1] != last or self._stamp_of.get(last) != b[0]:
+        d = self._stamp_of
+        if b is None or b[1][b[2] - 1] != last or last not in d:
             return False
+        if d[last] != b[0]:
+            # another request with the same prefix (a retry, a fork, a client without the session's header) stamped
+            # these blocks since: this session's turn makes them its own again, the newest, as far as they are held
+            stamp = b[0]
+            for h in b[1][:b[2]]:
+                if h in d:
+                    d[h] = stamp
         self._unseen += unseen - b[3]
         b[3] = unseen
         self._batches.move_to_end(key)

@@ -122,9 +122,13 @@ def test_C2_a_chain_touched_at_its_headers_is_the_most_recently_used_and_its_uns
     idx.insert(d := [hash(("d", i)) for i in range(20)])  # 110 > 100: the oldest (a) goes
     assert idx.match(a) == 0 and idx.match(c) == 40 and idx.match(d) == 20
     assert not idx.touch(id(a), a[-1], 0)  # gone: a touch says so and brings nothing back
+    idx.insert(list(c))  # the same blocks again in another request (no session header): they are its now
+    assert idx.touch(id(c), c[-1], 10) and idx.match(c) == 40  # the session's turn takes them back, the newest
+    idx.insert([hash(("f", i)) for i in range(31)])  # past the cache: d, the oldest, goes; c stays
+    assert idx.match(c) == 40 and idx.match(d) == 0
     idx.settle(id(c))  # c read whole again: its growth is counted by the blocks a newer chain holds
-    idx.insert(e := [hash(("e", i)) for i in range(40)])
-    assert idx.match(c) == 40 and idx.match(d) == 20 and idx.match(e) == 40
+    idx.insert(e := [hash(("e", i)) for i in range(20)])
+    assert idx.match(c) == 40 and idx.match(e) == 20
 
 
 def test_the_index_shrinks_to_a_smaller_exported_cache_and_clears_on_restart():

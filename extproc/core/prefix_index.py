@@ -205,13 +205,19 @@ class PrefixIndex:
         d = self._stamp_of
         if b is None or b[1][b[2] - 1] != last or last not in d:
             return False
-        if d[last] != b[0]:
+        stamp, chain = b[0], b[1]
+        if d[last] != stamp:
             # another request with the same prefix (a retry, a fork, a client without the session's header) stamped
             # these blocks since: this session's turn makes them its own again, the newest, as far as they are held
-            stamp = b[0]
-            for h in b[1][:b[2]]:
+            for h in chain[:b[2]]:
                 if h in d:
                     d[h] = stamp
+        # the turn carries its head (a system prompt other sessions share) as a read one does: the newest there too
+        # (left to whichever session stamped it last, it went with that one while the sessions using it stayed)
+        head, held = min(b[2], _HEAD_BLOCKS), len(d)
+        d.update(dict.fromkeys(chain[:head], stamp))
+        if self.holders is not None and len(d) > held:
+            self.holders.add(chain[:head], self.bit)
         self._unseen += unseen - b[3]
         b[3] = unseen
         self._batches.move_to_end(key)

@@ -131,6 +131,21 @@ def test_C2_a_chain_touched_at_its_headers_is_the_most_recently_used_and_its_uns
     assert idx.match(c) == 40 and idx.match(e) == 20
 
 
+def test_C2_a_turn_at_its_headers_keeps_the_system_prompt_its_session_shares_with_others():
+    """The head a session shares (a project's system prompt) was stamped by whichever chain carried it last: a touch
+    that left it there lost it with that chain, while the engine kept it for the sessions that use it (one-shots then
+    priced it uncached, up to 24x their first token)."""
+    idx = PrefixIndex(capacity_blocks=100)
+    head = [hash(("system", i)) for i in range(10)]
+    a = head + [hash(("a", i)) for i in range(20)]
+    x = head + [hash(("x", i)) for i in range(20)]
+    idx.insert(a)
+    idx.insert(x)  # the head is x's now
+    assert idx.touch(id(a), a[-1], 0)  # a's turn at its headers reads the head too
+    idx.insert([hash(("y", i)) for i in range(61)])  # past the cache: x, the oldest, goes
+    assert idx.match(x) == 10 and idx.match(a) == 30
+
+
 def test_the_index_shrinks_to_a_smaller_exported_cache_and_clears_on_restart():
     idx = PrefixIndex(capacity_blocks=1000)
     for n in range(10):

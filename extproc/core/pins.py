@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from .decision import PinEvent
 from .names import Cause, PinAction, PinKind, Reason
+from .prefix_index import Mark
 from .replica import LIVE, Replica
 
 SESSION, PREFIX = PinKind.SESSION, PinKind.PREFIX
@@ -33,9 +34,9 @@ class Pin:
         # exact mode: (block size, the hash of the last full block) of the last turn priced by the engine's tokens,
         # which the header path checks the home still holds (None: none known)
         self.tail: tuple[int, int] | None = None
-        # warm policy, estimate: (the home's prefix index, the key of the chain last read and inserted there, its last
-        # block, its blocks, its engine tokens), which turns decided at their headers touch and check (None: none)
-        self.mark: tuple | None = None
+        # warm policy, estimate: the chain last read and inserted at the home, which turns decided at their headers
+        # touch and check there (None: none)
+        self.mark: Mark | None = None
 
 
 class PinTable:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 # blocks at the head of a re-routed chain that are stamped again: 32 KiB, a long shared system prompt
 _HEAD_BLOCKS = 512
@@ -121,6 +122,17 @@ class Holders:
         return out
 
 
+class Mark(NamedTuple):
+    """Where a session's last read chain went (``Pin.mark``): what a turn decided at its headers touches there."""
+    key: int  # id() of the chain inserted (its batch's key); GONE's 0: no list has it
+    last: int  # its last block
+    blocks: int
+    tokens: int  # its prompt in the engine's tokens
+
+
+GONE = Mark(0, 0, 1, 0)  # the home let the chain go: held again only once a body is read and inserted
+
+
 class PrefixIndex:
     __slots__ = ("capacity", "_stamp_of", "_batches", "_queued", "_next", "holders", "bit", "_unseen")
 
@@ -171,12 +183,7 @@ class PrefixIndex:
         hs = self.holders
         if b is not None and b[1] is chain and n >= b[2]:
             stamp, old = b[0], b[2]
-            head = min(old, _HEAD_BLOCKS)
-            held = len(d)
-            # the batch's own blocks keep its stamp; the head may have been stamped by others since
-            d.update(dict.fromkeys(chain[:head], stamp))
-            if hs is not None and len(d) > held:  # part of the head had been evicted meanwhile: it is back
-                hs.add(chain[:head], self.bit)
+            self._stamp_head(chain, old, stamp)
             if n > old:
                 d.update(dict.fromkeys(chain[old:n], stamp))
                 if hs is not None:
@@ -196,6 +203,15 @@ class PrefixIndex:
             self._queued += n
         self._evict()
 
+    def _stamp_head(self, chain: Sequence[int], n: int, stamp: int) -> None:
+        """A batch's own blocks keep its stamp; its head may have been stamped by others since (or evicted: a request
+        that carries it brings it back)."""
+        d, head = self._stamp_of, chain[:min(n, _HEAD_BLOCKS)]
+        held = len(d)
+        d.update(dict.fromkeys(head, stamp))
+        if self.holders is not None and len(d) > held:
+            self.holders.add(head, self.bit)
+
     def touch(self, key: int, last: int, unseen: int) -> bool:
         """A turn decided at its headers went here on the chain inserted as ``key`` (``id`` of the list) whose last
         block was ``last``: the chain is the most recently used again (the engine's LRU keeps what a turn reads), and
@@ -214,10 +230,7 @@ class PrefixIndex:
                     d[h] = stamp
         # the turn carries its head (a system prompt other sessions share) as a read one does: the newest there too
         # (left to whichever session stamped it last, it went with that one while the sessions using it stayed)
-        head, held = min(b[2], _HEAD_BLOCKS), len(d)
-        d.update(dict.fromkeys(chain[:head], stamp))
-        if self.holders is not None and len(d) > held:
-            self.holders.add(chain[:head], self.bit)
+        self._stamp_head(chain, b[2], stamp)
         self._unseen += unseen - b[3]
         b[3] = unseen
         self._batches.move_to_end(key)

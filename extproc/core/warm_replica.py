@@ -12,13 +12,13 @@ from typing import Protocol
 from .config import RouterConfig
 from .engine_cache import Cleared, EngineCache
 from .load import LoadSample, Rates, TokenScale
-from .prefix_index import Holders, PrefixIndex
+from .prefix_index import GONE, Holders, Mark, PrefixIndex
 from .replica import Replica
 
 
 class Marked(Protocol):
     """A session's pin as the index reads it (``Pin.mark``)."""
-    mark: tuple | None
+    mark: Mark | None
 
 
 MAX_QUEUED = 4096  # bookings a replica's queue of first tokens to come holds at most (a counter that stopped moving)
@@ -223,26 +223,28 @@ class WarmReplica:
         """A turn's whole chain was read and inserted here, where its session's pin now points: the mark that later
         turns decided at their headers touch. A chain read again settles what the last mark's turns left unseen."""
         old = pin.mark
-        if old is not None and old[0] is self.index and old[1] != id(chain):
-            self.index.settle(old[1])
-        pin.mark = (self.index, id(chain), chain[-1], len(chain), prompt)
+        if old is not None and old.key != id(chain):
+            self.index.settle(old.key)
+        pin.mark = Mark(id(chain), chain[-1], len(chain), prompt)
 
     def touched(self, pin: Marked, prompt: int) -> None:
         """A turn decided at its headers (``prompt`` engine tokens, by its size) went to its home: its context is
-        the most recently used there again, grown by what the turns since the last read added."""
+        the most recently used there again (vLLM frees a request's blocks to the free queue's tail: the LRU end
+        evicted last, `block_pool.py` `free_blocks`), grown by what the turns since the last read added."""
         m = pin.mark
-        if m is not None and m[0] is self.index:
-            per = m[4] / m[3]  # the engine's tokens a block of the read chain held
-            if not self.index.touch(m[1], m[2], max(0, round((prompt - m[4]) / per)) if per > 0 else 0):
-                pin.mark = (self.index, 0, 0, 1, 1)  # gone here: only a read chain is held again
+        if m is not None:
+            unseen = max(0, round((prompt - m.tokens) * m.blocks / m.tokens)) if m.tokens > 0 else 0
+            if not self.index.touch(m.key, m.last, unseen):
+                pin.mark = GONE
 
     def holds_session(self, pin: Marked) -> bool:
         """Whether the session's context is still here by the estimate (C2's LRU over what was routed): the block its
-        last read turn ended with. A pin with no mark here says what it always said; an engine priced by its own
-        events answers for itself (the header path's tail check)."""
+        last read turn ended with. A pin with no mark says what it always said; an engine priced by its own events
+        answers for itself (the header path's tail check). A mark made on another replica (a pin another brain
+        moved) finds its chain here only where the same chain was routed here too."""
         m = pin.mark
-        return m is None or m[0] is not self.index or (self.exact is not None and self.exact.exact) or \
-            self.index.holds(m[2]) and m[1] != 0
+        return m is None or (self.exact is not None and self.exact.exact) or \
+            m is not GONE and self.index.holds(m.last)
 
     def cache_reset(self, now: float) -> None:
         """Nothing the engine held is a hit any more, whatever its events or the estimate said (an idle engine

@@ -122,13 +122,30 @@ def test_C2_a_chain_touched_at_its_headers_is_the_most_recently_used_and_its_uns
     idx.insert(d := [hash(("d", i)) for i in range(20)])  # 110 > 100: the oldest (a) goes
     assert idx.match(a) == 0 and idx.match(c) == 40 and idx.match(d) == 20
     assert not idx.touch(id(a), a[-1], 0)  # gone: a touch says so and brings nothing back
-    idx.insert(list(c))  # the same blocks again in another request (no session header): they are its now
-    assert idx.touch(id(c), c[-1], 10) and idx.match(c) == 40  # the session's turn takes them back, the newest
-    idx.insert([hash(("f", i)) for i in range(31)])  # past the cache: d, the oldest, goes; c stays
-    assert idx.match(c) == 40 and idx.match(d) == 0
+    idx.insert(copy := list(c))  # the same blocks again in another request (no session header): they are its now
+    idx.insert(x := [hash(("x", i)) for i in range(15)])
+    assert idx.touch(id(c), c[-1], 10)  # the session's turn takes its blocks back, the newest: after the copy and x
+    idx.insert([hash(("f", i)) for i in range(36)])  # 121: d goes, then the copy (nothing of its own left), then x
+    assert idx.match(c) == 40 and idx.match(d) == 0 and idx.match(x) == 0 and id(copy) not in idx._batches
     idx.settle(id(c))  # c read whole again: its growth is counted by the blocks a newer chain holds
-    idx.insert(e := [hash(("e", i)) for i in range(20)])
+    idx.insert(e := [hash(("e", i)) for i in range(20)])  # 40 + 36 + 20 fit once the 10 unseen are settled
     assert idx.match(c) == 40 and idx.match(e) == 20
+
+
+def test_C2_a_turn_at_its_headers_takes_back_its_blocks_past_the_head_that_another_request_stamped(monkeypatch):
+    """Past the head a touch re-stamps anyway (512 blocks, here 4), a chain that another request carried since (the same
+    conversation without the session header, a retry) is the session's again: it is not evicted with that request's."""
+    from extproc.core import prefix_index
+
+    monkeypatch.setattr(prefix_index, "_HEAD_BLOCKS", 4)
+    idx = PrefixIndex(capacity_blocks=100)
+    c = [hash(("c", i)) for i in range(40)]
+    idx.insert(c)
+    idx.insert(list(c))  # the copy stamps every block of c
+    idx.insert(x := [hash(("x", i)) for i in range(15)])
+    assert idx.touch(id(c), c[-1], 0)
+    idx.insert([hash(("f", i)) for i in range(46)])  # 101: the copy (nothing of its own left), then x, go
+    assert idx.match(c) == 40 and idx.match(x) == 0
 
 
 def test_C2_a_turn_at_its_headers_keeps_the_system_prompt_its_session_shares_with_others():

@@ -54,6 +54,7 @@ from ..config import SharedStateConfig
 from ..core import Router
 from ..core.shared import export_state, import_state
 from . import logs
+from .bounded import within
 from .stats import SharedStats
 
 _BACKOFF_MAX_S = 30.0
@@ -194,7 +195,7 @@ class SharedState:
     async def _connect(self) -> None:
         r = self._client()
         try:
-            await asyncio.wait_for(r.ping(), self.cfg.timeout_s * 2)
+            await within(r.ping(), self.cfg.timeout_s * 2)
         except BaseException:
             await r.aclose()
             raise
@@ -233,7 +234,7 @@ class SharedState:
         Redis could not be read in time (the brain starts on its own view and catches up when Redis answers)."""
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(self._sync(), self.cfg.warm_start_timeout_s)
+            await within(self._sync(), self.cfg.warm_start_timeout_s)
         except Exception as e:  # noqa: BLE001 - whatever Redis did, the brain starts
             self._down(e)
             await self._close()
@@ -289,7 +290,7 @@ class SharedState:
         """Forever: read, flush, heartbeat and snapshot while Redis answers; reconnect with backoff when not."""
         while not self.started.is_set():  # a brain not yet ready (discovery) ships nothing: what it changed is dropped
             try:
-                await asyncio.wait_for(self.started.wait(), 1.0)
+                await within(self.started.wait(), 1.0)
             except asyncio.TimeoutError:
                 self._keep(self.outbox.take())
         backoff = 0.5
@@ -354,7 +355,7 @@ class SharedState:
                     await self._sync()
 
     async def _top_id(self, r) -> str:
-        top = await asyncio.wait_for(r.xrevrange(self.stream, count=1), self.cfg.timeout_s)
+        top = await within(r.xrevrange(self.stream, count=1), self.cfg.timeout_s)
         return top[0][0].decode() if top else "0-0"
 
     def _admit(self, eid, fields, replay: bool, now: float, wall: float) -> tuple[str, list, float] | None:
@@ -536,7 +537,7 @@ class SharedState:
 
     async def _add(self, r, fields: dict) -> None:
         try:
-            await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
+            await within(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
                                           approximate=True), self.cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - only Redis's "cannot advance" is ours to mend here
             if not any(m in str(exc) for m in _STUCK):
@@ -545,8 +546,8 @@ class SharedState:
             # The stream goes (its entries are applied, or a snapshot covers them) and starts again
             self.stats.stream_stuck += 1
             logs.event("shared_state_stream_stuck", stream=self.stream, action="deleted and started again")
-            await asyncio.wait_for(r.delete(self.stream), self.cfg.timeout_s)
-            await asyncio.wait_for(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
+            await within(r.delete(self.stream), self.cfg.timeout_s)
+            await within(r.xadd(self.stream, fields, maxlen=self.cfg.stream_max_entries,
                                           approximate=True), self.cfg.timeout_s)
 
     async def _snapshotter(self) -> None:
@@ -554,7 +555,7 @@ class SharedState:
         every = self.cfg.snapshot_every_s
         await asyncio.sleep(every * random.uniform(0.5, 1.0))
         while True:
-            if await asyncio.wait_for(r.set(self.lock_key, self.id, nx=True, ex=max(1, int(every))),
+            if await within(r.set(self.lock_key, self.id, nx=True, ex=max(1, int(every))),
                                       self.cfg.timeout_s):
                 await self.write_snapshot()
             await asyncio.sleep(every)
@@ -570,7 +571,7 @@ class SharedState:
         if len(blob) > _SNAPSHOT_MAX_BYTES:
             logs.event("shared_state_snapshot_too_large", bytes=len(blob))
             return 0
-        await asyncio.wait_for(self._redis.set(self.snapshot_key, blob), self.cfg.timeout_s * 5)
+        await within(self._redis.set(self.snapshot_key, blob), self.cfg.timeout_s * 5)
         self.stats.snapshots_written += 1
         return len(blob)
 

@@ -269,3 +269,32 @@ def test_a_flush_that_fails_keeps_closes_and_forwarded_ends_for_the_next_and_dro
     shipped = [tuple(e) for e in ok.added[0]]
     assert ("c", d.reservation.id) in shipped and ("x", 41, "digest") in shipped
     assert not any(e[0] == "o" for e in shipped)
+
+
+def test_a_flusher_cancelled_as_its_write_completes_stops():
+    # Python 3.11's asyncio.wait_for returns a call's result when its task is cancelled as the call completes, and
+    # the cancel is lost: the flusher looped on, and whatever awaited its end (a brain's shutdown; once in a make
+    # test, the test above) waited for ever
+    r, now = live_router(4, RouterConfig())
+    s = _state(r, now)
+    s.outbox.events.append(("x", 41, "digest"))
+    task: asyncio.Task | None = None
+
+    class Redis:
+        async def xadd(self, stream, fields, **kw):
+            assert task is not None
+            task.cancel()
+
+    async def run() -> bool:
+        nonlocal task
+        s._redis = Redis()
+        task = asyncio.create_task(s._flusher())
+        deadline = time.monotonic() + 10
+        while not task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        stopped = task.cancelled()
+        task.cancel()  # asleep between flushes now: this one is not lost
+        await asyncio.gather(task, return_exceptions=True)
+        return stopped
+
+    assert asyncio.run(run())

@@ -237,11 +237,11 @@ class PrefixIndex:
         self._evict()
         return key in self._batches
 
-    def settle(self, key: int) -> None:
-        """The chain inserted as ``key`` was read whole again (a newer batch holds its blocks): its unseen blocks are
-        seen now, counted there."""
+    def settle(self, key: int, last: int) -> None:
+        """The chain inserted as ``key`` ending in ``last`` was read whole again (a newer batch holds its blocks): its
+        unseen blocks are seen now, counted there. ``last`` as in ``touch``: an evicted chain's id may be another's."""
         b = self._batches.get(key)
-        if b is not None:
+        if b is not None and b[1][b[2] - 1] == last:
             self._unseen -= b[3]
             b[3] = 0
 

@@ -224,7 +224,7 @@ class WarmReplica:
         turns decided at their headers touch. A chain read again settles what the last mark's turns left unseen."""
         old = pin.mark
         if old is not None and old.key != id(chain):
-            self.index.settle(old.key)
+            self.index.settle(old.key, old.last)
         pin.mark = Mark(id(chain), chain[-1], len(chain), prompt)
 
     def touched(self, pin: Marked, prompt: int) -> None:

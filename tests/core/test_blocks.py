@@ -127,7 +127,7 @@ def test_C2_a_chain_touched_at_its_headers_is_the_most_recently_used_and_its_uns
     assert idx.touch(id(c), c[-1], 10)  # the session's turn takes its blocks back, the newest: after the copy and x
     idx.insert([hash(("f", i)) for i in range(36)])  # 121: d goes, then the copy (nothing of its own left), then x
     assert idx.match(c) == 40 and idx.match(d) == 0 and idx.match(x) == 0 and id(copy) not in idx._batches
-    idx.settle(id(c))  # c read whole again: its growth is counted by the blocks a newer chain holds
+    idx.settle(id(c), c[-1])  # c read whole again: its growth is counted by the blocks a newer chain holds
     idx.insert(e := [hash(("e", i)) for i in range(20)])  # 40 + 36 + 20 fit once the 10 unseen are settled
     assert idx.match(c) == 40 and idx.match(e) == 20
 
@@ -240,3 +240,14 @@ def test_a_follow_up_chain_stops_at_its_bound_like_a_conversation_s():
     for _ in range(10):
         chain, before = cache.follow(b"s", b"y" * (10 * BLOCK_CHARS), 0, max_len=25)
     assert len(chain) == 25 and before == 25
+
+
+def test_C2_a_settle_for_a_chain_whose_id_is_now_another_s_settles_nothing():
+    """A pin's mark names its chain by the list's id, which an evicted chain's successor may reuse: settling it by
+    that id alone would forget the unseen growth of whichever chain holds the id now."""
+    idx = PrefixIndex(capacity_blocks=100)
+    idx.insert(c := [hash(("c", i)) for i in range(40)])
+    assert idx.touch(id(c), c[-1], 10)  # 50 held: 40 known, 10 grown since, hashes unknown
+    idx.settle(id(c), hash("another chain's last block"))
+    idx.insert([hash(("e", i)) for i in range(55)])  # 105 with c's growth still counted: c, the oldest, goes
+    assert idx.match(c) == 0

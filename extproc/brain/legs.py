@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import aiohttp
 
 from ..contract import REQUEST_ID_HEADER
+from ..core.bounded import within
 from . import logs
 from ..picker.messages import path_of
 
@@ -82,8 +83,7 @@ class Legs:
     async def run(self) -> "Placed":
         b, d = self.brain, self.d
         t0 = b.clock()
-        self._leg = asyncio.ensure_future(asyncio.wait_for(self._prefill(),
-                                                           b.cfg.router.disaggregation.prefill_timeout_s))
+        self._leg = asyncio.ensure_future(within(self._prefill(), b.cfg.router.disaggregation.prefill_timeout_s))
         try:
             self.params = await asyncio.shield(self._leg)  # the client leaving does not cut it (see the docstring)
         except asyncio.CancelledError:

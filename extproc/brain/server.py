@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ..config import AppConfig, ConfigError, brain_calls_max, first_answer_s, held_s, legs_s
 from ..contract import header_door_socket, log_door_socket
 from ..core import State
+from ..core.bounded import within
 from . import logs
 from .admin import admin_app, metrics_app, write_admin_token
 from .files import check_private_dir
@@ -237,9 +238,9 @@ class FlowWaits:
                 logs.event("loop_error", loop="flow_control", error=type(e).__name__)
             # every offer prices up to 32 held requests: a burst of request ends wakes it once per FLOW_MIN_GAP_S
             await asyncio.sleep(FLOW_MIN_GAP_S)
-            try:
-                await asyncio.wait_for(self.woken.wait(), FLOW_TICK_S - FLOW_MIN_GAP_S)
-            except asyncio.TimeoutError:
+            try:  # within, not wait_for: a cancel that lands as a request end wakes it must end the loop
+                await within(self.woken.wait(), FLOW_TICK_S - FLOW_MIN_GAP_S)
+            except TimeoutError:
                 pass
             self.woken.clear()
 

@@ -54,7 +54,7 @@ from ..config import SharedStateConfig
 from ..core import Router
 from ..core.shared import export_state, import_state
 from . import logs
-from .bounded import within
+from ..core.bounded import within
 from .stats import SharedStats
 
 _BACKOFF_MAX_S = 30.0

@@ -13,6 +13,7 @@ import re
 from typing import Callable, Protocol
 
 from ..config import AppConfig, DiscoveryConfig, ReplicaSpec
+from ..core.bounded import within
 
 
 # A fleet is 4 to a few hundred replicas; a source that names more (a selector matching every pod, a resolver
@@ -95,9 +96,9 @@ async def follow(source: Source, interval_s: float, apply: Callable[[list[Replic
                 apply(found)
                 last = found
             succeeded()
-        try:
-            await asyncio.wait_for(source.changed.wait(), interval_s)
-        except asyncio.TimeoutError:
+        try:  # within, not wait_for: a cancel that lands as the source says it changed must end the loop
+            await within(source.changed.wait(), interval_s)
+        except TimeoutError:
             pass
 
 

@@ -323,3 +323,44 @@ def test_B_eject_a_busy_replica_whose_metrics_answer_late_stays_live_and_one_tha
     assert live and slow
     assert slow_state is LIVE and slow_ejections == 0  # three answers of 1.5 s each, none counted a failure
     assert gone and gone_after >= 1.5  # the stale rule's 3 s from the last answer, which was up to 1.5 s before
+
+
+async def _cancelled_as_woken(make_task, event: asyncio.Event) -> bool:
+    """Start a loop, and once it waits on ``event`` set the event and cancel the loop in one step: Python 3.11's
+    wait_for returned the wait's result there and lost the cancel, so the loop ran on and whatever awaited its end
+    (a brain's shutdown) waited for ever."""
+    task = asyncio.create_task(make_task())
+    deadline = asyncio.get_running_loop().time() + 10
+    while not event._waiters and asyncio.get_running_loop().time() < deadline:  # type: ignore[attr-defined]
+        await asyncio.sleep(0.005)
+    assert event._waiters, "the loop never waited"  # type: ignore[attr-defined]
+    event.set()
+    task.cancel()
+    while not task.done() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    stopped = task.cancelled()
+    task.cancel()  # asleep again if the cancel was lost: this one is not
+    await asyncio.gather(task, return_exceptions=True)
+    return stopped
+
+
+def test_the_flow_loop_cancelled_as_a_request_end_wakes_it_stops():
+    from extproc.brain.server import FlowWaits
+
+    async def main() -> bool:
+        waits = FlowWaits(Brain(parse_config({"replicas": [{"name": "r0", "url": "http://127.0.0.1:9"}]})))
+        return await _cancelled_as_woken(waits.loop, waits.woken)
+
+    assert asyncio.run(main())
+
+
+def test_discovery_cancelled_as_its_source_changes_stops():
+    from extproc.config import ReplicaSpec
+    from extproc.discovery import StaticSource, follow
+
+    async def main() -> bool:
+        source = StaticSource((ReplicaSpec("r0", "http://127.0.0.1:9"),))
+        return await _cancelled_as_woken(lambda: follow(source, 3600.0, lambda found: None, lambda msg: None),
+                                         source.changed)
+
+    assert asyncio.run(main())

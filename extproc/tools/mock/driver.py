@@ -8,6 +8,7 @@ import math
 import time
 
 from extproc.tools.engine.model import DECODE_HORIZON_S, Engine, EngineConfig, EngineRequest
+from extproc.core.bounded import within
 
 MIN_EMIT_WALL_S = 0.002  # a decode run's tokens go out at most this often (wall time); at real speed, every step
 
@@ -114,9 +115,9 @@ class Driver:
         """Until the wall clock reaches engine time ``t``, or the step in progress ends earlier (an arrival cut it)."""
         while (delay := self.wall(min(t, self._end)) - time.monotonic()) > 0:
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), delay)
-            except asyncio.TimeoutError:
+            try:  # within, not wait_for: a cancel that lands as an arrival wakes it must stop the engine
+                await within(self._wake.wait(), delay)
+            except TimeoutError:
                 pass
 
     async def _run(self) -> None:

@@ -107,6 +107,7 @@ class Row(Measured):
     brain_cpu: float | None = None  # warmroute: the brain's CPU seconds per second of the run (cores it used)
     held_s: float = 0.0  # warmroute: seconds flow control held requests in the brain, summed over the run
     moved: dict[str, int] = dataclasses.field(default_factory=dict)  # warmroute: sessions moved off a home, by cause
+    ejected: dict[str, int] = dataclasses.field(default_factory=dict)  # warmroute: replicas ejected, by reason
     # warmroute: each streamed request's predicted time to first token against Envoy's observed one, joined by the
     # brain (GET /decisions): (predicted, observed) seconds, and per replica its (bias, MAPE) at the end of the run
     predictions: list[tuple[float, float]] = dataclasses.field(default_factory=list)
@@ -132,7 +133,9 @@ def start_router(contender: str, replicas: list[Replica], model: str) -> Running
         raise
 
 
-def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfig, model: str) -> Row:
+def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfig, model: str,
+            logs: Path | None = None) -> Row:
+    """One router's run; ``logs``: where warmroute's brain log is kept (``brain-<seed>-<router>.log``)."""
     row = Row(contender, seed)
     reset_caches([r.url for r in replicas])
     try:
@@ -164,6 +167,19 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             # where a session left the home that held its context (ring hash moves one only past its bound)
             row.moved = {c: int(metric_total(brain, "warmroute_rebinds_total", kind="session", cause=c))
                          for c in ("cost", "spills", "force", "dead")}
+            # a dead home is what moves sessions by "dead": which rule ejected it (the last 20 transitions), and
+            # what the failed scrapes said (the brain's log)
+            for t in s.state()["recent_transitions"]:
+                if t["new"] == "EJECTED":
+                    row.ejected[t["reason"]] = row.ejected.get(t["reason"], 0) + 1
+            log = s.brain.log_tail(20_000_000)
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                (logs / f"brain-{seed}-{contender}.log").write_text(log)
+            for line in log.splitlines():
+                if '"event":"scrape_failed"' in line:
+                    why = json.loads(line).get("reason", "?")
+                    row.ejected[f"(scrape: {why})"] = row.ejected.get(f"(scrape: {why})", 0) + 1
             by_path = {p: metric_total(brain, "warmroute_decisions_by_path_total", path=p) for p in ("headers", "body")}
             row.header_share = by_path["headers"] / max(1.0, sum(by_path.values()))
             if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
@@ -404,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{','.join(BURST_CONTENDERS)}")
     ap.add_argument("--burst", action="store_true", help="flow control's burst: 2x arrivals for 2 of 4 minutes")
     ap.add_argument("--out", default="docs", help="where bench-real.md goes (the table, the command, the date)")
+    ap.add_argument("--logs", default=None,
+                    help="a directory to keep warmroute's brain logs in (hashes and names only)")
     args = ap.parse_args(argv)
     base = BURST_WORKLOAD if args.burst else WORKLOAD
     if args.burst and args.minutes == WORKLOAD.minutes:
@@ -426,13 +444,14 @@ def main(argv: list[str] | None = None) -> int:
             # each seed starts with another router: the engines drift over a run (a busy spell of this machine), and
             # no router should always take the same place in it
             for c in names[i % len(names):] + names[:i % len(names)]:
-                row = measure(c, fleet.replicas, seed, w, model)
+                row = measure(c, fleet.replicas, seed, w, model, Path(args.logs) if args.logs else None)
                 rows.append(row)
                 hdr = f", {row.header_share:.0%} decided at the headers" if row.header_share is not None else ""
                 if row.brain_cpu is not None:
                     hdr += f", brain {row.brain_cpu:.2f} cores, held {row.held_s:.1f} s in all"
                     hdr += ", sessions moved " + " ".join(f"{n} by {c}" for c, n in row.moved.items() if n) \
                         if any(row.moved.values()) else ", no session moved"
+                    hdr += "".join(f", ejected {n}x by {r}" for r, n in sorted(row.ejected.items()))
                 hdr += f", engines' own mean TTFT {row.engine_ttft_mean * 1000:.0f} ms"
                 if row.predictions:
                     mape, bias = prediction_error(row.predictions)

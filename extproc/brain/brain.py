@@ -172,8 +172,14 @@ class Brain(ScrapeListener):
                                                                          + 1) * e.upstream_connect_timeout_s + 1.0
 
     def _on_transition(self, t: Transition) -> None:
+        extra = {}
+        rep = self.router.find(t.replica)
+        if t.new.value == "EJECTED" and rep is not None:  # what the operator asks of an ejection: dead, or busy?
+            h = rep.health
+            extra = {"since_scrape_s": round(t.at - h.last_scrape_ok_at, 1), "since_served_s": round(
+                t.at - h.served_at, 1), "in_flight": rep.in_flight_requests}
         logs.event("state_change", replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason,
-                   cooldown_s=t.cooldown_s, streak=t.streak)
+                   cooldown_s=t.cooldown_s, streak=t.streak, **extra)
 
     def choose(self, headers: dict[str, str], body: bytes | None, only: Collection[str] | None = None,
                hold_key: object = None) -> Decision:

@@ -232,7 +232,8 @@ class Scraper:
             self.errors[name] = r.error
             if before != r.error:  # once per change of reason, not every scrape
                 logs.event("scrape_failed", replica=name, reason=r.error)
-        self.router.on_scrape(name, r.ok, now, r.running, r.waiting, r.kv_usage, sample=r.sample)
+        self.router.on_scrape(name, r.ok, now, r.running, r.waiting, r.kv_usage, sample=r.sample,
+                              slow=not r.ok and r.error.startswith("timeout"))
 
     def apply_load(self, name: str, r: ScrapeResult, now: float) -> None:
         """A load-only scrape: fresher signals; a failure waits for the next health scrape to count."""

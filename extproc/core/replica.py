@@ -52,6 +52,7 @@ class HealthMachine:
         "good_scrapes",
         "upstream_failures",
         "last_scrape_ok_at",
+        "served_at",
         "ejections",
         "ejected_passively",
     )
@@ -67,6 +68,7 @@ class HealthMachine:
         self.good_scrapes = 0
         self.upstream_failures = 0
         self.last_scrape_ok_at = _NEVER
+        self.served_at = _NEVER  # a user's request last succeeded there (or had its first token), as Envoy saw it
         self.ejections = 0
         self.ejected_passively = False  # the last ejection came from users' requests, not from scrapes
 
@@ -94,11 +96,12 @@ class HealthMachine:
         self.ejected_passively = reason.startswith("upstream")
         return self._move(name, EJECTED, reason, now)
 
-    def on_scrape(self, name: str, ok: bool, now: float) -> Transition | None:
-        """A scrape finished at ``now``. EJECTED replicas keep being scraped: it is their only way back."""
+    def on_scrape(self, name: str, ok: bool, now: float, slow: bool = False) -> Transition | None:
+        """A scrape finished at ``now``. EJECTED replicas keep being scraped: it is their only way back. ``slow``:
+        it failed by running out of time (a refusal, an error status or a page that does not parse is no slowness)."""
         if not ok:
             self.good_scrapes = 0
-            if self.state is EJECTED:
+            if self.state is EJECTED or (slow and self.busy(now)):
                 return None
             return self._eject(name, "scrape_failed", now)
         self.last_scrape_ok_at = now
@@ -127,6 +130,7 @@ class HealthMachine:
         ejections is spent (the router counts the refusal)."""
         if ok:
             self.upstream_failures = 0
+            self.served(now)
             return None
         if not may_eject:
             return None
@@ -143,7 +147,7 @@ class HealthMachine:
         st = self.state
         if st is EJECTED:
             return None
-        if now > self.fresh_until():
+        if now > self.fresh_until() and not self.busy(now):
             return self._eject(name, "stale_scrape", now)
         if st is PROBING:
             if now - self.entered_at >= self.cfg.probing_clean_window_s:
@@ -154,7 +158,25 @@ class HealthMachine:
 
     def fresh_until(self) -> float:
         """When the last good scrape goes stale (B's stale rule; -inf for a replica not yet scraped well)."""
-        return self.last_scrape_ok_at + self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
+        return self.last_scrape_ok_at + self.stale_s
+
+    @property
+    def stale_s(self) -> float:
+        """B: a scrape older than 3 intervals counts as failed."""
+        return self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
+
+    def served(self, now: float) -> None:
+        """A user's request there succeeded, or had its first token, at ``now`` (Envoy's word)."""
+        self.served_at = max(self.served_at, now)
+
+    def busy(self, now: float) -> bool:
+        """Busy, not dead: a LIVE replica whose users' requests succeed keeps its place while its /metrics answers
+        late or not at all, for as long as a scrape could stay fresh since the last success (B's stale window). On
+        three CPU vLLMs in overload (`python -m bench real`) each API server let a scrape wait past 9 s while its
+        engine served: one replica ejected a run, its sessions moved ("dead") and the other two took its load. One
+        that serves nobody either goes at the stale rule; a refused scrape, an error status or a page that does not
+        parse eject at once, busy or not."""
+        return self.state is LIVE and now - self.served_at <= self.stale_s
 
     def scrape_deadline(self, now: float, floor: float) -> float:
         """How long a health scrape begun at ``now`` waits for its answer (B, "one failed scrape (timeout, ...)"):
@@ -166,7 +188,8 @@ class HealthMachine:
         error status or a page that does not parse still eject at once."""
         if self.state is not LIVE:
             return floor
-        return max(floor, self.fresh_until() - now)
+        # a busy replica's scrape may wait as long as the replica stays LIVE without one
+        return max(floor, self.fresh_until() - now, self.served_at + self.stale_s - now)
 
     def next_due(self) -> float:
         """Earliest time at which ``advance`` may change something."""
@@ -174,6 +197,8 @@ class HealthMachine:
         if st is EJECTED:
             return float("inf")
         due = self.fresh_until()
+        if st is LIVE:  # stale and busy: checked again when the last success is as old as a stale scrape
+            due = max(due, self.served_at + self.stale_s)
         if st is PROBING:
             due = min(due, self.entered_at + self.cfg.probing_clean_window_s)
         elif self.streak:

@@ -217,8 +217,9 @@ class Router:
         return t
 
     def on_scrape(self, name: str, ok: bool, now: float, running: int = 0, waiting: int = 0, kv_usage: float = 0.0,
-                  sample: LoadSample | None = None) -> Transition | None:
-        """Feed one health scrape. EJECTED replicas are scraped too: it is their only way back (A2)."""
+                  sample: LoadSample | None = None, slow: bool = False) -> Transition | None:
+        """Feed one health scrape. EJECTED replicas are scraped too: it is their only way back (A2). ``slow``: it
+        failed by running out of time (a LIVE replica serving users' requests is busy, not dead)."""
         r = self._by_name.get(name)
         if r is None:
             return None
@@ -226,7 +227,7 @@ class Router:
             if sample is None:
                 sample = LoadSample(running, waiting, kv_usage)
             self._apply_load(r, sample, now)
-        t = self._emit(r.health.on_scrape(name, ok, now))
+        t = self._emit(r.health.on_scrape(name, ok, now, slow))
         self._next_due = min(self._next_due, r.health.next_due())
         return t
 
@@ -559,6 +560,8 @@ class Router:
         """Envoy says the request is still in flight (a periodic access-log entry); ``first_token``: and it has had
         its first token (its prefill is over)."""
         res.seen_at = now
+        if first_token:
+            res.replica.health.served(now)
         if first_token and not res.released and not res.remote:
             self.policy.on_prefill_ended(res, now)
 

@@ -264,6 +264,42 @@ def test_B_stale_scrape_older_than_3_intervals_counts_as_failed():
     assert router.replica("r0").state is EJECTED
 
 
+
+def test_B_a_live_replica_serving_users_is_busy_not_dead_while_its_metrics_answer_late():
+    """Our departure from B's "one failed scrape (timeout)" and stale rule: a LIVE replica whose users' requests
+    succeed (Envoy's word) keeps its place while its /metrics times out or goes stale, for as long as a scrape stays
+    fresh (9 s) since the last success; a refusal still ejects at once, busy or not; one serving nobody goes at the
+    stale rule. On three CPU vLLMs in overload each API server let scrapes wait past 9 s while its engine served."""
+    router, t = live_router(3)  # scraped well at t; stale after t + 9
+    for name in ("r0", "r1"):
+        router.on_upstream(name, True, t + 8.0)  # a user's request there succeeded
+    r0 = router.replica("r0").health
+    assert r0.scrape_deadline(t + 10.0, 2.4) == pytest.approx(7.0)  # a busy replica's scrape may wait that long
+    assert [x.replica for x in router.tick(t + 9.01)] == ["r2"]
+    assert router.replica("r2").state is EJECTED  # it served nobody: the stale rule, as before
+    assert router.replica("r0").state is LIVE and router.replica("r1").state is LIVE
+    assert router.on_scrape("r0", False, t + 12.0, slow=True) is None  # timed out, but it serves: busy
+    tr = router.on_scrape("r1", False, t + 12.0)  # refused (or an error status): dead, busy or not
+    assert tr is not None and tr.reason == "scrape_failed" and router.replica("r1").state is EJECTED
+    router.on_upstream("r0", True, t + 14.0)
+    assert router.tick(t + 23.0) == [] and router.replica("r0").state is LIVE
+    trs = router.tick(t + 23.01)  # nine seconds since its last success, and no scrape since t
+    assert [(x.replica, x.reason) for x in trs] == [("r0", "stale_scrape")]
+
+
+def test_B_a_first_token_seen_by_envoy_counts_as_serving():
+    """A stream under way proves its replica serves before it ends: the periodic access-log entry that saw its
+    first token keeps the replica LIVE as a success would."""
+    router, t = live_router(2)
+    d = router.select(prof(session="s"), t)
+    assert d.reservation is not None
+    router.touch(d.reservation, t + 8.0, first_token=True)
+    assert [x.replica for x in router.tick(t + 9.5)] == [x for x in ("r0", "r1") if x != d.replica.name]
+    assert d.replica.state is LIVE
+    router.touch(d.reservation, t + 12.0)  # still in flight, no first token seen: no proof
+    assert [x.replica for x in router.tick(t + 17.01)] == [d.replica.name]
+
+
 # ----------------------------------------------------------------------------- A3: keys and pins
 
 

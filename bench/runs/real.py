@@ -175,7 +175,11 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
             log = s.brain.log_tail(20_000_000)
             if logs is not None:
                 logs.mkdir(parents=True, exist_ok=True)
-                (logs / f"brain-{seed}-{contender}.log").write_text(log)
+                path, n = logs / f"brain-{seed}-{contender}.log", 1
+                while path.exists():  # the same seed run again (--seeds 1,1): each run its own log
+                    n += 1
+                    path = logs / f"brain-{seed}-{contender}-{n}.log"
+                path.write_text(log)
             for line in log.splitlines():
                 if '"event":"scrape_failed"' in line:
                     why = json.loads(line).get("reason", "?")

@@ -108,6 +108,9 @@ class Row(Measured):
     held_s: float = 0.0  # warmroute: seconds flow control held requests in the brain, summed over the run
     moved: dict[str, int] = dataclasses.field(default_factory=dict)  # warmroute: sessions moved off a home, by cause
     ejected: dict[str, int] = dataclasses.field(default_factory=dict)  # warmroute: replicas ejected, by reason
+    # warmroute: its health scrapes that failed, and why (the brain logs a reason when it changes)
+    scrapes_failed: int = 0
+    scrape_errors: set[str] = dataclasses.field(default_factory=set)
     # warmroute: each streamed request's predicted time to first token against Envoy's observed one, joined by the
     # brain (GET /decisions): (predicted, observed) seconds, and per replica its (bias, MAPE) at the end of the run
     predictions: list[tuple[float, float]] = dataclasses.field(default_factory=list)
@@ -182,8 +185,9 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
                 path.write_text(log)
             for line in log.splitlines():
                 if '"event":"scrape_failed"' in line:
-                    why = json.loads(line).get("reason", "?")
-                    row.ejected[f"(scrape: {why})"] = row.ejected.get(f"(scrape: {why})", 0) + 1
+                    why = str(json.loads(line).get("reason", "?"))
+                    row.scrape_errors.add(why)
+            row.scrapes_failed = int(metric_total(brain, "warmroute_scrapes_total", result="failed"))
             by_path = {p: metric_total(brain, "warmroute_decisions_by_path_total", path=p) for p in ("headers", "body")}
             row.header_share = by_path["headers"] / max(1.0, sum(by_path.values()))
             if brain_cpu0 is not None:  # of this machine's cores, what the brain took from the engines
@@ -456,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                     hdr += ", sessions moved " + " ".join(f"{n} by {c}" for c, n in row.moved.items() if n) \
                         if any(row.moved.values()) else ", no session moved"
                     hdr += "".join(f", ejected {n}x by {r}" for r, n in sorted(row.ejected.items()))
+                    if row.scrapes_failed:
+                        why = f" (health: {'; '.join(sorted(row.scrape_errors))})" if row.scrape_errors else ""
+                        hdr += f", {row.scrapes_failed} scrapes failed{why}"  # load refreshes' failures included
                 hdr += f", engines' own mean TTFT {row.engine_ttft_mean * 1000:.0f} ms"
                 if row.predictions:
                     mape, bias = prediction_error(row.predictions)

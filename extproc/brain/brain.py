@@ -18,7 +18,7 @@ from typing import Collection
 
 from ..config import AppConfig, ConfigError, first_answer_s, load_config
 from ..contract import CONTENT_ENCODING_HEADER, INFLATED_FROM_HEADER, REQUEST_ID_HEADER
-from ..core import ChainCache, Decision, PinAction, Router, Transition, build_profile
+from ..core import ChainCache, Decision, PinAction, Router, State, Transition, build_profile
 from ..core.models import ModelCatalog, Resolution
 from ..core.profile import RequestProfile
 from ..core.apis import (PROCESS_KEY, Holder, ResponseHomes, holder_of, mint_response_id, with_request_id,
@@ -174,7 +174,7 @@ class Brain(ScrapeListener):
     def _on_transition(self, t: Transition) -> None:
         extra = {}
         rep = self.router.find(t.replica)
-        if t.new.value == "EJECTED" and rep is not None:  # what the operator asks of an ejection: dead, or busy?
+        if t.new is State.EJECTED and rep is not None:  # what the operator asks of an ejection: dead, or busy?
             h = rep.health
             extra = {"since_scrape_s": round(t.at - h.last_scrape_ok_at, 1), "since_served_s": round(
                 t.at - h.served_at, 1), "in_flight": rep.in_flight_requests}

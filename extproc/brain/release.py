@@ -251,9 +251,12 @@ class Releaser:
         if res is not None and res.handoff is not None and not entry.upstream:
             res.handoff()  # a decode leg no replica got: its KV waits on the prefill replica for nobody
             res.handoff = None
-        verdicts = upstream_verdicts(chosen, served_by, entry.attempts, upstream_failed(entry.outcome))
-        for name, ok in verdicts:
+        failed = upstream_failed(entry.outcome)
+        for name, ok in upstream_verdicts(chosen, served_by, entry.attempts, failed):
             self.router.on_upstream(name, ok, now)
+        if served_by is not None and entry.outcome.via_upstream and not failed:
+            # it answered (a client gone before any answer is no failure of the replica, and no answer either)
+            self._served(served_by, now)
         if chosen is None and served_by is None:
             self.stats.unmatched_log_entries += 1
 
@@ -307,6 +310,14 @@ class Releaser:
         attempts = 2 if served_by is not None and served_by != chosen else 1
         for name, ok in upstream_verdicts(chosen, served_by or (None if failed else chosen), attempts, failed):
             self.router.on_upstream(name, ok, now)
+        if not failed and first_byte_s is not None:
+            self._served(served_by or chosen, now)
+
+    def _served(self, name: str, now: float) -> None:
+        """``name`` answered a user's request: busy, not dead (``HealthMachine.busy``)."""
+        rep = self.router.find(name)
+        if rep is not None:
+            rep.health.served(now)
 
 
 class EnvoyPresence:

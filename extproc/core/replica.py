@@ -130,7 +130,6 @@ class HealthMachine:
         ejections is spent (the router counts the refusal)."""
         if ok:
             self.upstream_failures = 0
-            self.served(now)
             return None
         if not may_eject:
             return None
@@ -166,7 +165,8 @@ class HealthMachine:
         return self.cfg.stale_scrape_intervals * self.cfg.scrape_interval_s
 
     def served(self, now: float) -> None:
-        """A user's request there succeeded, or had its first token, at ``now`` (Envoy's word)."""
+        """The replica answered a user's request at ``now`` (Envoy saw its response, or a stream's first token).
+        Not every success counts: a client that gave up on a hung replica is no failure of it, and no answer."""
         self.served_at = max(self.served_at, now)
 
     def busy(self, now: float) -> bool:
@@ -180,7 +180,8 @@ class HealthMachine:
 
     def scrape_deadline(self, now: float, floor: float) -> float:
         """How long a health scrape begun at ``now`` waits for its answer (B, "one failed scrape (timeout, ...)"):
-        a LIVE replica's, until its last good scrape goes stale (the stale rule ejects it then, answer or not);
+        a LIVE replica's, until its last good scrape goes stale, or while it is ``busy`` until its last answer to a
+        user is as old (the stale rule ejects it then, answer or not);
         any other's, ``floor`` (A2: any scrape failure while PROBING sends it back, and the way back stays the
         stricter). Ended at 0.8 of an interval, a vLLM API server busy with its requests ejected healthy replicas:
         on three CPU engines (`python -m bench real`) two at once, every new session then held behind the third

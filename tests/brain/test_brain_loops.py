@@ -325,6 +325,59 @@ def test_B_eject_a_busy_replica_whose_metrics_answer_late_stays_live_and_one_tha
     assert gone and gone_after >= 1.5  # the stale rule's 3 s from the last answer, which was up to 1.5 s before
 
 
+def test_B_scrape_timeout_spares_a_replica_answering_users_and_the_stale_rule_takes_it_once_it_stops():
+    """A replica whose /metrics never answers while it answers users (Envoy's word, fed here as the release path
+    does) stays LIVE through its timed-out scrapes; once it answers nobody, the stale rule takes it 3 intervals
+    after its last answer."""
+    from extproc.core.replica import EJECTED, LIVE
+
+    async def main():
+        hang, mode = asyncio.Event(), {"hang": False}
+
+        async def metrics(_):
+            if mode["hang"]:
+                await hang.wait()
+            return web.Response(text=METRICS)
+
+        runner, port = await serve_metrics(metrics)
+        cfg = parse_config({"replicas": [{"name": "r0", "url": f"http://127.0.0.1:{port}"}],
+                            "health": {"scrape_interval_s": 0.5, "probing_clean_window_s": 0.2},
+                            "warm": {"load_refresh_s": 5.0}})
+        brain = Brain(cfg)
+        health = brain.router.find("r0").health
+        task = asyncio.create_task(brain.scraper.loop())
+        loop = asyncio.get_running_loop()
+
+        async def until(cond, seconds: float, serving: bool = False) -> bool:
+            deadline = loop.time() + seconds
+            while not cond() and loop.time() < deadline:
+                if serving:
+                    health.served(brain.clock())
+                brain.router.tick(brain.clock())
+                await asyncio.sleep(0.02)
+            return cond()
+
+        try:
+            live = await until(lambda: health.state is LIVE, 30)
+            mode["hang"], failed0 = True, brain.scraper.stats.scrapes[("r0", "failed")]
+            # serving for 5 stale windows, while at least two scrapes time out
+            await until(lambda: brain.scraper.stats.scrapes[("r0", "failed")] >= failed0 + 2 and
+                        health.state is not LIVE, 7.5, serving=True)
+            timed_out = brain.scraper.stats.scrapes[("r0", "failed")] - failed0
+            busy_state = health.state
+            t0 = loop.time()
+            gone = await until(lambda: health.state is EJECTED, 30)
+            return live, timed_out, busy_state, gone, loop.time() - t0
+        finally:
+            hang.set()
+            task.cancel()
+            await runner.cleanup()
+
+    live, timed_out, busy_state, gone, gone_after = asyncio.run(main())
+    assert live and timed_out >= 1 and busy_state is LIVE  # its scrapes timed out, and it stayed
+    assert gone and gone_after >= 1.0  # 1.5 s after its last answer (not at once)
+
+
 async def _cancelled_as_woken(make_task, event: asyncio.Event) -> bool:
     """Start a loop, and once it waits on ``event`` set the event and cancel the loop in one step: Python 3.11's
     wait_for returned the wait's result there and lost the cancel, so the loop ran on and whatever awaited its end

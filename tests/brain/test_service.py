@@ -130,6 +130,38 @@ def test_passive_health_from_the_access_log_feeds_the_upstream_failure_rule(brai
     assert (brain.router.replica(name).state.value == "EJECTED") is failed
 
 
+@pytest.mark.parametrize(
+    "kw,answered",
+    [
+        ({"code": 200}, True),
+        ({"code": 400}, True),  # the request's fault, but the replica answered it
+        ({"code": 503}, False),  # its failure
+        ({"code": 0, "details": "x", "downstream_remote_reset": True}, False),  # the client gave up before any answer
+    ],
+)
+def test_B_only_an_answer_from_the_replica_shows_it_busy_not_dead_to_the_stale_scrape_rule(brain, kw, answered):
+    """A client that gave up on a hung replica is no failure of it, but no answer either: counted as one, clients
+    timing out on a replica that answers nothing would keep it LIVE past the stale scrape rule for ever."""
+    name = "r1"
+    h = brain.router.replica(name).health
+    before = h.served_at
+    brain.on_log_entry(entry("", "", upstream=port_of(name), **kw))
+    assert (h.served_at > before) is answered
+
+
+@pytest.mark.parametrize("failed,first_byte_s,answered", [(False, 0.2, True), (False, None, False), (True, 0.2, False),
+                                                         (None, 0.2, False)])
+def test_B_the_endpoint_picker_s_end_of_a_response_shows_its_replica_busy_only_when_it_answered(brain, failed,
+                                                                                            first_byte_s, answered):
+    """The picker front sees the response itself (``Releaser.finish``): a first byte and no failure is an answer."""
+    h = headers_of(envoy_decide(brain, {"x-request-id": "q"}, BODY))
+    res = brain.router.reservation(int(h[RESERVATION_HEADER].partition(".")[0]))
+    health = res.replica.health
+    before = health.served_at
+    brain.releaser.finish(res, None, failed, first_byte_s)
+    assert (health.served_at > before) is answered and brain.router.open_reservations == 0
+
+
 def test_a_retry_elsewhere_counts_against_the_chosen_replica(brain):
     h = headers_of(envoy_decide(brain, {"x-request-id": "q"}, BODY))
     chosen = h[ROUTING_HEADER]

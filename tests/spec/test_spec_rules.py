@@ -265,14 +265,14 @@ def test_B_stale_scrape_older_than_3_intervals_counts_as_failed():
 
 
 
-def test_B_a_live_replica_serving_users_is_busy_not_dead_while_its_metrics_answer_late():
+def test_B_stale_scrape_and_scrape_timeout_spare_a_live_replica_busy_answering_users():
     """Our departure from B's "one failed scrape (timeout)" and stale rule: a LIVE replica whose users' requests
     succeed (Envoy's word) keeps its place while its /metrics times out or goes stale, for as long as a scrape stays
     fresh (9 s) since the last success; a refusal still ejects at once, busy or not; one serving nobody goes at the
     stale rule. On three CPU vLLMs in overload each API server let scrapes wait past 9 s while its engine served."""
     router, t = live_router(3)  # scraped well at t; stale after t + 9
     for name in ("r0", "r1"):
-        router.on_upstream(name, True, t + 8.0)  # a user's request there succeeded
+        router.replica(name).health.served(t + 8.0)  # it answered a user's request (release.py: Envoy saw it)
     r0 = router.replica("r0").health
     assert r0.scrape_deadline(t + 10.0, 2.4) == pytest.approx(7.0)  # a busy replica's scrape may wait that long
     assert [x.replica for x in router.tick(t + 9.01)] == ["r2"]
@@ -281,13 +281,14 @@ def test_B_a_live_replica_serving_users_is_busy_not_dead_while_its_metrics_answe
     assert router.on_scrape("r0", False, t + 12.0, slow=True) is None  # timed out, but it serves: busy
     tr = router.on_scrape("r1", False, t + 12.0)  # refused (or an error status): dead, busy or not
     assert tr is not None and tr.reason == "scrape_failed" and router.replica("r1").state is EJECTED
-    router.on_upstream("r0", True, t + 14.0)
+    router.replica("r0").health.served(t + 14.0)
+    assert r0.next_due() == pytest.approx(t + 23.0)  # the brain's timer looks again then, not at every tick
     assert router.tick(t + 23.0) == [] and router.replica("r0").state is LIVE
     trs = router.tick(t + 23.01)  # nine seconds since its last success, and no scrape since t
     assert [(x.replica, x.reason) for x in trs] == [("r0", "stale_scrape")]
 
 
-def test_B_a_first_token_seen_by_envoy_counts_as_serving():
+def test_B_stale_scrape_spares_a_replica_whose_stream_had_its_first_token():
     """A stream under way proves its replica serves before it ends: the periodic access-log entry that saw its
     first token keeps the replica LIVE as a success would."""
     router, t = live_router(2)

@@ -169,6 +169,7 @@ class Booking:
     # what was booked in its replica's queue: (prefill seconds, prompt tokens); None before it is booked and once the
     # request ended
     queued: tuple[float, int] | None = None
+    session: bytes | None = None  # the session it placed in the working set, until its end says so
 
 @dataclass(slots=True)
 class Aggregates:

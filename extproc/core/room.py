@@ -102,6 +102,18 @@ def price_kv(e: Estimate, out_tokens: float, mine: "Active | None", session: boo
             e.cost += lost
 
 
+def fit_rule(candidates: list[Estimate], pin: "Pin | None") -> list[Estimate]:
+    """C3's fit rule: a replica where the request does not fit beside the active sessions' contexts is left out,
+    unless it fits on none. The interference term draws big prefills to the replicas with few arrivals, which are
+    where long sessions live: without the rule it sends a long context where it and theirs thrash (one shared system
+    prompt, docs/routing.md). The session's home stays in while it holds at least half the turn's context: there
+    the cost model weighs the eviction risk (``price_kv``) against a re-prefill elsewhere. Left out too, it moved
+    contexts found cached at home to a slow replica's queue (four replicas 1,1,0.5,0.5 at load 1.5: 114K tokens,
+    1.2 s predicted at home, 109 s where they fit); a home that lost the context has nothing to keep there."""
+    return [e for e in candidates if e.fits or (pin is not None and e.replica is pin.replica
+                                                and e.engine == pin.engine and 2 * e.cached >= e.prompt)] or candidates
+
+
 def away_from_returning(best: Estimate, pin: "Pin | None", kept: list[Estimate], hold: Hold) -> Estimate:
     """In a flood (Hold.FLOODED), a request with no home goes to the cheapest replica that no session under way
     comes back to, where one has room for it; where none has room yet, it waits for one (``saturated``). An engine

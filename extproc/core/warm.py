@@ -20,7 +20,7 @@ from .policy_base import Policy
 from .prefix_index import PrefixIndex
 from .profile import RequestProfile
 from .replica import Replica
-from .room import TIE_S, away_from_returning, price_kv, restorable, restore_share, saturated
+from .room import TIE_S, away_from_returning, fit_rule, price_kv, restorable, restore_share, saturated
 from .shortlist import SHORTLIST_FROM, Priced, Shortlist  # noqa: F401 (SHORTLIST_FROM: read from here)
 from .warm_replica import WarmReplica, overhead_at, peer_scale
 from .warm_states import OVERHEAD_HALF_LIFE_S, WarmStates  # noqa: F401 (OVERHEAD_HALF_LIFE_S: read from here)
@@ -137,6 +137,7 @@ class WarmPolicy(Policy):
             st.take_back(res.booking.prefill_end, res.booking.arrived_at, res.prefill_s, res.pending_tokens,
                          res.provisional, now)
             res.booking.queued = None  # in the queue of first tokens to come, if still there: it will not be counted
+            self.sessions.ended(res.booking.session, now)  # its session is quiet from now
 
     # ------------------------------------------------------------------ choice
 
@@ -309,10 +310,7 @@ class WarmPolicy(Policy):
         else:
             candidates = kept = ests
         if self.use_interference and self.use_kv_risk:
-            # the interference term draws big prefills to the replicas with few arrivals, which are where long
-            # sessions live: without this it sends a long context where it and theirs thrash (one shared system
-            # prompt, docs/routing.md). The home is no exception: a context that does not fit there is lost there too
-            candidates = [e for e in candidates if e.fits] or candidates
+            candidates = fit_rule(candidates, pin)
         # a tie: what the estimates cannot tell apart (a decode step, 2%, a rate measured on a few requests' noise)
         best = min(candidates, key=lambda e: e.cost)
         bound = best.cost + max(TIE_S, _TIE_SHARE * best.cost) + best.noise_s
@@ -387,7 +385,8 @@ class WarmPolicy(Policy):
             while len(sent) > _LORA_SENT:
                 sent.popitem(last=False)
         if profile.session_key is not None and not profile.provisional:
-            self.sessions.place(profile.session_key, st, b.prompt, now, d.prefix, d.cached_tokens)
+            b.session = self.sessions.place(profile.session_key, st, b.prompt, now, d.prefix, d.cached_tokens,
+                                            under_way=res is not None)
 
     def returning_share(self) -> float | None:
         return self.sessions.return_share
@@ -420,7 +419,8 @@ class WarmPolicy(Policy):
             b.arrived_at = now
         if session_key is not None:
             self.sessions.expire(now, self.cfg.warm.active_session_s)
-            self.sessions.place(session_key, st, prompt, now, *(shared or (None, 0)))
+            prefix, cached = shared or (None, 0)
+            b.session = self.sessions.place(session_key, st, prompt, now, prefix, cached, under_way=True)
 
     # ------------------------------------------------------------------ disaggregation
 

@@ -40,10 +40,14 @@ class WorkingSet:
         self._gaps: deque[float] = deque(maxlen=GAPS)  # seconds between a session's turns, the last GAPS
         self._new_gaps = 0
         self._p99_gap: float | None = None  # None: too few gaps seen to say
+        # turns placed and not yet ended, per session: a session whose turn waits in a replica's queue is under way
+        # however long it waits, and quiet only from that turn's end
+        self._busy: dict[bytes, int] = {}
 
     def horizon(self, active_session_s: float) -> float:
         """How long a quiet session still counts as under way: ``warm.active_session_s``, or twice the longest gap
-        between turns that the fleet's sessions showed (their p99), whichever is shorter. Chat sessions that end
+        between turns that the fleet's sessions showed (their p99; from a turn's end to the next), whichever is
+        shorter. Chat sessions that end
         after a few turns 2 s apart would otherwise hold their replicas' working set for a minute after their last
         turn, and flow control hold new sessions for room that is not in use (on three real vLLMs a new session
         waited up to 37 s where ring hash served it in 0.2 s: docs/routing.md). Sessions with long pauses
@@ -85,7 +89,7 @@ class WorkingSet:
         while a and a[0][0] < limit:
             t, key, st, tokens = a.popleft()
             cur = self._of.get(key)
-            if cur is not None and cur.at == t:
+            if cur is not None and cur.at == t and not self._busy.get(key):
                 del self._of[key]
                 st.active_tokens -= tokens
                 st.active_whole -= cur.whole
@@ -93,6 +97,22 @@ class WorkingSet:
                 self._release(st, cur.shared)
                 if not cur.back:
                     self._came_back(False)
+
+    def ended(self, key: bytes | None, now: float) -> None:
+        """A turn of the session ended: it is quiet from now (its horizon counts from here). In a lasting overload a
+        turn waited minutes in a slow replica's queue, past the horizon counted from its placement: its session left
+        that replica's working set while its context was on its way in, the replica looked roomy, and the fit rule
+        sent it more long contexts (a 0.5x replica's queue 1,000 s deep, docs/routing.md)."""
+        if key is None or (n := self._busy.get(key, 0) - 1) < 0:
+            return
+        if n:
+            self._busy[key] = n
+        else:
+            del self._busy[key]
+        cur = self._of.get(key)
+        if cur is not None:
+            self._of[key] = Active(now, cur.st, cur.own, cur.back, cur.shared, cur.whole)
+            self._turns.append((now, key, cur.st, cur.own))
 
     def _came_back(self, yes: bool) -> None:
         if yes:
@@ -109,7 +129,7 @@ class WorkingSet:
         return (self._returns + RETURN_PRIOR) / (self._returns + self._no_returns + RETURN_PRIOR)
 
     def place(self, key: bytes, st: WarmReplica, tokens: int, now: float, prefix: int | None = None,
-              cached: int = 0) -> None:
+              cached: int = 0, under_way: bool = False) -> bytes | None:
         """The session's context now lives on ``st``. A first turn counts at the share of new sessions that come
         back: traffic of sessions that never return (a session id per call) does not fill the working set that
         flow control protects (a soak of one-turn sessions held ~1,100 requests until their clients gave up).
@@ -118,7 +138,9 @@ class WorkingSet:
         kept as its shared part while it stays. Counted per session, a 1.5K system prompt made each 4K chat
         count 35% more than the engine held, and flow control held new sessions on three real vLLMs with room
         to spare (p99 10x ring hash's: docs/routing.md). The first session to bring a prefix still counts it in
-        its own context: at most one copy more than the engine holds, and never less when it leaves first."""
+        its own context: at most one copy more than the engine holds, and never less when it leaves first.
+        A turn ``under_way`` (a request whose end will be told) keeps its session under way until ``ended`` is given
+        the key this returns."""
         old = self._of.get(key)
         back = old is not None
         shared = None
@@ -149,3 +171,7 @@ class WorkingSet:
         st.active_whole += whole
         st.returning += back
         self._turns.append((now, key, st, counted))
+        if not under_way:
+            return None
+        self._busy[key] = self._busy.get(key, 0) + 1
+        return key

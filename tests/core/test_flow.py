@@ -967,8 +967,9 @@ def test_sessions_that_ended_leave_the_working_set_once_quiet_for_longer_than_th
     """Issue 46: chat sessions of ten turns two seconds apart that end held their replicas' working set for
     warm.active_session_s (60 s) after their last turn, and flow control held new sessions for room nobody would
     use (on three real vLLMs a new session waited up to 37 s; ring hash served it in 0.2 s). A quiet session now
-    leaves after twice the p99 of the gaps between turns the fleet's sessions showed (at least 5 s), never later
-    than warm.active_session_s: sessions that pause for long keep the configured horizon."""
+    leaves after twice the p99 of the gaps between turns the fleet's sessions showed (from a turn's end to the next
+    turn; at least 5 s), never later than warm.active_session_s: sessions that pause for long keep the configured
+    horizon."""
     from extproc.core.config import WarmConfig
 
     def active_after(gap: float, quiet: float) -> tuple[int, float]:
@@ -993,7 +994,8 @@ def test_sessions_that_ended_leave_the_working_set_once_quiet_for_longer_than_th
     active, horizon = active_after(2.0, 3.0)
     assert active > 8 * 20_000  # quiet for less than the horizon: still under way
     active, horizon = active_after(4.0, 9.0)
-    assert horizon == pytest.approx(8.0) and active == 0  # twice the p99 gap: 8 s, so quiet for 9 s is gone...
+    # twice the p99 gap, counted from a turn's end (0.1 s after it began) to the next: 7.8 s, so quiet for 9 s is gone...
+    assert horizon == pytest.approx(7.8) and active == 0
     active, horizon = active_after(4.0, 7.0)
     assert active > 8 * 20_000  # ...and for 7 s is not
     active, horizon = active_after(40.0, 10.0)

@@ -538,3 +538,60 @@ def test_C4_a_session_stays_on_a_home_that_holds_its_context_where_its_sessions_
     nxt = turn(router, t + 12, session="s0", tokens=7_200)
     assert nxt.replica is home and nxt.reason is Reason.AFFINITY
     assert not [e for e in nxt.events if e.action is PinAction.REBIND]
+
+
+def _home_past_its_cache(reset_home: bool):
+    """A 40K session on its home, whose other sessions under way (60K) leave no room for the turn beside them; the
+    other replica is empty. (the decision, the home, the home's estimate)"""
+    cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=100_000))
+    router, t = warm_router(2, cfg)
+    pol = router.policy
+    first = turn(router, t, session="a", tokens=40_000)
+    router.release(first.reservation, t + 10)
+    home = first.replica
+    for k in range(3):
+        pol.sessions.place(f"other{k}".encode(), pol.state_of(home), 20_000, t + 11)
+    if reset_home:
+        pol.caches_reset(home.name, t + 11)  # the operator emptied its prefix cache
+    seen = []
+    pol.observers.append(seen.append)
+    d = turn(router, t + 12, session="a", tokens=41_000)
+    return d, home, next(e for e in seen[-1].ests if e.replica is home)
+
+
+def test_C4_a_turn_stays_on_a_home_that_holds_its_context_though_the_home_s_sessions_outgrew_its_cache():
+    """The fit rule left the home out like any replica where the turn does not fit beside the active sessions'
+    contexts, though the home holds the turn's context: on four replicas 1,1,0.5,0.5 at load 1.5 it moved 114K-token
+    contexts found cached at home (1.2 s predicted there) to a 0.5x replica's queue (109 s predicted), and those moves
+    made most of the p99 (docs/routing.md). A home that holds at least half the turn's context now stays a candidate:
+    the cost model weighs its eviction risk against the re-prefill elsewhere."""
+    d, home, at_home = _home_past_its_cache(reset_home=False)
+    assert not at_home.fits and at_home.cached >= 39_000  # past its cache, and holding the turn's context
+    assert d.replica is home and d.reason is Reason.AFFINITY
+
+
+def test_C4_a_home_that_lost_the_turn_s_context_is_left_out_where_the_turn_does_not_fit():
+    d, home, at_home = _home_past_its_cache(reset_home=True)
+    assert not at_home.fits and at_home.cached == 0
+    assert d.replica is not home  # nothing of it there: the fit rule's reason holds (it would evict the others)
+
+
+def test_C3_a_session_whose_turn_waits_in_a_queue_counts_in_its_replica_s_working_set_until_the_turn_ends():
+    """A turn that waited minutes in a slow replica's queue (a lasting overload) left its replica's working set once
+    quiet for the horizon counted from its placement: the replica looked roomy while the contexts queued there were
+    still coming in, and the fit rule sent it more long contexts (a 0.5x replica 1,000 s deep, docs/routing.md). A
+    session is quiet from its turn's end."""
+    cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=300_000, active_session_s=60))
+    router, t = warm_router(2, cfg)
+    pol = router.policy
+    d = turn(router, t, session="a", tokens=40_000)
+    st = pol.state_of(d.replica)
+    held = st.active_tokens
+    assert held >= 39_000
+    pol.sessions.expire(t + 600, 60)  # ten minutes in a queue: far past the horizon from its placement
+    assert st.active_tokens == held
+    router.release(d.reservation, t + 600)
+    pol.sessions.expire(t + 650, 60)
+    assert st.active_tokens == held  # quiet for 50 s of the 60
+    pol.sessions.expire(t + 661, 60)
+    assert st.active_tokens == 0

@@ -540,23 +540,28 @@ def test_C4_a_session_stays_on_a_home_that_holds_its_context_where_its_sessions_
     assert not [e for e in nxt.events if e.action is PinAction.REBIND]
 
 
-def _home_past_its_cache(reset_home: bool):
-    """A 40K session on its home, whose other sessions under way (60K) leave no room for the turn beside them; the
-    other replica is empty. (the decision, the home, the home's estimate)"""
-    cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=100_000))
+def _home_past_its_cache(tokens: int, reset_home: bool = False, wait_elsewhere: float = 0.0):
+    """A 40K session on its home, whose other sessions under way (150K of a 200K cache) leave no room for its next
+    turn of ``tokens`` beside them; the other replica is empty, with ``wait_elsewhere`` seconds of prefill queued.
+    (the decision, the home, the home's estimate, the other's)"""
+    cfg = dataclasses.replace(WARM, warm=WarmConfig(cache_tokens=200_000))
     router, t = warm_router(2, cfg)
     pol = router.policy
     first = turn(router, t, session="a", tokens=40_000)
     router.release(first.reservation, t + 10)
     home = first.replica
     for k in range(3):
-        pol.sessions.place(f"other{k}".encode(), pol.state_of(home), 20_000, t + 11)
+        pol.sessions.place(f"other{k}".encode(), pol.state_of(home), 50_000, t + 11)
     if reset_home:
         pol.caches_reset(home.name, t + 11)  # the operator emptied its prefix cache
+    other = next(r for r in router.replicas if r is not home)
+    pol.state_of(other).prefill_busy_until = t + 12 + wait_elsewhere
     seen = []
     pol.observers.append(seen.append)
-    d = turn(router, t + 12, session="a", tokens=41_000)
-    return d, home, next(e for e in seen[-1].ests if e.replica is home)
+    d = turn(router, t + 12, session="a", tokens=tokens)
+    ests = {e.replica is home: e for e in seen[-1].ests}
+    assert not ests[True].fits and ests[False].fits  # the turn fits on the other replica alone
+    return d, home, ests[True], ests[False]
 
 
 def test_C4_a_turn_stays_on_a_home_that_holds_its_context_though_the_home_s_sessions_outgrew_its_cache():
@@ -565,15 +570,21 @@ def test_C4_a_turn_stays_on_a_home_that_holds_its_context_though_the_home_s_sess
     contexts found cached at home (1.2 s predicted there) to a 0.5x replica's queue (109 s predicted), and those moves
     made most of the p99 (docs/routing.md). A home that holds at least half the turn's context now stays a candidate:
     the cost model weighs its eviction risk against the re-prefill elsewhere."""
-    d, home, at_home = _home_past_its_cache(reset_home=False)
-    assert not at_home.fits and at_home.cached >= 39_000  # past its cache, and holding the turn's context
-    assert d.replica is home and d.reason is Reason.AFFINITY
+    d, home, at_home, _ = _home_past_its_cache(41_000)  # all of it cached there
+    assert at_home.cached >= 39_000 and d.replica is home and d.reason is Reason.AFFINITY
+    # 57% of it cached there, and the other replica 30 s deep: half is enough to stay in the choice
+    d, home, at_home, elsewhere = _home_past_its_cache(70_000, wait_elsewhere=30.0)
+    assert at_home.cost < elsewhere.cost and d.replica is home
 
 
 def test_C4_a_home_that_lost_the_turn_s_context_is_left_out_where_the_turn_does_not_fit():
-    d, home, at_home = _home_past_its_cache(reset_home=True)
-    assert not at_home.fits and at_home.cached == 0
+    d, home, at_home, _ = _home_past_its_cache(41_000, reset_home=True)
+    assert at_home.cached == 0
     assert d.replica is not home  # nothing of it there: the fit rule's reason holds (it would evict the others)
+    # 40% of it cached there (less than half): left out, though its cost is below the other replica's, 30 s deep
+    d, home, at_home, elsewhere = _home_past_its_cache(100_000, wait_elsewhere=30.0)
+    assert at_home.cached >= 39_000 and at_home.cost < elsewhere.cost
+    assert d.replica is not home
 
 
 def test_C3_a_session_whose_turn_waits_in_a_queue_counts_in_its_replica_s_working_set_until_the_turn_ends():

@@ -77,19 +77,21 @@ engines-freeze:  ## rewrite engines/vllm-constraints.txt from a fresh resolve
 demo: install
 	$(VENV)/bin/warmroute up
 
-# Two phases on the two cores. First the tests that start Envoy, brains and mock replicas, two at a time (~9.5 min;
-# three at a time took ~7 but twice in three runs a test that prices what a loaded machine slows failed); beside
-# them, at a lower CPU priority so that they keep what they need, the engine's install (~3 min with pip's cache, more
-# cold) and the tests that start no process (CPU-bound, timing-free, two at a time). Then the tests that start real
-# engines (~6 min, one module at a time: two at once started five engines together and took longer), while the
-# no-process tests finish at their lower priority. ~16 min from a fresh clone.
+# Two phases on the two cores. First the tests that start Envoy, brains and mock replicas, two at a time (~8.5 min;
+# three at a time took ~7 but twice in three runs a test that prices what a loaded machine slows failed), with the
+# engine's install beside them at a lower CPU priority (~3 min with pip's cache, more cold). Then the tests that start
+# real engines (~7 min, one module at a time: two at once started five engines together and took longer), with the
+# tests that start no process beside them at the lower priority (CPU-bound, timing-free, two at a time, ~3 min
+# alone): the real-engine phase leaves most of a core idle while its engines wait on one another, the mock phase
+# little (beside it they made it ~11 min). All three at once took ~15 min for the phases and failed a test that
+# counts a loaded machine's ejections. ~18 min from a fresh clone on 2026-12-07's machine (no AVX-512).
 test: install system-deps k8s-tools lint
 	@mkdir -p $(ENGINE_DIR); rm -f $(ENGINE_DIR)/install.rc $(ENGINE_DIR)/unit.rc $(ENGINE_DIR)/unit.log; \
 	( nice -n 10 $(MAKE) --no-print-directory engines > $(ENGINE_DIR)/install.log 2>&1; echo $$? > $(ENGINE_DIR)/install.rc ) & \
 	install=$$!; \
+	$(PY) -m pytest -q -n 2 -m "integration and not real_engine"; rc=$$?; wait $$install; \
 	( nice -n 10 $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not integration" > $(ENGINE_DIR)/unit.log 2>&1; echo $$? > $(ENGINE_DIR)/unit.rc ) & \
 	unit=$$!; \
-	$(PY) -m pytest -q -n 2 -m "integration and not real_engine"; rc=$$?; wait $$install; \
 	if [ "$$(cat $(ENGINE_DIR)/install.rc)" != 0 ]; then echo "make engines failed:"; grep -v "^WARNING: Location" $(ENGINE_DIR)/install.log | tail -30; wait; exit 1; fi; \
 	$(PY) -m pytest -q -p no:cacheprovider -m real_engine || rc=1; wait $$unit; \
 	echo "--- no process: pytest -m 'not integration' ($(ENGINE_DIR)/unit.log)"; tail -30 $(ENGINE_DIR)/unit.log; \

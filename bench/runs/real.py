@@ -257,6 +257,44 @@ def prediction_error(pairs: list[tuple[float, float]]) -> tuple[float, float]:
             sum(p for p, _ in pairs) / sum(o for _, o in pairs) - 1.0)
 
 
+def queue_floor(joined: list[dict]) -> tuple[float, float, float, float] | None:
+    """What a predictor that knew which requests were still ahead of each on its replica gets: each request's time to
+    first token as ``c + (tokens ahead + its own uncached tokens) / R`` (every request decided on the replica before it
+    whose first byte Envoy had not yet seen, by the brain's count of their uncached tokens), with the ``R`` and ``c``
+    of each replica that fit best, fitted on the very requests it then predicts (so a floor, not a predictor).
+    (MAPE at the best fits, its bias, the best MAPE with each replica's |bias| <= 5%, its bias); None without joined
+    requests."""
+    by: dict[str, list[dict]] = {}
+    for d in joined:
+        if d.get("observed_ttft_s") and d.get("predicted_prompt_tokens") is not None:
+            by.setdefault(d["replica"], []).append(d)
+    if not by:
+        return None
+    best_all: list[tuple[float, float]] = []
+    within_all: list[tuple[float, float]] = []
+    for reqs in by.values():
+        reqs.sort(key=lambda d: d["at"])
+        own = [max(0, d["predicted_prompt_tokens"] - (d.get("predicted_cached_tokens") or 0)) for d in reqs]
+        pts = []  # (tokens to compute before this request's first token, observed seconds)
+        for i, d in enumerate(reqs):
+            ahead = sum(u for e, u in zip(reqs[:i], own[:i]) if e["at"] + e["observed_ttft_s"] > d["at"])
+            pts.append((ahead + own[i], max(d["observed_ttft_s"], 1e-3)))
+        best = within = None
+        for k in range(140):  # R from 50 to ~1.3M tokens/s, 7.5% apart
+            rate = 50 * 1.075 ** k
+            for c in (0.0, 0.025, 0.05, 0.1, 0.2, 0.4):
+                pairs = [(c + t / rate, o) for t, o in pts]
+                mape, bias = prediction_error(pairs)
+                if best is None or mape < best[0]:
+                    best = (mape, pairs)
+                if abs(bias) <= 0.05 and (within is None or mape < within[0]):
+                    within = (mape, pairs)
+        assert best is not None
+        best_all += best[1]
+        within_all += (within or best)[1]
+    return (*prediction_error(best_all), *prediction_error(within_all))
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -404,6 +442,16 @@ def table(rows: list[Row]) -> str:
         pooled = [x for r in predicted for x in r.predictions]
         mape, bias = prediction_error(pooled)
         lines.append(f"| all | | {len(pooled)} | {mape:.2f} | {bias:+.0%} | | |")
+        floors = [(r, queue_floor(r.joined)) for r in predicted]
+        lines += ["", "Against what a predictor that knew which requests were still ahead of each could get "
+                  "(`queue_floor`: their uncached tokens and its own over one throughput and one constant per "
+                  "replica, fitted on the run itself):", "",
+                  "| seed | router | warmroute's MAPE | floor MAPE (bias) | floor MAPE within 5% bias |",
+                  "|---|---|---|---|---|"]
+        for r, f in floors:
+            if f is not None:
+                lines.append(f"| {r.seed} | {r.contender} | {prediction_error(r.predictions)[0]:.2f} | "
+                             f"{f[0]:.2f} ({f[1]:+.0%}) | {f[2]:.2f} ({f[3]:+.0%}) |")
     learned = [r for r in rows if r.rates]
     if learned:
         lines += ["", "warmroute's learned rates at the end of each run against the engines' own histograms over the "
@@ -430,7 +478,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs", help="where bench-real.md goes (the table, the command, the date)")
     ap.add_argument("--logs", default=None,
                     help="a directory to keep warmroute's brain logs in (hashes and names only)")
+    ap.add_argument("--floor", default=None, metavar="PREDICTIONS_JSON",
+                    help="only print queue_floor's line for each run of a bench-real-predictions.json written before")
     args = ap.parse_args(argv)
+    if args.floor:
+        runs: dict[tuple, list[dict]] = {}
+        for d in json.loads(Path(args.floor).read_text()):
+            runs.setdefault((d["seed"], d["router"]), []).append(d)
+        for (seed, router), ds in sorted(runs.items()):
+            f = queue_floor(ds)
+            mape, bias = prediction_error(joined_predictions(ds))
+            print(f"seed {seed} {router}: {len(ds)} joined, warmroute's MAPE {mape:.2f} ({bias:+.0%})" + (
+                f", floor {f[0]:.2f} ({f[1]:+.0%}), within 5% bias {f[2]:.2f} ({f[3]:+.0%})" if f else ""))
+        return 0
     base = BURST_WORKLOAD if args.burst else WORKLOAD
     if args.burst and args.minutes == WORKLOAD.minutes:
         args.minutes = BURST_WORKLOAD.minutes

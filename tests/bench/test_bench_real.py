@@ -105,3 +105,27 @@ def test_a_pooled_ratio_compares_only_the_seeds_both_routers_ran():
     ratio, lo, hi, best = compare(rows, None)["warmroute"]["vs_p50"]
     assert best == "envoy_ring_hash_bounded_150"
     assert ratio == pytest.approx(1.0, rel=0.05) and lo < 1.0 < hi
+
+
+def test_the_queue_floor_knows_who_is_ahead_and_only_that():
+    """A replica computing 1,000 prompt tokens a second, first come first served: each request's first token after
+    the uncached tokens of those still ahead of it and its own. The floor finds that (MAPE near 0) where a model that
+    ignores the queue does not; and noise it cannot know of is left in it."""
+    from bench.runs.real import queue_floor
+
+    rng = random.Random(7)
+    joined, free_at, at = [], 0.0, 0.0
+    for _ in range(200):
+        at += rng.expovariate(1.5)
+        prompt, cached = rng.randint(800, 3000), rng.choice((0, 512, 768))
+        free_at = max(free_at, at) + (prompt - cached) / 1000
+        joined.append({"replica": "r0", "at": at, "observed_ttft_s": free_at - at, "predicted_prompt_tokens": prompt,
+                       "predicted_cached_tokens": cached, "predicted_ttft_s": (prompt - cached) / 1000})
+    mape, bias, mape5, bias5 = queue_floor(joined)
+    # (not 0: the one in progress counts whole, and R is searched 7.5% apart)
+    assert mape < 0.08 and abs(bias) < 0.05 and mape5 < 0.08
+    own_only = sum(abs(d["predicted_ttft_s"] - d["observed_ttft_s"]) / d["observed_ttft_s"] for d in joined) / 200
+    assert own_only > 0.2  # the queue was there to know of
+    noisy = [{**d, "observed_ttft_s": d["observed_ttft_s"] * rng.choice((0.5, 2.0))} for d in joined]
+    assert queue_floor(noisy)[0] > 0.2
+    assert queue_floor([]) is None

@@ -496,10 +496,26 @@ def test_learned_rates_move_to_the_engines_own_histograms(fleet):
     are. (How close through a ramp on a quiet machine is a benchmark's number, not a test's.)"""
     w = fleet.cfg.router.warm
     before = {r.name: _engine_rates(metrics_of(r.port)) for r in fleet.replicas[:2]}
-    # a prefill sample needs 5 s of the engine's prefill (core.load): ~60K tokens a replica at this CPU's ~13K/s.
-    # Long prompts, so that the burst alone gives it whatever ran before
-    assert all(s == 200 for s in asyncio.run(_burst(fleet.url, 32, BURST_CONCURRENCY, random.Random(3),
-                                                    words=(1500, 2400))))
+    # a prefill sample needs 5 s of the engine's prefill and a decode sample 500 generated tokens (core.load): the
+    # burst goes on until each engine's own counters show three of each (~60K tokens a replica on a CPU with AVX-512,
+    # ~6K without), at most 32 conversations. Long prompts, so that the burst alone gives it whatever ran before
+    enough = threading.Event()
+
+    def watch() -> None:
+        while not enough.wait(0.5):
+            grown = [tuple(b - a for a, b in zip(before[r.name], _engine_rates(metrics_of(r.port))))
+                     for r in fleet.replicas[:2]]
+            if all(g[1] >= 3 * 5.0 and g[2] >= 3 * 500 for g in grown):
+                enough.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert all(s == 200 for s in asyncio.run(_burst(fleet.url, 32, BURST_CONCURRENCY, random.Random(3),
+                                                        words=(1500, 2400), stop=enough.is_set)))
+    finally:
+        enough.set()
+        watcher.join(10)
     quiet(fleet, 30)
     for rep in fleet.replicas[:2]:
         c0, p0, g0, d0 = before[rep.name]

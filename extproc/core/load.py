@@ -377,6 +377,10 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float, batches: "li
                     peers: "list[Rates] | None" = None) -> tuple[list[float], list[float]]:
     """(prefill tokens/s, decode s/token) to price each replica with, beside ``batches[i]`` requests running on
     each (its last scrape's ``num_requests_running``: the statistic ``BatchFit`` learned against; None: batch 0).
+    The decode rate is read at the batch; the prefill rate at none: vLLM computes the prompts waiting at a replica
+    first come first served within each step's token budget (chunked prefill), so a prompt decided beside others waits
+    for theirs, which the queue ahead already holds, and is then computed at the engine's rate; read at the batch
+    too, the prompts sharing its steps counted twice (docs/routing.md, "The queue counted once").
 
     A replica's own rate counts while it is fresh (sampled within ``fresh_s``). One never measured is
     priced as the slowest measured one: nothing says its hardware is theirs, and a long prompt sent
@@ -395,25 +399,22 @@ def effective_rates(rates: list[Rates], now: float, fresh_s: float, batches: "li
     decode = _priced(rates, since, "decode_s_per_token", "decode_at", "decode_rel", max, peers)
     if batches is None:
         return prefill, decode
-    # each replica's rate at its batch, no further than the batches its samples saw (a line fitted over 1-4
+    # each replica's decode at its batch, no further than the batches its samples saw (a line fitted over 1-4
     # requests says nothing of 40); one never measured slows as the measured ones do (the same engine, most likely)
     never = float("-inf")
     measured = [r for r in [*rates, *(peers or ())] if r.prefill_at != never and r.decode_at != never]
     # once per decision, not per replica never measured (300 of them at start); counted among ``rates`` alone: the
     # peers may outnumber them (one prefill replica never measured beside two measured decode ones)
     if any(r.prefill_at == never or r.decode_at == never for r in rates):
-        kp = sum(m.prefill_slope for m in measured) / len(measured) if measured else 0.0
         kd = sum(m.decode_slope for m in measured) / len(measured) if measured else 0.0
         top = min((m._prefill_fit.top for m in measured), default=0.0)
-    out_p, out_d = [], []
-    for x, y, r, b in zip(prefill, decode, rates, batches):
+    out_d = []
+    for y, r, b in zip(decode, rates, batches):
         if r.prefill_at == never or r.decode_at == never:
-            out_p.append(x / (1.0 + kp * min(b, top)))
             out_d.append(y * (1.0 + kd * min(b, top)))
         else:
-            out_p.append(x / (1.0 + r.prefill_slope * min(b, r._prefill_fit.top)))
             out_d.append(y * (1.0 + r.decode_slope * min(b, r._decode_fit.top)))
-    return out_p, out_d
+    return prefill, out_d
 
 
 def _priced(rates: list[Rates], since: float, value: str, at: str, rel: str, slowest,

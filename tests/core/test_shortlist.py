@@ -96,14 +96,16 @@ def _agreement(n: int, load: float, seed: int, minutes: float, speeds=None) -> l
     return verify
 
 
-@pytest.mark.parametrize("n, load, seed, speeds", [
-    (48, 12.0, 3, None),
-    (40, 14.0, 4, tuple([1.0, 1.0, 0.7, 0.7, 0.4, 0.4][i % 6] for i in range(40))),  # three speeds, loaded
+@pytest.mark.parametrize("n, load, seeds, speeds", [
+    (48, 12.0, (3,), None),
+    # three speeds, loaded: two seeds pooled, since one seed's share moves by ~1% (0.2-2.0% not chosen alike over
+    # seeds 1-6, 0.8% on the whole, before and after the prefill was priced at no batch)
+    (40, 14.0, (4, 5), tuple([1.0, 1.0, 0.7, 0.7, 0.4, 0.4][i % 6] for i in range(40))),
 ])
-def test_C3_a_big_fleet_s_shortlist_chooses_what_full_pricing_chooses_on_the_simulator_s_workloads(n, load, seed,
+def test_C3_a_big_fleet_s_shortlist_chooses_what_full_pricing_chooses_on_the_simulator_s_workloads(n, load, seeds,
                                                                                                    speeds):
     """Every shortlisted decision is priced once more over every candidate, under the same view of the fleet."""
-    verify = _agreement(n, load, seed, 3.0, speeds)
+    verify = [x for seed in seeds for x in _agreement(n, load, seed, 3.0, speeds)]
     assert len(verify) > 300
     same = sum(short == full for short, full, _, _ in verify) / len(verify)
     tied = sum(t for _, _, t, _ in verify) / len(verify)

@@ -481,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", default=None, metavar="PREDICTIONS_JSON",
                     help="only print queue_floor's line for each run of a bench-real-predictions.json written before")
     args = ap.parse_args(argv)
+    if not args.burst:
+        try:  # before the engines start: a path that cannot be written says so now, not after the runs
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"bench-real: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
     if args.floor:
         runs: dict[tuple, list[dict]] = {}
         for d in json.loads(Path(args.floor).read_text()):

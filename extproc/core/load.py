@@ -86,7 +86,11 @@ class LoadSample:
 
 class BatchFit:
     """Seconds per token as a line in the engine's batch, ``a + c x batch``, by least squares over a rate's samples
-    weighted down by ``1 - _ALPHA`` a sample (an EWMA when every sample saw the same batch).
+    weighted down by ``1 - _ALPHA`` a sample (an EWMA when every sample saw the same batch), each sample weighing the
+    tokens it covers: a sample is ~5 s of prefill (or 500 generated tokens) however many tokens those seconds
+    computed, and a plain mean of seconds per token over windows of equal seconds is pulled to the windows of few
+    tokens (on real vLLM 0.41-0.89x the engines' own prefill rate, decode up to 2.19x). Weighed, the fit reads as the
+    engine's tokens over its seconds.
 
     Why a line: a vLLM engine step schedules the running requests first (a decode token each, a chunk of a running
     prefill) and fills the rest of its token budget with waiting requests' prefill chunks
@@ -108,14 +112,16 @@ class BatchFit:
     def at(self, batch: float) -> float:
         return self.a + self.c * min(batch, self.top)
 
-    def add(self, batch: float, y: float, first: bool) -> None:
+    def add(self, batch: float, y: float, first: bool, weight: float = 1.0) -> None:
         self.top = max(self.top, batch)
         s, keep = self._s, 0.0 if first else 1.0 - _ALPHA
         for i, v in enumerate((1.0, batch, batch * batch, y, batch * y)):
-            s[i] = keep * s[i] + v
+            s[i] = keep * s[i] + weight * v
         w, sb, sbb, sy, sby = s
         ridge = _RIDGE * w
         c = max(0.0, (w * sby - sb * sy) / (w * (sbb + ridge) - sb * sb)) if self.sloped else 0.0
+        if c * sb <= 1e-9 * sy:  # samples of one batch: rounding's slope, not the data's
+            c = 0.0
         a = (sy - c * sb) / w
         if a <= 0.0:
             a, c = sy / w, 0.0
@@ -259,7 +265,7 @@ class Rates:
             fit = self._prefill_fit
             # the first measurement replaces the configured prior (a guess for any hardware), the second a first
             # of a few requests
-            fit.add(acc[7] / max(1.0, acc[8]), sample, first or provisional)
+            fit.add(acc[7] / max(1.0, acc[8]), sample, first or provisional, max(1.0, acc[0]))
             self.prefill_tokens_per_s, self.prefill_slope = 1.0 / fit.a, fit.slope
             self.prefill_noise = _REQUEST_CV / max(1.0, self._finished) ** 0.5 if acc[1] < need else 0.0
             self.prefill_at = now
@@ -296,7 +302,7 @@ class Rates:
             ref = self._ref[1]
             sample = min(_CLIP * ref, max(ref / _CLIP, acc[3] / acc[2]))
             fit = self._decode_fit
-            fit.add(acc[9] / max(1.0, acc[10]), sample, first)
+            fit.add(acc[9] / max(1.0, acc[10]), sample, first, max(1.0, acc[2]))
             self.decode_s_per_token, self.decode_slope = fit.a, fit.slope
             self.decode_at = now
             if acc[4] > 0:

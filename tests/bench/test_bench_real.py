@@ -129,3 +129,15 @@ def test_the_queue_floor_knows_who_is_ahead_and_only_that():
     noisy = [{**d, "observed_ttft_s": d["observed_ttft_s"] * rng.choice((0.5, 2.0))} for d in joined]
     assert queue_floor(noisy)[0] > 0.2
     assert queue_floor([]) is None
+
+
+def test_an_out_directory_that_cannot_be_made_is_one_line_before_any_engine_starts(tmp_path, capsys):
+    """Ten minutes of runs used to end in a traceback when ``--out`` did not exist; now it is made first, and a path
+    that cannot be one ends the command at once with one line naming it."""
+    from bench.runs.real import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["--out", str(blocker / "runs"), "--seeds", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(blocker / "runs") in err[0]

@@ -342,3 +342,24 @@ def test_C3_a_prefill_is_priced_at_the_replica_s_rate_beside_no_other_request_an
     (busy_p,), (busy_d,) = effective_rates([measured], 150.0, 60.0, [6])
     assert busy_p == idle_p == pytest.approx(measured.prefill_tokens_per_s)
     assert busy_d == pytest.approx(idle_d * (1 + measured.decode_slope * 6), rel=0.01) and busy_d > idle_d
+
+
+def test_C3_a_rate_is_the_engine_s_tokens_over_its_seconds_when_windows_cover_few_tokens_and_many():
+    """Each sample is ~5 s of prefill (or 500 generated tokens) however many tokens those seconds covered: here
+    windows of 500 and of 20,000 prefill tokens in 5 s alternate (2,050 tokens/s over the run), and of 500 generated
+    tokens in 50 s and 5,000 in 5 s (0.01 s a token). A plain mean of each sample's seconds per token is pulled to
+    the windows of few tokens (~200 tokens/s, ~0.05 s a token); each sample weighing its tokens reads the engine as it
+    ran (within issue 62's 1.5x: the newest samples weigh most)."""
+    r = Rates(5000.0, 0.03, 256.0)
+    computed = prefill_s = done = generated = decode_s = 0.0
+    for k in range(40):
+        computed += 500 if k % 2 else 20_000
+        prefill_s += 5.0
+        generated += 500 if k % 2 else 5_000
+        decode_s += 50.0 if k % 2 else 5.0
+        done += 10
+        r.update(LoadSample(running=2, prompt_tokens=computed, prompt_requests=done, computed_at_finish=computed,
+                            prefill_seconds=prefill_s, prefill_done=done, generated_at_finish=generated + done,
+                            decode_seconds=decode_s, decode_done=done, requests_done=done), 5.0 * k)
+    assert 1 / 1.5 < r.prefill_tokens_per_s / (20_500 / 10.0) < 1.5
+    assert 1 / 1.5 < r.decode_s_per_token / (55.0 / 5_500) < 1.5

@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", default=None, metavar="PREDICTIONS_JSON",
                     help="only print queue_floor's line for each run of a bench-real-predictions.json written before")
     args = ap.parse_args(argv)
-    if not args.burst:
+    if not args.burst and not args.floor:  # the modes that write DIR
         try:  # before the engines start: a path that cannot be written says so now, not after the runs
             Path(args.out).mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from itertools import islice
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -271,28 +272,36 @@ class Engine:
         (``single_type_kv_cache_manager.free``: ``reversed``), so that eviction takes a
         context's tail before its head: a prefix is reused only from its first block.
         """
+        refs, cached = self.refs, self.cached
+        private = let_go = 0
         for h in reversed(r.held):
             if h is None:
-                self.free_blocks += 1
-                self.used_blocks -= 1
+                private += 1
             else:
-                n = self.refs[h] - 1
+                n = refs[h] - 1
                 if n:
-                    self.refs[h] = n
+                    refs[h] = n
                 else:
-                    del self.refs[h]
-                    self.cached[h] = 0
-                    self.cached.move_to_end(h)
-                    self.used_blocks -= 1
+                    del refs[h]
+                    cached[h] = 0  # never cached while in use (``refs``): a new key, the most recently used
+                    let_go += 1
+        self.free_blocks += private
+        self.used_blocks -= private + let_go
         r.held = []
 
     def _admit(self, r: EngineRequest) -> bool:
         """Reserve the prompt's blocks, reusing cached ones. False if KV space is short."""
         full = r.prompt_tokens // BLOCK if self.cfg.prefix_caching else 0  # off: every block private
-        hit = 0
-        for h in r.blocks[:full]:
-            if h in self.refs or h in self.cached:
+        # a block is in use (``refs``) or evictable (``cached``), never both: one walk counts the hit and which of
+        # it comes back from the evictable ones (per block of every admission: the simulator's hottest loop)
+        refs, cached = self.refs, self.cached
+        hit = back = 0
+        for h in islice(r.blocks, full):
+            if h in refs:
                 hit += 1
+            elif h in cached:
+                hit += 1
+                back += 1
             else:
                 break
         need_new = -(-r.prompt_tokens // BLOCK) - hit
@@ -305,17 +314,16 @@ class Engine:
                 restore += 1
         self.lookup_queries += r.prompt_tokens
         self.lookup_hits += min(hit * BLOCK, r.prompt_tokens - 1)
-        if need_new > self._available() - sum(1 for h in r.blocks[:hit] if h in self.cached):
+        if need_new > self._available() - back:
             return False
-        held = []
-        for h in r.blocks[:hit]:
-            if h in self.cached:  # an evictable cached block comes back into use
-                del self.cached[h]
-                self.refs[h] = 1
+        held = list(islice(r.blocks, hit))
+        for h in held:
+            if h in cached:  # an evictable cached block comes back into use
+                del cached[h]
+                refs[h] = 1
                 self.used_blocks += 1
             else:  # already in use by another sequence: shared, no new physical block
-                self.refs[h] += 1
-            held.append(h)
+                refs[h] += 1
         for i in range(hit, hit + need_new):
             self._take_block()
             h = r.blocks[i] if i < full else None

@@ -124,8 +124,11 @@ def start_router(contender: str, replicas: list[Replica], model: str) -> Running
     """The router in front of the running replicas, answering (``harness.front``); stopping it stops what it
     started, not the engines."""
     # as `warmroute up --engine vllm` ships it: the engines publish KV events and the brain has the model's tokenizer
-    # (exact mode); the header path on (envoy.header_path, the default)
-    config: dict = {"health": {"scrape_interval_s": 1.0, "probing_clean_window_s": 2.0},
+    # (exact mode); the header path on (envoy.header_path, the default); scraped at the default interval (3 s: stale
+    # after 9 s). Scraped every second, the stale window was 3 s, and a CPU-starved API server that answered neither a
+    # scrape nor a user for that long was ejected twice in one run of three, its sessions moved. Only the PROBING
+    # window is shorter, so that the replicas are LIVE sooner before a run is measured
+    config: dict = {"health": {"probing_clean_window_s": 2.0},
                     "exact_cache": {"tokenizers": {model: str(real_vllm.model_dir())}}}
     s = Stack(0, config=overlaid(config, contender) if contender in WARMROUTE else config)
     s.replicas = list(replicas)

@@ -502,15 +502,17 @@ def test_learned_rates_move_to_the_engines_own_histograms(fleet):
     # Decode samples are waited for only where the decode assertion below runs: an engine decoding near the prior
     # (vLLM's CPU backend without AVX-512) would take 32 conversations (~110 s) for decode samples nothing checks
     enough = threading.Event()
+    near_prior: set[str] = set()  # replicas whose burst stopped before their decode samples: not asserted below
 
     def decode_done(g: tuple[float, ...]) -> bool:
         return g[2] >= 3 * 500 or (g[2] >= 100 and 0.6 < g[3] / g[2] / w.decode_s_per_token < 1.6)
 
     def watch() -> None:
         while not enough.wait(0.5):
-            grown = [tuple(b - a for a, b in zip(before[r.name], _engine_rates(metrics_of(r.port))))
-                     for r in fleet.replicas[:2]]
-            if all(g[1] >= 3 * 5.0 and decode_done(g) for g in grown):
+            grown = {r.name: tuple(b - a for a, b in zip(before[r.name], _engine_rates(metrics_of(r.port))))
+                     for r in fleet.replicas[:2]}
+            if all(g[1] >= 3 * 5.0 and decode_done(g) for g in grown.values()):
+                near_prior.update(name for name, g in grown.items() if g[2] < 3 * 500)
                 enough.set()
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -543,7 +545,7 @@ def test_learned_rates_move_to_the_engines_own_histograms(fleet):
         assert _off(prefill, prefill_band) < abs(w.prefill_tokens_per_s - prefill), (prefill_band, prefill)
         # the decode prior (0.2 s) is distant from an engine decoding in 2.5-4 ms, not from one in 70-320 ms (vLLM's
         # CPU backend without AVX-512, 2026-12-06: 163 ms): "nearer than the prior" tells nothing apart there
-        if not 0.5 < dec / w.decode_s_per_token < 2.0:
+        if rep.name not in near_prior and not 0.5 < dec / w.decode_s_per_token < 2.0:
             assert _off(dec, decode_band) < abs(w.decode_s_per_token - dec), (decode_band, dec)
 
 

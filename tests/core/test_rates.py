@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from extproc.core.load import LoadSample, Rates
+from extproc.core.load import BatchFit, LoadSample, Rates
 
 PREFILL_S, COMPUTED, OUT, STEP_S = 0.5, 1000, 200, 0.05  # every request: 2,000 tokens/s prefill, 0.05 s a token
 
@@ -168,6 +168,17 @@ def test_C3_samples_that_all_saw_one_batch_give_one_rate_not_a_slope():
     r = _batched([(3, 120.0)], 1 / 20_000, 0.05, 0.002, 0.15)
     assert r.decode_slope == 0.0 and r.prefill_slope == 0.0
     assert r.decode_s_per_token == pytest.approx(0.002 * 1.45, rel=0.01)
+
+
+def test_C3_a_slope_of_a_tenth_of_a_percent_over_the_batches_seen_is_the_data_s_not_rounding():
+    """Samples of one batch give no slope (above): their fitted slope is rounding and is set to none. That guard is
+    for rounding only: a request beside others slowing each by 0.1% over the batches its samples saw (1 and 3, weighted
+    by thousands of tokens) is a slope the line keeps."""
+    fit = BatchFit(1e-4)
+    for k in range(40):
+        batch = 1.0 if k % 2 else 3.0
+        fit.add(batch, 1e-4 * (1 + 0.001 * (batch - 1)), k == 0, 5_000.0)
+    assert fit.c > 0.0 and fit.at(3.0) > fit.at(1.0)
 
 
 def test_C3_an_engine_much_faster_than_the_prior_is_learned_as_it_is():

@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import os
 import random
 import statistics
 import sys
@@ -105,6 +106,18 @@ class Row(Measured):
     header_share: float | None = None  # warmroute: the share of its decisions taken at the headers (issue 61)
     engine_ttft_mean: float = float("nan")  # the engines' own mean TTFT over the run
     brain_cpu: float | None = None  # warmroute: the brain's CPU seconds per second of the run (cores it used)
+    # cores the router took over the run (every process it started: warmroute's brain, its tokenizer worker and Envoy;
+    # a peer's binary), and the engines (API servers and engine cores): on cores the engines share with the router, what
+    # one takes the other does not get
+    router_cpu: float = float("nan")
+    engines_cpu: float = float("nan")
+    # of the machine's CPU time over the run, what stayed idle and what the hypervisor took for other guests (steal):
+    # the machine's own pace, which moves ~2x within a sitting here and is no router's doing
+    idle_share: float = float("nan")
+    steal_share: float = float("nan")
+    # seconds a fixed single-threaded CPU job took just before and just after the run, the engines idle: what the
+    # hypervisor's steal does not show (the host's clock, its other guests' load on memory and caches)
+    probe_s: tuple[float, float] = (float("nan"), float("nan"))
     held_s: float = 0.0  # warmroute: seconds flow control held requests in the brain, summed over the run
     moved: dict[str, int] = dataclasses.field(default_factory=dict)  # warmroute: sessions moved off a home, by cause
     ejected: dict[str, int] = dataclasses.field(default_factory=dict)  # warmroute: replicas ejected, by reason
@@ -155,10 +168,19 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         h0 = [histogram_sums(http_get(u + "/metrics", 5).decode()) for u in urls]
         c0, e0 = engine_counters(urls), _engine_ttft(urls)
         brain_cpu0 = _cpu_s(s.brain.popen.pid) if getattr(s, "brain", None) is not None else None
+        router = [p.popen.pid for p in (s.brain, s.envoy, *run.procs) if p is not None]
+        engines = [r.proc.popen.pid for r in replicas]
+        probe0 = machine_probe_s()
+        cpu0, machine0 = (sessions_cpu_s(router), sessions_cpu_s(engines)), machine_times()
         t0 = time.monotonic()
         res = asyncio.run(replay(url, w, seed=seed, speedup=1.0, model=model, timeout=120.0,
                                  extra_headers=class_headers, retry_429=True))
         elapsed = time.monotonic() - t0
+        row.router_cpu = (sessions_cpu_s(router) - cpu0[0]) / elapsed
+        row.engines_cpu = (sessions_cpu_s(engines) - cpu0[1]) / elapsed
+        total, idle, steal = (b - a for a, b in zip(machine0, machine_times()))
+        row.idle_share, row.steal_share = (idle / total, steal / total) if total else (float("nan"),) * 2
+        row.probe_s = (probe0, machine_probe_s())
         c = engine_counters(urls) - c0
         e1 = _engine_ttft(urls)
         engine_ttft = (e1[0] - e0[0]) / (e1[1] - e0[1]) if e1[1] > e0[1] else float("nan")
@@ -301,9 +323,37 @@ def queue_floor(joined: list[dict]) -> tuple[float, float, float, float] | None:
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    import os
-
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sessions_cpu_s(sids: list[int]) -> float:
+    """CPU seconds of every process in the sessions ``sids`` (each process the stack starts leads its own session:
+    its children, e.g. vLLM's engine core or the brain's tokenizer worker, are in it), waited-for children included."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # ended while read
+            continue
+        if int(fields[3]) in sids:
+            total += sum(int(f) for f in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def machine_probe_s() -> float:
+    """Seconds a fixed pure-Python job takes on one core now (the best of three): the machine's pace."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(400_000))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def machine_times() -> tuple[int, int, int]:
+    """(all, idle, steal) CPU ticks of the whole machine since boot (/proc/stat's first line)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(ticks), ticks[3] + ticks[4], ticks[7]  # idle and iowait; steal
 
 
 def _engine_ttft(urls: list[str]) -> tuple[float, float]:
@@ -474,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--pin", action="store_true",
+                    help="each replica's processes on a core of its own (replica i on core i): engines that cannot "
+                         "lend an idle core to a busy one, as replicas with accelerators of their own; needs as many "
+                         "cores as replicas")
     ap.add_argument("--minutes", type=float, default=WORKLOAD.minutes, help="workload minutes per run (real time)")
     ap.add_argument("--contenders", default=None, help=f"default {','.join(CONTENDERS)}; with --burst "
                     f"{','.join(BURST_CONTENDERS)}")
@@ -515,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True, lora=(), kv_events=True))
     rows = []
     with fleet:
+        if args.pin:
+            pin_replicas(fleet.replicas)
         warm_up(fleet.replicas, dataclasses.replace(w, minutes=WORKLOAD.minutes, burst=None), model)
         names = args.contenders.split(",")
         for i, seed in enumerate(int(x) for x in args.seeds.split(",")):
@@ -533,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
                         why = f" (health: {'; '.join(sorted(row.scrape_errors))})" if row.scrape_errors else ""
                         hdr += f", {row.scrapes_failed} scrapes failed{why}"  # load refreshes' failures included
                 hdr += f", engines' own mean TTFT {row.engine_ttft_mean * 1000:.0f} ms"
+                hdr += f", cores: router {row.router_cpu:.2f}, engines {row.engines_cpu:.2f}"
+                hdr += f", machine idle {row.idle_share:.0%}, stolen {row.steal_share:.1%}"
+                hdr += f", probe {row.probe_s[0] * 1000:.0f} -> {row.probe_s[1] * 1000:.0f} ms"
                 if row.predictions:
                     mape, bias = prediction_error(row.predictions)
                     hdr += f", predicted TTFT: MAPE {mape:.2f} bias {bias:+.0%} over {len(row.predictions)} joined"
@@ -553,6 +612,22 @@ def main(argv: list[str] | None = None) -> int:
             [{"seed": r.seed, "router": r.contender, **q} for r in rows for q in r.sent_requests]))
         print(f"\n{out} written ({time.monotonic() - t0:.0f} s of bootstrap)")
     return 0
+
+
+def pin_replicas(replicas: list[Replica]) -> None:
+    """Replica i's processes (API server, engine core, every thread) on core i alone."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < len(replicas):
+        raise SystemExit(f"bench-real: --pin needs a core a replica: {len(cores)} cores, {len(replicas)} replicas")
+    for core, r in zip(cores, replicas):
+        sid = r.proc.popen.pid
+        for task in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
+            try:
+                if int(task.read_text().rpartition(")")[2].split()[3]) == sid:
+                    os.sched_setaffinity(int(task.parent.name), {core})
+            except (OSError, ValueError):  # a thread that ended while read
+                continue
+    print(f"  pinned: {', '.join(f'{r.name} on core {c}' for c, r in zip(cores, replicas))}", flush=True)
 
 
 def warm_up(replicas: list[Replica], w: WorkloadConfig, model: str) -> None:

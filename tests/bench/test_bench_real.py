@@ -3,12 +3,17 @@ runs that measured the machine kept out (no engine is started here)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
 from bench.harness import metric_total
-from bench.runs.real import Row, compare
+from bench.runs.real import Row, compare, machine_times, pin_replicas, sessions_cpu_s
+from extproc.tools.stack.procs import wait_for
 
 
 def _row(contender: str, scale: float, n: int = 300, seed: int = 1, hit: float = 0.8, pace: str = "") -> Row:
@@ -141,3 +146,40 @@ def test_an_out_directory_that_cannot_be_made_is_one_line_before_any_engine_star
     assert main(["--out", str(blocker / "runs"), "--seeds", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(blocker / "runs") in err[0]
+
+
+def test_a_process_tree_s_cpu_counts_the_children_it_started_and_no_other_session():
+    """The router's cores over a run: warmroute's tokenizer worker is the brain's child, vLLM's engine core the API
+    server's; a process of another session (the bench itself) is not theirs."""
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    parent = ("import subprocess, sys\n"
+              f"subprocess.run([sys.executable, '-c', {spin!r}])\n"  # the child spins, the parent waits on it
+              "sys.stdin.read()\n")  # then stays, until told, for its session to be read
+    p = subprocess.Popen([sys.executable, "-c", parent], stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        before = machine_times()
+        # the waited-for child's seconds are in the parent's (cutime), the parent's own are its import's
+        wait_for(lambda: sessions_cpu_s([p.pid]) >= 0.6, 30, "the child's spin counted in its session")
+        assert sessions_cpu_s([p.pid + 10_000_000]) == 0  # no such session
+        after = machine_times()
+        assert after[0] > before[0] and 0 <= after[1] - before[1] <= after[0] - before[0]
+    finally:
+        p.communicate(b"", timeout=30)
+
+
+def test_pinned_replicas_have_every_thread_of_their_session_on_a_core_of_their_own():
+    cores = sorted(os.sched_getaffinity(0))
+    # a process with a second thread (as vLLM's API server has), in a session of its own as the stack starts replicas
+    code = "import sys, threading\nthreading.Thread(target=sys.stdin.read).start()\nsys.stdin.read()\n"
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for(lambda: len(os.listdir(f"/proc/{p.pid}/task")) >= 2, 30, "the second thread")
+        fake = SimpleNamespace(name="r0", proc=SimpleNamespace(popen=p))
+        pin_replicas([fake])
+        for tid in os.listdir(f"/proc/{p.pid}/task"):
+            assert os.sched_getaffinity(int(tid)) == {cores[0]}
+        assert os.sched_getaffinity(0) == set(cores)  # the bench itself is not pinned
+        with pytest.raises(SystemExit, match="a core a replica"):
+            pin_replicas([fake] * (len(cores) + 1))
+    finally:
+        p.communicate(b"", timeout=30)

@@ -84,7 +84,9 @@ demo: install
 # tests that start no process beside them at the lower priority (CPU-bound, timing-free, two at a time, ~3 min
 # alone): the real-engine phase leaves most of a core idle while its engines wait on one another, the mock phase
 # little (beside it they made it ~11 min). All three at once took ~15 min for the phases and failed a test that
-# counts a loaded machine's ejections. ~18-20 min with installs cached on 2026-12-07's machine (no AVX-512).
+# counts a loaded machine's ejections. ~18-20 min with installs cached on 2026-12-07's machine (no AVX-512). The
+# machine stays ~20% idle in either phase, yet three no-process tests at a time beside the real engines made the
+# second phase slower (10:27 against 9:28, 4% idle): this host's cores slow each other down when both are busy.
 test: install system-deps k8s-tools lint
 	@mkdir -p $(ENGINE_DIR); rm -f $(ENGINE_DIR)/install.rc $(ENGINE_DIR)/unit.rc $(ENGINE_DIR)/unit.log; \
 	( nice -n 10 $(MAKE) --no-print-directory engines > $(ENGINE_DIR)/install.log 2>&1; echo $$? > $(ENGINE_DIR)/install.rc ) & \

@@ -111,8 +111,8 @@ class Row(Measured):
     # one takes the other does not get
     router_cpu: float = float("nan")
     engines_cpu: float = float("nan")
-    # of the machine's CPU time over the run, what stayed idle and what the hypervisor took for other guests (steal):
-    # the machine's own pace, which moves ~2x within a sitting here and is no router's doing
+    # of the machine's CPU time over the run, what stayed idle and what the hypervisor took for other guests (steal;
+    # at most ~2% here, while the probe below moves ~2x: the host slows this guest without counting it as steal)
     idle_share: float = float("nan")
     steal_share: float = float("nan")
     # seconds a fixed single-threaded CPU job took just before and just after the run, the engines idle: what the

@@ -286,10 +286,14 @@ def test_every_reservation_is_released_after_disconnects_and_cut_streams(own_sta
         x = s.state()
         raise AssertionError((x["oldest_open_reservations"], x["released_at_issue"], x["unmatched_access_log_entries"],
                               {k: v for k, v in s.envoy_stats().items() if "access_log" in k})) from None
-    # every reservation the brain made was released by its access-log entry; a client that gave up before
-    # Envoy asked the brain (a busy machine) made none
+    # every reservation the brain made was released by its access-log entry: on its arrival, or as it was made when
+    # the entry came first (a client gone while the brain decided), or as the same request's body call superseded a
+    # header answer Envoy gave up on (a busy machine: CI once saw 55 of 56 by arrival); none by a timer. A client that
+    # gave up before Envoy asked the brain made none
     made = sum(r["decisions"] for r in st["replicas"])
-    assert st["releases_by_access_log"] == made >= 45
+    by_entry = st["releases_by_access_log"] + st["released_at_issue"] + st["superseded_at_headers"]
+    assert by_entry == made >= 45, (st["releases_by_access_log"], st["released_at_issue"], st["superseded_at_headers"])
+    assert st["liveness_timeouts"] == 0 and st["released_envoy_gone"] == 0
     assert all(r["wlc_in_flight"] == 0 for r in st["replicas"]), st["replicas"]
     assert all(r["in_flight_requests"] == 0 for r in st["replicas"])
     assert st["safety_timeouts"] == 0

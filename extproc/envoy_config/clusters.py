@@ -111,9 +111,33 @@ def brain_cluster(cfg: AppConfig) -> dict:
                             if e.brain_failover else [])],
         },
     }
+    if e.brain_endpoints or e.brain_failover:
+        cluster["outlier_detection"] = refused_brain_ejection(hc)
     if tls is not None:
         cluster["transport_socket"] = tls
     return cluster
+
+
+def refused_brain_ejection(hc: float) -> dict:
+    """A brain that refuses a connection is out of the cluster's choice at once, for a few health-check intervals:
+    until the checks mark a dead brain (two failures, ~1 s), every call that picked it failed open to the ring hash
+    (41-72 a brain death under the brains test's load, moving their sessions; 1-2 with this) where another brain
+    was there to ask. Only connection failures count (the brain's answers are gRPC statuses, a busy brain's its own)."""
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 1,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "enforcing_consecutive_5xx": 0,
+        "enforcing_consecutive_gateway_failure": 0,
+        "enforcing_success_rate": 0,
+        "enforcing_local_origin_success_rate": 0,
+        "enforcing_failure_percentage": 0,
+        "enforcing_failure_percentage_local_origin": 0,
+        "interval": dur(hc),
+        "base_ejection_time": dur(2 * hc),
+        "max_ejection_time": dur(8 * hc),
+        "max_ejection_percent": 100,
+    }
 
 
 def _brain_endpoint(ep: str) -> dict:
@@ -188,6 +212,7 @@ def brain_door_cluster(cfg: AppConfig) -> dict | None:
             "healthy_threshold": 1,
             "http_health_check": {"path": DOOR_READY_PATH},
         }],
+        **({"outlier_detection": refused_brain_ejection(hc)} if len(mine) + len(failover) > 1 else {}),
         "load_assignment": {"cluster_name": BRAIN_DOOR_CLUSTER, "endpoints": [
             {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": d}}}} for d in mine]},
             *([{"priority": 1, "lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": d}}}} for d in failover]}]

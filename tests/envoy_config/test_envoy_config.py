@@ -192,6 +192,24 @@ def test_the_brain_is_health_checked_with_grpc_health_v1_and_logs_reach_it():
     assert RESERVATION_HEADER in als["additional_request_headers_to_log"]
 
 
+def test_a_brain_that_refuses_a_connection_is_passed_over_at_once_where_another_brain_can_be_asked():
+    """Outlier detection on the brains' clusters (decisions, header doors, log stream) with other brains to ask: the
+    first refused connection ejects, and only connection failures count (never the brain's own answers)."""
+    from extproc.contract import BRAIN_DOOR_CLUSTER, BRAIN_LOG_CLUSTER
+
+    sock = dataclasses.replace(CFG, brain=dataclasses.replace(CFG.brain, grpc_socket="/run/a/brain.sock"))
+    pair = dataclasses.replace(sock, envoy=dataclasses.replace(sock.envoy, brain_failover=("unix:/run/b/brain.sock",)))
+    clusters = {c["name"]: c for c in bootstrap(pair)["static_resources"]["clusters"]}
+    for name in (BRAIN_CLUSTER, BRAIN_DOOR_CLUSTER, BRAIN_LOG_CLUSTER):
+        od = clusters[name]["outlier_detection"]
+        assert od["split_external_local_origin_errors"] and od["consecutive_local_origin_failure"] == 1, name
+        assert od["enforcing_consecutive_local_origin_failure"] == 100 and od["max_ejection_percent"] == 100
+        assert not any(v for k, v in od.items() if k.startswith("enforcing_") and "local_origin_failure" not in k)
+    # one brain alone: nobody else to ask, so no ejection (Envoy would route to it in panic anyway)
+    alone = {c["name"]: c for c in bootstrap(sock)["static_resources"]["clusters"]}
+    assert not any("outlier_detection" in c for c in alone.values())
+
+
 def test_hostnames_render_as_dns_clusters():
     from extproc.config import parse_config
 

@@ -170,6 +170,7 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         brain_cpu0 = _cpu_s(s.brain.popen.pid) if getattr(s, "brain", None) is not None else None
         router = [p.popen.pid for p in (s.brain, s.envoy, *run.procs) if p is not None]
         engines = [r.proc.popen.pid for r in replicas]
+        logged0 = [r.proc.log_path.stat().st_size for r in replicas]
         probe0 = machine_probe_s()
         cpu0, machine0 = (sessions_cpu_s(router), sessions_cpu_s(engines)), machine_times()
         t0 = time.monotonic()
@@ -228,9 +229,11 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         run.stop()
     ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
     row.ttfts = ok
+    served = served_by(replicas, logged0)
     row.sent_requests = [{"sid": r.sid, "oneshot": r.oneshot, "arrival": round(r.arrival, 3),
                           "prompt_tokens": r.extra.get("prompt_tokens"), "cached_tokens": r.cached_tokens,
-                          "ttft_s": round(r.ttft, 4)} for r in res.requests if r.error is None and r.ttft is not None]
+                          "ttft_s": round(r.ttft, 4), "replica": served.get(r.extra.get("response_id", ""))}
+                         for r in res.requests if r.error is None and r.ttft is not None]
     row.hits = [(r.cached_tokens or 0, r.extra["prompt_tokens"]) for r in res.requests
                 if r.error is None and r.extra.get("prompt_tokens")]
     row.sent, row.errors, row.refused = res.sent, sum(res.errors.values()) + res.lost, res.refused
@@ -252,6 +255,17 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
         row.pace = (f"{row.not_engine:.0%} of the mean TTFT was not the engines' (client, router, Envoy, HTTP): "
                     f"the run measured the machine")
     return row
+
+
+def served_by(replicas: list[Replica], logged0: list[int]) -> dict[str, str]:
+    """Each answer's id -> the replica whose engine logged receiving it since the run began (byte ``logged0`` of its
+    log): which replica served, for every router (SGLang's and Envoy's say nothing of it)."""
+    out: dict[str, str] = {}
+    for r, start in zip(replicas, logged0):
+        with open(r.proc.log_path, "rb") as f:
+            f.seek(start)
+            out.update((i, r.name) for i in real_vllm.served_ids(f.read()))
+    return out
 
 
 def learned_rates(mine: dict, d: dict[str, float], elapsed: float) -> tuple[float, ...]:
@@ -566,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     model = real_vllm.model_info()["served_name"]
     print(f"bench-real: {args.replicas} real vLLM {real_vllm.VERSION} replicas (tiny model, CPU), real time, "
           f"{args.minutes:g} min a run, seeds {args.seeds}; routers: {args.contenders}", flush=True)
-    fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True, lora=(), kv_events=True))
+    fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True, lora=(), kv_events=True,
+                                                                            log_requests=True))
     rows = []
     with fleet:
         if args.pin:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.harness import metric_total
-from bench.runs.real import Row, compare, machine_times, pin_replicas, sessions_cpu_s
+from bench.runs.real import Row, compare, machine_times, pin_replicas, served_by, sessions_cpu_s
 from extproc.tools.stack.procs import wait_for
 
 
@@ -198,3 +198,26 @@ def test_pinned_replicas_have_every_thread_of_their_session_on_a_core_of_their_o
             pin_replicas([fake] * (len(cores) + 1))
     finally:
         p.communicate(b"", timeout=30)
+
+
+def test_which_replica_served_is_read_from_what_each_engine_logged_since_the_run_began(tmp_path):
+    """vLLM's own line with --enable-log-requests (the id its answers carry); an id logged before the run (the replica
+    served the same id in an earlier run) is not this run's."""
+    from extproc.tools.stack.real_vllm import VllmOptions, available, vllm_argv
+
+    def engine(name, before, during):
+        log = tmp_path / f"{name}.log"
+        log.write_bytes(before)
+        size = log.stat().st_size
+        with open(log, "ab") as f:
+            f.write(during)
+        return SimpleNamespace(name=name, proc=SimpleNamespace(log_path=log)), size
+
+    line = b"(APIServer pid=7) INFO 12-07 23:59:01 [request_logger.py:65] Received request %s: params: " \
+           b"SamplingParams(n=1, max_tokens=64), lora_request: None.\n"
+    a, a0 = engine("r0", line % b"chatcmpl-old", line % b"chatcmpl-1a2b" + b"INFO Avg prompt throughput\n")
+    b, b0 = engine("r1", b"", line % b"chatcmpl-3c4d" + line % b"chatcmpl-5e6f_0")
+    assert served_by([a, b], [a0, b0]) == {"chatcmpl-1a2b": "r0", "chatcmpl-3c4d": "r1", "chatcmpl-5e6f_0": "r1"}
+    if available() is None:  # the engine is told to log each request's id and none of its prompt
+        argv = vllm_argv(8000, VllmOptions(log_requests=True))
+        assert argv[argv.index("--max-log-len") + 1] == "0" and "--enable-log-requests" in argv

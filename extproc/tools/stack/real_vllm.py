@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -75,6 +76,9 @@ class VllmOptions:
     # it), with a replay socket beside it; GET /kv_event_sources names both
     kv_events: bool = False
     hash_seed: str | None = None  # PYTHONHASHSEED for the engine: another seed for its block hashes
+    # each request's id in the engine's log ("Received request chatcmpl-...", no prompt: --max-log-len 0): a
+    # benchmark tells which replica served a router that does not say (``served_ids``)
+    log_requests: bool = False
     extra: tuple[str, ...] = ()
 
 
@@ -104,7 +108,17 @@ def vllm_argv(port: int, o: VllmOptions, workdir: Path | None = None) -> list[st
         argv += ["--disable-log-stats"]
     if o.kv_events:
         argv += ["--kv-events-config", kv_events_config(workdir or Path("/tmp"), port)]
+    if o.log_requests:
+        argv += ["--enable-log-requests", "--max-log-len", "0"]
     return argv + list(o.extra)
+
+
+RECEIVED = re.compile(rb"Received request ([\w.-]+):")
+
+
+def served_ids(log: bytes) -> list[str]:
+    """The request ids an engine logged receiving (``VllmOptions.log_requests``), in order: its answers' ``id``."""
+    return [m.decode() for m in RECEIVED.findall(log)]
 
 
 def pd_extra(storage: Path, max_model_len: int = 8192) -> tuple[str, ...]:
@@ -121,7 +135,7 @@ def pd_extra(storage: Path, max_model_len: int = 8192) -> tuple[str, ...]:
 def vllm_env(o: VllmOptions) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO" if o.log_requests else "WARNING")}
     if o.runtime_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if o.dev_mode:

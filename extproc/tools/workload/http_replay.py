@@ -140,6 +140,8 @@ async def _stream(r: aiohttp.ClientResponse, req: Request, res: ReplayResult, st
             if prompt is not None:  # chat's usage: the engine's prompt tokens, for the hit share per request
                 req.extra["prompt_tokens"] = prompt
             req.extra["engine"] = chunk.get("x_mock_engine")
+        if "response_id" not in req.extra and chunk.get("id"):  # the engine's id of it (a real vLLM logs it)
+            req.extra["response_id"] = chunk["id"]
         # who served: chat's system_fingerprint, or the mock's header on the other APIs (no engine says)
         fp = chunk.get("system_fingerprint") or r.headers.get(REPLICA_HEADER)
         if fp and req.replica is None:

@@ -103,6 +103,7 @@ class Row(Measured):
     rates: list[tuple[float, ...]] = dataclasses.field(default_factory=list)
     hits: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # each answer's (cached, prompt) tokens
     not_engine: float = float("nan")  # of the mean TTFT, the share the engines did not see
+    served: dict[str, int] = dataclasses.field(default_factory=dict)  # replica -> requests its engine received
     header_share: float | None = None  # warmroute: the share of its decisions taken at the headers (issue 61)
     engine_ttft_mean: float = float("nan")  # the engines' own mean TTFT over the run
     brain_cpu: float | None = None  # warmroute: the brain's CPU seconds per second of the run (cores it used)
@@ -230,6 +231,8 @@ def measure(contender: str, replicas: list[Replica], seed: int, w: WorkloadConfi
     ok = [r.ttft for r in res.requests if r.error is None and r.ttft is not None]
     row.ttfts = ok
     served = served_by(replicas, logged0)
+    for name in served.values():
+        row.served[name] = row.served.get(name, 0) + 1
     row.sent_requests = [{"sid": r.sid, "oneshot": r.oneshot, "arrival": round(r.arrival, 3),
                           "prompt_tokens": r.extra.get("prompt_tokens"), "cached_tokens": r.cached_tokens,
                           "ttft_s": round(r.ttft, 4), "replica": served.get(r.extra.get("response_id", ""))}
@@ -536,12 +539,15 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="default: as many as this machine has cores, at most 3 (each on a core of its own)")
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--pin", action="store_true",
-                    help="each replica's processes on a core of its own (replica i on core i): engines that cannot "
-                         "lend an idle core to a busy one, as replicas with accelerators of their own; needs as many "
-                         "cores as replicas")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                    help="each replica's processes on a core of its own (replica i on core i), as replicas with "
+                         "accelerators of their own; the default wherever there are as many cores as replicas. "
+                         "Unpinned, engines that outnumber the cores share them, and a router that leaves a replica "
+                         "idle runs fewer engines on the same cores (SGLang's left one of three idle: its whole "
+                         "distribution lower)")
     ap.add_argument("--minutes", type=float, default=WORKLOAD.minutes, help="workload minutes per run (real time)")
     ap.add_argument("--contenders", default=None, help=f"default {','.join(CONTENDERS)}; with --burst "
                     f"{','.join(BURST_CONTENDERS)}")
@@ -552,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", default=None, metavar="PREDICTIONS_JSON",
                     help="only print queue_floor's line for each run of a bench-real-predictions.json written before")
     args = ap.parse_args(argv)
+    cores = len(os.sched_getaffinity(0))
+    args.replicas = args.replicas or max(2, min(3, cores))
+    if args.pin is None:
+        args.pin = args.replicas <= cores
     if not args.burst and not args.floor:  # the modes that write DIR
         try:  # before the engines start: a path that cannot be written says so now, not after the runs
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -580,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     model = real_vllm.model_info()["served_name"]
     print(f"bench-real: {args.replicas} real vLLM {real_vllm.VERSION} replicas (tiny model, CPU), real time, "
           f"{args.minutes:g} min a run, seeds {args.seeds}; routers: {args.contenders}", flush=True)
+    if not args.pin:
+        print(f"  not pinned: {args.replicas} engines share {cores} cores, and a router that leaves one idle runs the "
+              f"others faster", flush=True)
     fleet = Stack(args.replicas, real_vllm=real_vllm.VllmOptions(dev_mode=True, lora=(), kv_events=True,
                                                                             log_requests=True))
     rows = []
@@ -604,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                         why = f" (health: {'; '.join(sorted(row.scrape_errors))})" if row.scrape_errors else ""
                         hdr += f", {row.scrapes_failed} scrapes failed{why}"  # load refreshes' failures included
                 hdr += f", engines' own mean TTFT {row.engine_ttft_mean * 1000:.0f} ms"
+                hdr += ", served " + " ".join(f"{r.name} {row.served.get(r.name, 0)}" for r in fleet.replicas)
                 hdr += f", cores: router {row.router_cpu:.2f}, engines {row.engines_cpu:.2f}"
                 hdr += f", machine idle {row.idle_share:.0%}, stolen {row.steal_share:.1%}"
                 hdr += f", probe {row.probe_s[0] * 1000:.0f} -> {row.probe_s[1] * 1000:.0f} ms"

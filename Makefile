@@ -51,11 +51,11 @@ $(ENGINE_STAMP): engines/vllm-constraints.txt
 engines: $(ENGINE_STAMP)  ## vLLM 0.32 (CPU) in .engines/ and the tiny model with its two LoRA adapters
 	$(ENGINE_PY) engines/build_model.py --cache $(ENGINE_DIR)/models
 
-bench-real: install engines  ## warmroute (exact mode as shipped, and by estimate) vs ring hash, least request, SGLang's and vLLM's routers on real vLLMs (one a core, at most 3, each pinned to its own), 300+ requests a router and seed, 3 seeds, bootstrap intervals, the prediction error, the engines warmed first (~27 min)
+bench-real: install engines  ## warmroute (exact mode as shipped, and by estimate) vs ring hash, least request, SGLang's and vLLM's routers on real vLLMs (one a core, at most 3, each pinned to its own), 300+ requests a router and seed, 3 seeds, bootstrap intervals, the prediction error, the engines warmed first (~36 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m bench real
 
-bench-real-burst: install engines  ## flow control's 2x burst on 3 real vLLMs, real time: warmroute with and without it, bounded ring hash (~15 min)
+bench-real-burst: install engines  ## flow control's 2x burst on real vLLMs (one a core, at most 3, each pinned), real time: warmroute with and without it, bounded ring hash (~15 min)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) -m bench real-burst
 

@@ -209,6 +209,12 @@ def released(pairs, what: str) -> None:
         raise StackError(f"{e}: {json.dumps(held)[:4000]} envoys: {json.dumps(envoys)[:3000]}") from None
 
 
+def off_affinity(stack: Stack, homes: dict) -> str:
+    """A brain's last six decisions that did not keep a session on its home: why a session moved."""
+    return json.dumps([d for d in json.loads(stack.admin_get("/decisions?last=6"))["decisions"]
+                       if d.get("replica") not in homes.values() or d.get("reason") != "affinity"])[:3000]
+
+
 def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts_warm(pairs):
     homes = {s: post(pairs.urls[0], f"before-kill-{s}", 0) for s in range(6)}
     # an end Envoy 1 sent on its log stream as brain 1 died is lost with it (seen once on a loaded machine: one
@@ -240,9 +246,7 @@ def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts
     # Envoy 1 asks the surviving brain (envoy.brain_failover), which knows every session: no failing open to a
     # ring hash that would move them
     failed_over = {s: post(pairs.urls[1], f"before-kill-{s}", 1) for s in range(6)}
-    moved = [d for d in json.loads(survivor.admin_get("/decisions?last=6"))["decisions"]
-             if d.get("replica") not in homes.values() or d.get("reason") != "affinity"]
-    assert failed_over == homes, f"the survivor's decisions off affinity: {json.dumps(moved)[:3000]}"
+    assert failed_over == homes, f"the survivor's decisions off affinity: {off_affinity(survivor, homes)}"
     pairs.stacks[1].start_brain()  # on the same ports: Envoy 1 finds it again
     wait_for(lambda: pairs.stacks[1].brain_healthy_in_envoy(), 30, "Envoy 1 to see its brain again")
     assert metric(pairs.stacks[1], "warmroute_shared_state_warm_start_seconds") > 0
@@ -255,9 +259,7 @@ def test_a_brain_killed_mid_load_costs_only_its_envoys_requests_then_it_restarts
         after[s] = post(pairs.urls[1], f"before-kill-{s}", 2)
         released(pairs, "the turn released")
     # one run in ~10 under a loaded make test moved a session off its home (2026-12-06): say why the brain chose so
-    moved = [d for d in json.loads(pairs.stacks[1].admin_get("/decisions?last=6"))["decisions"]
-             if d.get("replica") not in homes.values() or d.get("reason") != "affinity"]
-    assert after == homes, f"restarted brain's decisions off affinity: {json.dumps(moved)[:3000]}"
+    assert after == homes, f"restarted brain's decisions off affinity: {off_affinity(pairs.stacks[1], homes)}"
     assert metric(pairs.stacks[1], "warmroute_shared_state_up") == 1
     # Envoy 1 kept its access-log stream on brain 0: the ends of brain 1's requests are handed back to it
     released(pairs, "every reservation released, those whose end reached the other brain included")
